@@ -1,0 +1,209 @@
+"""Frozen configuration records and their loading from configs/*.toml.
+
+Owns: ModelConfig (architecture, from a model's metadata), EngineConfig (one engine),
+ServerConfig (one HTTP server), FleetConfig (the whole process).
+
+Invariants: every record is frozen and hashable (ModelConfig is a static jit argument);
+validation happens in `__post_init__`, so an invalid record never exists; nothing here
+imports jax or anything else of ours.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Literal
+
+Architecture = Literal["llama", "qwen2", "qwen3"]
+ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3")
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; `field` names it (dotted path)."""
+
+    def __init__(self, field_name: str, message: str) -> None:
+        super().__init__(f"config field '{field_name}': {message}")
+        self.field = field_name
+
+
+def _require(ok: bool, field_name: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(field_name, message)
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """llama3-style rope scaling (rope_type == "llama3")."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The static shape of a Llama-family decoder. Hashable: used as a jit static arg."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # qwen2: q/k/v projections carry a bias
+    qk_norm: bool = False  # qwen3: RMSNorm over head_dim on q and k
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        _require(self.architecture in ARCHITECTURES, "architecture",
+                 f"unknown architecture {self.architecture!r}; supported: {ARCHITECTURES}")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                     "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
+            value = getattr(self, name)
+            _require(isinstance(value, int) and value > 0, name, f"must be > 0, got {value!r}")
+        _require(self.num_heads % self.num_kv_heads == 0, "num_kv_heads",
+                 f"num_heads ({self.num_heads}) must be a multiple of it ({self.num_kv_heads})")
+        object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
+
+    @property
+    def q_per_kv(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """One engine on one device group.
+
+    `model_path=None` means the embedded default model (SmolLM2-135M-Instruct).
+    `dtype="auto"` is float32 on CPU (faster there) and bfloat16 on accelerators.
+    KV pool size: `max_total_tokens` if given, else `mem_fraction_static` of the
+    device memory where the device reports it, else `default_cpu_kv_tokens`.
+
+    Shape buckets: every step pads its token count to one of
+    `precompile_token_paddings` and its sequence count to one of
+    `precompile_bs_paddings`. Both minimums are >= 64 on purpose: XLA GEMMs are
+    row-invariant only from ~48 rows up, and row invariance is what makes a token's
+    numerics independent of batch composition (greedy determinism across pauses).
+    """
+
+    model_path: str | None = None
+    device_indexes: tuple[int, ...] = (0,)
+    dtype: str = "auto"
+    page_size: int = 16
+    max_total_tokens: int | None = None
+    mem_fraction_static: float = 0.6
+    default_cpu_kv_tokens: int = 65536
+    max_running_requests: int = 128
+    max_context_len: int | None = 4096
+    chunked_prefill_size: int = 512
+    precompile_token_paddings: tuple[int, ...] = (64, 128, 256, 512)
+    precompile_bs_paddings: tuple[int, ...] = (64, 128)
+    attention_block_size: int = 128
+    disable_overlap: bool = False
+    disable_prefix_cache: bool = False
+    init_new_token_ratio: float = 0.7
+    min_new_token_ratio: float = 0.1
+    new_token_ratio_decay: float = 0.001
+    seed: int = 0
+    weight_version: str = "default"
+    served_model_name: str | None = None
+    warmup: bool = True
+    show_progress: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "device_indexes", tuple(self.device_indexes))
+        object.__setattr__(self, "precompile_token_paddings",
+                           tuple(sorted(set(self.precompile_token_paddings))))
+        object.__setattr__(self, "precompile_bs_paddings",
+                           tuple(sorted(set(self.precompile_bs_paddings))))
+        _require(len(self.device_indexes) >= 1, "device_indexes", "needs at least one device")
+        _require(len(set(self.device_indexes)) == len(self.device_indexes), "device_indexes",
+                 f"repeats a device: {list(self.device_indexes)}")
+        _require(all(isinstance(i, int) and i >= 0 for i in self.device_indexes),
+                 "device_indexes", "must be non-negative integers")
+        _require(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype",
+                 f"must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        _require(self.page_size >= 1 and self.page_size & (self.page_size - 1) == 0,
+                 "page_size", f"must be a power of two, got {self.page_size}")
+        _require(self.max_total_tokens is None or self.max_total_tokens >= self.page_size * 4,
+                 "max_total_tokens", "too small for even a few pages")
+        _require(0.0 < self.mem_fraction_static < 1.0, "mem_fraction_static", "must be in (0, 1)")
+        _require(self.max_running_requests >= 1, "max_running_requests", "must be >= 1")
+        _require(bool(self.precompile_token_paddings), "precompile_token_paddings",
+                 "needs at least one size")
+        _require(bool(self.precompile_bs_paddings), "precompile_bs_paddings",
+                 "needs at least one size")
+        _require(max(self.precompile_bs_paddings) >= self.max_running_requests,
+                 "precompile_bs_paddings",
+                 f"largest ({max(self.precompile_bs_paddings)}) must cover "
+                 f"max_running_requests ({self.max_running_requests})")
+        _require(self.chunked_prefill_size <= max(self.precompile_token_paddings),
+                 "chunked_prefill_size",
+                 f"must be <= the largest token padding ({max(self.precompile_token_paddings)})")
+        _require(self.chunked_prefill_size >= 1, "chunked_prefill_size", "must be >= 1")
+        _require(min(self.precompile_token_paddings) >= min(self.precompile_bs_paddings),
+                 "precompile_token_paddings",
+                 "smallest token padding must be >= the smallest bs padding")
+        _require(self.attention_block_size % self.page_size == 0
+                 or self.page_size % self.attention_block_size == 0,
+                 "attention_block_size", "must be a multiple or divisor of page_size")
+        _require(0.0 <= self.min_new_token_ratio <= self.init_new_token_ratio <= 1.0,
+                 "init_new_token_ratio", "need 0 <= min_new_token_ratio <= it <= 1")
+
+    def with_updates(self, **changes: Any) -> EngineConfig:
+        return replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """One HTTP server in front of one engine."""
+
+    host: str = "127.0.0.1"
+    port: int = 31000
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.port, int) and 0 <= self.port < 65536, "port",
+                 f"must be in [0, 65535], got {self.port!r}")
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    """The whole process: one engine (and one server) per device group, plus a supervisor."""
+
+    engines: tuple[EngineConfig, ...]
+    servers: tuple[ServerConfig, ...]
+    supervisor: ServerConfig = field(default_factory=lambda: ServerConfig(port=31100))
+    platform: str = "auto"  # "cpu" sets the virtual device count before JAX starts
+    warmup_parallel: bool = False
+
+    def __post_init__(self) -> None:
+        _require(len(self.engines) >= 1, "engines", "needs at least one engine")
+        _require(len(self.engines) == len(self.servers), "servers",
+                 "one server per engine")
+        seen: dict[int, int] = {}
+        for i, eng in enumerate(self.engines):
+            for d in eng.device_indexes:
+                _require(d not in seen, f"engines[{i}].device_indexes",
+                         f"device {d} is already used by engines[{seen.get(d)}]")
+                seen[d] = i
+        ports = [s.port for s in self.servers if s.port != 0]
+        if self.supervisor.port != 0:
+            ports.append(self.supervisor.port)
+        dup = sorted({p for p in ports if ports.count(p) > 1})
+        _require(not dup, "servers.port", f"port clash on {dup}")
+
+    @property
+    def device_count_needed(self) -> int:
+        return 1 + max(d for e in self.engines for d in e.device_indexes)
+
+
+def engine_config_field_names() -> set[str]:
+    return {f.name for f in fields(EngineConfig)}

@@ -1,0 +1,260 @@
+"""Jax-free records shared by the engine, the HTTP side and the fleet.
+
+Owns: `SamplingParams` (validated on construction), the request and output records,
+control results, and the `EngineClient` protocol the HTTP server talks to.
+
+Invariants:
+- Nothing here imports jax, numpy-on-device code or anything under `engine/`/`model/`:
+  the server package imports this module and must stay device-agnostic.
+- Every record is immutable (frozen dataclasses) except where noted; outputs are
+  snapshots, never views of live engine state.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, runtime_checkable
+
+FinishReason = Literal["stop", "length", "abort"]
+PauseMode = Literal["abort", "retract", "in_place"]
+PAUSE_MODES: tuple[str, ...] = ("abort", "retract", "in_place")
+
+# Upper bounds the jitted sampler is compiled for (fixed shapes: no recompiles).
+MAX_TOP_LOGPROBS = 20
+MAX_TOKEN_IDS_LOGPROB = 32
+MAX_STOP_TOKEN_IDS = 64
+
+
+class SamplingParamsError(ValueError):
+    """A sampling parameter is invalid; `field` names it."""
+
+    def __init__(self, field_name: str, message: str) -> None:
+        super().__init__(f"{field_name}: {message}")
+        self.field = field_name
+
+
+def _check(ok: bool, field_name: str, message: str) -> None:
+    if not ok:
+        raise SamplingParamsError(field_name, message)
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_num(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one request. Validated on construction (ValueError names the field).
+
+    `top_k <= 0` and `top_p == 1` disable those filters; `temperature == 0` is greedy.
+    `seed=None` lets the engine pick one at submission, so every request is
+    reproducible from its own record. Draws are keyed by (seed, sample index, position).
+    """
+
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    n: int = 1
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    token_ids_logprob: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        # Normalise list inputs into tuples (frozen: use object.__setattr__ once).
+        for name in ("stop_token_ids", "stop"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                value = (value,)
+            if value is None:
+                value = ()
+            object.__setattr__(self, name, tuple(value))
+        if self.token_ids_logprob is not None:
+            object.__setattr__(self, "token_ids_logprob", tuple(self.token_ids_logprob))
+        _check(_is_int(self.max_new_tokens) and self.max_new_tokens >= 0,
+               "max_new_tokens", f"must be an integer >= 0, got {self.max_new_tokens!r}")
+        _check(_is_int(self.min_new_tokens) and self.min_new_tokens >= 0,
+               "min_new_tokens", f"must be an integer >= 0, got {self.min_new_tokens!r}")
+        _check(self.min_new_tokens <= self.max_new_tokens, "min_new_tokens",
+               f"must be <= max_new_tokens ({self.max_new_tokens}), got {self.min_new_tokens}")
+        _check(_is_num(self.temperature) and 0.0 <= self.temperature <= 100.0,
+               "temperature", f"must be a number in [0, 100], got {self.temperature!r}")
+        _check(_is_int(self.top_k), "top_k", f"must be an integer, got {self.top_k!r}")
+        _check(_is_num(self.top_p) and 0.0 < self.top_p <= 1.0,
+               "top_p", f"must be in (0, 1], got {self.top_p!r}")
+        _check(_is_num(self.min_p) and 0.0 <= self.min_p <= 1.0,
+               "min_p", f"must be in [0, 1], got {self.min_p!r}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            _check(_is_num(value) and -2.0 <= value <= 2.0,
+                   name, f"must be a number in [-2, 2], got {value!r}")
+        _check(_is_num(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 2.0,
+               "repetition_penalty", f"must be in (0, 2], got {self.repetition_penalty!r}")
+        _check(self.seed is None or (_is_int(self.seed) and 0 <= self.seed < 2**63),
+               "seed", f"must be an integer in [0, 2**63) or null, got {self.seed!r}")
+        _check(_is_int(self.n) and 1 <= self.n <= 64, "n",
+               f"must be an integer in [1, 64], got {self.n!r}")
+        _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+               "must be non-negative integers")
+        _check(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids",
+               f"at most {MAX_STOP_TOKEN_IDS} ids")
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop",
+               "must be non-empty strings")
+        _check(len(self.stop) <= 16, "stop", "at most 16 stop strings")
+        _check(_is_int(self.top_logprobs_num) and 0 <= self.top_logprobs_num <= MAX_TOP_LOGPROBS,
+               "top_logprobs_num", f"must be an integer in [0, {MAX_TOP_LOGPROBS}]")
+        if self.token_ids_logprob is not None:
+            _check(all(_is_int(t) and t >= 0 for t in self.token_ids_logprob),
+                   "token_ids_logprob", "must be non-negative integers")
+            _check(len(self.token_ids_logprob) <= MAX_TOKEN_IDS_LOGPROB, "token_ids_logprob",
+                   f"at most {MAX_TOKEN_IDS_LOGPROB} ids")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return (self.return_logprob or self.top_logprobs_num > 0
+                or self.token_ids_logprob is not None)
+
+    def with_updates(self, **changes: Any) -> SamplingParams:
+        from dataclasses import replace
+
+        return replace(self, **changes)
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """Logprob record for one generated (or prompt) position."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), best first
+    selected: tuple[tuple[int, float], ...] = ()  # logprobs of token_ids_logprob
+
+
+@dataclass(frozen=True)
+class WeightSegment:
+    """Output tokens from `start` (index into output ids) on came from `weight_version`."""
+
+    start: int
+    weight_version: str
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """What the HTTP side (or a Python caller) submits to an engine.
+
+    `input_ids` is always given (the tokenizer side tokenizes). `rid` is unique per
+    engine; with `n > 1` the engine runs n samples whose outputs carry `index`.
+    """
+
+    rid: str
+    input_ids: tuple[int, ...]
+    sampling: SamplingParams
+    stream: bool = False
+    return_prompt_logprobs: bool = False
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """A snapshot of one sample of a request.
+
+    Streaming yields these repeatedly with growing `output_ids`; the last one has
+    `finished=True`. `text` is filled by the side that owns a tokenizer.
+    """
+
+    rid: str
+    index: int
+    output_ids: tuple[int, ...]
+    finished: bool
+    finish_reason: FinishReason | None
+    prompt_tokens: int
+    cached_tokens: int
+    weight_version: str
+    text: str = ""
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+    weight_segments: tuple[WeightSegment, ...] = ()
+    matched_stop: int | str | None = None
+    error: str | None = None
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.output_ids)
+
+
+@dataclass(frozen=True)
+class ControlResult:
+    """Outcome of a control call (pause, continue, abort, flush, ...)."""
+
+    ok: bool
+    message: str
+    details: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"success": self.ok, "message": self.message, **self.details}
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine cannot take work (unhealthy or shut down); the message says why."""
+
+
+@runtime_checkable
+class EngineClient(Protocol):
+    """What one HTTP app needs from one engine. Implemented by `multiserve.Engine`
+    itself and by the fleet's worker handle. The `async_*` methods and `stream` are
+    called from the server's event loop (any thread) and never block that loop; the
+    Engine also offers the same controls synchronously under the plain names
+    (`pause_generation`, ...) for Python callers."""
+
+    model_name: str
+    context_len: int
+
+    def stream(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        """Submit and yield snapshots until every sample finished (one final output
+        per sample, `finished=True`). Closing/cancelling the iterator early aborts the
+        request in the engine and frees its KV."""
+        ...
+
+    async def async_pause_generation(self, mode: str = "abort") -> ControlResult: ...
+
+    async def async_continue_generation(self) -> ControlResult: ...
+
+    async def async_abort_request(self, rid: str | None = None,
+                                  abort_all: bool = False) -> ControlResult: ...
+
+    async def async_flush_cache(self) -> ControlResult: ...
+
+    async def async_get_internal_state(self) -> dict[str, Any]: ...
+
+    def health(self) -> tuple[bool, str]:
+        """(healthy, reason). Unhealthy engines answer 503 with the reason."""
+        ...
+
+
+def as_tuple_ids(ids: Sequence[int]) -> tuple[int, ...]:
+    return tuple(int(i) for i in ids)
