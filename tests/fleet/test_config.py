@@ -1,0 +1,196 @@
+"""Fleet config files: the shipped configs load, and every error names its field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from multiserve.config import ConfigError, FleetConfig
+from multiserve.fleet.config_loader import load_fleet_config, validate_against_devices
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+MINIMAL = """
+[fleet]
+platform = "cpu"
+
+[[engines]]
+device_indexes = [0]
+
+[[engines]]
+device_indexes = [1]
+"""
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "fleet.toml"
+    path.write_text(text)
+    return path
+
+
+def error_of(tmp_path: Path, text: str, overrides: dict[str, Any] | None = None) -> ConfigError:
+    with pytest.raises(ConfigError) as info:
+        load_fleet_config(write(tmp_path, text), overrides)
+    return info.value
+
+
+def test_every_shipped_config_loads() -> None:
+    names = sorted(p.name for p in CONFIGS.glob("*.toml"))
+    assert {"cpu-4.toml", "cpu-2x2.toml", "tpu-v4-8.toml", "gpu-1.toml"} <= set(names)
+    for name in names:
+        assert isinstance(load_fleet_config(CONFIGS / name), FleetConfig), name
+
+
+def test_cpu4_is_four_single_device_engines_on_the_documented_ports() -> None:
+    cfg = load_fleet_config(CONFIGS / "cpu-4.toml")
+    assert [e.device_indexes for e in cfg.engines] == [(0,), (1,), (2,), (3,)]
+    assert [s.port for s in cfg.servers] == [31000, 31001, 31002, 31003]
+    assert cfg.supervisor.port == 31100
+    assert cfg.platform == "cpu" and cfg.device_count_needed == 4
+    eng = cfg.engines[0]
+    assert eng.model_path is None  # the embedded default model
+    assert eng.max_running_requests == 64 and eng.precompile_bs_paddings == (64,)
+    assert eng.precompile_token_paddings == (64, 256) and eng.chunked_prefill_size == 256
+    assert eng.max_total_tokens == 32768
+    assert all(e == eng.with_updates(device_indexes=e.device_indexes) for e in cfg.engines)
+
+
+def test_cpu2x2_groups_keep_device_order() -> None:
+    cfg = load_fleet_config(CONFIGS / "cpu-2x2.toml")
+    assert [e.device_indexes for e in cfg.engines] == [(0, 1), (2, 3)]
+    assert [s.port for s in cfg.servers] == [31000, 31001]
+
+
+def test_accelerator_configs_use_bf16_and_memory_sized_kv() -> None:
+    for name in ("tpu-v4-8.toml", "gpu-1.toml"):
+        cfg = load_fleet_config(CONFIGS / name)
+        assert all(e.dtype == "bfloat16" and e.max_total_tokens is None for e in cfg.engines)
+
+
+def test_defaults_shared_engine_table_and_per_engine_override(tmp_path: Path) -> None:
+    cfg = load_fleet_config(write(tmp_path, """
+[model]
+path = "models/tiny"
+served_model_name = "tiny"
+[engine]
+page_size = 32
+max_running_requests = 64
+precompile_bs_paddings = [64]
+[[engines]]
+device_indexes = [3, 1]
+[[engines]]
+device_indexes = [0]
+max_running_requests = 8
+dtype = "bfloat16"
+"""))
+    a, b = cfg.engines
+    assert a.device_indexes == (3, 1)  # order kept
+    assert a.model_path == str(tmp_path / "models" / "tiny")  # relative to the file
+    assert a.served_model_name == b.served_model_name == "tiny"
+    assert (a.page_size, a.max_running_requests, a.dtype) == (32, 64, "auto")
+    assert (b.page_size, b.max_running_requests, b.dtype) == (32, 8, "bfloat16")
+    assert [s.port for s in cfg.servers] == [31000, 31001] and cfg.supervisor.port == 31100
+    assert cfg.servers[0].host == "127.0.0.1" and not cfg.warmup_parallel
+
+
+def test_overrides_nested_and_dotted(tmp_path: Path) -> None:
+    path = write(tmp_path, MINIMAL)
+    cfg = load_fleet_config(path, {"fleet": {"base_port": 0, "supervisor_port": 0},
+                                   "engine.warmup": False, "fleet.warmup": "parallel"})
+    assert [s.port for s in cfg.servers] == [0, 0] and cfg.supervisor.port == 0
+    assert cfg.warmup_parallel and not any(e.warmup for e in cfg.engines)
+    assert cfg.platform == "cpu"  # untouched keys survive the merge
+    err = pytest.raises(ConfigError, load_fleet_config, path, {"fleet.bse_port": 1}).value
+    assert err.field == "fleet.bse_port"
+
+
+@pytest.mark.parametrize("text, field", [
+    # overlapping device groups
+    ("[[engines]]\ndevice_indexes = [0, 1]\n[[engines]]\ndevice_indexes = [1, 2]\n",
+     "engines[1].device_indexes"),
+    # unknown keys, at every level
+    ("[fleet]\nbase_prot = 1\n" + "[[engines]]\ndevice_indexes = [0]\n", "fleet.base_prot"),
+    ("[modle]\npath = 'x'\n[[engines]]\ndevice_indexes = [0]\n", "modle"),
+    ("[engine]\npage_sise = 16\n[[engines]]\ndevice_indexes = [0]\n", "engine.page_sise"),
+    ("[[engines]]\ndevice_indexes = [0]\n[[engines]]\ndevice_indexes = [1]\nfoo = 1\n",
+     "engines[1].foo"),
+    # bad types
+    ("[engine]\npage_size = '16'\n[[engines]]\ndevice_indexes = [0]\n", "engine.page_size"),
+    ("[engine]\ndisable_overlap = 1\n[[engines]]\ndevice_indexes = [0]\n",
+     "engine.disable_overlap"),
+    ("[engine]\nprecompile_bs_paddings = [64, 'x']\n[[engines]]\ndevice_indexes = [0]\n",
+     "engine.precompile_bs_paddings[1]"),
+    ("[[engines]]\ndevice_indexes = 0\n", "engines[0].device_indexes"),
+    ("[[engines]]\ndevice_indexes = [true]\n", "engines[0].device_indexes"),
+    ("[fleet]\nbase_port = 'x'\n[[engines]]\ndevice_indexes = [0]\n", "fleet.base_port"),
+    ("[fleet]\nplatform = 'cuda'\n[[engines]]\ndevice_indexes = [0]\n", "fleet.platform"),
+    ("[fleet]\nwarmup = 'lazy'\n[[engines]]\ndevice_indexes = [0]\n", "fleet.warmup"),
+    ("[model]\npath = 3\n[[engines]]\ndevice_indexes = [0]\n", "model.path"),
+    # misplaced keys
+    ("[engine]\nmodel_path = 'x'\n[[engines]]\ndevice_indexes = [0]\n", "engine.model_path"),
+    ("[engine]\ndevice_indexes = [0]\n[[engines]]\ndevice_indexes = [0]\n",
+     "engine.device_indexes"),
+    # structure
+    ("[fleet]\nplatform = 'cpu'\n", "engines"),
+    ("[[engines]]\ndtype = 'auto'\n", "engines[0].device_indexes"),
+    # values the EngineConfig rejects are named per engine
+    ("[[engines]]\ndevice_indexes = [0]\n[[engines]]\ndevice_indexes = [1]\npage_size = 24\n",
+     "engines[1].page_size"),
+    ("[engine]\nmax_running_requests = 512\n[[engines]]\ndevice_indexes = [0]\n",
+     "engines[0].precompile_bs_paddings"),
+    ("[[engines]]\ndevice_indexes = [0, 0]\n", "engines[0].device_indexes"),
+])
+def test_errors_name_the_field(tmp_path: Path, text: str, field: str) -> None:
+    err = error_of(tmp_path, text)
+    assert err.field == field
+    assert field in str(err)
+
+
+@pytest.mark.parametrize("fleet, field", [
+    ("ports = [31000, 31000]", "fleet.ports[1]"),
+    ("base_port = 31099\nsupervisor_port = 31100", "fleet.supervisor_port"),
+    ("ports = [31000, 31100]", "fleet.supervisor_port"),
+    ("ports = [31000]", "fleet.ports"),
+    ("ports = [31000, 31001]\nbase_port = 31000", "fleet.ports"),
+    ("ports = [31000, 70000]", "fleet.ports[1]"),
+    ("base_port = 65535", "fleet.base_port"),
+])
+def test_port_errors_name_the_field(tmp_path: Path, fleet: str, field: str) -> None:
+    err = error_of(tmp_path, f"[fleet]\n{fleet}\n" + MINIMAL.split("[fleet]")[1]
+                   .replace('platform = "cpu"', ""))
+    assert err.field == field and field in str(err)
+
+
+def test_shared_value_error_says_where_it_was_set(tmp_path: Path) -> None:
+    err = error_of(tmp_path, "[engine]\npage_size = 24\n[[engines]]\ndevice_indexes = [0]\n")
+    assert err.field == "engines[0].page_size" and "[engine]" in str(err)
+
+
+def test_ephemeral_ports_never_clash(tmp_path: Path) -> None:
+    cfg = load_fleet_config(write(tmp_path, MINIMAL), {"fleet.base_port": 0,
+                                                       "fleet.supervisor_port": 0})
+    assert [s.port for s in cfg.servers] == [0, 0] and cfg.supervisor.port == 0
+
+
+def test_auto_means_derived_for_optional_integers(tmp_path: Path) -> None:
+    cfg = load_fleet_config(write(tmp_path, "[engine]\nmax_total_tokens = 'auto'\n"
+                                  "max_context_len = 'auto'\n[[engines]]\ndevice_indexes = [0]\n"))
+    assert cfg.engines[0].max_total_tokens is None and cfg.engines[0].max_context_len is None
+
+
+def test_file_level_errors(tmp_path: Path) -> None:
+    err = pytest.raises(ConfigError, load_fleet_config, tmp_path / "missing.toml").value
+    assert err.field == "config" and "missing.toml" in str(err)
+    err = error_of(tmp_path, "[fleet\n")
+    assert err.field == "config" and "TOML" in str(err)
+
+
+def test_validate_against_devices_names_the_missing_device() -> None:
+    cfg = load_fleet_config(CONFIGS / "cpu-2x2.toml")
+    validate_against_devices(cfg, 4)
+    with pytest.raises(ConfigError) as info:
+        validate_against_devices(cfg, 3)
+    assert info.value.field == "engines[1].device_indexes"
+    assert "device 3 does not exist" in str(info.value)
