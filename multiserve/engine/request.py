@@ -1,0 +1,108 @@
+"""Req: all per-request (per-sample) state in one place.
+
+Position bookkeeping (the invariants the scheduler and runner rely on):
+- `fill_ids` = prompt + output so far (what a re-prefill recomputes).
+- `kv_len`: positions [0, kv_len) have their K/V written, or written by a step already
+  launched on the device (device order makes an in-flight write as good as done).
+- `pending`: tokens sampled by launched steps whose ids the host has not read yet
+  (0, 1 or 2 under overlap). While decoding: kv_len == len(prompt) + len(output) +
+  pending - 1, i.e. the next decode input is the newest token, at position kv_len.
+- `pages` cover positions [0, len(pages) * page_size) >= kv_len; the first
+  `num_cached_pages` are shared through the prefix cache (ref-counted), the rest are
+  owned by this Req alone.
+- A token at position P is sampled with the key (seed, index, P): resumed, retracted
+  or re-batched requests draw the same tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from multiserve.types import (
+    FinishReason,
+    RequestOutput,
+    RequestStatus,
+    SamplingParams,
+    TokenLogprob,
+    WeightSegment,
+)
+
+OutputSink = Callable[[RequestOutput], None]
+
+
+@dataclass(eq=False)
+class Req:
+    rid: str  # the caller's request id (shared by the n samples of one request)
+    index: int  # sample index within the request (0..n-1)
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    sink: OutputSink
+    stream: bool = False
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    matched_stop: int | str | None = None
+    # KV bookkeeping (see module docstring)
+    pages: list[int] = field(default_factory=list)
+    num_cached_pages: int = 0
+    kv_len: int = 0
+    pending: int = 0
+    prefill_target: int = 0  # len(fill_ids) when the current prefill was admitted
+    cached_tokens: int = 0  # prefix-cache hit of the first admission
+    admitted_once: bool = False
+    # weight versions: output index where each version began
+    weight_segments: list[WeightSegment] = field(default_factory=list)
+    # row of this Req in the last launched step's sampled ids (valid while pending > 0)
+    last_out_row: int = -1
+    # n > 1: siblings wait until sample 0 has prefilled the shared prompt
+    leader: Req | None = None
+    # counters
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    num_retractions: int = 0
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.rid, self.index)
+
+    @property
+    def fill_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    @property
+    def in_prefill(self) -> bool:
+        """Admitted but its (re-)prefill is not fully launched yet."""
+        return self.kv_len < self.prefill_target
+
+    @property
+    def num_generated(self) -> int:
+        """Output tokens including those sampled on device but not yet read."""
+        return len(self.output_ids) + self.pending
+
+    def wants_more(self) -> bool:
+        return not self.finished and self.num_generated < self.params.max_new_tokens
+
+    def snapshot(self, weight_version: str) -> RequestOutput:
+        want_lp = self.params.wants_logprobs
+        return RequestOutput(
+            rid=self.rid,
+            index=self.index,
+            output_ids=tuple(self.output_ids),
+            finished=self.finished,
+            finish_reason=self.finish_reason,
+            prompt_tokens=len(self.prompt_ids),
+            cached_tokens=self.cached_tokens,
+            weight_version=weight_version,
+            logprobs=tuple(self.output_logprobs) if want_lp else None,
+            weight_segments=tuple(self.weight_segments),
+            matched_stop=self.matched_stop,
+        )

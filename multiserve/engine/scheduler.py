@@ -1,0 +1,288 @@
+"""Scheduler: decides what the next step computes. Plain Python (never imports jax).
+
+Every step is one ragged batch: one token for each decoding request, plus prefill
+chunks (new admissions or the continuation of a chunked prefill) filling the rest of
+the token budget. Rows are `BatchRow`s; the runner turns them into padded arrays.
+
+Invariants:
+- `running` holds every admitted Req that holds KV (decoding or mid-prefill), in
+  admission order; `waiting` holds the rest, front first. A Req is in at most one.
+- A waiting Req with `pending > 0` (retracted while a step that samples for it was
+  in flight) is not admitted until the host has read that token.
+- `launch(batch)` is called once the runner enqueued the step: only then do kv_len,
+  pending and the prefix cache move, so a schedule that was never launched has no
+  effect on state beyond page allocation (which `launch` makes permanent).
+- When KV runs out for decode, the newest running Reqs are retracted (KV freed into
+  the prefix cache or the free list, output kept) to the front of `waiting`.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from multiserve.config import EngineConfig
+from multiserve.engine.memory import PageAllocator, pages_needed
+from multiserve.engine.prefix_cache import PrefixCache
+from multiserve.engine.request import Req
+from multiserve.types import RequestStatus
+
+
+@dataclass
+class BatchRow:
+    req: Req
+    start: int  # first position computed by this step
+    end: int  # one past the last position computed
+    samples: bool  # this row's last token produces a sampled token
+    from_prev: bool  # the (single) input token is the previous step's device output
+
+
+@dataclass
+class ScheduledBatch:
+    rows: list[BatchRow]
+    num_tokens: int
+
+    @property
+    def num_decode(self) -> int:
+        return sum(1 for r in self.rows if r.end - r.start == 1 and r.start >= r.req.prefill_target)
+
+    @property
+    def sampling_rows(self) -> list[BatchRow]:
+        return [r for r in self.rows if r.samples]
+
+
+class Scheduler:
+    def __init__(self, cfg: EngineConfig, allocator: PageAllocator, cache: PrefixCache,
+                 max_context: int, max_tokens_per_step: int, max_rows: int) -> None:
+        self.cfg = cfg
+        self.allocator = allocator
+        self.cache = cache
+        self.page_size = cfg.page_size
+        self.max_context = max_context
+        self.max_tokens_per_step = max_tokens_per_step
+        self.max_rows = max_rows
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []
+        self.new_token_ratio = cfg.init_new_token_ratio
+        self.on_retract: Callable[[Req], None] | None = None
+        self.num_retractions = 0
+
+    # ---- queries -------------------------------------------------------------------
+    def has_work(self) -> bool:
+        return bool(self.running) or any(r.pending == 0 for r in self.waiting)
+
+    @property
+    def chunked_reqs(self) -> list[Req]:
+        return [r for r in self.running if r.in_prefill]
+
+    def available_kv_tokens(self) -> int:
+        return self.allocator.num_free * self.page_size
+
+    def private_pages(self) -> int:
+        return sum(len(r.pages) - r.num_cached_pages for r in self.running)
+
+    def check_integrity(self) -> None:
+        refs: dict[int, int] = {}
+        for r in self.running:
+            for p in r.pages[:r.num_cached_pages]:
+                refs[p] = refs.get(p, 0) + 1
+        for r in self.waiting:
+            assert not r.pages, f"waiting request {r.rid} holds KV pages"
+        self.cache.check_integrity(refs, self.private_pages())
+
+    # ---- KV helpers ----------------------------------------------------------------
+    def _obtain_pages(self, n: int) -> list[int] | None:
+        if not self.allocator.can_allocate(n):
+            self.cache.evict(n - self.allocator.num_free)
+        if not self.allocator.can_allocate(n):
+            return None
+        return self.allocator.allocate(n)
+
+    def _free_pages_possible(self) -> int:
+        return self.allocator.num_free + self.cache.num_evictable_pages
+
+    def release_kv(self, req: Req) -> None:
+        """Give back a Req's KV: full pages of tokens whose ids and K/V are both known go
+        into the prefix cache; everything else returns to the free list."""
+        if req.pages:
+            known = min(req.kv_len, len(req.prompt_ids) + len(req.output_ids))
+            num_full = known // self.page_size
+            num_cached = self.cache.insert(req.fill_ids, req.pages, req.num_cached_pages,
+                                           num_full)
+            self.cache.release(req.pages[:num_cached])
+            self.allocator.free(req.pages[num_cached:])
+        req.pages = []
+        req.num_cached_pages = 0
+        req.kv_len = 0
+        req.prefill_target = 0
+
+    def _reserved_tokens(self, extra: Req | None = None) -> int:
+        """Decode tokens the running Reqs are expected to still need (new_token_ratio)."""
+        total = 0
+        for r in self.running + ([extra] if extra else []):
+            left = max(0, r.params.max_new_tokens - r.num_generated)
+            total += int(left * self.new_token_ratio)
+        return total
+
+    # ---- admission / removal -------------------------------------------------------
+    def add(self, req: Req) -> None:
+        self.waiting.append(req)
+
+    def remove(self, req: Req) -> None:
+        """Drop a Req from whichever queue holds it and release its KV."""
+        if req in self.running:
+            self.running.remove(req)
+            self.release_kv(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+
+    def retract(self, reqs: list[Req]) -> None:
+        """Move running Reqs (KV freed, output kept) to the front of waiting, in their
+        original order."""
+        for req in reversed(reqs):
+            self.running.remove(req)
+            self.release_kv(req)
+            req.status = RequestStatus.WAITING
+            req.num_retractions += 1
+            self.num_retractions += 1
+            self.waiting.appendleft(req)
+            if self.on_retract:
+                self.on_retract(req)
+
+    # ---- scheduling ----------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch | None:
+        rows = self._decode_rows()
+        budget = min(self.cfg.chunked_prefill_size, self.max_tokens_per_step - len(rows))
+        rows += self._prefill_rows(budget, self.max_rows - len(rows))
+        if not rows:
+            return None
+        return ScheduledBatch(rows, sum(r.end - r.start for r in rows))
+
+    def _decode_rows(self) -> list[BatchRow]:
+        ps = self.page_size
+        while True:
+            decoding = [r for r in self.running if not r.in_prefill and r.wants_more()
+                        and r.kv_len + 1 < self.max_context]
+            need = [r for r in decoding if r.kv_len >= len(r.pages) * ps]
+            if len(need) <= self._free_pages_possible():
+                break
+            victims = [r for r in self.running if r.pending <= 1]
+            if len(victims) <= 1:
+                break
+            self.retract([victims[-1]])
+            self.new_token_ratio = min(1.0, self.new_token_ratio + 0.1)
+        rows: list[BatchRow] = []
+        for r in decoding:
+            if r.kv_len >= len(r.pages) * ps:
+                got = self._obtain_pages(1)
+                if got is None:
+                    continue  # cannot happen after the loop above unless one Req remains
+                r.pages.extend(got)
+            rows.append(BatchRow(r, r.kv_len, r.kv_len + 1, True, from_prev=r.pending > 0))
+        return rows
+
+    def _prefill_rows(self, budget: int, max_new_rows: int) -> list[BatchRow]:
+        rows: list[BatchRow] = []
+        # 1. continue chunked prefills (already admitted)
+        for r in self.running:
+            if budget <= 0 or max_new_rows <= 0:
+                return rows
+            if r.in_prefill:
+                row = self._chunk_row(r, budget)
+                if row is None:
+                    return rows
+                rows.append(row)
+                budget -= row.end - row.start
+                max_new_rows -= 1
+        # 2. admit from waiting, in order
+        admitted: list[Req] = []
+        for req in list(self.waiting):
+            if budget <= 0 or max_new_rows <= 0:
+                break
+            if len(self.running) >= self.cfg.max_running_requests:
+                break
+            if req.pending > 0:
+                continue  # its last token is still on the device
+            if req.leader is not None and not self._leader_ready(req.leader):
+                continue
+            row = self._admit(req, budget)
+            if row is None:
+                break  # out of KV: keep FIFO order, try again next step
+            admitted.append(req)
+            rows.append(row)
+            budget -= row.end - row.start
+            max_new_rows -= 1
+        for req in admitted:
+            self.waiting.remove(req)
+        return rows
+
+    @staticmethod
+    def _leader_ready(leader: Req) -> bool:
+        return leader.finished or leader.admitted_once and not leader.in_prefill
+
+    def _admit(self, req: Req, budget: int) -> BatchRow | None:
+        fill = req.fill_ids
+        total = len(fill)
+        hit_pages = self.cache.match(fill, total - 1)
+        hit = len(hit_pages) * self.page_size
+        chunk = min(budget, total - hit)
+        new_pages = pages_needed(hit + chunk, self.page_size) - len(hit_pages)
+        future = pages_needed(total - hit - chunk, self.page_size)
+        reserve = -(-self._reserved_tokens(req) // self.page_size)
+        # hit pages that are evictable now stop being evictable once acquired
+        hit_evictable = sum(1 for p in hit_pages if self.cache._by_page[p].ref == 0)
+        if new_pages + future + reserve > self._free_pages_possible() - hit_evictable:
+            if self.running:
+                return None
+            if new_pages > self._free_pages_possible() - hit_evictable:
+                return None
+        self.cache.acquire(hit_pages)
+        got = self._obtain_pages(new_pages)
+        if got is None:
+            self.cache.release(hit_pages)
+            return None
+        req.pages = hit_pages + got
+        req.num_cached_pages = len(hit_pages)
+        req.kv_len = hit
+        req.prefill_target = total
+        if not req.admitted_once:
+            req.cached_tokens = hit
+            req.admitted_once = True
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        return BatchRow(req, hit, hit + chunk, samples=hit + chunk == total, from_prev=False)
+
+    def _chunk_row(self, req: Req, budget: int) -> BatchRow | None:
+        end = min(req.prefill_target, req.kv_len + budget)
+        need = pages_needed(end, self.page_size) - len(req.pages)
+        if need > 0:
+            got = self._obtain_pages(need)
+            if got is None:
+                return None
+            req.pages.extend(got)
+        return BatchRow(req, req.kv_len, end, samples=end == req.prefill_target,
+                        from_prev=False)
+
+    # ---- after launch --------------------------------------------------------------
+    def launch(self, batch: ScheduledBatch) -> None:
+        """The runner enqueued `batch`: advance positions and cache new full prefill pages."""
+        decoded = False
+        for row in batch.rows:
+            req = row.req
+            was_prefill = req.in_prefill
+            req.kv_len = row.end
+            if row.samples:
+                req.pending += 1
+            if was_prefill:
+                num_full = row.end // self.page_size
+                req.num_cached_pages = self.cache.insert(
+                    req.fill_ids, req.pages, req.num_cached_pages, num_full)
+            else:
+                decoded = True
+        if decoded:
+            self.new_token_ratio = max(self.cfg.min_new_token_ratio,
+                                       self.new_token_ratio - self.cfg.new_token_ratio_decay)
+
+    def reset_ratio(self) -> None:
+        self.new_token_ratio = self.cfg.init_new_token_ratio
