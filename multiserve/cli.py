@@ -1,0 +1,98 @@
+"""`multiserve serve | validate | generate | bench` — the command line.
+
+Thin: parses arguments and hands over to fleet/launch.py, the model's simple generate
+loop, or the benchmark. Heavy imports happen inside each command so `--help` is fast
+and JAX is initialised by the command that owns it (the fleet sets the virtual device
+count before JAX starts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from multiserve.model.simple_generate import greedy_generate
+
+    text = greedy_generate(args.model, args.prompt, max_new_tokens=args.max_new_tokens,
+                           chat=not args.raw)
+    print(text)
+    return 0
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from multiserve.fleet.launch import serve_main
+
+    return serve_main(args)
+
+
+def _cmd_validate(args: argparse.Namespace) -> int:
+    from multiserve.fleet.launch import validate_main
+
+    return validate_main(args)
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from multiserve.bench.run import bench_main
+
+    return bench_main(args)
+
+
+def _fleet_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default=None,
+                   help="fleet config TOML (default: configs/cpu-4.toml semantics)")
+    p.add_argument("--engines", type=int, default=None,
+                   help="without --config: number of engines, one device each")
+    p.add_argument("--port", type=int, default=None, help="first engine port (default 31000)")
+    p.add_argument("--supervisor-port", type=int, default=None)
+    p.add_argument("--host", default=None)
+    p.add_argument("--model", default=None, help="HF model dir or .gguf (default: SmolLM2)")
+    p.add_argument("--shutdown-mode", choices=["drain", "abort"], default="abort")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="multiserve", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="greedy answer to one prompt (chat-templated)")
+    g.add_argument("prompt")
+    g.add_argument("--model", default=None, help="HF model dir or .gguf (default: SmolLM2)")
+    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--raw", action="store_true", help="no chat template")
+    g.set_defaults(func=_cmd_generate)
+
+    s = sub.add_parser("serve", help="run the fleet: one server per engine + supervisor")
+    _fleet_args(s)
+    s.set_defaults(func=_cmd_serve)
+
+    v = sub.add_parser("validate", help="start the fleet, send concurrent requests, check")
+    _fleet_args(v)
+    v.add_argument("--force-exit", action="store_true",
+                   help="end with os._exit (0 only if every check held)")
+    v.add_argument("--requests-per-engine", type=int, default=2)
+    v.add_argument("--max-tokens", type=int, default=24)
+    v.add_argument("--prompt", default="What is the capital of France?")
+    v.add_argument("--inject-failure", action="store_true",
+                   help="test hook: make one check fail on purpose")
+    v.set_defaults(func=_cmd_validate)
+
+    b = sub.add_parser("bench", help="offline throughput on the default model")
+    b.add_argument("--num-prompts", type=int, default=64)
+    b.add_argument("--output-len", type=int, default=128)
+    b.add_argument("--peer", choices=["none", "hf"], default="none")
+    b.add_argument("--no-overlap", action="store_true")
+    b.add_argument("--ab-overlap", action="store_true", help="run overlap on AND off")
+    b.add_argument("--model", default=None)
+    b.add_argument("--max-running", type=int, default=None)
+    b.set_defaults(func=_cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,72 @@
+"""Host arrays of one step: turns a ScheduledBatch into padded numpy inputs.
+
+Padding rules (the runner and the model rely on them):
+- Token rows beyond the batch write their K/V into page 0 (reserved) and read
+  sequence row 0; their outputs are ignored.
+- Sequence rows beyond the batch have seq_len 0 and an all-zero page table row.
+- `from_prev[t] >= 0` means token t's id is the previous step's sampled id in device
+  buffer row `from_prev[t]` (overlap: the host never waited for it); else `input_ids[t]`.
+- `logit_rows[b]` is the token row whose logits sequence row b samples from (the last
+  token of row b); rows that do not sample point at their own last token and the
+  sampled id is ignored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from multiserve.engine.memory import slots_for
+from multiserve.engine.scheduler import ScheduledBatch
+
+
+@dataclass
+class StepArrays:
+    input_ids: np.ndarray  # [T]
+    from_prev: np.ndarray  # [T]
+    positions: np.ndarray  # [T]
+    token_seq: np.ndarray  # [T]
+    out_slots: np.ndarray  # [T]
+    page_table: np.ndarray  # [B, max_pages]
+    seq_lens: np.ndarray  # [B]
+    logit_rows: np.ndarray  # [B]
+
+
+def pick_bucket(n: int, paddings: tuple[int, ...]) -> int:
+    for p in paddings:
+        if p >= n:
+            return p
+    raise ValueError(f"{n} exceeds the largest precompiled size {paddings[-1]}")
+
+
+def build_step_arrays(batch: ScheduledBatch, num_tokens: int, num_rows: int, max_pages: int,
+                      page_size: int) -> StepArrays:
+    t_pad, b_pad = num_tokens, num_rows
+    input_ids = np.zeros(t_pad, np.int32)
+    from_prev = np.full(t_pad, -1, np.int32)
+    positions = np.zeros(t_pad, np.int32)
+    token_seq = np.zeros(t_pad, np.int32)
+    out_slots = np.zeros(t_pad, np.int32)  # page 0, offset 0: the padding sink
+    page_table = np.zeros((b_pad, max_pages), np.int32)
+    seq_lens = np.zeros(b_pad, np.int32)
+    logit_rows = np.zeros(b_pad, np.int32)
+    t = 0
+    for b, row in enumerate(batch.rows):
+        req = row.req
+        n = row.end - row.start
+        if row.from_prev:
+            assert n == 1 and req.last_out_row >= 0
+            from_prev[t] = req.last_out_row
+        else:
+            fill = req.fill_ids
+            input_ids[t:t + n] = fill[row.start:row.end]
+        positions[t:t + n] = np.arange(row.start, row.end, dtype=np.int32)
+        token_seq[t:t + n] = b
+        out_slots[t:t + n] = slots_for(req.pages, row.start, row.end, page_size)
+        page_table[b, :len(req.pages)] = req.pages
+        seq_lens[b] = row.end
+        logit_rows[b] = t + n - 1
+        t += n
+    return StepArrays(input_ids, from_prev, positions, token_seq, out_slots, page_table,
+                      seq_lens, logit_rows)

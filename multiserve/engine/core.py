@@ -1,0 +1,293 @@
+"""EngineCore: the thread-confined heart of one engine (scheduler + runner + results).
+
+Only the engine's own thread calls into an EngineCore (DESIGN.md §3); the public
+`Engine` hands work to it through a queue. Owns: the Reqs, the scheduler, the runner,
+step counters, pause state and the step in flight.
+
+Invariants:
+- At most one step is in flight (`self.in_flight`); under overlap, step N+1 is launched
+  before step N's results are read. `drain()` reads the step in flight, after which no
+  device work of this engine is pending: every control operation that needs
+  quiescence (pause, flush, weight updates, memory release) drains first.
+- Every Req reaches exactly one final output (finished=True) through its sink.
+- While `paused`, `step()` is never called (the loop sleeps on its queue).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from multiserve.config import EngineConfig, ModelConfig
+from multiserve.engine import sampling
+from multiserve.engine.batch_arrays import build_step_arrays
+from multiserve.engine.memory import PageAllocator
+from multiserve.engine.prefix_cache import PrefixCache
+from multiserve.engine.request import Req
+from multiserve.engine.runner import Runner, StepOutput
+from multiserve.engine.scheduler import ScheduledBatch, Scheduler
+from multiserve.types import (
+    ControlResult,
+    FinishReason,
+    RequestStatus,
+    TokenLogprob,
+    WeightSegment,
+)
+
+
+class EngineCore:
+    def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, runner: Runner,
+                 num_pages: int, max_context: int, eos_ids: Sequence[int],
+                 stop_string_checker: Any = None) -> None:
+        self.cfg = cfg
+        self.model_cfg = model_cfg
+        self.runner = runner
+        self.page_size = cfg.page_size
+        self.max_context = max_context
+        self.max_pages = -(-max_context // cfg.page_size)
+        self.eos_ids = frozenset(eos_ids)
+        self.stop_string_checker = stop_string_checker
+        self.allocator = PageAllocator(num_pages, cfg.page_size)
+        self.cache = PrefixCache(self.allocator, cfg.page_size,
+                                 enabled=not cfg.disable_prefix_cache)
+        self.scheduler = Scheduler(cfg, self.allocator, self.cache, max_context,
+                                   max(cfg.precompile_token_paddings),
+                                   max(cfg.precompile_bs_paddings))
+        self.reqs: dict[tuple[str, int], Req] = {}
+        self.in_flight: tuple[ScheduledBatch, StepOutput] | None = None
+        self.last_batch: ScheduledBatch | None = None
+        self.paused = False
+        self.weight_version = cfg.weight_version
+        self.forward_ct = 0
+        self.forward_ct_decode = 0
+        self.overlap = not cfg.disable_overlap
+        self.initial_available = self.scheduler.available_kv_tokens()
+        self.fault: str | None = None  # test-only: the next step raises this
+
+    # ---- requests ------------------------------------------------------------------
+    def add(self, reqs: Sequence[Req]) -> None:
+        for req in reqs:
+            assert req.key not in self.reqs, f"duplicate request id {req.rid}"
+            self.reqs[req.key] = req
+            if req.params.max_new_tokens == 0:
+                self._finish(req, "length")
+            else:
+                self.scheduler.add(req)
+
+    def has_work(self) -> bool:
+        return self.in_flight is not None or (not self.paused and self.scheduler.has_work())
+
+    # ---- stepping ------------------------------------------------------------------
+    def step(self) -> None:
+        """Launch the next step (if any), then read the previous one (overlap)."""
+        assert not self.paused
+        if self.fault is not None:
+            msg, self.fault = self.fault, None
+            raise RuntimeError(msg)
+        batch = self.scheduler.schedule()
+        launched = self._launch(batch) if batch is not None else None
+        if self.in_flight is not None:
+            self._process(*self.in_flight)
+        self.in_flight = launched
+        if not self.overlap and self.in_flight is not None:
+            self.drain()
+        if self.in_flight is None and not self.scheduler.running:
+            self.scheduler.check_integrity()
+
+    def drain(self) -> None:
+        if self.in_flight is not None:
+            inflight, self.in_flight = self.in_flight, None
+            self._process(*inflight)
+
+    def _launch(self, batch: ScheduledBatch) -> tuple[ScheduledBatch, StepOutput]:
+        t_pad, b_pad = self.runner.bucket_for(batch.num_tokens, len(batch.rows))
+        arrays = build_step_arrays(batch, t_pad, b_pad, self.max_pages, self.page_size)
+        specs: list[sampling.RowSpec | None] = []
+        wants_lp = False
+        for row in batch.rows:
+            if not row.samples:
+                specs.append(None)
+                continue
+            req = row.req
+            ban: tuple[int, ...] = ()
+            if req.num_generated < req.params.min_new_tokens:
+                ban = tuple(sorted(self.eos_ids | set(req.params.stop_token_ids)))
+            specs.append(sampling.RowSpec(
+                params=req.params, seed=req.seed, sample_index=req.index, position=row.end,
+                output_ids=req.output_ids, prompt_ids=req.prompt_ids, ban_ids=ban))
+            wants_lp = wants_lp or req.params.wants_logprobs
+        out = self.runner.run(arrays, self.runner.sampling_batch(specs, b_pad), wants_lp)
+        for b, row in enumerate(batch.rows):
+            if row.samples:
+                row.req.last_out_row = b
+        decodes = any(not r.req.in_prefill and r.samples and r.end - r.start == 1
+                      for r in batch.rows)
+        self.scheduler.launch(batch)
+        self.forward_ct += 1
+        if decodes:
+            self.forward_ct_decode += 1
+        return batch, out
+
+    def _process(self, batch: ScheduledBatch, out: StepOutput) -> None:
+        next_ids = np.asarray(out.next_ids)
+        lp = None
+        if out.wants_logprobs:
+            s = out.sample
+            lp = (np.asarray(s.logprob), np.asarray(s.top_ids), np.asarray(s.top_logprobs),
+                  np.asarray(s.selected_logprobs))
+        self.last_batch = batch
+        now = time.monotonic()
+        for b, row in enumerate(batch.rows):
+            if not row.samples:
+                continue
+            req = row.req
+            if req.finished:
+                continue
+            req.pending -= 1
+            tok = int(next_ids[b])
+            req.output_ids.append(tok)
+            if req.first_token_time is None:
+                req.first_token_time = now
+            if not req.weight_segments or req.weight_segments[-1].weight_version != \
+                    self.weight_version:
+                req.weight_segments.append(
+                    WeightSegment(len(req.output_ids) - 1, self.weight_version))
+            if lp is not None and req.params.wants_logprobs:
+                req.output_logprobs.append(self._logprob_record(req, tok, b, lp))
+            reason = self._finish_reason(req, tok)
+            if reason is not None:
+                self._finish(req, reason)
+            elif req.stream:
+                req.sink(req.snapshot(self.weight_version))
+
+    def _logprob_record(self, req: Req, tok: int, b: int, lp: tuple) -> TokenLogprob:
+        logprob, top_ids, top_lps, sel = lp
+        k = req.params.top_logprobs_num
+        top = tuple((int(top_ids[b, j]), float(top_lps[b, j])) for j in range(k))
+        ids = req.params.token_ids_logprob or ()
+        selected = tuple((int(t), float(sel[b, j])) for j, t in enumerate(ids))
+        return TokenLogprob(tok, float(logprob[b]), top, selected)
+
+    def _finish_reason(self, req: Req, tok: int) -> FinishReason | None:
+        p = req.params
+        if not p.ignore_eos and tok in self.eos_ids:
+            req.matched_stop = tok
+            return "stop"
+        if tok in p.stop_token_ids:
+            req.matched_stop = tok
+            return "stop"
+        if p.stop and self.stop_string_checker is not None:
+            matched = self.stop_string_checker(req.output_ids, p.stop)
+            if matched is not None:
+                req.matched_stop = matched
+                return "stop"
+        if len(req.output_ids) >= p.max_new_tokens:
+            return "length"
+        if len(req.prompt_ids) + len(req.output_ids) >= self.max_context:
+            return "length"
+        return None
+
+    def _finish(self, req: Req, reason: FinishReason) -> None:
+        self.scheduler.remove(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        req.finish_time = time.monotonic()
+        self.reqs.pop(req.key, None)
+        req.sink(req.snapshot(self.weight_version))
+
+    # ---- control -------------------------------------------------------------------
+    def abort(self, rid: str | None, abort_all: bool) -> ControlResult:
+        if abort_all:
+            targets = list(self.reqs.values())
+        else:
+            targets = [r for r in self.reqs.values() if r.rid == rid]
+        if not targets:
+            return ControlResult(True, f"no live request with rid {rid!r}",
+                                 {"aborted": 0, "unknown_rid": rid})
+        for req in targets:
+            self._finish(req, "abort")
+        return ControlResult(True, f"aborted {len(targets)} request(s)",
+                             {"aborted": len(targets),
+                              "rids": sorted({r.rid for r in targets})})
+
+    def pause(self, mode: str) -> ControlResult:
+        if self.paused:
+            return ControlResult(True, "already paused (no-op)",
+                                 {"already_paused": True, "mode": mode})
+        self.drain()
+        details: dict[str, Any] = {"mode": mode}
+        if mode == "abort":
+            details["aborted"] = self.abort(None, abort_all=True).details.get("aborted", 0)
+        elif mode == "retract":
+            before = self.scheduler.available_kv_tokens()
+            running = list(self.scheduler.running)
+            self.scheduler.retract(running)
+            details["retracted"] = len(running)
+            details["freed_kv_tokens"] = self.scheduler.available_kv_tokens() - before
+        self.paused = True
+        return ControlResult(True, f"paused ({mode})", details)
+
+    def resume(self) -> ControlResult:
+        if not self.paused:
+            return ControlResult(True, "not paused (no-op)", {"already_running": True})
+        self.paused = False
+        return ControlResult(True, "continued", {})
+
+    def flush(self) -> ControlResult:
+        self.drain()
+        blockers = []
+        if self.scheduler.waiting:
+            blockers.append(f"{len(self.scheduler.waiting)} waiting request(s)")
+        running = [r for r in self.scheduler.running if not r.in_prefill]
+        if running:
+            blockers.append(f"{len(running)} running request(s)")
+        if self.scheduler.chunked_reqs:
+            blockers.append(f"{len(self.scheduler.chunked_reqs)} chunked prefill(s)")
+        if blockers:
+            return ControlResult(False, "cannot flush the cache: " + ", ".join(blockers),
+                                 {"blockers": blockers})
+        cached = self.cache.num_cached_pages
+        self.cache.reset()
+        self.allocator.reset()
+        self.scheduler.reset_ratio()
+        self.forward_ct_decode = 0
+        self.last_batch = None
+        self.runner.reset_prev_ids()
+        self.scheduler.check_integrity()
+        return ControlResult(True, "cache flushed",
+                             {"flushed_cached_pages": cached,
+                              "flushed_cached_tokens": cached * self.page_size})
+
+    def internal_state(self) -> dict[str, Any]:
+        s = self.scheduler
+        return {
+            "engine_paused": self.paused,
+            "waiting_queue_size": len(s.waiting),
+            "running_batch_size": len(s.running),
+            "running_rids": [f"{r.rid}" if r.params.n == 1 else f"{r.rid}#{r.index}"
+                             for r in s.running],
+            "waiting_rids": [f"{r.rid}" if r.params.n == 1 else f"{r.rid}#{r.index}"
+                             for r in s.waiting],
+            "available_kv_tokens": s.available_kv_tokens(),
+            "initial_available_kv_tokens": self.initial_available,
+            "evictable_kv_tokens": self.cache.num_evictable_pages * self.page_size,
+            "tree_cache_size": self.cache.num_cached_pages * self.page_size,
+            "req_to_token_pool_used": sum(1 for r in s.running if r.pages),
+            "forward_ct_decode": self.forward_ct_decode,
+            "forward_ct": self.forward_ct,
+            "new_token_ratio": s.new_token_ratio,
+            "cur_batch": self.in_flight is not None,
+            "last_batch": self.last_batch is not None,
+            "chunked_req": bool(s.chunked_reqs),
+            "cache_miss_count": self.runner.cache_miss_count,
+            "weight_version": self.weight_version,
+            "num_retractions": s.num_retractions,
+            "page_size": self.page_size,
+            "max_total_tokens": self.allocator.num_usable * self.page_size,
+            "max_context_len": self.max_context,
+            "overlap": self.overlap,
+            "prefix_cache_hit_tokens": self.cache.hit_tokens,
+        }

@@ -1,0 +1,140 @@
+"""Builds the parts of one engine: model + tokenizer, devices, KV sizing, runner, core.
+
+Owns the start-up decisions: which devices (by index into `jax.devices()`, whatever the
+platform), the compute dtype ("auto": float32 on CPU, bfloat16 elsewhere), the KV pool
+size (explicit tokens, else a fraction of reported device memory, else a CPU default)
+and the context length (model limit, config limit, and what the pool can hold).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from multiserve.config import ConfigError, EngineConfig, ModelConfig
+from multiserve.engine.core import EngineCore
+from multiserve.engine.runner import Runner
+from multiserve.model.kv_pool import kv_bytes_per_token
+from multiserve.model.loader import load_model
+
+
+@dataclass
+class EngineParts:
+    model_cfg: ModelConfig
+    runner: Runner
+    core: EngineCore
+    tokenizer: Any
+    tokenizer_dir: Path
+    model_path: Path
+    model_name: str
+
+
+def resolve_devices(indexes: tuple[int, ...]) -> list[jax.Device]:
+    devices = jax.devices()
+    for i in indexes:
+        if i >= len(devices):
+            raise ConfigError("device_indexes",
+                              f"device {i} does not exist ({len(devices)} "
+                              f"{devices[0].platform} device(s) visible)")
+    return [devices[i] for i in indexes]
+
+
+def resolve_dtype(cfg: EngineConfig, devices: list[jax.Device]) -> Any:
+    if cfg.dtype != "auto":
+        return jnp.dtype(cfg.dtype)
+    return jnp.dtype(jnp.float32 if devices[0].platform == "cpu" else jnp.bfloat16)
+
+
+def kv_pool_tokens(cfg: EngineConfig, model_cfg: ModelConfig, devices: list[jax.Device],
+                   dtype: Any, params_bytes: int) -> int:
+    if cfg.max_total_tokens is not None:
+        return cfg.max_total_tokens
+    stats = None
+    try:
+        stats = devices[0].memory_stats()
+    except Exception:  # noqa: BLE001 - not every backend reports memory
+        stats = None
+    if stats and stats.get("bytes_limit"):
+        budget = stats["bytes_limit"] * cfg.mem_fraction_static - params_bytes / len(devices)
+        per_token = kv_bytes_per_token(model_cfg, dtype) / len(devices)
+        return max(cfg.page_size * 64, int(budget // per_token))
+    return cfg.default_cpu_kv_tokens
+
+
+def load_tokenizer(tokenizer_dir: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tokenizer_dir))
+
+
+def make_stop_string_checker(tokenizer: Any):  # noqa: ANN201
+    """Finish a request as soon as its decoded tail contains a stop string."""
+
+    def check(output_ids: list[int], stops: tuple[str, ...]) -> str | None:
+        window = max(len(s) for s in stops) + 8
+        text = tokenizer.decode(output_ids[-window:], skip_special_tokens=False)
+        for s in stops:
+            if s in text:
+                return s
+        return None
+
+    return check
+
+
+def build_engine_parts(cfg: EngineConfig, progress: Any = None) -> EngineParts:
+    devices = resolve_devices(cfg.device_indexes)
+    dtype = resolve_dtype(cfg, devices)
+    loaded = load_model(cfg.model_path, np.float32)
+    model_cfg = loaded.config
+    params_bytes = sum(np.asarray(a).size for a in jax.tree.leaves(loaded.params)) * \
+        np.dtype(dtype).itemsize
+    pool_tokens = kv_pool_tokens(cfg, model_cfg, devices, dtype, params_bytes)
+    num_pages = pool_tokens // cfg.page_size + 1  # + page 0 (padding sink)
+    limits = [model_cfg.max_position_embeddings, (num_pages - 1) * cfg.page_size]
+    if cfg.max_context_len is not None:
+        limits.append(cfg.max_context_len)
+    max_context = min(limits)
+    runner = Runner(cfg, model_cfg, loaded.params, devices, num_pages, dtype)
+    if cfg.warmup:
+        _warmup(runner, cfg, max_context, progress)
+    tokenizer = load_tokenizer(loaded.tokenizer_dir)
+    eos = set(model_cfg.eos_token_ids)
+    if tokenizer.eos_token_id is not None:
+        eos.add(int(tokenizer.eos_token_id))
+    core = EngineCore(cfg, model_cfg, runner, num_pages, max_context, sorted(eos),
+                      stop_string_checker=make_stop_string_checker(tokenizer))
+    name = Path(loaded.path).name if loaded.path else "model"
+    if cfg.model_path is None:
+        name = "SmolLM2-135M-Instruct"
+    return EngineParts(model_cfg, runner, core, tokenizer, Path(loaded.tokenizer_dir),
+                       Path(loaded.path), name)
+
+
+def _warmup(runner: Runner, cfg: EngineConfig, max_context: int, progress: Any) -> None:
+    max_pages = -(-max_context // cfg.page_size)
+    buckets = runner.buckets()
+    bar = None
+    if cfg.show_progress and progress is None:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(buckets), desc=f"compile engine {list(cfg.device_indexes)}",
+                   leave=False)
+    t0 = time.monotonic()
+
+    def tick(t: int, b: int) -> None:
+        if bar is not None:
+            bar.set_postfix_str(f"T={t} B={b}")
+            bar.update(1)
+        if progress is not None:
+            progress(t, b)
+
+    runner.warmup(max_pages, tick)
+    if bar is not None:
+        bar.close()
+    runner.warmup_seconds = time.monotonic() - t0
