@@ -1,0 +1,308 @@
+"""The supervisor: one HTTP app that drives every engine of the fleet at once.
+
+Owns: broadcasting control calls (pause / continue / abort / flush, and any later
+`add_control_route` such as weight updates) to all engines concurrently, aggregating
+their answers, fleet health, server info, /v1/models, Prometheus metrics, and
+restarting one engine through the launcher's `restart` callback.
+
+Invariants:
+- Jax-free: talks to engines only through `EngineClient` (multiserve.types); never
+  imports `engine/` or `model/`.
+- A broadcast answers only after every engine answered (or timed out): a fleet pause is
+  a barrier because each engine's pause is one. HTTP 200 only if every engine
+  succeeded; otherwise an error status and the per-engine detail (no silent partial
+  success). An engine that raises is reported with the exception text; the supervisor
+  itself never fails because an engine did.
+- `engines` is read at every request (not copied), so a launcher may swap an entry
+  when it rebuilds an engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Literal, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from multiserve.fleet.supervisor_metrics import render_metrics
+from multiserve.types import ControlResult, EngineClient, EngineUnavailable
+
+RestartFn = Callable[[int], Awaitable[ControlResult]]
+EngineCall = Callable[[EngineClient], Awaitable[ControlResult]]
+B = TypeVar("B", bound=BaseModel)
+
+# Failure kinds, most severe first, and their HTTP status; a response takes the status of
+# the worst failure present.
+_STATUS = {"error": 500, "timeout": 504, "unavailable": 503, "refused": 400}
+_WORST_FIRST = tuple(_STATUS)
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class PauseBody(_Body):
+    mode: Literal["abort", "retract", "in_place"] = "abort"
+
+
+class EmptyBody(_Body):
+    pass
+
+
+class AbortBody(_Body):
+    rid: str | None = None
+    abort_all: bool = False
+
+
+class RestartBody(_Body):
+    engine: int
+
+
+class Supervisor:
+    """Fleet-wide operations over a sequence of engine clients (see module docstring)."""
+
+    def __init__(self, engines: Sequence[EngineClient], *, restart: RestartFn | None = None,
+                 engine_ports: list[int] | None = None, control_timeout: float | None = 600.0,
+                 state_timeout: float = 10.0) -> None:
+        assert engine_ports is None or len(engine_ports) == len(engines)
+        self.engines = engines
+        self.restart_fn = restart
+        self.engine_ports = engine_ports
+        self.control_timeout = control_timeout
+        self.state_timeout = state_timeout
+        self.created = int(time.time())
+        self.restarts: list[int] = [0] * len(engines)
+        self.control_counts: dict[tuple[str, str], int] = {}
+        self._restarting: set[int] = set()
+
+    def port(self, i: int) -> int | None:
+        return self.engine_ports[i] if self.engine_ports is not None else None
+
+    async def broadcast(self, name: str, call: EngineCall, *,
+                        timeout: float | None = None) -> tuple[int, dict[str, Any]]:
+        """Run `call` on every engine concurrently; returns (HTTP status, body).
+
+        Success iff every engine answered ok within `timeout` (default: the app's
+        control timeout); otherwise the status of the worst failure (`_STATUS`).
+        """
+        timeout = self.control_timeout if timeout is None else timeout
+        engines = list(self.engines)
+        replies = await asyncio.gather(*(self._call_one(i, e, call, timeout)
+                                         for i, e in enumerate(engines)))
+        failures = [r["failure"] for r in replies if r["failure"] is not None]
+        ok = not failures
+        status = 200 if ok else _STATUS[min(failures, key=_WORST_FIRST.index)]
+        key = (name, "success" if ok else "failure")
+        self.control_counts[key] = self.control_counts.get(key, 0) + 1
+        if ok:
+            message = f"{name}: all {len(engines)} engines succeeded"
+        else:
+            bad = [f"engine {r['engine']}: {r['message']}" for r in replies if r["failure"]]
+            message = f"{name}: {len(bad)} of {len(engines)} engines failed: " + "; ".join(bad)
+        return status, {"success": ok, "message": message, "engines": replies}
+
+    async def _call_one(self, i: int, engine: EngineClient, call: EngineCall,
+                        timeout: float | None) -> dict[str, Any]:
+        reply: dict[str, Any] = {"engine": i, "port": self.port(i)}
+        try:
+            result = await asyncio.wait_for(call(engine), timeout)
+        except TimeoutError:
+            return {**reply, "success": False, "failure": "timeout",
+                    "message": f"no answer within {timeout:g} s"}
+        except EngineUnavailable as e:
+            return {**reply, "success": False, "failure": "unavailable",
+                    "message": f"engine unavailable: {e}"}
+        except Exception as e:  # noqa: BLE001 - an engine's failure is reported, not raised
+            return {**reply, "success": False, "failure": "error",
+                    "message": f"{type(e).__name__}: {e}"}
+        return {**result.to_dict(), **reply, "success": result.ok,
+                "failure": None if result.ok else "refused"}
+
+    async def engine_states(self) -> list[dict[str, Any]]:
+        """Per engine: health() plus its internal state (or the error fetching it)."""
+        async def one(i: int, engine: EngineClient) -> dict[str, Any]:
+            healthy, reason = engine.health()
+            entry: dict[str, Any] = {"engine": i, "port": self.port(i), "healthy": healthy,
+                                     "reason": reason, "model": engine.model_name}
+            try:
+                entry["state"] = await asyncio.wait_for(engine.async_get_internal_state(),
+                                                        self.state_timeout)
+            except Exception as e:  # noqa: BLE001 - reported per engine
+                entry["state"], entry["state_error"] = None, f"{type(e).__name__}: {e}"
+            return entry
+        return list(await asyncio.gather(*(one(i, e) for i, e in enumerate(self.engines))))
+
+    async def restart(self, i: int) -> tuple[int, dict[str, Any]]:
+        base = {"engine": i, "port": self.port(i)}
+        if self.restart_fn is None:
+            return 501, {**base, "success": False, "message": "this fleet cannot restart engines"}
+        if i in self._restarting:
+            return 409, {**base, "success": False, "message": f"engine {i} is already restarting"}
+        self._restarting.add(i)
+        try:
+            result = await self.restart_fn(i)
+        except Exception as e:  # noqa: BLE001 - reported, the supervisor stays up
+            return 500, {**base, "success": False, "message": f"{type(e).__name__}: {e}"}
+        finally:
+            self._restarting.discard(i)
+        if result.ok:
+            self.restarts[i] += 1
+        return (200 if result.ok else 500), {**result.to_dict(), **base}
+
+
+def build_supervisor_app(engines: Sequence[EngineClient], *, restart: RestartFn | None = None,
+                         engine_ports: list[int] | None = None,
+                         control_timeout: float | None = 600.0) -> FastAPI:
+    """The supervisor's FastAPI app; `app.state.supervisor` is its `Supervisor`."""
+    sup = Supervisor(engines, restart=restart, engine_ports=engine_ports,
+                     control_timeout=control_timeout)
+    app = FastAPI(title="multiserve supervisor")
+    app.state.supervisor = sup
+
+    @app.exception_handler(BadRequest)
+    async def _bad_request(_: Request, exc: BadRequest) -> Response:
+        return error_response(400, str(exc), param=exc.param)
+
+    add_control_route(app, "/pause_generation", PauseBody,
+                      lambda e, b: e.async_pause_generation(b.mode))
+    add_control_route(app, "/continue_generation", EmptyBody,
+                      lambda e, b: e.async_continue_generation())
+    add_control_route(app, "/flush_cache", EmptyBody, lambda e, b: e.async_flush_cache(),
+                      methods=("GET", "POST"))
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request) -> Response:
+        body = await parse_body(request, AbortBody)
+        rid = body.rid or None
+        if (rid is None) == (not body.abort_all):
+            raise BadRequest("give exactly one of rid or abort_all=true", "rid")
+        status, out = await sup.broadcast(
+            "abort_request", lambda e: e.async_abort_request(rid=rid, abort_all=body.abort_all))
+        # A rid lives on (at most) one engine; the others answer "not here" and succeed.
+        out["aborted"] = sum(int(r.get("aborted") or 0) for r in out["engines"])
+        if status == 200 and rid is not None and out["aborted"] == 0:
+            out["message"] = f"abort_request: no engine has a live request with rid {rid!r}"
+        return json_response(status, out)
+
+    @app.post("/restart_engine")
+    async def restart_engine(request: Request) -> Response:
+        body = await parse_body(request, RestartBody)
+        if not 0 <= body.engine < len(sup.engines):
+            raise BadRequest(f"engine must be in [0, {len(sup.engines) - 1}], "
+                             f"got {body.engine}", "engine")
+        status, out = await sup.restart(body.engine)
+        return json_response(status, out)
+
+    @app.get("/health")
+    async def health() -> Response:
+        entries = []
+        for s in await sup.engine_states():
+            state = s["state"] or {}
+            entries.append({k: s[k] for k in ("engine", "port", "healthy", "reason")}
+                           | {"paused": state.get("engine_paused"),
+                              "running": state.get("running_batch_size"),
+                              "waiting": state.get("waiting_queue_size")}
+                           | ({"state_error": s["state_error"]} if "state_error" in s else {}))
+        ok = all(e["healthy"] for e in entries)
+        return json_response(200 if ok else 503, {"healthy": ok, "engines": entries})
+
+    @app.get("/get_server_info")
+    async def get_server_info() -> Response:
+        states = await sup.engine_states()
+        ok = all(s["state"] is not None for s in states)
+        return json_response(200 if ok else 503, {
+            "num_engines": len(states), "engines": states,
+            "internal_states": [s["state"] for s in states]})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        text, content_type = render_metrics(sup, await sup.engine_states())
+        return Response(content=text, media_type=content_type)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        by_name: dict[str, dict[str, Any]] = {}
+        for i, e in enumerate(sup.engines):
+            entry = by_name.setdefault(e.model_name, {
+                "id": e.model_name, "object": "model", "created": sup.created,
+                "owned_by": "multiserve", "root": e.model_name,
+                "max_model_len": e.context_len, "engines": []})
+            entry["engines"].append(i)
+        return json_response(200, {"object": "list", "data": list(by_name.values())})
+
+    return app
+
+
+def add_control_route(app: FastAPI, path: str, body_model: type[B],
+                      call: Callable[[EngineClient, B], Awaitable[ControlResult]], *,
+                      methods: Sequence[str] = ("POST",)) -> None:
+    """Hook for fleet-wide control calls: parse the body as `body_model` (400 on a bad
+    body), broadcast `call(engine, body)` to every engine, answer with the aggregate.
+    E.g. `add_control_route(app, "/update_weights_from_disk", UpdateBody,
+    lambda e, b: e.async_update_weights_from_disk(b.model_path))`."""
+    sup: Supervisor = app.state.supervisor
+    name = path.strip("/")
+
+    async def route(request: Request) -> Response:
+        body = await parse_body(request, body_model)
+        status, out = await sup.broadcast(name, lambda e: call(e, body))
+        return json_response(status, out)
+
+    app.add_api_route(path, route, methods=list(methods), name=name)
+
+
+async def parse_body(request: Request, model: type[B]) -> B:
+    """The request's JSON body (empty = {}) as `model`; BadRequest names the bad field."""
+    data = await read_json(request)
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        param = ".".join(str(x) for x in err["loc"]) or None
+        raise BadRequest(f"{param or 'body'}: {err['msg']}", param) from None
+
+
+class BadRequest(ValueError):
+    """An invalid request body; answered 400 with an OpenAI-style error naming `param`."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+async def read_json(request: Request) -> dict[str, Any]:
+    raw = await request.body()
+    if not raw.strip():
+        return {}
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BadRequest(f"body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise BadRequest("body must be a JSON object")
+    return data
+
+
+def error_response(status: int, message: str, param: str | None = None) -> Response:
+    return JSONResponse(status_code=status, content={"error": {
+        "message": message, "type": "invalid_request_error" if status < 500 else "server_error",
+        "param": param, "code": status}})
+
+
+def json_response(status: int, content: Any) -> Response:
+    """JSON that tolerates engine-state values JSON does not know (numpy scalars, ...)."""
+    text = json.dumps(content, default=_plain)
+    return Response(content=text, status_code=status, media_type="application/json")
+
+
+def _plain(value: Any) -> Any:
+    if hasattr(value, "item"):
+        return value.item()
+    if isinstance(value, (set, frozenset, tuple)):
+        return list(value)
+    return str(value)
