@@ -1,8 +1,13 @@
-"""Suite-wide setup: 4 virtual host devices (before anything imports jax) and a
-persistent compilation cache so repeated engine warm-ups are cheap."""
+"""Suite-wide setup: 4 virtual host devices (set before anything imports jax) and a
+persistent compilation cache, so engines with the same shapes compile once per run."""
 
 import os
+import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
+                      os.path.join(tempfile.gettempdir(), "multiserve-test-jax-cache"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
