@@ -1,0 +1,184 @@
+"""FastAPI app for one engine: OpenAI, native, control and introspection endpoints.
+
+Owns: `build_app(engine, tokenizer, ...)`, the routing table, and the mapping of every
+error to an OpenAI-shaped body (400 invalid input, 404 unknown model/route, 503
+engine unavailable, 500 unexpected). The endpoint logic lives in `openai_serving.py`
+and `native_serving.py`; control endpoints are thin calls into the `EngineClient`.
+
+Invariants: the app holds no engine state of its own (everything introspective is
+read from `async_get_internal_state()` at request time); an error in one request never
+affects another; nothing here imports jax.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from multiserve.server import protocol_native as N
+from multiserve.server.errors import ApiError, bad_request
+from multiserve.server.http_utils import error_json, json_model, parse_body
+from multiserve.server.metrics import CONTENT_TYPE, MetricsMiddleware, ServerMetrics
+from multiserve.server.native_serving import NativeServing
+from multiserve.server.openai_serving import OpenAIServing
+from multiserve.server.run import ClientDisconnected, RequestRun, drain
+from multiserve.server.tokenizer import TokenizerManager
+from multiserve.types import EngineClient, EngineUnavailable, GenerateRequest, SamplingParams
+
+log = logging.getLogger("multiserve.server")
+HEALTH_GENERATE_TIMEOUT_S = 60.0
+
+
+def build_app(engine: EngineClient, tokenizer: TokenizerManager, *,
+              metrics: ServerMetrics | None = None,
+              server_info: dict[str, Any] | None = None) -> FastAPI:
+    """One app in front of one engine. `server_info` is merged into /get_server_info."""
+    metrics = metrics or ServerMetrics()
+    info = {"served_model_name": engine.model_name, "context_len": engine.context_len,
+            **(server_info or {})}
+    oai = OpenAIServing(engine, tokenizer, on_done=metrics.observe_run)
+    native = NativeServing(engine, tokenizer, on_done=metrics.observe_run)
+    app = FastAPI(title="multiserve", docs_url=None, redoc_url=None)
+    app.state.engine, app.state.tokenizer, app.state.metrics = engine, tokenizer, metrics
+
+    # ---- OpenAI + native ------------------------------------------------------------
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return json_model(oai.models())
+
+    app.add_api_route("/v1/chat/completions", oai.chat, methods=["POST"])
+    app.add_api_route("/v1/completions", oai.completions, methods=["POST"])
+    app.add_api_route("/generate", native.generate, methods=["POST"])
+    app.add_api_route("/v1/score", native.score, methods=["POST"])
+
+    # ---- health + introspection -------------------------------------------------------
+    @app.get("/health")
+    async def health() -> Response:
+        ok, reason = engine.health()
+        if ok:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "unhealthy", "message": reason,
+                             **ApiError(503, f"engine unavailable: {reason}").body()}, 503)
+
+    @app.get("/health_generate")
+    async def health_generate() -> Response:
+        ok, reason = engine.health()
+        if not ok:
+            raise ApiError(503, f"engine unavailable: {reason}", code="engine_unavailable")
+        state = await engine.async_get_internal_state()
+        if state.get("engine_paused"):
+            raise ApiError(503, "engine is paused: a health generation cannot run now",
+                           code="engine_paused")
+        ids = tokenizer.encode("ping") or [0]
+        run = RequestRun(engine, tokenizer, GenerateRequest(
+            rid=f"health-{tokenizer.new_rid()}", input_ids=tuple(ids),
+            sampling=SamplingParams(max_new_tokens=1, temperature=0.0)))
+        try:
+            await asyncio.wait_for(drain(run), HEALTH_GENERATE_TIMEOUT_S)
+        except TimeoutError:
+            raise ApiError(503, "health generation timed out", code="timeout") from None
+        s = run.samples[0]
+        if len(s.token_ids) != 1:
+            raise ApiError(503, f"health generation produced {len(s.token_ids)} tokens "
+                           f"(finish_reason={s.finish_reason})", code="engine_unavailable")
+        return JSONResponse({"status": "ok", "output_ids": s.token_ids,
+                             "latency": run.e2e_latency})
+
+    @app.get("/get_model_info")
+    async def get_model_info() -> Response:
+        state = await engine.async_get_internal_state()
+        return JSONResponse({"model_path": info.get("model_path"),
+                             "tokenizer_path": info.get("tokenizer_path"),
+                             "served_model_name": engine.model_name, "is_generation": True,
+                             "context_len": engine.context_len,
+                             "weight_version": state.get("weight_version")})
+
+    @app.get("/get_server_info")
+    async def get_server_info() -> Response:
+        state = await engine.async_get_internal_state()
+        return JSONResponse(_jsonable({**info, **state, "internal_states": [state]}))
+
+    @app.get("/metrics")
+    async def metrics_endpoint() -> Response:
+        ok, _ = engine.health()
+        try:
+            state = await engine.async_get_internal_state()
+        except Exception:  # an unhealthy engine still gets its counters scraped
+            state, ok = {}, False
+        metrics.refresh(state, ok)
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    # ---- control ------------------------------------------------------------------------
+    @app.post("/pause_generation")
+    async def pause_generation(request: Request) -> Response:
+        body = parse_body(N.PauseBody, await request.body(), allow_empty=True)
+        return JSONResponse((await engine.async_pause_generation(body.mode)).to_dict())
+
+    @app.post("/continue_generation")
+    async def continue_generation() -> Response:
+        return JSONResponse((await engine.async_continue_generation()).to_dict())
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request) -> Response:
+        body = parse_body(N.AbortBody, await request.body())
+        if body.rid is None and not body.abort_all:
+            raise bad_request("give 'rid' or 'abort_all': true", param="rid")
+        result = await engine.async_abort_request(body.rid, abort_all=body.abort_all)
+        return JSONResponse(result.to_dict())
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> Response:
+        result = await engine.async_flush_cache()
+        return JSONResponse(result.to_dict(), status_code=200 if result.ok else 400)
+
+    _install_error_handlers(app)
+    known = frozenset(r.path for r in app.routes if hasattr(r, "path"))
+    app.add_middleware(MetricsMiddleware, metrics=metrics, known_paths=known)
+    return app
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def on_api_error(_: Request, exc: ApiError) -> Response:
+        return error_json(exc)
+
+    @app.exception_handler(EngineUnavailable)
+    async def on_unavailable(_: Request, exc: EngineUnavailable) -> Response:
+        return error_json(ApiError(503, f"engine unavailable: {exc}", code="engine_unavailable"))
+
+    @app.exception_handler(ClientDisconnected)
+    async def on_disconnect(_: Request, __: ClientDisconnected) -> Response:
+        return Response(status_code=499)  # nobody reads it; logged as "client closed"
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation(_: Request, exc: RequestValidationError) -> Response:
+        return error_json(bad_request(str(exc)))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http(_: Request, exc: StarletteHTTPException) -> Response:
+        return error_json(ApiError(exc.status_code, str(exc.detail)))
+
+    @app.exception_handler(Exception)
+    async def on_unexpected(_: Request, exc: Exception) -> Response:
+        log.exception("unexpected error while serving a request")
+        return error_json(ApiError(500, f"internal error: {type(exc).__name__}: {exc}"))
+
+
+def _jsonable(x: Any) -> Any:
+    """Make engine state JSON-safe (tuples → lists, unknown objects → str)."""
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple, set, frozenset)):
+        return [_jsonable(v) for v in x]
+    if x is None or isinstance(x, (bool, int, str)):
+        return x
+    if isinstance(x, float):
+        return x if x == x and x not in (float("inf"), float("-inf")) else str(x)
+    return str(x)

@@ -1,0 +1,72 @@
+"""API errors of the HTTP side and their OpenAI-shaped JSON body.
+
+Owns: `ApiError` (status + OpenAI error fields) and the conversions from pydantic
+validation errors and `SamplingParamsError` into it.
+
+Invariant: every error a client sees has the body
+`{"error": {"message", "type", "param", "code"}}` and a 4xx/5xx status that matches it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import ValidationError
+
+from multiserve.types import SamplingParamsError
+
+
+class ApiError(Exception):
+    """An error answered to the client with `status` and an OpenAI error body."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 code: str | None = None, err_type: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.err_type = err_type or _default_type(status)
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.err_type,
+                          "param": self.param, "code": self.code}}
+
+
+def _default_type(status: int) -> str:
+    if status == 404:
+        return "NotFoundError"
+    if status == 503:
+        return "ServiceUnavailableError"
+    if status >= 500:
+        return "InternalServerError"
+    return "BadRequestError"
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param, code=code or "invalid_request_error")
+
+
+def from_validation_error(exc: ValidationError) -> ApiError:
+    """First pydantic error → 400 naming the offending field (dotted path)."""
+    errors = exc.errors(include_url=False)
+    if not errors:
+        return bad_request(str(exc))
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return bad_request(f"Invalid JSON body: {first.get('msg')}", code="invalid_json")
+    loc = ".".join(str(p) for p in first.get("loc", ()) if p is not None)
+    msg = first.get("msg", "invalid value")
+    more = f" (and {len(errors) - 1} more error(s))" if len(errors) > 1 else ""
+    message = f"{loc}: {msg}{more}" if loc else f"{msg}{more}"
+    return bad_request(message, param=loc or None)
+
+
+def from_sampling_error(exc: SamplingParamsError, rename: dict[str, str] | None = None
+                        ) -> ApiError:
+    """A `SamplingParamsError` → 400 naming the client's own parameter name."""
+    param = (rename or {}).get(exc.field, exc.field)
+    text = str(exc)
+    if text.startswith(f"{exc.field}:"):
+        text = text[len(exc.field) + 1:].strip()
+    return bad_request(f"{param}: {text}", param=param)

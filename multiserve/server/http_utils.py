@@ -1,0 +1,79 @@
+"""Small HTTP helpers shared by the endpoint modules.
+
+Owns: strict body parsing into pydantic models (errors → `ApiError`), the model-name
+and health gates, SSE framing, and JSON-safe floats.
+
+Invariant: a JSON body we send never contains NaN/Infinity (strict JSON parsers, and
+OpenAI clients, reject them): non-finite logprobs become -9999.0.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import AsyncIterator
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+from starlette.responses import JSONResponse, StreamingResponse
+
+from multiserve.server.errors import ApiError, bad_request, from_validation_error
+from multiserve.types import EngineClient
+
+M = TypeVar("M", bound=BaseModel)
+NEG_INF_LOGPROB = -9999.0
+
+
+def parse_body(cls: type[M], raw: bytes, *, allow_empty: bool = False) -> M:
+    if not raw.strip():
+        if allow_empty:
+            return cls.model_validate_json(b"{}")
+        raise bad_request("request body is empty; expected a JSON object", code="invalid_json")
+    try:
+        return cls.model_validate_json(raw)
+    except ValidationError as exc:
+        raise from_validation_error(exc) from None
+
+
+def check_model(engine: EngineClient, model: str | None) -> None:
+    if model is not None and model != engine.model_name:
+        raise ApiError(404, f"The model '{model}' does not exist; this server serves "
+                       f"'{engine.model_name}'", param="model", code="model_not_found")
+
+
+def check_health(engine: EngineClient) -> None:
+    ok, reason = engine.health()
+    if not ok:
+        raise ApiError(503, f"engine unavailable: {reason}", code="engine_unavailable")
+
+
+def finite(x: float) -> float:
+    if math.isnan(x):
+        return NEG_INF_LOGPROB
+    if math.isinf(x):
+        return NEG_INF_LOGPROB if x < 0 else 0.0
+    return float(x)
+
+
+def sse_data(payload: Any) -> str:
+    if isinstance(payload, BaseModel):
+        text = payload.model_dump_json(exclude_none=True)
+    else:
+        text = json.dumps(payload, ensure_ascii=False, allow_nan=False)
+    return f"data: {text}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse_response(gen: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(gen, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def json_model(model: BaseModel, status: int = 200) -> JSONResponse:
+    return JSONResponse(model.model_dump(mode="json", exclude_none=True), status_code=status)
+
+
+def error_json(exc: ApiError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status)

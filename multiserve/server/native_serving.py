@@ -1,0 +1,214 @@
+"""The native (sglang-compatible) endpoints: /generate and /v1/score.
+
+Owns: /generate over text or input_ids (single or batch, n samples each), streamed as
+SSE chunks carrying the CUMULATIVE text and output_ids of one sample (sglang's
+default), or answered as one object (single prompt, n == 1) or a list; and /v1/score,
+which scores each item by a 1-token greedy generation on query+item with
+`token_ids_logprob=label_token_ids`, reading the label logprobs at the first generated
+position (the next-token distribution after the prompt).
+
+Invariant: meta_info.finish_reason is {"type": "stop", "matched": ...} |
+{"type": "length", "length": n} | {"type": "abort", "message": ...}.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from multiserve.server import protocol_native as N
+from multiserve.server.errors import ApiError, bad_request, from_sampling_error
+from multiserve.server.http_utils import (SSE_DONE, check_health, check_model, finite,
+                                          parse_body, sse_data, sse_response)
+from multiserve.server.run import (RequestRun, SampleState, drain_all, merge_runs,
+                                   until_disconnect)
+from multiserve.server.tokenizer import TokenizerManager, score_softmax
+from multiserve.types import (EngineClient, EngineUnavailable, GenerateRequest, SamplingParams,
+                              SamplingParamsError, TokenLogprob)
+
+
+def _finish_reason(s: SampleState) -> dict[str, Any] | None:
+    if not s.done:
+        return None
+    if s.finish_reason == "length":
+        return {"type": "length", "length": len(s.token_ids)}
+    if s.finish_reason == "abort":
+        return {"type": "abort", "message": s.error or "aborted"}
+    return {"type": "stop", "matched": s.matched_stop}
+
+
+class NativeServing:
+    def __init__(self, engine: EngineClient, tm: TokenizerManager,
+                 on_done: Callable[[RequestRun], None] | None = None) -> None:
+        self.engine = engine
+        self.tm = tm
+        self.on_done = on_done
+
+    # ---- /generate ----------------------------------------------------------------------
+    def _build(self, body: N.GenerateRequestBody) -> tuple[list[RequestRun], bool]:
+        try:
+            prompts, is_batch = body.prompts()
+        except ValueError as exc:
+            raise bad_request(str(exc), param="text") from None
+        ids_list = [self.tm.encode(p) if isinstance(p, str) else p for p in prompts]
+        if not ids_list:
+            raise bad_request("no prompt given", param="text")
+        vocab = len(self.tm.tokenizer)
+        for ids in ids_list:
+            if any(t < 0 or t >= vocab for t in ids):
+                raise bad_request(f"input_ids: token ids must be in [0, {vocab})",
+                                  param="input_ids")
+        try:
+            sp = N.native_sampling(body)
+        except SamplingParamsError as exc:
+            raise from_sampling_error(exc) from None
+        for ids in ids_list:
+            self.tm.check_length(len(ids), sp.max_new_tokens, "max_new_tokens")
+        rids = body.rid
+        if isinstance(rids, list):
+            if len(rids) != len(ids_list):
+                raise bad_request("rid: need one rid per prompt", param="rid")
+        else:
+            base = rids or self.tm.new_rid()
+            rids = [base] if len(ids_list) == 1 else [f"{base}-{i}" for i in range(len(ids_list))]
+        check_health(self.engine)
+        prompt_lp = body.return_logprob and body.logprob_start_len >= 0
+        runs = [RequestRun(self.engine, self.tm,
+                           GenerateRequest(rid=r, input_ids=tuple(ids), sampling=sp,
+                                           stream=body.stream or bool(sp.stop),
+                                           return_prompt_logprobs=prompt_lp),
+                           on_done=self.on_done)
+                for r, ids in zip(rids, ids_list)]
+        return runs, is_batch
+
+    async def generate(self, request: Request) -> Response:
+        body = parse_body(N.GenerateRequestBody, await request.body())
+        runs, is_batch = self._build(body)
+        if body.stream:
+            return sse_response(self._generate_stream(body, runs))
+        try:
+            await until_disconnect(request, drain_all(runs))
+        except EngineUnavailable as exc:
+            raise ApiError(503, f"engine unavailable: {exc}", code="engine_unavailable") from None
+        n = runs[0].request.sampling.n
+        outs = [self._sample_out(body, run, s) for run in runs for s in run.samples]
+        for i, o in enumerate(outs):
+            o["index"] = i
+        if not is_batch and n == 1:
+            return JSONResponse(outs[0])
+        return JSONResponse(outs)
+
+    def _sample_out(self, body: N.GenerateRequestBody, run: RequestRun,
+                    s: SampleState) -> dict[str, Any]:
+        meta: dict[str, Any] = {
+            "id": run.rid, "finish_reason": _finish_reason(s),
+            "prompt_tokens": run.prompt_tokens, "completion_tokens": len(s.token_ids),
+            "cached_tokens": run.cached_tokens, "weight_version": run.weight_version,
+            "e2e_latency": run.e2e_latency}
+        if s.done and s.matched_stop is not None:
+            meta["matched_stop"] = s.matched_stop
+        if run.weight_segments:
+            meta["weight_segments"] = run.weight_segments
+        if s.error:
+            meta["error"] = s.error
+        if body.return_logprob or body.top_logprobs_num or body.token_ids_logprob is not None:
+            self._add_logprobs(meta, body, run, s.token_ids, s.logprobs)
+        return {"text": s.text, "output_ids": list(s.token_ids), "index": s.index,
+                "meta_info": meta}
+
+    def _add_logprobs(self, meta: dict[str, Any], body: N.GenerateRequestBody, run: RequestRun,
+                      ids: list[int], lps: list[TokenLogprob]) -> None:
+        def txt(t: int) -> str | None:
+            return self.tm.token_str(t) if body.return_text_in_logprobs else None
+
+        def triple(t: int, v: float | None) -> list[Any]:
+            return [None if v is None else finite(v), t, txt(t)]
+
+        meta["output_token_logprobs"] = [triple(t, lp.logprob) for t, lp in zip(ids, lps)]
+        if body.top_logprobs_num:
+            meta["output_top_logprobs"] = [[triple(t, v) for t, v in lp.top] for lp in lps]
+        if body.token_ids_logprob is not None:
+            meta["output_token_ids_logprob"] = [[triple(t, v) for t, v in lp.selected]
+                                                for lp in lps]
+        if run.prompt_logprobs is not None:
+            start = max(body.logprob_start_len, 0)
+            ids_in = run.request.input_ids
+            meta["input_token_logprobs"] = [
+                triple(ids_in[j], None if lp is None else lp.logprob)
+                for j, lp in enumerate(run.prompt_logprobs) if j >= start and j < len(ids_in)]
+
+    async def _generate_stream(self, body: N.GenerateRequestBody,
+                               runs: list[RequestRun]) -> AsyncIterator[str]:
+        n = runs[0].request.sampling.n
+        try:
+            async for p, ev in merge_runs(runs):
+                run = runs[p]
+                out = self._sample_out(body, run, run.samples[ev.index])
+                out["index"] = p * n + ev.index
+                yield sse_data(out)
+        except EngineUnavailable as exc:
+            yield sse_data(ApiError(503, f"engine unavailable: {exc}").body())
+        yield SSE_DONE
+
+    # ---- /v1/score --------------------------------------------------------------------
+    async def score(self, request: Request) -> Response:
+        body = parse_body(N.ScoreRequest, await request.body())
+        check_model(self.engine, body.model)
+        labels = list(body.label_token_ids)
+        vocab = len(self.tm.tokenizer)
+        if not labels or any(t < 0 or t >= vocab for t in labels):
+            raise bad_request(f"label_token_ids: need 1+ token ids in [0, {vocab})",
+                              param="label_token_ids")
+        prompts = self._score_prompts(body)
+        try:
+            sp = SamplingParams(max_new_tokens=1, temperature=0.0, token_ids_logprob=tuple(labels))
+        except SamplingParamsError as exc:
+            raise from_sampling_error(exc, {"token_ids_logprob": "label_token_ids"}) from None
+        for ids in prompts:
+            self.tm.check_length(len(ids), 1, "items")
+        check_health(self.engine)
+        base = self.tm.new_rid()
+        runs = [RequestRun(self.engine, self.tm,
+                           GenerateRequest(rid=f"{base}-{i}", input_ids=tuple(ids), sampling=sp,
+                                           stream=False), on_done=self.on_done)
+                for i, ids in enumerate(prompts)]
+        try:
+            await until_disconnect(request, drain_all(runs))
+        except EngineUnavailable as exc:
+            raise ApiError(503, f"engine unavailable: {exc}", code="engine_unavailable") from None
+        scores = []
+        for run in runs:
+            s = run.samples[0]
+            if not s.logprobs:
+                raise ApiError(500, f"engine returned no logprobs for {run.rid} "
+                               f"(finish_reason={s.finish_reason})")
+            got = dict(s.logprobs[0].selected)
+            scores.append(score_softmax([got.get(t, float("-inf")) for t in labels],
+                                        body.apply_softmax))
+        usage = {"prompt_tokens": sum(r.prompt_tokens for r in runs),
+                 "completion_tokens": 0,
+                 "total_tokens": sum(r.prompt_tokens for r in runs)}
+        return JSONResponse(N.ScoreResponse(scores=scores, model=self.engine.model_name,
+                                            usage=usage).model_dump(mode="json"))
+
+    def _score_prompts(self, body: N.ScoreRequest) -> list[list[int]]:
+        items = [body.items] if isinstance(body.items, str) else list(body.items)
+        if not items:
+            raise bad_request("items: must not be empty", param="items")
+        query = body.query
+        if all(isinstance(i, str) for i in items):
+            if query is not None and not isinstance(query, str):
+                raise bad_request("query: must be text when items are text", param="query")
+            q = query or ""
+            return [self.tm.encode(i + q if body.item_first else q + i) for i in items]
+        if query is not None and not isinstance(query, list):
+            raise bad_request("query: must be token ids when items are token ids", param="query")
+        q_ids = list(query or [])
+        out = [list(i) + q_ids if body.item_first else q_ids + list(i) for i in items]
+        vocab = len(self.tm.tokenizer)
+        if any(t < 0 or t >= vocab for ids in out for t in ids):
+            raise bad_request(f"items: token ids must be in [0, {vocab})", param="items")
+        return out

@@ -1,0 +1,236 @@
+"""The OpenAI-compatible endpoints: /v1/models, /v1/chat/completions, /v1/completions.
+
+Owns: turning OpenAI requests into `GenerateRequest`s (tokenize, validate, sample
+params), and `RequestRun` events into OpenAI responses or SSE chunk streams, including
+both logprobs shapes, echo, usage with cached tokens, and n > 1 / several prompts.
+
+Invariants: every validation error is raised before anything reaches the engine; a
+stream always ends with `data: [DONE]` (after an error event if the engine failed);
+choice index = prompt index * n + sample index.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from multiserve.server import protocol as P
+from multiserve.server.errors import ApiError, bad_request, from_sampling_error
+from multiserve.server.http_utils import (SSE_DONE, check_health, check_model, finite,
+                                          json_model, parse_body, sse_data, sse_response)
+from multiserve.server.run import RequestRun, SampleEvent, drain_all, merge_runs, until_disconnect
+from multiserve.server.tokenizer import TokenizerManager
+from multiserve.types import (EngineClient, EngineUnavailable, GenerateRequest,
+                              SamplingParamsError, TokenLogprob)
+
+
+class OpenAIServing:
+    def __init__(self, engine: EngineClient, tm: TokenizerManager,
+                 on_done: Callable[[RequestRun], None] | None = None) -> None:
+        self.engine = engine
+        self.tm = tm
+        self.on_done = on_done
+
+    # ---- /v1/models ---------------------------------------------------------------------
+    def models(self) -> P.ModelList:
+        return P.ModelList(data=[P.ModelCard(id=self.engine.model_name, root=self.engine.model_name,
+                                             max_model_len=self.engine.context_len)])
+
+    # ---- shared -----------------------------------------------------------------------
+    def _runs(self, req: P.ChatCompletionRequest | P.CompletionRequest,
+              prompts: list[list[int]], echo_logprobs: bool = False) -> list[RequestRun]:
+        check_model(self.engine, req.model)
+        param, max_tokens = req.max_new_tokens_param
+        budgets = [self.tm.check_length(len(ids), max_tokens, param) for ids in prompts]
+        rename = dict(P.OPENAI_PARAM_NAMES, max_new_tokens=param)
+        if isinstance(req, P.CompletionRequest):
+            rename["top_logprobs_num"] = "logprobs"
+        try:
+            params = [P.openai_sampling(req, b) for b in budgets]
+        except SamplingParamsError as exc:
+            raise from_sampling_error(exc, rename) from None
+        check_health(self.engine)
+        base = req.rid or self.tm.new_rid()
+        runs = []
+        for i, (ids, sp) in enumerate(zip(prompts, params)):
+            rid = base if len(prompts) == 1 else f"{base}-{i}"
+            # Stop strings are matched here, so the engine must stream to stop early.
+            greq = GenerateRequest(rid=rid, input_ids=tuple(ids), sampling=sp,
+                                   stream=req.stream or bool(sp.stop),
+                                   return_prompt_logprobs=echo_logprobs)
+            runs.append(RequestRun(self.engine, self.tm, greq, on_done=self.on_done))
+        return runs
+
+    def _usage(self, runs: list[RequestRun]) -> P.UsageInfo:
+        return P.UsageInfo.build(sum(r.prompt_tokens for r in runs),
+                                 sum(r.completion_tokens for r in runs),
+                                 sum(r.cached_tokens for r in runs))
+
+    async def _finish(self, request: Request, runs: list[RequestRun]) -> None:
+        try:
+            await until_disconnect(request, drain_all(runs))
+        except EngineUnavailable as exc:
+            raise ApiError(503, f"engine unavailable: {exc}", code="engine_unavailable") from None
+
+    # ---- /v1/chat/completions --------------------------------------------------------------
+    async def chat(self, request: Request) -> Response:
+        req = parse_body(P.ChatCompletionRequest, await request.body())
+        if req.top_logprobs is not None and not req.logprobs and req.top_logprobs > 0:
+            raise bad_request("top_logprobs: requires logprobs=true", param="top_logprobs")
+        check_model(self.engine, req.model)
+        ids = self.tm.apply_chat_template(req.messages, req.add_generation_prompt)
+        runs = self._runs(req, [ids])
+        if req.stream:
+            return sse_response(self._chat_stream(req, runs[0]))
+        await self._finish(request, runs)
+        run = runs[0]
+        choices = [P.ChatChoice(index=s.index, message=P.ChatResponseMessage(content=s.text),
+                                logprobs=self._chat_logprobs(s.token_ids, s.logprobs, req)
+                                if req.logprobs else None,
+                                finish_reason=s.finish_reason, matched_stop=s.matched_stop)
+                   for s in run.samples]
+        return json_model(P.ChatCompletionResponse(id=run.rid, model=self.engine.model_name,
+                                                   choices=choices, usage=self._usage(runs)))
+
+    def _chat_logprobs(self, ids: list[int], lps: list[TokenLogprob],
+                       req: P.ChatCompletionRequest) -> P.ChatLogprobs:
+        content = []
+        for tid, lp in zip(ids, lps):
+            s, b = self.tm.token_info(tid)
+            top = []
+            for t, v in lp.top[:req.top_logprobs_num]:
+                ts, tb = self.tm.token_info(t)
+                top.append(P.TopLogprob(token=ts, logprob=finite(v), bytes=list(tb)))
+            content.append(P.ChatTokenLogprob(token=s, logprob=finite(lp.logprob), bytes=list(b),
+                                              top_logprobs=top))
+        return P.ChatLogprobs(content=content)
+
+    async def _chat_stream(self, req: P.ChatCompletionRequest,
+                           run: RequestRun) -> AsyncIterator[str]:
+        created, model = int(time.time()), self.engine.model_name
+
+        def chunk(choice: P.ChatChunkChoice) -> str:
+            return sse_data(P.ChatCompletionChunk(id=run.rid, created=created, model=model,
+                                                  choices=[choice]))
+
+        for i in range(req.n):
+            yield chunk(P.ChatChunkChoice(index=i, delta=P.DeltaMessage(role="assistant",
+                                                                        content="")))
+        try:
+            async for _, ev in merge_runs([run]):
+                logprobs = (self._chat_logprobs(ev.token_ids, ev.logprobs, req)
+                            if req.logprobs and ev.token_ids else None)
+                delta = P.DeltaMessage(content=ev.text) if ev.text else P.DeltaMessage()
+                if ev.text or logprobs is not None or ev.finished:
+                    yield chunk(P.ChatChunkChoice(index=ev.index, delta=delta, logprobs=logprobs,
+                                                  finish_reason=ev.finish_reason,
+                                                  matched_stop=ev.matched_stop))
+        except EngineUnavailable as exc:
+            yield sse_data(ApiError(503, f"engine unavailable: {exc}").body())
+        if req.include_usage:
+            yield sse_data(P.ChatCompletionChunk(id=run.rid, created=created, model=model,
+                                                 choices=[], usage=self._usage([run])))
+        yield SSE_DONE
+
+    # ---- /v1/completions ------------------------------------------------------------------
+    def _prompt_ids(self, prompt: Any) -> list[list[int]]:
+        if isinstance(prompt, str):
+            return [self.tm.encode(prompt)]
+        if not prompt:
+            raise bad_request("prompt: must not be empty", param="prompt")
+        if isinstance(prompt[0], str):
+            return [self.tm.encode(p) for p in prompt]
+        batch = [prompt] if isinstance(prompt[0], int) else prompt
+        vocab = len(self.tm.tokenizer)
+        for ids in batch:
+            if any(t < 0 or t >= vocab for t in ids):
+                raise bad_request(f"prompt: token ids must be in [0, {vocab})", param="prompt")
+        return [list(ids) for ids in batch]
+
+    async def completions(self, request: Request) -> Response:
+        req = parse_body(P.CompletionRequest, await request.body())
+        check_model(self.engine, req.model)
+        if req.logprobs is not None and req.logprobs < 0:
+            raise bad_request("logprobs: must be >= 0", param="logprobs")
+        prompts = self._prompt_ids(req.prompt)
+        echo_lp = req.echo and req.logprobs is not None
+        runs = self._runs(req, prompts, echo_logprobs=echo_lp)
+        if req.stream:
+            return sse_response(self._completion_stream(req, runs, prompts))
+        await self._finish(request, runs)
+        choices = []
+        for p, run in enumerate(runs):
+            prefix = self.tm.decode(prompts[p]) if req.echo else ""
+            for s in run.samples:
+                lp = None
+                if req.logprobs is not None:
+                    lp = self._completion_logprobs(run, s.token_ids, s.logprobs, req,
+                                                   prompts[p] if req.echo else None, 0)
+                choices.append(P.CompletionChoice(index=p * req.n + s.index, text=prefix + s.text,
+                                                  logprobs=lp, finish_reason=s.finish_reason,
+                                                  matched_stop=s.matched_stop))
+        return json_model(P.CompletionResponse(id=runs[0].rid, model=self.engine.model_name,
+                                               choices=choices, usage=self._usage(runs)))
+
+    def _completion_logprobs(self, run: RequestRun, ids: list[int], lps: list[TokenLogprob],
+                             req: P.CompletionRequest, prompt_ids: list[int] | None,
+                             offset: int) -> P.CompletionLogprobs:
+        out = P.CompletionLogprobs()
+        k = req.top_logprobs_num
+
+        def add(tid: int, lp: TokenLogprob | None) -> None:
+            nonlocal offset
+            s = self.tm.token_str(tid)
+            out.tokens.append(s)
+            out.token_logprobs.append(None if lp is None else finite(lp.logprob))
+            out.top_logprobs.append(None if lp is None else
+                                    {self.tm.token_str(t): finite(v) for t, v in lp.top[:k]})
+            out.text_offset.append(offset)
+            offset += len(s)
+
+        if prompt_ids is not None:
+            plps = run.prompt_logprobs or ()
+            for j, tid in enumerate(prompt_ids):
+                add(tid, plps[j] if j < len(plps) else None)
+        for tid, lp in zip(ids, lps):
+            add(tid, lp)
+        return out
+
+    async def _completion_stream(self, req: P.CompletionRequest, runs: list[RequestRun],
+                                 prompts: list[list[int]]) -> AsyncIterator[str]:
+        created, model, rid = int(time.time()), self.engine.model_name, runs[0].rid
+        offsets: dict[int, int] = {}
+        echoed: set[int] = set()
+
+        def chunk(index: int, text: str, lp: P.CompletionLogprobs | None,
+                  ev: SampleEvent | None) -> str:
+            return sse_data(P.CompletionResponse(
+                id=rid, created=created, model=model, choices=[P.CompletionChoice(
+                    index=index, text=text, logprobs=lp,
+                    finish_reason=ev.finish_reason if ev else None,
+                    matched_stop=ev.matched_stop if ev else None)]))
+
+        try:
+            async for p, ev in merge_runs(runs):
+                index = p * req.n + ev.index
+                text, echo_ids = ev.text, None
+                if req.echo and index not in echoed:
+                    echoed.add(index)
+                    text, echo_ids = self.tm.decode(prompts[p]) + text, prompts[p]
+                lp = None
+                if req.logprobs is not None:
+                    lp = self._completion_logprobs(runs[p], ev.token_ids, ev.logprobs, req,
+                                                   echo_ids, offsets.get(index, 0))
+                    offsets[index] = (lp.text_offset[-1] + len(lp.tokens[-1])
+                                      if lp.tokens else offsets.get(index, 0))
+                yield chunk(index, text, lp, ev)
+        except EngineUnavailable as exc:
+            yield sse_data(ApiError(503, f"engine unavailable: {exc}").body())
+        if req.include_usage:
+            yield sse_data(P.CompletionResponse(id=rid, created=created, model=model, choices=[],
+                                                usage=self._usage(runs)))
+        yield SSE_DONE

@@ -1,0 +1,251 @@
+"""Pydantic models of the OpenAI-compatible API (requests, responses, stream chunks).
+
+Owns: the wire shapes of /v1/models, /v1/completions and /v1/chat/completions, and
+the mapping of an OpenAI request's sampling fields onto `SamplingParams`.
+Native (/generate, /v1/score) and control bodies live in `protocol_native.py`.
+
+Invariants: requests are parsed from raw JSON in strict mode (no "0.5" → 0.5
+coercion) and ignore unknown fields, as OpenAI clients expect; range checks are left
+to `SamplingParams` (one source of truth), whose field names are mapped back to the
+client's parameter names by `OPENAI_PARAM_NAMES`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from multiserve.types import SamplingParams
+
+FinishReasonStr = Literal["stop", "length", "abort"]
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class _Response(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class ContentPart(_Request):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Request):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class _SamplingRequest(_Request):
+    """Fields shared by chat and completions requests."""
+
+    model: str
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    stop: str | list[str] | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    user: str | None = None
+    # Extensions shared with sglang / vLLM clients.
+    rid: str | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def stop_list(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+
+    @property
+    def max_new_tokens_param(self) -> tuple[str, int | None]:
+        if self.max_completion_tokens is not None:
+            return "max_completion_tokens", self.max_completion_tokens
+        return "max_tokens", self.max_tokens
+
+    @property
+    def top_logprobs_num(self) -> int:
+        return (self.top_logprobs or 0) if self.logprobs else 0
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False
+    logprobs: int | None = None
+    max_tokens: int | None = 16  # OpenAI's default for legacy completions
+
+    @property
+    def max_new_tokens_param(self) -> tuple[str, int | None]:
+        return "max_tokens", self.max_tokens
+
+    @property
+    def top_logprobs_num(self) -> int:
+        return self.logprobs or 0
+
+
+# SamplingParams field → the OpenAI parameter a client sent.
+OPENAI_PARAM_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens",
+                      "top_logprobs_num": "top_logprobs"}
+
+
+def openai_sampling(req: ChatCompletionRequest | CompletionRequest,
+                    max_new_tokens: int) -> SamplingParams:
+    """The engine's SamplingParams for an OpenAI request (raises SamplingParamsError)."""
+    given: dict[str, Any] = {}
+    for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                 "frequency_penalty", "repetition_penalty", "seed"):
+        value = getattr(req, name)
+        if value is not None:
+            given[name] = value
+    wants_logprobs = (req.logprobs is True) if isinstance(req, ChatCompletionRequest) \
+        else req.logprobs is not None
+    return SamplingParams(
+        max_new_tokens=max_new_tokens, min_new_tokens=req.min_tokens,
+        n=req.n, stop=req.stop_list(), stop_token_ids=tuple(req.stop_token_ids or ()),
+        ignore_eos=req.ignore_eos, skip_special_tokens=req.skip_special_tokens,
+        return_logprob=wants_logprobs, top_logprobs_num=req.top_logprobs_num, **given)
+
+
+# ---- responses ----------------------------------------------------------------------
+class PromptTokensDetails(_Response):
+    cached_tokens: int = 0
+
+
+class UsageInfo(_Response):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+    @classmethod
+    def build(cls, prompt: int, completion: int, cached: int) -> UsageInfo:
+        return cls(prompt_tokens=prompt, completion_tokens=completion,
+                   total_tokens=prompt + completion,
+                   prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+
+
+class TopLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(_Response):
+    content: list[ChatTokenLogprob] = Field(default_factory=list)
+
+
+class ChatResponseMessage(_Response):
+    role: str = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(_Response):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: FinishReasonStr | None = None
+    matched_stop: int | str | None = None
+
+
+class ChatCompletionResponse(_Response):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(_Response):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(_Response):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: FinishReasonStr | None = None
+    matched_stop: int | str | None = None
+
+
+class ChatCompletionChunk(_Response):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: UsageInfo | None = None
+
+
+class CompletionLogprobs(_Response):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(_Response):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: FinishReasonStr | None = None
+    matched_stop: int | str | None = None
+
+
+class CompletionResponse(_Response):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(_Response):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "multiserve"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(_Response):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

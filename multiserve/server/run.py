@@ -1,0 +1,233 @@
+"""One engine request seen from the HTTP side: per-sample text events.
+
+Owns: `RequestRun`, which submits a `GenerateRequest` through `EngineClient.stream`,
+detokenizes each sample incrementally (stop strings included), and yields
+`SampleEvent`s; `merge_runs` for several prompts at once; `until_disconnect` for
+non-streaming requests whose client may go away.
+
+Invariants:
+- The engine stream is always closed when the run ends for any reason (done, a stop
+  string matched on every sample, error, cancellation on client disconnect): closing
+  it aborts whatever is still running in the engine and frees its KV. The close is
+  shielded from cancellation so a disconnect can never skip it.
+- Each sample ends exactly once; outputs for a sample after it ended (e.g. tokens the
+  engine produced past a stop string) are ignored and not counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import anyio
+from starlette.requests import Request
+
+from multiserve.server.detokenizer import IncrementalDetokenizer
+from multiserve.server.tokenizer import TokenizerManager
+from multiserve.types import EngineClient, GenerateRequest, TokenLogprob
+
+T = TypeVar("T")
+
+
+@dataclass
+class SampleState:
+    index: int
+    detok: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    matched_stop: int | str | None = None
+    error: str | None = None
+    done: bool = False
+
+    @property
+    def text(self) -> str:
+        return self.detok.text
+
+
+@dataclass(frozen=True)
+class SampleEvent:
+    index: int
+    text: str  # newly emitted text
+    token_ids: list[int]  # newly consumed tokens
+    logprobs: list[TokenLogprob]  # their logprobs (empty unless requested)
+    finished: bool
+    finish_reason: str | None = None
+    matched_stop: int | str | None = None
+
+
+class RequestRun:
+    """Drives one GenerateRequest; iterate `events()` once."""
+
+    def __init__(self, engine: EngineClient, tm: TokenizerManager, request: GenerateRequest,
+                 on_done: Callable[[RequestRun], None] | None = None) -> None:
+        self.engine = engine
+        self.request = request
+        sp = request.sampling
+        self.samples = [
+            SampleState(i, tm.detokenizer(stop=sp.stop, skip_special_tokens=sp.skip_special_tokens,
+                                          prompt_ids=request.input_ids))
+            for i in range(sp.n)]
+        self.prompt_tokens = len(request.input_ids)
+        self.cached_tokens = 0
+        self.weight_version = ""
+        self.prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+        self.weight_segments: list[dict[str, Any]] = []
+        self.started = time.monotonic()
+        self.first_token_at: float | None = None
+        self.ended_at: float | None = None
+        self._on_done = on_done
+
+    @property
+    def rid(self) -> str:
+        return self.request.rid
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.samples)
+
+    @property
+    def e2e_latency(self) -> float:
+        return (self.ended_at or time.monotonic()) - self.started
+
+    async def events(self) -> AsyncIterator[SampleEvent]:
+        stream = self.engine.stream(self.request)
+        try:
+            async for out in stream:
+                if not 0 <= out.index < len(self.samples):
+                    continue
+                st = self.samples[out.index]
+                if st.done:
+                    continue
+                self.cached_tokens = max(self.cached_tokens, out.cached_tokens)
+                self.weight_version = out.weight_version
+                if out.prompt_logprobs is not None:
+                    self.prompt_logprobs = out.prompt_logprobs
+                if out.weight_segments:
+                    self.weight_segments = [{"start": w.start, "weight_version": w.weight_version}
+                                            for w in out.weight_segments]
+                event = self._advance(st, out)
+                if event is not None:
+                    yield event
+                if all(s.done for s in self.samples):
+                    break
+        finally:
+            with anyio.CancelScope(shield=True):
+                aclose = getattr(stream, "aclose", None)
+                if aclose is not None:
+                    await aclose()
+            self.ended_at = time.monotonic()
+            for st in self.samples:
+                if not st.done:  # cancelled / engine stream ended early
+                    st.done, st.finish_reason = True, "abort"
+            if self._on_done is not None:
+                self._on_done(self)
+
+    def _advance(self, st: SampleState, out: Any) -> SampleEvent | None:
+        new_ids = list(out.output_ids[len(st.token_ids):])
+        start = len(st.token_ids)
+        pieces: list[str] = []
+        taken = 0
+        for t in new_ids:
+            pieces.append(st.detok.add_token(t))
+            taken += 1
+            if st.detok.stopped:
+                break
+        new_ids = new_ids[:taken]
+        st.token_ids.extend(new_ids)
+        new_lps: list[TokenLogprob] = []
+        if out.logprobs is not None:
+            new_lps = list(out.logprobs[start:start + taken])
+            st.logprobs.extend(new_lps)
+        if new_ids and self.first_token_at is None:
+            self.first_token_at = time.monotonic()
+        if st.detok.stopped:
+            st.done, st.finish_reason, st.matched_stop = True, "stop", st.detok.matched_stop
+        elif out.finished:
+            pieces.append(st.detok.finish())
+            st.done, st.finish_reason = True, out.finish_reason or "stop"
+            st.matched_stop, st.error = out.matched_stop, out.error
+        text = "".join(pieces)
+        if not (text or new_ids or st.done):
+            return None
+        return SampleEvent(st.index, text, new_ids, new_lps, st.done,
+                           st.finish_reason if st.done else None,
+                           st.matched_stop if st.done else None)
+
+
+async def merge_runs(runs: list[RequestRun]) -> AsyncIterator[tuple[int, SampleEvent]]:
+    """Events of several runs as (run index, event), in arrival order."""
+    if len(runs) == 1:
+        async for ev in runs[0].events():
+            yield 0, ev
+        return
+    queue: asyncio.Queue[tuple[int, SampleEvent | None | BaseException]] = asyncio.Queue()
+
+    async def pump(i: int, run: RequestRun) -> None:
+        try:
+            async for ev in run.events():
+                await queue.put((i, ev))
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+            await queue.put((i, exc))
+            return
+        await queue.put((i, None))
+
+    tasks = [asyncio.ensure_future(pump(i, r)) for i, r in enumerate(runs)]
+    try:
+        live = len(runs)
+        while live:
+            i, item = await queue.get()
+            if item is None:
+                live -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        with anyio.CancelScope(shield=True):
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away before the response was ready."""
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    # The body was read already, so the next receive() only returns on disconnect.
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it (and raising ClientDisconnected) if the client leaves."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done() and not watcher.done():  # we ourselves were cancelled
+            task.cancel()
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with anyio.CancelScope(shield=True):
+        await asyncio.gather(task, return_exceptions=True)
+    raise ClientDisconnected()
+
+
+async def drain(run: RequestRun) -> None:
+    async for _ in run.events():
+        pass
+
+
+async def drain_all(runs: list[RequestRun]) -> None:
+    async for _ in merge_runs(runs):
+        pass

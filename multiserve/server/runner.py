@@ -1,0 +1,148 @@
+"""Running an app under uvicorn: in a background thread (the fleet, tests) or in the
+main thread (single-engine `multiserve serve`).
+
+Owns: `ServerThread` (bind → start → `ready` event → `stop()`), `run_server`, and
+`serve_single`.
+
+Invariants: the listening socket is bound before the thread starts, so `port` is
+known at once (port 0 picks a free one) and early connections wait in the backlog;
+`ready` is set only after uvicorn finished its startup; a server thread never installs
+signal handlers (only the main thread may); `stop()` returns once the thread ended.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+
+log = logging.getLogger("multiserve.server")
+
+
+class _Server(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, ready: threading.Event,
+                 handle_signals: bool) -> None:
+        super().__init__(config)
+        self._ready = ready
+        self._handle_signals = handle_signals
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if self._handle_signals:
+            with super().capture_signals():
+                yield
+        else:
+            yield
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started:
+            self._ready.set()
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+class ServerThread:
+    """One uvicorn server for `app` in a daemon thread with its own event loop."""
+
+    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, *,
+                 log_level: str = "warning", name: str = "multiserve-http",
+                 graceful_timeout_s: float = 5.0) -> None:
+        self.host = host
+        self.ready = threading.Event()
+        self._sock = bind_socket(host, port)
+        self.port: int = self._sock.getsockname()[1]
+        config = uvicorn.Config(app, log_level=log_level, lifespan="off",
+                                timeout_graceful_shutdown=graceful_timeout_s,
+                                timeout_keep_alive=30)
+        self._server = _Server(config, self.ready, handle_signals=False)
+        self._thread = threading.Thread(target=self._run, name=f"{name}:{self.port}",
+                                        daemon=True)
+        self.error: BaseException | None = None
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    def _run(self) -> None:
+        try:
+            asyncio.run(self._server.serve(sockets=[self._sock]))
+        except BaseException as exc:  # noqa: BLE001 - reported through start()/error
+            self.error = exc
+            log.exception("server thread %s failed", self._thread.name)
+        finally:
+            self.ready.set()  # never leave a waiter hanging
+            with contextlib.suppress(OSError):
+                self._sock.close()
+
+    def start(self, timeout: float = 60.0) -> ServerThread:
+        self._thread.start()
+        if not self.ready.wait(timeout):
+            raise TimeoutError(f"server on port {self.port} not ready after {timeout}s")
+        if self.error is not None or not self._server.started:
+            raise RuntimeError(f"server on port {self.port} failed to start: {self.error!r}")
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self._server.should_exit = True
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        if self._thread.is_alive():  # graceful shutdown stuck: force it
+            self._server.force_exit = True
+            self._thread.join(timeout)
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive() and self._server.started
+
+    def __enter__(self) -> ServerThread:
+        return self if self.ready.is_set() else self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def run_server(app: Any, host: str = "127.0.0.1", port: int = 0, *,
+               log_level: str = "warning") -> ServerThread:
+    """Start `app` in a background thread and return once it accepts requests."""
+    return ServerThread(app, host, port, log_level=log_level).start()
+
+
+def serve_single(engine: Any, tokenizer_dir: str | Path, host: str = "127.0.0.1",
+                 port: int = 31000, *, server_info: dict[str, Any] | None = None,
+                 log_level: str = "info") -> None:
+    """Serve one EngineClient in the calling (main) thread until SIGINT/SIGTERM."""
+    from multiserve.server.app import build_app
+    from multiserve.server.tokenizer import TokenizerManager
+
+    tm = TokenizerManager(tokenizer_dir, engine.context_len, engine.model_name)
+    info = {"tokenizer_path": str(tokenizer_dir), "host": host, "port": port,
+            **(server_info or {})}
+    app = build_app(engine, tm, server_info=info)
+    sock = bind_socket(host, port)
+    config = uvicorn.Config(app, log_level=log_level, lifespan="off",
+                            timeout_graceful_shutdown=5.0)
+    server = _Server(config, threading.Event(),
+                     handle_signals=threading.current_thread() is threading.main_thread())
+    log.info("serving %s on http://%s:%d", engine.model_name, host, sock.getsockname()[1])
+    try:
+        asyncio.run(server.serve(sockets=[sock]))
+    finally:
+        with contextlib.suppress(OSError):
+            sock.close()

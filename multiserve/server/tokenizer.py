@@ -1,0 +1,206 @@
+"""TokenizerManager: the text side of one served model (never touches a device).
+
+Owns: loading the model's (fast) tokenizer from a Hugging Face-format directory,
+tokenizing prompts and chat messages (with the model's chat template), validating a
+request's length against the context window, assigning request ids, building
+per-sample incremental detokenizers, token display strings/bytes for logprobs, and
+the score softmax (plain NumPy).
+
+Invariants: nothing here imports jax; every validation failure is an `ApiError` (400)
+that names the offending parameter.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from collections.abc import Sequence
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from multiserve.server.detokenizer import IncrementalDetokenizer
+from multiserve.server.errors import bad_request
+
+_BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
+
+
+@lru_cache(maxsize=1)
+def _byte_decoder() -> dict[str, int]:
+    """Inverse of the GPT-2 byte-level alphabet (printable stand-ins for raw bytes)."""
+    bs = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+          + list(range(ord("®"), ord("ÿ") + 1)))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+class TokenizerManager:
+    """Tokenizer, chat template and request-length rules for one served model."""
+
+    def __init__(self, tokenizer_dir: str | Path, context_len: int, model_name: str, *,
+                 default_max_tokens: int | None = None) -> None:
+        from transformers import AutoTokenizer  # heavy import, done once here
+
+        path = Path(tokenizer_dir)
+        if not path.is_dir():
+            raise FileNotFoundError(f"tokenizer directory not found: {path}")
+        self.tokenizer: Any = AutoTokenizer.from_pretrained(str(path))
+        if not getattr(self.tokenizer, "is_fast", False):
+            raise ValueError(f"{path}: need a fast (tokenizer.json) tokenizer")
+        assert context_len > 0
+        self.context_len = int(context_len)
+        self.model_name = model_name
+        self.default_max_tokens = default_max_tokens
+        self.has_chat_template = bool(getattr(self.tokenizer, "chat_template", None))
+        eos = self.tokenizer.eos_token_id
+        self.eos_token_ids: tuple[int, ...] = () if eos is None else (int(eos),)
+        self.special_ids: frozenset[int] = frozenset(self.tokenizer.all_special_ids)
+        self._byte_level = "ByteLevel" in type(self.tokenizer.backend_tokenizer.decoder).__name__
+        self._token_cache: dict[int, tuple[str, bytes]] = {}
+
+    # ---- tokenize ---------------------------------------------------------------------
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens,
+                                     clean_up_tokenization_spaces=False)
+
+    def render_chat(self, messages: Sequence[Any], add_generation_prompt: bool = True) -> str:
+        """Validate OpenAI-style messages and render them with the chat template."""
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise bad_request("messages: must be a non-empty list", param="messages")
+        plain = [_plain_message(m, i) for i, m in enumerate(messages)]
+        if not self.has_chat_template:
+            raise bad_request("this model has no chat template; use /v1/completions",
+                              param="messages")
+        try:
+            return self.tokenizer.apply_chat_template(
+                plain, add_generation_prompt=add_generation_prompt, tokenize=False)
+        except Exception as exc:  # template errors (e.g. role order rules) are client errors
+            raise bad_request(f"messages: chat template failed: {exc}", param="messages")
+
+    def apply_chat_template(self, messages: Sequence[Any],
+                            add_generation_prompt: bool = True) -> list[int]:
+        # The template already writes any BOS it wants: add no special tokens again.
+        return self.encode(self.render_chat(messages, add_generation_prompt),
+                           add_special_tokens=False)
+
+    # ---- validation -------------------------------------------------------------------
+    def check_length(self, prompt_len: int, max_new_tokens: int | None,
+                     param: str = "max_tokens") -> int:
+        """Check prompt + max_new_tokens fits the context; return the resolved budget."""
+        if prompt_len <= 0:
+            raise bad_request("prompt: must not be empty", param="prompt")
+        if prompt_len >= self.context_len:
+            raise bad_request(
+                f"prompt has {prompt_len} tokens, but this model's context length is "
+                f"{self.context_len} tokens (room is needed for at least one new token)",
+                param="prompt", code="context_length_exceeded")
+        room = self.context_len - prompt_len
+        if max_new_tokens is None:
+            return room if self.default_max_tokens is None else min(room,
+                                                                    self.default_max_tokens)
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) \
+                or max_new_tokens < 0:
+            raise bad_request(f"{param}: must be an integer >= 0, got {max_new_tokens!r}",
+                              param=param)
+        if max_new_tokens > room:
+            raise bad_request(
+                f"{param}: prompt ({prompt_len} tokens) + {param} ({max_new_tokens}) = "
+                f"{prompt_len + max_new_tokens} exceeds this model's context length "
+                f"({self.context_len})", param=param, code="context_length_exceeded")
+        return max_new_tokens
+
+    @staticmethod
+    def new_rid() -> str:
+        return uuid.uuid4().hex
+
+    # ---- detokenize -------------------------------------------------------------------
+    def detokenizer(self, *, stop: Sequence[str] = (), skip_special_tokens: bool = True,
+                    prompt_ids: Sequence[int] = ()) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self.tokenizer, stop=stop,
+                                      skip_special_tokens=skip_special_tokens,
+                                      prompt_ids=prompt_ids)
+
+    def token_info(self, token_id: int) -> tuple[str, bytes]:
+        """(display string, raw bytes) of one token, for logprobs."""
+        hit = self._token_cache.get(token_id)
+        if hit is not None:
+            return hit
+        piece = self.tokenizer.convert_ids_to_tokens(int(token_id))
+        raw: bytes | None = None
+        if piece is None:
+            raw = b""
+        elif token_id in self.special_ids or piece in self.tokenizer.get_added_vocab():
+            raw = piece.encode("utf-8")
+        elif self._byte_level:
+            table = _byte_decoder()
+            if all(c in table for c in piece):
+                raw = bytes(table[c] for c in piece)
+        else:
+            m = _BYTE_FALLBACK.match(piece)
+            if m:
+                raw = bytes([int(m.group(1), 16)])
+        if raw is None:
+            raw = self.decode([token_id], skip_special_tokens=False).encode("utf-8")
+        info = (raw.decode("utf-8", errors="replace"), raw)
+        if len(self._token_cache) < 200_000:
+            self._token_cache[token_id] = info
+        return info
+
+    def token_str(self, token_id: int) -> str:
+        return self.token_info(token_id)[0]
+
+
+def _plain_message(m: Any, i: int) -> dict[str, str]:
+    """One message as {"role", "content"} with content flattened to a string."""
+    if hasattr(m, "model_dump"):
+        m = m.model_dump(exclude_none=True)
+    if not isinstance(m, dict):
+        raise bad_request(f"messages[{i}]: must be an object", param=f"messages.{i}")
+    role = m.get("role")
+    if not isinstance(role, str) or not role:
+        raise bad_request(f"messages[{i}].role: must be a non-empty string",
+                          param=f"messages.{i}.role")
+    content = m.get("content")
+    if content is None:
+        content = ""
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if hasattr(part, "model_dump"):
+                part = part.model_dump(exclude_none=True)
+            if not isinstance(part, dict) or part.get("type") != "text" \
+                    or not isinstance(part.get("text"), str):
+                raise bad_request(f"messages[{i}].content[{j}]: only text parts are supported",
+                                  param=f"messages.{i}.content")
+            texts.append(part["text"])
+        content = "".join(texts)
+    if not isinstance(content, str):
+        raise bad_request(f"messages[{i}].content: must be a string or a list of text parts",
+                          param=f"messages.{i}.content")
+    return {"role": role, "content": content}
+
+
+def score_softmax(logprobs: Sequence[float], apply_softmax: bool) -> list[float]:
+    """Label scores from label logprobs: softmax over the labels, or plain exp()."""
+    x = np.asarray(list(logprobs), dtype=np.float64)
+    if x.size == 0:
+        return []
+    if not apply_softmax:
+        return [float(v) for v in np.exp(x)]
+    finite = np.isfinite(x)
+    if not finite.any():
+        return [1.0 / x.size] * x.size
+    z = np.where(finite, x - x[finite].max(), -np.inf)
+    e = np.exp(z)
+    return [float(v) for v in e / e.sum()]
