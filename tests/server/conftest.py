@@ -1,11 +1,27 @@
-"""Shared fixtures for the server tests: the default model's tokenizer directory."""
+"""Shared fixtures for the server tests.
+
+`tokenizer_dir` needs no engine (tokenizer/protocol unit tests). `engine` is ONE real
+`multiserve.Engine` on the embedded default model (SmolLM2-135M), built once per
+session with small shape buckets so warm-up stays short; `server` is a real uvicorn
+server for it on a free loopback port. Tests leave the engine idle and unpaused
+(`idle_engine` checks and restores that).
+"""
 
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
+
+ENGINE_KW: dict[str, Any] = dict(
+    max_running_requests=64, precompile_bs_paddings=(64,), precompile_token_paddings=(64, 256),
+    chunked_prefill_size=256, max_total_tokens=16384, max_context_len=2048,
+    show_progress=False)
 
 
 def _tokenizer_dir() -> Path:
@@ -27,3 +43,70 @@ def tm(tokenizer_dir: Path):
     from multiserve.server.tokenizer import TokenizerManager
 
     return TokenizerManager(tokenizer_dir, context_len=512, model_name="test-model")
+
+
+@pytest.fixture(scope="session")
+def engine() -> Iterator[Any]:
+    from multiserve.config import EngineConfig
+    from multiserve.engine.engine import Engine
+
+    eng = Engine(EngineConfig(**ENGINE_KW))
+    yield eng
+    eng.shutdown()
+
+
+class Served:
+    """A running server for the session engine: url, tokenizer manager, http client."""
+
+    def __init__(self, engine: Any, thread: Any, tm: Any) -> None:
+        self.engine = engine
+        self.thread = thread
+        self.tm = tm
+        self.url = thread.url
+        self.http = httpx.Client(base_url=thread.url, timeout=120)
+
+    def state(self) -> dict[str, Any]:
+        r = self.http.get("/get_server_info")
+        r.raise_for_status()
+        return r.json()
+
+    def wait_state(self, pred: Any, timeout: float = 30.0) -> dict[str, Any]:
+        """Poll /get_server_info until pred(state) holds (a condition, not a sleep)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            st = self.state()
+            if pred(st):
+                return st
+            if time.monotonic() > deadline:
+                raise AssertionError(f"condition not reached within {timeout}s: {st}")
+            time.sleep(0.05)
+
+
+@pytest.fixture(scope="session")
+def served(engine: Any) -> Iterator[Served]:
+    from multiserve.server import ServerThread, TokenizerManager, build_app
+
+    tm = TokenizerManager(engine.tokenizer_dir, engine.context_len, engine.model_name)
+    app = build_app(engine, tm, server_info={"model_path": str(engine.model_path),
+                                             "tokenizer_path": str(engine.tokenizer_dir)})
+    thread = ServerThread(app).start()
+    s = Served(engine, thread, tm)
+    yield s
+    s.http.close()
+    thread.stop()
+
+
+def _idle(st: dict[str, Any]) -> bool:
+    return (not st["engine_paused"] and st["running_batch_size"] == 0
+            and st["waiting_queue_size"] == 0)
+
+
+@pytest.fixture()
+def idle_engine(served: Served) -> Iterator[Served]:
+    """The server, with its engine unpaused and idle before and after the test."""
+    served.http.post("/continue_generation")
+    served.wait_state(_idle)
+    yield served
+    served.http.post("/continue_generation")
+    served.http.post("/abort_request", json={"abort_all": True})
+    served.wait_state(_idle)

@@ -1,0 +1,91 @@
+"""Request parsing and the mapping onto SamplingParams (no engine needed)."""
+
+from __future__ import annotations
+
+import pytest
+
+from multiserve.server import protocol as P
+from multiserve.server import protocol_native as N
+from multiserve.server.errors import ApiError
+from multiserve.server.http_utils import parse_body
+from multiserve.types import SamplingParamsError
+
+
+def test_chat_request_parses_and_maps_sampling():
+    req = parse_body(P.ChatCompletionRequest, b"""{"model": "m", "messages":
+        [{"role": "user", "content": "x", "name": "u"}], "stop": "END", "n": 2,
+        "temperature": 0, "top_p": 0.9, "top_k": 5, "min_p": 0.1, "seed": 3,
+        "presence_penalty": 0.5, "frequency_penalty": -0.5, "repetition_penalty": 1.1,
+        "logprobs": true, "top_logprobs": 4, "max_completion_tokens": 9,
+        "unknown_field": {"ignored": true}, "stream_options": {"include_usage": true}}""")
+    assert req.max_new_tokens_param == ("max_completion_tokens", 9)
+    assert req.include_usage
+    sp = P.openai_sampling(req, 9)
+    assert sp.stop == ("END",) and sp.n == 2 and sp.temperature == 0 and sp.top_k == 5
+    assert sp.seed == 3 and sp.top_logprobs_num == 4 and sp.return_logprob
+    assert sp.presence_penalty == 0.5 and sp.repetition_penalty == 1.1
+
+
+def test_completion_logprobs_int_shape_and_prompt_forms():
+    for prompt in ('"text"', '["a", "b"]', "[1, 2, 3]", "[[1], [2, 3]]"):
+        req = parse_body(P.CompletionRequest, f'{{"model": "m", "prompt": {prompt}}}'.encode())
+        assert req.max_tokens == 16 and not req.echo
+    req = parse_body(P.CompletionRequest, b'{"model": "m", "prompt": "x", "logprobs": 3}')
+    assert req.top_logprobs_num == 3 and P.openai_sampling(req, 4).return_logprob
+
+
+@pytest.mark.parametrize("body,param", [
+    (b'{"model": "m", "prompt": "x", "max_tokens": 1.5}', "max_tokens"),
+    (b'{"model": "m", "prompt": "x", "n": true}', "n"),
+    (b'{"model": "m", "prompt": "x", "temperature": "1"}', "temperature"),
+    (b'{"model": "m", "prompt": {"a": 1}}', "prompt"),
+    (b'{"prompt": "x"}', "model"),
+])
+def test_strict_types_name_the_field(body, param):
+    with pytest.raises(ApiError) as e:
+        parse_body(P.CompletionRequest, body)
+    assert e.value.status == 400 and e.value.param.split(".")[0] == param
+
+
+def test_malformed_json_is_a_400():
+    with pytest.raises(ApiError) as e:
+        parse_body(P.ChatCompletionRequest, b'{"model": ')
+    assert e.value.status == 400 and e.value.code == "invalid_json"
+
+
+def test_native_sampling_params():
+    body = parse_body(N.GenerateRequestBody, b"""{"text": ["a", "b"], "sampling_params":
+        {"max_new_tokens": 7, "temperature": 0.5, "stop": "x", "stop_token_ids": [2],
+         "n": 3, "json_schema": "ignored"}, "return_logprob": true, "top_logprobs_num": 2,
+        "token_ids_logprob": [5, 6]}""")
+    prompts, is_batch = body.prompts()
+    assert prompts == ["a", "b"] and is_batch
+    sp = N.native_sampling(body)
+    assert sp.max_new_tokens == 7 and sp.stop == ("x",) and sp.stop_token_ids == (2,)
+    assert sp.n == 3 and sp.top_logprobs_num == 2 and sp.token_ids_logprob == (5, 6)
+    assert N.native_sampling(parse_body(N.GenerateRequestBody, b'{"text": "a"}')) \
+        .max_new_tokens == N.DEFAULT_MAX_NEW_TOKENS
+    for bad in ({"temperature": -1}, {"top_p": 0}, {"n": 0}, {"stop_token_ids": "x"},
+                {"ignore_eos": 1}, {"max_new_tokens": -3}):
+        b = N.GenerateRequestBody(text="a", sampling_params=bad)
+        with pytest.raises(SamplingParamsError) as e:
+            N.native_sampling(b)
+        assert e.value.field == next(iter(bad))
+
+
+def test_generate_prompt_forms():
+    ids = N.GenerateRequestBody(input_ids=[1, 2])
+    assert ids.prompts() == ([[1, 2]], False)
+    batch = N.GenerateRequestBody(input_ids=[[1], [2, 3]])
+    assert batch.prompts() == ([[1], [2, 3]], True)
+    with pytest.raises(ValueError):
+        N.GenerateRequestBody().prompts()
+
+
+def test_control_bodies():
+    assert parse_body(N.PauseBody, b"", allow_empty=True).mode == "abort"
+    assert parse_body(N.PauseBody, b'{"mode": "retract"}').mode == "retract"
+    with pytest.raises(ApiError):
+        parse_body(N.PauseBody, b'{"mode": "later"}')
+    ab = parse_body(N.AbortBody, b'{"abort_all": true}')
+    assert ab.abort_all and ab.rid is None
