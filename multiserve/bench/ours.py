@@ -1,0 +1,117 @@
+"""One measured run of a started multiserve Engine: N prompts at once, greedy, M tokens.
+
+How a run goes: flush the prefix cache (every run starts cold, like the peer), pause
+the engine in place, submit every request (streaming, so each token's arrival is
+timed), then continue: t0 is the moment of `continue_generation`, so all requests
+arrive together and the first step sees the whole queue. Token timestamps are taken
+in the request sink, on the engine thread, when the host reads each token.
+
+The overlap A/B switches `EngineCore.overlap` on the engine thread while the engine
+is idle and drained: both runs use the same compiled executables and KV pool and
+differ only in scheduling (step N+1 launched before step N is read, or not).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from multiserve.bench.stats import Timeline, summarize
+from multiserve.types import GenerateRequest, RequestOutput, SamplingParams
+
+
+def set_overlap(engine: Any, on: bool) -> None:
+    def apply(core: Any) -> None:
+        core.drain()
+        core.overlap = on
+
+    engine.run_on_engine_thread(apply)
+
+
+def run_once(engine: Any, prompts: Sequence[Sequence[int]], output_len: int, *,
+             overlap: bool, desc: str, show_progress: bool = True) -> dict[str, Any]:
+    set_overlap(engine, overlap)
+    flushed = engine.flush_cache()
+    assert flushed.ok, f"bench: cannot flush before a run: {flushed.message}"
+    before = engine.get_internal_state()
+    params = SamplingParams(max_new_tokens=output_len, temperature=0.0, ignore_eos=True)
+    timelines: dict[str, Timeline] = {}
+    counters = {"tokens": 0, "done": 0}
+    all_done = threading.Event()
+    errors: list[str] = []
+    n = len(prompts)
+
+    def make_sink(tl: Timeline):  # noqa: ANN202
+        def sink(out: RequestOutput) -> None:  # engine thread: keep it cheap
+            counters["tokens"] += tl.record(time.perf_counter(), len(out.output_ids))
+            if out.finished:
+                tl.finished_at = tl.events[-1][0] if tl.events else time.perf_counter()
+                tl.finish_reason = out.finish_reason
+                tl.output_ids = out.output_ids
+                tl.cached_tokens = out.cached_tokens
+                if out.error:
+                    errors.append(out.error)
+                counters["done"] += 1
+                if counters["done"] == n:
+                    all_done.set()
+        return sink
+
+    engine.pause_generation("in_place")
+    try:
+        for i, ids in enumerate(prompts):
+            rid = f"bench-{desc}-{i}"
+            timelines[rid] = Timeline()
+            engine.submit(GenerateRequest(rid=rid, input_ids=tuple(ids), sampling=params,
+                                          stream=True), make_sink(timelines[rid]))
+    finally:
+        t0 = time.perf_counter()
+        engine.continue_generation()
+    _wait(engine, all_done, counters, n * output_len, desc, show_progress)
+    if errors:
+        raise RuntimeError(f"bench: the engine failed during the run: {errors[0]}")
+    after = engine.get_internal_state()
+    ordered = [timelines[f"bench-{desc}-{i}"] for i in range(n)]
+    steps = after["forward_ct"] - before["forward_ct"]
+    figures = summarize(ordered, t0)
+    figures.update({
+        "overlap": overlap,
+        "steps": steps,
+        "decode_steps": after["forward_ct_decode"] - before["forward_ct_decode"],
+        "mean_step_ms": 1000.0 * float(figures["wall_s"]) / steps if steps else float("nan"),
+        "cached_prompt_tokens": sum(t.cached_tokens for t in ordered),
+        "finish_reasons": sorted({str(t.finish_reason) for t in ordered}),
+        "exact_length": all(len(t.output_ids) == output_len for t in ordered),
+        "cache_miss_count": after["cache_miss_count"],
+        "retractions": after["num_retractions"] - before["num_retractions"],
+    })
+    flushed = engine.flush_cache()
+    state = engine.get_internal_state()
+    figures["kv_returned"] = bool(flushed.ok and state["available_kv_tokens"]
+                                  == state["initial_available_kv_tokens"])
+    figures["output_ids"] = [list(t.output_ids) for t in ordered]
+    return figures
+
+
+def _wait(engine: Any, done: threading.Event, counters: dict[str, int], total: int, desc: str,
+          show_progress: bool) -> None:
+    bar = None
+    if show_progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, desc=f"ours {desc}", unit="tok", leave=False)
+    shown = 0
+    try:
+        while not done.wait(0.25):
+            healthy, reason = engine.health()
+            if not healthy:
+                raise RuntimeError(f"bench: the engine became unhealthy: {reason}")
+            if bar is not None:
+                now = counters["tokens"]
+                bar.update(now - shown)
+                shown = now
+    finally:
+        if bar is not None:
+            bar.update(counters["tokens"] - shown)
+            bar.close()

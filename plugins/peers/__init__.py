@@ -1,0 +1,1 @@
+"""Reference implementations the benchmark compares against, run as subprocesses."""

@@ -1,0 +1,166 @@
+"""Benchmark peer: Hugging Face transformers batched `generate` (torch, CPU, fp32).
+
+Run as a subprocess by `multiserve bench --peer hf` (torch never enters the
+multiserve process). Reads token-id prompts from a JSON file, generates exactly
+`--output-len` greedy tokens per prompt with left-padded batches, and prints ONE JSON
+line with its figures (and the generated ids, so the caller can compare outputs).
+
+Exact token count: EOS is disabled for generation (`eos_token_id=None`), the same
+semantics as multiserve's `ignore_eos` (an EOS may be generated and decoding goes on),
+rather than `min_new_tokens`, which would mask EOS and change the greedy choice.
+
+Usage: python plugins/peers/hf_generate.py --prompts-file P.json --output-len 128
+       --model-dir DIR [--batch-size 0] [--threads N] [--no-warmup]
+P.json: {"prompts": [[id, id, ...], ...]}
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import sys
+import time
+from typing import Any
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    k = (len(s) - 1) * q / 100.0
+    lo = int(k)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def _left_pad(batch: list[list[int]], pad_id: int) -> tuple[Any, Any]:
+    import torch
+
+    width = max(len(p) for p in batch)
+    ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(batch), width), dtype=torch.long)
+    for i, p in enumerate(batch):
+        ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+        mask[i, width - len(p):] = 1
+    return ids, mask
+
+
+def _make_step_clock() -> Any:
+    """A StoppingCriteria that never stops and records when each new token exists."""
+    import torch
+    from transformers import StoppingCriteria
+
+    class StepClock(StoppingCriteria):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def __call__(self, input_ids: Any, scores: Any, **kwargs: Any) -> Any:
+            self.times.append(time.perf_counter())
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool,
+                               device=input_ids.device)
+
+    return StepClock()
+
+
+def _generate(model: Any, batch: list[list[int]], output_len: int, pad_id: int
+              ) -> tuple[list[list[int]], list[float]]:
+    import torch
+    from transformers import StoppingCriteriaList
+
+    ids, mask = _left_pad(batch, pad_id)
+    clock = _make_step_clock()
+    with torch.inference_mode():
+        out = model.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=output_len,
+            do_sample=False, pad_token_id=pad_id, eos_token_id=None,
+            stopping_criteria=StoppingCriteriaList([clock]))
+    new = out[:, ids.shape[1]:].tolist()
+    return new, clock.times
+
+
+def run(prompts: list[list[int]], output_len: int, model_dir: str, batch_size: int,
+        threads: int, warmup: bool) -> dict[str, Any]:
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(threads)
+    t_load = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.eval()
+    gen_cfg = model.generation_config
+    gen_cfg.eos_token_id = None
+    for name in ("temperature", "top_p", "top_k"):  # greedy: silence sampling defaults
+        if hasattr(gen_cfg, name):
+            setattr(gen_cfg, name, None)
+    gen_cfg.do_sample = False
+    pad_id = model.config.pad_token_id
+    if pad_id is None:
+        eos = model.config.eos_token_id
+        pad_id = (eos[0] if isinstance(eos, list) else eos) or 0
+    load_s = time.perf_counter() - t_load
+
+    if warmup:  # first-call costs (allocator, kernels) stay out of the measurement
+        _generate(model, [prompts[0][:8], prompts[-1][:4]], 2, pad_id)
+
+    bs = batch_size if batch_size > 0 else len(prompts)
+    outputs: list[list[int]] = []
+    ttft: list[float] = []
+    itl: list[float] = []
+    t0 = time.perf_counter()
+    for start in range(0, len(prompts), bs):
+        batch = prompts[start:start + bs]
+        new, times = _generate(model, batch, output_len, pad_id)
+        outputs.extend(new)
+        if times:
+            ttft.extend([times[0] - t0] * len(batch))
+            steps = [b - a for a, b in zip(times, times[1:])]
+            itl.extend(s for s in steps for _ in batch)
+    wall = time.perf_counter() - t0
+    total = sum(len(o) for o in outputs)
+    return {
+        "peer": "hf",
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "threads": threads,
+        "batch_size": bs,
+        "num_prompts": len(prompts),
+        "output_len": output_len,
+        "output_tokens": total,
+        "wall_s": wall,
+        "tokens_per_s": total / wall if wall > 0 else 0.0,
+        "ttft_p50_s": _percentile(ttft, 50),
+        "ttft_p99_s": _percentile(ttft, 99),
+        "itl_p50_s": _percentile(itl, 50),
+        "itl_p99_s": _percentile(itl, 99),
+        "load_s": load_s,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
+        "exact_length": all(len(o) == output_len for o in outputs),
+        "output_ids": outputs,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--prompts-file", required=True)
+    p.add_argument("--output-len", type=int, required=True)
+    p.add_argument("--model-dir", required=True)
+    p.add_argument("--batch-size", type=int, default=0, help="0: all prompts in one batch")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--no-warmup", action="store_true")
+    args = p.parse_args(argv)
+    with open(args.prompts_file, encoding="utf-8") as f:
+        prompts = [list(map(int, ids)) for ids in json.load(f)["prompts"]]
+    if not prompts or any(not ids for ids in prompts):
+        print("hf_generate: every prompt needs at least one token id", file=sys.stderr)
+        return 2
+    result = run(prompts, args.output_len, args.model_dir, args.batch_size, args.threads,
+                 warmup=not args.no_warmup)
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

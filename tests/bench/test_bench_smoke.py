@@ -1,0 +1,69 @@
+"""`multiserve bench` end to end on the default model, tiny: 4 prompts x 8 tokens with the
+overlap A/B, no peer. Checks the closing JSON line (the contract scripts rely on) and
+the figures' internal consistency, not speed."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from multiserve.bench.prompts import BENCH_PROMPTS, bench_prompts
+from multiserve.bench.stats import Timeline, agreement, percentile, summarize
+from multiserve.cli import build_parser
+
+
+def test_prompt_list_is_fixed_varied_and_distinct() -> None:
+    assert len(BENCH_PROMPTS) >= 64
+    assert len(set(BENCH_PROMPTS)) == len(BENCH_PROMPTS)
+    first = bench_prompts(64)
+    assert first == bench_prompts(64)  # deterministic
+    words = sorted(len(p.split()) for p in first)
+    assert words[0] < 10 and words[-1] > 300  # short and long prompts both present
+
+
+def test_stats_arithmetic() -> None:
+    assert percentile([3.0, 1.0, 2.0], 50) == 2.0
+    assert percentile([0.0, 10.0], 99) == pytest.approx(9.9)
+    assert math.isnan(percentile([], 50))
+    tl = Timeline()
+    assert tl.record(1.5, 1) == 1
+    assert tl.record(2.5, 3) == 2  # one snapshot bringing two tokens: two 0.5 s gaps
+    tl.finished_at = 2.5
+    fig = summarize([tl], t0=1.0)
+    assert fig["output_tokens"] == 3
+    assert fig["ttft_p50_s"] == pytest.approx(0.5)
+    assert fig["itl_p50_s"] == pytest.approx(0.5)
+    assert fig["tokens_per_s"] == pytest.approx(2.0)
+    same = agreement([[1, 2, 3], [4, 5]], [[1, 2, 9], [4, 5]])
+    assert same == {"identical_fraction": 0.5, "mean_common_prefix": 2.0}
+
+
+@pytest.mark.slow
+def test_bench_smoke_json_line(capsys: pytest.CaptureFixture[str]) -> None:
+    from multiserve.bench.run import bench_main
+
+    args = build_parser().parse_args(
+        ["bench", "--num-prompts", "4", "--output-len", "8", "--ab-overlap", "--no-progress"])
+    assert bench_main(args) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    res = json.loads(lines[-1])
+    assert "ours / peer" not in "\n".join(lines)  # no peer asked for
+    assert res["num_prompts"] == 4 and res["output_len"] == 8
+    assert res["cache_miss_count"] == 0 and res["targets"]["zero_recompiles_met"]
+    assert res["ratio_vs_peer"] is None and "peer" not in res
+    assert res["overlap_ratio"] is not None and res["overlap_outputs_identical"] is True
+    for key in ("ours", "ours_ab"):
+        run = res[key]
+        assert run["output_tokens"] == 32 and run["exact_length"]
+        assert run["finish_reasons"] == ["length"]
+        assert run["kv_returned"] and run["retractions"] == 0
+        assert run["tokens_per_s"] > 0
+        assert 0 < run["ttft_p50_s"] <= run["ttft_p99_s"] <= run["wall_s"]
+        assert 0 < run["itl_p50_s"] <= run["itl_p99_s"]
+        assert run["steps"] >= 8
+    assert res["ours"]["overlap"] is True and res["ours_ab"]["overlap"] is False
+    assert res["startup_s"] >= res["compile_s"] > 0
+    assert res["peak_rss_mb"] > 0
+    assert res["prompt_tokens"]["min"] < res["prompt_tokens"]["max"]
