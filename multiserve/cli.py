@@ -85,6 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--ab-overlap", action="store_true", help="run overlap on AND off")
     b.add_argument("--model", default=None)
     b.add_argument("--max-running", type=int, default=None)
+    b.add_argument("--peer-batch-size", type=int, default=0,
+                   help="peer generate batch size (0: all prompts in one batch)")
+    b.add_argument("--peer-threads", type=int, default=None, help="peer torch threads")
+    b.add_argument("--no-progress", action="store_true", help="no progress bars")
     b.set_defaults(func=_cmd_bench)
     return parser
 
