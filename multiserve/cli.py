@@ -75,6 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--prompt", default="What is the capital of France?")
     v.add_argument("--inject-failure", action="store_true",
                    help="test hook: make one check fail on purpose")
+    v.add_argument("--ignore-eos", action="store_true",
+                   help="every answer runs to --max-tokens (fixed load, for throughput)")
+    v.add_argument("--timeout", type=float, default=900.0,
+                   help="with --force-exit: exit 1 if the whole run takes longer (seconds)")
     v.set_defaults(func=_cmd_validate)
 
     b = sub.add_parser("bench", help="offline throughput on the default model")
