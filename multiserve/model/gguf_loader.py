@@ -1,0 +1,173 @@
+"""Read a GGUF file: its config (metadata), its tensors under HF names (de-quantized), and
+its tokenizer (written as HF tokenizer files). Numpy + the `gguf` package only (no jax/torch).
+
+llama.cpp stores llama's attn_q/attn_k rows permuted for its interleaved RoPE; we undo that
+permutation so the weights match Hugging Face's rotate-half layout (qwen2/qwen3 are stored
+unpermuted). Supported tensor types: SUPPORTED_TYPES; others fail naming file and tensor.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from multiserve.config import ConfigError, ModelConfig, RopeScaling
+from multiserve.model.errors import ModelLoadError
+
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
+                   "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+ARCHITECTURES = ("llama", "qwen2", "qwen3")
+_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
+                 "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias", "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """The HF tensor name of a GGUF tensor name, or None if it has no HF counterpart."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    m = _LAYER_RE.match(gguf_name)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    return None
+
+
+def gguf_name(hf: str) -> str:
+    """The GGUF tensor name of an HF tensor name (inverse of `hf_name`)."""
+    for g, h in _GLOBAL_NAMES.items():
+        if h == hf:
+            return g
+    m = re.match(r"^model\.layers\.(\d+)\.(.+)$", hf)
+    inverse = {v: k for k, v in _LAYER_NAMES.items()}
+    if m and m.group(2) in inverse:
+        return f"blk.{m.group(1)}.{inverse[m.group(2)]}"
+    raise KeyError(hf)
+
+
+def llama_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp's row permutation of q/k weights (HF rotate-half -> interleaved pairs)."""
+    return (w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:])
+            .swapaxes(1, 2).reshape(w.shape))
+
+
+def llama_unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Inverse of `llama_permute`."""
+    return (w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:])
+            .swapaxes(1, 2).reshape(w.shape))
+
+
+def _open(path: Path):
+    import gguf
+
+    if not path.is_file():
+        raise ModelLoadError(f"{path}: GGUF file not found")
+    try:
+        return gguf.GGUFReader(str(path))
+    except Exception as e:  # the reader raises assorted errors on corrupt files
+        raise ModelLoadError(f"{path}: cannot read GGUF file: {e}") from e
+
+
+def read_metadata(reader) -> dict[str, Any]:
+    """All metadata fields as python values (strings, numbers, lists)."""
+    out: dict[str, Any] = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        out[key] = field.contents()
+    return out
+
+
+def config_from_gguf(meta: dict[str, Any], source: Path) -> ModelConfig:
+    arch = meta.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ModelLoadError(f"{source}: unknown architecture {arch!r}; "
+                             f"supported: {list(ARCHITECTURES)}")
+
+    def get(key: str, default: Any = None) -> Any:
+        value = meta.get(f"{arch}.{key}", default)
+        if value is None:
+            raise ModelLoadError(f"{source}: missing metadata field {arch}.{key!r}")
+        return value
+
+    heads = int(get("attention.head_count"))
+    hidden = int(get("embedding_length"))
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+    scaling = None
+    if meta.get(f"{arch}.rope.scaling.type", "none") not in ("none", None):
+        raise ModelLoadError(f"{source}: unsupported rope scaling "
+                             f"{meta.get(f'{arch}.rope.scaling.type')!r}")
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    try:
+        return ModelConfig(
+            architecture=arch, vocab_size=int(get("vocab_size", len(tokens) or None)),
+            hidden_size=hidden, intermediate_size=int(get("feed_forward_length")),
+            num_layers=int(get("block_count")), num_heads=heads,
+            num_kv_heads=int(get("attention.head_count_kv", heads)),
+            head_dim=int(get("attention.key_length", hidden // heads)),
+            rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+            rope_theta=float(get("rope.freq_base", 10000.0)), rope_scaling=scaling,
+            max_position_embeddings=int(get("context_length", 2048)),
+            tie_word_embeddings=False,  # decided from the tensors by the caller
+            attention_bias=arch == "qwen2", qk_norm=arch == "qwen3",
+            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+            eos_token_ids=() if eos is None else (int(eos),))
+    except (ConfigError, TypeError, ValueError) as e:
+        raise ModelLoadError(f"{source}: invalid model metadata: {e}") from e
+
+
+def _dequantize(tensor, source: Path) -> np.ndarray:
+    from gguf import quants
+
+    kind = tensor.tensor_type.name
+    if kind not in SUPPORTED_TYPES:
+        raise ModelLoadError(f"{source}: tensor {tensor.name!r} has unsupported type {kind} "
+                             f"(supported: {', '.join(SUPPORTED_TYPES)})")
+    if kind in ("F32", "F16"):
+        return np.asarray(tensor.data, dtype=np.float32)
+    shape = tuple(int(n) for n in reversed(tensor.shape))
+    return np.asarray(quants.dequantize(tensor.data, tensor.tensor_type),
+                      dtype=np.float32).reshape(shape)
+
+
+def read_gguf(path: Path) -> tuple[ModelConfig, dict[str, np.ndarray], dict[str, Any]]:
+    """(config, float32 tensors under HF names, metadata) of a GGUF file."""
+    reader = _open(path)
+    meta = read_metadata(reader)
+    cfg = config_from_gguf(meta, path)
+    rope_freqs = [t.name for t in reader.tensors if t.name == "rope_freqs.weight"]
+    if rope_freqs:
+        raise ModelLoadError(f"{path}: tensor 'rope_freqs.weight' (precomputed rope scaling) "
+                             "is not supported")
+    named: dict[str, np.ndarray] = {}
+    for tensor in reader.tensors:
+        name = hf_name(tensor.name)
+        if name is None:
+            raise ModelLoadError(f"{path}: unexpected tensor {tensor.name!r}")
+        arr = _dequantize(tensor, path)
+        if cfg.architecture == "llama" and tensor.name.endswith(("attn_q.weight",
+                                                                  "attn_k.weight")):
+            n = cfg.num_heads if "attn_q" in tensor.name else cfg.num_kv_heads
+            if arr.ndim != 2 or arr.shape[0] % (2 * n):
+                raise ModelLoadError(f"{path}: tensor {tensor.name!r} has shape "
+                                     f"{arr.shape}, not [heads*head_dim, hidden]")
+            arr = llama_unpermute(arr, n)
+        named[name] = arr
+    tied = "lm_head.weight" not in named
+    from dataclasses import replace
+
+    return replace(cfg, tie_word_embeddings=tied), named, meta

@@ -1,0 +1,51 @@
+"""The paged KV pool: device arrays holding every layer's keys and values.
+
+Layout: `KVPool.k` and `KVPool.v`, each [num_layers, num_pages * page_size, kv_heads, head_dim]
+("slot-major": slot = page * page_size + offset). Page 0 is reserved by convention as the
+garbage page padding tokens write into; it is never read as real data.
+
+Invariants: zero-initialised (the pool never holds NaN/inf, so masked keys contribute exact
+zeros); the forward updates it in place when the caller donates it.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from multiserve.config import ModelConfig
+
+
+@struct.dataclass
+class KVPool:
+    k: jax.Array  # [L, num_slots, kv_heads, head_dim]
+    v: jax.Array  # [L, num_slots, kv_heads, head_dim]
+
+    @property
+    def num_slots(self) -> int:
+        return self.k.shape[1]
+
+
+def kv_bytes_per_token(cfg: ModelConfig, dtype) -> int:
+    """Bytes of KV one token occupies across all layers (K and V)."""
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * np.dtype(dtype).itemsize
+
+
+def make_kv_pool(cfg: ModelConfig, num_pages: int, page_size: int, dtype,
+                 sharding: jax.sharding.Sharding | None = None) -> KVPool:
+    """A zeroed pool of `num_pages` pages (page 0 included) of `page_size` tokens each.
+
+    `sharding` (e.g. from `sharding.kv_pool_sharding`) places each of k and v; the zeros are
+    created directly with that sharding, never materialised on one device first.
+    """
+    assert num_pages >= 2 and page_size >= 1, (num_pages, page_size)
+    shape = (cfg.num_layers, num_pages * page_size, cfg.num_kv_heads, cfg.head_dim)
+    dtype = jnp.dtype(dtype)
+
+    def zeros() -> jax.Array:
+        return jnp.zeros(shape, dtype)
+
+    make = jax.jit(zeros, out_shardings=sharding) if sharding is not None else jax.jit(zeros)
+    return KVPool(k=make(), v=make())
