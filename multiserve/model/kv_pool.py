@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import struct
 
 from multiserve.config import ModelConfig
@@ -30,7 +29,7 @@ class KVPool:
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype) -> int:
     """Bytes of KV one token occupies across all layers (K and V)."""
-    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * np.dtype(dtype).itemsize
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
 
 
 def make_kv_pool(cfg: ModelConfig, num_pages: int, page_size: int, dtype,
