@@ -1,0 +1,106 @@
+"""Test helpers for tests/model: tiny configs and a small paged-KV simulator that builds
+ragged ForwardBatches (any mix of prefill chunks and decode tokens, any row order, padded
+to chosen bucket sizes) and runs the model forward on them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from multiserve.config import ModelConfig
+from multiserve.model.forward_batch import ForwardBatch
+from multiserve.model.kv_pool import make_kv_pool
+from multiserve.model.llama import forward
+
+# one jitted forward for all simulators: its compile cache is shared across tests
+FORWARD = jax.jit(forward, static_argnames=("cfg", "page_size", "attn_block_size"),
+                  donate_argnums=(1,))
+
+TINY_LLAMA = ModelConfig(
+    architecture="llama", vocab_size=256, hidden_size=64, intermediate_size=128,
+    num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0,
+    rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_ids=(2,))
+
+
+@dataclass
+class Seq:
+    tokens: list[int]
+    pages: list[int] = field(default_factory=list)
+    kv_len: int = 0  # tokens whose K/V are in the pool
+
+
+class PagedSim:
+    """Owns a KV pool and sequences; `step` runs one forward over the given new tokens."""
+
+    def __init__(self, params: Any, cfg: ModelConfig, *, page_size: int, block_size: int,
+                 num_pages: int = 512, max_pages: int = 64, seed: int = 0,
+                 kv_sharding: Any = None) -> None:
+        self.params, self.cfg = params, cfg
+        self.ps, self.bs, self.max_pages = page_size, block_size, max_pages
+        dtype = jax.tree.leaves(params)[0].dtype
+        self.kv = make_kv_pool(cfg, num_pages, page_size, dtype, sharding=kv_sharding)
+        rng = np.random.default_rng(seed)
+        self.free = [int(p) for p in rng.permutation(np.arange(1, num_pages))]  # not page 0
+        self.seqs: dict[str, Seq] = {}
+        self.fwd = partial(FORWARD, cfg=cfg, page_size=page_size, attn_block_size=block_size)
+
+    def add(self, name: str, tokens: list[int]) -> None:
+        self.seqs[name] = Seq(list(tokens))
+
+    def step(self, work: list[tuple[str, int]], *, T: int = 64, B: int = 64, R: int = 64,
+             rows: np.random.Generator | None = None, seq_rows: dict[str, int] | None = None,
+             logits_for: dict[str, list[int]] | None = None) -> dict[tuple[str, int], np.ndarray]:
+        """Run the next `n` tokens of each (name, n) in `work` in one forward.
+
+        `rows` shuffles token rows; `seq_rows` fixes each sequence's page-table row;
+        `logits_for[name]` lists the positions whose logits to return (default: the last new
+        token of each work item). Returns {(name, position): logits row}.
+        """
+        ids, pos, tseq, slots, want = [], [], [], [], []
+        table = np.zeros((B, self.max_pages), np.int32)
+        lens = np.zeros(B, np.int32)
+        seq_rows = dict(seq_rows or {})
+        free_rows = [r for r in range(B) if r not in seq_rows.values()]
+        for name, n in work:
+            s = self.seqs[name]
+            row = seq_rows.setdefault(name, free_rows.pop(0))
+            new_len = s.kv_len + n
+            while len(s.pages) * self.ps < new_len:
+                s.pages.append(self.free.pop())
+            table[row, :len(s.pages)] = s.pages
+            lens[row] = new_len
+            wanted = (logits_for or {}).get(name, [new_len - 1])
+            for p in range(s.kv_len, new_len):
+                ids.append(s.tokens[p])
+                pos.append(p)
+                tseq.append(row)
+                slots.append(s.pages[p // self.ps] * self.ps + p % self.ps)
+                want.append((name, p) if p in wanted else None)
+            s.kv_len = new_len
+        n_real = len(ids)
+        assert n_real <= T, (n_real, T)
+        order = rows.permutation(T) if rows is not None else np.arange(T)  # row of item i
+        arr = {k: np.zeros(T, np.int32) for k in ("ids", "pos", "tseq", "slots")}
+        logit_rows = np.zeros(R, np.int32)
+        keys: list[tuple[str, int]] = []
+        for i in range(n_real):
+            r = order[i]
+            arr["ids"][r], arr["pos"][r], arr["tseq"][r], arr["slots"][r] = (
+                ids[i], pos[i], tseq[i], slots[i])
+            if want[i] is not None:
+                logit_rows[len(keys)] = r
+                keys.append(want[i])
+        assert len(keys) <= R
+        batch = ForwardBatch(
+            input_ids=jnp.asarray(arr["ids"]), positions=jnp.asarray(arr["pos"]),
+            token_seq=jnp.asarray(arr["tseq"]), out_slots=jnp.asarray(arr["slots"]),
+            page_table=jnp.asarray(table), seq_lens=jnp.asarray(lens),
+            logit_rows=jnp.asarray(logit_rows))
+        logits, self.kv = self.fwd(self.params, self.kv, batch)
+        logits = np.asarray(logits)
+        return {k: logits[i] for i, k in enumerate(keys)}
