@@ -66,7 +66,10 @@ def load_fleet_config(path: str | Path,
 
     `overrides` has the file's shape (`{"fleet": {"base_port": 0}}`) or dotted keys
     (`{"fleet.base_port": 0, "engine.warmup": False}`); tables merge key by key,
-    anything else (including the `engines` list) replaces what the file says.
+    anything else (including the `engines` list) replaces what the file says. Overriding
+    one of `fleet.base_port` / `fleet.ports` drops the other from the file, and a
+    relative `model.path` override is relative to the current directory (it comes from
+    a command line), not to the file.
     """
     path = Path(path).expanduser()
     try:
@@ -77,7 +80,17 @@ def load_fleet_config(path: str | Path,
     except tomllib.TOMLDecodeError as e:
         raise ConfigError("config", f"{path} is not valid TOML: {e}") from None
     if overrides:
-        data = _merge(data, _expand_dotted(overrides))
+        extra = _expand_dotted(overrides)
+        fleet_extra = extra.get("fleet")
+        if isinstance(fleet_extra, dict) and isinstance(data.get("fleet"), dict):
+            for given, dropped in (("base_port", "ports"), ("ports", "base_port")):
+                if given in fleet_extra and dropped not in fleet_extra:
+                    data["fleet"].pop(dropped, None)
+        model_extra = extra.get("model")
+        if isinstance(model_extra, dict) and isinstance(model_extra.get("path"), str) \
+                and model_extra["path"] != "default":
+            model_extra["path"] = str(Path(model_extra["path"]).expanduser().absolute())
+        data = _merge(data, extra)
     return fleet_config_from_dict(data, base_dir=path.parent)
 
 

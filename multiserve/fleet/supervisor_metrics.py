@@ -1,7 +1,9 @@
 """Prometheus text for the supervisor's GET /metrics: every engine's state, labelled.
 
 Owns: the fleet metric names (documented in sops/read-the-metrics.md; keep them in
-step) and their rendering from one snapshot of the engines' states.
+step) and their rendering from one snapshot of the engines' states. Where a per-engine
+server (multiserve/server/metrics.py) has the same quantity, the fleet name is its
+name with `multiserve_` -> `multiserve_fleet_` plus `engine` and `port` labels.
 
 Invariants: each scrape renders into its own fresh `CollectorRegistry` (never the
 process-global default one, which the per-engine servers or a test may also use);
@@ -30,24 +32,24 @@ LABELS = ["engine", "port"]
 # metric suffix -> (internal-state key, help text). Gauges, one sample per engine.
 STATE_GAUGES: dict[str, tuple[str, str]] = {
     "engine_paused": ("engine_paused", "1 while the engine is paused (no step runs)"),
-    "engine_running_requests": ("running_batch_size", "requests in the running batch"),
-    "engine_waiting_requests": ("waiting_queue_size", "requests in the waiting queue"),
-    "engine_kv_total_tokens": ("max_total_tokens", "KV pool size in tokens"),
-    "engine_kv_available_tokens": ("available_kv_tokens",
+    "num_running_reqs": ("running_batch_size", "requests in the running batch"),
+    "num_waiting_reqs": ("waiting_queue_size", "requests in the waiting queue"),
+    "kv_total_tokens": ("max_total_tokens", "KV pool size in tokens"),
+    "kv_available_tokens": ("available_kv_tokens",
                                    "KV tokens a new request could use now (free + evictable)"),
-    "engine_kv_evictable_tokens": ("evictable_kv_tokens",
+    "kv_evictable_tokens": ("evictable_kv_tokens",
                                    "KV tokens held only by the prefix cache (evictable)"),
-    "engine_prefix_cache_tokens": ("tree_cache_size", "tokens held by the prefix cache"),
-    "engine_prefix_cache_hit_tokens": ("prefix_cache_hit_tokens",
+    "prefix_cache_tokens": ("tree_cache_size", "tokens held by the prefix cache"),
+    "prefix_cache_hit_tokens": ("prefix_cache_hit_tokens",
                                        "prompt tokens served from the prefix cache so far"),
-    "engine_req_to_token_used": ("req_to_token_pool_used", "request slots holding KV pages"),
-    "engine_decode_steps": ("forward_ct_decode", "decode steps since start or last flush"),
-    "engine_forward_steps": ("forward_ct", "forward steps (prefill + decode) since start"),
-    "engine_retractions": ("num_retractions", "requests retracted (KV freed, requeued)"),
-    "engine_new_token_ratio": ("new_token_ratio",
+    "req_to_token_used": ("req_to_token_pool_used", "request slots holding KV pages"),
+    "decode_steps": ("forward_ct_decode", "decode steps since start or last flush"),
+    "forward_steps": ("forward_ct", "forward steps (prefill + decode) since start"),
+    "retractions": ("num_retractions", "requests retracted (KV freed, requeued)"),
+    "new_token_ratio": ("new_token_ratio",
                                "scheduler's estimate of the share of max_new_tokens still due"),
-    "engine_recompiles": ("cache_miss_count", "jit cache misses (recompiles) since start"),
-    "engine_max_context_len": ("max_context_len", "longest prompt + output accepted"),
+    "recompiles": ("cache_miss_count", "jit cache misses (recompiles) since start"),
+    "max_context_len": ("max_context_len", "longest prompt + output accepted"),
 }
 
 
@@ -82,7 +84,7 @@ class _Snapshot:
                 if value is not None:
                     family.add_metric(_labels(s), value)
             yield family
-        usage = _gauge("engine_kv_usage", "share of the KV pool held by live requests, 0..1")
+        usage = _gauge("kv_cache_usage", "share of the KV pool held by live requests, 0..1")
         for s in states:
             st = s["state"] or {}
             total = _number(st.get("max_total_tokens"))

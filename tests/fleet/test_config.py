@@ -163,6 +163,17 @@ def test_port_errors_name_the_field(tmp_path: Path, fleet: str, field: str) -> N
     assert err.field == field and field in str(err)
 
 
+def test_port_and_model_overrides_as_a_command_line_gives_them(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = load_fleet_config(CONFIGS / "cpu-2x2.toml", {"fleet.base_port": 32000})
+    assert [s.port for s in cfg.servers] == [32000, 32001]  # replaces the file's ports
+    cfg = load_fleet_config(CONFIGS / "cpu-4.toml", {"fleet.ports": [5, 6, 7, 8]})
+    assert [s.port for s in cfg.servers] == [5, 6, 7, 8]
+    monkeypatch.chdir(tmp_path)
+    cfg = load_fleet_config(CONFIGS / "cpu-4.toml", {"model.path": "m.gguf"})
+    assert cfg.engines[0].model_path == str(tmp_path / "m.gguf")  # relative to the cwd
+
+
 def test_shared_value_error_says_where_it_was_set(tmp_path: Path) -> None:
     err = error_of(tmp_path, "[engine]\npage_size = 24\n[[engines]]\ndevice_indexes = [0]\n")
     assert err.field == "engines[0].page_size" and "[engine]" in str(err)

@@ -119,7 +119,7 @@ async def test_idle_fleet_health_info_models_metrics(client: httpx.AsyncClient,
         labels = f'engine="{i}",port="{port}"'
         assert f"multiserve_fleet_engine_healthy{{{labels}}} 1.0" in text
         assert f"multiserve_fleet_engine_paused{{{labels}}} 0.0" in text
-        assert f"multiserve_fleet_engine_running_requests{{{labels}}} 0.0" in text
+        assert f"multiserve_fleet_num_running_reqs{{{labels}}} 0.0" in text
         weight = (f'multiserve_fleet_engine_weight_info{{engine="{i}",'
                   f'model="{engines[i].model_name}",port="{port}",weight_version="')
         assert weight in text
