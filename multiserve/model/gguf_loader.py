@@ -9,6 +9,7 @@ unpermuted). Supported tensor types: SUPPORTED_TYPES; others fail naming file an
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -167,7 +168,20 @@ def read_gguf(path: Path) -> tuple[ModelConfig, dict[str, np.ndarray], dict[str,
                                      f"{arr.shape}, not [heads*head_dim, hidden]")
             arr = llama_unpermute(arr, n)
         named[name] = arr
-    tied = "lm_head.weight" not in named
-    from dataclasses import replace
+    cfg = replace(cfg, tie_word_embeddings="lm_head.weight" not in named)
+    _validate(named, cfg, path)
+    return cfg, named, meta
 
-    return replace(cfg, tie_word_embeddings=tied), named, meta
+
+def _validate(named: dict[str, np.ndarray], cfg: ModelConfig, path: Path) -> None:
+    """Every tensor the config needs is present with its shape; errors use GGUF names."""
+    from multiserve.model.hf_names import hf_tensor_specs
+
+    for name, spec in hf_tensor_specs(cfg).items():
+        if name not in named:
+            raise ModelLoadError(f"{path}: missing tensor {gguf_name(name)!r} ({name})")
+        if tuple(named[name].shape) != spec.hf_shape:
+            raise ModelLoadError(
+                f"{path}: tensor {gguf_name(name)!r} has shape "
+                f"{list(reversed(named[name].shape))} (GGUF order), expected "
+                f"{list(reversed(spec.hf_shape))}")

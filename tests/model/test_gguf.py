@@ -1,0 +1,140 @@
+"""GGUF loading: the same weights as GGUF (F32/F16) and as safetensors give identical params
+(llama's permuted q/k undone; qwen2 biases; qwen3 q/k norms); quantized tensors (Q8_0, Q4_1)
+de-quantize exactly as the gguf package does; the tokenizer rebuilt from the GGUF metadata
+loads with AutoTokenizer; unsupported tensor types fail naming the file and tensor."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+from transformers import AutoTokenizer
+
+from gguf_helpers import SPECIALS, write_gguf
+from multiserve.config import ModelConfig
+from multiserve.model.errors import ModelLoadError
+from multiserve.model.gguf_loader import gguf_name, llama_unpermute
+from multiserve.model.hf_loader import save_hf_dir
+from multiserve.model.hf_names import params_to_hf
+from multiserve.model.loader import load_model
+from multiserve.model.param_layout import init_random_params
+
+Q = gguf.GGMLQuantizationType
+BASE = dict(vocab_size=272, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
+            num_kv_heads=2, head_dim=16, rms_norm_eps=2.0 ** -16, rope_theta=10000.0,
+            max_position_embeddings=512, bos_token_id=1, eos_token_ids=(2,))
+CONFIGS = {
+    "llama": ModelConfig(architecture="llama", tie_word_embeddings=True, **BASE),
+    "qwen2": ModelConfig(architecture="qwen2", attention_bias=True, **BASE),
+    "qwen3": ModelConfig(architecture="qwen3", qk_norm=True, **{**BASE, "head_dim": 32}),
+}
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MULTISERVE_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def half_for_mlp(name: str):
+    mlp = name.endswith(("ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"))
+    return Q.F16 if mlp or name == "token_embd.weight" else Q.F32
+
+
+@pytest.mark.parametrize("arch", sorted(CONFIGS))
+def test_gguf_and_safetensors_give_identical_params(arch: str, tmp_path: Path) -> None:
+    cfg = CONFIGS[arch]
+    params = init_random_params(cfg, seed=11)
+    # the F16 tensors of the GGUF hold f16-rounded values: store the same in safetensors
+    for key in ("w_gate", "w_up", "w_down"):
+        params["layers"][key] = params["layers"][key].astype(np.float16).astype(np.float32)
+    params["embed"] = params["embed"].astype(np.float16).astype(np.float32)
+    gguf_path = write_gguf(tmp_path / f"{arch}.gguf", cfg, params, half_for_mlp)
+    hf_dir = save_hf_dir(tmp_path / "hf", cfg, params)
+    from_gguf = load_model(str(gguf_path), "float32")
+    from_hf = load_model(str(hf_dir), "float32")
+    assert from_gguf.config == from_hf.config == cfg
+    a, b = params_to_hf(from_gguf.params, cfg), params_to_hf(from_hf.params, cfg)
+    assert a.keys() == b.keys()
+    for name in a:
+        assert a[name].dtype == b[name].dtype == np.float32
+        assert np.array_equal(a[name], b[name]), name
+
+
+def test_quantized_tensors_dequantize_like_gguf(tmp_path: Path) -> None:
+    cfg = CONFIGS["llama"]
+    params = init_random_params(cfg, seed=12)
+    qtypes = {"blk.0.attn_q.weight": Q.Q8_0, "blk.0.ffn_up.weight": Q.Q8_0,
+              "blk.1.attn_k.weight": Q.Q4_1, "blk.1.ffn_down.weight": Q.Q4_1,
+              "token_embd.weight": Q.Q8_0}
+    path = write_gguf(tmp_path / "q.gguf", cfg, params, lambda n: qtypes.get(n, Q.F32))
+    loaded = params_to_hf(load_model(str(path), "float32").params, cfg)
+    reader = gguf.GGUFReader(str(path))
+    for tensor in reader.tensors:
+        assert tensor.tensor_type == qtypes.get(tensor.name, Q.F32)
+        expected = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        if tensor.name.endswith(("attn_q.weight", "attn_k.weight")):
+            expected = llama_unpermute(expected, 4 if "attn_q" in tensor.name else 2)
+        hf = next(n for n in loaded if gguf_name(n) == tensor.name)
+        assert np.array_equal(loaded[hf], expected), tensor.name
+        if tensor.name in qtypes:  # quantization is lossy but close to the original
+            original = params_to_hf(params, cfg)[hf]
+            assert 0 < np.max(np.abs(loaded[hf] - original)) < 0.05
+
+
+def test_tokenizer_from_gguf_metadata(tmp_path: Path) -> None:
+    cfg = CONFIGS["llama"]
+    path = write_gguf(tmp_path / "t.gguf", cfg, init_random_params(cfg, seed=1))
+    loaded = load_model(str(path), "float32")
+    tok = AutoTokenizer.from_pretrained(str(loaded.tokenizer_dir))
+    assert tok.bos_token == "<|im_start|>" and tok.eos_token == "<|im_end|>"
+    assert len(tok) == cfg.vocab_size
+    ids = tok("the thin cat 42", add_special_tokens=False)["input_ids"]
+    pieces = tok.convert_ids_to_tokens(ids)
+    # merges applied by rank within each pre-token; smollm pre-tokenizer: digits one by one
+    assert pieces == ["t", "he", "Ġt", "h", "in", "Ġ", "c", "at", "Ġ", "4", "2"]
+    assert tok.decode(ids) == "the thin cat 42"
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                   add_generation_prompt=True)
+    assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    chat_ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert chat_ids[0] == 1 and chat_ids.count(2) == 1  # special tokens stay whole
+    assert tok.decode(chat_ids, skip_special_tokens=True) == "user\nhi\nassistant\n"
+    assert all(t in tok.all_special_tokens for t in SPECIALS)
+
+
+def test_unsupported_tensor_type_names_file_and_tensor(tmp_path: Path) -> None:
+    cfg = CONFIGS["llama"]
+    path = write_gguf(tmp_path / "iq.gguf", cfg, init_random_params(cfg, seed=2),
+                      lambda n: Q.Q5_1 if n == "blk.1.ffn_gate.weight" else Q.F32)
+    from multiserve.model import gguf_loader
+
+    supported = tuple(t for t in gguf_loader.SUPPORTED_TYPES if t != "Q5_1")
+    mp = pytest.MonkeyPatch()
+    mp.setattr(gguf_loader, "SUPPORTED_TYPES", supported)  # pretend Q5_1 is unknown
+    try:
+        with pytest.raises(ModelLoadError) as err:
+            load_model(str(path), "float32")
+    finally:
+        mp.undo()
+    msg = str(err.value)
+    assert str(path) in msg and "blk.1.ffn_gate.weight" in msg and "Q5_1" in msg
+
+
+def test_gguf_missing_and_misshaped_tensor_and_unknown_architecture(tmp_path: Path) -> None:
+    cfg = CONFIGS["qwen2"]
+    params = init_random_params(cfg, seed=3)
+    missing = write_gguf(tmp_path / "m.gguf", cfg, params, skip=("blk.1.attn_v.bias",))
+    with pytest.raises(ModelLoadError, match=r"m\.gguf.*missing tensor 'blk\.1\.attn_v\.bias'"):
+        load_model(str(missing), "float32")
+    bad = dict(params, layers=dict(params["layers"]))
+    bad["layers"]["w_up"] = np.zeros((2, 64, 64), np.float32)
+    shaped = write_gguf(tmp_path / "s.gguf", cfg, bad)
+    with pytest.raises(ModelLoadError, match=r"s\.gguf.*'blk\.0\.ffn_up\.weight' has shape"):
+        load_model(str(shaped), "float32")
+    unknown = write_gguf(tmp_path / "u.gguf", cfg, params, architecture="mamba")
+    with pytest.raises(ModelLoadError, match=r"u\.gguf.*unknown architecture 'mamba'"):
+        load_model(str(unknown), "float32")
+    with pytest.raises(ModelLoadError, match="nope.gguf.*not found"):
+        load_model(str(tmp_path / "nope.gguf"), "float32")
