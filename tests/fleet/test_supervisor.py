@@ -15,19 +15,41 @@ from typing import Any
 import httpx
 import pytest
 
+from multiserve.config import EngineConfig, ModelConfig
 from multiserve.fleet.supervisor import build_supervisor_app
 from multiserve.types import ControlResult, EngineClient, GenerateRequest, SamplingParams
 
 PORTS = [31000, 31001]
-MAX_NEW = 24
+MAX_NEW = 300  # long enough that a stream is still running when a pause arrives
+LONG = 4000  # a request that runs until it is aborted
+
+TINY_MODEL = ModelConfig(
+    architecture="llama", vocab_size=512, hidden_size=64, intermediate_size=128,
+    num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=4096,
+    bos_token_id=1, eos_token_ids=(2,))
+TINY_ENGINE = dict(
+    precompile_token_paddings=(64,), precompile_bs_paddings=(64,), max_running_requests=64,
+    chunked_prefill_size=64, page_size=8, max_total_tokens=16384, max_context_len=4096,
+    show_progress=False)
 
 
 # --- engines ---------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def make_engine() -> Callable[[int], Any]:
+def make_engine(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], Any]:
     """Builds a real Engine on one device: tiny random Llama, small CPU buckets."""
-    pytest.skip("pending: the real Engine fixture is wired once multiserve.engine lands")
+    from multiserve.engine.engine import Engine
+    from multiserve.model.default_model import default_model_path
+    from multiserve.model.testing import init_random_params, save_hf_dir
+
+    model_dir = save_hf_dir(tmp_path_factory.mktemp("tiny-supervisor"), TINY_MODEL,
+                            init_random_params(TINY_MODEL, seed=3),
+                            tokenizer_dir=default_model_path())
+
+    def make(device: int) -> Any:
+        return Engine(EngineConfig(model_path=str(model_dir), device_indexes=(device,),
+                                   **TINY_ENGINE))
+    return make
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +77,7 @@ async def client(engines: list[Any]) -> AsyncIterator[httpx.AsyncClient]:
 
 
 def request(rid: str, prompt: list[int], max_new: int = MAX_NEW) -> GenerateRequest:
-    return GenerateRequest(rid=rid, input_ids=tuple(prompt), sampling=SamplingParams(
+    return GenerateRequest(rid=rid, input_ids=tuple(prompt), stream=True, sampling=SamplingParams(
         max_new_tokens=max_new, temperature=0.0, ignore_eos=True))
 
 
@@ -180,7 +202,7 @@ async def test_pausing_a_paused_fleet_and_continuing_a_running_one_are_noops(
 
 async def test_partial_failure_is_an_error_with_per_engine_detail(
         client: httpx.AsyncClient, engines: list[Any]) -> None:
-    busy = Stream(engines[0], request("busy", PROMPTS[0], max_new=4000))
+    busy = Stream(engines[0], request("busy", PROMPTS[0], max_new=LONG))
     await busy.started.wait()
     r = await client.post("/flush_cache")
     assert r.status_code == 400, r.text
@@ -203,7 +225,7 @@ async def test_partial_failure_is_an_error_with_per_engine_detail(
 
 async def test_abort_all_ends_every_engines_requests(client: httpx.AsyncClient,
                                                      engines: list[Any]) -> None:
-    streams = [Stream(e, request(f"all-{i}", PROMPTS[1], max_new=4000))
+    streams = [Stream(e, request(f"all-{i}", PROMPTS[1], max_new=LONG))
                for i, e in enumerate(engines)]
     await asyncio.gather(*(s.started.wait() for s in streams))
     r = await client.post("/abort_request", json={"abort_all": True})
@@ -323,7 +345,7 @@ async def test_fault_is_isolated_and_restart_rebuilds_the_engine(
         return ControlResult(True, f"engine {i} rebuilt")
 
     async with supervisor_client(fleet, restart=restart) as c:
-        victim = Stream(fleet[1], request("victim", PROMPTS[0], max_new=4000))
+        victim = Stream(fleet[1], request("victim", PROMPTS[0], max_new=LONG))
         await victim.started.wait()
         fleet[1].inject_fault_for_testing("boom in step")
         assert (await victim.task).finish_reason == "abort"
