@@ -201,6 +201,21 @@ def test_deep_cut_offs_past_the_candidate_window_are_exact(params: SamplingParam
     assert seen == allowed  # nothing outside the set, and every allowed token drawn
 
 
+def test_deep_rows_draw_the_same_whatever_batch_they_share() -> None:
+    v = 1000
+    rng = np.random.default_rng(7)
+    x = random_logits(rng, 64, v=v, scale=0.4)
+    deep = [P(temperature=1.0, top_p=0.6), P(temperature=1.0, top_k=CANDIDATES + 40),
+            P(temperature=1.2, top_k=CANDIDATES + 100, top_p=0.8, min_p=0.3)]
+    rows = [spec(deep[i % 3] if i % 4 else P(temperature=1.0, top_k=3), seed=i, position=i)
+            for i in range(64)]
+    a = run(x, rows).next_ids  # type: ignore[arg-type]
+    perm = rng.permutation(64)  # other neighbours, other groups, other R
+    b = run(np.concatenate([x[perm], x[:40]]), [rows[i] for i in perm] + rows[:40]).next_ids
+    np.testing.assert_array_equal(a[perm], b[:64])
+    np.testing.assert_array_equal(a[:40], b[64:])
+
+
 def test_draws_depend_only_on_seed_sample_index_and_position() -> None:
     rng = np.random.default_rng(4)
     x = random_logits(rng, 128, scale=0.5)
