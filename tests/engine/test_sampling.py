@@ -105,6 +105,10 @@ def test_greedy_is_argmax_with_lowest_id_on_ties_and_never_a_banned_id() -> None
     assert not any(out.next_ids[i] in order[i, :5] for i in range(R))
     out = run(x, [spec(P(temperature=1.0, top_k=1), seed=s) for s in range(R)])
     np.testing.assert_array_equal(out.next_ids[2:], order[2:, 0])
+    # bf16 logits (many ties after rounding) are upcast; ties still go to the lowest id.
+    xb = jnp.asarray(x * 0.05, jnp.bfloat16)
+    out = _sample(xb, build_sampling_batch([spec(P(temperature=0.0))] * R, R, V))
+    np.testing.assert_array_equal(out.next_ids, np.argmax(np.asarray(xb, np.float32), axis=1))
 
 
 @pytest.mark.parametrize("params", [
