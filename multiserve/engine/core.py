@@ -66,6 +66,8 @@ class EngineCore:
         self.overlap = not cfg.disable_overlap
         self.initial_available = self.scheduler.available_kv_tokens()
         self.fault: str | None = None  # test-only: the next step raises this
+        # memory_release.py: device buffers released ("weights", "kv_cache"); never steps
+        self.released_tags: frozenset[str] = frozenset()
 
     # ---- requests ------------------------------------------------------------------
     def add(self, reqs: Sequence[Req]) -> None:
@@ -78,7 +80,8 @@ class EngineCore:
                 self.scheduler.add(req)
 
     def has_work(self) -> bool:
-        return self.in_flight is not None or (not self.paused and self.scheduler.has_work())
+        return self.in_flight is not None or (not self.paused and not self.released_tags
+                                              and self.scheduler.has_work())
 
     # ---- stepping ------------------------------------------------------------------
     def step(self) -> None:
@@ -205,6 +208,8 @@ class EngineCore:
         else:
             targets = [r for r in self.reqs.values() if r.rid == rid]
         if not targets:
+            if abort_all:
+                return ControlResult(True, "no live requests to abort", {"aborted": 0})
             return ControlResult(True, f"no live request with rid {rid!r}",
                                  {"aborted": 0, "unknown_rid": rid})
         for req in targets:
@@ -234,6 +239,10 @@ class EngineCore:
         if not self.paused:
             return ControlResult(True, "not paused (no-op)", {"already_running": True})
         self.paused = False
+        if self.released_tags:
+            return ControlResult(True, "continued; memory is released: generation starts "
+                                 "after resume_memory_occupation",
+                                 {"memory_released": sorted(self.released_tags)})
         return ControlResult(True, "continued", {})
 
     def flush(self) -> ControlResult:
@@ -255,7 +264,8 @@ class EngineCore:
         self.scheduler.reset_ratio()
         self.forward_ct_decode = 0
         self.last_batch = None
-        self.runner.reset_prev_ids()
+        if "kv_cache" not in self.released_tags:  # else resume makes them anew
+            self.runner.reset_prev_ids()
         self.scheduler.check_integrity()
         return ControlResult(True, "cache flushed",
                              {"flushed_cached_pages": cached,
@@ -284,6 +294,7 @@ class EngineCore:
             "chunked_req": bool(s.chunked_reqs),
             "cache_miss_count": self.runner.cache_miss_count,
             "weight_version": self.weight_version,
+            "memory_released": sorted(self.released_tags),
             "num_retractions": s.num_retractions,
             "page_size": self.page_size,
             "max_total_tokens": self.allocator.num_usable * self.page_size,
