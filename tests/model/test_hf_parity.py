@@ -35,6 +35,7 @@ CONFIGS = {
     "qwen3": ModelConfig(architecture="qwen3", rope_theta=1e6, qk_norm=True,
                          **{**BASE, "head_dim": 32}),
 }
+torch.set_num_threads(1)  # several busy threads on 2 shared cores slow torch 10x
 HF_CLASSES = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
               "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
               "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}
