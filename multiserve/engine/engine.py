@@ -27,6 +27,7 @@ from typing import Any
 
 from multiserve.config import EngineConfig
 from multiserve.engine.request import Req
+from multiserve.engine.rl_api import RLEngineMixin
 from multiserve.engine.setup import EngineParts, build_engine_parts
 from multiserve.types import (
     PAUSE_MODES,
@@ -46,8 +47,9 @@ class _Command:
     future: concurrent.futures.Future
 
 
-class Engine:
-    """One inference engine. `Engine(EngineConfig(...))`; see README for examples."""
+class Engine(RLEngineMixin):
+    """One inference engine. `Engine(EngineConfig(...))`; see README for examples.
+    Memory release/resume and weight updates come from RLEngineMixin (rl_api.py)."""
 
     def __init__(self, config: EngineConfig | None = None, **overrides: Any) -> None:
         cfg = (config or EngineConfig()).with_updates(**overrides) if overrides else (
@@ -63,6 +65,7 @@ class Engine:
         self.context_len = parts.core.max_context
         self.devices = parts.runner.devices
         self._core = parts.core
+        self._init_rl()
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._seed_rng = random.Random(cfg.seed)
         self._rid_counter = itertools.count()
@@ -358,6 +361,9 @@ class Engine:
     def health(self) -> tuple[bool, str]:
         if self._stopped:
             return False, "engine is shut down"
+        released = self._core.released_tags
+        if self._healthy and released:
+            return True, f"asleep: memory released ({', '.join(sorted(released))})"
         return self._healthy, self._reason
 
     def inject_fault_for_testing(self, message: str = "injected fault") -> None:

@@ -145,6 +145,16 @@ class Runner:
     def reset_prev_ids(self) -> None:
         self._prev_ids = jax.device_put(np.zeros(self.max_rows, np.int32), self.replicated)
 
+    def drop_step_buffers(self) -> None:
+        """Free the small per-step device buffers (memory release; see memory_release.py).
+        `reset_prev_ids()` brings back the only one a step needs; zeros are re-made lazily."""
+        buffers = [self._prev_ids, *(a for z in self._zero_cache.values() for a in z)]
+        self._zero_cache.clear()
+        self._prev_ids = None
+        for a in buffers:
+            if a is not None and not a.is_deleted():
+                a.delete()
+
     def sampling_batch(self, rows: Sequence[sampling.RowSpec | None],
                        num_rows: int) -> sampling.SamplingBatch:
         """Host sampling inputs for one step; penalty-free steps reuse this engine's

@@ -1,0 +1,128 @@
+"""Fleet-wide RL control on the supervisor: memory release/resume and two-phase weight
+updates.
+
+Owns `add_rl_supervisor_routes(app, engines=None)` for an app built by
+`build_supervisor_app`:
+  POST /update_weights_from_disk   {"path" | "model_path", "weight_version", "abort_running"?}
+      phase 1 stages the checkpoint on every engine (concurrently: read, validate, copy to
+      its devices); only if EVERY engine staged does phase 2 publish on all of them.
+      If any engine fails to stage, every staged copy is discarded, no engine changes
+      weights, and the answer names each failing engine and its reason.
+  POST /release_memory_occupation  {"tags"?, "mode"?, "preserve_state"?}   (broadcast)
+  POST /resume_memory_occupation   {"tags"?}                               (broadcast)
+  POST /get_weights_by_name        {"name", "truncate_size"?}             (broadcast)
+
+Invariants: jax-free (EngineClient-style `async_*` calls only, see
+`multiserve.server.rl_routes.rl_target`); answers come after every engine answered;
+HTTP 200 only if every engine succeeded. A publish is refused by an engine only if its
+state changed between the phases (staging holds an idle engine paused so that requests
+arriving meanwhile cannot make it refuse); the answer then lists the engines on each
+version (no silent partial success).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+
+from multiserve.fleet.supervisor import (
+    Supervisor,
+    add_control_route,
+    json_response,
+    parse_body,
+)
+from multiserve.server.rl_routes import (
+    DiskBody,
+    ReleaseBody,
+    ResumeBody,
+    WeightsByNameBody,
+    rl_target,
+)
+from multiserve.types import EngineClient
+
+
+def _tags(tags: list[str] | None) -> tuple[str, ...] | None:
+    return tuple(tags) if tags else None
+
+
+def add_rl_supervisor_routes(app: FastAPI, engines: Sequence[EngineClient] | None = None
+                             ) -> None:
+    """Add the fleet-wide RL routes. `engines` defaults to the app's supervisor engines
+    (read at every request, so restarted engines are seen)."""
+    base: Supervisor = app.state.supervisor
+    sup = base if engines is None or engines is base.engines else Supervisor(
+        engines, engine_ports=base.engine_ports, control_timeout=base.control_timeout)
+
+    add_control_route(app, "/release_memory_occupation", ReleaseBody,
+                      lambda e, b: rl_target(e).async_release_memory_occupation(
+                          _tags(b.tags), b.mode, b.preserve_state))
+    add_control_route(app, "/resume_memory_occupation", ResumeBody,
+                      lambda e, b: rl_target(e).async_resume_memory_occupation(_tags(b.tags)))
+    add_control_route(app, "/get_weights_by_name", WeightsByNameBody,
+                      lambda e, b: rl_target(e).async_get_weights_by_name(
+                          b.name, b.truncate_size))
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(request: Request) -> Response:
+        body = await parse_body(request, DiskBody)
+        if (body.path is None) == (body.model_path is None):
+            return json_response(400, {"success": False, "message":
+                                       "give exactly one of 'path' or 'model_path'"})
+        path: str = body.path or body.model_path  # type: ignore[assignment]
+        status, out = await two_phase_update(sup, path, body.weight_version,
+                                             body.abort_running)
+        return json_response(status, out)
+
+
+async def two_phase_update(sup: Supervisor, path: str, version: str,
+                           abort_running: bool = False) -> tuple[int, dict[str, Any]]:
+    """Stage on all engines, then publish on all (or discard on all). (status, body)."""
+    tokens: dict[int, str] = {}  # id(engine client) -> staged token
+
+    async def stage(e: Any) -> Any:
+        res = await rl_target(e).async_stage_weights_from_disk(path, version, abort_running)
+        if res.ok:
+            tokens[id(e)] = res.details["token"]
+        return res
+
+    status, staged = await sup.broadcast("stage_weights_from_disk", stage)
+    if status != 200:
+        async def discard(e: Any) -> Any:
+            return await rl_target(e).async_discard_staged_weights(tokens.get(id(e)))
+
+        _, discarded = await sup.broadcast("discard_staged_weights", discard)
+        bad = [f"engine {r['engine']}: {r['message']}" for r in staged["engines"]
+               if not r["success"]]
+        return status, {
+            "success": False, "phase": "stage", "weight_version": version,
+            "message": (f"update_weights_from_disk: NOT applied (every engine keeps its "
+                        f"weights): {len(bad)} of {len(staged['engines'])} engine(s) failed "
+                        f"to stage: " + "; ".join(bad)),
+            "failed_engines": [r["engine"] for r in staged["engines"] if not r["success"]],
+            "engines": staged["engines"], "discard": discarded["engines"]}
+
+    async def publish(e: Any) -> Any:
+        return await rl_target(e).async_publish_staged_weights(tokens[id(e)], abort_running)
+
+    status, published = await sup.broadcast("publish_staged_weights", publish)
+    if status == 200:
+        return 200, {"success": True, "phase": "publish", "weight_version": version,
+                     "message": f"update_weights_from_disk: all {len(published['engines'])} "
+                                f"engines now serve weight version {version!r}",
+                     "engines": published["engines"]}
+    ok = [r["engine"] for r in published["engines"] if r["success"]]
+
+    async def discard_left(e: Any) -> Any:  # no-op on the engines that published
+        return await rl_target(e).async_discard_staged_weights(tokens.get(id(e)))
+
+    await sup.broadcast("discard_staged_weights", discard_left)
+    bad = [f"engine {r['engine']}: {r['message']}" for r in published["engines"]
+           if not r["success"]]
+    return status, {
+        "success": False, "phase": "publish", "weight_version": version,
+        "message": (f"update_weights_from_disk: published on engines {ok} but FAILED on "
+                    + "; ".join(bad) + " -- the fleet serves mixed versions; retry the update"),
+        "published_engines": ok, "engines": published["engines"]}
