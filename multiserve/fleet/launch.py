@@ -1,0 +1,287 @@
+"""The fleet in one process: JAX once, N engine workers, N HTTP servers, one supervisor.
+
+Owns: start-up in order (`launch_fleet` -> `Fleet`: platform and JAX, device check,
+port check, compilation cache, workers with their warm-up and a progress display, one
+server per engine, the supervisor, readiness), the READY line, the shutdown order
+(`Fleet.stop`), and `multiserve serve` (`serve_main`). The steps before any engine
+exists live in `startup.py`; `multiserve validate` lives in `validate.py`.
+
+Invariants (DESIGN.md §3):
+- JAX is initialised once, by `startup.init_jax`, before any engine exists. Nothing here
+  assumes a platform: devices are `jax.devices()[i]` for the configured indexes.
+- Every server runs in its own thread without signal handlers; `serve_main` installs
+  SIGINT/SIGTERM handlers in the main thread only.
+- READY is printed only after every server (engines and supervisor) answered
+  GET /health with 200: readiness is observed, never assumed after a sleep.
+- Shutdown order: refuse new requests, drain (bounded) or abort in-flight work, stop
+  the servers, then the engines. `Fleet.stop` is idempotent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+from multiserve.config import ConfigError, FleetConfig
+from multiserve.fleet.config_loader import validate_against_devices
+from multiserve.fleet.startup import (
+    check_ports_free,
+    enable_compilation_cache,
+    fleet_config_from_args,
+    init_jax,
+)
+from multiserve.fleet.worker import EngineWorker
+from multiserve.types import ControlResult
+
+HEALTH_TIMEOUT_S = 120.0
+
+
+class LaunchCancelled(RuntimeError):
+    """A stop signal arrived while the fleet was starting."""
+
+
+# ---- the running fleet ----------------------------------------------------------------
+
+@dataclass
+class Fleet:
+    """A started fleet: workers[i] is served by servers[i]; `supervisor` drives them all."""
+
+    config: FleetConfig
+    workers: list[EngineWorker]
+    servers: list[Any] = field(default_factory=list)  # multiserve.server.ServerThread
+    supervisor: Any = None
+    compilation_cache: str | None = None
+    _stopped: bool = False
+
+    @property
+    def ports(self) -> list[int]:
+        return [s.port for s in self.servers]
+
+    @property
+    def urls(self) -> list[str]:
+        return [s.url for s in self.servers]
+
+    @property
+    def supervisor_port(self) -> int:
+        return self.supervisor.port
+
+    @property
+    def supervisor_url(self) -> str:
+        return self.supervisor.url
+
+    @property
+    def device_groups(self) -> list[list[int]]:
+        return [list(w.device_indexes) for w in self.workers]
+
+    def ready_line(self) -> str:
+        ports = ",".join(str(p) for p in self.ports)
+        devices = ",".join("[" + ",".join(map(str, g)) + "]" for g in self.device_groups)
+        return (f"READY: servers={len(self.servers)} ports=[{ports}] devices=[{devices}] "
+                f"supervisor_port={self.supervisor_port}")
+
+    async def restart_engine(self, i: int) -> ControlResult:
+        """The supervisor's restart callback: rebuild engine i off the event loop."""
+        return await asyncio.to_thread(self.workers[i].restart)
+
+    def stop(self, mode: str = "abort", drain_timeout: float = 60.0,
+             log: TextIO | None = None) -> None:
+        """Refuse new work; `drain`: wait (bounded) for in-flight requests, `abort`: end
+        them now; stop the servers, then the engines. Idempotent."""
+        assert mode in ("drain", "abort"), mode
+        if self._stopped:
+            return
+        self._stopped = True
+        for w in self.workers:
+            w.begin_drain()
+        if mode == "drain":
+            deadline = time.monotonic() + drain_timeout
+            for w in self.workers:
+                if not w.wait_idle(max(0.0, deadline - time.monotonic())):
+                    _say(log, f"engine {w.index}: {w.active_streams} request(s) still running "
+                              f"after {drain_timeout:g} s; aborting them")
+        for w in self.workers:
+            try:
+                w.abort_all()
+            except Exception:  # noqa: BLE001 - a broken engine still gets shut down
+                pass
+        for s in [*self.servers, self.supervisor]:
+            if s is not None:
+                s.stop()
+        for w in self.workers:
+            w.shutdown()
+
+
+def _say(out: TextIO | None, text: str) -> None:
+    out = out or sys.stderr
+    print(text, file=out, flush=True)
+
+
+def launch_fleet(cfg: FleetConfig, *, announce: bool = True, out: TextIO | None = None,
+                 log: TextIO | None = None, cancelled: Callable[[], bool] | None = None,
+                 health_timeout: float = HEALTH_TIMEOUT_S) -> Fleet:
+    """Start everything `cfg` describes in this process and return once it all serves.
+
+    `announce` prints the READY line to `out` (stdout); progress goes to `log` (stderr).
+    `cancelled` is polled between start-up stages (a stop signal during warm-up)."""
+    devices = init_jax(cfg.platform, cfg.device_count_needed)
+    validate_against_devices(cfg, len(devices))
+    check_ports_free(cfg)
+    cache = enable_compilation_cache()
+    _say(log, f"fleet: {len(cfg.engines)} engine(s) on {devices[0].platform} devices "
+              f"{[list(e.device_indexes) for e in cfg.engines]}; compilation cache: "
+              f"{cache or 'off'}")
+    workers = [EngineWorker(i, e) for i, e in enumerate(cfg.engines)]
+    fleet = Fleet(cfg, workers, compilation_cache=cache)
+    try:
+        _build_workers(workers, cfg.warmup_parallel, log, cancelled)
+        _start_servers(fleet)
+        _wait_healthy([*fleet.urls, fleet.supervisor_url], health_timeout)
+    except BaseException:
+        fleet.stop("abort")
+        raise
+    if announce:
+        print(fleet.ready_line(), file=out or sys.stdout, flush=True)
+    return fleet
+
+
+def _build_workers(workers: list[EngineWorker], parallel: bool, log: TextIO | None,
+                   cancelled: Callable[[], bool] | None) -> None:
+    n = len(workers)
+    t0 = time.monotonic()
+
+    def build(w: EngineWorker) -> None:
+        _say(log, f"fleet: engine {w.index + 1}/{n} devices={list(w.device_indexes)}: "
+                  f"building and warming up")
+        w.start()
+        _say(log, f"fleet: engine {w.index + 1}/{n} ready ({w.build_seconds:.1f} s)")
+
+    if parallel:
+        errors: list[BaseException] = []
+
+        def run(w: EngineWorker) -> None:
+            try:
+                build(w)
+            except BaseException as e:  # noqa: BLE001 - re-raised in the caller
+                errors.append(e)
+
+        threads = [threading.Thread(target=run, args=(w,), name=f"warmup-{w.index}")
+                   for w in workers]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+    else:
+        for w in workers:
+            if cancelled is not None and cancelled():
+                raise LaunchCancelled("stop requested during warm-up")
+            build(w)
+    _say(log, f"fleet: {n} engine(s) ready in {time.monotonic() - t0:.1f} s "
+              f"({'parallel' if parallel else 'sequential'} warm-up)")
+
+
+def _start_servers(fleet: Fleet) -> None:
+    from multiserve.fleet.supervisor import build_supervisor_app
+    from multiserve.server import ServerThread, TokenizerManager, build_app
+
+    cfg = fleet.config
+    for w, scfg in zip(fleet.workers, cfg.servers, strict=True):
+        engine = w.engine
+        tm = TokenizerManager(engine.tokenizer_dir, w.context_len, w.model_name)
+        info = {"engine_index": w.index, "device_indexes": list(w.device_indexes),
+                "model_path": str(engine.model_path),
+                "tokenizer_path": str(engine.tokenizer_dir)}
+        server = ServerThread(build_app(w, tm, server_info=info), scfg.host, scfg.port,
+                              name=f"engine-{w.index}-http")
+        w.port = server.port
+        fleet.servers.append(server.start())
+    sup_app = build_supervisor_app(fleet.workers, restart=fleet.restart_engine,
+                                   engine_ports=fleet.ports)
+    fleet.supervisor = ServerThread(sup_app, cfg.supervisor.host, cfg.supervisor.port,
+                                    name="supervisor-http").start()
+
+
+def _wait_healthy(urls: list[str], timeout: float) -> None:
+    """Poll GET /health on every URL until each answers 200 (TimeoutError otherwise)."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    pending = list(urls)
+    last: dict[str, str] = {}
+    with httpx.Client(timeout=5.0) as client:
+        while pending:
+            for url in list(pending):
+                try:
+                    r = client.get(f"{url}/health")
+                    if r.status_code == 200:
+                        pending.remove(url)
+                        continue
+                    last[url] = f"HTTP {r.status_code}: {r.text[:200]}"
+                except httpx.HTTPError as e:
+                    last[url] = f"{type(e).__name__}: {e}"
+            if pending and time.monotonic() > deadline:
+                raise TimeoutError(f"not healthy after {timeout:g} s: "
+                                   + "; ".join(f"{u} ({last.get(u)})" for u in pending))
+            if pending:
+                time.sleep(0.05)
+
+
+# ---- multiserve serve ------------------------------------------------------------------
+
+def install_stop_handlers(stop: threading.Event) -> None:
+    """SIGINT/SIGTERM set `stop`; a second signal ends the process at once. Main thread
+    only (Python allows signal handlers nowhere else)."""
+    assert threading.current_thread() is threading.main_thread()
+
+    def handler(signum: int, _frame: Any) -> None:
+        if stop.is_set():
+            print(f"{signal.Signals(signum).name} again: exiting now", file=sys.stderr,
+                  flush=True)
+            os._exit(1)
+        print(f"{signal.Signals(signum).name}: shutting down", file=sys.stderr, flush=True)
+        stop.set()
+
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)
+
+
+def serve_main(args: argparse.Namespace) -> int:
+    """`multiserve serve`: run the fleet until SIGINT/SIGTERM, then shut down cleanly."""
+    try:
+        cfg = fleet_config_from_args(args)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+    install_stop_handlers(stop)
+    try:
+        fleet = launch_fleet(cfg, cancelled=stop.is_set)
+    except LaunchCancelled:
+        return 0
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    while not stop.wait(1.0):
+        pass
+    mode = getattr(args, "shutdown_mode", "abort") or "abort"
+    fleet.stop(mode)
+    print(f"stopped ({mode})", file=sys.stderr, flush=True)
+    return 0
+
+
+def validate_main(args: argparse.Namespace) -> int:
+    from multiserve.fleet.validate import validate_main as run
+
+    return run(args)
+
+
+__all__ = ["Fleet", "LaunchCancelled", "launch_fleet", "serve_main", "validate_main"]

@@ -1,0 +1,229 @@
+"""EngineWorker: one engine slot of the fleet (one device group), as an EngineClient.
+
+Owns: the slot's identity (index, device_indexes, port), its lifecycle state
+(starting -> ready -> [restarting -> ready | failed] -> stopped), the `Engine` currently
+in the slot, and the count of streams in flight through it (for a draining shutdown).
+
+Invariants (DESIGN.md §3):
+- The `Engine` is itself thread-confined (one thread, one command queue); the worker
+  only delegates to its thread-safe public methods and never touches engine state.
+- A slot never serves from two engines at once: `restart()` shuts the old engine down
+  (its live requests end with an error) before it builds the new one on the same
+  devices. Whoever holds the worker (the HTTP app, the supervisor) sees the new engine
+  without being rebuilt.
+- Every device array belongs to exactly one Engine (its runner's params, KV pool and
+  buffers are per instance), so two workers never share a device array.
+- `health()` is (False, reason) whenever the slot cannot take work: starting,
+  restarting, failed, draining, stopped, or the engine's own step failure.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from multiserve.config import EngineConfig
+from multiserve.types import ControlResult, EngineUnavailable, GenerateRequest, RequestOutput
+
+EngineFactory = Callable[[EngineConfig], Any]
+
+
+def _default_factory(cfg: EngineConfig) -> Any:
+    from multiserve.engine.engine import Engine
+
+    return Engine(cfg)
+
+
+class EngineWorker:
+    """The fleet's handle on engine `index` (implements `multiserve.types.EngineClient`)."""
+
+    def __init__(self, index: int, engine_config: EngineConfig, *, port: int | None = None,
+                 engine_factory: EngineFactory | None = None) -> None:
+        self.index = index
+        self.config = engine_config
+        self.port = port
+        self._factory = engine_factory or _default_factory
+        self._engine: Any = None
+        self._state = "starting"
+        self._reason = "starting: the engine is being built and warmed up"
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._active_streams = 0
+        self._draining = False
+        self._model_name = engine_config.served_model_name or "unknown"
+        self._context_len = engine_config.max_context_len or 0
+        self.build_seconds: float | None = None
+        self.restart_count = 0
+
+    # ---- identity --------------------------------------------------------------------
+    @property
+    def device_indexes(self) -> tuple[int, ...]:
+        return self.config.device_indexes
+
+    @property
+    def model_name(self) -> str:
+        return self._model_name
+
+    @property
+    def context_len(self) -> int:
+        return self._context_len
+
+    @property
+    def state(self) -> str:
+        return self._state
+
+    @property
+    def engine(self) -> Any:
+        """The Engine in the slot now (None while starting or after a failed build)."""
+        return self._engine
+
+    def identity(self) -> dict[str, Any]:
+        eng = self._engine
+        return {"engine_index": self.index, "port": self.port,
+                "device_indexes": list(self.device_indexes),
+                "devices": [str(d) for d in getattr(eng, "devices", [])],
+                "worker_state": self._state, "restart_count": self.restart_count}
+
+    # ---- lifecycle -------------------------------------------------------------------
+    def start(self) -> EngineWorker:
+        """Build and warm up the engine (blocks; the caller picks the thread)."""
+        assert self._engine is None and self._state == "starting", self._state
+        self._build()
+        return self
+
+    def _build(self) -> None:
+        t0 = time.monotonic()
+        try:
+            engine = self._factory(self.config)
+        except Exception as exc:
+            with self._lock:
+                self._state = "failed"
+                self._reason = f"engine build failed: {type(exc).__name__}: {exc}"
+            raise
+        with self._lock:
+            self._engine = engine
+            self._model_name = engine.model_name
+            self._context_len = engine.context_len
+            self._state = "ready"
+            self._reason = "ok"
+        self.build_seconds = time.monotonic() - t0
+
+    def restart(self) -> ControlResult:
+        """Shut the current engine down and build a new one on the same devices.
+
+        Compiled shapes come back from JAX's persistent compilation cache when the
+        launcher enabled it, so a restart costs loading weights, not recompiling."""
+        with self._lock:
+            if self._state in ("starting", "restarting"):
+                return ControlResult(False, f"engine {self.index} is {self._state}")
+            if self._state == "stopped":
+                return ControlResult(False, f"engine {self.index} is shut down")
+            previous = self._reason if self._state != "ready" else "ok"
+            old, self._engine = self._engine, None
+            self._state = "restarting"
+            self._reason = f"restarting (was: {previous})"
+        if old is not None:
+            old.shutdown()
+            del old
+        try:
+            self._build()
+        except Exception as exc:  # noqa: BLE001 - reported; the slot stays failed
+            return ControlResult(False, self._reason, {"error": f"{type(exc).__name__}: {exc}"})
+        self.restart_count += 1
+        return ControlResult(True, f"engine {self.index} restarted on devices "
+                             f"{list(self.device_indexes)}",
+                             {"previous_reason": previous,
+                              "build_seconds": round(self.build_seconds or 0.0, 3)})
+
+    def begin_drain(self) -> None:
+        """Refuse new requests from now on (shutdown); in-flight ones go on."""
+        with self._lock:
+            self._draining = True
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Block until no stream is in flight through this worker (or the timeout)."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self._active_streams == 0, timeout)
+
+    @property
+    def active_streams(self) -> int:
+        return self._active_streams
+
+    def shutdown(self) -> None:
+        with self._lock:
+            old, self._engine = self._engine, None
+            self._state = "stopped"
+            self._reason = "engine is shut down"
+        if old is not None:
+            old.shutdown()
+
+    # ---- EngineClient ----------------------------------------------------------------
+    def health(self) -> tuple[bool, str]:
+        with self._lock:
+            state, reason, engine, draining = (self._state, self._reason, self._engine,
+                                               self._draining)
+        if state != "ready" or engine is None:
+            return False, reason
+        if draining:
+            return False, "shutting down: not accepting new requests"
+        return engine.health()
+
+    def _live_engine(self) -> Any:
+        ok, reason = self.health()
+        engine = self._engine
+        if not ok or engine is None:
+            raise EngineUnavailable(reason)
+        return engine
+
+    def _engine_for_control(self) -> Any:
+        engine = self._engine
+        if engine is None:
+            raise EngineUnavailable(self._reason)
+        return engine
+
+    async def stream(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        engine = self._live_engine()
+        with self._lock:
+            self._active_streams += 1
+        try:
+            async for out in engine.stream(request):
+                yield out
+        finally:
+            with self._idle:
+                self._active_streams -= 1
+                self._idle.notify_all()
+
+    async def async_pause_generation(self, mode: str = "abort") -> ControlResult:
+        return await self._engine_for_control().async_pause_generation(mode)
+
+    async def async_continue_generation(self) -> ControlResult:
+        return await self._engine_for_control().async_continue_generation()
+
+    async def async_abort_request(self, rid: str | None = None,
+                                  abort_all: bool = False) -> ControlResult:
+        return await self._engine_for_control().async_abort_request(rid, abort_all=abort_all)
+
+    async def async_flush_cache(self) -> ControlResult:
+        return await self._engine_for_control().async_flush_cache()
+
+    async def async_get_internal_state(self) -> dict[str, Any]:
+        state = await self._engine_for_control().async_get_internal_state()
+        return {**state, **self.identity()}
+
+    # ---- sync helpers (launcher, tests) ----------------------------------------------
+    def abort_all(self) -> ControlResult | None:
+        engine = self._engine
+        return None if engine is None else engine.abort_request(None, abort_all=True)
+
+    def get_internal_state(self) -> dict[str, Any]:
+        return {**self._engine_for_control().get_internal_state(), **self.identity()}
+
+    def inject_fault_for_testing(self, message: str = "injected fault") -> None:
+        """Test-only: the engine's next step raises RuntimeError(message)."""
+        self._engine_for_control().inject_fault_for_testing(message)
+
+    def __repr__(self) -> str:
+        return (f"EngineWorker(index={self.index}, devices={list(self.device_indexes)}, "
+                f"port={self.port}, state={self._state})")
