@@ -18,7 +18,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.responses import JSONResponse, StreamingResponse
 
 from multiserve.server.errors import ApiError, bad_request, from_validation_error
-from multiserve.types import EngineClient
+from multiserve.types import EngineClient, EngineUnavailable
 
 M = TypeVar("M", bound=BaseModel)
 NEG_INF_LOGPROB = -9999.0
@@ -73,6 +73,24 @@ def sse_response(gen: AsyncIterator[str]) -> StreamingResponse:
 
 def json_model(model: BaseModel, status: int = 200) -> JSONResponse:
     return JSONResponse(model.model_dump(mode="json", exclude_none=True), status_code=status)
+
+
+def api_error_from(exc: Exception) -> ApiError:
+    """The client-facing error for an exception raised while a request ran."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, EngineUnavailable):
+        return ApiError(503, f"engine unavailable: {exc}", code="engine_unavailable")
+    if isinstance(exc, ValueError):  # the engine rejected the request itself
+        return bad_request(str(exc))
+    if isinstance(exc, AssertionError) and "duplicate request id" in str(exc):
+        return bad_request(f"rid: already in use ({exc})", param="rid")
+    return ApiError(500, f"internal error: {type(exc).__name__}: {exc}")
+
+
+def sse_error(exc: Exception) -> str:
+    """An SSE error event (sent in place of further chunks, before [DONE])."""
+    return sse_data(api_error_from(exc).body())
 
 
 def error_json(exc: ApiError) -> JSONResponse:

@@ -22,12 +22,11 @@ from starlette.responses import JSONResponse, Response
 from multiserve.server import protocol_native as N
 from multiserve.server.errors import ApiError, bad_request, from_sampling_error
 from multiserve.server.http_utils import (SSE_DONE, check_health, check_model, finite,
-                                          parse_body, sse_data, sse_response)
-from multiserve.server.run import (RequestRun, SampleState, drain_all, merge_runs,
-                                   until_disconnect)
+                                          parse_body, sse_data, sse_error, sse_response)
+from multiserve.server.run import RequestRun, SampleState, finish_runs, merge_runs
 from multiserve.server.tokenizer import TokenizerManager, score_softmax
-from multiserve.types import (EngineClient, EngineUnavailable, GenerateRequest, SamplingParams,
-                              SamplingParamsError, TokenLogprob)
+from multiserve.types import (EngineClient, GenerateRequest, SamplingParams, SamplingParamsError,
+                              TokenLogprob)
 
 
 def _finish_reason(s: SampleState) -> dict[str, Any] | None:
@@ -89,10 +88,7 @@ class NativeServing:
         runs, is_batch = self._build(body)
         if body.stream:
             return sse_response(self._generate_stream(body, runs))
-        try:
-            await until_disconnect(request, drain_all(runs))
-        except EngineUnavailable as exc:
-            raise ApiError(503, f"engine unavailable: {exc}", code="engine_unavailable") from None
+        await finish_runs(request, runs)
         n = runs[0].request.sampling.n
         outs = [self._sample_out(body, run, s) for run in runs for s in run.samples]
         for i, o in enumerate(outs):
@@ -149,8 +145,8 @@ class NativeServing:
                 out = self._sample_out(body, run, run.samples[ev.index])
                 out["index"] = p * n + ev.index
                 yield sse_data(out)
-        except EngineUnavailable as exc:
-            yield sse_data(ApiError(503, f"engine unavailable: {exc}").body())
+        except Exception as exc:  # noqa: BLE001 - headers are sent: report in-band
+            yield sse_error(exc)
         yield SSE_DONE
 
     # ---- /v1/score --------------------------------------------------------------------
@@ -175,10 +171,7 @@ class NativeServing:
                            GenerateRequest(rid=f"{base}-{i}", input_ids=tuple(ids), sampling=sp,
                                            stream=False), on_done=self.on_done)
                 for i, ids in enumerate(prompts)]
-        try:
-            await until_disconnect(request, drain_all(runs))
-        except EngineUnavailable as exc:
-            raise ApiError(503, f"engine unavailable: {exc}", code="engine_unavailable") from None
+        await finish_runs(request, runs)
         scores = []
         for run in runs:
             s = run.samples[0]

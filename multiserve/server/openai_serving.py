@@ -19,13 +19,13 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from multiserve.server import protocol as P
-from multiserve.server.errors import ApiError, bad_request, from_sampling_error
+from multiserve.server.errors import bad_request, from_sampling_error
 from multiserve.server.http_utils import (SSE_DONE, check_health, check_model, finite,
-                                          json_model, parse_body, sse_data, sse_response)
-from multiserve.server.run import RequestRun, SampleEvent, drain_all, merge_runs, until_disconnect
+                                          json_model, parse_body, sse_data, sse_error,
+                                          sse_response)
+from multiserve.server.run import RequestRun, SampleEvent, finish_runs, merge_runs
 from multiserve.server.tokenizer import TokenizerManager
-from multiserve.types import (EngineClient, EngineUnavailable, GenerateRequest,
-                              SamplingParamsError, TokenLogprob)
+from multiserve.types import EngineClient, GenerateRequest, SamplingParamsError, TokenLogprob
 
 
 class OpenAIServing:
@@ -71,10 +71,7 @@ class OpenAIServing:
                                  sum(r.cached_tokens for r in runs))
 
     async def _finish(self, request: Request, runs: list[RequestRun]) -> None:
-        try:
-            await until_disconnect(request, drain_all(runs))
-        except EngineUnavailable as exc:
-            raise ApiError(503, f"engine unavailable: {exc}", code="engine_unavailable") from None
+        await finish_runs(request, runs)
 
     # ---- /v1/chat/completions --------------------------------------------------------------
     async def chat(self, request: Request) -> Response:
@@ -129,8 +126,8 @@ class OpenAIServing:
                     yield chunk(P.ChatChunkChoice(index=ev.index, delta=delta, logprobs=logprobs,
                                                   finish_reason=ev.finish_reason,
                                                   matched_stop=ev.matched_stop))
-        except EngineUnavailable as exc:
-            yield sse_data(ApiError(503, f"engine unavailable: {exc}").body())
+        except Exception as exc:  # noqa: BLE001 - headers are sent: report in-band
+            yield sse_error(exc)
         if req.include_usage:
             yield sse_data(P.ChatCompletionChunk(id=run.rid, created=created, model=model,
                                                  choices=[], usage=self._usage([run])))
@@ -228,8 +225,8 @@ class OpenAIServing:
                     offsets[index] = (lp.text_offset[-1] + len(lp.tokens[-1])
                                       if lp.tokens else offsets.get(index, 0))
                 yield chunk(index, text, lp, ev)
-        except EngineUnavailable as exc:
-            yield sse_data(ApiError(503, f"engine unavailable: {exc}").body())
+        except Exception as exc:  # noqa: BLE001 - headers are sent: report in-band
+            yield sse_error(exc)
         if req.include_usage:
             yield sse_data(P.CompletionResponse(id=rid, created=created, model=model, choices=[],
                                                 usage=self._usage(runs)))

@@ -26,6 +26,7 @@ import anyio
 from starlette.requests import Request
 
 from multiserve.server.detokenizer import IncrementalDetokenizer
+from multiserve.server.http_utils import api_error_from
 from multiserve.server.tokenizer import TokenizerManager
 from multiserve.types import EngineClient, GenerateRequest, TokenLogprob
 
@@ -221,6 +222,17 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
     with anyio.CancelScope(shield=True):
         await asyncio.gather(task, return_exceptions=True)
     raise ClientDisconnected()
+
+
+async def finish_runs(request: Request, runs: list[RequestRun]) -> None:
+    """Run every request to its end for a non-streaming response. Engine-side failures
+    become `ApiError`s (503 unavailable, 400 rejected); a client that leaves aborts them."""
+    try:
+        await until_disconnect(request, drain_all(runs))
+    except ClientDisconnected:
+        raise
+    except Exception as exc:  # noqa: BLE001 - mapped to the client's error
+        raise api_error_from(exc) from exc
 
 
 async def drain(run: RequestRun) -> None:

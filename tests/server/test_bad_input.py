@@ -101,3 +101,20 @@ def test_openai_client_raises_typed_errors(served, idle_engine):
                                       messages=[{"role": "user", "content": "x"}], max_tokens=1,
                                       extra_body={"some_future_field": {"a": 1}})
         assert r.choices[0].finish_reason in ("stop", "length")
+
+
+def test_duplicate_live_rid_is_a_400(served, idle_engine):
+    h = served.http
+    body = {"text": "Count slowly:", "rid": "dup-rid-1", "stream": True,
+            "sampling_params": {"max_new_tokens": 400, "ignore_eos": True, "temperature": 0}}
+    with h.stream("POST", "/generate", json=body) as first:
+        lines = first.iter_lines()  # keep a reference: a collected iterator closes the stream
+        while not next(lines).startswith("data: "):
+            pass
+        again = h.post("/generate", json={**body, "stream": False})
+        assert again.status_code == 400, again.text
+        assert again.json()["error"]["param"] == "rid"
+    served.wait_state(lambda s: s["running_batch_size"] == 0)
+    ok = h.post("/generate", json={**body, "stream": False,
+                                   "sampling_params": {"max_new_tokens": 1}})
+    assert ok.status_code == 200 and ok.json()["meta_info"]["id"] == "dup-rid-1"
