@@ -1,0 +1,157 @@
+"""Engine test fixtures: shared engines (built once) and the memory-integrity check.
+
+Engines: `tiny_engine` (tiny random Llama, small buckets, chunked prefill forced small,
+overlap on), `tiny_engine_no_overlap` (same, overlap off), `tiny_engine_pressure` (a KV
+pool so small that decode must retract), and `default_engine` (the embedded SmolLM2 model
+with the DEFAULT EngineConfig; only max_total_tokens is lowered to save memory).
+
+After every test, each engine the test used must be idle with all its KV back: the
+autouse `memory_integrity` fixture checks that (see `engine_helpers.assert_idle_and_clean`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from engine_helpers import TINY_VOCAB, Trigger, assert_idle_and_clean, restore
+from multiserve.config import EngineConfig, ModelConfig
+
+TINY_MODEL = ModelConfig(
+    architecture="llama", vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128,
+    num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=2048,
+    tie_word_embeddings=False, bos_token_id=1, eos_token_ids=(2,))
+
+TINY_ENGINE = dict(
+    precompile_token_paddings=(64, 128), precompile_bs_paddings=(64,),
+    max_running_requests=64, chunked_prefill_size=32, page_size=8, max_total_tokens=8192,
+    max_context_len=1024, show_progress=False)
+
+# Default settings; only the KV pool is smaller than the CPU default (memory).
+DEFAULT_ENGINE = dict(max_total_tokens=16384, show_progress=False)
+
+_USED: list[Any] = []  # engines handed to the current test
+
+
+def tiny_params(cfg: ModelConfig, seed: int = 0) -> dict[str, Any]:
+    """Random weights scaled so the model's greedy output is varied and depends on its
+    whole context (unit-variance residual stream, 1/sqrt(fan_in) projections)."""
+    from multiserve.model.param_layout import param_shapes
+
+    rng = np.random.default_rng(seed)
+
+    def init(name: str, shape: tuple[int, ...]) -> np.ndarray:
+        if "norm" in name:
+            return np.ones(shape, np.float32)
+        if name == "embed":
+            return rng.standard_normal(shape).astype(np.float32)
+        return (rng.standard_normal(shape) / np.sqrt(shape[-2])).astype(np.float32)
+
+    shapes = param_shapes(cfg)
+    return {k: ({n: init(n, s) for n, s in v.items()} if k == "layers" else init(k, v))
+            for k, v in shapes.items()}
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Hugging Face style dir of TINY_MODEL with the SmolLM2 tokenizer: its first
+    TINY_VOCAB ids (specials, bytes, early merges) decode normally; prompts are ids."""
+    from multiserve.model.default_model import default_model_path
+    from multiserve.model.loader import save_hf_dir
+
+    path = tmp_path_factory.mktemp("tiny-llama")
+    save_hf_dir(path, TINY_MODEL, tiny_params(TINY_MODEL), tokenizer_dir=default_model_path())
+    return path
+
+
+def _engine(**kw: Any) -> Iterator[Any]:
+    from multiserve.engine.engine import Engine
+
+    eng = Engine(EngineConfig(**kw))
+    try:
+        yield eng
+    finally:
+        eng.shutdown()
+
+
+@pytest.fixture(scope="session")
+def _tiny_engine(tiny_model_dir: Path) -> Iterator[Any]:
+    yield from _engine(model_path=str(tiny_model_dir), **TINY_ENGINE)
+
+
+@pytest.fixture(scope="session")
+def _tiny_engine_no_overlap(tiny_model_dir: Path) -> Iterator[Any]:
+    yield from _engine(model_path=str(tiny_model_dir), **TINY_ENGINE, disable_overlap=True)
+
+
+@pytest.fixture(scope="session")
+def _tiny_engine_pressure(tiny_model_dir: Path) -> Iterator[Any]:
+    kw = {**TINY_ENGINE, "max_total_tokens": 256, "max_context_len": 256}
+    yield from _engine(model_path=str(tiny_model_dir), **kw)
+
+
+@pytest.fixture(scope="session")
+def _default_engine() -> Iterator[Any]:
+    yield from _engine(**DEFAULT_ENGINE)
+
+
+def _used(eng: Any) -> Any:
+    _USED.append(eng)
+    return eng
+
+
+@pytest.fixture
+def tiny_engine(_tiny_engine: Any) -> Any:
+    return _used(_tiny_engine)
+
+
+@pytest.fixture
+def tiny_engine_no_overlap(_tiny_engine_no_overlap: Any) -> Any:
+    return _used(_tiny_engine_no_overlap)
+
+
+@pytest.fixture
+def tiny_engine_pressure(_tiny_engine_pressure: Any) -> Any:
+    return _used(_tiny_engine_pressure)
+
+
+@pytest.fixture
+def default_engine(_default_engine: Any) -> Any:
+    return _used(_default_engine)
+
+
+@pytest.fixture(autouse=True)
+def memory_integrity(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After each test: every engine it used is idle, its page accounting holds, and a
+    cache flush gives back every KV token (no page leaked)."""
+    _USED.clear()
+    yield
+    engines, failed = list(_USED), request.node.stash.get(_FAILED, False)
+    _USED.clear()
+    for eng in engines:
+        if failed or not eng.health()[0]:
+            restore(eng)  # the test already failed: only clean up for the next one
+            continue
+        assert_idle_and_clean(eng)
+
+
+_FAILED = pytest.StashKey[bool]()
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Any:
+    rep = yield
+    if rep.when == "call" and rep.failed:
+        item.stash[_FAILED] = True
+    return rep
+
+
+@pytest.fixture
+def trigger() -> Iterator[Trigger]:
+    t = Trigger()
+    yield t
+    t.close()

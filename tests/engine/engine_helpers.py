@@ -1,0 +1,251 @@
+"""Helpers shared by the engine tests: request collection, exact pause points, state checks.
+
+`Collector` submits requests through the public `Engine.submit` and gathers every
+snapshot per (rid, index). `Trigger` starts async control calls FROM an output sink (that
+is, on the engine thread, between a step's results and the next step) and returns only
+once the calls were handed to the engine, so a pause lands right after the step that
+produced a given token: the engine loop runs every queued command before it steps again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Coroutine, Iterator, Sequence
+from typing import Any
+
+from multiserve.types import GenerateRequest, RequestOutput, SamplingParams
+
+TINY_VOCAB = 512  # tiny test model: a small vocabulary keeps the sampler cheap
+WAIT_S = 120.0  # upper bound for any single wait in these tests (never reached when healthy)
+
+Key = tuple[str, int]
+
+
+class Collector:
+    """Submits requests and collects their outputs; `on_output(out)` runs on the engine
+    thread for every snapshot (after it is recorded)."""
+
+    def __init__(self, engine: Any,
+                 on_output: Callable[[RequestOutput], None] | None = None) -> None:
+        self.engine = engine
+        self.on_output = on_output
+        self.snapshots: dict[Key, list[RequestOutput]] = {}
+        self.final: dict[Key, RequestOutput] = {}
+        self.expected = 0
+        self._cv = threading.Condition()
+
+    def _sink(self, out: RequestOutput) -> None:
+        with self._cv:
+            self.snapshots.setdefault((out.rid, out.index), []).append(out)
+            if out.finished:
+                assert (out.rid, out.index) not in self.final, f"two final outputs: {out.rid}"
+                self.final[(out.rid, out.index)] = out
+            self._cv.notify_all()
+        if self.on_output is not None:
+            self.on_output(out)
+
+    def submit(self, rid: str, input_ids: Sequence[int], params: SamplingParams,
+               stream: bool = True) -> None:
+        with self._cv:
+            self.expected += params.n
+        self.engine.submit(GenerateRequest(rid=rid, input_ids=tuple(input_ids),
+                                           sampling=params, stream=stream), self._sink)
+
+    def submit_all(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[
+            SamplingParams], prefix: str = "r", together: bool = True) -> list[str]:
+        """Submit one request per prompt (rids prefix0, prefix1, ...). `together`: hold the
+        engine (in-place pause) while submitting, so all start in the same step and none
+        runs ahead of the rest (a slow test thread would otherwise stagger them, and a
+        pause hook on r0 could fire before the last request is even submitted)."""
+        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        rids = [f"{prefix}{i}" for i in range(len(prompts))]
+        with held(self.engine) if together else contextlib.nullcontext():
+            for rid, ids, p in zip(rids, prompts, plist, strict=True):
+                self.submit(rid, ids, p)
+        return rids
+
+    def wait(self, timeout: float = WAIT_S) -> dict[Key, RequestOutput]:
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while len(self.final) < self.expected:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    progress = {k: len(v[-1].output_ids) for k, v in self.snapshots.items()}
+                    raise AssertionError(
+                        f"only {len(self.final)}/{self.expected} requests finished within "
+                        f"{timeout}s; tokens so far {progress}; engine health "
+                        f"{self.engine.health()}")
+                self._cv.wait(left)
+            return dict(self.final)
+
+    def num_tokens(self, rid: str, index: int = 0) -> int:
+        with self._cv:
+            snaps = self.snapshots.get((rid, index), [])
+            return len(snaps[-1].output_ids) if snaps else 0
+
+    def ids(self, rid: str, index: int = 0) -> tuple[int, ...]:
+        return self.final[(rid, index)].output_ids
+
+
+@contextlib.contextmanager
+def held(engine: Any) -> Iterator[None]:
+    """Hold the engine still (in-place pause) for the block, e.g. to submit several requests
+    that must start in the same step. An engine the test had paused stays paused."""
+    paused_here = not engine.pause_generation("in_place").details.get("already_paused")
+    try:
+        yield
+    finally:
+        if paused_here:
+            assert engine.continue_generation().ok
+
+
+class Trigger:
+    """An asyncio loop on its own thread, used to start async engine calls from a sink.
+
+    `start(*factories)` creates one task per coroutine factory, lets each run until it has
+    submitted its command to the engine (the async control API submits before its first
+    suspension), and returns futures for their results. Called from a sink, the commands
+    are queued before the engine thread resumes, so they all run before the next step."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True,
+                                        name="test-trigger")
+        self._thread.start()
+
+    def start(self, *factories: Callable[[], Coroutine[Any, Any, Any]]
+              ) -> list[concurrent.futures.Future]:
+        started = threading.Event()
+        futures: list[concurrent.futures.Future] = [concurrent.futures.Future()
+                                                    for _ in factories]
+
+        async def launch() -> None:
+            tasks = [asyncio.ensure_future(f()) for f in factories]
+            for task, fut in zip(tasks, futures, strict=True):
+                task.add_done_callback(lambda t, fut=fut: _copy_result(t, fut))
+            await asyncio.sleep(0)  # every task ran up to its first await: submitted
+            started.set()
+
+        asyncio.run_coroutine_threadsafe(launch(), self.loop)
+        assert started.wait(WAIT_S), "trigger loop did not start the calls"
+        return futures
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=10)
+
+
+def _copy_result(task: asyncio.Task, fut: concurrent.futures.Future) -> None:
+    if task.exception() is not None:
+        fut.set_exception(task.exception())
+    else:
+        fut.set_result(task.result())
+
+
+class AtTokens:
+    """A sink hook: when `rid` has produced `k` output tokens (the k-th in a stream
+    snapshot), start `factories` through the trigger, once. `results` then holds their
+    futures; `fired` is set."""
+
+    def __init__(self, trigger: Trigger, rid: str, k: int,
+                 *factories: Callable[[], Coroutine[Any, Any, Any]]) -> None:
+        self.trigger, self.rid, self.k, self.factories = trigger, rid, k, factories
+        self.fired = threading.Event()
+        self.results: list[concurrent.futures.Future] = []
+
+    def __call__(self, out: RequestOutput) -> None:
+        if (not self.fired.is_set() and out.rid == self.rid and out.index == 0
+                and len(out.output_ids) >= self.k):
+            self.results = self.trigger.start(*self.factories)
+            self.fired.set()
+
+    def wait(self, timeout: float = WAIT_S) -> list[Any]:
+        assert self.fired.wait(timeout), f"{self.rid} never reached {self.k} tokens"
+        return [f.result(timeout=timeout) for f in self.results]
+
+
+def assert_idle_and_clean(engine: Any) -> None:
+    """The engine holds no request and no KV beyond an unreferenced prefix cache; after a
+    flush every KV token is available again (the memory-integrity contract)."""
+    engine.run_on_engine_thread(lambda core: core.scheduler.check_integrity())
+    st = engine.get_internal_state()
+    assert not st["engine_paused"], "the test left the engine paused"
+    assert st["running_batch_size"] == 0 and st["waiting_queue_size"] == 0, st
+    assert st["req_to_token_pool_used"] == 0, st
+    assert st["tree_cache_size"] == st["evictable_kv_tokens"], st  # nothing referenced
+    assert st["available_kv_tokens"] + st["evictable_kv_tokens"] == \
+        st["initial_available_kv_tokens"], st
+    res = engine.flush_cache()
+    assert res.ok, res
+    st = engine.get_internal_state()
+    assert st["available_kv_tokens"] == st["initial_available_kv_tokens"], st
+    assert st["tree_cache_size"] == 0, st
+
+
+def restore(engine: Any) -> None:
+    """Best effort: leave an engine unpaused with no live request (after a failed test)."""
+    engine.continue_generation()
+    engine.abort_request(abort_all=True)
+
+
+class ReferenceModel:
+    """The model's plain unbatched generation loop: one sequence, its own KV pool, the
+    prompt in one forward, then one token per forward; no scheduler, no prefix cache, no
+    chunking, no other request. Steps are padded like `simple_generate.greedy_token_ids`
+    (the engine's smallest buckets) so it shares the engine's numerics; unlike it, the page
+    table has one fixed width, so the loop compiles once per token bucket."""
+
+    PAGE_SIZE = 16
+
+    def __init__(self, model_path: str | None, max_len: int = 1024) -> None:
+        import jax
+        import numpy as np
+
+        from multiserve.model.llama import forward
+        from multiserve.model.loader import load_model
+
+        loaded = load_model(model_path, np.float32)
+        self.cfg = loaded.config
+        self.params = jax.device_put(loaded.params)
+        self.max_pages = -(-max_len // self.PAGE_SIZE)
+        cfg = self.cfg
+        self._fwd = jax.jit(lambda p, kv, b: forward(p, kv, b, cfg, page_size=self.PAGE_SIZE,
+                                                     attn_block_size=128),
+                            donate_argnums=(1,))
+
+    def greedy(self, prompt: Sequence[int], max_new_tokens: int) -> list[int]:
+        import numpy as np
+
+        return self.run(prompt, max_new_tokens, lambda x, _: int(np.argmax(x)))[0]
+
+    def run(self, prompt: Sequence[int], max_new_tokens: int,
+            choose: Callable[[Any, list[int]], int]) -> tuple[list[int], list[Any]]:
+        """choose(raw logits f32[V] numpy, output so far) -> next id. Returns (ids,
+        per-step raw log-softmax rows)."""
+        import numpy as np
+
+        from multiserve.model.kv_pool import make_kv_pool
+        from multiserve.model.simple_generate import single_sequence_batch
+
+        ps = self.PAGE_SIZE
+        assert len(prompt) + max_new_tokens <= self.max_pages * ps
+        pages = np.arange(1, self.max_pages + 1, dtype=np.int32)
+        kv = make_kv_pool(self.cfg, self.max_pages + 1, ps, np.float32)
+        out: list[int] = []
+        logprobs: list[Any] = []
+        piece, start = list(prompt), 0
+        while len(out) < max_new_tokens:
+            logits, kv = self._fwd(self.params, kv,
+                                   single_sequence_batch(piece, start, pages, ps))
+            row = np.asarray(logits[0], np.float32)
+            shifted = row - row.max()
+            logprobs.append(shifted - np.log(np.exp(shifted).sum()))
+            tok = int(choose(row, out))
+            out.append(tok)
+            start += len(piece)
+            piece = [tok]
+        return out, logprobs

@@ -1,0 +1,243 @@
+"""Pause / continue / abort on the tiny engine (issue 4): what each mode does to the queues
+and the KV, that outputs survive pauses unchanged, the quiescence barrier, and abort.
+
+Pauses land at exact points: a sink hook (`AtTokens`) queues the control call when a
+request has produced k tokens, before the engine can start another step.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from engine_helpers import TINY_VOCAB, AtTokens, Collector, Trigger
+from multiserve.types import GenerateRequest, SamplingParams
+
+MAX_NEW = 32
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW, ignore_eos=True)
+
+
+def _work(seed: int, n: int = 8) -> list[tuple[list[int], SamplingParams]]:
+    """n requests of ragged prompt lengths; even ones greedy, odd ones seeded sampling."""
+    rng = random.Random(seed)
+    work = []
+    for i in range(n):
+        prompt = [rng.randrange(3, TINY_VOCAB) for _ in range(rng.randrange(2, 70))]
+        params = GREEDY if i % 2 == 0 else SamplingParams(
+            temperature=0.8, top_p=0.9, seed=1000 + i, max_new_tokens=MAX_NEW, ignore_eos=True)
+        work.append((prompt, params))
+    return work
+
+
+def _submit(col: Collector, work: list[tuple[list[int], SamplingParams]]) -> list[str]:
+    return col.submit_all([p for p, _ in work], [s for _, s in work])
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(_tiny_engine: Any) -> dict[int, dict]:
+    """Outputs of each workload seed run without any pause (memoised per seed)."""
+    return {}
+
+
+def _reference(engine: Any, cache: dict, seed: int) -> dict:
+    if seed not in cache:
+        col = Collector(engine)
+        _submit(col, _work(seed))
+        cache[seed] = {k: o.output_ids for k, o in col.wait().items()}
+    return cache[seed]
+
+
+def _state(engine: Any):  # noqa: ANN202 - a factory for Trigger
+    return lambda: engine.async_get_internal_state()
+
+
+def _pause(engine: Any, mode: str):  # noqa: ANN202
+    return lambda: engine.async_pause_generation(mode)
+
+
+def test_pause_retract(tiny_engine: Any, trigger: Trigger, uninterrupted: dict) -> None:
+    want = _reference(tiny_engine, uninterrupted, 0)
+    hook = AtTokens(trigger, "r0", 8, _state(tiny_engine), _pause(tiny_engine, "retract"))
+    col = Collector(tiny_engine, on_output=hook)
+    _submit(col, _work(0))
+    before, res = hook.wait()
+    after = tiny_engine.get_internal_state()
+    assert res.ok and res.details["retracted"] == before["running_batch_size"] > 0
+    assert after["engine_paused"] and after["running_batch_size"] == 0
+    assert after["waiting_queue_size"] == before["waiting_queue_size"] + res.details["retracted"]
+    assert after["waiting_rids"][:len(before["running_rids"])] == before["running_rids"]
+    gain = after["available_kv_tokens"] - before["available_kv_tokens"]
+    assert gain == res.details["freed_kv_tokens"] > 0
+    # What the retracted requests held is now free or kept (unreferenced) by the cache.
+    assert after["available_kv_tokens"] + after["evictable_kv_tokens"] == \
+        after["initial_available_kv_tokens"]
+    assert after["req_to_token_pool_used"] == 0
+    assert tiny_engine.continue_generation().ok
+    got = col.wait()
+    assert all(o.finish_reason == "length" for o in got.values())
+    assert {k: o.output_ids for k, o in got.items()} == want
+
+
+def test_pause_in_place(tiny_engine: Any, trigger: Trigger, uninterrupted: dict) -> None:
+    want = _reference(tiny_engine, uninterrupted, 0)
+    hook = AtTokens(trigger, "r0", 8, _state(tiny_engine), _pause(tiny_engine, "in_place"))
+    col = Collector(tiny_engine, on_output=hook)
+    _submit(col, _work(0))
+    before, res = hook.wait()
+    assert res.ok
+    keys = ("running_batch_size", "running_rids", "waiting_queue_size", "waiting_rids",
+            "available_kv_tokens", "tree_cache_size", "req_to_token_pool_used")
+    after = tiny_engine.get_internal_state()
+    assert before["running_batch_size"] > 0
+    assert {k: after[k] for k in keys} == {k: before[k] for k in keys}
+    tokens = {k: len(v[-1].output_ids) for k, v in col.snapshots.items()}
+    time.sleep(0.2)  # nothing may move while paused
+    later = tiny_engine.get_internal_state()
+    assert {k: later[k] for k in keys} == {k: before[k] for k in keys}
+    assert {k: len(v[-1].output_ids) for k, v in col.snapshots.items()} == tokens
+    assert tiny_engine.continue_generation().ok
+    got = col.wait()
+    assert all(o.finish_reason == "length" for o in got.values())
+    assert {k: o.output_ids for k, o in got.items()} == want
+
+
+def test_five_cycles_alternating_modes_at_random_steps(tiny_engine: Any, trigger: Trigger,
+                                                       uninterrupted: dict) -> None:
+    want = _reference(tiny_engine, uninterrupted, 1)
+    rng = random.Random(42)
+    steps = sorted(rng.sample(range(2, MAX_NEW - 2), 5))
+    modes = ["retract", "in_place", "retract", "in_place", "retract"]
+    hooks = [AtTokens(trigger, "r0", k, _pause(tiny_engine, m)) for k, m in zip(steps, modes)]
+
+    def on_output(out: Any) -> None:
+        for h in hooks:
+            h(out)
+
+    col = Collector(tiny_engine, on_output=on_output)
+    _submit(col, _work(1))
+    for hook, mode in zip(hooks, modes, strict=True):
+        (res,) = hook.wait()
+        assert res.ok and res.details["mode"] == mode
+        st = tiny_engine.get_internal_state()
+        assert st["engine_paused"]
+        if mode == "retract":
+            assert st["running_batch_size"] == 0 and res.details["retracted"] > 0
+        tiny_engine.run_on_engine_thread(lambda core: core.scheduler.check_integrity())
+        assert tiny_engine.continue_generation().ok
+    got = col.wait()
+    assert all(o.finish_reason == "length" for o in got.values())
+    assert {k: o.output_ids for k, o in got.items()} == want
+
+
+def test_pause_abort_returns_partial_prefixes(tiny_engine: Any, trigger: Trigger,
+                                             uninterrupted: dict) -> None:
+    want = _reference(tiny_engine, uninterrupted, 0)
+    hook = AtTokens(trigger, "r0", 8, _pause(tiny_engine, "abort"))
+    col = Collector(tiny_engine, on_output=hook)
+    rids = _submit(col, _work(0))
+    (res,) = hook.wait()
+    got = col.wait()
+    assert res.ok and res.details["aborted"] == len(rids)
+    st = tiny_engine.get_internal_state()
+    assert st["engine_paused"]
+    assert st["running_batch_size"] == 0 and st["waiting_queue_size"] == 0
+    assert len(got) == len(rids)
+    for key, out in got.items():
+        assert out.finish_reason == "abort"
+        assert out.output_ids == want[key][:len(out.output_ids)]
+    assert len(got[("r0", 0)].output_ids) >= 8
+    assert tiny_engine.continue_generation().ok
+
+
+def test_pause_and_continue_twice_are_noops(tiny_engine: Any) -> None:
+    res = tiny_engine.continue_generation()
+    assert res.ok and "not paused" in res.message
+    assert tiny_engine.pause_generation("in_place").ok
+    again = tiny_engine.pause_generation("retract")
+    assert again.ok and "already paused" in again.message
+    assert tiny_engine.get_internal_state()["engine_paused"]
+    assert tiny_engine.continue_generation().ok
+    assert not tiny_engine.get_internal_state()["engine_paused"]
+
+
+def test_abort_request_one_and_unknown(tiny_engine: Any, trigger: Trigger,
+                                      uninterrupted: dict) -> None:
+    want = _reference(tiny_engine, uninterrupted, 0)
+    hook = AtTokens(trigger, "r0", 6, lambda: tiny_engine.async_abort_request("r3"))
+    col = Collector(tiny_engine, on_output=hook)
+    _submit(col, _work(0))
+    (res,) = hook.wait()
+    assert res.ok and res.details["aborted"] == 1
+    got = col.wait()
+    for key, out in got.items():
+        if key[0] == "r3":
+            assert out.finish_reason == "abort" and len(out.output_ids) < MAX_NEW
+            assert out.output_ids == want[key][:len(out.output_ids)]
+        else:
+            assert out.finish_reason == "length" and out.output_ids == want[key]
+    unknown = tiny_engine.abort_request("no-such-rid")
+    assert unknown.ok and unknown.details["aborted"] == 0 and "no-such-rid" in unknown.message
+
+
+def test_aborted_stream_ends_cleanly(tiny_engine: Any) -> None:
+    req = GenerateRequest(rid="to-abort", input_ids=(5, 6, 7), sampling=GREEDY.with_updates(
+        max_new_tokens=200), stream=True)
+    seen = []
+    for out in tiny_engine.stream_sync(req):
+        seen.append(out)
+        if len(out.output_ids) == 3 and not out.finished:
+            assert tiny_engine.abort_request("to-abort").details["aborted"] == 1
+    assert seen[-1].finished and seen[-1].finish_reason == "abort"
+    assert 3 <= len(seen[-1].output_ids) < 200
+    assert sum(o.finished for o in seen) == 1
+
+
+# ---- the barrier ---------------------------------------------------------------------------
+
+def _engine_thread_cpu_seconds(engine: Any) -> float | None:
+    """CPU time used so far by the engine's own thread (Linux /proc), else None."""
+    native_id = engine.run_on_engine_thread(lambda core: threading.get_native_id())
+    path = f"/proc/self/task/{native_id}/stat"
+    if not os.path.exists(path):
+        return None
+    fields = open(path).read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.parametrize("mode", ["retract", "in_place"])
+def test_barrier_no_step_while_paused_and_new_requests_wait(
+        tiny_engine: Any, trigger: Trigger, uninterrupted: dict, mode: str) -> None:
+    want = _reference(tiny_engine, uninterrupted, 0)
+    hook = AtTokens(trigger, "r0", 5, _pause(tiny_engine, mode))
+    col = Collector(tiny_engine, on_output=hook)
+    _submit(col, _work(0))
+    hook.wait()
+    s1 = tiny_engine.get_internal_state()
+    cpu1 = _engine_thread_cpu_seconds(tiny_engine)
+    late = _work(7, n=3)
+    late_rids = col.submit_all([p for p, _ in late], [s for _, s in late], prefix="late")
+    time.sleep(1.0)  # give a (wrong) step every chance to run
+    s2 = tiny_engine.get_internal_state()
+    cpu2 = _engine_thread_cpu_seconds(tiny_engine)
+    assert s2["forward_ct"] == s1["forward_ct"]
+    assert s2["forward_ct_decode"] == s1["forward_ct_decode"]
+    assert s2["running_batch_size"] == s1["running_batch_size"]
+    assert s2["waiting_rids"][-3:] == late_rids
+    assert s2["waiting_queue_size"] == s1["waiting_queue_size"] + 3
+    assert s2["available_kv_tokens"] == s1["available_kv_tokens"]
+    assert all(k[0] not in late_rids for k in col.snapshots)  # no output while paused
+    if cpu1 is not None:
+        assert cpu2 - cpu1 < 0.05, "the paused engine thread is busy-waiting"
+    assert tiny_engine.continue_generation().ok
+    got = col.wait()
+    for key, ids in want.items():
+        assert got[key].output_ids == ids
+    late_alone = Collector(tiny_engine)
+    late_alone.submit_all([p for p, _ in late], [s for _, s in late], prefix="late")
+    for key, out in late_alone.wait().items():
+        assert got[key].finish_reason == "length" and got[key].output_ids == out.output_ids
