@@ -249,10 +249,11 @@ def _sample_rows(x: jax.Array, sb: SamplingBatch) -> jax.Array:
     """Gumbel-max draw for every row from its penalised logits `x` (greedy rows ignored)."""
     t = sb.temperature
     z = x / jnp.where(t > 0, t, 1.0)[:, None]
-    z = lax.cond(sb.any_filter,
-                 lambda z: jnp.where(z >= _keep_threshold(z, sb)[:, None], z, _NEG_INF),
-                 lambda z: z, z)
-    return _first_argmax(z + _gumbel(_row_words(sb), x.shape[1]))
+    # The cond yields only per-row thresholds, so the no-filter case copies no [R, V] data.
+    thr = lax.cond(sb.any_filter, _keep_threshold, lambda z, _: jnp.full(z.shape[:1], _NEG_INF),
+                   z, sb)
+    y = jnp.where(z >= thr[:, None], z, _NEG_INF) + _gumbel(_row_words(sb), x.shape[1])
+    return _first_argmax(y)
 
 
 def _logprobs(raw: jax.Array, next_ids: jax.Array, sb: SamplingBatch
@@ -279,24 +280,24 @@ def _logprobs(raw: jax.Array, next_ids: jax.Array, sb: SamplingBatch
 
 
 def _edited(raw: jax.Array, sb: SamplingBatch) -> jax.Array:
-    """Penalised logits with banned ids at -inf."""
-    x = lax.cond(sb.any_penalty, _apply_penalties, lambda x, _: x, raw, sb)
-    return lax.cond(sb.any_banned, _apply_bans, lambda x, _: x, x, sb.banned_ids)
+    """Penalised logits with banned ids at -inf (neutral penalties change nothing)."""
+    return _apply_bans(_apply_penalties(raw, sb), sb.banned_ids)
 
 
 def sample(logits: jax.Array, sb: SamplingBatch) -> SampleOutput:
     """Next token (and raw logprobs) for every row of `logits` (f32/bf16[R, V])."""
     raw = logits.astype(jnp.float32)
     r, _ = raw.shape
+    edit = sb.any_penalty | sb.any_banned
 
-    # Each branch reads `raw` directly where it can: an identity branch of lax.cond would
-    # copy the [R, V] logits, which costs as much as the greedy argmax itself.
+    # Branches read `raw` directly where they can: an identity branch of lax.cond copies
+    # the [R, V] logits, which costs about as much as the greedy argmax itself.
     def greedy_only() -> jax.Array:
-        return lax.cond(sb.any_penalty | sb.any_banned,
-                        lambda: _first_argmax(_edited(raw, sb)), lambda: _first_argmax(raw))
+        return lax.cond(edit, lambda: _first_argmax(_edited(raw, sb)),
+                        lambda: _first_argmax(raw))
 
     def mixed() -> jax.Array:
-        x = _edited(raw, sb)
+        x = lax.cond(edit, _edited, lambda x, _: x, raw, sb)
         return jnp.where(sb.temperature > 0, _sample_rows(x, sb), _first_argmax(x))
 
     next_ids = lax.cond(sb.any_sampled, mixed, greedy_only)
