@@ -101,6 +101,10 @@ class ServerThread:
 
     def stop(self, timeout: float = 30.0) -> None:
         self._server.should_exit = True
+        if self._thread.ident is None:  # never started: just release the port
+            with contextlib.suppress(OSError):
+                self._sock.close()
+            return
         if self._thread.is_alive():
             self._thread.join(timeout)
         if self._thread.is_alive():  # graceful shutdown stuck: force it
