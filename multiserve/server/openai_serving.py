@@ -58,7 +58,8 @@ class OpenAIServing:
         runs = []
         for i, (ids, sp) in enumerate(zip(prompts, params)):
             rid = base if len(prompts) == 1 else f"{base}-{i}"
-            # Stop strings are matched here, so the engine must stream to stop early.
+            # The server is the authority on stop strings (earliest match, trimmed); a
+            # streamed run lets it end a sample as soon as one matches.
             greq = GenerateRequest(rid=rid, input_ids=tuple(ids), sampling=sp,
                                    stream=req.stream or bool(sp.stop),
                                    return_prompt_logprobs=echo_logprobs)

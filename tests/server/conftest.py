@@ -9,7 +9,6 @@ server for it on a free loopback port. Tests leave the engine idle and unpaused
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,18 +23,12 @@ ENGINE_KW: dict[str, Any] = dict(
     show_progress=False)
 
 
-def _tokenizer_dir() -> Path:
-    override = os.environ.get("MULTISERVE_TEST_TOKENIZER_DIR")
-    if override:
-        return Path(override)
+@pytest.fixture(scope="session")
+def tokenizer_dir() -> Path:
+    """The default model's HF-format directory (jax-free to locate)."""
     from multiserve.model.default_model import default_model_path
 
     return Path(default_model_path())
-
-
-@pytest.fixture(scope="session")
-def tokenizer_dir() -> Path:
-    return _tokenizer_dir()
 
 
 @pytest.fixture(scope="session")
