@@ -72,7 +72,9 @@ class EngineCore:
     # ---- requests ------------------------------------------------------------------
     def add(self, reqs: Sequence[Req]) -> None:
         for req in reqs:
-            assert req.key not in self.reqs, f"duplicate request id {req.rid}"
+            if req.key in self.reqs:
+                raise ValueError(f"rid: a live request already uses rid {req.rid!r}")
+        for req in reqs:
             self.reqs[req.key] = req
             if req.params.max_new_tokens == 0:
                 self._finish(req, "length")

@@ -82,9 +82,8 @@ def api_error_from(exc: Exception) -> ApiError:
     if isinstance(exc, EngineUnavailable):
         return ApiError(503, f"engine unavailable: {exc}", code="engine_unavailable")
     if isinstance(exc, ValueError):  # the engine rejected the request itself
-        return bad_request(str(exc))
-    if isinstance(exc, AssertionError) and "duplicate request id" in str(exc):
-        return bad_request(f"rid: already in use ({exc})", param="rid")
+        param = str(exc).split(":", 1)[0] if ":" in str(exc) else None
+        return bad_request(str(exc), param=param if param and " " not in param else None)
     return ApiError(500, f"internal error: {type(exc).__name__}: {exc}")
 
 
