@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from multiserve.config import ConfigError, ModelConfig, RopeScaling
+from multiserve.config import ConfigError, ModelConfig
 from multiserve.model.errors import ModelLoadError
 
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
@@ -108,7 +108,6 @@ def config_from_gguf(meta: dict[str, Any], source: Path) -> ModelConfig:
     heads = int(get("attention.head_count"))
     hidden = int(get("embedding_length"))
     tokens = meta.get("tokenizer.ggml.tokens") or []
-    scaling = None
     if meta.get(f"{arch}.rope.scaling.type", "none") not in ("none", None):
         raise ModelLoadError(f"{source}: unsupported rope scaling "
                              f"{meta.get(f'{arch}.rope.scaling.type')!r}")
@@ -121,7 +120,7 @@ def config_from_gguf(meta: dict[str, Any], source: Path) -> ModelConfig:
             num_kv_heads=int(get("attention.head_count_kv", heads)),
             head_dim=int(get("attention.key_length", hidden // heads)),
             rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
-            rope_theta=float(get("rope.freq_base", 10000.0)), rope_scaling=scaling,
+            rope_theta=float(get("rope.freq_base", 10000.0)), rope_scaling=None,
             max_position_embeddings=int(get("context_length", 2048)),
             tie_word_embeddings=False,  # decided from the tensors by the caller
             attention_bias=arch == "qwen2", qk_norm=arch == "qwen3",

@@ -101,7 +101,7 @@ def params_from_hf(named: dict[str, Any], cfg: ModelConfig, dtype=None,
             raise ModelLoadError(f"{src(name)}: tensor {name!r} has shape {tuple(arr.shape)}, "
                                  f"expected {spec.hf_shape}")
         if dtype is not None:
-            arr = arr.astype(dtype)
+            arr = arr.astype(dtype, copy=False)
         arr = arr.T if spec.transposed else arr
         if spec.layer is None:
             params[spec.key] = np.ascontiguousarray(arr)
