@@ -70,26 +70,35 @@ def make_hf_model(cfg: ModelConfig, seed: int) -> transformers.PreTrainedModel:
     return model
 
 
-@pytest.fixture(scope="module", params=sorted(CONFIGS))
-def hf_pair(request, tmp_path_factory) -> tuple[ModelConfig, transformers.PreTrainedModel, Path]:
-    cfg = CONFIGS[request.param]
-    model = make_hf_model(cfg, seed=len(request.param))
-    path = tmp_path_factory.mktemp(f"hf-{request.param}")
-    model.save_pretrained(path, safe_serialization=True)
-    return cfg, model, path
+_PAIRS: dict[str, tuple[ModelConfig, transformers.PreTrainedModel, Path]] = {}
 
 
-def test_loader_reads_config(hf_pair) -> None:
-    cfg, _, path = hf_pair
+def hf_pair(name: str, factory: pytest.TempPathFactory):
+    """(config, transformers model, its save_pretrained dir), built once per config."""
+    if name not in _PAIRS:
+        cfg = CONFIGS[name]
+        model = make_hf_model(cfg, seed=len(name))
+        path = factory.mktemp(f"hf-{name}")
+        model.save_pretrained(path, safe_serialization=True)
+        _PAIRS[name] = (cfg, model, path)
+    return _PAIRS[name]
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_loader_reads_config(name: str, tmp_path_factory) -> None:
+    cfg, _, path = hf_pair(name, tmp_path_factory)
     assert load_model(str(path), "float32").config == cfg
 
 
 # (page_size, attn_block_size): block a multiple of the page, equal, and (llama) a divisor
-@pytest.mark.parametrize("page_size,block", [(1, 4), (4, 8), (16, 16), (16, 8)])
-def test_ragged_paged_batches_match_transformers(hf_pair, page_size: int, block: int) -> None:
-    cfg, model, path = hf_pair
-    if block < page_size and (cfg.architecture != "llama" or cfg.rope_scaling is not None):
-        pytest.skip("block < page_size is covered by the plain llama config")
+CASES = [(name, ps, bs) for name in sorted(CONFIGS) for ps, bs in ((1, 4), (4, 8), (16, 16))]
+CASES.append(("llama", 16, 8))
+
+
+@pytest.mark.parametrize("name,page_size,block", CASES)
+def test_ragged_paged_batches_match_transformers(name: str, page_size: int, block: int,
+                                                 tmp_path_factory) -> None:
+    cfg, model, path = hf_pair(name, tmp_path_factory)
     loaded = load_model(str(path), "float32")
     rng = np.random.default_rng(page_size)
     lens = {"a": 37, "b": 9, "c": 26}
