@@ -119,6 +119,11 @@ class Fleet:
             w.shutdown()
 
 
+def _message(e: ConfigError) -> str:
+    prefix = f"config field '{e.field}': "
+    return str(e)[len(prefix):] if str(e).startswith(prefix) else str(e)
+
+
 def _say(out: TextIO | None, text: str) -> None:
     out = out or sys.stderr
     print(text, file=out, flush=True)
@@ -132,7 +137,14 @@ def launch_fleet(cfg: FleetConfig, *, announce: bool = True, out: TextIO | None 
     `announce` prints the READY line to `out` (stdout); progress goes to `log` (stderr).
     `cancelled` is polled between start-up stages (a stop signal during warm-up)."""
     devices = init_jax(cfg.platform, cfg.device_count_needed)
-    validate_against_devices(cfg, len(devices))
+    try:
+        validate_against_devices(cfg, len(devices))
+    except ConfigError as e:
+        if devices[0].platform != "cpu":
+            raise
+        raise ConfigError(e.field, f"{_message(e)} (on CPU the fleet asks for "
+                          f"{cfg.device_count_needed} virtual devices, but JAX started "
+                          f"earlier or XLA_FLAGS set another count)") from None
     check_ports_free(cfg)
     cache = enable_compilation_cache()
     _say(log, f"fleet: {len(cfg.engines)} engine(s) on {devices[0].platform} devices "

@@ -122,9 +122,11 @@ def _read_toml(path: Path) -> dict[str, Any]:
 
 def check_ports_free(cfg: FleetConfig) -> None:
     """Fail before minutes of warm-up if a configured port is taken (names the field)."""
-    wanted = [(f"servers[{i}].port", s.host, s.port) for i, s in enumerate(cfg.servers)]
-    wanted.append(("fleet.supervisor_port", cfg.supervisor.host, cfg.supervisor.port))
-    for name, host, port in wanted:
+    wanted = [("fleet.base_port/fleet.ports", f"engine {i}'s", s.host, s.port)
+              for i, s in enumerate(cfg.servers)]
+    wanted.append(("fleet.supervisor_port", "the supervisor's", cfg.supervisor.host,
+                   cfg.supervisor.port))
+    for name, whose, host, port in wanted:
         if port == 0:
             continue
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -133,5 +135,5 @@ def check_ports_free(cfg: FleetConfig) -> None:
             try:
                 s.bind((host, port))
             except OSError as e:
-                raise ConfigError(name, f"cannot listen on {host}:{port}: {e.strerror}"
-                                  ) from None
+                raise ConfigError(name, f"{whose} port {port} on {host} is not free: "
+                                  f"{e.strerror}") from None
