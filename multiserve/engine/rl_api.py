@@ -61,7 +61,7 @@ class RLEngineMixin:
         resident = "weights" not in core.released_tags
         params = core.runner.params if resident else self._memory.host_params
         try:
-            out = self._weights.read(params, name, truncate_size)
+            out = self._weights.layout.read(params, name, truncate_size)
         except WeightUpdateError as e:
             return ControlResult(False, str(e), {"name": name})
         return ControlResult(True, f"{name}: shape {out['shape']}", {
@@ -81,7 +81,7 @@ class RLEngineMixin:
 
     def _disk_loader(self, path: str) -> Loader:
         def load() -> tuple[Any, str, bool]:
-            named, source = self._weights.read_disk(path)
+            named, source = self._weights.layout.read_disk(path)
             return named, source, True
         return load
 

@@ -2,7 +2,8 @@
 
 Owns `WeightManager` (one per Engine): the target layout of the engine's params (shape,
 dtype and sharding of every leaf, fixed at start-up), the one pending staged update, and
-the prefix-cache consequences of a publish.
+the prefix-cache consequences of a publish. Validation and disk reading live in
+`weight_checks.py`.
 
 Flow: `begin()` (engine thread: may the engine take an update now? hold it paused) ->
 `stage_*()` (caller thread: read, validate every tensor, cast, place on the engine's
@@ -26,39 +27,28 @@ Invariants:
 
 from __future__ import annotations
 
-import json
 import threading
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 
 from multiserve.engine.request import Req
-from multiserve.model import safetensors_io
-from multiserve.model.errors import ModelLoadError
-from multiserve.model.hf_names import HfTensorSpec, hf_tensor_specs
-from multiserve.model.param_layout import param_shapes
+from multiserve.engine.weight_checks import (
+    LeafPath,
+    ParamLayout,
+    WeightUpdateError,
+    all_finite,
+    get_leaf,
+    set_leaf,
+)
 from multiserve.model.sharding import param_shardings
 from multiserve.types import ControlResult
 
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-# config.json fields that must agree with the serving model for a disk update
-_CONFIG_FIELDS = ("architecture", "vocab_size", "hidden_size", "intermediate_size",
-                  "num_layers", "num_heads", "num_kv_heads", "head_dim", "tie_word_embeddings",
-                  "rope_theta", "rms_norm_eps")
-
-
-class WeightUpdateError(ValueError):
-    """An update was refused or is invalid; the message names the tensor or the reason."""
-
-
-LeafPath = tuple[str, ...]  # ("embed",) or ("layers", "wq")
+__all__ = ["StagedWeights", "WeightManager", "WeightUpdateError"]
 
 
 @dataclass
@@ -81,51 +71,6 @@ class StagedWeights:
         self.partial.clear()
 
 
-def _get(tree: Mapping[str, Any], path: LeafPath) -> Any:
-    for k in path:
-        tree = tree[k]
-    return tree
-
-
-def _set(tree: dict[str, Any], path: LeafPath, value: Any) -> None:
-    for k in path[:-1]:
-        tree = tree[k]
-    tree[path[-1]] = value
-
-
-def _leaf_paths(shapes: Mapping[str, Any]) -> list[LeafPath]:
-    out: list[LeafPath] = []
-    for k, v in shapes.items():
-        if isinstance(v, Mapping):
-            out += [(k, kk) for kk in v]
-        else:
-            out.append((k,))
-    return out
-
-
-def _check_dtype(name: str, x: Any, where: str = "") -> None:
-    dt = np.dtype(x.dtype)
-    if not (np.issubdtype(dt, np.floating) or dt == np.dtype(ml_dtypes.bfloat16)):
-        raise WeightUpdateError(f"{where}tensor {name!r}: dtype {dt} is not a floating-point "
-                                "type")
-
-
-def _is_array(x: Any) -> bool:
-    return hasattr(x, "shape") and hasattr(x, "dtype")
-
-
-def _check_finite(name: str, x: Any, where: str = "") -> None:
-    ok = bool(_all_finite(x)) if isinstance(x, jax.Array) else bool(
-        np.isfinite(np.asarray(x)).all())
-    if not ok:
-        raise WeightUpdateError(f"{where}tensor {name!r}: has NaN or inf values")
-
-
-@jax.jit
-def _all_finite(x: jax.Array) -> jax.Array:
-    return jnp.isfinite(x).all()
-
-
 class WeightManager:
     """Weight updates for one engine (see module docstring). `core` is its EngineCore."""
 
@@ -134,14 +79,13 @@ class WeightManager:
         runner = core.runner
         self.model_cfg = core.model_cfg
         self.dtype = np.dtype(runner.dtype)
-        self.shapes = param_shapes(self.model_cfg)
+        self.layout = ParamLayout(self.model_cfg)
+        self.shapes, self.paths = self.layout.shapes, self.layout.paths
         self.shardings = param_shardings(self.model_cfg, runner.mesh)
-        self.paths = _leaf_paths(self.shapes)
-        self.specs: dict[str, HfTensorSpec] = hf_tensor_specs(self.model_cfg)
         for path in self.paths:  # the live params must have exactly this layout
-            leaf = _get(runner.params, path)
-            assert tuple(leaf.shape) == _get(self.shapes, path), path
-            assert leaf.dtype == self.dtype and leaf.sharding == _get(self.shardings, path), path
+            leaf = get_leaf(runner.params, path)
+            assert tuple(leaf.shape) == get_leaf(self.shapes, path), path
+            assert leaf.dtype == self.dtype and leaf.sharding == get_leaf(self.shardings, path), path
         self._lock = threading.Lock()
         self._staged: StagedWeights | None = None
         self._held: str | None = None  # token whose staging paused the engine
@@ -183,21 +127,16 @@ class WeightManager:
         them onto the engine's devices. Raises WeightUpdateError naming the tensor."""
         if not isinstance(weight_version, str) or not weight_version:
             raise WeightUpdateError("weight_version: must be a non-empty string")
-        if isinstance(tensors, Mapping) and set(tensors) and set(tensors) <= set(self.shapes):
-            full, partial, n = self._validate_tree(tensors, require_all), {}, 0
-            n = len(full)
-        else:
-            named = dict(tensors.items() if isinstance(tensors, Mapping) else tensors)
-            full, partial, n = self._validate_named(named, require_all, source)
+        full, partial, n = self.layout.validate(tensors, require_all, source)
         staged = StagedWeights(token, weight_version, names=n, source=source)
         try:
             for path, x in full.items():
-                staged.full[path] = self._place(x, _get(self.shardings, path))
+                staged.full[path] = self._place(x, get_leaf(self.shardings, path))
             for path, (idx, vals) in partial.items():
-                sh = _get(self.shardings, path)
+                sh = get_leaf(self.shardings, path)
                 staged.partial[path] = (idx, self._place(vals, sh))
             bad = [p for p, a in list(staged.full.items()) + [
-                (p, v) for p, (_, v) in staged.partial.items()] if not bool(_all_finite(a))]
+                (p, v) for p, (_, v) in staged.partial.items()] if not bool(all_finite(a))]
             if bad:
                 raise WeightUpdateError(f"tensor {'/'.join(bad[0])!r}: has NaN or inf values "
                                         f"(after the cast to {self.dtype})")
@@ -218,137 +157,6 @@ class WeightManager:
         # may_alias=False, and the caller may mutate (or overwrite the file of) its arrays.
         arr = np.array(x, dtype=self.dtype, copy=True)
         return jax.device_put(arr, sharding)
-
-    def _validate_tree(self, tree: Mapping[str, Any], require_all: bool
-                       ) -> dict[LeafPath, Any]:
-        out: dict[LeafPath, Any] = {}
-        for k, v in tree.items():
-            if k not in self.shapes:
-                raise WeightUpdateError(f"tensor {k!r}: not a parameter of this model "
-                                        f"(expected one of {sorted(self.shapes)})")
-            if isinstance(self.shapes[k], Mapping):
-                if not isinstance(v, Mapping):
-                    raise WeightUpdateError(f"tensor {k!r}: expected a dict of stacked layer "
-                                            f"params, got {type(v).__name__}")
-                for kk, vv in v.items():
-                    if kk not in self.shapes[k]:
-                        raise WeightUpdateError(f"tensor '{k}/{kk}': not a parameter of this "
-                                                f"model")
-                    out[(k, kk)] = vv
-            else:
-                out[(k,)] = v
-        if require_all:
-            missing = [p for p in self.paths if p not in out]
-            if missing:
-                raise WeightUpdateError(f"tensor {'/'.join(missing[0])!r}: missing "
-                                        f"({len(missing)} missing in all)")
-        for path, x in out.items():
-            name = "/".join(path)
-            if not _is_array(x):
-                raise WeightUpdateError(f"tensor {name!r}: not an array ({type(x).__name__})")
-            want = _get(self.shapes, path)
-            if tuple(x.shape) != tuple(want):
-                raise WeightUpdateError(f"tensor {name!r}: shape {tuple(x.shape)}, expected "
-                                        f"{tuple(want)}")
-            _check_dtype(name, x)
-            _check_finite(name, x)
-        return out
-
-    def _validate_named(self, named: dict[str, Any], require_all: bool, source: str
-                        ) -> tuple[dict[LeafPath, Any], dict[LeafPath, tuple[np.ndarray, Any]],
-                                   int]:
-        where = "" if source == "<tensors>" else f"{source}: "
-        cfg = self.model_cfg
-        given: dict[str, Any] = {}
-        for name, x in named.items():
-            if name.endswith(_IGNORED_SUFFIXES) or (cfg.tie_word_embeddings
-                                                    and name == "lm_head.weight"):
-                continue
-            spec = self.specs.get(name)
-            if spec is None:
-                raise WeightUpdateError(f"{where}tensor {name!r}: not a parameter of this "
-                                        f"{cfg.architecture} model")
-            if not _is_array(x):
-                raise WeightUpdateError(f"{where}tensor {name!r}: not an array "
-                                        f"({type(x).__name__})")
-            if tuple(x.shape) != spec.hf_shape:
-                raise WeightUpdateError(f"{where}tensor {name!r}: shape {tuple(x.shape)}, "
-                                        f"expected {spec.hf_shape}")
-            _check_dtype(name, x, where)
-            _check_finite(name, x, where)
-            given[name] = x
-        if require_all:
-            missing = [n for n in self.specs if n not in given]
-            if missing:
-                raise WeightUpdateError(f"{where}tensor {missing[0]!r}: missing "
-                                        f"({len(missing)} missing in all)")
-        if not given:
-            raise WeightUpdateError(f"{where}no tensor to update")
-        # group per leaf: whole leaves, or a subset of a stacked leaf's layers
-        by_leaf: dict[LeafPath, dict[int | None, Any]] = {}
-        for name, x in given.items():
-            spec = self.specs[name]
-            path = (spec.key,) if spec.layer is None else ("layers", spec.key)
-            xt = _transpose(x) if spec.transposed else x
-            by_leaf.setdefault(path, {})[spec.layer] = xt
-        full: dict[LeafPath, Any] = {}
-        partial: dict[LeafPath, tuple[np.ndarray, Any]] = {}
-        for path, parts in by_leaf.items():
-            if None in parts:
-                full[path] = parts[None]
-                continue
-            layers = sorted(parts)
-            stacked = _stack([parts[i] for i in layers])
-            if len(layers) == cfg.num_layers:
-                full[path] = stacked
-            else:
-                partial[path] = (np.asarray(layers, np.int32), stacked)
-        return full, partial, len(given)
-
-    # ---- disk ------------------------------------------------------------------------
-    def read_disk(self, path: str | Path) -> tuple[dict[str, np.ndarray], str]:
-        """HF-named tensors (memory-mapped) of a safetensors model dir; checks its
-        config.json (when present) against the serving model."""
-        model_dir = Path(path).expanduser()
-        if not model_dir.is_dir():
-            raise WeightUpdateError(f"{model_dir}: not a directory")
-        self._check_config(model_dir)
-        index = model_dir / "model.safetensors.index.json"
-        if index.exists():
-            try:
-                wm = json.loads(index.read_text())["weight_map"]
-            except (OSError, ValueError, KeyError) as e:
-                raise WeightUpdateError(f"{index}: cannot read the weight map: {e}") from e
-            files = [model_dir / f for f in sorted(set(wm.values()))]
-        else:
-            files = sorted(model_dir.glob("*.safetensors"))
-        if not files:
-            raise WeightUpdateError(f"{model_dir}: no *.safetensors file")
-        named: dict[str, np.ndarray] = {}
-        for f in files:
-            if not f.exists():
-                raise WeightUpdateError(f"{f}: listed in the index but missing")
-            try:
-                named.update(safetensors_io.load_file(f))
-            except ModelLoadError as e:
-                raise WeightUpdateError(str(e)) from e
-        return named, str(model_dir)
-
-    def _check_config(self, model_dir: Path) -> None:
-        cfg_file = model_dir / "config.json"
-        if not cfg_file.exists():
-            return
-        from multiserve.model.hf_loader import load_hf_config
-
-        try:
-            theirs = load_hf_config(model_dir)
-        except ModelLoadError as e:
-            raise WeightUpdateError(str(e)) from e
-        for f in _CONFIG_FIELDS:
-            a, b = getattr(theirs, f), getattr(self.model_cfg, f)
-            if a != b:
-                raise WeightUpdateError(f"{cfg_file}: {f} is {a!r} but the served model has "
-                                        f"{b!r}")
 
     # ---- engine thread: publish / discard --------------------------------------------------
     def publish(self, token: str, abort_running: bool) -> ControlResult:
@@ -373,17 +181,17 @@ class WeightManager:
         new = jax.tree.map(lambda a: a, runner.params)
         replaced: list[jax.Array] = []
         for path, arr in staged.full.items():
-            replaced.append(_get(runner.params, path))
-            _set(new, path, arr)
+            replaced.append(get_leaf(runner.params, path))
+            set_leaf(new, path, arr)
         for path, (idx, vals) in staged.partial.items():
-            old = _get(runner.params, path)
+            old = get_leaf(runner.params, path)
             idx_dev = jax.device_put(idx, runner.replicated)
             merged = _scatter_layers(old, idx_dev, vals, old.sharding)
             replaced.append(old)
-            _set(new, path, merged)
+            set_leaf(new, path, merged)
         for path in self.paths:
-            leaf = _get(new, path)
-            assert leaf.sharding == _get(self.shardings, path) and leaf.dtype == self.dtype
+            leaf = get_leaf(new, path)
+            assert leaf.sharding == get_leaf(self.shardings, path) and leaf.dtype == self.dtype
         aborted = 0
         if abort_running and live:
             aborted = core.abort(None, abort_all=True).details.get("aborted", 0)
@@ -480,44 +288,6 @@ class WeightManager:
         if cache.num_referenced_pages == 0:
             cache.reset()
             cache.enabled = self.cache_enabled_by_config
-
-    # ---- reading weights back -----------------------------------------------------------------
-    def read(self, params: Any, name: str, truncate_size: int) -> dict[str, Any]:
-        """The first `truncate_size` rows (dim 0) of tensor `name` (HF name, HF
-        orientation; or a pytree path like "embed" / "layers/wq") from `params` (device
-        or host pytree)."""
-        spec = self.specs.get(name)
-        if spec is not None:
-            path = (spec.key,) if spec.layer is None else ("layers", spec.key)
-            leaf = _get(params, path)
-            x = leaf if spec.layer is None else leaf[spec.layer]
-            shape = spec.hf_shape
-            x = x[:, :truncate_size].T if spec.transposed else x[:truncate_size]
-        else:
-            path = tuple(p for p in name.replace(".", "/").split("/") if p)
-            try:
-                leaf = _get(params, path)
-            except (KeyError, TypeError):
-                raise WeightUpdateError(f"tensor {name!r}: not a parameter of this model "
-                                        "(give an HF name such as "
-                                        "'model.layers.0.self_attn.q_proj.weight')") from None
-            if isinstance(leaf, Mapping):
-                raise WeightUpdateError(f"tensor {name!r}: names a group, not a tensor")
-            shape, x = tuple(leaf.shape), leaf[:truncate_size]
-        values = np.asarray(jax.device_get(x))
-        return {"name": name, "shape": list(shape), "dtype": str(values.dtype),
-                "truncated": truncate_size < shape[0], "values": values.tolist()}
-
-
-def _transpose(x: Any) -> Any:
-    return x.T if isinstance(x, (jax.Array, np.ndarray)) else np.asarray(x).T
-
-
-def _stack(xs: Sequence[Any]) -> Any:
-    if all(isinstance(x, jax.Array) for x in xs):
-        return jnp.stack(xs)
-    return np.stack([np.asarray(x) for x in xs])
-
 
 def _scatter_layers(old: jax.Array, idx: jax.Array, vals: jax.Array, sharding: Any
                     ) -> jax.Array:
