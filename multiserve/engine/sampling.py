@@ -32,7 +32,7 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -90,15 +90,36 @@ class SampleOutput:
 # ----------------------------------------------------------------------------- device side
 
 
-def _first_argmax(x: jax.Array) -> jax.Array:
-    """Row argmax, ties to the lowest id. Two float max-reductions: on XLA:CPU this is
-    several times cheaper than jnp.argmax or an integer min-reduction."""
-    v = x.shape[-1]
-    assert v < 2**24  # ids exact in f32
-    m = jnp.max(x, axis=-1, keepdims=True)
-    neg_ids = -lax.broadcasted_iota(jnp.float32, x.shape, x.ndim - 1)
-    first = -jnp.max(jnp.where(x == m, neg_ids, _NEG_INF), axis=-1)
-    return jnp.clip(first, 0, v - 1).astype(jnp.int32)  # NaN rows -> v - 1
+def _first_argmax(x: jax.Array, fn: Callable[[jax.Array, jax.Array], jax.Array] | None = None
+                  ) -> jax.Array:
+    """Per row, the id t maximising fn(x[:, t], t) (default x itself), ties to the lowest id.
+
+    `fn` must be elementwise (per-row parameters broadcast as [R, 1, 1]). The vocabulary is
+    cut into chunks: one fused pass takes each chunk's max, then only the winning chunk
+    is recomputed and searched. No [R, V] intermediate is materialised: on XLA:CPU this is
+    ~4x cheaper than a two-pass where/max, and ~10x cheaper than jnp.argmax."""
+    fn = fn or (lambda xv, _: xv)
+    r, v = x.shape
+    c = next((c for c in (256, 128, 64, 32) if v % c == 0), 256)
+    if v % c:
+        x = jnp.pad(x, ((0, 0), (0, -v % c)), constant_values=_NEG_INF)
+    xc = x.reshape(r, -1, c)
+    nc = xc.shape[1]
+    ids = (lax.broadcasted_iota(jnp.int32, (1, nc, c), 1) * c
+           + lax.broadcasted_iota(jnp.int32, (1, nc, c), 2))
+    chunk_max = jnp.max(fn(xc, ids), axis=2)  # [R, nc]
+    best = _first_max_index(chunk_max)  # [R]
+    in_chunk = jnp.take_along_axis(xc, best[:, None, None], axis=1)  # [R, 1, c]
+    chunk_ids = best[:, None, None] * c + lax.broadcasted_iota(jnp.int32, (1, 1, c), 2)
+    return jnp.minimum(best * c + _first_max_index(fn(in_chunk, chunk_ids)[:, 0]), v - 1)
+
+
+def _first_max_index(y: jax.Array) -> jax.Array:
+    """i32[R]: first index of the row max of a small [R, n] array (NaN rows -> n - 1)."""
+    n = y.shape[1]
+    m = jnp.max(y, axis=1, keepdims=True)
+    neg = -lax.broadcasted_iota(jnp.float32, y.shape, 1)
+    return jnp.clip(-jnp.max(jnp.where(y == m, neg, _NEG_INF), axis=1), 0, n - 1).astype(jnp.int32)
 
 
 def _apply_penalties(x: jax.Array, sb: SamplingBatch) -> jax.Array:
@@ -138,11 +159,11 @@ def _row_words(sb: SamplingBatch) -> jax.Array:
                          sb.sample_index, sb.position)
 
 
-def _gumbel(words: jax.Array, v: int) -> jax.Array:
-    """f32[R, V] standard Gumbel noise; entry (r, t) depends on words[r] and t only."""
-    ids = lax.broadcasted_iota(jnp.uint32, (words.shape[0], v), 1)
-    h = _fmix32(ids * jnp.uint32(0x9E3779B9) + words[:, :1])
-    h = _fmix32(h ^ words[:, 1:])
+def _gumbel(words: jax.Array, ids: jax.Array) -> jax.Array:
+    """Standard Gumbel noise for token `ids`; depends on the row's key words and the id only.
+    words: u32[R, 2] broadcast against ids as [R, 1, 1]."""
+    h = _fmix32(ids.astype(jnp.uint32) * jnp.uint32(0x9E3779B9) + words[:, :1, None])
+    h = _fmix32(h ^ words[:, 1:, None])
     u = ((h >> 8).astype(jnp.float32) + 0.5) * (1.0 / (1 << 24))  # in (0, 1)
     return -jnp.log(-jnp.log(u))
 
@@ -247,13 +268,18 @@ def _keep_threshold(z: jax.Array, sb: SamplingBatch) -> jax.Array:
 
 def _sample_rows(x: jax.Array, sb: SamplingBatch) -> jax.Array:
     """Gumbel-max draw for every row from its penalised logits `x` (greedy rows ignored)."""
-    t = sb.temperature
-    z = x / jnp.where(t > 0, t, 1.0)[:, None]
-    # The cond yields only per-row thresholds, so the no-filter case copies no [R, V] data.
-    thr = lax.cond(sb.any_filter, _keep_threshold, lambda z, _: jnp.full(z.shape[:1], _NEG_INF),
-                   z, sb)
-    y = jnp.where(z >= thr[:, None], z, _NEG_INF) + _gumbel(_row_words(sb), x.shape[1])
-    return _first_argmax(y)
+    t = jnp.where(sb.temperature > 0, sb.temperature, 1.0)
+    # The cond yields only per-row thresholds, so the no-filter case moves no [R, V] data.
+    # Both here and in `noisy`, z is computed as x / t: the cut-off compares equal values.
+    thr = lax.cond(sb.any_filter, lambda: _keep_threshold(x / t[:, None], sb),
+                   lambda: jnp.full(t.shape, _NEG_INF))
+    words = _row_words(sb)
+
+    def noisy(xv: jax.Array, ids: jax.Array) -> jax.Array:  # fused; recomputed per chunk
+        zv = xv / t[:, None, None]
+        return jnp.where(zv >= thr[:, None, None], zv, _NEG_INF) + _gumbel(words, ids)
+
+    return _first_argmax(x, noisy)
 
 
 def _logprobs(raw: jax.Array, next_ids: jax.Array, sb: SamplingBatch
