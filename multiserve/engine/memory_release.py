@@ -100,7 +100,9 @@ class MemoryManager:
         if "kv_cache" in newly:
             details.update(self._release_kv(preserve_state))
         if "weights" in newly:
-            details["discarded_staged_weights"] = bool(self.weights.drop_staged())
+            dropped, held = self.weights.drop_staged()
+            details["discarded_staged_weights"] = dropped
+            self.paused_by_release = self.paused_by_release or held
             runner = core.runner
             leaves = jax.tree.leaves(runner.params)
             self.host_params = jax.tree.map(lambda a: np.array(a, copy=True), runner.params)

@@ -24,7 +24,7 @@ from typing import Any
 from multiserve.engine.memory_release import MemoryManager, normalize_tags
 from multiserve.engine.weights import WeightManager, WeightUpdateError
 from multiserve.model.errors import ModelLoadError
-from multiserve.types import PAUSE_MODES, ControlResult
+from multiserve.types import PAUSE_MODES, ControlResult, EngineUnavailable
 
 Loader = Callable[[], tuple[Any, str, bool]]  # -> (tensors, source, require_all)
 
@@ -36,6 +36,8 @@ def _check_mode(mode: str) -> None:
 
 class RLEngineMixin:
     _core: Any
+    _healthy: bool
+    _reason: str
     _call: Callable[..., Any]
     _acall: Callable[..., Any]
 
@@ -45,6 +47,8 @@ class RLEngineMixin:
 
     # ---- engine-thread commands --------------------------------------------------------
     def _cmd_weights_begin(self, abort_running: bool) -> ControlResult:
+        if not self._healthy:
+            raise EngineUnavailable(self._reason)
         return self._weights.begin(abort_running)
 
     def _cmd_weights_publish(self, token: str, abort_running: bool) -> ControlResult:

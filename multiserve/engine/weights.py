@@ -89,6 +89,7 @@ class WeightManager:
         self._lock = threading.Lock()
         self._staged: StagedWeights | None = None
         self._held: str | None = None  # token whose staging paused the engine
+        self._token: str | None = None  # the latest begin(); staging for another is stale
         self._stale: dict[tuple[str, int], tuple[Req, int]] = {}
         self.cache_enabled_by_config = core.cache.enabled
         self.num_updates = 0
@@ -110,6 +111,7 @@ class WeightManager:
                                  "pass abort_running=true", {"refused": "running", "live": live})
         token = uuid.uuid4().hex
         with self._lock:
+            self._token = token
             if self._staged is not None:
                 self._staged.delete()
                 self._staged = None
@@ -144,6 +146,10 @@ class WeightManager:
             staged.delete()
             raise
         with self._lock:
+            if self._token != token:  # released, discarded or superseded meanwhile
+                staged.delete()
+                raise WeightUpdateError(f"staging of {weight_version!r} was cancelled (memory "
+                                        "released, discarded, or a newer update began)")
             if self._staged is not None:
                 self._staged.delete()
             self._staged = staged
@@ -210,34 +216,39 @@ class WeightManager:
         return ControlResult(True, f"weights updated to version {staged.weight_version!r}", {
             "weight_version": staged.weight_version, "previous_weight_version": previous,
             "tensors": staged.names, "source": staged.source, "aborted": aborted,
-            "continued": resumed, **cache})
+            "released_hold": resumed, **cache})
 
     def discard(self, token: str | None) -> ControlResult:
         with self._lock:
+            if token is None or token == self._token:
+                self._token = None
             staged = self._staged
             if staged is None or (token is not None and staged.token != token):
                 resumed = self._release_hold() if token is None or token == self._held else False
                 return ControlResult(True, "nothing staged (no-op)",
-                                     {"discarded": False, "continued": resumed})
+                                     {"discarded": False, "released_hold": resumed})
             self._staged = None
         staged.delete()
         return ControlResult(True, f"discarded staged weights {staged.weight_version!r}",
                              {"discarded": True, "token": staged.token,
-                              "continued": self._release_hold()})
+                              "released_hold": self._release_hold()})
 
     def release_hold_if(self, token: str) -> None:
         """Undo begin()'s hold when staging failed (engine thread)."""
         if self._held == token and (self._staged is None or self._staged.token != token):
             self._release_hold()
 
-    def drop_staged(self) -> int:
-        """Memory release: free the staged device copy (its token becomes invalid)."""
+    def drop_staged(self) -> tuple[bool, bool]:
+        """Memory release of the weights: free the staged device copy (its token becomes
+        invalid) and end begin()'s hold without unpausing. Returns (dropped, was held):
+        the caller (the release) then owns that pause."""
         with self._lock:
             staged, self._staged = self._staged, None
-        if staged is None:
-            return 0
-        staged.delete()
-        return 1
+            held, self._held = self._held is not None, None
+            self._token = None
+        if staged is not None:
+            staged.delete()
+        return staged is not None, held
 
     def _release_hold(self) -> bool:
         if self._held is None:

@@ -202,6 +202,19 @@ def test_tags_release_and_resume_separately(engine: Any, reference: dict) -> Non
         engine.release_memory_occupation(tags=["gpu"])
 
 
+def test_release_drops_a_staged_update_and_its_hold(engine: Any, tiny_model_dir: Path) -> None:
+    staged = engine.stage_weights_from_disk(str(tiny_model_dir), "next")
+    assert staged.ok and engine.get_internal_state()["engine_paused"]  # held for publish
+    rel = engine.release_memory_occupation()
+    assert rel.ok and rel.details["discarded_staged_weights"], rel
+    assert _live_on(engine.devices, engine.foreign_arrays) == []  # staged copy freed too
+    assert engine.resume_memory_occupation().details["continued"]  # the hold is not leaked
+    assert not engine.get_internal_state()["engine_paused"]
+    res = engine.publish_staged_weights(staged.details["token"])
+    assert not res.ok and "no staged weights" in res.message
+    assert engine.get_internal_state()["weight_version"] == "default"
+
+
 async def test_http_release_resume_routes(engine: Any, tokenizer_dir_tiny: Path) -> None:
     from multiserve.server.app import build_app
     from multiserve.server.rl_routes import add_rl_routes
