@@ -29,12 +29,43 @@ MASK_VALUE = -1e30  # finite: exp(MASK_VALUE - m) == 0 exactly, never inf - inf
 QUERY_CHUNK = 64  # rows per attention chunk; T is a multiple of it (else one chunk of T)
 
 
+def _gather_block(k_pool: jax.Array, v_pool: jax.Array, layer: jax.Array, rows: jax.Array,
+                  j: jax.Array, *, page_size: int,
+                  block_size: int) -> tuple[jax.Array, jax.Array]:
+    """K and V of key block j for each chunk row's sequence: [C, KV, bs, hd] float32.
+
+    Whole pages are gathered when a block spans pages (contiguous copies), single slots
+    otherwise. Page indices past the page table are clamped; those keys are masked anyway.
+    """
+    c, max_pages = rows.shape
+    num_layers, num_slots, kv_heads, head_dim = k_pool.shape
+    if block_size >= page_size:
+        assert block_size % page_size == 0, (block_size, page_size)
+        per_block = block_size // page_size
+        page_idx = jnp.minimum(j * per_block + jnp.arange(per_block), max_pages - 1)
+        pages = rows[:, page_idx]  # [C, per_block]
+        shape = (num_layers, num_slots // page_size, page_size, kv_heads, head_dim)
+
+        def take(pool: jax.Array) -> jax.Array:
+            blk = pool.reshape(shape)[layer, pages]  # [C, per_block, ps, KV, hd]
+            return blk.reshape(c, block_size, kv_heads, head_dim)
+    else:
+        key_pos = j * block_size + jnp.arange(block_size)
+        page = rows[:, jnp.minimum(key_pos // page_size, max_pages - 1)]  # [C, bs]
+        slots = page * page_size + key_pos % page_size
+
+        def take(pool: jax.Array) -> jax.Array:
+            return pool[layer, slots]  # [C, bs, KV, hd]
+
+    return (jnp.swapaxes(take(k_pool), 1, 2).astype(jnp.float32),
+            jnp.swapaxes(take(v_pool), 1, 2).astype(jnp.float32))
+
+
 def _chunk_attention(q: jax.Array, pos: jax.Array, seq: jax.Array, k_pool: jax.Array,
                      v_pool: jax.Array, layer: jax.Array, page_table: jax.Array, *,
                      page_size: int, block_size: int) -> jax.Array:
     """One chunk: q [C, KV, G, hd] f32 (pre-scaled), pos/seq [C] -> out [C, KV, G, hd] f32."""
     c, kv_heads, group, head_dim = q.shape
-    max_pages = page_table.shape[1]
     offsets = jnp.arange(block_size, dtype=jnp.int32)
     rows = page_table[seq]  # [C, max_pages]
     num_blocks = jnp.max(pos) // block_size + 1
@@ -42,18 +73,16 @@ def _chunk_attention(q: jax.Array, pos: jax.Array, seq: jax.Array, k_pool: jax.A
     def body(j, carry):
         m, l, acc = carry  # [C,KV,G], [C,KV,G], [C,KV,G,hd]
         key_pos = j * block_size + offsets  # [bs]
-        page_idx = jnp.minimum(key_pos // page_size, max_pages - 1)  # clamped keys are masked
-        slots = rows[:, page_idx] * page_size + key_pos % page_size  # [C, bs]
-        k = k_pool[layer, slots].astype(jnp.float32)  # [C, bs, KV, hd]
-        v = v_pool[layer, slots].astype(jnp.float32)
-        s = jnp.einsum("ckgd,cikd->ckgi", q, k)  # [C, KV, G, bs]
-        s = jnp.where(key_pos[None, None, None, :] > pos[:, None, None, None], MASK_VALUE, s)
-        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        k, v = _gather_block(k_pool, v_pool, layer, rows, j, page_size=page_size,
+                             block_size=block_size)  # [C, KV, bs, hd] f32
+        s = jax.lax.dot_general(k, q, (((3,), (3,)), ((0, 1), (0, 1))))  # [C, KV, bs, G]
+        s = jnp.where(key_pos[None, None, :, None] > pos[:, None, None, None], MASK_VALUE, s)
+        m_new = jnp.maximum(m, jnp.max(s, axis=2))
         alpha = jnp.exp(m - m_new)
-        p = jnp.exp(s - m_new[..., None])
-        l_new = l * alpha + jnp.sum(p, axis=-1)
-        acc_new = acc * alpha[..., None] + jnp.einsum("ckgi,cikd->ckgd", p, v)
-        return m_new, l_new, acc_new
+        p = jnp.exp(s - m_new[:, :, None, :])
+        l_new = l * alpha + jnp.sum(p, axis=2)
+        pv = jax.lax.dot_general(p, v, (((2,), (2,)), ((0, 1), (0, 1))))  # [C, KV, G, hd]
+        return m_new, l_new, acc * alpha[..., None] + pv
 
     shape = (c, kv_heads, group)
     init = (jnp.full(shape, MASK_VALUE, jnp.float32), jnp.zeros(shape, jnp.float32),
