@@ -7,6 +7,8 @@ Invariants (the engine builds it, the model trusts it; all int32, padded to buck
   tokens write into page 0, which is reserved as a garbage page and never read as real data.
 - `page_table`: [B, max_pages], the page ids of each sequence in order (padding 0).
 - `seq_lens`: [B], KV length of each sequence INCLUDING this step's tokens (0 for padding).
+  (The pure-JAX attention derives its loop bounds and causal mask from `positions` alone;
+  `seq_lens` is part of the contract for kernels that need it.)
 - `logit_rows`: [R], token rows whose logits are returned (padding rows point at any valid
   row, e.g. 0).
 """
