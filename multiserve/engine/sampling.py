@@ -107,7 +107,8 @@ def _first_argmax(x: jax.Array, fn: Callable[[jax.Array, jax.Array], jax.Array] 
     nc = xc.shape[1]
     ids = (lax.broadcasted_iota(jnp.int32, (1, nc, c), 1) * c
            + lax.broadcasted_iota(jnp.int32, (1, nc, c), 2))
-    chunk_max = jnp.max(fn(xc, ids), axis=2)  # [R, nc]
+    # The barrier stops XLA from fusing (recomputing) this pass into each consumer below.
+    chunk_max = lax.optimization_barrier(jnp.max(fn(xc, ids), axis=2))  # [R, nc]
     best = _first_max_index(chunk_max)  # [R]
     in_chunk = jnp.take_along_axis(xc, best[:, None, None], axis=1)  # [R, 1, c]
     chunk_ids = best[:, None, None] * c + lax.broadcasted_iota(jnp.int32, (1, 1, c), 2)
@@ -266,34 +267,36 @@ def _keep_threshold(z: jax.Array, sb: SamplingBatch) -> jax.Array:
     return jnp.maximum(thr, jnp.where(sb.min_p > 0, thr_m, _NEG_INF))
 
 
-def _sample_rows(x: jax.Array, sb: SamplingBatch) -> jax.Array:
-    """Gumbel-max draw for every row from its penalised logits `x` (greedy rows ignored)."""
+def _draw(x: jax.Array, sb: SamplingBatch, words: jax.Array) -> jax.Array:
+    """Next ids from the (penalised) logits `x`: greedy rows argmax, sampled rows
+    Gumbel-max over their filtered, temperature-scaled logits."""
     t = jnp.where(sb.temperature > 0, sb.temperature, 1.0)
     # The cond yields only per-row thresholds, so the no-filter case moves no [R, V] data.
     # Both here and in `noisy`, z is computed as x / t: the cut-off compares equal values.
     thr = lax.cond(sb.any_filter, lambda: _keep_threshold(x / t[:, None], sb),
                    lambda: jnp.full(t.shape, _NEG_INF))
-    words = _row_words(sb)
 
     def noisy(xv: jax.Array, ids: jax.Array) -> jax.Array:  # fused; recomputed per chunk
         zv = xv / t[:, None, None]
         return jnp.where(zv >= thr[:, None, None], zv, _NEG_INF) + _gumbel(words, ids)
 
-    return _first_argmax(x, noisy)
+    return jnp.where(sb.temperature > 0, _first_argmax(x, noisy), _first_argmax(x))
 
 
 def _logprobs(raw: jax.Array, next_ids: jax.Array, sb: SamplingBatch
               ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Raw log-softmax values at the wanted ids (never materialises [R, V] logprobs)."""
     r, v = raw.shape
-    lp = jax.nn.log_softmax(raw, axis=-1)
-    logprob = jnp.take_along_axis(lp, next_ids[:, None], axis=1)[:, 0]
+    m = jnp.max(raw, axis=1, keepdims=True)
+    lse = m + jnp.log(jnp.sum(jnp.exp(raw - m), axis=1, keepdims=True))  # [R, 1]
+    logprob = jnp.take_along_axis(raw, next_ids[:, None], axis=1)[:, 0] - lse[:, 0]
     kt = min(v, MAX_TOP_LOGPROBS)
 
     def top() -> tuple[jax.Array, jax.Array]:
-        vals, ids = lax.top_k(lp, kt)
+        vals, ids = lax.top_k(raw, kt)
         pad = MAX_TOP_LOGPROBS - kt
         return (jnp.pad(ids, ((0, 0), (0, pad))),
-                jnp.pad(vals, ((0, 0), (0, pad)), constant_values=_NEG_INF))
+                jnp.pad(vals - lse, ((0, 0), (0, pad)), constant_values=_NEG_INF))
 
     top_ids, top_lp = lax.cond(
         jnp.any(sb.top_logprobs_num > 0), top,
@@ -301,13 +304,14 @@ def _logprobs(raw: jax.Array, next_ids: jax.Array, sb: SamplingBatch
                  jnp.zeros((r, MAX_TOP_LOGPROBS), jnp.float32)))
     ids = sb.logprob_token_ids
     valid = (ids >= 0) & (ids < v)
-    sel = jnp.take_along_axis(lp, jnp.clip(ids, 0, v - 1), axis=1)
+    sel = jnp.take_along_axis(raw, jnp.clip(ids, 0, v - 1), axis=1) - lse
     return logprob, top_ids, top_lp, jnp.where(valid, sel, _NEG_INF)
 
 
 def _edited(raw: jax.Array, sb: SamplingBatch) -> jax.Array:
-    """Penalised logits with banned ids at -inf (neutral penalties change nothing)."""
-    return _apply_bans(_apply_penalties(raw, sb), sb.banned_ids)
+    """Penalised logits with banned ids at -inf: one new [R, V] buffer, banned in place."""
+    x = lax.cond(sb.any_penalty, _apply_penalties, lambda x, _: x, raw, sb)
+    return _apply_bans(x, sb.banned_ids)
 
 
 def sample(logits: jax.Array, sb: SamplingBatch) -> SampleOutput:
@@ -323,8 +327,9 @@ def sample(logits: jax.Array, sb: SamplingBatch) -> SampleOutput:
                         lambda: _first_argmax(raw))
 
     def mixed() -> jax.Array:
-        x = lax.cond(edit, _edited, lambda x, _: x, raw, sb)
-        return jnp.where(sb.temperature > 0, _sample_rows(x, sb), _first_argmax(x))
+        words = _row_words(sb)
+        return lax.cond(edit, lambda: _draw(_edited(raw, sb), sb, words),
+                        lambda: _draw(raw, sb, words))
 
     next_ids = lax.cond(sb.any_sampled, mixed, greedy_only)
     nt = sb.logprob_token_ids.shape[1]
