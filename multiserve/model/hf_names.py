@@ -104,7 +104,7 @@ def params_from_hf(named: dict[str, Any], cfg: ModelConfig, dtype=None,
             arr = arr.astype(dtype, copy=False)
         arr = arr.T if spec.transposed else arr
         if spec.layer is None:
-            params[spec.key] = np.ascontiguousarray(arr)
+            params[spec.key] = np.array(arr, order="C")  # own, writable memory (not a mmap)
         else:
             per_layer.setdefault(spec.key, []).append(arr)
     params["layers"] = {k: np.stack(v) for k, v in per_layer.items()}
