@@ -206,18 +206,25 @@ def test_deep_cut_offs_past_the_candidate_window_are_exact(params: SamplingParam
 
 
 def test_deep_rows_draw_the_same_whatever_batch_they_share() -> None:
-    v = 1000
+    v, n = 1000, 4000  # the shape of the test above: no extra compile
     rng = np.random.default_rng(7)
-    x = random_logits(rng, 64, v=v, scale=0.4)
+    x = random_logits(rng, n, v=v, scale=0.4)
     deep = [P(temperature=1.0, top_p=0.6), P(temperature=1.0, top_k=CANDIDATES + 40),
             P(temperature=1.2, top_k=CANDIDATES + 100, top_p=0.8, min_p=0.3)]
     rows = [spec(deep[i % 3] if i % 4 else P(temperature=1.0, top_k=3), seed=i, position=i)
-            for i in range(64)]
+            for i in range(n)]
     a = run(x, rows).next_ids  # type: ignore[arg-type]
-    perm = rng.permutation(64)  # other neighbours, other groups, other R
-    b = run(np.concatenate([x[perm], x[:40]]), [rows[i] for i in perm] + rows[:40]).next_ids
-    np.testing.assert_array_equal(a[perm], b[:64])
-    np.testing.assert_array_equal(a[:40], b[64:])
+    # Same rows, shuffled among other neighbours (so in other bisection groups).
+    perm = rng.permutation(n)[: n // 2]
+    xb = random_logits(rng, n, v=v, scale=0.4)
+    rows_b: list[RowSpec | None] = [spec(P(temperature=1.0, top_p=0.5), seed=7, position=i)
+                                    for i in range(n)]
+    slots = rng.permutation(n)[: n // 2]
+    for i, slot in zip(perm, slots):
+        rows_b[slot] = rows[i]
+        xb[slot] = x[i]
+    b = run(xb, rows_b).next_ids
+    np.testing.assert_array_equal(a[perm], b[slots])
 
 
 def test_draws_depend_only_on_seed_sample_index_and_position() -> None:
@@ -239,10 +246,10 @@ def test_draws_depend_only_on_seed_sample_index_and_position() -> None:
     b = run(xb, others).next_ids[perm]  # type: ignore[arg-type]
     np.testing.assert_array_equal(a, b)
     # Different positions, sample indexes or seeds give (statistically) different draws.
-    base = _draws(x[0], params, 200, seed=5)
-    by_index = run(np.broadcast_to(x[0], (200, V)).copy(),
-                   [spec(params, seed=5, index=1, position=i) for i in range(200)]).next_ids
-    by_seed = _draws(x[0], params, 200, seed=5 + 2**32)  # differs in the high word only
+    base = _draws(x[0], params, 128, seed=5)
+    by_index = run(np.broadcast_to(x[0], (128, V)).copy(),
+                   [spec(params, seed=5, index=1, position=i) for i in range(128)]).next_ids
+    by_seed = _draws(x[0], params, 128, seed=5 + 2**32)  # differs in the high word only
     assert len(set(base.tolist())) > 20
     assert (base == by_index).mean() < 0.2 and (base == by_seed).mean() < 0.2
     assert (base[1:] == base[:-1]).mean() < 0.2
