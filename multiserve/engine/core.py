@@ -15,6 +15,7 @@ Invariants:
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -37,6 +38,12 @@ from multiserve.types import (
     WeightSegment,
 )
 
+
+log = logging.getLogger(__name__)
+
+
+def _drop_output(out: Any) -> None:
+    """The sink of a request whose own sink raised."""
 
 class EngineCore:
     def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, runner: Runner,
@@ -166,7 +173,7 @@ class EngineCore:
             if reason is not None:
                 self._finish(req, reason)
             elif req.stream:
-                req.sink(req.snapshot(self.weight_version))
+                self._deliver(req)
 
     def _logprob_record(self, req: Req, tok: int, b: int, lp: tuple) -> TokenLogprob:
         logprob, top_ids, top_lps, sel = lp
@@ -201,7 +208,18 @@ class EngineCore:
         req.finish_reason = reason
         req.finish_time = time.monotonic()
         self.reqs.pop(req.key, None)
-        req.sink(req.snapshot(self.weight_version))
+        self._deliver(req)
+
+    def _deliver(self, req: Req) -> None:
+        """Hand the Req's snapshot to its sink. A sink that raises is its consumer's fault,
+        not the engine's: that request alone is aborted (sink dropped), the engine goes on."""
+        try:
+            req.sink(req.snapshot(self.weight_version))
+        except Exception:  # noqa: BLE001 - isolate one consumer's failure
+            log.exception("output sink of request %s raised; the request is aborted", req.rid)
+            req.sink = _drop_output
+            if not req.finished:
+                self._finish(req, "abort")
 
     # ---- control -------------------------------------------------------------------
     def abort(self, rid: str | None, abort_all: bool) -> ControlResult:
@@ -260,6 +278,8 @@ class EngineCore:
         if blockers:
             return ControlResult(False, "cannot flush the cache: " + ", ".join(blockers),
                                  {"blockers": blockers})
+        # Check the accounting BEFORE the reset: allocator.reset() would hide a leaked page.
+        self.scheduler.check_integrity()
         cached = self.cache.num_cached_pages
         self.cache.reset()
         self.allocator.reset()

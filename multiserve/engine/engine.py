@@ -128,7 +128,10 @@ class Engine(RLEngineMixin):
             req.finish_reason = "abort"
             req.status = RequestStatus.FINISHED
             snap = req.snapshot(core.weight_version)
-            req.sink(RequestOutput(**{**snap.__dict__, "error": reason}))
+            try:
+                req.sink(RequestOutput(**{**snap.__dict__, "error": reason}))
+            except Exception:  # noqa: BLE001 - a bad sink must not kill the engine thread
+                pass
 
     # commands (run on the engine thread)
     def _cmd_add(self, reqs: list[Req]) -> None:
