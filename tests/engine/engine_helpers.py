@@ -176,6 +176,7 @@ def assert_idle_and_clean(engine: Any) -> None:
     assert not st["engine_paused"], "the test left the engine paused"
     assert st["running_batch_size"] == 0 and st["waiting_queue_size"] == 0, st
     assert st["req_to_token_pool_used"] == 0, st
+    assert st["cache_miss_count"] == 0, "a step shape was compiled after warm-up"
     assert st["tree_cache_size"] == st["evictable_kv_tokens"], st  # nothing referenced
     assert st["available_kv_tokens"] + st["evictable_kv_tokens"] == \
         st["initial_available_kv_tokens"], st

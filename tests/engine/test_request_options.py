@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from engine_helpers import TINY_VOCAB, ReferenceModel
+from engine_helpers import TINY_VOCAB, Collector, ReferenceModel, held
 from multiserve.types import GenerateRequest, SamplingParams
 
 MAX_NEW = 20
@@ -230,3 +230,22 @@ async def test_async_stream_and_generate(tiny_engine: Any) -> None:
     assert sorted(last) == [0, 1]
     for out in last.values():
         assert out.finished and out.output_ids == final.output_ids
+
+
+def test_a_raising_sink_aborts_only_its_own_request(tiny_engine: Any) -> None:
+    """A consumer whose sink raises (a bug on its side) must not take the engine down."""
+    prompt = _prompt(17)
+    want = tiny_engine.generate(input_ids=prompt, sampling_params=GREEDY).output_ids
+
+    def broken(out: Any) -> None:
+        raise RuntimeError("consumer bug")
+
+    col = Collector(tiny_engine)
+    with held(tiny_engine):
+        tiny_engine.submit(GenerateRequest(rid="broken", input_ids=tuple(prompt),
+                                           sampling=GREEDY, stream=True), broken)
+        col.submit("fine", prompt, GREEDY)
+    assert col.wait()[("fine", 0)].output_ids == want
+    assert tiny_engine.health() == (True, "ok")
+    st = tiny_engine.get_internal_state()
+    assert st["running_batch_size"] == 0 and st["waiting_queue_size"] == 0

@@ -1,0 +1,101 @@
+"""Pause-proof determinism on the embedded default model with the DEFAULT EngineConfig
+(issue 4; only max_total_tokens is lowered, for memory): a request paused in any mode at
+a given step and continued, or aborted and generated again, produces exactly the tokens
+of an uninterrupted run, greedy and seeded, alone and among 16 concurrent requests.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from engine_helpers import AtTokens, Collector, Trigger
+
+pytestmark = pytest.mark.slow
+
+QUESTIONS = [
+    "What is the capital of France?", "Name three colours.", "Why is the sky blue?",
+    "Write a haiku about autumn leaves falling.", "What is 12 times 7?",
+    "Give me a short tip for learning a new language quickly.", "Who wrote Hamlet?",
+    "Describe a cat in one sentence.", "What does a compiler do?",
+    "List two benefits of regular exercise and explain each briefly.",
+    "Translate 'good morning' into Spanish.", "What is the boiling point of water?",
+    "Suggest a name for a small bakery.", "How many legs does a spider have?",
+    "Explain what a prime number is to a ten year old child.", "What is photosynthesis?",
+]
+
+
+def _params(i: int, max_new: int) -> Any:
+    from multiserve.types import SamplingParams
+
+    if i % 2 == 0:
+        return SamplingParams(temperature=0.0, max_new_tokens=max_new, ignore_eos=True)
+    return SamplingParams(temperature=0.8, top_p=0.95, seed=31 + i, max_new_tokens=max_new,
+                          ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def prompts(_default_engine: Any) -> list[list[int]]:
+    return [_default_engine.chat_ids([{"role": "user", "content": q}]) for q in QUESTIONS]
+
+
+CASES = {  # name -> (request indexes, max_new_tokens); even index greedy, odd seeded
+    "single-greedy": ([0], 16),
+    "single-seeded": ([1], 16),
+    "16-concurrent": (list(range(16)), 24),
+}
+_uninterrupted: dict[str, dict] = {}
+
+
+def _submit(col: Collector, prompts: list[list[int]], case: str) -> None:
+    idx, max_new = CASES[case]
+    col.submit_all([prompts[i] for i in idx], [_params(i, max_new) for i in idx])
+
+
+def _baseline(engine: Any, prompts: list[list[int]], case: str) -> dict:
+    if case not in _uninterrupted:
+        col = Collector(engine)
+        _submit(col, prompts, case)
+        _uninterrupted[case] = {k: o.output_ids for k, o in col.wait().items()}
+    return _uninterrupted[case]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("mode", ["retract", "in_place"])
+def test_pause_and_continue_equals_uninterrupted(default_engine: Any, prompts: list,
+                                                 trigger: Trigger, case: str,
+                                                 mode: str) -> None:
+    want = _baseline(default_engine, prompts, case)
+    hook = AtTokens(trigger, "r0", 6, lambda: default_engine.async_pause_generation(mode))
+    col = Collector(default_engine, on_output=hook)
+    _submit(col, prompts, case)
+    (res,) = hook.wait()
+    assert res.ok
+    st = default_engine.get_internal_state()
+    assert st["engine_paused"]
+    if mode == "retract":
+        assert res.details["retracted"] >= 1 and st["running_batch_size"] == 0
+    else:
+        assert st["running_batch_size"] >= 1
+    assert default_engine.continue_generation().ok
+    got = {k: o.output_ids for k, o in col.wait().items()}
+    assert got == want
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_abort_then_regenerate_equals_uninterrupted(default_engine: Any, prompts: list,
+                                                    trigger: Trigger, case: str) -> None:
+    want = _baseline(default_engine, prompts, case)
+    hook = AtTokens(trigger, "r0", 6, lambda: default_engine.async_pause_generation("abort"))
+    col = Collector(default_engine, on_output=hook)
+    _submit(col, prompts, case)
+    hook.wait()
+    partial = col.wait()
+    assert all(o.finish_reason == "abort" for o in partial.values())
+    for key, out in partial.items():
+        assert out.output_ids == want[key][:len(out.output_ids)]
+    assert default_engine.continue_generation().ok
+    again = Collector(default_engine)
+    _submit(again, prompts, case)
+    assert {k: o.output_ids for k, o in again.wait().items()} == want
