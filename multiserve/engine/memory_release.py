@@ -21,6 +21,8 @@ Invariants:
   host and written back, bit for bit, at the same page ids on resume (no allocation
   happens while released), so they continue exactly as if never interrupted; cached
   pages nobody holds are dropped.
+- Releasing "weights" also frees a staged, unpublished weight update (weights.py); its
+  hold on the engine becomes the release's pause.
 - Resume restores weights before K/V. Generation continues when everything is resident
   again iff the release paused it. Release/resume of an already released/resident tag
   is a no-op that says so. Host copies are dropped as soon as they are uploaded.
