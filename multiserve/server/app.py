@@ -62,6 +62,8 @@ def build_app(engine: EngineClient, tokenizer: TokenizerManager, *,
     @app.get("/health")
     async def health() -> Response:
         ok, reason = engine.health()
+        if ok and reason.startswith("asleep"):  # memory released: healthy, not generating
+            return JSONResponse({"status": "asleep", "message": reason})
         if ok:
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "unhealthy", "message": reason,
