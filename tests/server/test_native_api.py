@@ -199,3 +199,24 @@ def test_unhealthy_engine_answers_503_with_reason(served, idle_engine):
             "model": served.engine.model_name, "messages": [{"role": "user", "content": "x"}]})
         assert r.status_code == 503 and "device fault" in r.json()["error"]["message"]
         assert httpx.get(srv.url + "/health_generate").status_code == 503
+
+
+def test_health_says_asleep_while_memory_released(served, idle_engine):
+    eng = served.engine
+    assert eng.release_memory_occupation(tags=("kv_cache",)).ok
+    try:
+        r = served.http.get("/health")
+        assert r.status_code == 200 and r.json()["status"] == "asleep", r.text
+        assert "kv_cache" in r.json()["message"]
+        # a request sent while asleep is queued, not lost, and completes after resume
+        with ThreadPoolExecutor(1) as pool:
+            fut = pool.submit(served.http.post, "/generate", json={
+                "text": "Hello", "sampling_params": {"max_new_tokens": 3, "temperature": 0,
+                                                     "ignore_eos": True}})
+            served.wait_state(lambda st: st["waiting_queue_size"] == 1)
+            assert eng.resume_memory_occupation(tags=("kv_cache",)).ok
+            out = fut.result(timeout=120)
+        assert out.status_code == 200 and out.json()["meta_info"]["completion_tokens"] == 3
+    finally:
+        eng.resume_memory_occupation(tags=("kv_cache",))
+    assert served.http.get("/health").json()["status"] == "ok"
