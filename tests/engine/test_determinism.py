@@ -43,7 +43,7 @@ def prompts(_default_engine: Any) -> list[list[int]]:
 CASES = {  # name -> (request indexes, max_new_tokens); even index greedy, odd seeded
     "single-greedy": ([0], 16),
     "single-seeded": ([1], 16),
-    "16-concurrent": (list(range(16)), 24),
+    "16-concurrent": (list(range(16)), 16),
 }
 _uninterrupted: dict[str, dict] = {}
 

@@ -76,28 +76,35 @@ def test_greedy_mixed_batch_equals_unbatched_loop(tiny_engine: Any,
 @pytest.mark.slow
 def test_greedy_default_model_equals_unbatched_loop(default_engine: Any) -> None:
     eng = default_engine
-    ref = ReferenceModel(None)
+    ref = ReferenceModel(None, max_len=128)
     questions = ["What is the capital of France?", "Write a haiku about the sea.",
-                 "List three prime numbers.", "Explain gravity to a child in one sentence."]
+                 "Explain gravity to a child in one sentence.", "Name a large city in Italy."]
     prompts = [eng.chat_ids([{"role": "user", "content": q}]) for q in questions]
-    prompts.append(prompts[0] + eng.encode(" And of Italy?"))  # prefix hit on prompts[0]
-    max_new = 24
+    max_new = 16
     expected = [ref.greedy(p, max_new) for p in prompts]
+    eos = set(eng.model_config.eos_token_ids) | {eng.tokenizer.eos_token_id}
+
+    def check(got: Any, want: list[int]) -> None:
+        assert list(got.output_ids) == want[:len(got.output_ids)], got.rid
+        if got.finish_reason == "stop":  # eos ended it early; the loop ran on past eos
+            assert got.output_ids[-1] in eos, got.rid
+        else:
+            assert len(got.output_ids) == max_new, got.rid
+
     params = SamplingParams(temperature=0.0, max_new_tokens=max_new)
     col = Collector(eng)
-    rids = col.submit_all(prompts, params)
-    col.submit("n2", prompts[1], params.with_updates(n=2))
+    with held(eng):
+        rids = col.submit_all(prompts[:3], params)
+        col.submit("n2", prompts[1], params.with_updates(n=2))
     col.wait()
-    for rid, want in zip(rids, expected, strict=True):
-        got = col.final[(rid, 0)]
-        assert list(got.output_ids) == want[:len(got.output_ids)], rid
-        if got.finish_reason == "stop":  # eos ends it early; the loop ran on past eos
-            assert got.output_ids[-1] in eng.model_config.eos_token_ids or \
-                got.output_ids[-1] == eng.tokenizer.eos_token_id
-        else:
-            assert len(got.output_ids) == max_new
+    for rid, want in zip(rids, expected[:3], strict=True):
+        check(col.final[(rid, 0)], want)
     for i in range(2):
         assert list(col.ids("n2", i)) == list(col.ids(rids[1]))
+    # A later request shares the chat template's system prompt: a prefix-cache hit.
+    later = eng.generate(input_ids=prompts[3], sampling_params=params)
+    check(later, expected[3])
+    assert later.cached_tokens >= 16
 
 
 def _sampled(seed: int, **kw: Any) -> SamplingParams:
