@@ -186,16 +186,6 @@ def _gumbel(words: jax.Array, ids: jax.Array) -> jax.Array:
     return -jnp.log(-jnp.log(u))
 
 
-def _order_key(z: jax.Array) -> jax.Array:
-    """i32 with the same order as the f32 values (for exact bisection)."""
-    b = lax.bitcast_convert_type(z, jnp.int32)
-    return jnp.where(b < 0, b ^ 0x7FFFFFFF, b)
-
-
-def _from_order_key(k: jax.Array) -> jax.Array:
-    return lax.bitcast_convert_type(jnp.where(k < 0, k ^ 0x7FFFFFFF, k), jnp.float32)
-
-
 def _bisect(pred, lo: jax.Array, hi: jax.Array, steps: int) -> jax.Array:  # noqa: ANN001
     """Per row, the largest i32 t in [lo, hi) with pred(t): pred monotone decreasing,
     true at lo, false at hi, and 2**steps >= hi - lo."""
@@ -211,28 +201,32 @@ def _bisect(pred, lo: jax.Array, hi: jax.Array, steps: int) -> jax.Array:  # noq
 
 def _exact_cutoffs(z: jax.Array, zmax: jax.Array, top_k: jax.Array, top_p: jax.Array,
                    need_k: jax.Array, thr_k: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Exact top_k and top_p cut-offs (z-space) for a few rows, by bisection over bits."""
-    g, v = z.shape
-    k_key = lax.cond(
-        jnp.any(need_k),
-        lambda: _bisect(lambda t: jnp.sum(_order_key(z) >= t[:, None], axis=1) >= top_k,
-                        jnp.full((g,), np.iinfo(np.int32).min, jnp.int32),
-                        jnp.full((g,), np.iinfo(np.int32).max, jnp.int32), 32),
-        lambda: jnp.zeros((g,), jnp.int32))
-    thr_k = jnp.where(need_k, _from_order_key(k_key), thr_k)
-    # Nucleus over the top_k set: bisect on the bits of p = exp(z - zmax) in [0, 1] (for
-    # p >= 0 they order like p), so each step reads one [g, V] array.
-    p = jnp.where(z >= thr_k[:, None], jnp.exp(z - zmax[:, None]), 0.0)
-    target = top_p * jnp.sum(p, axis=1)
+    """Exact top_k (rows in need_k) then top_p cut-offs, z-space, for a few rows [g, V].
 
-    def enough(t: jax.Array) -> jax.Array:
-        cut = lax.bitcast_convert_type(t, jnp.float32)[:, None]
-        return jnp.sum(jnp.where(p >= cut, p, 0.0), axis=1) >= target
-
+    Both are bisections over the bit patterns of p = exp(z - zmax) in [0, 1] (for p >= 0
+    they order like p), so each step reads one [g, V] array. Stage 0 counts tokens
+    (top_k), stage 1 weighs them by p inside the top_k set (top_p); one compiled loop."""
+    g, _ = z.shape
+    p = jnp.exp(z - zmax[:, None])
     one = int(np.float32(1.0).view(np.int32))
-    bits = _bisect(enough, jnp.zeros((g,), jnp.int32), jnp.full((g,), one + 1, jnp.int32), 30)
-    p_cut = lax.bitcast_convert_type(bits, jnp.float32)[:, None]
-    return thr_k, jnp.min(jnp.where(p >= p_cut, z, jnp.inf), axis=1)
+
+    def stage(s: jax.Array, c: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        thr_k, thr_p = c
+        count = s == 0
+        w = jnp.where(count, 1.0, jnp.where(z >= thr_k[:, None], p, 0.0))
+        target = jnp.where(count, top_k.astype(jnp.float32), top_p * jnp.sum(w, axis=1))
+
+        def enough(t: jax.Array) -> jax.Array:
+            cut = lax.bitcast_convert_type(t, jnp.float32)[:, None]
+            return jnp.sum(jnp.where(p >= cut, w, 0.0), axis=1) >= target
+
+        bits = _bisect(enough, jnp.zeros((g,), jnp.int32), jnp.full((g,), one + 1, jnp.int32),
+                       30)
+        kept = (p >= lax.bitcast_convert_type(bits, jnp.float32)[:, None]) & (w > 0)
+        thr = jnp.min(jnp.where(kept, z, jnp.inf), axis=1)
+        return jnp.where(count & need_k, thr, thr_k), jnp.where(count, thr_p, thr)
+
+    return lax.fori_loop(jnp.where(jnp.any(need_k), 0, 1), 2, stage, (thr_k, thr_k))
 
 
 def _deep_rows(z: jax.Array, zmax: jax.Array, sb: SamplingBatch, need_k: jax.Array,
@@ -243,12 +237,13 @@ def _deep_rows(z: jax.Array, zmax: jax.Array, sb: SamplingBatch, need_k: jax.Arr
     top_k is off. A row's result never depends on which group it lands in."""
     r, _ = z.shape
     g = min(r, DEEP_GROUP)
-    order = jnp.argsort(~need, stable=True).astype(jnp.int32)  # needing rows first
+    # Needing rows first, then row 0 as filler: redoing any row rewrites the same values.
+    order = jnp.nonzero(need, size=r + g, fill_value=0)[0].astype(jnp.int32)
     groups = (jnp.sum(need) + g - 1) // g
 
     def body(i: jax.Array, c: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
         thr_k, thr_p = c
-        rows = lax.dynamic_slice(order, (i * g,), (g,))  # clamped at the end: rows repeat
+        rows = lax.dynamic_slice(order, (i * g,), (g,))
         k, p = _exact_cutoffs(z[rows], zmax[rows], sb.top_k[rows], sb.top_p[rows],
                               need_k[rows], thr_k[rows])
         return thr_k.at[rows].set(k), thr_p.at[rows].set(jnp.where(need[rows], p, thr_p[rows]))
