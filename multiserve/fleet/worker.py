@@ -99,15 +99,21 @@ class EngineWorker:
             engine = self._factory(self.config)
         except Exception as exc:
             with self._lock:
-                self._state = "failed"
-                self._reason = f"engine build failed: {type(exc).__name__}: {exc}"
+                if self._state != "stopped":
+                    self._state = "failed"
+                    self._reason = f"engine build failed: {type(exc).__name__}: {exc}"
             raise
         with self._lock:
-            self._engine = engine
-            self._model_name = engine.model_name
-            self._context_len = engine.context_len
-            self._state = "ready"
-            self._reason = "ok"
+            stopped = self._state == "stopped"  # shut down while this engine was building
+            if not stopped:
+                self._engine = engine
+                self._model_name = engine.model_name
+                self._context_len = engine.context_len
+                self._state = "ready"
+                self._reason = "ok"
+        if stopped:
+            engine.shutdown()
+            raise RuntimeError(f"engine {self.index} was shut down while it was being built")
         self.build_seconds = time.monotonic() - t0
 
     def restart(self) -> ControlResult:
@@ -120,8 +126,8 @@ class EngineWorker:
                 return ControlResult(False, f"engine {self.index} is {self._state}")
             if self._state == "stopped":
                 return ControlResult(False, f"engine {self.index} is shut down")
-            previous = self._reason if self._state != "ready" else "ok"
             old, self._engine = self._engine, None
+            previous = old.health()[1] if old is not None else self._reason
             self._state = "restarting"
             self._reason = f"restarting (was: {previous})"
         if old is not None:

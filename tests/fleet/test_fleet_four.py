@@ -33,7 +33,7 @@ CPU4 = Path(__file__).resolve().parents[2] / "configs" / "cpu-4.toml"
 TEST_OVERRIDES = {"fleet.base_port": 0, "fleet.supervisor_port": 0, "fleet.warmup": "parallel",
                   "engine.max_total_tokens": 4096, "engine.show_progress": False}
 PROMPT = "What is the capital of France?"
-STREAM_TOKENS = 16
+STREAM_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
@@ -215,6 +215,7 @@ async def test_fault_in_one_engine_isolated_and_restart_restores_it(fleet: Fleet
     r = await asyncio.to_thread(sup, fleet, "POST", "/restart_engine", {"engine": broken})
     print(f"restart took {time.monotonic() - t0:.1f} s")
     assert r.status_code == 200, r.text
+    assert "boom: injected by test" in r.json()["previous_reason"]
     assert httpx.get(f"{fleet.urls[broken]}/health").status_code == 200
     assert sup(fleet, "GET", "/health").status_code == 200
     again = await chat(fleet, broken, STREAM_TOKENS, ignore_eos=True)

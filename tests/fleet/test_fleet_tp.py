@@ -27,7 +27,7 @@ SMALL = {"fleet.supervisor_port": 0, "engine.max_total_tokens": 4096,
          "engine.show_progress": False}
 PROMPTS = ["What is the capital of France?", "Name three primary colors.",
            "Write one sentence about the sea."]
-MAX_TOKENS = 32
+MAX_TOKENS = 20
 
 
 async def answers(fleet: Fleet, i: int) -> list[str]:
