@@ -8,6 +8,7 @@ and the context length (model limit, config limit, and what the pool can hold).
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,10 +68,16 @@ def kv_pool_tokens(cfg: EngineConfig, model_cfg: ModelConfig, devices: list[jax.
     return cfg.default_cpu_kv_tokens
 
 
-def load_tokenizer(tokenizer_dir: Path) -> Any:
-    from transformers import AutoTokenizer
+# transformers resolves its lazy attributes on first use, and that is not thread-safe:
+# engines warming up in parallel threads must not import/load tokenizers at once.
+_TOKENIZER_LOCK = threading.Lock()
 
-    return AutoTokenizer.from_pretrained(str(tokenizer_dir))
+
+def load_tokenizer(tokenizer_dir: Path) -> Any:
+    with _TOKENIZER_LOCK:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(tokenizer_dir))
 
 
 def make_stop_string_checker(tokenizer: Any):  # noqa: ANN201

@@ -203,7 +203,9 @@ def _build_workers(workers: list[EngineWorker], parallel: bool, log: TextIO | No
 
 def _start_servers(fleet: Fleet) -> None:
     from multiserve.fleet.supervisor import build_supervisor_app
+    from multiserve.fleet.supervisor_rl import add_rl_supervisor_routes
     from multiserve.server import ServerThread, TokenizerManager, build_app
+    from multiserve.server.rl_routes import add_rl_routes
 
     cfg = fleet.config
     for w, scfg in zip(fleet.workers, cfg.servers, strict=True):
@@ -212,12 +214,14 @@ def _start_servers(fleet: Fleet) -> None:
         info = {"engine_index": w.index, "device_indexes": list(w.device_indexes),
                 "model_path": str(engine.model_path),
                 "tokenizer_path": str(engine.tokenizer_dir)}
-        server = ServerThread(build_app(w, tm, server_info=info), scfg.host, scfg.port,
-                              name=f"engine-{w.index}-http")
+        app = build_app(w, tm, server_info=info)
+        add_rl_routes(app, w)  # release/resume memory, weight updates (per engine)
+        server = ServerThread(app, scfg.host, scfg.port, name=f"engine-{w.index}-http")
         w.port = server.port
         fleet.servers.append(server.start())
     sup_app = build_supervisor_app(fleet.workers, restart=fleet.restart_engine,
                                    engine_ports=fleet.ports)
+    add_rl_supervisor_routes(sup_app)  # fleet-wide two-phase weight updates, memory
     fleet.supervisor = ServerThread(sup_app, cfg.supervisor.host, cfg.supervisor.port,
                                     name="supervisor-http").start()
 

@@ -222,3 +222,18 @@ async def test_fault_in_one_engine_isolated_and_restart_restores_it(fleet: Fleet
     assert again.choices[0].message.content == reference
     info = httpx.get(f"{fleet.urls[broken]}/get_server_info").json()
     assert info["device_indexes"] == [broken] and info["restart_count"] == 1
+
+
+async def test_supervisor_release_and_resume_memory_across_the_fleet(fleet: Fleet,
+                                                                      reference: str) -> None:
+    r = sup(fleet, "POST", "/release_memory_occupation", {"tags": ["kv_cache"]})
+    assert r.status_code == 200, r.text
+    assert len(r.json()["engines"]) == 4
+    for url in fleet.urls:
+        h = httpx.get(f"{url}/health", timeout=30)
+        assert h.status_code == 200 and h.json()["status"] == "asleep", h.text
+    r = sup(fleet, "POST", "/resume_memory_occupation", {"tags": ["kv_cache"]})
+    assert r.status_code == 200, r.text
+    outs = await asyncio.gather(*(chat(fleet, i, STREAM_TOKENS, ignore_eos=True)
+                                  for i in range(4)))
+    assert [o.choices[0].message.content for o in outs] == [reference] * 4
