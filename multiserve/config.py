@@ -100,7 +100,7 @@ class EngineConfig:
     page_size: int = 16
     max_total_tokens: int | None = None
     mem_fraction_static: float = 0.6
-    default_cpu_kv_tokens: int = 65536
+    default_cpu_kv_tokens: int = 32768  # ~1.5 GB of fp32 KV for SmolLM2-135M
     max_running_requests: int = 128
     max_context_len: int | None = 4096
     chunked_prefill_size: int = 512
