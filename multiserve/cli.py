@@ -93,6 +93,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="peer generate batch size (0: all prompts in one batch)")
     b.add_argument("--peer-threads", type=int, default=None, help="peer torch threads")
     b.add_argument("--no-progress", action="store_true", help="no progress bars")
+    b.add_argument("--token-paddings", type=int, nargs="+", default=None,
+                   help="engine precompile_token_paddings (default: EngineConfig's)")
+    b.add_argument("--bs-paddings", type=int, nargs="+", default=None,
+                   help="engine precompile_bs_paddings (default: EngineConfig's)")
+    b.add_argument("--chunked-prefill-size", type=int, default=None)
+    b.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size in tokens")
     b.set_defaults(func=_cmd_bench)
     return parser
 

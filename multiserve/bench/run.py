@@ -33,17 +33,31 @@ TARGET_OVERLAP = 1.1
 
 
 def _engine_config(args: argparse.Namespace) -> Any:
+    """The default EngineConfig, changed only where a flag says so (errors name the
+    field: ConfigError)."""
     from multiserve.config import EngineConfig
 
     base = EngineConfig()
     changes: dict[str, Any] = {"model_path": args.model,
                                "disable_overlap": bool(args.no_overlap),
                                "show_progress": not getattr(args, "no_progress", False)}
+    for flag, name in (("token_paddings", "precompile_token_paddings"),
+                       ("bs_paddings", "precompile_bs_paddings"),
+                       ("chunked_prefill_size", "chunked_prefill_size"),
+                       ("max_total_tokens", "max_total_tokens")):
+        value = getattr(args, flag, None)
+        if value is not None:
+            changes[name] = tuple(value) if isinstance(value, list) else value
+    bs = changes.get("precompile_bs_paddings", base.precompile_bs_paddings)
     if args.max_running is not None:
         changes["max_running_requests"] = args.max_running
-        if args.max_running > max(base.precompile_bs_paddings):
-            changes["precompile_bs_paddings"] = base.precompile_bs_paddings + (
-                args.max_running,)
+        if args.max_running > max(bs):
+            changes["precompile_bs_paddings"] = tuple(bs) + (args.max_running,)
+    elif max(bs) < base.max_running_requests:
+        changes["max_running_requests"] = max(bs)
+    if "chunked_prefill_size" not in changes:
+        tokens = changes.get("precompile_token_paddings", base.precompile_token_paddings)
+        changes["chunked_prefill_size"] = min(base.chunked_prefill_size, max(tokens))
     return base.with_updates(**changes)
 
 

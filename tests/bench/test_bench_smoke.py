@@ -1,6 +1,6 @@
 """`multiserve bench` end to end on the default model, tiny: 4 prompts x 8 tokens with the
-overlap A/B, no peer. Checks the closing JSON line (the contract scripts rely on) and
-the figures' internal consistency, not speed."""
+overlap A/B, no peer (torch stays out of the suite's time budget). Checks the closing JSON
+line (the contract scripts rely on) and the figures' internal consistency, not speed."""
 
 from __future__ import annotations
 
@@ -44,8 +44,10 @@ def test_stats_arithmetic() -> None:
 def test_bench_smoke_json_line(capsys: pytest.CaptureFixture[str]) -> None:
     from multiserve.bench.run import bench_main
 
+    # Two buckets and a small KV pool keep start-up short; everything else is default.
     args = build_parser().parse_args(
-        ["bench", "--num-prompts", "4", "--output-len", "8", "--ab-overlap", "--no-progress"])
+        ["bench", "--num-prompts", "4", "--output-len", "8", "--ab-overlap", "--no-progress",
+         "--token-paddings", "64", "512", "--bs-paddings", "64", "--max-total-tokens", "8192"])
     assert bench_main(args) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     res = json.loads(lines[-1])
@@ -67,3 +69,39 @@ def test_bench_smoke_json_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert res["startup_s"] >= res["compile_s"] > 0
     assert res["peak_rss_mb"] > 0
     assert res["prompt_tokens"]["min"] < res["prompt_tokens"]["max"]
+    assert res["config"]["precompile_token_paddings"] == [64, 512]
+    assert res["config"]["max_running_requests"] == 64 and res["config"]["num_buckets"] == 2
+
+
+TINY = dict(architecture="llama", vocab_size=512, hidden_size=64, intermediate_size=128,
+            num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+            max_position_embeddings=1024, bos_token_id=1, eos_token_ids=(2,))
+
+
+def test_hf_peer_matches_engine_greedy_on_tiny_model(tmp_path) -> None:  # noqa: ANN001
+    """The peer runs the same function as the engine: on a tiny random model (HF dir with
+    the default tokenizer) its left-padded batched greedy ids equal the engine's."""
+    from multiserve.bench.peer import run_peer
+    from multiserve.config import EngineConfig, ModelConfig
+    from multiserve.engine.engine import Engine
+    from multiserve.model.default_model import default_model_path
+    from multiserve.model.testing import init_random_params, save_hf_dir
+    from multiserve.types import SamplingParams
+
+    cfg = ModelConfig(**TINY)
+    save_hf_dir(tmp_path, cfg, init_random_params(cfg, seed=3, scale=0.3),
+                tokenizer_dir=default_model_path())
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [300, 2, 40, 41]]
+    peer = run_peer("hf", prompts, 6, str(tmp_path), show_progress=False)
+    assert peer["exact_length"] and peer["output_tokens"] == 18
+    assert peer["tokens_per_s"] > 0 and peer["batch_size"] == 3
+    eng = Engine(EngineConfig(model_path=str(tmp_path), precompile_token_paddings=(64,),
+                              precompile_bs_paddings=(64,), max_running_requests=64,
+                              chunked_prefill_size=64, max_total_tokens=2048,
+                              show_progress=False))
+    try:
+        outs = eng.generate(input_ids=prompts, sampling_params=SamplingParams(
+            max_new_tokens=6, temperature=0.0, ignore_eos=True))
+    finally:
+        eng.shutdown()
+    assert [list(o.output_ids) for o in outs] == peer["output_ids"]
