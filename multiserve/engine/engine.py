@@ -224,8 +224,8 @@ class Engine(RLEngineMixin):
             out = out["input_ids"]
         return list(out)
 
-    def _with_text(self, out: RequestOutput) -> RequestOutput:
-        text = self.decode(out.output_ids, out.finish_reason != "stop" or True)
+    def _with_text(self, out: RequestOutput, skip_special_tokens: bool) -> RequestOutput:
+        text = self.decode(out.output_ids, skip_special_tokens)
         return RequestOutput(**{**out.__dict__, "text": text})
 
     def submit(self, request: GenerateRequest,
@@ -299,7 +299,7 @@ class Engine(RLEngineMixin):
             while len(finals) < req.sampling.n:
                 out = q.get()
                 if out.finished:
-                    finals[out.index] = self._with_text(out)
+                    finals[out.index] = self._with_text(out, req.sampling.skip_special_tokens)
             outs = [finals[i] for i in range(req.sampling.n)]
             results.append(outs[0] if req.sampling.n == 1 else outs)
         return results if batch else results[0]
@@ -312,7 +312,7 @@ class Engine(RLEngineMixin):
         finals: dict[int, RequestOutput] = {}
         async for out in self.stream(req):
             if out.finished:
-                finals[out.index] = self._with_text(out)
+                finals[out.index] = self._with_text(out, req.sampling.skip_special_tokens)
         outs = [finals[i] for i in range(req.sampling.n)]
         return outs[0] if req.sampling.n == 1 else outs
 

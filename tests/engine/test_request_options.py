@@ -249,3 +249,25 @@ def test_a_raising_sink_aborts_only_its_own_request(tiny_engine: Any) -> None:
     assert tiny_engine.health() == (True, "ok")
     st = tiny_engine.get_internal_state()
     assert st["running_batch_size"] == 0 and st["waiting_queue_size"] == 0
+
+
+def test_output_records_text_counts_and_special_tokens(tiny_engine: Any) -> None:
+    tok = tiny_engine.tokenizer
+    special = set(tok.all_special_ids)
+    prompt = _prompt(18)
+    params = SamplingParams(temperature=2.0, max_new_tokens=40, ignore_eos=True)
+    # A seed whose draw contains a special token (SmolLM2's first ids are specials; at
+    # temperature 2 over 512 ids one shows up within a few seeds).
+    for seed in range(50):
+        out = tiny_engine.generate(input_ids=prompt, sampling_params=params.with_updates(
+            seed=seed))
+        if special & set(out.output_ids):
+            break
+    assert special & set(out.output_ids)
+    assert out.prompt_tokens == len(prompt) and out.completion_tokens == 40
+    assert out.text == tok.decode(list(out.output_ids), skip_special_tokens=True)
+    kept = tiny_engine.generate(input_ids=prompt, sampling_params=params.with_updates(
+        seed=seed, skip_special_tokens=False))
+    assert kept.output_ids == out.output_ids
+    assert kept.text == tok.decode(list(out.output_ids), skip_special_tokens=False)
+    assert kept.text != out.text
