@@ -72,6 +72,8 @@ class Engine(RLEngineMixin):
         self._healthy = True
         self._reason = "ok"
         self._stopped = False
+        self._closed = False  # set by the engine thread at stop, under _submit_lock
+        self._submit_lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name=f"engine-{cfg.device_indexes}",
                                         daemon=True)
         self._thread.start()
@@ -89,6 +91,7 @@ class Engine(RLEngineMixin):
                         break
                     if cmd.name == "stop":
                         self._fail_all("engine shut down")
+                        self._close_queue()
                         cmd.future.set_result(ControlResult(True, "stopped"))
                         return
                     self._run_command(cmd)
@@ -101,6 +104,23 @@ class Engine(RLEngineMixin):
                     core.drain()
             except Exception as exc:  # noqa: BLE001 - any step failure isolates the engine
                 self._mark_unhealthy(f"{type(exc).__name__}: {exc}")
+
+    def _close_queue(self) -> None:
+        """No command is accepted from now on; those queued behind "stop" (a caller that
+        raced shutdown) fail instead of waiting forever for a loop that has ended."""
+        with self._submit_lock:
+            self._closed = True
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if cmd.future.done():
+                continue
+            if cmd.name == "stop":  # a concurrent second shutdown: already done
+                cmd.future.set_result(ControlResult(True, "stopped"))
+            else:
+                cmd.future.set_exception(EngineUnavailable("engine is shut down"))
 
     def _run_command(self, cmd: _Command) -> None:
         if cmd.future.done():
@@ -160,10 +180,11 @@ class Engine(RLEngineMixin):
     # ---- command plumbing ----------------------------------------------------------
     def _submit(self, name: str, *args: Any) -> concurrent.futures.Future:
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        if self._stopped:
-            fut.set_exception(EngineUnavailable("engine is shut down"))
-            return fut
-        self._commands.put(_Command(name, args, fut))
+        with self._submit_lock:
+            if self._stopped or self._closed:
+                fut.set_exception(EngineUnavailable("engine is shut down"))
+                return fut
+            self._commands.put(_Command(name, args, fut))
         return fut
 
     def _call(self, name: str, *args: Any) -> Any:
