@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from engine_helpers import TINY_VOCAB, Trigger, assert_idle_and_clean, restore
+from engine_helpers import TINY_ENGINE, TINY_VOCAB, Trigger, assert_idle_and_clean, restore
 from multiserve.config import EngineConfig, ModelConfig
 
 TINY_MODEL = ModelConfig(
@@ -26,10 +26,6 @@ TINY_MODEL = ModelConfig(
     num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=2048,
     tie_word_embeddings=False, bos_token_id=1, eos_token_ids=(2,))
 
-TINY_ENGINE = dict(
-    precompile_token_paddings=(64, 128), precompile_bs_paddings=(64,),
-    max_running_requests=64, chunked_prefill_size=32, page_size=8, max_total_tokens=8192,
-    max_context_len=1024, show_progress=False)
 
 # Default settings; only the KV pool is smaller than the CPU default (memory).
 DEFAULT_ENGINE = dict(max_total_tokens=16384, show_progress=False)

@@ -20,6 +20,12 @@ from typing import Any
 from multiserve.types import GenerateRequest, RequestOutput, SamplingParams
 
 TINY_VOCAB = 512  # tiny test model: a small vocabulary keeps the sampler cheap
+# EngineConfig fields of the shared tiny engines (conftest): small buckets, chunked
+# prefill forced small (32 tokens), 8-token pages.
+TINY_ENGINE: dict[str, Any] = dict(
+    precompile_token_paddings=(64, 128), precompile_bs_paddings=(64,),
+    max_running_requests=64, chunked_prefill_size=32, page_size=8, max_total_tokens=8192,
+    max_context_len=1024, show_progress=False)
 WAIT_S = 120.0  # upper bound for any single wait in these tests (never reached when healthy)
 
 Key = tuple[str, int]

@@ -12,7 +12,7 @@ import threading
 import time
 from typing import Any
 
-from engine_helpers import TINY_VOCAB, Collector
+from engine_helpers import TINY_ENGINE, TINY_VOCAB, Collector
 from multiserve.types import ControlResult, SamplingParams
 
 THREAD_BOUND_S = 90.0
@@ -108,3 +108,53 @@ def test_concurrent_control_never_corrupts_or_deadlocks(tiny_engine: Any) -> Non
         else:
             assert out.finish_reason == "length" and out.output_ids == want[key], key
     eng.run_on_engine_thread(lambda core: core.scheduler.check_integrity())
+
+
+def test_shutdown_under_concurrent_calls_ends_everything(tiny_model_dir: Any) -> None:
+    """Shutting an engine down while threads keep calling it: every request gets one
+    final (aborted, with the reason) output, every call returns or raises
+    EngineUnavailable, and no thread is left waiting."""
+    from multiserve.config import EngineConfig
+    from multiserve.engine.engine import Engine
+    from multiserve.types import EngineUnavailable
+
+    eng = Engine(EngineConfig(model_path=str(tiny_model_dir), **TINY_ENGINE))
+    col = Collector(eng)
+    col.submit_all([[5, 6, 7, 8]] * 4, SamplingParams(max_new_tokens=500, ignore_eos=True))
+    stop = threading.Event()
+    outcomes: list[str] = []
+
+    def caller() -> None:
+        while not stop.is_set():
+            try:
+                eng.get_internal_state()
+                outcomes.append("ok")
+            except EngineUnavailable:
+                outcomes.append("refused")
+                return
+
+    threads = [threading.Thread(target=caller) for _ in range(3)]
+    for t in threads:
+        t.start()
+    time.sleep(0.1)
+    failures: list[BaseException] = []
+
+    def shut() -> None:
+        try:
+            eng.shutdown()  # two at once: both return once the engine is down
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            failures.append(exc)
+
+    shutters = [threading.Thread(target=shut) for _ in range(2)]
+    for t in shutters:
+        t.start()
+    for t in shutters + threads:
+        t.join(timeout=THREAD_BOUND_S)
+    stop.set()
+    assert not any(t.is_alive() for t in shutters + threads), "a call outlived shutdown"
+    assert not failures, failures
+    assert eng.health() == (False, "engine is shut down")
+    assert outcomes.count("refused") == 3
+    got = col.wait(timeout=10)
+    assert len(got) == 4
+    assert all(o.finish_reason == "abort" and o.error for o in got.values())

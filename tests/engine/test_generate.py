@@ -198,3 +198,22 @@ def test_retract_under_kv_pressure_keeps_outputs(tiny_engine: Any,
     free = _run(tiny_engine, work)
     assert pressured == free  # ids and logprobs, bit for bit
     assert all(reason == "length" for _, reason, _ in pressured.values())
+
+
+def test_requests_filling_the_whole_context_and_pool(tiny_engine_pressure: Any,
+                                                     tiny_reference: ReferenceModel) -> None:
+    """Context == pool == 256 tokens: a prompt plus max_new_tokens of exactly 256 uses
+    every page; one token more is refused with the field named."""
+    eng = tiny_engine_pressure
+    assert eng.context_len == 256
+    rng = random.Random(8)
+    for prompt_len in (200, 255):
+        prompt = _prompt(rng, prompt_len)
+        max_new = 256 - prompt_len
+        out = eng.generate(input_ids=prompt, sampling_params=GREEDY.with_updates(
+            max_new_tokens=max_new))
+        assert out.finish_reason == "length"
+        assert list(out.output_ids) == tiny_reference.greedy(prompt, max_new)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        eng.generate(input_ids=_prompt(rng, 200), sampling_params=GREEDY.with_updates(
+            max_new_tokens=57))
