@@ -12,6 +12,8 @@ import threading
 import time
 from typing import Any
 
+import pytest
+
 from engine_helpers import TINY_ENGINE, TINY_VOCAB, Collector
 from multiserve.types import ControlResult, SamplingParams
 
@@ -158,3 +160,31 @@ def test_shutdown_under_concurrent_calls_ends_everything(tiny_model_dir: Any) ->
     got = col.wait(timeout=10)
     assert len(got) == 4
     assert all(o.finish_reason == "abort" and o.error for o in got.values())
+
+
+def test_a_failing_step_marks_the_engine_unhealthy_and_ends_every_request(
+        tiny_model_dir: Any) -> None:
+    from multiserve.config import EngineConfig
+    from multiserve.engine.engine import Engine
+    from multiserve.types import EngineUnavailable, GenerateRequest
+
+    eng = Engine(EngineConfig(model_path=str(tiny_model_dir), **TINY_ENGINE))
+    try:
+        col = Collector(eng)
+        col.submit_all([[5, 6, 7]] * 3, SamplingParams(max_new_tokens=500, ignore_eos=True))
+        eng.inject_fault_for_testing("boom: injected")
+        got = col.wait(timeout=30)
+        assert all(o.finish_reason == "abort" and "boom: injected" in o.error
+                   for o in got.values())
+        healthy, reason = eng.health()
+        assert not healthy and "boom: injected" in reason
+        with pytest.raises(EngineUnavailable, match="boom"):
+            eng.submit(GenerateRequest(rid="late", input_ids=(5,),
+                                       sampling=SamplingParams(max_new_tokens=2)), print)
+        st = eng.get_internal_state()  # still answers, and the KV came back
+        assert st["running_batch_size"] == 0 and st["waiting_queue_size"] == 0
+        assert st["available_kv_tokens"] + st["evictable_kv_tokens"] == \
+            st["initial_available_kv_tokens"]
+        eng.run_on_engine_thread(lambda core: core.scheduler.check_integrity())
+    finally:
+        eng.shutdown()

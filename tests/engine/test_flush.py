@@ -106,3 +106,22 @@ def test_flush_while_paused_and_idle_is_allowed(tiny_engine: Any) -> None:
     assert res.ok and res.details["flushed_cached_tokens"] == cached
     assert tiny_engine.get_internal_state()["engine_paused"]
     assert tiny_engine.continue_generation().ok
+
+
+def test_internal_state_fields_and_step_counters(tiny_engine: Any) -> None:
+    st = tiny_engine.get_internal_state()
+    for name in ("engine_paused", "waiting_queue_size", "running_batch_size", "running_rids",
+                 "waiting_rids", "available_kv_tokens", "tree_cache_size",
+                 "req_to_token_pool_used", "forward_ct_decode", "new_token_ratio",
+                 "cur_batch", "last_batch", "chunked_req", "cache_miss_count",
+                 "weight_version"):
+        assert name in st, name
+    assert tiny_engine.flush_cache().ok
+    before = tiny_engine.get_internal_state()["forward_ct"]
+    out = tiny_engine.generate(input_ids=[5, 6, 7], sampling_params=GREEDY.with_updates(
+        max_new_tokens=8))
+    assert out.completion_tokens == 8
+    st = tiny_engine.get_internal_state()
+    # One prefill step (samples token 1), then exactly one decode step per further token:
+    # overlap never launches a step for a token the request does not need.
+    assert st["forward_ct"] - before == 8 and st["forward_ct_decode"] == 7
