@@ -75,9 +75,9 @@ _TOKENIZER_LOCK = threading.Lock()
 
 def load_tokenizer(tokenizer_dir: Path) -> Any:
     with _TOKENIZER_LOCK:
-        from transformers import AutoTokenizer
+        from transformers import PreTrainedTokenizerFast  # tokenizers-backed: no torch
 
-        return AutoTokenizer.from_pretrained(str(tokenizer_dir))
+        return PreTrainedTokenizerFast.from_pretrained(str(tokenizer_dir))
 
 
 def make_stop_string_checker(tokenizer: Any):  # noqa: ANN201

@@ -89,12 +89,12 @@ def greedy_token_ids(params: Any, cfg: ModelConfig, prompt_ids: Sequence[int],
 def greedy_generate(model_path: str | None, prompt: str, max_new_tokens: int = 64,
                     chat: bool = True) -> str:
     """The greedy answer of a model (None: the default model) to `prompt`."""
-    from transformers import AutoTokenizer
+    from transformers import PreTrainedTokenizerFast  # tokenizers-backed: no torch
 
     from multiserve.model.loader import load_model
 
     model = load_model(model_path, "float32")
-    tok = AutoTokenizer.from_pretrained(str(model.tokenizer_dir))
+    tok = PreTrainedTokenizerFast.from_pretrained(str(model.tokenizer_dir))
     if chat:
         text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
                                        add_generation_prompt=True)

@@ -47,12 +47,12 @@ class TokenizerManager:
 
     def __init__(self, tokenizer_dir: str | Path, context_len: int, model_name: str, *,
                  default_max_tokens: int | None = None) -> None:
-        from transformers import AutoTokenizer  # heavy import, done once here
+        from transformers import PreTrainedTokenizerFast  # tokenizers-backed: no torch
 
         path = Path(tokenizer_dir)
         if not path.is_dir():
             raise FileNotFoundError(f"tokenizer directory not found: {path}")
-        self.tokenizer: Any = AutoTokenizer.from_pretrained(str(path))
+        self.tokenizer: Any = PreTrainedTokenizerFast.from_pretrained(str(path))
         if not getattr(self.tokenizer, "is_fast", False):
             raise ValueError(f"{path}: need a fast (tokenizer.json) tokenizer")
         assert context_len > 0

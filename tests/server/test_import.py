@@ -26,6 +26,7 @@ def test_server_package_never_imports_jax(tokenizer_dir):
         bad = sorted(m for m in sys.modules if m == "jax" or m.startswith(("jax.", "jaxlib",
                                                                           "flax")))
         assert not bad, bad
+        assert "torch" not in sys.modules, "the serving path must not import torch"
         print("ok")
     """)
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
