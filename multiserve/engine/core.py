@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from multiserve.config import EngineConfig, ModelConfig
-from multiserve.engine import sampling
+from multiserve.engine import sampling_host
 from multiserve.engine.batch_arrays import build_step_arrays
 from multiserve.engine.memory import PageAllocator
 from multiserve.engine.prefix_cache import PrefixCache
@@ -37,7 +37,6 @@ from multiserve.types import (
     TokenLogprob,
     WeightSegment,
 )
-
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +116,7 @@ class EngineCore:
     def _launch(self, batch: ScheduledBatch) -> tuple[ScheduledBatch, StepOutput]:
         t_pad, b_pad = self.runner.bucket_for(batch.num_tokens, len(batch.rows))
         arrays = build_step_arrays(batch, t_pad, b_pad, self.max_pages, self.page_size)
-        specs: list[sampling.RowSpec | None] = []
+        specs: list[sampling_host.RowSpec | None] = []
         wants_lp = False
         for row in batch.rows:
             if not row.samples:
@@ -127,7 +126,7 @@ class EngineCore:
             ban: tuple[int, ...] = ()
             if req.num_generated < req.params.min_new_tokens:
                 ban = tuple(sorted(self.eos_ids | set(req.params.stop_token_ids)))
-            specs.append(sampling.RowSpec(
+            specs.append(sampling_host.RowSpec(
                 params=req.params, seed=req.seed, sample_index=req.index, position=row.end,
                 output_ids=req.output_ids, prompt_ids=req.prompt_ids, ban_ids=ban))
             wants_lp = wants_lp or req.params.wants_logprobs

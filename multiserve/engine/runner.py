@@ -29,7 +29,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from multiserve.config import EngineConfig, ModelConfig
-from multiserve.engine import sampling
+from multiserve.engine import sampling, sampling_host
 from multiserve.engine.batch_arrays import StepArrays
 from multiserve.model.forward_batch import ForwardBatch
 from multiserve.model.kv_pool import KVPool, make_kv_pool
@@ -155,15 +155,15 @@ class Runner:
             if a is not None and not a.is_deleted():
                 a.delete()
 
-    def sampling_batch(self, rows: Sequence[sampling.RowSpec | None],
+    def sampling_batch(self, rows: Sequence[sampling_host.RowSpec | None],
                        num_rows: int) -> sampling.SamplingBatch:
         """Host sampling inputs for one step; penalty-free steps reuse this engine's
         device-resident zero [B, V] arrays (a per-engine cache, never module-level)."""
         if num_rows not in self._zero_cache:
-            zeros = sampling.penalty_zeros(num_rows, self.model_cfg.vocab_size)
-            self._zero_cache[num_rows] = sampling.PenaltyZeros(
+            zeros = sampling_host.penalty_zeros(num_rows, self.model_cfg.vocab_size)
+            self._zero_cache[num_rows] = sampling_host.PenaltyZeros(
                 *jax.device_put(tuple(zeros), self.replicated))
-        return sampling.build_sampling_batch(rows, num_rows, self.model_cfg.vocab_size,
+        return sampling_host.build_sampling_batch(rows, num_rows, self.model_cfg.vocab_size,
                                              zeros=self._zero_cache[num_rows])
 
 

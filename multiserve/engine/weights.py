@@ -85,7 +85,8 @@ class WeightManager:
         for path in self.paths:  # the live params must have exactly this layout
             leaf = get_leaf(runner.params, path)
             assert tuple(leaf.shape) == get_leaf(self.shapes, path), path
-            assert leaf.dtype == self.dtype and leaf.sharding == get_leaf(self.shardings, path), path
+            assert leaf.dtype == self.dtype, path
+            assert leaf.sharding == get_leaf(self.shardings, path), path
         self._lock = threading.Lock()
         self._staged: StagedWeights | None = None
         self._held: str | None = None  # token whose staging paused the engine

@@ -49,9 +49,9 @@ def build_byte_level_bpe(tokens: list[str], merges: list[str], token_types: list
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     special = [AddedToken(t, special=True, normalized=False)
-               for t, kind in zip(tokens, token_types) if kind == CONTROL]
+               for t, kind in zip(tokens, token_types, strict=False) if kind == CONTROL]
     plain = [AddedToken(t, special=False, normalized=False)
-             for t, kind in zip(tokens, token_types) if kind == USER_DEFINED]
+             for t, kind in zip(tokens, token_types, strict=False) if kind == USER_DEFINED]
     tok.add_special_tokens(special)
     tok.add_tokens(plain)
     return tok
@@ -118,7 +118,7 @@ def write_tokenizer_files(out_dir: Path, arch: str, meta: dict[str, Any], source
         "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
         "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
         "clean_up_tokenization_spaces": False, "model_max_length": max_length,
-        "additional_special_tokens": [t for t, k in zip(tokens, types) if k == CONTROL
+        "additional_special_tokens": [t for t, k in zip(tokens, types, strict=False) if k == CONTROL
                                       and t not in specials.values()],
     }
     if meta.get("tokenizer.chat_template"):

@@ -21,12 +21,25 @@ from starlette.responses import JSONResponse, Response
 
 from multiserve.server import protocol_native as N
 from multiserve.server.errors import ApiError, bad_request, from_sampling_error
-from multiserve.server.http_utils import (SSE_DONE, check_health, check_model, finite,
-                                          parse_body, sse_data, sse_error, sse_response)
+from multiserve.server.http_utils import (
+    SSE_DONE,
+    check_health,
+    check_model,
+    finite,
+    parse_body,
+    sse_data,
+    sse_error,
+    sse_response,
+)
 from multiserve.server.run import RequestRun, SampleState, finish_runs, merge_runs
 from multiserve.server.tokenizer import TokenizerManager, score_softmax
-from multiserve.types import (EngineClient, GenerateRequest, SamplingParams, SamplingParamsError,
-                              TokenLogprob)
+from multiserve.types import (
+    EngineClient,
+    GenerateRequest,
+    SamplingParams,
+    SamplingParamsError,
+    TokenLogprob,
+)
 
 
 def _finish_reason(s: SampleState) -> dict[str, Any] | None:
@@ -80,7 +93,7 @@ class NativeServing:
                                            stream=body.stream or bool(sp.stop),
                                            return_prompt_logprobs=prompt_lp),
                            on_done=self.on_done)
-                for r, ids in zip(rids, ids_list)]
+                for r, ids in zip(rids, ids_list, strict=False)]
         return runs, is_batch
 
     async def generate(self, request: Request) -> Response:
@@ -123,7 +136,8 @@ class NativeServing:
         def triple(t: int, v: float | None) -> list[Any]:
             return [None if v is None else finite(v), t, txt(t)]
 
-        meta["output_token_logprobs"] = [triple(t, lp.logprob) for t, lp in zip(ids, lps)]
+        meta["output_token_logprobs"] = [triple(t, lp.logprob)
+                                         for t, lp in zip(ids, lps, strict=False)]
         if body.top_logprobs_num:
             meta["output_top_logprobs"] = [[triple(t, v) for t, v in lp.top] for lp in lps]
         if body.token_ids_logprob is not None:

@@ -20,9 +20,17 @@ from starlette.responses import Response
 
 from multiserve.server import protocol as P
 from multiserve.server.errors import bad_request, from_sampling_error
-from multiserve.server.http_utils import (SSE_DONE, check_health, check_model, finite,
-                                          json_model, parse_body, sse_data, sse_error,
-                                          sse_response)
+from multiserve.server.http_utils import (
+    SSE_DONE,
+    check_health,
+    check_model,
+    finite,
+    json_model,
+    parse_body,
+    sse_data,
+    sse_error,
+    sse_response,
+)
 from multiserve.server.run import RequestRun, SampleEvent, finish_runs, merge_runs
 from multiserve.server.tokenizer import TokenizerManager
 from multiserve.types import EngineClient, GenerateRequest, SamplingParamsError, TokenLogprob
@@ -56,7 +64,7 @@ class OpenAIServing:
         check_health(self.engine)
         base = req.rid or self.tm.new_rid()
         runs = []
-        for i, (ids, sp) in enumerate(zip(prompts, params)):
+        for i, (ids, sp) in enumerate(zip(prompts, params, strict=False)):
             rid = base if len(prompts) == 1 else f"{base}-{i}"
             # The server is the authority on stop strings (earliest match, trimmed); a
             # streamed run lets it end a sample as soon as one matches.
@@ -97,7 +105,7 @@ class OpenAIServing:
     def _chat_logprobs(self, ids: list[int], lps: list[TokenLogprob],
                        req: P.ChatCompletionRequest) -> P.ChatLogprobs:
         content = []
-        for tid, lp in zip(ids, lps):
+        for tid, lp in zip(ids, lps, strict=False):
             s, b = self.tm.token_info(tid)
             top = []
             for t, v in lp.top[:req.top_logprobs_num]:
@@ -194,7 +202,7 @@ class OpenAIServing:
             plps = run.prompt_logprobs or ()
             for j, tid in enumerate(prompt_ids):
                 add(tid, plps[j] if j < len(plps) else None)
-        for tid, lp in zip(ids, lps):
+        for tid, lp in zip(ids, lps, strict=False):
             add(tid, lp)
         return out
 

@@ -39,7 +39,7 @@ def _byte_decoder() -> dict[str, int]:
             bs.append(b)
             cs.append(256 + n)
             n += 1
-    return {chr(c): b for b, c in zip(bs, cs)}
+    return {chr(c): b for b, c in zip(bs, cs, strict=False)}
 
 
 class TokenizerManager:
@@ -86,7 +86,8 @@ class TokenizerManager:
             return self.tokenizer.apply_chat_template(
                 plain, add_generation_prompt=add_generation_prompt, tokenize=False)
         except Exception as exc:  # template errors (e.g. role order rules) are client errors
-            raise bad_request(f"messages: chat template failed: {exc}", param="messages")
+            raise bad_request(f"messages: chat template failed: {exc}",
+                              param="messages") from None
 
     def apply_chat_template(self, messages: Sequence[Any],
                             add_generation_prompt: bool = True) -> list[int]:

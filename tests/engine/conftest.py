@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-
 from engine_helpers import TINY_ENGINE, TINY_VOCAB, Trigger, assert_idle_and_clean, restore
+
 from multiserve.config import EngineConfig, ModelConfig
 
 TINY_MODEL = ModelConfig(

@@ -13,8 +13,8 @@ import time
 from typing import Any
 
 import pytest
-
 from engine_helpers import TINY_ENGINE, TINY_VOCAB, Collector
+
 from multiserve.types import ControlResult, SamplingParams
 
 THREAD_BOUND_S = 90.0

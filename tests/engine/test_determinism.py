@@ -14,7 +14,6 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-
 from engine_helpers import AtTokens, Collector, Trigger
 
 pytestmark = pytest.mark.slow

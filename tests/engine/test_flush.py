@@ -8,6 +8,7 @@ import random
 from typing import Any
 
 from engine_helpers import TINY_VOCAB, AtTokens, Collector, Trigger, held
+
 from multiserve.types import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True)

@@ -14,8 +14,8 @@ import random
 from typing import Any
 
 import pytest
-
 from engine_helpers import TINY_VOCAB, Collector, ReferenceModel, held
+
 from multiserve.types import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)

@@ -17,8 +17,8 @@ from typing import Any
 import httpx
 import jax
 import pytest
-
 from engine_helpers import TINY_VOCAB, AtTokens, Collector, Trigger, assert_idle_and_clean
+
 from multiserve.types import SamplingParams
 
 MAX_NEW = 24

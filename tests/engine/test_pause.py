@@ -14,8 +14,8 @@ import time
 from typing import Any
 
 import pytest
-
 from engine_helpers import TINY_VOCAB, AtTokens, Collector, Trigger
+
 from multiserve.types import GenerateRequest, SamplingParams
 
 MAX_NEW = 32

@@ -10,8 +10,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-
 from engine_helpers import TINY_VOCAB, Collector, ReferenceModel, held
+
 from multiserve.types import GenerateRequest, SamplingParams
 
 MAX_NEW = 20

@@ -9,8 +9,8 @@ import random
 from typing import Any
 
 import pytest
-
 from engine_helpers import TINY_VOCAB, AtTokens, Collector, Trigger
+
 from multiserve.types import SamplingParams
 
 MAX_NEW = 20

@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from multiserve.engine.sampling import (CANDIDATES, RowSpec, SamplingBatch, build_sampling_batch,
-                                        penalty_zeros, sample)
+from multiserve.engine.sampling import CANDIDATES, SamplingBatch, sample
+from multiserve.engine.sampling_host import RowSpec, build_sampling_batch, penalty_zeros
 from multiserve.types import SamplingParams
 
 V = 64

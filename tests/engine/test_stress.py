@@ -10,6 +10,7 @@ import time
 from typing import Any
 
 from engine_helpers import TINY_VOCAB, Collector, ReferenceModel, held
+
 from multiserve.types import SamplingParams
 
 

@@ -17,8 +17,8 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-
 from engine_helpers import TINY_VOCAB, AtTokens, Collector, Trigger
+
 from multiserve.types import ControlResult, SamplingParams, WeightSegment
 
 MAX_NEW = 16

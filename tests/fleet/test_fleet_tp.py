@@ -13,7 +13,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-
 import openai
 import pytest
 

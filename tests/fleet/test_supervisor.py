@@ -119,7 +119,8 @@ async def test_idle_fleet_health_info_models_metrics(client: httpx.AsyncClient,
     body = r.json()
     assert body["healthy"] is True
     assert [(e["engine"], e["port"], e["healthy"], e["paused"], e["running"], e["waiting"])
-            for e in body["engines"]] == [(0, 31000, True, False, 0, 0), (1, 31001, True, False, 0, 0)]
+            for e in body["engines"]] == [(0, 31000, True, False, 0, 0),
+                                          (1, 31001, True, False, 0, 0)]
 
     r = await client.get("/get_server_info")
     assert r.status_code == 200

@@ -7,8 +7,8 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-
 from model_helpers import TINY_LLAMA, PagedSim
+
 from multiserve.config import ModelConfig
 from multiserve.model.param_layout import init_random_params
 

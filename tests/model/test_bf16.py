@@ -7,8 +7,8 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
-
 from model_helpers import TINY_LLAMA, PagedSim
+
 from multiserve.model.param_layout import init_random_params
 
 

@@ -11,8 +11,8 @@ import sys
 import jax
 import numpy as np
 import pytest
-
 from model_helpers import PagedSim
+
 from multiserve.model.default_model import default_model_path, find_default_gguf
 from multiserve.model.simple_generate import greedy_token_ids
 

@@ -10,9 +10,9 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
+from gguf_helpers import SPECIALS, write_gguf
 from transformers import AutoTokenizer
 
-from gguf_helpers import SPECIALS, write_gguf
 from multiserve.config import ModelConfig
 from multiserve.model.errors import ModelLoadError
 from multiserve.model.gguf_loader import gguf_name, llama_unpermute

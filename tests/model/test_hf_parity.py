@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 import transformers
-
 from model_helpers import PagedSim
+
 from multiserve.config import ModelConfig, RopeScaling
 from multiserve.model.hf_names import params_to_hf
 from multiserve.model.loader import load_model

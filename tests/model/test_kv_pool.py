@@ -8,8 +8,8 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-
 from model_helpers import TINY_LLAMA, PagedSim
+
 from multiserve.model.kv_pool import kv_bytes_per_token, make_kv_pool
 from multiserve.model.param_layout import init_random_params
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
-
 from model_helpers import TINY_LLAMA
+
 from multiserve.model import safetensors_io
 from multiserve.model.errors import ModelLoadError
 from multiserve.model.hf_loader import save_hf_dir

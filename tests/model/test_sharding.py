@@ -8,8 +8,8 @@ import jax
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
-
 from model_helpers import PagedSim
+
 from multiserve.config import ModelConfig
 from multiserve.model.param_layout import init_random_params
 from multiserve.model.sharding import kv_pool_sharding, make_mesh, param_specs, shard_params

@@ -178,7 +178,7 @@ async def test_async_client_concurrent_chat_stream_n2(served, idle_engine):
             return texts, finish, usage
 
         results = await asyncio.gather(*(one(i) for i in range(4)))
-        for texts, finish, usage in results:
+        for _texts, finish, usage in results:
             assert finish == {0: "length", 1: "length"}
             assert usage.completion_tokens == 16
         # The non-streaming async path gives the same sampled text for the same seed.

@@ -1,0 +1,121 @@
+"""Host side of the sampler: builds a NumPy `SamplingBatch` for one step.
+
+Owns `RowSpec` (what one running sample needs for one step), `PenaltyZeros` /
+`penalty_zeros` (the [R, V] penalty arrays reused while no row has a penalty) and
+`build_sampling_batch`. NumPy only: no device work here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import jax
+import numpy as np
+
+from multiserve.engine.sampling import MAX_BANNED_IDS, SamplingBatch
+from multiserve.types import MAX_TOKEN_IDS_LOGPROB, SamplingParams
+
+
+@dataclass(frozen=True)
+class RowSpec:
+    """What the sampler needs to know about one running sample for one step."""
+
+    params: SamplingParams
+    seed: int  # resolved, in [0, 2**63)
+    sample_index: int
+    position: int  # sequence position of the token being sampled
+    output_ids: Sequence[int]
+    prompt_ids: Sequence[int]
+    ban_ids: tuple[int, ...] = ()  # forbidden this step (eos/stop ids before min_new_tokens)
+
+
+class PenaltyZeros(NamedTuple):
+    """Zero-filled [R, V] penalty arrays reused while no row has a penalty.
+
+    The engine keeps one per (R, device), already on the device
+    (`jax.device_put(penalty_zeros(R, V), device)`), and passes it as `zeros=` so a
+    penalty-free step moves and allocates no [R, V] data."""
+
+    output_counts: np.ndarray | jax.Array  # i32[R, V]
+    prompt_mask: np.ndarray | jax.Array  # bool[R, V]
+
+
+def penalty_zeros(rows: int, vocab: int) -> PenaltyZeros:
+    return PenaltyZeros(np.zeros((rows, vocab), np.int32), np.zeros((rows, vocab), np.bool_))
+
+
+def _has_penalty(p: SamplingParams) -> bool:
+    return (p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+            or p.repetition_penalty != 1.0)
+
+
+def build_sampling_batch(rows: Sequence[RowSpec | None], R: int, vocab: int, *,
+                         max_banned: int = MAX_BANNED_IDS,
+                         zeros: PenaltyZeros | None = None) -> SamplingBatch:
+    """NumPy `SamplingBatch` for `rows` padded to `R` (None = padding row, greedy).
+
+    The [R, V] penalty arrays are filled only when some row has a penalty; otherwise they
+    are `zeros` (returned as given, e.g. cached device arrays) or fresh zeros."""
+    assert len(rows) <= R, (len(rows), R)
+    f32, i32 = np.float32, np.int32
+    temperature = np.zeros(R, f32)
+    top_k = np.zeros(R, i32)
+    top_p = np.ones(R, f32)
+    min_p = np.zeros(R, f32)
+    freq = np.zeros(R, f32)
+    pres = np.zeros(R, f32)
+    rep = np.ones(R, f32)
+    seed_hi = np.zeros(R, np.uint32)
+    seed_lo = np.zeros(R, np.uint32)
+    sample_index = np.zeros(R, i32)
+    position = np.zeros(R, i32)
+    banned = np.full((R, max_banned), -1, i32)
+    top_n = np.zeros(R, i32)
+    lp_ids = np.full((R, MAX_TOKEN_IDS_LOGPROB), -1, i32)
+    any_logprobs = False
+    penalised = [i for i, row in enumerate(rows) if row is not None and _has_penalty(row.params)]
+    if penalised:
+        counts, prompt_mask = penalty_zeros(R, vocab)
+    else:
+        counts, prompt_mask = zeros if zeros is not None else penalty_zeros(R, vocab)
+    assert counts.shape == (R, vocab) and prompt_mask.shape == (R, vocab)
+    for i, row in enumerate(rows):
+        if row is None:
+            continue
+        p = row.params
+        assert 0 <= row.seed < 2**63, row.seed
+        if not p.is_greedy:
+            temperature[i] = p.temperature
+            top_k[i] = p.top_k if 0 < p.top_k < vocab else 0
+            top_p[i] = p.top_p
+            min_p[i] = p.min_p
+        freq[i], pres[i], rep[i] = p.frequency_penalty, p.presence_penalty, p.repetition_penalty
+        seed_hi[i], seed_lo[i] = row.seed >> 32, row.seed & 0xFFFFFFFF
+        sample_index[i], position[i] = row.sample_index, row.position
+        assert len(row.ban_ids) <= max_banned, (len(row.ban_ids), max_banned)
+        banned[i, :len(row.ban_ids)] = row.ban_ids
+        top_n[i] = p.top_logprobs_num
+        if p.token_ids_logprob is not None:
+            lp_ids[i, :len(p.token_ids_logprob)] = p.token_ids_logprob
+        any_logprobs = any_logprobs or p.wants_logprobs
+    for i in penalised:
+        row = rows[i]
+        assert row is not None
+        out = np.asarray(row.output_ids, np.int64)
+        counts[i] = np.bincount(out, minlength=vocab)[:vocab]
+        if row.params.repetition_penalty != 1.0:
+            prompt_mask[i, np.asarray(row.prompt_ids, np.int64)] = True
+    sampled = temperature > 0
+    return SamplingBatch(
+        temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+        frequency_penalty=freq, presence_penalty=pres, repetition_penalty=rep,
+        seed_hi=seed_hi, seed_lo=seed_lo, sample_index=sample_index, position=position,
+        output_counts=counts, prompt_mask=prompt_mask, banned_ids=banned,
+        top_logprobs_num=top_n, logprob_token_ids=lp_ids,
+        any_sampled=np.bool_(sampled.any()),
+        any_penalty=np.bool_(bool(penalised)),
+        any_filter=np.bool_((sampled & ((top_k > 0) | (top_p < 1) | (min_p > 0))).any()),
+        any_logprobs=np.bool_(any_logprobs),
+        any_banned=np.bool_((banned >= 0).any()))
