@@ -9,6 +9,8 @@ Padding rules (the runner and the model rely on them):
 - `logit_rows[b]` is the token row whose logits sequence row b samples from (the last
   token of row b); rows that do not sample point at their own last token and the
   sampled id is ignored.
+- Logits rows after the sequence rows score prompt tokens (prompt logprobs): row
+  `len(batch.rows) + k` holds the logits at position j - 1 of `prompt_rows[k] = (req, j)`.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from multiserve.engine.memory import slots_for
+from multiserve.engine.request import Req
 from multiserve.engine.scheduler import ScheduledBatch
 
 
@@ -31,6 +34,7 @@ class StepArrays:
     page_table: np.ndarray  # [B, max_pages]
     seq_lens: np.ndarray  # [B]
     logit_rows: np.ndarray  # [B]
+    prompt_rows: list[tuple[Req, int]]  # (request, prompt index j) of each extra logits row
 
 
 def pick_bucket(n: int, paddings: tuple[int, ...]) -> int:
@@ -51,6 +55,8 @@ def build_step_arrays(batch: ScheduledBatch, num_tokens: int, num_rows: int, max
     page_table = np.zeros((b_pad, max_pages), np.int32)
     seq_lens = np.zeros(b_pad, np.int32)
     logit_rows = np.zeros(b_pad, np.int32)
+    prompt_rows: list[tuple[Req, int]] = []
+    extra = len(batch.rows)
     t = 0
     for b, row in enumerate(batch.rows):
         req = row.req
@@ -67,6 +73,10 @@ def build_step_arrays(batch: ScheduledBatch, num_tokens: int, num_rows: int, max
         page_table[b, :len(req.pages)] = req.pages
         seq_lens[b] = row.end
         logit_rows[b] = t + n - 1
+        for j in req.prompt_logprob_targets(row.start, row.end):
+            logit_rows[extra] = t + (j - 1 - row.start)
+            prompt_rows.append((req, j))
+            extra += 1
         t += n
     return StepArrays(input_ids, from_prev, positions, token_seq, out_slots, page_table,
-                      seq_lens, logit_rows)
+                      seq_lens, logit_rows, prompt_rows)

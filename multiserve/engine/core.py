@@ -34,6 +34,7 @@ from multiserve.types import (
     ControlResult,
     FinishReason,
     RequestStatus,
+    SamplingParams,
     TokenLogprob,
     WeightSegment,
 )
@@ -114,10 +115,11 @@ class EngineCore:
             self._process(*inflight)
 
     def _launch(self, batch: ScheduledBatch) -> tuple[ScheduledBatch, StepOutput]:
-        t_pad, b_pad = self.runner.bucket_for(batch.num_tokens, len(batch.rows))
+        t_pad, b_pad = self.runner.bucket_for(batch.num_tokens, batch.num_logit_rows)
         arrays = build_step_arrays(batch, t_pad, b_pad, self.max_pages, self.page_size)
+        batch.prompt_rows = arrays.prompt_rows
         specs: list[sampling_host.RowSpec | None] = []
-        wants_lp = False
+        wants_lp = bool(arrays.prompt_rows)
         for row in batch.rows:
             if not row.samples:
                 specs.append(None)
@@ -130,6 +132,12 @@ class EngineCore:
                 params=req.params, seed=req.seed, sample_index=req.index, position=row.end,
                 output_ids=req.output_ids, prompt_ids=req.prompt_ids, ban_ids=ban))
             wants_lp = wants_lp or req.params.wants_logprobs
+        for req, j in arrays.prompt_rows:  # score prompt token j (greedy row, ids ignored)
+            specs.append(sampling_host.RowSpec(
+                params=SamplingParams(temperature=0.0, max_new_tokens=1,
+                                      top_logprobs_num=req.params.top_logprobs_num,
+                                      token_ids_logprob=(req.prompt_ids[j],)),
+                seed=0, sample_index=0, position=j, output_ids=(), prompt_ids=()))
         out = self.runner.run(arrays, self.runner.sampling_batch(specs, b_pad), wants_lp)
         for b, row in enumerate(batch.rows):
             if row.samples:
@@ -151,6 +159,13 @@ class EngineCore:
                   np.asarray(s.selected_logprobs))
         self.last_batch = batch
         now = time.monotonic()
+        for k, (req, j) in enumerate(batch.prompt_rows):
+            if not req.finished and len(req.prompt_logprobs) == j:
+                b = len(batch.rows) + k
+                top = tuple((int(lp[1][b, i]), float(lp[2][b, i]))
+                            for i in range(req.params.top_logprobs_num))
+                req.prompt_logprobs.append(
+                    TokenLogprob(req.prompt_ids[j], float(lp[3][b, 0]), top))
         for b, row in enumerate(batch.rows):
             if not row.samples:
                 continue

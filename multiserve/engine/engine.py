@@ -211,7 +211,9 @@ class Engine(RLEngineMixin):
                 f"({p.max_new_tokens}) exceeds the context length {self.context_len}")
         seed = p.seed if p.seed is not None else self._seed_rng.getrandbits(63)
         reqs = [Req(rid=request.rid, index=i, prompt_ids=ids, params=p, seed=seed,
-                    sink=sink, stream=request.stream) for i in range(p.n)]
+                    sink=sink, stream=request.stream,
+                    want_prompt_logprobs=request.return_prompt_logprobs)
+                for i in range(p.n)]
         for r in reqs[1:]:
             r.leader = reqs[0]
         return reqs

@@ -58,6 +58,9 @@ class Req:
     weight_segments: list[WeightSegment] = field(default_factory=list)
     # row of this Req in the last launched step's sampled ids (valid while pending > 0)
     last_out_row: int = -1
+    # prompt logprobs: entry j is the logprob of prompt token j (entry 0 is None)
+    want_prompt_logprobs: bool = False
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=lambda: [None])
     # n > 1: siblings wait until sample 0 has prefilled the shared prompt
     leader: Req | None = None
     # counters
@@ -88,6 +91,19 @@ class Req:
         """Output tokens including those sampled on device but not yet read."""
         return len(self.output_ids) + self.pending
 
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        return self.want_prompt_logprobs and len(self.prompt_logprobs) < len(self.prompt_ids)
+
+    def prompt_logprob_targets(self, start: int, end: int) -> range:
+        """Prompt indexes j whose logprob comes from this chunk [start, end): the logits
+        at position j - 1 score prompt token j; done ones are skipped."""
+        if not self.needs_prompt_logprobs:
+            return range(0)
+        first = max(start + 1, len(self.prompt_logprobs))
+        last = min(end, len(self.prompt_ids) - 1)
+        return range(first, last + 1)
+
     def wants_more(self) -> bool:
         return not self.finished and self.num_generated < self.params.max_new_tokens
 
@@ -104,5 +120,6 @@ class Req:
             weight_version=weight_version,
             logprobs=tuple(self.output_logprobs) if want_lp else None,
             weight_segments=tuple(self.weight_segments),
+            prompt_logprobs=tuple(self.prompt_logprobs) if self.want_prompt_logprobs else None,
             matched_stop=self.matched_stop,
         )

@@ -115,7 +115,8 @@ class Runner:
                 positions=np.zeros(t, np.int32), token_seq=np.zeros(t, np.int32),
                 out_slots=np.zeros(t, np.int32),
                 page_table=np.zeros((b, max_pages), np.int32),
-                seq_lens=np.zeros(b, np.int32), logit_rows=np.zeros(b, np.int32))
+                seq_lens=np.zeros(b, np.int32), logit_rows=np.zeros(b, np.int32),
+                prompt_rows=[])
             sb = self.sampling_batch([], b)
             out = self.run(arrays, sb, wants_logprobs=False)
             jax.block_until_ready(out.next_ids)

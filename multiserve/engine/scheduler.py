@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from multiserve.config import EngineConfig
 from multiserve.engine.memory import PageAllocator, pages_needed
@@ -37,19 +37,22 @@ class BatchRow:
     samples: bool  # this row's last token produces a sampled token
     from_prev: bool  # the (single) input token is the previous step's device output
 
+    @property
+    def extra_rows(self) -> int:
+        """Logits rows beyond the sequence's own: one per prompt logprob computed."""
+        return len(self.req.prompt_logprob_targets(self.start, self.end))
+
 
 @dataclass
 class ScheduledBatch:
     rows: list[BatchRow]
     num_tokens: int
+    # set at launch: (request, prompt index) scored by each logits row after the rows
+    prompt_rows: list[tuple[Req, int]] = field(default_factory=list)
 
     @property
-    def num_decode(self) -> int:
-        return sum(1 for r in self.rows if r.end - r.start == 1 and r.start >= r.req.prefill_target)
-
-    @property
-    def sampling_rows(self) -> list[BatchRow]:
-        return [r for r in self.rows if r.samples]
+    def num_logit_rows(self) -> int:
+        return len(self.rows) + sum(r.extra_rows for r in self.rows)
 
 
 class Scheduler:
@@ -183,18 +186,20 @@ class Scheduler:
         return rows
 
     def _prefill_rows(self, budget: int, max_new_rows: int) -> list[BatchRow]:
+        """Prefill chunks under the token budget. `max_new_rows` counts logits rows: one
+        per sequence, plus one per prompt position whose logprob is wanted."""
         rows: list[BatchRow] = []
         # 1. continue chunked prefills (already admitted)
         for r in self.running:
             if budget <= 0 or max_new_rows <= 0:
                 return rows
             if r.in_prefill:
-                row = self._chunk_row(r, budget)
+                row = self._chunk_row(r, self._capped(r, budget, max_new_rows))
                 if row is None:
                     return rows
                 rows.append(row)
                 budget -= row.end - row.start
-                max_new_rows -= 1
+                max_new_rows -= 1 + row.extra_rows
         # 2. admit from waiting, in order
         admitted: list[Req] = []
         for req in list(self.waiting):
@@ -206,16 +211,22 @@ class Scheduler:
                 continue  # its last token is still on the device
             if req.leader is not None and not self._leader_ready(req.leader):
                 continue
-            row = self._admit(req, budget)
+            chunk_budget = self._capped(req, budget, max_new_rows)
+            row = self._admit(req, chunk_budget) if chunk_budget > 0 else None
             if row is None:
-                break  # out of KV: keep FIFO order, try again next step
+                break  # out of KV or rows: keep FIFO order, try again next step
             admitted.append(req)
             rows.append(row)
             budget -= row.end - row.start
-            max_new_rows -= 1
+            max_new_rows -= 1 + row.extra_rows
         for req in admitted:
             self.waiting.remove(req)
         return rows
+
+    @staticmethod
+    def _capped(req: Req, budget: int, rows_left: int) -> int:
+        """A chunk that needs prompt logprobs takes one logits row per token."""
+        return min(budget, rows_left - 1) if req.needs_prompt_logprobs else budget
 
     @staticmethod
     def _leader_ready(leader: Req) -> bool:
@@ -224,7 +235,8 @@ class Scheduler:
     def _admit(self, req: Req, budget: int) -> BatchRow | None:
         fill = req.fill_ids
         total = len(fill)
-        hit_pages = self.cache.match(fill, total - 1)
+        # prompt logprobs need the logits of every prompt position: no prefix reuse
+        hit_pages = [] if req.needs_prompt_logprobs else self.cache.match(fill, total - 1)
         hit = len(hit_pages) * self.page_size
         chunk = min(budget, total - hit)
         new_pages = pages_needed(hit + chunk, self.page_size) - len(hit_pages)

@@ -46,6 +46,13 @@ def test_generate_text_ids_batch_logprobs_and_meta(served, idle_engine):
     assert one["text"] == served.tm.decode(one["output_ids"])
     assert [t[1] for t in meta["output_token_logprobs"]] == one["output_ids"]
     assert all(len(t) == 2 and t[0][0] >= t[1][0] for t in meta["output_top_logprobs"])
+    # input (prompt) logprobs from position logprob_start_len on, sglang style
+    scored = h.post("/generate", json={
+        "input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+        "return_logprob": True, "logprob_start_len": 0}).json()["meta_info"]
+    inp = scored["input_token_logprobs"]
+    assert [t[1] for t in inp] == ids and inp[0][0] is None
+    assert all(t[0] is not None and t[0] <= 0 for t in inp[1:])
 
     def stream_lines() -> list[str]:
         with h.stream("POST", "/generate", json={

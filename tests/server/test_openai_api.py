@@ -101,6 +101,13 @@ def test_completions_n2_echo_and_logprobs(client, served, hf_tok, idle_engine):
         assert all(v is not None and v <= 0 for v in lp.token_logprobs[n_prompt:])
         assert all(len(t) == 2 for t in lp.top_logprobs[n_prompt:])
         assert lp.text_offset == sorted(lp.text_offset)
+        # echo + logprobs: the prompt is scored too (its first token has no context)
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert all(v is not None and v <= 0 for v in lp.token_logprobs[1:n_prompt])
+        assert all(len(t) == 2 for t in lp.top_logprobs[1:n_prompt])
+    # the prompt's logprobs do not depend on the sample
+    a, b = (c.logprobs.token_logprobs[:n_prompt] for c in r.choices)
+    assert a == b
 
 
 def test_completions_batch_prompts_and_streaming(client, served, idle_engine):
