@@ -72,6 +72,18 @@ def _peer_model_dir(args: argparse.Namespace) -> str:
                      f"(config.json + safetensors); got {args.model!r}")
 
 
+def _peak_rss_mb() -> float:
+    """Peak RSS of this process (VmHWM where /proc has it, else getrusage)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
 def _strip(run: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in run.items() if k != "output_ids"}
 
@@ -106,7 +118,7 @@ def bench_main(args: argparse.Namespace) -> int:
                                        desc=f"overlap={'off' if primary else 'on'}",
                                        show_progress=show)
         final_state = engine.get_internal_state()
-        peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+        peak_rss_mb = _peak_rss_mb()
         device = f"{engine.devices[0].platform}:{cfg.device_indexes}"
         model_name = engine.model_name
     finally:

@@ -35,6 +35,19 @@ def _percentile(values: list[float], q: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
+def peak_rss_mb() -> float:
+    """This process's own peak RSS. /proc's VmHWM belongs to the current address space
+    (reset by exec); getrusage's ru_maxrss can report the parent's peak after fork+exec."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
 def _left_pad(batch: list[list[int]], pad_id: int) -> tuple[Any, Any]:
     import torch
 
@@ -136,7 +149,7 @@ def run(prompts: list[list[int]], output_len: int, model_dir: str, batch_size: i
         "itl_p50_s": _percentile(itl, 50),
         "itl_p99_s": _percentile(itl, 99),
         "load_s": load_s,
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
+        "peak_rss_mb": peak_rss_mb(),
         "exact_length": all(len(o) == output_len for o in outputs),
         "output_ids": outputs,
     }
