@@ -2,9 +2,10 @@
 
 Owns only data. Invariants: the list never changes between runs (so numbers taken on
 different days compare), every prompt is distinct (so a prefix cache only shares the
-chat template's system preamble, never a whole prompt), and lengths span roughly
-10 to 450 tokens once chat-templated: 24 short, 24 medium, 24 long (the long ones are
-built from the medium passages plus a fixed task, so the text stays in this file).
+chat template's system preamble, never a whole prompt), and lengths span 35 to 529
+tokens once chat-templated with SmolLM2's template (64 prompts: 10352 tokens in all):
+24 short, 24 medium, 24 long (the long ones are the medium requests followed by a fixed
+background passage, one to three times, and a task, so the text stays in this file).
 """
 
 from __future__ import annotations

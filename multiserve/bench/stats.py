@@ -49,7 +49,7 @@ class Timeline:
 
     def gaps(self) -> list[float]:
         out: list[float] = []
-        for (ta, na), (tb, nb) in zip(self.events, self.events[1:]):
+        for (ta, na), (tb, nb) in zip(self.events, self.events[1:], strict=False):
             k = nb - na
             out.extend([(tb - ta) / k] * k)
         return out
@@ -81,10 +81,10 @@ def agreement(a: Sequence[Sequence[int]], b: Sequence[Sequence[int]]) -> dict[st
         return {"identical_fraction": 1.0, "mean_common_prefix": 0.0}
     same = 0
     prefix_total = 0
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=False):
         same += int(list(x) == list(y))
         n = 0
-        for u, v in zip(x, y):
+        for u, v in zip(x, y, strict=False):
             if u != v:
                 break
             n += 1

@@ -129,7 +129,7 @@ def run(prompts: list[list[int]], output_len: int, model_dir: str, batch_size: i
         outputs.extend(new)
         if times:
             ttft.extend([times[0] - t0] * len(batch))
-            steps = [b - a for a, b in zip(times, times[1:])]
+            steps = [b - a for a, b in zip(times, times[1:], strict=False)]
             itl.extend(s for s in steps for _ in batch)
     wall = time.perf_counter() - t0
     total = sum(len(o) for o in outputs)
