@@ -94,6 +94,7 @@ def bench_main(args: argparse.Namespace) -> int:
         raise SystemExit("bench: --num-prompts and --output-len must be >= 1")
     show = not getattr(args, "no_progress", False)
     cfg = _engine_config(args)
+    peer_dir = _peer_model_dir(args) if args.peer != "none" else None  # fail before compiling
 
     from multiserve.bench.ours import run_once
     from multiserve.engine.engine import Engine
@@ -128,7 +129,8 @@ def bench_main(args: argparse.Namespace) -> int:
     if args.peer != "none":
         from multiserve.bench.peer import run_peer
 
-        peer = run_peer(args.peer, prompts, m, _peer_model_dir(args),
+        assert peer_dir is not None
+        peer = run_peer(args.peer, prompts, m, peer_dir,
                         batch_size=getattr(args, "peer_batch_size", 0) or 0,
                         threads=getattr(args, "peer_threads", None), show_progress=show)
 
