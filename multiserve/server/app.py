@@ -24,7 +24,7 @@ from starlette.responses import JSONResponse, Response
 
 from multiserve.server import protocol_native as N
 from multiserve.server.errors import ApiError, bad_request
-from multiserve.server.http_utils import error_json, json_model, parse_body
+from multiserve.server.http_utils import api_error_from, error_json, json_model, parse_body
 from multiserve.server.metrics import CONTENT_TYPE, MetricsMiddleware, ServerMetrics
 from multiserve.server.native_serving import NativeServing
 from multiserve.server.openai_serving import OpenAIServing
@@ -154,6 +154,10 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(EngineUnavailable)
     async def on_unavailable(_: Request, exc: EngineUnavailable) -> Response:
         return error_json(ApiError(503, f"engine unavailable: {exc}", code="engine_unavailable"))
+
+    @app.exception_handler(ValueError)
+    async def on_rejected(_: Request, exc: ValueError) -> Response:
+        return error_json(api_error_from(exc))  # the engine refused the request: 400
 
     @app.exception_handler(ClientDisconnected)
     async def on_disconnect(_: Request, __: ClientDisconnected) -> Response:

@@ -31,7 +31,7 @@ from multiserve.server.http_utils import (
     sse_error,
     sse_response,
 )
-from multiserve.server.run import RequestRun, SampleState, finish_runs, merge_runs
+from multiserve.server.run import RequestRun, SampleState, finish_runs, merge_runs, start_runs
 from multiserve.server.tokenizer import TokenizerManager, score_softmax
 from multiserve.types import (
     EngineClient,
@@ -100,6 +100,7 @@ class NativeServing:
         body = parse_body(N.GenerateRequestBody, await request.body())
         runs, is_batch = self._build(body)
         if body.stream:
+            await start_runs(runs)  # refusals become HTTP errors, not mid-stream events
             return sse_response(self._generate_stream(body, runs))
         await finish_runs(request, runs)
         n = runs[0].request.sampling.n

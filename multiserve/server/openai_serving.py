@@ -31,7 +31,7 @@ from multiserve.server.http_utils import (
     sse_error,
     sse_response,
 )
-from multiserve.server.run import RequestRun, SampleEvent, finish_runs, merge_runs
+from multiserve.server.run import RequestRun, SampleEvent, finish_runs, merge_runs, start_runs
 from multiserve.server.tokenizer import TokenizerManager
 from multiserve.types import EngineClient, GenerateRequest, SamplingParamsError, TokenLogprob
 
@@ -91,6 +91,7 @@ class OpenAIServing:
         ids = self.tm.apply_chat_template(req.messages, req.add_generation_prompt)
         runs = self._runs(req, [ids])
         if req.stream:
+            await start_runs(runs)  # refusals become HTTP errors, not mid-stream events
             return sse_response(self._chat_stream(req, runs[0]))
         await self._finish(request, runs)
         run = runs[0]
@@ -166,6 +167,7 @@ class OpenAIServing:
         echo_lp = req.echo and req.logprobs is not None
         runs = self._runs(req, prompts, echo_logprobs=echo_lp)
         if req.stream:
+            await start_runs(runs)
             return sse_response(self._completion_stream(req, runs, prompts))
         await self._finish(request, runs)
         choices = []

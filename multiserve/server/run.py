@@ -28,7 +28,7 @@ from starlette.requests import Request
 from multiserve.server.detokenizer import IncrementalDetokenizer
 from multiserve.server.http_utils import api_error_from
 from multiserve.server.tokenizer import TokenizerManager
-from multiserve.types import EngineClient, GenerateRequest, TokenLogprob
+from multiserve.types import EngineClient, GenerateRequest, RequestOutput, TokenLogprob
 
 T = TypeVar("T")
 
@@ -81,6 +81,8 @@ class RequestRun:
         self.first_token_at: float | None = None
         self.ended_at: float | None = None
         self._on_done = on_done
+        self._stream: AsyncIterator[RequestOutput] | None = None
+        self._first: RequestOutput | None = None
 
     @property
     def rid(self) -> str:
@@ -94,8 +96,36 @@ class RequestRun:
     def e2e_latency(self) -> float:
         return (self.ended_at or time.monotonic()) - self.started
 
+    async def start(self) -> None:
+        """Submit now and wait for the engine's first output, so that a refusal (engine
+        unavailable or draining, invalid request) raises here, before any HTTP response
+        has begun; once a stream's first byte is out, the engine holds the request."""
+        assert self._stream is None, "a RequestRun starts once"
+        self._stream = self.engine.stream(self.request)
+        try:
+            self._first = await anext(self._stream)
+        except StopAsyncIteration:
+            self._first = None
+        except BaseException:
+            await self._close_stream()
+            raise
+
+    async def _close_stream(self) -> None:
+        with anyio.CancelScope(shield=True):
+            aclose = getattr(self._stream, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+    async def _outputs(self) -> AsyncIterator[RequestOutput]:
+        if self._stream is None:
+            await self.start()
+        if self._first is not None:
+            yield self._first
+        async for out in self._stream:
+            yield out
+
     async def events(self) -> AsyncIterator[SampleEvent]:
-        stream = self.engine.stream(self.request)
+        stream = self._outputs()
         try:
             async for out in stream:
                 if not 0 <= out.index < len(self.samples):
@@ -117,9 +147,9 @@ class RequestRun:
                     break
         finally:
             with anyio.CancelScope(shield=True):
-                aclose = getattr(stream, "aclose", None)
-                if aclose is not None:
-                    await aclose()
+                await stream.aclose()
+            if self._stream is not None:
+                await self._close_stream()
             self.ended_at = time.monotonic()
             for st in self.samples:
                 if not st.done:  # cancelled / engine stream ended early
@@ -157,6 +187,18 @@ class RequestRun:
         return SampleEvent(st.index, text, new_ids, new_lps, st.done,
                            st.finish_reason if st.done else None,
                            st.matched_stop if st.done else None)
+
+
+async def start_runs(runs: list[RequestRun]) -> None:
+    """Start every run (see `RequestRun.start`); if one is refused, the others are closed
+    and the refusal raises."""
+    results = await asyncio.gather(*(r.start() for r in runs), return_exceptions=True)
+    failed = [r for r in results if isinstance(r, BaseException)]
+    if failed:
+        for run in runs:
+            if run._stream is not None:
+                await run._close_stream()
+        raise failed[0]
 
 
 async def merge_runs(runs: list[RequestRun]) -> AsyncIterator[tuple[int, SampleEvent]]:

@@ -227,3 +227,24 @@ def test_health_says_asleep_while_memory_released(served, idle_engine):
     finally:
         eng.resume_memory_occupation(tags=("kv_cache",))
     assert served.http.get("/health").json()["status"] == "ok"
+
+
+def test_refused_streaming_request_gets_an_http_error_not_a_broken_stream(served, idle_engine):
+    """The engine accepts (or refuses) a streaming request before the response starts:
+    a client never sees 200 and then an error event for a request that never ran."""
+    h = served.http
+    served.engine.pause_generation("in_place")  # keeps the first request live
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            live = pool.submit(h.post, "/generate", json={
+                "text": "Hi", "rid": "dup-stream",
+                "sampling_params": {"max_new_tokens": 2, "temperature": 0}})
+            served.wait_state(lambda st: st["waiting_queue_size"] == 1)
+            r = h.post("/generate", json={"text": "Hi", "rid": "dup-stream", "stream": True,
+                                          "sampling_params": {"max_new_tokens": 2}})
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["param"] == "rid"
+            served.engine.continue_generation()
+            assert live.result(timeout=120).status_code == 200
+    finally:
+        served.engine.continue_generation()
