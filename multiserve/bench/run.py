@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import sys
 import time
 from pathlib import Path
@@ -27,6 +26,7 @@ from typing import Any
 
 from multiserve.bench.prompts import bench_prompts
 from multiserve.bench.stats import agreement
+from multiserve.bench.stats import peak_rss_mb as _peak_rss_mb
 
 TARGET_VS_PEER = 2.0
 TARGET_OVERLAP = 1.1
@@ -70,18 +70,6 @@ def _peer_model_dir(args: argparse.Namespace) -> str:
         return str(args.model)
     raise SystemExit("bench: --peer hf needs a Hugging Face model directory "
                      f"(config.json + safetensors); got {args.model!r}")
-
-
-def _peak_rss_mb() -> float:
-    """Peak RSS of this process (VmHWM where /proc has it, else getrusage)."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024.0
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
 def _strip(run: dict[str, Any]) -> dict[str, Any]:

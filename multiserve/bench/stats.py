@@ -8,8 +8,23 @@ agreement between two sets of generated ids.
 
 from __future__ import annotations
 
+import resource
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+
+def peak_rss_mb() -> float:
+    """This process's own peak RSS in MiB. /proc's VmHWM belongs to the current address
+    space (reset by exec); getrusage's ru_maxrss can report the parent's peak after
+    fork+exec, so it is only the fallback."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
 def percentile(values: Sequence[float], q: float) -> float:

@@ -19,33 +19,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import sys
 import time
 from typing import Any
 
-
-def _percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    s = sorted(values)
-    k = (len(s) - 1) * q / 100.0
-    lo = int(k)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
-
-
-def peak_rss_mb() -> float:
-    """This process's own peak RSS. /proc's VmHWM belongs to the current address space
-    (reset by exec); getrusage's ru_maxrss can report the parent's peak after fork+exec."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024.0
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+from multiserve.bench.stats import peak_rss_mb
+from multiserve.bench.stats import percentile as _percentile
 
 
 def _left_pad(batch: list[list[int]], pad_id: int) -> tuple[Any, Any]:
