@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from multiserve.model.forward_batch import ForwardBatch
 
 MASK_VALUE = -1e30  # finite: exp(MASK_VALUE - m) == 0 exactly, never inf - inf
-QUERY_CHUNK = 64  # rows per attention chunk; T is a multiple of it (else one chunk of T)
+QUERY_CHUNK = 16  # rows per attention chunk; T is a multiple of it (else one chunk of T)
 
 
 def _gather_block(k_pool: jax.Array, v_pool: jax.Array, layer: jax.Array, rows: jax.Array,
@@ -105,12 +105,19 @@ def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer: j
     qf = (q.astype(jnp.float32) * scale).reshape(num_tokens, kv_heads, group, head_dim)
     chunk = QUERY_CHUNK if num_tokens % QUERY_CHUNK == 0 else num_tokens
     n = num_tokens // chunk
+    # Rows sorted by position: each chunk loops only over the key blocks its own longest
+    # row needs, so short sequences stop paying for long ones. A row's result does not
+    # depend on its chunk (blocks past its position are exact identity updates).
+    order = jnp.argsort(batch.positions, stable=True)
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(num_tokens, dtype=order.dtype))
 
     def one(args):
         qc, pc, sc = args
         return _chunk_attention(qc, pc, sc, k_pool, v_pool, layer, batch.page_table,
                                 page_size=page_size, block_size=block_size)
 
-    out = jax.lax.map(one, (qf.reshape(n, chunk, kv_heads, group, head_dim),
-                            batch.positions.reshape(n, chunk), batch.token_seq.reshape(n, chunk)))
+    out = jax.lax.map(one, (qf[order].reshape(n, chunk, kv_heads, group, head_dim),
+                            batch.positions[order].reshape(n, chunk),
+                            batch.token_seq[order].reshape(n, chunk)))
+    out = out.reshape(num_tokens, kv_heads, group, head_dim)[inverse]
     return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
