@@ -58,6 +58,10 @@ class PrefixCache:
     def num_referenced_pages(self) -> int:
         return len(self._by_page) - len(self._evictable)
 
+    def num_unreferenced(self, pages: Sequence[int]) -> int:
+        """How many of these cached pages are evictable now (no live holder)."""
+        return sum(1 for p in pages if self._by_page[p].ref == 0)
+
     def match(self, token_ids: Sequence[int], max_tokens: int) -> list[int]:
         """Pages of the longest cached full-page prefix of token_ids[:max_tokens]."""
         pages: list[int] = []

@@ -243,7 +243,7 @@ class Scheduler:
         future = pages_needed(total - hit - chunk, self.page_size)
         reserve = -(-self._reserved_tokens(req) // self.page_size)
         # hit pages that are evictable now stop being evictable once acquired
-        hit_evictable = sum(1 for p in hit_pages if self.cache._by_page[p].ref == 0)
+        hit_evictable = self.cache.num_unreferenced(hit_pages)
         if new_pages + future + reserve > self._free_pages_possible() - hit_evictable:
             if self.running:
                 return None

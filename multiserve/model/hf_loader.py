@@ -155,13 +155,15 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         else cfg.eos_token_ids[0],
     }
     if cfg.rope_scaling is not None:
-        rs = cfg.rope_scaling
-        raw["rope_scaling"] = {"rope_type": "llama3", "factor": rs.factor,
-                               "low_freq_factor": rs.low_freq_factor,
-                               "high_freq_factor": rs.high_freq_factor,
-                               "original_max_position_embeddings":
-                                   rs.original_max_position_embeddings}
+        raw["rope_scaling"] = rope_scaling_to_hf(cfg.rope_scaling)
     return raw
+
+
+def rope_scaling_to_hf(rs: RopeScaling) -> dict[str, Any]:
+    """The config.json `rope_scaling` entry of a llama3-style RopeScaling."""
+    return {"rope_type": "llama3", "factor": rs.factor, "low_freq_factor": rs.low_freq_factor,
+            "high_freq_factor": rs.high_freq_factor,
+            "original_max_position_embeddings": rs.original_max_position_embeddings}
 
 
 def save_hf_dir(path: Path | str, cfg: ModelConfig, params: dict[str, Any],

@@ -15,6 +15,7 @@ import transformers
 from model_helpers import PagedSim
 
 from multiserve.config import ModelConfig, RopeScaling
+from multiserve.model.hf_loader import rope_scaling_to_hf
 from multiserve.model.hf_names import params_to_hf
 from multiserve.model.loader import load_model
 from multiserve.model.param_layout import init_random_params
@@ -52,12 +53,7 @@ def make_hf_model(cfg: ModelConfig, seed: int) -> transformers.PreTrainedModel:
               tie_word_embeddings=cfg.tie_word_embeddings, bos_token_id=cfg.bos_token_id,
               eos_token_id=cfg.eos_token_ids[0])
     if cfg.rope_scaling is not None:
-        rs = cfg.rope_scaling
-        kw["rope_scaling"] = {"rope_type": "llama3", "factor": rs.factor,
-                              "low_freq_factor": rs.low_freq_factor,
-                              "high_freq_factor": rs.high_freq_factor,
-                              "original_max_position_embeddings":
-                                  rs.original_max_position_embeddings}
+        kw["rope_scaling"] = rope_scaling_to_hf(cfg.rope_scaling)
     hf_conf = conf_cls(**kw)
     hf_conf.architectures = [model_cls.__name__]
     model = model_cls(hf_conf).eval()
