@@ -88,10 +88,10 @@ class EngineConfig:
     device memory where the device reports it, else `default_cpu_kv_tokens`.
 
     Shape buckets: every step pads its token count to one of
-    `precompile_token_paddings` and its sequence count to one of
-    `precompile_bs_paddings`. Both minimums are >= 64 on purpose: XLA GEMMs are
-    row-invariant only from ~48 rows up, and row invariance is what makes a token's
-    numerics independent of batch composition (greedy determinism across pauses).
+    `precompile_token_paddings` (one compiled forward each) and its logits-row count to
+    one of `precompile_bs_paddings` (one compiled lm_head + sampler each). The model is
+    row-invariant at every size (model/row_invariant.py, model/attention.py), so small buckets
+    cost no determinism: a lone decode runs a 1-token, 1-row step.
     """
 
     model_path: str | None = None
@@ -104,8 +104,8 @@ class EngineConfig:
     max_running_requests: int = 128
     max_context_len: int | None = 4096
     chunked_prefill_size: int = 512
-    precompile_token_paddings: tuple[int, ...] = (64, 128, 256, 512)
-    precompile_bs_paddings: tuple[int, ...] = (64, 128)
+    precompile_token_paddings: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+    precompile_bs_paddings: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
     attention_block_size: int = 128
     disable_overlap: bool = False
     disable_prefix_cache: bool = False

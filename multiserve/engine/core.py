@@ -115,8 +115,10 @@ class EngineCore:
             self._process(*inflight)
 
     def _launch(self, batch: ScheduledBatch) -> tuple[ScheduledBatch, StepOutput]:
-        t_pad, b_pad = self.runner.bucket_for(batch.num_tokens, batch.num_logit_rows)
-        arrays = build_step_arrays(batch, t_pad, b_pad, self.max_pages, self.page_size)
+        runner = self.runner
+        t_pad, r_pad = runner.bucket_for(batch.num_tokens, batch.num_logit_rows)
+        arrays = build_step_arrays(batch, t_pad, runner.page_table_rows(t_pad), runner.max_rows,
+                                   self.max_pages, self.page_size)
         batch.prompt_rows = arrays.prompt_rows
         specs: list[sampling_host.RowSpec | None] = []
         wants_lp = bool(arrays.prompt_rows)
@@ -138,7 +140,7 @@ class EngineCore:
                                       top_logprobs_num=req.params.top_logprobs_num,
                                       token_ids_logprob=(req.prompt_ids[j],)),
                 seed=0, sample_index=0, position=j, output_ids=(), prompt_ids=()))
-        out = self.runner.run(arrays, self.runner.sampling_batch(specs, b_pad), wants_lp)
+        out = runner.run(arrays, runner.sampling_batch(specs, r_pad), wants_lp, r_pad)
         for b, row in enumerate(batch.rows):
             if row.samples:
                 row.req.last_out_row = b
