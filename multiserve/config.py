@@ -149,9 +149,6 @@ class EngineConfig:
                  "chunked_prefill_size",
                  f"must be <= the largest token padding ({max(self.precompile_token_paddings)})")
         _require(self.chunked_prefill_size >= 1, "chunked_prefill_size", "must be >= 1")
-        _require(min(self.precompile_token_paddings) >= min(self.precompile_bs_paddings),
-                 "precompile_token_paddings",
-                 "smallest token padding must be >= the smallest bs padding")
         _require(self.attention_block_size % self.page_size == 0
                  or self.page_size % self.attention_block_size == 0,
                  "attention_block_size", "must be a multiple or divisor of page_size")
