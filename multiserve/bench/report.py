@@ -42,10 +42,11 @@ def ratio(a: Any, b: Any) -> float | None:
 
 
 def comparison_table(ours: dict[str, Any], peer: dict[str, Any], peer_name: str,
-                     agreement: dict[str, float], output_len: int) -> list[str]:
+                     agreement: dict[str, float], num_prompts: int, output_len: int
+                     ) -> list[str]:
     """Ours vs a peer, figure by figure, with ours / peer (tok/s: higher is better;
     latencies: lower is better)."""
-    rows = [("tokens/s (higher is better)", "tokens_per_s", 1.0, 1),
+    rows = [("tokens/s", "tokens_per_s", 1.0, 1),
             ("TTFT p50 ms", "ttft_p50_s", MS, 0), ("TTFT p99 ms", "ttft_p99_s", MS, 0),
             ("ITL p50 ms", "itl_p50_s", MS, 1), ("ITL p99 ms", "itl_p99_s", MS, 1),
             ("wall s", "wall_s", 1.0, 2)]
@@ -56,9 +57,10 @@ def comparison_table(ours: dict[str, Any], peer: dict[str, Any], peer_name: str,
         out.append(f"{label:<40}{_num(ours.get(key), scale, 10, digits)}"
                    f"{_num(peer.get(key), scale, 10, digits)}"
                    f"{'-' if r is None else f'{r:.2f}x':>11}")
+    out.append("(ours/peer: above 1 is better for tokens/s, below 1 for times)")
     out.append(f"greedy outputs identical: {agreement['identical_fraction']:.0%} of "
-               f"{len(ours.get('output_ids', [])) or ours.get('num_prompts', '?')}; mean "
-               f"common prefix {agreement['mean_common_prefix']:.1f} of {output_len} tokens")
+               f"{num_prompts}; mean common prefix {agreement['mean_common_prefix']:.1f} "
+               f"of {output_len} tokens")
     return out
 
 
@@ -84,7 +86,7 @@ def _peer_lines(res: dict[str, Any]) -> list[str]:
            + f"   batch {peer['batch_size']}, {peer['threads']} threads, "
              f"RSS {peer['peak_rss_mb']:.0f} MiB, load {peer.get('load_s', 0):.0f} s", ""]
     out += comparison_table(res["ours"], peer, peer["peer"], res["peer_agreement"],
-                            int(res["output_len"]))
+                            int(res["num_prompts"]), int(res["output_len"]))
     return out
 
 

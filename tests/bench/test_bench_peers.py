@@ -70,7 +70,7 @@ def _figures(tps: float, ttft: float, itl: float) -> dict[str, Any]:
 def test_comparison_table() -> None:
     ours, peer = _figures(200.0, 0.1, 0.02), _figures(100.0, 0.2, float("nan"))
     lines = comparison_table(ours, peer, "vllm",
-                             {"identical_fraction": 0.5, "mean_common_prefix": 2.5}, 3)
+                             {"identical_fraction": 0.5, "mean_common_prefix": 2.5}, 2, 3)
     text = "\n".join(lines)
     assert "ours vs vllm" in lines[0] and "ours/peer" in lines[0]
     tps = next(ln for ln in lines if ln.startswith("tokens/s"))
