@@ -109,6 +109,12 @@ class Runner:
         if value is not None:
             self._compute = with_transposed(value, self.model_cfg)
 
+    @property
+    def compute_params(self) -> Any:
+        """The params the step runs on: `params` plus their transposed copies (None while
+        released). Every device array holding weights is a leaf of this pytree."""
+        return self._compute
+
     # ---- the traced step -----------------------------------------------------------
     def _forward_impl(self, params: Any, kv: KVPool, prev_ids: jax.Array, arrays: dict
                       ) -> tuple[jax.Array, jax.Array, jax.Array, KVPool]:
