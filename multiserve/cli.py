@@ -83,15 +83,27 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="offline throughput on the default model")
     b.add_argument("--num-prompts", type=int, default=64)
-    b.add_argument("--output-len", type=int, default=128)
-    b.add_argument("--peer", choices=["none", "hf"], default="none")
+    b.add_argument("--output-len", type=int, default=None,
+                   help="output tokens per prompt (default 128; 64 with --single-stream "
+                        "or --fleet)")
+    b.add_argument("--single-stream", action="store_true",
+                   help="one prompt streamed: TTFT and tok/s (1 x --output-len)")
+    b.add_argument("--fleet", action="store_true",
+                   help="the fleet (--config, default configs/cpu-4.toml), one streaming "
+                        "HTTP client per engine port, vs one engine with the same requests")
+    b.add_argument("--config", default=None, help="with --fleet: the fleet config TOML")
+    b.add_argument("--peer", choices=["none", "hf", "vllm", "llamacpp"], default="none",
+                   help="compare with a peer run in its own env (scripts/peer-envs.sh)")
+    b.add_argument("--peer-model", default=None,
+                   help="the peer's model (HF dir; .gguf for llamacpp); default: ours")
     b.add_argument("--no-overlap", action="store_true")
     b.add_argument("--ab-overlap", action="store_true", help="run overlap on AND off")
     b.add_argument("--model", default=None)
     b.add_argument("--max-running", type=int, default=None)
     b.add_argument("--peer-batch-size", type=int, default=0,
                    help="peer generate batch size (0: all prompts in one batch)")
-    b.add_argument("--peer-threads", type=int, default=None, help="peer torch threads")
+    b.add_argument("--peer-threads", type=int, default=None,
+                   help="peer threads (default: all cores)")
     b.add_argument("--no-progress", action="store_true", help="no progress bars")
     b.add_argument("--token-paddings", type=int, nargs="+", default=None,
                    help="engine precompile_token_paddings (default: EngineConfig's)")

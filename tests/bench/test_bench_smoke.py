@@ -20,7 +20,8 @@ def test_prompt_list_is_fixed_varied_and_distinct() -> None:
     first = bench_prompts(64)
     assert first == bench_prompts(64)  # deterministic
     words = sorted(len(p.split()) for p in first)
-    assert words[0] < 10 and words[-1] > 300  # short and long prompts both present
+    assert words[0] == 8 and 100 < words[-1] <= 120  # issue 11's set: 8-120 words
+    assert all(8 <= len(p.split()) <= 120 for p in BENCH_PROMPTS)
 
 
 def test_stats_arithmetic() -> None:
