@@ -49,6 +49,9 @@ def _fleet_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default=None)
     p.add_argument("--model", default=None, help="HF model dir or .gguf (default: SmolLM2)")
     p.add_argument("--shutdown-mode", choices=["drain", "abort"], default="abort")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every engine and supervisor "
+                        "endpoint (default: $MULTISERVE_API_KEY; none: open, loopback only)")
 
 
 def build_parser() -> argparse.ArgumentParser:
