@@ -1,4 +1,4 @@
-"""`multiserve serve | validate | generate | bench` — the command line.
+"""`multiserve serve | validate | generate | bench | fuzz | chaos` — the command line.
 
 Thin: parses arguments and hands over to fleet/launch.py, the model's simple generate
 loop, or the benchmark. Heavy imports happen inside each command so `--help` is fast
@@ -37,6 +37,12 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     from multiserve.bench.run import bench_main
 
     return bench_main(args)
+
+
+def _cmd_fuzz(args: argparse.Namespace) -> int:
+    from multiserve.reliability.fuzz_run import fuzz_main
+
+    return fuzz_main(args)
 
 
 def _fleet_args(p: argparse.ArgumentParser) -> None:
@@ -103,6 +109,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--chunked-prefill-size", type=int, default=None)
     b.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size in tokens")
     b.set_defaults(func=_cmd_bench)
+    f = sub.add_parser("fuzz", help="schema-fuzz the engine and supervisor apps of a tiny "
+                       "fleet on loopback (needs the test extra: schemathesis)")
+    f.add_argument("--cases", type=int, default=1000, help="cases per app")
+    f.add_argument("--seed", type=int, default=0)
+    f.add_argument("--engines", type=int, default=1)
+    f.set_defaults(func=_cmd_fuzz)
     return parser
 
 

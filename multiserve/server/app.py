@@ -24,7 +24,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from multiserve.server import protocol_native as N
-from multiserve.server.errors import ApiError, bad_request, overloaded
+from multiserve.server.api_schema import document_engine_app
+from multiserve.server.errors import ApiError, bad_request, overloaded, with_error
 from multiserve.server.http_utils import api_error_from, error_json, json_model, parse_body
 from multiserve.server.metrics import CONTENT_TYPE, MetricsMiddleware, ServerMetrics
 from multiserve.server.native_serving import NativeServing
@@ -145,9 +146,12 @@ def build_app(engine: EngineClient, tokenizer: TokenizerManager, *,
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> Response:
         result = await engine.async_flush_cache()
-        return JSONResponse(result.to_dict(), status_code=200 if result.ok else 400)
+        status = 200 if result.ok else 400
+        return JSONResponse(with_error(result.to_dict(), status), status_code=status)
 
     _install_error_handlers(app)
+    # the OpenAPI document declares every body and answer
+    document_engine_app(app, engine.model_name, len(tokenizer.tokenizer))
     known = frozenset(r.path for r in app.routes if hasattr(r, "path"))
     app.add_middleware(MetricsMiddleware, metrics=metrics, known_paths=known)
     return app

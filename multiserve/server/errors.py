@@ -49,6 +49,20 @@ def _default_type(status: int) -> str:
     return "BadRequestError"
 
 
+def with_error(body: dict[str, Any], status: int, code: str = "refused") -> dict[str, Any]:
+    """A control answer (`success`, `message`, details) that failed with `status` >= 400
+    gets the OpenAI `error` object too, so every 4xx/5xx body has one; the sglang-style
+    fields stay as they are, except a detail string under `error`, which moves to
+    `error.detail`."""
+    if status < 400 or isinstance(body.get("error"), dict):
+        return body
+    message = str(body.get("message") or f"request failed with status {status}")
+    error = ApiError(status, message, code=code).body()["error"]
+    if "error" in body:  # a detail string under the same key: kept inside the object
+        error["detail"] = body["error"]
+    return {**body, "error": error}
+
+
 def overloaded(exc: EngineOverloaded) -> ApiError:
     """The engine's admission refusal: 429/503 naming the bound, with Retry-After."""
     return ApiError(exc.status, str(exc), code=exc.reason,
