@@ -45,6 +45,12 @@ def _cmd_fuzz(args: argparse.Namespace) -> int:
     return fuzz_main(args)
 
 
+def _cmd_chaos(args: argparse.Namespace) -> int:
+    from multiserve.reliability.chaos_run import chaos_main
+
+    return chaos_main(args)
+
+
 def _fleet_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=None,
                    help="fleet config TOML (default: configs/cpu-4.toml semantics)")
@@ -115,6 +121,15 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--seed", type=int, default=0)
     f.add_argument("--engines", type=int, default=1)
     f.set_defaults(func=_cmd_fuzz)
+
+    c = sub.add_parser("chaos", help="4 tiny engines on CPU virtual devices under random "
+                       "load and random operations (loopback only), then checks")
+    c.add_argument("--minutes", type=float, default=10.0)
+    c.add_argument("--clients", type=int, default=16)
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--max-requests", type=int, default=100_000)
+    c.add_argument("--max-ops", type=int, default=10_000)
+    c.set_defaults(func=_cmd_chaos)
     return parser
 
 
