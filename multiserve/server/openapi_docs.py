@@ -16,6 +16,7 @@ lazily, after every route was added (so routes added after `build_app` count too
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -108,12 +109,15 @@ def document(app: FastAPI, bodies: Mapping[Key, type[BaseModel]],
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is not None:
             return app.openapi_schema
-        doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        with warnings.catch_warnings():  # a GET+POST route repeats its operation id:
+            warnings.filterwarnings("ignore", "Duplicate Operation ID")  # unique ones below
+            doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
         components: dict[str, Any] = doc.setdefault("components", {}).setdefault(
             "schemas", {})
         for path, item in doc.get("paths", {}).items():
             for method, op in item.items():
                 key = (method.upper(), path)
+                op["operationId"] = f"{method}{path}".replace("/", "_")
                 if key in bodies:
                     op["requestBody"] = {"required": key not in optional_bodies,
                                          "content": {JSON: {"schema": _schema(
