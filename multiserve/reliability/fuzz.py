@@ -28,6 +28,7 @@ import httpx
 
 CASE_TIMEOUT_S = 60.0
 RESTART_CASES = 4  # /restart_engine rebuilds an engine: a few cases are enough
+MAX_ROUNDS = 6
 RESTORING = ("/pause_generation", "/release_memory_occupation", "/stage_weights_from_disk",
              "/update_weights_from_disk", "/restart_engine")
 
@@ -151,7 +152,6 @@ def fuzz_server(name: str, url: str, cases: int, *, seed: int = 0,
     schema = schemathesis.openapi.from_url(f"{url}/openapi.json", headers=headers or {})
     ops = [r.ok() for r in schema.get_all_operations()]
     modes = (schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE)
-    per = max(2, -(-cases // (len(ops) * len(modes))))
     checks = [status_code_conformance, content_type_conformance, response_schema_conformance]
     http = httpx.Client(base_url=url, headers=headers, timeout=case_timeout)
 
@@ -183,29 +183,46 @@ def fuzz_server(name: str, url: str, cases: int, *, seed: int = 0,
             first = _first_failure(e)
             report.findings[f"{label} {resp.status_code}: {first[:140]}"] += 1
 
-    for i, op in enumerate(ops):
-        n = min(per, RESTART_CASES) if op.path == "/restart_engine" else per
-        for j, mode in enumerate(modes):
-            @hypothesis.seed(seed * 1000 + i * 2 + j)
-            @hypothesis.settings(max_examples=n, deadline=None, database=None,
-                                 phases=[Phase.generate],
-                                 suppress_health_check=list(HealthCheck),
-                                 verbosity=hypothesis.Verbosity.quiet)
-            @hypothesis.given(op.as_strategy(generation_mode=mode))
-            def run(case: Any) -> None:
-                try:
-                    one(case)
-                except Exception as e:  # noqa: BLE001 - the harness's own failure
-                    report.violations.append(f"harness error on {case.method} {case.path}: "
-                                             f"{type(e).__name__}: {e}")
+    def fuzz(op: Any, mode: Any, n: int, case_seed: int) -> int:
+        """Up to n cases of `op` in `mode`; returns how many were sent."""
+        before = report.cases
 
+        @hypothesis.seed(case_seed)
+        @hypothesis.settings(max_examples=n, deadline=None, database=None,
+                             phases=[Phase.generate], suppress_health_check=list(HealthCheck),
+                             verbosity=hypothesis.Verbosity.quiet)
+        @hypothesis.given(op.as_strategy(generation_mode=mode))
+        def run(case: Any) -> None:
             try:
-                run()
-            except hypothesis.errors.Unsatisfiable:
-                continue  # no invalid input exists (e.g. a GET without parameters)
-            except Exception as e:  # noqa: BLE001 - reported
-                report.findings[f"{op.method.upper()} {op.path} {mode.value}: "
-                                f"{type(e).__name__}: {str(e)[:100]}"] += 1
+                one(case)
+            except Exception as e:  # noqa: BLE001 - the harness's own failure
+                report.violations.append(f"harness error on {case.method} {case.path}: "
+                                         f"{type(e).__name__}: {e}")
+
+        try:
+            run()
+        except hypothesis.errors.Unsatisfiable:
+            pass  # no invalid input exists (e.g. a GET without parameters)
+        except Exception as e:  # noqa: BLE001 - reported
+            report.findings[f"{op.method.upper()} {op.path} {mode.value}: "
+                            f"{type(e).__name__}: {str(e)[:100]}"] += 1
+        return report.cases - before
+
+    # Rounds: operations whose inputs ran out (a GET without parameters has one case)
+    # leave their share to the others, until `cases` were sent or nothing is left.
+    active = [(op, mode) for op in ops for mode in modes]
+    for rnd in range(MAX_ROUNDS):
+        if report.cases >= cases or not active:
+            break
+        per = max(2, -(-(cases - report.cases) // len(active)))
+        still = []
+        for k, (op, mode) in enumerate(active):
+            n = min(per, RESTART_CASES) if op.path == "/restart_engine" else per
+            if rnd and op.path == "/restart_engine":
+                continue  # restarts are slow: one round of them is enough
+            if fuzz(op, mode, n, seed * 100_003 + rnd * 1009 + k) >= n:
+                still.append((op, mode))
+        active = still
     http.close()
     report.seconds = time.monotonic() - t0
     return report
