@@ -24,6 +24,7 @@ import numpy as np
 
 from multiserve.config import EngineConfig, ModelConfig
 from multiserve.engine import sampling_host
+from multiserve.engine.admission import AdmissionLimits, check_admission
 from multiserve.engine.batch_arrays import build_step_arrays
 from multiserve.engine.memory import PageAllocator
 from multiserve.engine.prefix_cache import PrefixCache
@@ -72,6 +73,7 @@ class EngineCore:
         self.forward_ct_decode = 0
         self.overlap = not cfg.disable_overlap
         self.initial_available = self.scheduler.available_kv_tokens()
+        self.admission = AdmissionLimits.from_config(cfg, self.initial_available)
         self.fault: str | None = None  # test-only: the next step raises this
         # memory_release.py: device buffers released ("weights", "kv_cache"); never steps
         self.released_tags: frozenset[str] = frozenset()
@@ -81,6 +83,7 @@ class EngineCore:
         for req in reqs:
             if req.key in self.reqs:
                 raise ValueError(f"rid: a live request already uses rid {req.rid!r}")
+        check_admission(self.scheduler.waiting, reqs, self.admission)  # or EngineOverloaded
         for req in reqs:
             self.reqs[req.key] = req
             if req.params.max_new_tokens == 0:
@@ -337,6 +340,8 @@ class EngineCore:
             "page_size": self.page_size,
             "max_total_tokens": self.allocator.num_usable * self.page_size,
             "max_context_len": self.max_context,
+            "max_queued_requests": self.admission.max_queued_requests,
+            "max_queued_tokens": self.admission.max_queued_tokens,
             "overlap": self.overlap,
             "prefix_cache_hit_tokens": self.cache.hit_tokens,
         }

@@ -71,7 +71,7 @@ def add_rl_supervisor_routes(app: FastAPI, engines: Sequence[EngineClient] | Non
         if (body.path is None) == (body.model_path is None):
             return json_response(400, {"success": False, "message":
                                        "give exactly one of 'path' or 'model_path'"})
-        path: str = body.path or body.model_path  # type: ignore[assignment]
+        path = body.dir()  # "" is a path (the engines refuse it), not a missing one
         status, out = await two_phase_update(sup, path, body.weight_version,
                                              body.abort_running)
         return json_response(status, out)
