@@ -20,6 +20,11 @@ from typing import Any, Literal, Protocol, runtime_checkable
 FinishReason = Literal["stop", "length", "abort"]
 PauseMode = Literal["abort", "retract", "in_place"]
 PAUSE_MODES: tuple[str, ...] = ("abort", "retract", "in_place")
+# Why an engine is paused (it steps only while it has none): the user's pause_generation,
+# a staged weight update waiting for publish/discard, device memory released. Each is
+# added and removed by its own owner only (engine/core.py).
+PauseReason = Literal["user", "weights_staged", "memory_released"]
+PAUSE_REASONS: tuple[str, ...] = ("user", "weights_staged", "memory_released")
 
 # Upper bounds the jitted sampler is compiled for (fixed shapes: no recompiles).
 MAX_TOP_LOGPROBS = 20

@@ -10,7 +10,12 @@ Invariants:
   device work of this engine is pending: every control operation that needs
   quiescence (pause, flush, weight updates, memory release) drains first.
 - Every Req reaches exactly one final output (finished=True) through its sink.
-- While `paused`, `step()` is never called (the loop sleeps on its queue).
+- Pause state is a set of reasons (types.PAUSE_REASONS), owned here: "user" is set and
+  cleared only by `pause()` / `resume()`; every other reason only by the subsystem that
+  holds the engine (`hold()` / `release_hold()`: weight staging, memory release). The
+  engine is paused iff the set is non-empty; while it is, `step()` is never called (the
+  loop sleeps on its queue). A user pause takes effect (its mode applies) whether or not
+  a hold is active, and no hold's end clears it.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from multiserve.engine.scheduler import ScheduledBatch, Scheduler
 from multiserve.types import (
     ControlResult,
     FinishReason,
+    PauseReason,
     RequestStatus,
     SamplingParams,
     TokenLogprob,
@@ -67,7 +73,7 @@ class EngineCore:
         self.reqs: dict[tuple[str, int], Req] = {}
         self.in_flight: tuple[ScheduledBatch, StepOutput] | None = None
         self.last_batch: ScheduledBatch | None = None
-        self.paused = False
+        self._pause_reasons: set[PauseReason] = set()
         self.weight_version = cfg.weight_version
         self.forward_ct = 0
         self.forward_ct_decode = 0
@@ -92,13 +98,12 @@ class EngineCore:
                 self.scheduler.add(req)
 
     def has_work(self) -> bool:
-        return self.in_flight is not None or (not self.paused and not self.released_tags
-                                              and self.scheduler.has_work())
+        return self.in_flight is not None or (not self.paused and self.scheduler.has_work())
 
     # ---- stepping ------------------------------------------------------------------
     def step(self) -> None:
         """Launch the next step (if any), then read the previous one (overlap)."""
-        assert not self.paused
+        assert not self._pause_reasons, self._pause_reasons
         if self.fault is not None:
             msg, self.fault = self.fault, None
             raise RuntimeError(msg)
@@ -257,11 +262,38 @@ class EngineCore:
                              {"aborted": len(targets),
                               "rids": sorted({r.rid for r in targets})})
 
-    def pause(self, mode: str) -> ControlResult:
-        if self.paused:
-            return ControlResult(True, "already paused (no-op)",
-                                 {"already_paused": True, "mode": mode})
+    # ---- pause state: a set of reasons (see the module docstring) -------------------------
+    @property
+    def paused(self) -> bool:
+        return bool(self._pause_reasons)
+
+    @property
+    def pause_reasons(self) -> list[PauseReason]:
+        return sorted(self._pause_reasons)
+
+    def hold(self, reason: PauseReason, mode: str | None = None) -> dict[str, Any] | None:
+        """A subsystem holds the engine still: drain, then add `reason`. With `mode`, and
+        only if the engine was running (no reason set), first apply that pause mode to the
+        requests (what a memory release does); returns its details, else None."""
+        assert reason != "user", "the user's pause is pause()/resume()"
         self.drain()
+        applied = self._apply_mode(mode) if mode is not None and not self.paused else None
+        self._pause_reasons.add(reason)
+        return applied
+
+    def release_hold(self, reason: PauseReason) -> bool:
+        """Remove `reason` (its owner's hold ends). True iff it was set and no reason is
+        left: the engine runs again now."""
+        assert reason != "user", "the user's pause is pause()/resume()"
+        if reason not in self._pause_reasons:
+            return False
+        self._pause_reasons.discard(reason)
+        return not self._pause_reasons
+
+    def _apply_mode(self, mode: str) -> dict[str, Any]:
+        """What a pause does to the requests (the caller drained): abort ends them all,
+        retract moves the running ones (KV freed) to the front of waiting, in_place
+        moves nothing."""
         details: dict[str, Any] = {"mode": mode}
         if mode == "abort":
             details["aborted"] = self.abort(None, abort_all=True).details.get("aborted", 0)
@@ -271,18 +303,38 @@ class EngineCore:
             self.scheduler.retract(running)
             details["retracted"] = len(running)
             details["freed_kv_tokens"] = self.scheduler.available_kv_tokens() - before
-        self.paused = True
+        return details
+
+    def pause(self, mode: str) -> ControlResult:
+        """The user's pause: takes effect even while a hold is active (its mode applies)."""
+        if "user" in self._pause_reasons:
+            return ControlResult(True, "already paused (no-op)",
+                                 {"already_paused": True, "mode": mode,
+                                  "pause_reasons": self.pause_reasons})
+        self.drain()
+        details = self._apply_mode(mode)
+        self._pause_reasons.add("user")
+        details["pause_reasons"] = self.pause_reasons
         return ControlResult(True, f"paused ({mode})", details)
 
     def resume(self) -> ControlResult:
-        if not self.paused:
-            return ControlResult(True, "not paused (no-op)", {"already_running": True})
-        self.paused = False
-        if self.released_tags:
+        """Clear the user's pause only; a hold still active keeps the engine paused."""
+        had_user = "user" in self._pause_reasons
+        self._pause_reasons.discard("user")
+        left = self.pause_reasons
+        if not had_user and not left:
+            return ControlResult(True, "not paused (no-op)",
+                                 {"already_running": True, "pause_reasons": left})
+        if "memory_released" in left:
             return ControlResult(True, "continued; memory is released: generation starts "
                                  "after resume_memory_occupation",
-                                 {"memory_released": sorted(self.released_tags)})
-        return ControlResult(True, "continued", {})
+                                 {"memory_released": sorted(self.released_tags),
+                                  "pause_reasons": left})
+        if "weights_staged" in left:
+            return ControlResult(True, "continued; weights are staged: generation starts "
+                                 "after publish_staged_weights or discard_staged_weights",
+                                 {"pause_reasons": left})
+        return ControlResult(True, "continued", {"pause_reasons": left})
 
     def flush(self) -> ControlResult:
         self.drain()
@@ -316,6 +368,7 @@ class EngineCore:
         s = self.scheduler
         return {
             "engine_paused": self.paused,
+            "pause_reasons": self.pause_reasons,
             "waiting_queue_size": len(s.waiting),
             "running_batch_size": len(s.running),
             "running_rids": [f"{r.rid}" if r.params.n == 1 else f"{r.rid}#{r.index}"

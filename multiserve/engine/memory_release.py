@@ -2,17 +2,17 @@
 the same chips), then take them again, without losing a request.
 
 Owns `MemoryManager` (one per Engine): the host copy of released weights, the host copy
-of preserved K/V pages, and whether the release paused the engine. Runs on the engine
+of preserved K/V pages, and the "memory_released" pause reason. Runs on the engine
 thread only (commands between steps).
 
 Tags: "weights" (the params) and "kv_cache" (the KV pool plus the engine's small step
 buffers: the last sampled ids and the zero penalty arrays).
 
 Invariants:
-- Release first pauses the engine if it runs (mode as given, default retract) and
-  drains: no step is in flight while a buffer is freed. While any tag is released the
-  engine never steps (`EngineCore.has_work` is false), so no freed buffer is touched;
-  new requests are accepted and wait.
+- Release first holds the engine (pause reason "memory_released"; the mode as given,
+  default retract, applies iff the engine was running) and drains: no step is in flight
+  while a buffer is freed. While any tag is released the hold stays, so the engine never
+  steps and no freed buffer is touched; new requests are accepted and wait.
 - After releasing both tags, none of the engine's arrays is alive on its devices
   (freed buffers are deleted explicitly, not left to the garbage collector).
 - Releasing "kv_cache" keeps every request: without `preserve_state`, requests holding
@@ -21,10 +21,11 @@ Invariants:
   host and written back, bit for bit, at the same page ids on resume (no allocation
   happens while released), so they continue exactly as if never interrupted; cached
   pages nobody holds are dropped.
-- Releasing "weights" also frees a staged, unpublished weight update (weights.py); its
-  hold on the engine becomes the release's pause.
-- Resume restores weights before K/V. Generation continues when everything is resident
-  again iff the release paused it. Release/resume of an already released/resident tag
+- Releasing "weights" also frees a staged, unpublished weight update (weights.py) and
+  ends its hold (the release's hold remains).
+- Resume restores weights before K/V. Once everything is resident again the release's
+  hold ends; generation continues iff no other reason (a user pause, a staged update)
+  holds the engine. Release/resume of an already released/resident tag
   is a no-op that says so. Host copies are dropped as soon as they are uploaded.
 """
 
@@ -79,7 +80,6 @@ class MemoryManager:
         self.kv_sharding = kv_pool_sharding(core.model_cfg, core.runner.mesh)
         self.host_params: Any = None
         self.preserved: _PreservedKV | None = None
-        self.paused_by_release = False
 
     @property
     def host_bytes(self) -> int:
@@ -96,15 +96,13 @@ class MemoryManager:
                 "released": [], "memory_released": sorted(core.released_tags),
                 "already_released": True})
         details: dict[str, Any] = {"released": newly}
-        if not core.paused:
-            details["pause"] = core.pause(mode).details
-            self.paused_by_release = True
+        applied = core.hold("memory_released", mode)  # the mode applies iff it was running
+        if applied is not None:
+            details["pause"] = applied
         if "kv_cache" in newly:
             details.update(self._release_kv(preserve_state))
         if "weights" in newly:
-            dropped, held = self.weights.drop_staged()
-            details["discarded_staged_weights"] = dropped
-            self.paused_by_release = self.paused_by_release or held
+            details["discarded_staged_weights"] = self.weights.drop_staged()
             runner = core.runner
             leaves = jax.tree.leaves(runner.params)
             self.host_params = jax.tree.map(lambda a: np.array(a, copy=True), runner.params)
@@ -178,12 +176,8 @@ class MemoryManager:
             runner.kv = kv
             runner.reset_prev_ids()
             core.released_tags = core.released_tags - {"kv_cache"}
-        continued = False
-        if not core.released_tags and self.paused_by_release:
-            self.paused_by_release = False
-            continued = core.paused
-            core.paused = False
-        details["continued"] = continued
+        # the release's hold ends once everything is resident; other reasons stay
+        details["continued"] = not core.released_tags and core.release_hold("memory_released")
         details["memory_released"] = sorted(core.released_tags)
         asleep = "; still asleep" if core.released_tags else ""
         return ControlResult(True, f"resumed {todo}{asleep}", details)

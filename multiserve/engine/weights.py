@@ -89,7 +89,7 @@ class WeightManager:
             assert leaf.sharding == get_leaf(self.shardings, path), path
         self._lock = threading.Lock()
         self._staged: StagedWeights | None = None
-        self._held: str | None = None  # token whose staging paused the engine
+        self._held: str | None = None  # token of the staging that holds the engine
         self._token: str | None = None  # the latest begin(); staging for another is stale
         self._stale: dict[tuple[str, int], tuple[Req, int]] = {}
         self.cache_enabled_by_config = core.cache.enabled
@@ -116,11 +116,8 @@ class WeightManager:
             if self._staged is not None:
                 self._staged.delete()
                 self._staged = None
-            if self._held is None and not core.paused:
-                core.paused = True  # nothing is running (or it is aborted at publish)
-                self._held = token
-            elif self._held is not None:
-                self._held = token
+            self._held = token
+        core.hold("weights_staged")  # nothing runs (or it is aborted at publish)
         return ControlResult(True, "ready to stage", {"token": token})
 
     # ---- caller thread: validate + stage ---------------------------------------------------
@@ -239,26 +236,24 @@ class WeightManager:
         if self._held == token and (self._staged is None or self._staged.token != token):
             self._release_hold()
 
-    def drop_staged(self) -> tuple[bool, bool]:
+    def drop_staged(self) -> bool:
         """Memory release of the weights: free the staged device copy (its token becomes
-        invalid) and end begin()'s hold without unpausing. Returns (dropped, was held):
-        the caller (the release) then owns that pause."""
+        invalid) and end begin()'s hold (the release holds the engine by then). Returns
+        whether a staged copy was dropped."""
         with self._lock:
             staged, self._staged = self._staged, None
-            held, self._held = self._held is not None, None
             self._token = None
+        self._release_hold()
         if staged is not None:
             staged.delete()
-        return staged is not None, held
+        return staged is not None
 
     def _release_hold(self) -> bool:
+        """End begin()'s hold; True iff the engine runs again now."""
         if self._held is None:
             return False
         self._held = None
-        if self.core.paused:
-            self.core.paused = False
-            return True
-        return False
+        return self.core.release_hold("weights_staged")
 
     @property
     def staged_version(self) -> str | None:

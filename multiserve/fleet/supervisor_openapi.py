@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict
 
 from multiserve.fleet import supervisor as S
 from multiserve.server import rl_routes as R
+from multiserve.server.api_schema import ENGINE_STATE_SCHEMA
 from multiserve.server.openapi_docs import Answer, Key, document
 
 
@@ -26,6 +27,15 @@ class FleetAnswer(BaseModel):
     message: str
     engines: list[dict[str, Any]] = []
 
+
+# GET /get_server_info: every engine's state (null where it could not be read: then 503)
+FLEET_INFO_SCHEMA: dict[str, Any] = {
+    "type": "object", "required": ["num_engines", "engines", "internal_states"],
+    "properties": {
+        "num_engines": {"type": "integer"},
+        "engines": {"type": "array", "items": {"type": "object"}},
+        "internal_states": {"type": "array",
+                            "items": {"anyOf": [ENGINE_STATE_SCHEMA, {"type": "null"}]}}}}
 
 BODIES: dict[Key, Any] = {
     ("POST", "/pause_generation"): S.PauseBody,
@@ -47,7 +57,7 @@ ANSWERS: dict[Key, Answer] = {
     ("GET", "/flush_cache"): Answer(FleetAnswer, errors=FLEET_ERRORS),
     ("POST", "/restart_engine"): Answer(FleetAnswer, errors=("400", "401", "409", "503")),
     ("GET", "/health"): Answer(errors=("401", "503")),
-    ("GET", "/get_server_info"): Answer(errors=("401", "503")),
+    ("GET", "/get_server_info"): Answer(FLEET_INFO_SCHEMA, errors=("401", "503")),
     ("GET", "/metrics"): Answer(text=True, errors=("401",)),
     ("GET", "/v1/models"): Answer(errors=("401",)),
 }

@@ -19,7 +19,7 @@ from multiserve.server import protocol as P
 from multiserve.server import protocol_native as N
 from multiserve.server import rl_routes as R
 from multiserve.server.openapi_docs import Answer, ControlAnswer, Key, document
-from multiserve.types import MAX_TOP_LOGPROBS
+from multiserve.types import MAX_TOP_LOGPROBS, PAUSE_REASONS
 
 GEN_ERRORS = ("400", "401", "404", "429", "503")
 INT, NUM, BOOL = {"type": "integer"}, {"type": "number"}, {"type": "boolean"}
@@ -32,6 +32,25 @@ SAMPLING_PARAMS_SCHEMA: dict[str, Any] = {
         "stop": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]},
         "stop_token_ids": {"type": "array", "items": INT},
         "ignore_eos": BOOL, "skip_special_tokens": BOOL}}
+
+# The engine's internal state (Engine.get_internal_state): the keys clients act on; the
+# answer carries more (queue sizes, KV accounting, counters).
+ENGINE_STATE_SCHEMA: dict[str, Any] = {
+    "type": "object", "description": "one engine's internal state (more keys than listed)",
+    "properties": {
+        "engine_paused": {**BOOL, "description": "no step runs (pause_reasons is not empty)"},
+        "pause_reasons": {"type": "array", "description": "why the engine is paused: the "
+                          "user's pause_generation, a staged weight update, released memory",
+                          "items": {"type": "string", "enum": list(PAUSE_REASONS)}},
+        "memory_released": {"type": "array",
+                            "items": {"type": "string", "enum": ["kv_cache", "weights"]}},
+        "weight_version": {"type": "string"}},
+    "required": ["engine_paused", "pause_reasons", "memory_released", "weight_version"]}
+SERVER_INFO_SCHEMA: dict[str, Any] = {
+    **ENGINE_STATE_SCHEMA, "description": "the server's settings and its engine's state",
+    "properties": {**ENGINE_STATE_SCHEMA["properties"],
+                   "internal_states": {"type": "array", "items": ENGINE_STATE_SCHEMA}},
+    "required": [*ENGINE_STATE_SCHEMA["required"], "internal_states"]}
 
 BODIES: dict[Key, Any] = {
     ("POST", "/v1/chat/completions"): P.ChatCompletionRequest,
@@ -68,7 +87,7 @@ ANSWERS: dict[Key, Answer] = {
     ("GET", "/health"): Answer(errors=("401", "503")),
     ("GET", "/health_generate"): Answer(errors=("401", "503")),
     ("GET", "/get_model_info"): Answer(errors=("401", "503")),
-    ("GET", "/get_server_info"): Answer(errors=("401", "503")),
+    ("GET", "/get_server_info"): Answer(SERVER_INFO_SCHEMA, errors=("401", "503")),
     ("GET", "/metrics"): Answer(text=True, errors=("401",)),
     ("GET", "/flush_cache"): CONTROL, ("POST", "/flush_cache"): CONTROL,
     ("GET", "/get_weights_by_name"): CONTROL,

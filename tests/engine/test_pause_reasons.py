@@ -7,6 +7,7 @@ removes only its own reason ("user", "weights_staged", "memory_released").
 
 from __future__ import annotations
 
+import itertools
 import random
 from pathlib import Path
 from typing import Any
@@ -37,7 +38,6 @@ def _no_step_runs(engine: Any, col: Collector) -> None:
     assert {k: len(v[-1].output_ids) for k, v in col.snapshots.items()} == tokens
 
 
-@pytest.mark.xfail(strict=True, reason="issue 12: publish undoes the user's pause")
 def test_user_pause_survives_publish(tiny_engine: Any, tiny_model_dir: Path) -> None:
     staged = tiny_engine.stage_weights_from_disk(str(tiny_model_dir), "default")
     assert staged.ok, staged
@@ -53,8 +53,6 @@ def test_user_pause_survives_publish(tiny_engine: Any, tiny_model_dir: Path) -> 
     assert col.wait()[("late", 0)].finish_reason == "length"
 
 
-@pytest.mark.xfail(strict=True, reason="issue 12: resume undoes the user's pause, and a "
-                   "retract during a release never happens")
 def test_user_retract_during_release_retracts_and_survives_resume(
         tiny_engine: Any, trigger: Trigger) -> None:
     col0 = Collector(tiny_engine)
@@ -78,3 +76,229 @@ def test_user_retract_during_release_retracts_and_survives_resume(
     assert tiny_engine.continue_generation().ok
     got = col.wait()
     assert {k: (o.output_ids, o.logprobs) for k, o in got.items()} == want
+
+
+# ---- the matrix: a user pause (each mode) x one hold, in every overlapping order ----------
+#
+# Events: H = the hold starts, P = pause_generation(mode), E = the hold ends, C =
+# continue_generation. The first event lands from a sink hook while requests run (r0 has
+# 4 tokens); the others come from the test thread. After every event the reasons are
+# exactly the model's; a request sent after the second event makes no progress until
+# the last one; every request of the workload ends as it would have without any pause
+# (or aborted with a prefix of it, mode abort).
+
+HOLD_REASON = {"publish": "weights_staged", "discard": "weights_staged",
+               "release_in_place": "memory_released", "release_retract": "memory_released"}
+ORDERS = ("HPEC", "HPCE", "PHEC", "PHCE")
+
+
+@pytest.fixture(scope="module")
+def reference(_tiny_engine: Any) -> dict:
+    col = Collector(_tiny_engine)
+    col.submit_all(_prompts(), GREEDY)
+    return {k: (o.output_ids, o.logprobs) for k, o in col.wait().items()}
+
+
+class _Hold:
+    """Start and end one hold of `kind` (see HOLD_REASON) on `engine`."""
+
+    def __init__(self, engine: Any, kind: str, model_dir: Path) -> None:
+        self.engine, self.kind, self.model_dir = engine, kind, model_dir
+        self.token: str | None = None
+
+    def astart(self) -> Any:
+        """The start as a coroutine (for a sink hook)."""
+        return self._start("async_")
+
+    def start(self) -> Any:
+        return self._start("")
+
+    def _start(self, prefix: str) -> Any:
+        e = self.engine
+        if self.kind in ("publish", "discard"):  # the same weights: outputs stay exact
+            return getattr(e, f"{prefix}stage_weights_from_disk")(
+                str(self.model_dir), "default", abort_running=True)
+        if self.kind == "release_in_place":
+            return getattr(e, f"{prefix}release_memory_occupation")(mode="in_place",
+                                                                     preserve_state=True)
+        return getattr(e, f"{prefix}release_memory_occupation")()
+
+    def started(self, res: Any) -> None:
+        assert res.ok, res
+        self.token = res.details.get("token")
+
+    def end(self, runs_after: bool) -> None:
+        e = self.engine
+        if self.kind == "publish":
+            res = e.publish_staged_weights(self.token)
+            assert res.ok and res.details["released_hold"] == runs_after, res
+        elif self.kind == "discard":
+            res = e.discard_staged_weights(self.token)
+            assert res.ok and res.details["released_hold"] == runs_after, res
+        else:
+            res = e.resume_memory_occupation()
+            assert res.ok and res.details["continued"] == runs_after, res
+
+
+def _check_reasons(engine: Any, want: set[str]) -> dict:
+    st = engine.get_internal_state()
+    assert st["pause_reasons"] == sorted(want), (st["pause_reasons"], want)
+    assert st["engine_paused"] == bool(want)
+    return st
+
+
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("hold", list(HOLD_REASON))
+@pytest.mark.parametrize("mode", ["abort", "retract", "in_place"])
+def test_user_pause_and_hold_in_any_order(tiny_engine: Any, trigger: Trigger,
+                                          tiny_model_dir: Path, reference: dict,
+                                          mode: str, hold: str, order: str) -> None:
+    h = _Hold(tiny_engine, hold, tiny_model_dir)
+    reason = HOLD_REASON[hold]
+    first = order[0]
+    hook = AtTokens(trigger, "r0", 4, lambda: tiny_engine.async_get_internal_state(),
+                    h.astart if first == "H" else
+                    (lambda: tiny_engine.async_pause_generation(mode)))
+    col = Collector(tiny_engine, on_output=hook)
+    col.submit_all(_prompts(), GREEDY)
+    state_before, res = hook.wait()
+    want: set[str] = set()
+    for i, event in enumerate(order):
+        if i > 0:
+            state_before = tiny_engine.get_internal_state()
+        if event == "H":
+            h.started(res if i == 0 else h.start())
+            want.add(reason)
+        elif event == "P":
+            if i > 0:
+                res = tiny_engine.pause_generation(mode)
+            assert res.ok and not res.details.get("already_paused"), res
+            want.add("user")
+            _check_mode_effect(tiny_engine, mode, state_before, res)
+        elif event == "E":
+            want.discard(reason)
+            h.end(runs_after=not want)
+        else:
+            want.discard("user")
+            assert tiny_engine.continue_generation().ok
+        _check_reasons(tiny_engine, want)
+        if i == 1:
+            col.submit("late", _prompts(seed=4, n=1)[0], LATE)
+        if i in (1, 2):
+            _no_step_runs(tiny_engine, col)
+            assert ("late", 0) not in col.snapshots
+    got = col.wait()
+    assert got.pop(("late", 0)).finish_reason == "length"
+    assert set(got) == set(reference)
+    for key, out in got.items():
+        ids, lps = reference[key]
+        if mode == "abort":
+            n = len(out.output_ids)
+            assert out.finish_reason == "abort" and (out.output_ids, out.logprobs) == \
+                (ids[:n], lps[:n]), key
+        else:
+            assert (out.output_ids, out.logprobs) == (ids, lps), key
+    assert tiny_engine.get_internal_state()["weight_version"] == "default"
+
+
+def _check_mode_effect(engine: Any, mode: str, before: dict, res: Any) -> None:
+    """The user's pause took effect, whatever hold was active."""
+    after = engine.get_internal_state()
+    if mode == "abort":
+        assert res.details["aborted"] == before["running_batch_size"] + \
+            before["waiting_queue_size"]
+        assert after["running_batch_size"] == after["waiting_queue_size"] == 0
+    elif mode == "retract":
+        assert res.details["retracted"] == before["running_batch_size"]
+        assert after["running_batch_size"] == 0
+        assert after["waiting_rids"][:len(before["running_rids"])] == before["running_rids"]
+    else:
+        assert after["running_rids"] == before["running_rids"]
+        assert after["waiting_rids"] == before["waiting_rids"]
+
+
+# ---- all three owners at once: every interleaving of their starts and ends ----------------
+#
+# U = the user (pause in_place / continue), W = a weight update (stage / publish or
+# discard), M = a memory release of the KV cache (release / resume). Each appears twice in
+# a sequence: first its start, then its end. A request sent after the first event runs iff
+# no reason is left.
+
+OWNERS = {"U": "user", "W": "weights_staged", "M": "memory_released"}
+
+
+def _interleavings() -> list[str]:
+    return sorted({"".join(p) for p in itertools.permutations("UUWWMM")})
+
+
+@pytest.mark.parametrize("weights_end", ["publish", "discard"])
+@pytest.mark.parametrize("seq", _interleavings())
+def test_three_owners_in_every_order(tiny_engine: Any, original_norm: Any, seq: str,
+                                     weights_end: str) -> None:
+    e = tiny_engine
+    col = Collector(e)
+    want: set[str] = set()
+    token = None
+    for i, owner in enumerate(seq):
+        starts = OWNERS[owner] not in want
+        if owner == "U":
+            res = e.pause_generation("in_place") if starts else e.continue_generation()
+        elif owner == "W" and starts:
+            res = e.stage_weights_from_tensor({"model.norm.weight": original_norm}, "default")
+            token = res.details.get("token")
+        elif owner == "W":
+            res = (e.publish_staged_weights(token) if weights_end == "publish"
+                   else e.discard_staged_weights(token))
+        else:
+            res = (e.release_memory_occupation(tags=["kv_cache"]) if starts
+                   else e.resume_memory_occupation(tags=["kv_cache"]))
+        assert res.ok, (seq, i, res)
+        (want.add if starts else want.discard)(OWNERS[owner])
+        _check_reasons(e, want)
+        if i == 0:
+            col.submit("late", _prompts(seed=5, n=1)[0], LATE)
+        if want:
+            assert ("late", 0) not in col.final
+        else:  # nothing holds the engine: the request runs (and ends) now
+            assert col.wait()[("late", 0)].finish_reason == "length"
+
+
+@pytest.fixture(scope="module")
+def original_norm(tiny_model_dir: Path) -> Any:
+    """The served model's final norm (HF name model.norm.weight): staging it changes no
+    output."""
+    import numpy as np
+
+    from multiserve.model.loader import load_model
+
+    return np.asarray(load_model(str(tiny_model_dir), np.float32).params["final_norm"])
+
+
+async def test_server_info_shows_the_reasons(tiny_engine: Any, tiny_model_dir: Path) -> None:
+    import httpx
+
+    from multiserve.server.app import build_app
+    from multiserve.server.tokenizer import TokenizerManager
+
+    app = build_app(tiny_engine, TokenizerManager(tiny_model_dir, context_len=1024,
+                                                  model_name="tiny"))
+    staged = await tiny_engine.async_stage_weights_from_disk(str(tiny_model_dir), "default")
+    assert staged.ok, staged
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://engine") as http:
+            assert (await http.post("/pause_generation", json={"mode": "in_place"})
+                    ).status_code == 200
+            info = (await http.get("/get_server_info")).json()
+            assert info["engine_paused"] and info["pause_reasons"] == ["user",
+                                                                       "weights_staged"]
+            assert info["internal_states"][0]["pause_reasons"] == info["pause_reasons"]
+            doc = (await http.get("/openapi.json")).json()
+            ok = doc["paths"]["/get_server_info"]["get"]["responses"]["200"]
+            props = ok["content"]["application/json"]["schema"]["properties"]
+            assert props["pause_reasons"]["items"]["enum"] == [
+                "user", "weights_staged", "memory_released"]
+    finally:
+        await tiny_engine.async_discard_staged_weights()
+        await tiny_engine.async_continue_generation()
+    assert tiny_engine.get_internal_state()["pause_reasons"] == []
