@@ -28,7 +28,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
-    from multiserve.fleet.launch import validate_main
+    from multiserve.fleet.validate import validate_main
 
     return validate_main(args)
 

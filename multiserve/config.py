@@ -10,7 +10,7 @@ imports jax or anything else of ours.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 API_KEY_ENV = "MULTISERVE_API_KEY"  # the API key when --api-key is not given
@@ -215,7 +215,3 @@ class FleetConfig:
     @property
     def device_count_needed(self) -> int:
         return 1 + max(d for e in self.engines for d in e.device_indexes)
-
-
-def engine_config_field_names() -> set[str]:
-    return {f.name for f in fields(EngineConfig)}

@@ -13,7 +13,7 @@ Invariants:
 from __future__ import annotations
 
 import enum
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -272,7 +272,3 @@ class EngineClient(Protocol):
     def health(self) -> tuple[bool, str]:
         """(healthy, reason). Unhealthy engines answer 503 with the reason."""
         ...
-
-
-def as_tuple_ids(ids: Sequence[int]) -> tuple[int, ...]:
-    return tuple(int(i) for i in ids)

@@ -1,1 +1,1 @@
-"""The device side of one engine and its host bookkeeping (see DESIGN.md §2)."""
+"""The device side of one engine and its host bookkeeping (see docs/architecture.md §2)."""

@@ -1,6 +1,6 @@
 """EngineCore: the thread-confined heart of one engine (scheduler + runner + results).
 
-Only the engine's own thread calls into an EngineCore (DESIGN.md §3); the public
+Only the engine's own thread calls into an EngineCore (docs/architecture.md §3); the public
 `Engine` hands work to it through a queue. Owns: the Reqs, the scheduler, the runner,
 step counters, pause state and the step in flight.
 
@@ -16,6 +16,10 @@ Invariants:
   engine is paused iff the set is non-empty; while it is, `step()` is never called (the
   loop sleeps on its queue). A user pause takes effect (its mode applies) whether or not
   a hold is active, and no hold's end clears it.
+- Device state outside a step (params, the KV pool, the weight version) changes only
+  through `swap_params`, `set_weight_version`, `drop_kv` and `install_kv`, between steps
+  (asserted): the RL subsystem (engine/rl/) uses those and `hold`/`release_hold`, never
+  the runner's or the scheduler's fields.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -45,6 +49,9 @@ from multiserve.types import (
     TokenLogprob,
     WeightSegment,
 )
+
+if TYPE_CHECKING:
+    from multiserve.model.kv_pool import KVPool
 
 log = logging.getLogger(__name__)
 
@@ -81,8 +88,6 @@ class EngineCore:
         self.initial_available = self.scheduler.available_kv_tokens()
         self.admission = AdmissionLimits.from_config(cfg, self.initial_available)
         self.fault: str | None = None  # test-only: the next step raises this
-        # memory_release.py: device buffers released ("weights", "kv_cache"); never steps
-        self.released_tags: frozenset[str] = frozenset()
 
     # ---- requests ------------------------------------------------------------------
     def add(self, reqs: Sequence[Req]) -> None:
@@ -336,6 +341,60 @@ class EngineCore:
                                  {"pause_reasons": left})
         return ControlResult(True, "continued", {"pause_reasons": left})
 
+    # ---- device state: the narrow interface of engine/rl/ (engine thread, between steps) --
+    @property
+    def released_tags(self) -> frozenset[str]:
+        """Device buffers given back by a memory release: "weights" while the runner has no
+        params, "kv_cache" while it has no KV pool (derived from the runner, never stored)."""
+        runner = self.runner
+        return frozenset(tag for tag, gone in (("weights", runner.params is None),
+                                               ("kv_cache", runner.kv is None)) if gone)
+
+    @property
+    def params(self) -> Any:
+        """The canonical params pytree on the devices (None while released). Read only:
+        replace it with `swap_params`."""
+        return self.runner.params
+
+    @property
+    def kv_pool(self) -> KVPool | None:
+        """The device KV pool (None while released). Read only."""
+        return self.runner.kv
+
+    def swap_params(self, params: Any) -> Any:
+        """Put `params` (None: the weights are released) on the runner, which re-derives
+        the compute form the step runs on; returns the tree it replaced."""
+        assert self.in_flight is None, "params change only between steps"
+        old = self.runner.params
+        self.runner.params = params
+        return old
+
+    def set_weight_version(self, version: str) -> dict[str, Any]:
+        """New weights are live: outputs carry `version` from now on, and K/V computed with
+        the previous weights is invalidated (`Scheduler.invalidate_kv`)."""
+        self.weight_version = version
+        dropped, kept = self.scheduler.invalidate_kv()
+        return {"flushed_cached_pages": dropped, "kept_kv_requests": kept,
+                "prefix_cache_enabled": self.cache.enabled}
+
+    def drop_kv(self) -> None:
+        """Free the device KV pool and the small step buffers (memory release). The page
+        accounting is untouched: requests holding pages are the caller's to retract or
+        to keep (their K/V saved elsewhere, restored by `install_kv`)."""
+        assert self.in_flight is None, "KV is dropped only between steps"
+        kv = self.runner.kv
+        assert kv is not None, "the KV pool is released already"
+        kv.k.delete()
+        kv.v.delete()
+        self.runner.kv = None
+        self.runner.drop_step_buffers()
+
+    def install_kv(self, kv: KVPool) -> None:
+        """Give the runner a KV pool again (memory resume) and fresh step buffers."""
+        assert self.in_flight is None and self.runner.kv is None
+        self.runner.kv = kv
+        self.runner.reset_prev_ids()
+
     def flush(self) -> ControlResult:
         self.drain()
         blockers = []
@@ -357,7 +416,7 @@ class EngineCore:
         self.scheduler.reset_ratio()
         self.forward_ct_decode = 0
         self.last_batch = None
-        if "kv_cache" not in self.released_tags:  # else resume makes them anew
+        if self.runner.kv is not None:  # else install_kv makes them anew
             self.runner.reset_prev_ids()
         self.scheduler.check_integrity()
         return ControlResult(True, "cache flushed",

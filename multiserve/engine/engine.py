@@ -1,6 +1,6 @@
 """Engine: the public API of one engine on one device group (exported as multiserve.Engine).
 
-Owns one thread that owns one EngineCore (DESIGN.md §3). Every public method may be
+Owns one thread that owns one EngineCore (docs/architecture.md §3). Every public method may be
 called from any thread: work goes to the engine thread through `self._commands`;
 results come back through futures (control) and per-request sinks (outputs).
 
@@ -27,7 +27,7 @@ from typing import Any
 
 from multiserve.config import EngineConfig
 from multiserve.engine.request import Req
-from multiserve.engine.rl_api import RLEngineMixin
+from multiserve.engine.rl.control import DEFAULT_TAGS, RLControl
 from multiserve.engine.setup import EngineParts, build_engine_parts
 from multiserve.types import (
     PAUSE_MODES,
@@ -47,9 +47,10 @@ class _Command:
     future: concurrent.futures.Future
 
 
-class Engine(RLEngineMixin):
+class Engine:
     """One inference engine. `Engine(EngineConfig(...))`; see README for examples.
-    Memory release/resume and weight updates come from RLEngineMixin (rl_api.py)."""
+    Memory release/resume and weight updates are forwarded to its RLControl
+    (engine/rl/control.py)."""
 
     def __init__(self, config: EngineConfig | None = None, **overrides: Any) -> None:
         cfg = (config or EngineConfig()).with_updates(**overrides) if overrides else (
@@ -65,7 +66,8 @@ class Engine(RLEngineMixin):
         self.context_len = parts.core.max_context
         self.devices = parts.runner.devices
         self._core = parts.core
-        self._init_rl()
+        self._rl = RLControl(parts.core, self.run_on_engine_thread,
+                             lambda fn: self._acall("call", fn), self._require_healthy)
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._seed_rng = random.Random(cfg.seed)
         self._rid_counter = itertools.count()
@@ -410,3 +412,94 @@ class Engine(RLEngineMixin):
 
     def __exit__(self, *exc: Any) -> None:
         self.shutdown()
+
+    def _require_healthy(self) -> None:
+        if not self._healthy:
+            raise EngineUnavailable(self._reason)
+
+    # ---- RL: weight updates and memory release (forwarded to engine/rl/control.py) ----
+    def stage_weights_from_tensor(self, params: Any, weight_version: str,
+                                  abort_running: bool = False) -> ControlResult:
+        """Validate + copy `params` (flat {HF name: array}, (name, array) pairs, or the
+        params pytree; a subset updates only those tensors) onto the engine's devices.
+        details["token"] publishes it. Refused if requests run and the engine is not
+        paused (unless abort_running). The engine is held paused until publish/discard."""
+        return self._rl.stage_weights_from_tensor(params, weight_version, abort_running)
+
+    def stage_weights_from_disk(self, path: str, weight_version: str,
+                                abort_running: bool = False) -> ControlResult:
+        """Like stage_weights_from_tensor, from an HF safetensors dir (every tensor)."""
+        return self._rl.stage_weights_from_disk(path, weight_version, abort_running)
+
+    def publish_staged_weights(self, token: str, abort_running: bool = False) -> ControlResult:
+        """Swap the staged weights in (between two steps), set the version, invalidate
+        the prefix cache; abort_running aborts every live request first."""
+        return self._rl.publish_staged_weights(token, abort_running)
+
+    def discard_staged_weights(self, token: str | None = None) -> ControlResult:
+        return self._rl.discard_staged_weights(token)
+
+    def update_weights_from_tensor(self, params: Any, weight_version: str,
+                                   abort_running: bool = False) -> ControlResult:
+        """stage_weights_from_tensor, then publish_staged_weights."""
+        return self._rl.update_weights_from_tensor(params, weight_version, abort_running)
+
+    def update_weights_from_disk(self, path: str, weight_version: str,
+                                 abort_running: bool = False) -> ControlResult:
+        """stage_weights_from_disk, then publish_staged_weights."""
+        return self._rl.update_weights_from_disk(path, weight_version, abort_running)
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> ControlResult:
+        """details: name, shape (HF orientation), dtype, values = the first
+        `truncate_size` rows as nested lists, weight_version."""
+        return self._rl.get_weights_by_name(name, truncate_size)
+
+    def release_memory_occupation(self, tags: Any = DEFAULT_TAGS, mode: str = "retract",
+                                  preserve_state: bool = False) -> ControlResult:
+        """Hold the engine (applying `mode` if it runs), then free the tagged device
+        buffers; new requests wait until resume. preserve_state keeps in-place paused
+        requests' K/V on the host and restores it exactly."""
+        return self._rl.release_memory_occupation(tags, mode, preserve_state)
+
+    def resume_memory_occupation(self, tags: Any = DEFAULT_TAGS) -> ControlResult:
+        return self._rl.resume_memory_occupation(tags)
+
+    async def async_stage_weights_from_tensor(self, params: Any, weight_version: str,
+                                              abort_running: bool = False) -> ControlResult:
+        return await self._rl.async_stage_weights_from_tensor(params, weight_version,
+                                                              abort_running)
+
+    async def async_stage_weights_from_disk(self, path: str, weight_version: str,
+                                            abort_running: bool = False) -> ControlResult:
+        return await self._rl.async_stage_weights_from_disk(path, weight_version,
+                                                            abort_running)
+
+    async def async_publish_staged_weights(self, token: str,
+                                           abort_running: bool = False) -> ControlResult:
+        return await self._rl.async_publish_staged_weights(token, abort_running)
+
+    async def async_discard_staged_weights(self, token: str | None = None) -> ControlResult:
+        return await self._rl.async_discard_staged_weights(token)
+
+    async def async_update_weights_from_tensor(self, params: Any, weight_version: str,
+                                               abort_running: bool = False) -> ControlResult:
+        return await self._rl.async_update_weights_from_tensor(params, weight_version,
+                                                               abort_running)
+
+    async def async_update_weights_from_disk(self, path: str, weight_version: str,
+                                             abort_running: bool = False) -> ControlResult:
+        return await self._rl.async_update_weights_from_disk(path, weight_version,
+                                                             abort_running)
+
+    async def async_get_weights_by_name(self, name: str,
+                                        truncate_size: int = 100) -> ControlResult:
+        return await self._rl.async_get_weights_by_name(name, truncate_size)
+
+    async def async_release_memory_occupation(self, tags: Any = DEFAULT_TAGS,
+                                              mode: str = "retract",
+                                              preserve_state: bool = False) -> ControlResult:
+        return await self._rl.async_release_memory_occupation(tags, mode, preserve_state)
+
+    async def async_resume_memory_occupation(self, tags: Any = DEFAULT_TAGS
+                                             ) -> ControlResult:
+        return await self._rl.async_resume_memory_occupation(tags)

@@ -11,8 +11,10 @@ Invariants:
   oldest first). Evicting a node returns its page to the allocator; descendants of an
   evicted node become unreachable and are evicted in turn as LRU reaches them
   (release pushes deeper pages first, so leaves age before their parents).
-- Cached K/V is only valid for the weights that produced it: the engine resets the
-  cache on every weight update.
+- Cached K/V is only valid for the weights that produced it: on a weight update the
+  scheduler drops what nobody holds and `suspend()`s the cache while requests still hold
+  K/V of the old weights (no match, no insert); `reopen()` empties it and ends that.
+- `enabled` = configured (not `disable_prefix_cache`) and not suspended.
 - check_integrity(): free + evictable + referenced + privately owned == usable pages.
 """
 
@@ -37,7 +39,8 @@ class PrefixCache:
     def __init__(self, allocator: PageAllocator, page_size: int, enabled: bool = True) -> None:
         self.allocator = allocator
         self.page_size = page_size
-        self.enabled = enabled
+        self.configured = enabled  # the engine's config; a suspension is temporary
+        self._suspended = False
         self._by_key: dict[tuple[int, tuple[int, ...]], _Node] = {}
         self._by_page: dict[int, _Node] = {}
         self._evictable: OrderedDict[int, None] = OrderedDict()  # page -> None, LRU first
@@ -46,6 +49,14 @@ class PrefixCache:
         self.query_tokens = 0
 
     # ---- queries -------------------------------------------------------------------
+    @property
+    def enabled(self) -> bool:
+        return self.configured and not self._suspended
+
+    @property
+    def suspended(self) -> bool:
+        return self._suspended
+
     @property
     def num_cached_pages(self) -> int:
         return len(self._by_page)
@@ -138,6 +149,17 @@ class PrefixCache:
             freed.append(page)
         self.allocator.free(freed)
         return len(freed)
+
+    def suspend(self) -> None:
+        """Stop matching and inserting (cached K/V may belong to replaced weights) until
+        `reopen()`. References held keep being released as their requests end."""
+        self._suspended = True
+
+    def reopen(self) -> int:
+        """Empty the cache (see `reset`) and end a suspension; returns pages dropped."""
+        dropped = self.reset()
+        self._suspended = False
+        return dropped
 
     def reset(self) -> int:
         """Drop every cached page. Only legal when no Req references any (asserted).

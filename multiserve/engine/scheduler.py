@@ -14,12 +14,15 @@ Invariants:
   effect on state beyond page allocation (which `launch` makes permanent).
 - When KV runs out for decode, the newest running Reqs are retracted (KV freed into
   the prefix cache or the free list, output kept) to the front of `waiting`.
+- After a weight update (`invalidate_kv`), Reqs that kept their K/V hold K/V of the old
+  weights: while any of them holds it the prefix cache is suspended (so no other Req
+  matches or extends it); when the last gives it back (finish, abort, retract:
+  `release_kv`) the cache is emptied and reopened.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from multiserve.config import EngineConfig
@@ -68,8 +71,8 @@ class Scheduler:
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.new_token_ratio = cfg.init_new_token_ratio
-        self.on_retract: Callable[[Req], None] | None = None
         self.num_retractions = 0
+        self._stale_kv: set[Req] = set()  # hold K/V computed with replaced weights
 
     # ---- queries -------------------------------------------------------------------
     def has_work(self) -> bool:
@@ -119,6 +122,29 @@ class Scheduler:
         req.num_cached_pages = 0
         req.kv_len = 0
         req.prefill_target = 0
+        if req in self._stale_kv:
+            self._stale_kv.discard(req)
+            self._check_stale_kv()
+
+    def drop_cached_kv(self) -> int:
+        """Give every cached page no Req holds back to the free list; returns how many."""
+        return self.cache.evict(self.cache.num_evictable_pages)
+
+    def invalidate_kv(self) -> tuple[int, int]:
+        """The weights changed. Cached K/V nobody holds is dropped; Reqs holding K/V keep it
+        and decode on from it, and the cache stays suspended until they all gave it back
+        (see the module docstring). Returns (pages dropped, Reqs that kept their K/V)."""
+        dropped = self.drop_cached_kv()
+        holders = [r for r in self.running if r.pages]
+        self._stale_kv.update(holders)
+        self._check_stale_kv()
+        return dropped, len(holders)
+
+    def _check_stale_kv(self) -> None:
+        if self._stale_kv:
+            self.cache.suspend()
+        elif self.cache.num_referenced_pages == 0:
+            self.cache.reopen()
 
     def _reserved_tokens(self, extra: Req | None = None) -> int:
         """Decode tokens the running Reqs are expected to still need (new_token_ratio)."""
@@ -150,8 +176,6 @@ class Scheduler:
             req.num_retractions += 1
             self.num_retractions += 1
             self.waiting.appendleft(req)
-            if self.on_retract:
-                self.on_retract(req)
 
     # ---- scheduling ----------------------------------------------------------------
     def schedule(self) -> ScheduledBatch | None:

@@ -6,7 +6,7 @@ server per engine, the supervisor, readiness), the READY line, the shutdown orde
 (`Fleet.stop`), and `multiserve serve` (`serve_main`). The steps before any engine
 exists live in `startup.py`; `multiserve validate` lives in `validate.py`.
 
-Invariants (DESIGN.md §3):
+Invariants (docs/architecture.md §3):
 - JAX is initialised once, by `startup.init_jax`, before any engine exists. Nothing here
   assumes a platform: devices are `jax.devices()[i]` for the configured indexes.
 - Every server runs in its own thread without signal handlers; `serve_main` installs
@@ -306,10 +306,4 @@ def serve_main(args: argparse.Namespace) -> int:
     return 0
 
 
-def validate_main(args: argparse.Namespace) -> int:
-    from multiserve.fleet.validate import validate_main as run
-
-    return run(args)
-
-
-__all__ = ["Fleet", "LaunchCancelled", "launch_fleet", "serve_main", "validate_main"]
+__all__ = ["Fleet", "LaunchCancelled", "launch_fleet", "serve_main"]

@@ -23,14 +23,17 @@ import asyncio
 import json
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, ValidationError
+from fastapi.responses import Response
+from pydantic import BaseModel
 
+from multiserve.fleet.supervisor_bodies import AbortBody, EmptyBody, PauseBody, RestartBody
 from multiserve.fleet.supervisor_metrics import render_metrics
-from multiserve.server.errors import with_error
+from multiserve.fleet.supervisor_openapi import document_supervisor_app
+from multiserve.server.errors import ApiError, bad_request, with_error
+from multiserve.server.http_utils import error_json, parse_body
 from multiserve.types import ControlResult, EngineClient, EngineUnavailable
 
 RestartFn = Callable[[int], Awaitable[ControlResult]]
@@ -41,27 +44,6 @@ B = TypeVar("B", bound=BaseModel)
 # the worst failure present.
 _STATUS = {"error": 500, "timeout": 504, "unavailable": 503, "refused": 400}
 _WORST_FIRST = tuple(_STATUS)
-
-
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-
-class PauseBody(_Body):
-    mode: Literal["abort", "retract", "in_place"] = "abort"
-
-
-class EmptyBody(_Body):
-    pass
-
-
-class AbortBody(_Body):
-    rid: str | None = None
-    abort_all: bool = False
-
-
-class RestartBody(_Body):
-    engine: int
 
 
 class Supervisor:
@@ -167,9 +149,9 @@ def build_supervisor_app(engines: Sequence[EngineClient], *, restart: RestartFn 
     app = FastAPI(title="multiserve supervisor")
     app.state.supervisor = sup
 
-    @app.exception_handler(BadRequest)
-    async def _bad_request(_: Request, exc: BadRequest) -> Response:
-        return error_response(400, str(exc), param=exc.param)
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, exc: ApiError) -> Response:
+        return error_json(exc)
 
     add_control_route(app, "/pause_generation", PauseBody,
                       lambda e, b: e.async_pause_generation(b.mode))
@@ -180,10 +162,10 @@ def build_supervisor_app(engines: Sequence[EngineClient], *, restart: RestartFn 
 
     @app.post("/abort_request")
     async def abort_request(request: Request) -> Response:
-        body = await parse_body(request, AbortBody)
+        body = parse_body(AbortBody, await request.body(), allow_empty=True)
         rid = body.rid or None
         if (rid is None) == (not body.abort_all):
-            raise BadRequest("give exactly one of rid or abort_all=true", "rid")
+            raise bad_request("give exactly one of rid or abort_all=true", "rid")
         status, out = await sup.broadcast(
             "abort_request", lambda e: e.async_abort_request(rid=rid, abort_all=body.abort_all))
         # A rid lives on (at most) one engine; the others answer "not here" and succeed.
@@ -194,10 +176,10 @@ def build_supervisor_app(engines: Sequence[EngineClient], *, restart: RestartFn 
 
     @app.post("/restart_engine")
     async def restart_engine(request: Request) -> Response:
-        body = await parse_body(request, RestartBody)
+        body = parse_body(RestartBody, await request.body(), allow_empty=True)
         if not 0 <= body.engine < len(sup.engines):
-            raise BadRequest(f"engine must be in [0, {len(sup.engines) - 1}], "
-                             f"got {body.engine}", "engine")
+            raise bad_request(f"engine must be in [0, {len(sup.engines) - 1}], "
+                              f"got {body.engine}", "engine")
         status, out = await sup.restart(body.engine)
         return json_response(status, out)
 
@@ -238,8 +220,6 @@ def build_supervisor_app(engines: Sequence[EngineClient], *, restart: RestartFn 
             entry["engines"].append(i)
         return json_response(200, {"object": "list", "data": list(by_name.values())})
 
-    from multiserve.fleet.supervisor_openapi import document_supervisor_app
-
     document_supervisor_app(app)  # the OpenAPI document declares every body and answer
     return app
 
@@ -255,49 +235,11 @@ def add_control_route(app: FastAPI, path: str, body_model: type[B],
     name = path.strip("/")
 
     async def route(request: Request) -> Response:
-        body = await parse_body(request, body_model)
+        body = parse_body(body_model, await request.body(), allow_empty=True)
         status, out = await sup.broadcast(name, lambda e: call(e, body))
         return json_response(status, out)
 
     app.add_api_route(path, route, methods=list(methods), name=name)
-
-
-async def parse_body(request: Request, model: type[B]) -> B:
-    """The request's JSON body (empty = {}) as `model`; BadRequest names the bad field."""
-    data = await read_json(request)
-    try:
-        return model.model_validate(data)
-    except ValidationError as e:
-        err = e.errors()[0]
-        param = ".".join(str(x) for x in err["loc"]) or None
-        raise BadRequest(f"{param or 'body'}: {err['msg']}", param) from None
-
-
-class BadRequest(ValueError):
-    """An invalid request body; answered 400 with an OpenAI-style error naming `param`."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
-
-
-async def read_json(request: Request) -> dict[str, Any]:
-    raw = await request.body()
-    if not raw.strip():
-        return {}
-    try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise BadRequest(f"body is not valid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise BadRequest("body must be a JSON object")
-    return data
-
-
-def error_response(status: int, message: str, param: str | None = None) -> Response:
-    return JSONResponse(status_code=status, content={"error": {
-        "message": message, "type": "invalid_request_error" if status < 500 else "server_error",
-        "param": param, "code": status}})
 
 
 def json_response(status: int, content: Any) -> Response:

@@ -12,8 +12,8 @@ a value an engine did not report is left out, never invented; jax-free.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, Protocol
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import (
@@ -23,8 +23,15 @@ from prometheus_client.core import (
     Metric,
 )
 
-if TYPE_CHECKING:
-    from multiserve.fleet.supervisor import Supervisor
+
+class FleetCounters(Protocol):
+    """What the metrics read from the supervisor besides the engines' states."""
+
+    @property
+    def restarts(self) -> Sequence[int]: ...  # per engine
+
+    @property
+    def control_counts(self) -> Mapping[tuple[str, str], int]: ...  # (op, outcome) -> n
 
 PREFIX = "multiserve_fleet"
 LABELS = ["engine", "port"]
@@ -53,7 +60,7 @@ STATE_GAUGES: dict[str, tuple[str, str]] = {
 }
 
 
-def render_metrics(sup: Supervisor, states: list[dict[str, Any]]) -> tuple[bytes, str]:
+def render_metrics(sup: FleetCounters, states: list[dict[str, Any]]) -> tuple[bytes, str]:
     """(Prometheus text, content type) for one snapshot from `Supervisor.engine_states`."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Snapshot(sup, states))
@@ -61,7 +68,7 @@ def render_metrics(sup: Supervisor, states: list[dict[str, Any]]) -> tuple[bytes
 
 
 class _Snapshot:
-    def __init__(self, sup: Supervisor, states: list[dict[str, Any]]) -> None:
+    def __init__(self, sup: FleetCounters, states: list[dict[str, Any]]) -> None:
         self.sup = sup
         self.states = states
 

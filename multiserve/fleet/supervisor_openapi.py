@@ -13,7 +13,7 @@ from typing import Any
 from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict
 
-from multiserve.fleet import supervisor as S
+from multiserve.fleet import supervisor_bodies as S
 from multiserve.server import rl_routes as R
 from multiserve.server.api_schema import ENGINE_STATE_SCHEMA
 from multiserve.server.openapi_docs import Answer, Key, document

@@ -28,12 +28,8 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from multiserve.fleet.supervisor import (
-    Supervisor,
-    add_control_route,
-    json_response,
-    parse_body,
-)
+from multiserve.fleet.supervisor import Supervisor, add_control_route, json_response
+from multiserve.server.http_utils import parse_body
 from multiserve.server.rl_routes import (
     DiskBody,
     ReleaseBody,
@@ -67,7 +63,7 @@ def add_rl_supervisor_routes(app: FastAPI, engines: Sequence[EngineClient] | Non
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(request: Request) -> Response:
-        body = await parse_body(request, DiskBody)
+        body = parse_body(DiskBody, await request.body())
         if (body.path is None) == (body.model_path is None):
             return json_response(400, {"success": False, "message":
                                        "give exactly one of 'path' or 'model_path'"})

@@ -4,7 +4,7 @@ Owns: the slot's identity (index, device_indexes, port), its lifecycle state
 (starting -> ready -> [restarting -> ready | failed] -> stopped), the `Engine` currently
 in the slot, and the count of streams in flight through it (for a draining shutdown).
 
-Invariants (DESIGN.md §3):
+Invariants (docs/architecture.md §3):
 - The `Engine` is itself thread-confined (one thread, one command queue); the worker
   only delegates to its thread-safe public methods and never touches engine state.
 - A slot never serves from two engines at once: `restart()` shuts the old engine down

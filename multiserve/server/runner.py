@@ -1,8 +1,6 @@
-"""Running an app under uvicorn: in a background thread (the fleet, tests) or in the
-main thread (single-engine `multiserve serve`).
+"""Running an app under uvicorn in a background thread (the fleet, tests).
 
-Owns: `ServerThread` (bind → start → `ready` event → `stop()`), `run_server`, and
-`serve_single`.
+Owns: `ServerThread` (bind → start → `ready` event → `stop()`).
 
 Invariants: the listening socket is bound before the thread starts, so `port` is
 known at once (port 0 picks a free one) and early connections wait in the backlog;
@@ -18,7 +16,6 @@ import logging
 import socket
 import threading
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import uvicorn
@@ -27,19 +24,13 @@ log = logging.getLogger("multiserve.server")
 
 
 class _Server(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, ready: threading.Event,
-                 handle_signals: bool) -> None:
+    def __init__(self, config: uvicorn.Config, ready: threading.Event) -> None:
         super().__init__(config)
         self._ready = ready
-        self._handle_signals = handle_signals
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
-        if self._handle_signals:
-            with super().capture_signals():
-                yield
-        else:
-            yield
+        yield  # a server thread never installs signal handlers (the main thread owns them)
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets=sockets)
@@ -70,7 +61,7 @@ class ServerThread:
         config = uvicorn.Config(app, log_level=log_level, lifespan="off",
                                 timeout_graceful_shutdown=graceful_timeout_s,
                                 timeout_keep_alive=30)
-        self._server = _Server(config, self.ready, handle_signals=False)
+        self._server = _Server(config, self.ready)
         self._thread = threading.Thread(target=self._run, name=f"{name}:{self.port}",
                                         daemon=True)
         self.error: BaseException | None = None
@@ -120,36 +111,3 @@ class ServerThread:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-def run_server(app: Any, host: str = "127.0.0.1", port: int = 0, *,
-               log_level: str = "warning") -> ServerThread:
-    """Start `app` in a background thread and return once it accepts requests."""
-    return ServerThread(app, host, port, log_level=log_level).start()
-
-
-def serve_single(engine: Any, tokenizer_dir: str | Path, host: str = "127.0.0.1",
-                 port: int = 31000, *, server_info: dict[str, Any] | None = None,
-                 log_level: str = "info", api_key: str | None = None) -> None:
-    """Serve one EngineClient in the calling (main) thread until SIGINT/SIGTERM."""
-    from multiserve.server.app import build_app
-    from multiserve.server.auth import protect, warn_if_exposed
-    from multiserve.server.tokenizer import TokenizerManager
-
-    tm = TokenizerManager(tokenizer_dir, engine.context_len, engine.model_name)
-    info = {"tokenizer_path": str(tokenizer_dir), "host": host, "port": port,
-            **(server_info or {})}
-    app = build_app(engine, tm, server_info=info)
-    protect(app, api_key)
-    warn_if_exposed(host, api_key)
-    sock = bind_socket(host, port)
-    config = uvicorn.Config(app, log_level=log_level, lifespan="off",
-                            timeout_graceful_shutdown=5.0)
-    server = _Server(config, threading.Event(),
-                     handle_signals=threading.current_thread() is threading.main_thread())
-    log.info("serving %s on http://%s:%d", engine.model_name, host, sock.getsockname()[1])
-    try:
-        asyncio.run(server.serve(sockets=[sock]))
-    finally:
-        with contextlib.suppress(OSError):
-            sock.close()

@@ -218,7 +218,7 @@ async def test_partial_failure_is_an_error_with_per_engine_detail(
     assert (await busy.task).finish_reason == "abort"
     assert r.json()["aborted"] == 1
     r = await client.post("/abort_request", json={"rid": "no-such-request"})
-    assert r.status_code == 200, r.text  # reported, not an error (DESIGN.md §5)
+    assert r.status_code == 200, r.text  # reported, not an error (docs/architecture.md §5)
     assert r.json()["aborted"] == 0 and "no engine has a live request" in r.json()["message"]
     r = await client.post("/flush_cache")
     assert r.status_code == 200 and r.json()["success"] is True, r.text
@@ -320,8 +320,9 @@ async def test_invalid_bodies_are_400_and_touch_no_engine(
     r = await client.post(path, json=body)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
-    assert err["param"] == param and err["type"] == "invalid_request_error"
-    assert err["code"] == 400 and param in err["message"]
+    # the engines' error object (server/http_utils.parse_body, errors.bad_request)
+    assert err["param"] == param and err["type"] == "BadRequestError"
+    assert err["code"] == "invalid_request_error" and param in err["message"]
     assert [(await state(e))["engine_paused"] for e in engines] == [False, False]
 
 

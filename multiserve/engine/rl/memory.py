@@ -3,7 +3,10 @@ the same chips), then take them again, without losing a request.
 
 Owns `MemoryManager` (one per Engine): the host copy of released weights, the host copy
 of preserved K/V pages, and the "memory_released" pause reason. Runs on the engine
-thread only (commands between steps).
+thread only (commands between steps). Which tags are released is not stored here: it is
+what the runner lacks (`EngineCore.released_tags`). The engine is touched only through
+the core's narrow methods (hold/release_hold, swap_params, drop_kv/install_kv), the
+scheduler's (retract, drop_cached_kv, check_integrity) and the prefix cache's reset.
 
 Tags: "weights" (the params) and "kv_cache" (the KV pool plus the engine's small step
 buffers: the last sampled ids and the zero penalty arrays).
@@ -21,7 +24,7 @@ Invariants:
   host and written back, bit for bit, at the same page ids on resume (no allocation
   happens while released), so they continue exactly as if never interrupted; cached
   pages nobody holds are dropped.
-- Releasing "weights" also frees a staged, unpublished weight update (weights.py) and
+- Releasing "weights" also frees a staged, unpublished weight update (rl/weights.py) and
   ends its hold (the release's hold remains).
 - Resume restores weights before K/V. Once everything is resident again the release's
   hold ends; generation continues iff no other reason (a user pause, a staged update)
@@ -32,15 +35,18 @@ Invariants:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
 
-from multiserve.engine.weights import WeightManager
-from multiserve.model.kv_pool import make_kv_pool
+from multiserve.engine.rl.weights import WeightManager
+from multiserve.model.kv_pool import KVPool, make_kv_pool
 from multiserve.model.sharding import kv_pool_sharding
 from multiserve.types import ControlResult
+
+if TYPE_CHECKING:
+    from multiserve.engine.core import EngineCore
 
 TAGS: tuple[str, ...] = ("weights", "kv_cache")  # resume order: weights first
 
@@ -74,10 +80,13 @@ def _nbytes(tree: Any) -> int:
 
 
 class MemoryManager:
-    def __init__(self, core: Any, weights: WeightManager) -> None:
+    def __init__(self, core: EngineCore, weights: WeightManager) -> None:
         self.core = core
         self.weights = weights
-        self.kv_sharding = kv_pool_sharding(core.model_cfg, core.runner.mesh)
+        runner = core.runner  # read for its fixed settings only
+        self.kv_sharding = kv_pool_sharding(core.model_cfg, runner.mesh)
+        self.replicated = runner.replicated
+        self.num_pages, self.dtype = runner.num_pages, runner.dtype
         self.host_params: Any = None
         self.preserved: _PreservedKV | None = None
 
@@ -103,29 +112,26 @@ class MemoryManager:
             details.update(self._release_kv(preserve_state))
         if "weights" in newly:
             details["discarded_staged_weights"] = self.weights.drop_staged()
-            runner = core.runner
-            leaves = jax.tree.leaves(runner.params)
-            self.host_params = jax.tree.map(lambda a: np.array(a, copy=True), runner.params)
-            for leaf in leaves:
+            self.host_params = jax.tree.map(lambda a: np.array(a, copy=True), core.params)
+            for leaf in jax.tree.leaves(core.swap_params(None)):
                 leaf.delete()
-            runner.params = None
             details["weights_host_bytes"] = _nbytes(self.host_params)
-        core.released_tags = core.released_tags | frozenset(newly)
         details["memory_released"] = sorted(core.released_tags)
         details["host_bytes"] = self.host_bytes
         return ControlResult(True, f"released {newly}; the engine is asleep", details)
 
     def _release_kv(self, preserve_state: bool) -> dict[str, Any]:
         core = self.core
-        sched, cache, runner = core.scheduler, core.cache, core.runner
+        sched = core.scheduler
         holders = list(sched.running)
         out: dict[str, Any] = {}
         if preserve_state and holders:
-            out["dropped_cached_pages"] = cache.evict(cache.num_evictable_pages)
+            out["dropped_cached_pages"] = sched.drop_cached_kv()
             pages = np.asarray(sorted({p for r in holders for p in r.pages}), np.int64)
             ps = core.page_size
             slots = (pages[:, None] * ps + np.arange(ps)).reshape(-1)
-            kv = runner.kv
+            kv = core.kv_pool
+            assert kv is not None
             self.preserved = _PreservedKV(pages, np.array(kv.k[:, :, slots], copy=True),
                                           np.array(kv.v[:, :, slots], copy=True))
             out["preserved_requests"] = len(holders)
@@ -134,14 +140,9 @@ class MemoryManager:
             if holders:
                 sched.retract(holders)
                 out["retracted"] = len(holders)
-            self.weights.check_stale()
-            out["dropped_cached_pages"] = cache.reset()
+            out["dropped_cached_pages"] = core.cache.reset()  # nothing holds a page now
             self.preserved = None
-        kv = runner.kv
-        kv.k.delete()
-        kv.v.delete()
-        runner.kv = None
-        runner.drop_step_buffers()
+        core.drop_kv()
         sched.check_integrity()
         return out
 
@@ -154,39 +155,41 @@ class MemoryManager:
             return ControlResult(True, f"not released: {list(tags)} (no-op)", {
                 "resumed": [], "memory_released": sorted(core.released_tags),
                 "already_resident": True})
-        runner = core.runner
         details: dict[str, Any] = {"resumed": todo, "host_bytes_freed": 0}
         if "weights" in todo:
             assert self.host_params is not None
             # (on CPU the device arrays may adopt the host copy's buffers: no 2nd copy)
             params = jax.device_put(self.host_params, self.weights.shardings)
             jax.block_until_ready(params)
-            runner.params = params
+            core.swap_params(params)
             details["host_bytes_freed"] += _nbytes(self.host_params)
             self.host_params = None
-            core.released_tags = core.released_tags - {"weights"}
         if "kv_cache" in todo:
-            kv = make_kv_pool(core.model_cfg, runner.num_pages, core.page_size, runner.dtype,
+            kv = make_kv_pool(core.model_cfg, self.num_pages, core.page_size, self.dtype,
                               sharding=self.kv_sharding)
             if self.preserved is not None:
                 kv = self._restore(kv, self.preserved)
                 details["restored_kv_pages"] = len(self.preserved.pages)
                 details["host_bytes_freed"] += self.preserved.nbytes
                 self.preserved = None
-            runner.kv = kv
-            runner.reset_prev_ids()
-            core.released_tags = core.released_tags - {"kv_cache"}
+            core.install_kv(kv)
         # the release's hold ends once everything is resident; other reasons stay
         details["continued"] = not core.released_tags and core.release_hold("memory_released")
         details["memory_released"] = sorted(core.released_tags)
         asleep = "; still asleep" if core.released_tags else ""
         return ControlResult(True, f"resumed {todo}{asleep}", details)
 
-    def _restore(self, kv: Any, saved: _PreservedKV) -> Any:
+    def readable_params(self) -> tuple[Any, str]:
+        """(params, where from) for reading weights back: the device tree, or the host
+        copy while the weights are released."""
+        if self.host_params is None:
+            return self.core.params, "device"
+        return self.host_params, "host copy (weights released)"
+
+    def _restore(self, kv: KVPool, saved: _PreservedKV) -> KVPool:
         ps = self.core.page_size
         slots = (saved.pages[:, None] * ps + np.arange(ps)).reshape(-1).astype(np.int32)
-        replicated = self.core.runner.replicated
-        slots_dev = jax.device_put(slots, replicated)
+        slots_dev = jax.device_put(slots, self.replicated)
         k, v = jax.device_put((saved.k, saved.v), self.kv_sharding)
         sh = self.kv_sharding
 
@@ -197,6 +200,3 @@ class MemoryManager:
         fn = jax.jit(put, donate_argnums=(0, 1), out_shardings=(sh, sh))
         new_k, new_v = fn(kv.k, kv.v, slots_dev, k, v)
         return type(kv)(k=new_k, v=new_v)
-
-    def read_host_params(self) -> Any:
-        return self.host_params

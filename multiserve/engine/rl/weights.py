@@ -2,13 +2,14 @@
 
 Owns `WeightManager` (one per Engine): the target layout of the engine's params (shape,
 dtype and sharding of every leaf, fixed at start-up), the one pending staged update, and
-the prefix-cache consequences of a publish. Validation and disk reading live in
-`weight_checks.py`.
+the "weights_staged" pause reason. Validation and disk reading live in `checks.py`.
 
-Flow: `begin()` (engine thread: may the engine take an update now? hold it paused) ->
-`stage_*()` (caller thread: read, validate every tensor, cast, place on the engine's
+Flow: `begin()` (engine thread: may the engine take an update now? hold it) ->
+`stage()` (caller thread: read, validate every tensor, cast, place on the engine's
 devices: a COPY, never an alias of the caller's arrays) -> `publish()` (engine thread,
-between steps: swap params, set the version, invalidate the prefix cache) or `discard()`.
+between steps: `core.swap_params`, then `core.set_weight_version`, which invalidates the
+K/V of the old weights) or `discard()`. The engine core is touched only through its
+narrow methods (hold/release_hold, swap_params, set_weight_version, abort, drain).
 
 Invariants:
 - Validation finishes before any device buffer is created; a failure in validation or
@@ -16,28 +17,29 @@ Invariants:
 - Staged leaves have exactly the live leaves' shape, dtype and sharding, so the jitted
   step never recompiles after a publish (`cache_miss_count` is unchanged).
 - At most one staged update per engine; staging again replaces (discards) the previous.
+- The engine is held (pause reason "weights_staged") from `begin()` until publish,
+  discard, a failed staging, or a memory release of the weights; a user pause is
+  separate and survives all of them.
 - Cached K/V belongs to the weights that produced it. On publish every unreferenced
   prefix-cache page is dropped. Requests that still hold K/V (paused `in_place`) keep it
   and continue decoding with the new weights from that K/V (their weight segments say
-  where the version changed); while any of them lives the prefix cache is switched off,
-  so K/V computed with the old weights is never matched by another request. When the
-  last of them finishes, the cache is cleared and switched back on. Retracted and
-  waiting requests hold no K/V: they re-prefill with the new weights.
+  where the version changed); while any of them holds it the prefix cache is suspended,
+  so K/V computed with the old weights is never matched by another request
+  (Scheduler.invalidate_kv). Retracted and waiting requests hold no K/V: they re-prefill
+  with the new weights.
 """
 
 from __future__ import annotations
 
 import threading
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
 
-from multiserve.engine.request import Req
-from multiserve.engine.weight_checks import (
+from multiserve.engine.rl.checks import (
     LeafPath,
     ParamLayout,
     WeightUpdateError,
@@ -47,6 +49,9 @@ from multiserve.engine.weight_checks import (
 )
 from multiserve.model.sharding import param_shardings
 from multiserve.types import ControlResult
+
+if TYPE_CHECKING:
+    from multiserve.engine.core import EngineCore
 
 __all__ = ["StagedWeights", "WeightManager", "WeightUpdateError"]
 
@@ -74,16 +79,17 @@ class StagedWeights:
 class WeightManager:
     """Weight updates for one engine (see module docstring). `core` is its EngineCore."""
 
-    def __init__(self, core: Any) -> None:
+    def __init__(self, core: EngineCore) -> None:
         self.core = core
-        runner = core.runner
+        runner = core.runner  # read for its fixed settings only (dtype, mesh)
         self.model_cfg = core.model_cfg
         self.dtype = np.dtype(runner.dtype)
+        self.replicated = runner.replicated
         self.layout = ParamLayout(self.model_cfg)
         self.shapes, self.paths = self.layout.shapes, self.layout.paths
         self.shardings = param_shardings(self.model_cfg, runner.mesh)
         for path in self.paths:  # the live params must have exactly this layout
-            leaf = get_leaf(runner.params, path)
+            leaf = get_leaf(core.params, path)
             assert tuple(leaf.shape) == get_leaf(self.shapes, path), path
             assert leaf.dtype == self.dtype, path
             assert leaf.sharding == get_leaf(self.shardings, path), path
@@ -91,9 +97,6 @@ class WeightManager:
         self._staged: StagedWeights | None = None
         self._held: str | None = None  # token of the staging that holds the engine
         self._token: str | None = None  # the latest begin(); staging for another is stale
-        self._stale: dict[tuple[str, int], tuple[Req, int]] = {}
-        self.cache_enabled_by_config = core.cache.enabled
-        self.num_updates = 0
 
     # ---- engine thread: may an update happen now? -------------------------------------
     def begin(self, abort_running: bool) -> ControlResult:
@@ -180,16 +183,16 @@ class WeightManager:
             return ControlResult(False, f"cannot publish weights while {live} request(s) are "
                                  "running: pause first or pass abort_running=true",
                                  {"refused": "running", "live": live, "token": token})
-        runner = core.runner
+        live_params = core.params
         # Build the whole new tree first; only then swap (nothing changes on failure).
-        new = jax.tree.map(lambda a: a, runner.params)
+        new = jax.tree.map(lambda a: a, live_params)
         replaced: list[jax.Array] = []
         for path, arr in staged.full.items():
-            replaced.append(get_leaf(runner.params, path))
+            replaced.append(get_leaf(live_params, path))
             set_leaf(new, path, arr)
         for path, (idx, vals) in staged.partial.items():
-            old = get_leaf(runner.params, path)
-            idx_dev = jax.device_put(idx, runner.replicated)
+            old = get_leaf(live_params, path)
+            idx_dev = jax.device_put(idx, self.replicated)
             merged = _scatter_layers(old, idx_dev, vals, old.sharding)
             replaced.append(old)
             set_leaf(new, path, merged)
@@ -200,17 +203,15 @@ class WeightManager:
         if abort_running and live:
             aborted = core.abort(None, abort_all=True).details.get("aborted", 0)
         previous = core.weight_version
-        runner.params = new
-        core.weight_version = staged.weight_version
+        core.swap_params(new)
         for _, vals in staged.partial.values():
             vals.delete()
         for a in replaced:
             a.delete()  # nothing else holds the engine's old params (staging copies)
         with self._lock:
             self._staged = None
-        cache = self._invalidate_cache()
+        cache = core.set_weight_version(staged.weight_version)
         resumed = self._release_hold()
-        self.num_updates += 1
         return ControlResult(True, f"weights updated to version {staged.weight_version!r}", {
             "weight_version": staged.weight_version, "previous_weight_version": previous,
             "tensors": staged.names, "source": staged.source, "aborted": aborted,
@@ -255,46 +256,6 @@ class WeightManager:
         self._held = None
         return self.core.release_hold("weights_staged")
 
-    @property
-    def staged_version(self) -> str | None:
-        s = self._staged
-        return None if s is None else s.weight_version
-
-    # ---- prefix cache after a publish (engine thread) ---------------------------------------
-    def _invalidate_cache(self) -> dict[str, Any]:
-        core = self.core
-        cache = core.cache
-        dropped = cache.evict(cache.num_evictable_pages)
-        holders = [r for r in core.reqs.values() if r.pages]
-        for r in holders:
-            if r.key not in self._stale:
-                self._stale[r.key] = (r, r.num_retractions)
-                r.sink = self._watch(r.sink)
-        self.check_stale()
-        return {"flushed_cached_pages": dropped,
-                "kept_kv_requests": len(holders),
-                "prefix_cache_enabled": cache.enabled}
-
-    def _watch(self, sink: Callable[[Any], None]) -> Callable[[Any], None]:
-        def watched(out: Any) -> None:
-            if out.finished:
-                self.check_stale()
-            sink(out)
-        return watched
-
-    def check_stale(self) -> None:
-        """Cache off while a request still holds K/V of replaced weights; on again (and
-        emptied) once none does."""
-        cache = self.core.cache
-        live = {k: v for k, v in self._stale.items()
-                if not v[0].finished and v[0].num_retractions == v[1]}
-        self._stale = live
-        if live:
-            cache.enabled = False
-            return
-        if cache.num_referenced_pages == 0:
-            cache.reset()
-            cache.enabled = self.cache_enabled_by_config
 
 def _scatter_layers(old: jax.Array, idx: jax.Array, vals: jax.Array, sharding: Any
                     ) -> jax.Array:

@@ -1,15 +1,17 @@
-"""The Engine's RL-facing public API: memory release/resume and staged weight updates.
+"""RLControl: weight updates and memory release of one engine, behind one object.
 
-Owns `RLEngineMixin`, a base class of `multiserve.Engine`: public sync methods, their
-`async_*` twins (for the HTTP side and the supervisor), and the `_cmd_*` handlers that
-the engine thread runs between steps. The logic lives in `weights.py` (WeightManager)
-and `memory_release.py` (MemoryManager); this file only routes calls to them.
+The Engine composes one RLControl and forwards its public RL methods here (same names and
+signatures); the logic lives in `weights.py` (WeightManager) and `memory.py`
+(MemoryManager). RLControl reaches the engine only through what it is given: the core
+(whose narrow methods the managers use) and a way to run a function on the engine thread
+between two steps, sync or async.
 
 Invariants:
-- Everything that touches engine state runs on the engine thread (`Engine._call`).
+- Everything that touches engine state runs on the engine thread (`run` / `arun`).
   Reading a checkpoint and copying tensors onto the devices (staging) runs on the
   caller's thread (or a worker thread for the async twins), so generation is not
-  blocked by disk reads; the engine is held paused meanwhile (see weights.py).
+  blocked by disk reads; the engine is held meanwhile (pause reason "weights_staged").
+- A staging that fails or is interrupted ends its own hold (never another staging's).
 - Every public method returns a ControlResult. Invalid tensors/checkpoints give
   ok=False with a message naming the tensor; invalid arguments (unknown tag or mode)
   raise ValueError at the call.
@@ -18,15 +20,22 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
 
-from multiserve.engine.memory_release import MemoryManager, normalize_tags
-from multiserve.engine.weights import WeightManager, WeightUpdateError
+from multiserve.engine.rl.checks import WeightUpdateError
+from multiserve.engine.rl.memory import MemoryManager, normalize_tags
+from multiserve.engine.rl.weights import WeightManager
 from multiserve.model.errors import ModelLoadError
-from multiserve.types import PAUSE_MODES, ControlResult, EngineUnavailable
+from multiserve.types import PAUSE_MODES, ControlResult
 
+if TYPE_CHECKING:
+    from multiserve.engine.core import EngineCore
+
+OnEngineThread = Callable[[Callable[["EngineCore"], Any]], Any]  # runs fn(core), returns
+AOnEngineThread = Callable[[Callable[["EngineCore"], Any]], Awaitable[Any]]
 Loader = Callable[[], tuple[Any, str, bool]]  # -> (tensors, source, require_all)
+DEFAULT_TAGS = ("weights", "kv_cache")
 
 
 def _check_mode(mode: str) -> None:
@@ -34,65 +43,50 @@ def _check_mode(mode: str) -> None:
         raise ValueError(f"mode: must be one of {PAUSE_MODES}, got {mode!r}")
 
 
-class RLEngineMixin:
-    _core: Any
-    _healthy: bool
-    _reason: str
-    _call: Callable[..., Any]
-    _acall: Callable[..., Any]
+def _failed(e: Exception, weight_version: str) -> ControlResult:
+    return ControlResult(False, str(e), {"error": str(e), "weight_version": weight_version})
 
-    def _init_rl(self) -> None:
-        self._weights = WeightManager(self._core)
-        self._memory = MemoryManager(self._core, self._weights)
 
-    # ---- engine-thread commands --------------------------------------------------------
-    def _cmd_weights_begin(self, abort_running: bool) -> ControlResult:
-        if not self._healthy:
-            raise EngineUnavailable(self._reason)
-        return self._weights.begin(abort_running)
+class RLControl:
+    """See the module docstring. `require_healthy()` raises EngineUnavailable when the
+    engine cannot take an update (it runs on the engine thread)."""
 
-    def _cmd_weights_publish(self, token: str, abort_running: bool) -> ControlResult:
-        return self._weights.publish(token, abort_running)
+    def __init__(self, core: EngineCore, run: OnEngineThread, arun: AOnEngineThread,
+                 require_healthy: Callable[[], None]) -> None:
+        self.weights = WeightManager(core)
+        self.memory = MemoryManager(core, self.weights)
+        self._run = run
+        self._arun = arun
+        self._require_healthy = require_healthy
 
-    def _cmd_weights_discard(self, token: str | None) -> ControlResult:
-        return self._weights.discard(token)
+    # ---- engine-thread bodies ------------------------------------------------------------
+    def _begin(self, abort_running: bool) -> ControlResult:
+        self._require_healthy()
+        return self.weights.begin(abort_running)
 
-    def _cmd_weights_unhold(self, token: str) -> None:
-        self._weights.release_hold_if(token)
-
-    def _cmd_weights_read(self, name: str, truncate_size: int) -> ControlResult:
-        core = self._core
-        resident = "weights" not in core.released_tags
-        params = core.runner.params if resident else self._memory.host_params
+    def _read(self, name: str, truncate_size: int) -> ControlResult:
+        params, source = self.memory.readable_params()
         try:
-            out = self._weights.layout.read(params, name, truncate_size)
+            out = self.weights.layout.read(params, name, truncate_size)
         except WeightUpdateError as e:
             return ControlResult(False, str(e), {"name": name})
         return ControlResult(True, f"{name}: shape {out['shape']}", {
-            **out, "weight_version": core.weight_version,
-            "from": "device" if resident else "host copy (weights released)"})
+            **out, "weight_version": self.weights.core.weight_version, "from": source})
 
-    def _cmd_release_memory(self, tags: tuple[str, ...], mode: str,
-                            preserve_state: bool) -> ControlResult:
-        return self._memory.release(tags, mode, preserve_state)
-
-    def _cmd_resume_memory(self, tags: tuple[str, ...]) -> ControlResult:
-        return self._memory.resume(tags)
-
-    # ---- staging (caller side) ---------------------------------------------------------
+    # ---- staging (caller side) -----------------------------------------------------------
     def _tensor_loader(self, params: Any) -> Loader:
         return lambda: (params, "<tensors>", False)
 
     def _disk_loader(self, path: str) -> Loader:
         def load() -> tuple[Any, str, bool]:
-            named, source = self._weights.layout.read_disk(path)
+            named, source = self.weights.layout.read_disk(path)
             return named, source, True
         return load
 
     def _stage_body(self, token: str, load: Loader, weight_version: str) -> ControlResult:
         tensors, source, require_all = load()
-        staged = self._weights.stage(token, tensors, weight_version, require_all=require_all,
-                                     source=source)
+        staged = self.weights.stage(token, tensors, weight_version, require_all=require_all,
+                                    source=source)
         nbytes = sum(a.nbytes for a in staged.arrays())
         return ControlResult(True, f"staged weights {weight_version!r} ({staged.names} "
                              f"tensors from {source})", {
@@ -100,60 +94,52 @@ class RLEngineMixin:
                                  "tensors": staged.names, "source": source,
                                  "staged_bytes": int(nbytes)})
 
-    @staticmethod
-    def _failed(e: Exception, weight_version: str) -> ControlResult:
-        return ControlResult(False, str(e), {"error": str(e), "weight_version": weight_version})
+    def _unhold(self, token: str) -> Callable[[EngineCore], None]:
+        return lambda core: self.weights.release_hold_if(token)
 
     def _stage(self, load: Loader, weight_version: str, abort_running: bool) -> ControlResult:
-        begun = self._call("weights_begin", abort_running)
+        begun = self._run(lambda core: self._begin(abort_running))
         if not begun.ok:
             return begun
         token = begun.details["token"]
         try:
             return self._stage_body(token, load, weight_version)
         except (WeightUpdateError, ModelLoadError) as e:
-            self._call("weights_unhold", token)
-            return self._failed(e, weight_version)
+            self._run(self._unhold(token))
+            return _failed(e, weight_version)
         except BaseException:
-            self._call("weights_unhold", token)
+            self._run(self._unhold(token))
             raise
 
     async def _astage(self, load: Loader, weight_version: str,
                       abort_running: bool) -> ControlResult:
-        begun = await self._acall("weights_begin", abort_running)
+        begun = await self._arun(lambda core: self._begin(abort_running))
         if not begun.ok:
             return begun
         token = begun.details["token"]
         try:
             return await asyncio.to_thread(self._stage_body, token, load, weight_version)
         except (WeightUpdateError, ModelLoadError) as e:
-            await self._acall("weights_unhold", token)
-            return self._failed(e, weight_version)
+            await self._arun(self._unhold(token))
+            return _failed(e, weight_version)
         except BaseException:
-            await self._acall("weights_unhold", token)
+            await self._arun(self._unhold(token))
             raise
 
-    # ---- weights: sync -------------------------------------------------------------------
+    # ---- weights: sync ---------------------------------------------------------------------
     def stage_weights_from_tensor(self, params: Any, weight_version: str,
                                   abort_running: bool = False) -> ControlResult:
-        """Validate + copy `params` (flat {HF name: array}, (name, array) pairs, or the
-        params pytree; a subset updates only those tensors) onto the engine's devices.
-        details["token"] publishes it. Refused if requests run and the engine is not
-        paused (unless abort_running). The engine is held paused until publish/discard."""
         return self._stage(self._tensor_loader(params), weight_version, abort_running)
 
     def stage_weights_from_disk(self, path: str, weight_version: str,
                                 abort_running: bool = False) -> ControlResult:
-        """Like stage_weights_from_tensor, from an HF safetensors dir (every tensor)."""
         return self._stage(self._disk_loader(path), weight_version, abort_running)
 
     def publish_staged_weights(self, token: str, abort_running: bool = False) -> ControlResult:
-        """Swap the staged weights in (between two steps), set the version, invalidate
-        the prefix cache; abort_running aborts every live request first."""
-        return self._call("weights_publish", token, abort_running)
+        return self._run(lambda core: self.weights.publish(token, abort_running))
 
     def discard_staged_weights(self, token: str | None = None) -> ControlResult:
-        return self._call("weights_discard", token)
+        return self._run(lambda core: self.weights.discard(token))
 
     def update_weights_from_tensor(self, params: Any, weight_version: str,
                                    abort_running: bool = False) -> ControlResult:
@@ -170,13 +156,11 @@ class RLEngineMixin:
         return self.publish_staged_weights(staged.details["token"], abort_running)
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> ControlResult:
-        """details: name, shape (HF orientation), dtype, values = the first
-        `truncate_size` rows as nested lists, weight_version."""
         if truncate_size < 1:
             raise ValueError("truncate_size: must be >= 1")
-        return self._call("weights_read", name, truncate_size)
+        return self._run(lambda core: self._read(name, truncate_size))
 
-    # ---- weights: async ------------------------------------------------------------------
+    # ---- weights: async --------------------------------------------------------------------
     async def async_stage_weights_from_tensor(self, params: Any, weight_version: str,
                                               abort_running: bool = False) -> ControlResult:
         return await self._astage(self._tensor_loader(params), weight_version, abort_running)
@@ -187,10 +171,10 @@ class RLEngineMixin:
 
     async def async_publish_staged_weights(self, token: str,
                                            abort_running: bool = False) -> ControlResult:
-        return await self._acall("weights_publish", token, abort_running)
+        return await self._arun(lambda core: self.weights.publish(token, abort_running))
 
     async def async_discard_staged_weights(self, token: str | None = None) -> ControlResult:
-        return await self._acall("weights_discard", token)
+        return await self._arun(lambda core: self.weights.discard(token))
 
     async def async_update_weights_from_tensor(self, params: Any, weight_version: str,
                                                abort_running: bool = False) -> ControlResult:
@@ -211,28 +195,27 @@ class RLEngineMixin:
                                         truncate_size: int = 100) -> ControlResult:
         if truncate_size < 1:
             raise ValueError("truncate_size: must be >= 1")
-        return await self._acall("weights_read", name, truncate_size)
+        return await self._arun(lambda core: self._read(name, truncate_size))
 
-    # ---- memory --------------------------------------------------------------------------
-    def release_memory_occupation(self, tags: Any = ("weights", "kv_cache"),
-                                  mode: str = "retract",
+    # ---- memory ----------------------------------------------------------------------------
+    def release_memory_occupation(self, tags: Any = DEFAULT_TAGS, mode: str = "retract",
                                   preserve_state: bool = False) -> ControlResult:
-        """Pause (if running, with `mode`), then free the tagged device buffers; new
-        requests wait until resume. preserve_state keeps in-place paused requests' K/V
-        on the host and restores it exactly."""
         _check_mode(mode)
-        return self._call("release_memory", normalize_tags(tags), mode, bool(preserve_state))
+        tags = normalize_tags(tags)
+        return self._run(lambda core: self.memory.release(tags, mode, bool(preserve_state)))
 
-    def resume_memory_occupation(self, tags: Any = ("weights", "kv_cache")) -> ControlResult:
-        return self._call("resume_memory", normalize_tags(tags))
+    def resume_memory_occupation(self, tags: Any = DEFAULT_TAGS) -> ControlResult:
+        tags = normalize_tags(tags)
+        return self._run(lambda core: self.memory.resume(tags))
 
-    async def async_release_memory_occupation(self, tags: Any = ("weights", "kv_cache"),
+    async def async_release_memory_occupation(self, tags: Any = DEFAULT_TAGS,
                                               mode: str = "retract",
                                               preserve_state: bool = False) -> ControlResult:
         _check_mode(mode)
-        return await self._acall("release_memory", normalize_tags(tags), mode,
-                                 bool(preserve_state))
+        tags = normalize_tags(tags)
+        return await self._arun(lambda core: self.memory.release(tags, mode,
+                                                                 bool(preserve_state)))
 
-    async def async_resume_memory_occupation(self, tags: Any = ("weights", "kv_cache")
-                                             ) -> ControlResult:
-        return await self._acall("resume_memory", normalize_tags(tags))
+    async def async_resume_memory_occupation(self, tags: Any = DEFAULT_TAGS) -> ControlResult:
+        tags = normalize_tags(tags)
+        return await self._arun(lambda core: self.memory.resume(tags))
