@@ -20,6 +20,8 @@ from typing import Any
 
 import uvicorn
 
+from multiserve.server.http_logging import configure_uvicorn_logging
+
 log = logging.getLogger("multiserve.server")
 
 
@@ -58,7 +60,10 @@ class ServerThread:
         self.ready = threading.Event()
         self._sock = bind_socket(host, port)
         self.port: int = self._sock.getsockname()[1]
-        config = uvicorn.Config(app, log_level=log_level, lifespan="off",
+        configure_uvicorn_logging()
+        # log_config=None: uvicorn's own dictConfig would close the process's existing
+        # logging handlers (see http_logging).
+        config = uvicorn.Config(app, log_level=log_level, lifespan="off", log_config=None,
                                 timeout_graceful_shutdown=graceful_timeout_s,
                                 timeout_keep_alive=30)
         self._server = _Server(config, self.ready)
