@@ -1,5 +1,5 @@
 """The scheduling part of the engine (scheduler, prefix cache, page allocator, request,
-admission) imports and runs without jax: checked in a fresh interpreter where importing
+admission, and the types and config they use) imports and runs without jax: checked in a fresh interpreter where importing
 jax, jaxlib or flax raises."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 SCHEDULING = ("multiserve.engine.scheduler", "multiserve.engine.prefix_cache",
               "multiserve.engine.memory", "multiserve.engine.request",
-              "multiserve.engine.admission")
+              "multiserve.engine.admission", "multiserve.types", "multiserve.config")
 
 
 def test_scheduling_imports_and_runs_without_jax() -> None:

@@ -25,12 +25,12 @@ def test_check_and_action_are_paired() -> None:
     assert a.num_free == 2  # a refused allocation takes nothing
 
 
-def test_freed_pages_come_back_lowest_first() -> None:
-    a = PageAllocator(6, 4)
-    pages = a.allocate(5)
-    a.free([pages[3], pages[1]])
-    assert a.num_free == 2
-    assert a.allocate(2) == [2, 4]
+def test_freed_pages_come_back_in_free_order_before_untouched_ones() -> None:
+    a = PageAllocator(8, 4)
+    pages = a.allocate(5)  # 1..5; 6, 7 untouched
+    a.free([pages[3], pages[1]])  # 4, then 2
+    assert a.num_free == 4
+    assert a.allocate(3) == [4, 2, 6]
 
 
 @pytest.mark.parametrize("bad", [[0], [1, 1], [3, 3]])

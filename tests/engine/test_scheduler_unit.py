@@ -190,3 +190,59 @@ def test_integrity_check_catches_a_leaked_page() -> None:
     sim.allocator.allocate(1)
     with pytest.raises(AssertionError, match="accounting"):
         sim.sched.check_integrity()
+
+
+def test_invalidate_kv_suspends_the_cache_until_the_last_old_kv_holder_lets_go() -> None:
+    # a weight update (Scheduler.invalidate_kv): cached pages nobody holds are dropped;
+    # a running Req keeps its K/V (of the old weights) and, while it holds it, nobody
+    # matches or extends the cache; its release empties and reopens the cache
+    sim = Sim()
+    shared = _prompt(3, 12)
+    sim.add(sim.req("a", shared + [5], max_new=1))
+    sim.run()
+    assert sim.cache.num_evictable_pages == 3
+    old = sim.req("old", shared + [6], max_new=3)
+    sim.add(old)
+    sim.step()
+    assert old.cached_tokens == 12 and old.pages
+    cached_before = sim.cache.num_evictable_pages
+    dropped, kept = sim.sched.invalidate_kv()
+    assert (dropped, kept) == (cached_before, 1)
+    assert sim.cache.suspended and not sim.cache.enabled
+    new = sim.req("new", shared + [7], max_new=2)
+    sim.add(new)
+    sim.step()
+    assert new.cached_tokens == 0  # K/V of the old weights is never matched
+    sim.finish(old)  # the last holder of old K/V lets go
+    assert not sim.cache.suspended and sim.cache.enabled
+    assert sim.cache.num_cached_pages == 0
+    sim.run()
+    sim.sched.check_integrity()
+    again = sim.req("again", shared + [8], max_new=1)
+    sim.add(again)
+    sim.step()
+    assert again.cached_tokens == 12  # "new" (new weights) cached it after the reopen
+    assert sim.free_tokens() + sum(len(r.pages) for r in sim.sched.running) * PAGE == \
+        sim.allocator.num_usable * PAGE
+
+
+def test_invalidate_kv_with_no_holder_empties_the_cache_at_once() -> None:
+    sim = Sim()
+    sim.add(sim.req("a", _prompt(4, 9), max_new=1))
+    sim.run()
+    assert sim.cache.num_cached_pages == 2
+    assert sim.sched.invalidate_kv() == (2, 0)
+    assert sim.cache.enabled and sim.cache.num_cached_pages == 0
+
+
+def test_a_retracted_old_kv_holder_also_reopens_the_cache() -> None:
+    sim = Sim()
+    r = sim.req("r", _prompt(5, 9), max_new=4)
+    sim.add(r)
+    sim.step()
+    sim.sched.invalidate_kv()
+    assert sim.cache.suspended
+    sim.sched.retract([r])
+    assert not sim.cache.suspended and sim.cache.num_cached_pages == 0
+    sim.run()
+    assert sim.outputs() == {"r": expected(r.prompt_ids, 4)}
