@@ -1,0 +1,74 @@
+"""The RL subsystem (engine/rl/) stays behind its interface (issue 12): it never assigns a
+field of anything but its own objects (the core, runner, scheduler and prefix cache change
+only through their methods: hold/release_hold, swap_params, set_weight_version,
+drop_kv/install_kv, retract, ...) and never touches a request's sink. Static (ast)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+RL = Path(__file__).resolve().parents[2] / "multiserve" / "engine" / "rl"
+OWN = {"staged"}  # rl/weights.StagedWeights, the staging's own object
+
+
+def _chain(node: ast.expr) -> list[str]:
+    """`self.core.runner.kv` -> ["self", "core", "runner", "kv"] (subscripts skipped)."""
+    parts: list[str] = []
+    while True:
+        if isinstance(node, ast.Attribute):
+            parts.append(node.attr)
+            node = node.value
+        elif isinstance(node, ast.Subscript):
+            node = node.value
+        elif isinstance(node, ast.Name):
+            parts.append(node.id)
+            return parts[::-1]
+        else:
+            return ["<expr>", *parts[::-1]]
+
+
+def _assigned_attributes(tree: ast.AST) -> list[tuple[int, str]]:
+    out = []
+    for node in ast.walk(tree):
+        targets: list[ast.expr] = []
+        if isinstance(node, ast.Assign):
+            targets = list(node.targets)
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        flat: list[ast.expr] = []
+        while targets:
+            t = targets.pop()
+            if isinstance(t, (ast.Tuple, ast.List)):
+                targets.extend(t.elts)
+            else:
+                flat.append(t)
+        for t in flat:
+            if isinstance(t, (ast.Attribute, ast.Subscript)):
+                chain = _chain(t)
+                # allowed: a local (d[k] =), a field of its own object (self.x =,
+                # self.x[k] =), and the StagedWeights it builds (staged.full[k] =)
+                if len(chain) > 1 and not (chain[0] == "self" and len(chain) == 2) \
+                        and chain[0] not in OWN:
+                    out.append((node.lineno, ".".join(chain)))
+    return out
+
+
+def test_rl_assigns_only_its_own_fields_and_never_touches_a_sink() -> None:
+    files = sorted(RL.glob("*.py"))
+    assert {f.name for f in files} >= {"control.py", "memory.py", "weights.py", "checks.py"}
+    bad = []
+    for f in files:
+        tree = ast.parse(f.read_text(), str(f))
+        bad += [f"{f.name}:{line}: assigns {name}" for line, name in _assigned_attributes(tree)
+                if f.name != "checks.py"]  # checks.py edits the trees it builds (set_leaf)
+        bad += [f"{f.name}:{n.lineno}: touches a sink" for n in ast.walk(tree)
+                if isinstance(n, ast.Attribute) and "sink" in n.attr]
+    assert not bad, "\n".join(bad)
+
+
+def test_the_check_sees_a_foreign_assignment() -> None:
+    tree = ast.parse("self.core.paused = True\nself.x = 1\nrunner.kv = None\nself.d[k] = 2\n"
+                     "a, self.core.weight_version = 1, 2\nd[k] = 3\ncore.reqs[k] = 4\n")
+    assert [n for _, n in _assigned_attributes(tree)] == [
+        "self.core.paused", "runner.kv", "self.core.weight_version", "core.reqs"]
