@@ -1,8 +1,10 @@
 """Engine: the public API of one engine on one device group (exported as multiserve.Engine).
 
 Owns one thread that owns one EngineCore (docs/architecture.md §3). Every public method may be
-called from any thread: work goes to the engine thread through `self._commands`;
-results come back through futures (control) and per-request sinks (outputs).
+called from any thread: work goes to the engine thread as a typed command
+(engine/commands.py) through `call(cmd) -> Future` / `await acall(cmd)`; the thread runs
+each through one `match` (`_dispatch`). Results come back through those futures (control)
+and per-request sinks (outputs).
 
 Invariants:
 - Only the engine thread touches the EngineCore, the runner and device state.
@@ -22,10 +24,20 @@ import random
 import threading
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from multiserve.config import EngineConfig
+from multiserve.engine.commands import (
+    Abort,
+    Add,
+    Call,
+    Command,
+    Continue,
+    Flush,
+    GetState,
+    Pause,
+    Stop,
+)
 from multiserve.engine.request import Req
 from multiserve.engine.rl.control import DEFAULT_TAGS, RLControl
 from multiserve.engine.setup import EngineParts, build_engine_parts
@@ -39,12 +51,7 @@ from multiserve.types import (
     SamplingParams,
 )
 
-
-@dataclass
-class _Command:
-    name: str
-    args: tuple
-    future: concurrent.futures.Future
+_Queued = tuple[Command, concurrent.futures.Future]
 
 
 class Engine:
@@ -67,8 +74,8 @@ class Engine:
         self.devices = parts.runner.devices
         self._core = parts.core
         self._rl = RLControl(parts.core, self.run_on_engine_thread,
-                             lambda fn: self._acall("call", fn), self._require_healthy)
-        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+                             lambda fn: self.acall(Call(fn)), self._require_healthy)
+        self._commands: queue.SimpleQueue[_Queued] = queue.SimpleQueue()
         self._seed_rng = random.Random(cfg.seed)
         self._rid_counter = itertools.count()
         self._healthy = True
@@ -88,15 +95,15 @@ class Engine:
                 block = not self._healthy or not core.has_work()
                 while True:
                     try:
-                        cmd = self._commands.get(block=block)
+                        cmd, future = self._commands.get(block=block)
                     except queue.Empty:
                         break
-                    if cmd.name == "stop":
+                    if isinstance(cmd, Stop):
                         self._fail_all("engine shut down")
                         self._close_queue()
-                        cmd.future.set_result(ControlResult(True, "stopped"))
+                        future.set_result(ControlResult(True, "stopped"))
                         return
-                    self._run_command(cmd)
+                    self._run_command(cmd, future)
                     block = False
                 if not self._healthy:
                     continue
@@ -114,24 +121,46 @@ class Engine:
             self._closed = True
         while True:
             try:
-                cmd = self._commands.get_nowait()
+                cmd, future = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if cmd.future.done():
+            if future.done():
                 continue
-            if cmd.name == "stop":  # a concurrent second shutdown: already done
-                cmd.future.set_result(ControlResult(True, "stopped"))
+            if isinstance(cmd, Stop):  # a concurrent second shutdown: already done
+                future.set_result(ControlResult(True, "stopped"))
             else:
-                cmd.future.set_exception(EngineUnavailable("engine is shut down"))
+                future.set_exception(EngineUnavailable("engine is shut down"))
 
-    def _run_command(self, cmd: _Command) -> None:
-        if cmd.future.done():
+    def _run_command(self, cmd: Command, future: concurrent.futures.Future) -> None:
+        if future.done():
             return
         try:
-            handler: Callable[..., Any] = getattr(self, f"_cmd_{cmd.name}")
-            cmd.future.set_result(handler(*cmd.args))
+            future.set_result(self._dispatch(cmd))
         except Exception as exc:  # noqa: BLE001 - reported to the caller
-            cmd.future.set_exception(exc)
+            future.set_exception(exc)
+
+    def _dispatch(self, cmd: Command) -> Any:
+        """Run one command on the engine thread (between two steps): the one place."""
+        core = self._core
+        match cmd:
+            case Add(reqs):
+                if not self._healthy:
+                    raise EngineUnavailable(self._reason)
+                return core.add(reqs)
+            case Abort(rid, abort_all):
+                return core.abort(rid, abort_all)
+            case Pause(mode):
+                return core.pause(mode)
+            case Continue():
+                return core.resume()
+            case Flush():
+                return core.flush()
+            case GetState():
+                return core.internal_state()
+            case Call(fn):
+                return fn(core)
+            case _:  # Stop is handled by the loop itself
+                raise TypeError(f"not an engine command: {cmd!r}")
 
     def _mark_unhealthy(self, reason: str) -> None:
         self._healthy = False
@@ -155,45 +184,21 @@ class Engine:
             except Exception:  # noqa: BLE001 - a bad sink must not kill the engine thread
                 pass
 
-    # commands (run on the engine thread)
-    def _cmd_add(self, reqs: list[Req]) -> None:
-        if not self._healthy:
-            raise EngineUnavailable(self._reason)
-        self._core.add(reqs)
-
-    def _cmd_abort(self, rid: str | None, abort_all: bool) -> ControlResult:
-        return self._core.abort(rid, abort_all)
-
-    def _cmd_pause(self, mode: str) -> ControlResult:
-        return self._core.pause(mode)
-
-    def _cmd_continue(self) -> ControlResult:
-        return self._core.resume()
-
-    def _cmd_flush(self) -> ControlResult:
-        return self._core.flush()
-
-    def _cmd_state(self) -> dict[str, Any]:
-        return self._core.internal_state()
-
-    def _cmd_call(self, fn: Callable[[Any], Any]) -> Any:
-        return fn(self._core)
-
-    # ---- command plumbing ----------------------------------------------------------
-    def _submit(self, name: str, *args: Any) -> concurrent.futures.Future:
+    # ---- commands: the one way into the engine thread -------------------------------
+    def call(self, cmd: Command) -> concurrent.futures.Future:
+        """Queue `cmd` (engine/commands.py) for the engine thread; the future holds its
+        result (or exception). Fails at once (EngineUnavailable) after shutdown."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
         with self._submit_lock:
             if self._stopped or self._closed:
                 fut.set_exception(EngineUnavailable("engine is shut down"))
                 return fut
-            self._commands.put(_Command(name, args, fut))
+            self._commands.put((cmd, fut))
         return fut
 
-    def _call(self, name: str, *args: Any) -> Any:
-        return self._submit(name, *args).result()
-
-    async def _acall(self, name: str, *args: Any) -> Any:
-        return await asyncio.wrap_future(self._submit(name, *args))
+    async def acall(self, cmd: Command) -> Any:
+        """`call(cmd)`, awaited."""
+        return await asyncio.wrap_future(self.call(cmd))
 
     # ---- requests ------------------------------------------------------------------
     def _make_reqs(self, request: GenerateRequest, sink: Callable[[RequestOutput], None]
@@ -257,7 +262,7 @@ class Engine:
                sink: Callable[[RequestOutput], None]) -> None:
         """Low-level: enqueue a request; `sink` receives snapshots on the engine thread."""
         reqs = self._make_reqs(request, sink)
-        self._submit("add", reqs).result()
+        self.call(Add(reqs)).result()
 
     def stream_sync(self, request: GenerateRequest) -> Iterator[RequestOutput]:
         q: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
@@ -284,7 +289,7 @@ class Engine:
                 pass
 
         reqs = self._make_reqs(request, sink)
-        await asyncio.wrap_future(self._submit("add", reqs))
+        await self.acall(Add(reqs))
         remaining = request.sampling.n
         try:
             while remaining:
@@ -294,7 +299,7 @@ class Engine:
                 yield out
         finally:
             if remaining:
-                self._submit("abort", request.rid, False)
+                self.call(Abort(request.rid))
 
     def generate(self, prompt: str | Sequence[str] | None = None,
                  sampling_params: SamplingParams | dict | None = None, *,
@@ -349,41 +354,41 @@ class Engine:
 
     def pause_generation(self, mode: str = "abort") -> ControlResult:
         self._check_mode(mode)
-        return self._call("pause", mode)
+        return self.call(Pause(mode)).result()
 
     def continue_generation(self) -> ControlResult:
-        return self._call("continue")
+        return self.call(Continue()).result()
 
     def abort_request(self, rid: str | None = None, abort_all: bool = False) -> ControlResult:
-        return self._call("abort", rid, abort_all)
+        return self.call(Abort(rid, abort_all)).result()
 
     def flush_cache(self) -> ControlResult:
-        return self._call("flush")
+        return self.call(Flush()).result()
 
     def get_internal_state(self) -> dict[str, Any]:
-        return self._call("state")
+        return self.call(GetState()).result()
 
     def run_on_engine_thread(self, fn: Callable[[Any], Any]) -> Any:
         """Run fn(core) on the engine thread between steps (tests and extensions)."""
-        return self._call("call", fn)
+        return self.call(Call(fn)).result()
 
     # ---- control: async ------------------------------------------------------------
     async def async_pause_generation(self, mode: str = "abort") -> ControlResult:
         self._check_mode(mode)
-        return await self._acall("pause", mode)
+        return await self.acall(Pause(mode))
 
     async def async_continue_generation(self) -> ControlResult:
-        return await self._acall("continue")
+        return await self.acall(Continue())
 
     async def async_abort_request(self, rid: str | None = None,
                                   abort_all: bool = False) -> ControlResult:
-        return await self._acall("abort", rid, abort_all)
+        return await self.acall(Abort(rid, abort_all))
 
     async def async_flush_cache(self) -> ControlResult:
-        return await self._acall("flush")
+        return await self.acall(Flush())
 
     async def async_get_internal_state(self) -> dict[str, Any]:
-        return await self._acall("state")
+        return await self.acall(GetState())
 
     # ---- health / lifecycle --------------------------------------------------------
     def health(self) -> tuple[bool, str]:
@@ -401,7 +406,7 @@ class Engine:
     def shutdown(self) -> None:
         if self._stopped:
             return
-        fut = self._submit("stop")
+        fut = self.call(Stop())
         self._stopped = True
         if self._thread.is_alive():
             fut.result(timeout=60)

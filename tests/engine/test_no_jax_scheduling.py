@@ -1,6 +1,7 @@
 """The scheduling part of the engine (scheduler, prefix cache, page allocator, request,
-admission, and the types and config they use) imports and runs without jax: checked in a fresh interpreter where importing
-jax, jaxlib or flax raises."""
+admission, the engine's command types, and the types and config they use) imports and
+runs without jax: checked in a fresh interpreter where importing jax, jaxlib or flax
+raises."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 SCHEDULING = ("multiserve.engine.scheduler", "multiserve.engine.prefix_cache",
               "multiserve.engine.memory", "multiserve.engine.request",
-              "multiserve.engine.admission", "multiserve.types", "multiserve.config")
+              "multiserve.engine.admission", "multiserve.engine.commands",
+              "multiserve.types", "multiserve.config")
 
 
 def test_scheduling_imports_and_runs_without_jax() -> None:
