@@ -78,14 +78,18 @@ class EngineCore:
 
     # ---- requests ------------------------------------------------------------------
     def add(self, reqs: Sequence[Req]) -> None:
+        """Admit a batch atomically: all of it, or (a rid live already or repeated in the
+        batch) none of it."""
+        keys: set[tuple[str, int]] = set()
         for req in reqs:
-            if req.key in self.reqs:
+            if req.key in self.reqs or req.key in keys:
                 raise ValueError(f"rid: a live request already uses rid {req.rid!r}")
+            keys.add(req.key)
         for req in reqs:
             self.reqs[req.key] = req
-            if req.params.max_new_tokens == 0:
+            if req.params.max_new_tokens == 0 and not req.needs_prompt_logprobs:
                 self._finish(req, "length")
-            else:
+            else:  # max_new_tokens == 0 with prompt logprobs: prefill only (scoring)
                 self.scheduler.add(req)
 
     def has_work(self) -> bool:
@@ -173,6 +177,9 @@ class EngineCore:
             if req.finished:
                 continue
             req.pending -= 1
+            if req.params.max_new_tokens == 0:  # scoring: the prompt is done, no token
+                self._finish(req, "length")
+                continue
             tok = int(next_ids[b])
             req.output_ids.append(tok)
             if req.first_token_time is None:

@@ -102,10 +102,19 @@ def build_app(engine: EngineClient, tokenizer: TokenizerManager, *,
                              "context_len": engine.context_len,
                              "weight_version": state.get("weight_version")})
 
-    @app.get("/get_server_info")
     async def get_server_info() -> Response:
         state = await engine.async_get_internal_state()
-        return JSONResponse(_jsonable({**info, **state, "internal_states": [state]}))
+        return JSONResponse(_jsonable({**server_args(info, state), **info, **state,
+                                       "internal_states": [state]}))
+
+    # sglang serves both names (/server_info is the newer one)
+    app.add_api_route("/get_server_info", get_server_info, methods=["GET"])
+    app.add_api_route("/server_info", get_server_info, methods=["GET"])
+
+    @app.get("/get_weight_version")
+    async def get_weight_version() -> Response:
+        state = await engine.async_get_internal_state()
+        return JSONResponse({"weight_version": state.get("weight_version")})
 
     @app.get("/metrics")
     async def metrics_endpoint() -> Response:
@@ -175,6 +184,18 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def on_unexpected(_: Request, exc: Exception) -> Response:
         log.exception("unexpected error while serving a request")
         return error_json(ApiError(500, f"internal error: {type(exc).__name__}: {exc}"))
+
+
+def server_args(info: dict[str, Any], state: dict[str, Any]) -> dict[str, Any]:
+    """The sglang server-args keys RL clients read from /get_server_info, with this
+    engine's true values: each engine port is one server with one data-parallel rank, its
+    device group is its tensor-parallel group, nothing is pipelined or expert-parallel,
+    and memory can always be released and resumed (/release_memory_occupation)."""
+    devices = info.get("device_indexes") or state.get("device_indexes")
+    tp = len(devices) if devices else int(state.get("tp_size") or 1)
+    return {"tp_size": tp, "dp_size": 1, "pp_size": 1, "ep_size": 1, "nnodes": 1,
+            "node_rank": 0, "enable_memory_saver": True,
+            "max_total_num_tokens": state.get("max_total_tokens")}
 
 
 def _jsonable(x: Any) -> Any:

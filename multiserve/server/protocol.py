@@ -70,6 +70,32 @@ class _SamplingRequest(_Request):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+    # Accepted by OpenAI or sglang, refused when set (see `refused`): never ignored.
+    logit_bias: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    regex: Any = None
+    json_schema: Any = None
+    ebnf: Any = None
+    structural_tag: Any = None
+    stop_regex: Any = None
+
+    def refused(self) -> tuple[str, str] | None:
+        """(param, why) of the first set option that would change the output and that we
+        cannot honour."""
+        if self.logit_bias:
+            return "logit_bias", "logit_bias is not supported"
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            return "response_format", "only response_format type 'text' is supported"
+        if self.tools:
+            return "tools", "tool calling is not supported"
+        for name in ("regex", "json_schema", "ebnf", "structural_tag"):
+            if getattr(self, name) is not None:
+                return name, f"constrained decoding ({name}) is not supported"
+        if self.stop_regex is not None:
+            return "stop_regex", "regex stop conditions are not supported; use 'stop'"
+        return None
 
     @property
     def include_usage(self) -> bool:
@@ -87,6 +113,8 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    # sglang: extra variables for the chat template (e.g. {"enable_thinking": false})
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @property
     def max_new_tokens_param(self) -> tuple[str, int | None]:
@@ -104,6 +132,15 @@ class CompletionRequest(_SamplingRequest):
     echo: bool = False
     logprobs: int | None = None
     max_tokens: int | None = 16  # OpenAI's default for legacy completions
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def refused(self) -> tuple[str, str] | None:
+        if self.best_of is not None and self.best_of != self.n:
+            return "best_of", "best_of other than n is not supported"
+        if self.suffix:
+            return "suffix", "suffix (insertion) is not supported"
+        return super().refused()
 
     @property
     def max_new_tokens_param(self) -> tuple[str, int | None]:
@@ -134,7 +171,8 @@ def openai_sampling(req: ChatCompletionRequest | CompletionRequest,
         max_new_tokens=max_new_tokens, min_new_tokens=req.min_tokens,
         n=req.n, stop=req.stop_list(), stop_token_ids=tuple(req.stop_token_ids or ()),
         ignore_eos=req.ignore_eos, skip_special_tokens=req.skip_special_tokens,
-        return_logprob=wants_logprobs, top_logprobs_num=req.top_logprobs_num, **given)
+        no_stop_trim=req.no_stop_trim, return_logprob=wants_logprobs,
+        top_logprobs_num=req.top_logprobs_num, **given)
 
 
 # ---- responses ----------------------------------------------------------------------

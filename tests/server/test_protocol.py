@@ -6,6 +6,7 @@ import pytest
 
 from multiserve.server import protocol as P
 from multiserve.server import protocol_native as N
+from multiserve.server import sglang_params as S
 from multiserve.server.errors import ApiError
 from multiserve.server.http_utils import parse_body
 from multiserve.types import SamplingParamsError
@@ -56,20 +57,22 @@ def test_malformed_json_is_a_400():
 def test_native_sampling_params():
     body = parse_body(N.GenerateRequestBody, b"""{"text": ["a", "b"], "sampling_params":
         {"max_new_tokens": 7, "temperature": 0.5, "stop": "x", "stop_token_ids": [2],
-         "n": 3, "json_schema": "ignored"}, "return_logprob": true, "top_logprobs_num": 2,
+         "n": 3, "json_schema": null}, "return_logprob": true, "top_logprobs_num": 2,
         "token_ids_logprob": [5, 6]}""")
     prompts, is_batch = body.prompts()
     assert prompts == ["a", "b"] and is_batch
-    sp = N.native_sampling(body)
+    sp = body.sampling(body.sampling_params)
     assert sp.max_new_tokens == 7 and sp.stop == ("x",) and sp.stop_token_ids == (2,)
     assert sp.n == 3 and sp.top_logprobs_num == 2 and sp.token_ids_logprob == (5, 6)
-    assert N.native_sampling(parse_body(N.GenerateRequestBody, b'{"text": "a"}')) \
-        .max_new_tokens == N.DEFAULT_MAX_NEW_TOKENS
+    assert N.GenerateRequestBody(text="a").sampling({}).max_new_tokens == \
+        S.DEFAULT_MAX_NEW_TOKENS
     for bad in ({"temperature": -1}, {"top_p": 0}, {"n": 0}, {"stop_token_ids": "x"},
-                {"ignore_eos": 1}, {"max_new_tokens": -3}):
+                {"ignore_eos": 1}, {"max_new_tokens": -3}, {"json_schema": "{}"},
+                {"logit_bias": {"5": 1.0}}, {"no_such_key": 1}, {"sampling_seed": -1},
+                {"stream_interval": 0}):
         b = N.GenerateRequestBody(text="a", sampling_params=bad)
         with pytest.raises(SamplingParamsError) as e:
-            N.native_sampling(b)
+            b.sampling(bad)
         assert e.value.field == next(iter(bad))
 
 
