@@ -1,4 +1,4 @@
-"""`multiserve serve | validate | generate | bench` — the command line.
+"""`multiserve serve | validate | generate | bench | fuzz | chaos` — the command line.
 
 Thin: parses arguments and hands over to fleet/launch.py, the model's simple generate
 loop, or the benchmark. Heavy imports happen inside each command so `--help` is fast
@@ -39,6 +39,18 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return bench_main(args)
 
 
+def _cmd_fuzz(args: argparse.Namespace) -> int:
+    from multiserve.reliability.fuzz_run import fuzz_main
+
+    return fuzz_main(args)
+
+
+def _cmd_chaos(args: argparse.Namespace) -> int:
+    from multiserve.reliability.chaos_run import chaos_main
+
+    return chaos_main(args)
+
+
 def _fleet_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=None,
                    help="fleet config TOML (default: configs/cpu-4.toml semantics)")
@@ -49,6 +61,9 @@ def _fleet_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default=None)
     p.add_argument("--model", default=None, help="HF model dir or .gguf (default: SmolLM2)")
     p.add_argument("--shutdown-mode", choices=["drain", "abort"], default="abort")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every engine and supervisor "
+                        "endpoint (default: $MULTISERVE_API_KEY; none: open, loopback only)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -83,15 +98,27 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="offline throughput on the default model")
     b.add_argument("--num-prompts", type=int, default=64)
-    b.add_argument("--output-len", type=int, default=128)
-    b.add_argument("--peer", choices=["none", "hf"], default="none")
+    b.add_argument("--output-len", type=int, default=None,
+                   help="output tokens per prompt (default 128; 64 with --single-stream "
+                        "or --fleet)")
+    b.add_argument("--single-stream", action="store_true",
+                   help="one prompt streamed: TTFT and tok/s (1 x --output-len)")
+    b.add_argument("--fleet", action="store_true",
+                   help="the fleet (--config, default configs/cpu-4.toml), one streaming "
+                        "HTTP client per engine port, vs one engine with the same requests")
+    b.add_argument("--config", default=None, help="with --fleet: the fleet config TOML")
+    b.add_argument("--peer", choices=["none", "hf", "vllm", "llamacpp"], default="none",
+                   help="compare with a peer run in its own env (scripts/peer-envs.sh)")
+    b.add_argument("--peer-model", default=None,
+                   help="the peer's model (HF dir; .gguf for llamacpp); default: ours")
     b.add_argument("--no-overlap", action="store_true")
     b.add_argument("--ab-overlap", action="store_true", help="run overlap on AND off")
     b.add_argument("--model", default=None)
     b.add_argument("--max-running", type=int, default=None)
     b.add_argument("--peer-batch-size", type=int, default=0,
                    help="peer generate batch size (0: all prompts in one batch)")
-    b.add_argument("--peer-threads", type=int, default=None, help="peer torch threads")
+    b.add_argument("--peer-threads", type=int, default=None,
+                   help="peer threads (default: all cores)")
     b.add_argument("--no-progress", action="store_true", help="no progress bars")
     b.add_argument("--token-paddings", type=int, nargs="+", default=None,
                    help="engine precompile_token_paddings (default: EngineConfig's)")
@@ -100,6 +127,21 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--chunked-prefill-size", type=int, default=None)
     b.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size in tokens")
     b.set_defaults(func=_cmd_bench)
+    f = sub.add_parser("fuzz", help="schema-fuzz the engine and supervisor apps of a tiny "
+                       "fleet on loopback (needs the test extra: schemathesis)")
+    f.add_argument("--cases", type=int, default=1000, help="cases per app")
+    f.add_argument("--seed", type=int, default=0)
+    f.add_argument("--engines", type=int, default=1)
+    f.set_defaults(func=_cmd_fuzz)
+
+    c = sub.add_parser("chaos", help="4 tiny engines on CPU virtual devices under random "
+                       "load and random operations (loopback only), then checks")
+    c.add_argument("--minutes", type=float, default=10.0)
+    c.add_argument("--clients", type=int, default=16)
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--max-requests", type=int, default=100_000)
+    c.add_argument("--max-ops", type=int, default=10_000)
+    c.set_defaults(func=_cmd_chaos)
     return parser
 
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
 
+API_KEY_ENV = "MULTISERVE_API_KEY"  # the API key when --api-key is not given
+
 Architecture = Literal["llama", "qwen2", "qwen3"]
 ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3")
 
@@ -88,10 +90,10 @@ class EngineConfig:
     device memory where the device reports it, else `default_cpu_kv_tokens`.
 
     Shape buckets: every step pads its token count to one of
-    `precompile_token_paddings` and its sequence count to one of
-    `precompile_bs_paddings`. Both minimums are >= 64 on purpose: XLA GEMMs are
-    row-invariant only from ~48 rows up, and row invariance is what makes a token's
-    numerics independent of batch composition (greedy determinism across pauses).
+    `precompile_token_paddings` (one compiled forward each) and its logits-row count to
+    one of `precompile_bs_paddings` (one compiled lm_head + sampler each). The model is
+    row-invariant at every size (model/row_invariant.py, model/attention.py), so small buckets
+    cost no determinism: a lone decode runs a 1-token, 1-row step.
     """
 
     model_path: str | None = None
@@ -102,10 +104,14 @@ class EngineConfig:
     mem_fraction_static: float = 0.6
     default_cpu_kv_tokens: int = 32768  # ~1.5 GB of fp32 KV for SmolLM2-135M
     max_running_requests: int = 128
+    # Admission bounds of the waiting queue (engine/admission.py): samples, and KV tokens
+    # the waiting samples will need (None: 32 x the KV pool). Beyond them: 429 / 503.
+    max_queued_requests: int = 1024
+    max_queued_tokens: int | None = None
     max_context_len: int | None = 4096
     chunked_prefill_size: int = 512
-    precompile_token_paddings: tuple[int, ...] = (64, 128, 256, 512)
-    precompile_bs_paddings: tuple[int, ...] = (64, 128)
+    precompile_token_paddings: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+    precompile_bs_paddings: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
     attention_block_size: int = 128
     disable_overlap: bool = False
     disable_prefix_cache: bool = False
@@ -137,6 +143,9 @@ class EngineConfig:
                  "max_total_tokens", "too small for even a few pages")
         _require(0.0 < self.mem_fraction_static < 1.0, "mem_fraction_static", "must be in (0, 1)")
         _require(self.max_running_requests >= 1, "max_running_requests", "must be >= 1")
+        _require(self.max_queued_requests >= 1, "max_queued_requests", "must be >= 1")
+        _require(self.max_queued_tokens is None or self.max_queued_tokens >= 1,
+                 "max_queued_tokens", "must be >= 1 (or unset: 32 x the KV pool)")
         _require(bool(self.precompile_token_paddings), "precompile_token_paddings",
                  "needs at least one size")
         _require(bool(self.precompile_bs_paddings), "precompile_bs_paddings",
@@ -149,9 +158,6 @@ class EngineConfig:
                  "chunked_prefill_size",
                  f"must be <= the largest token padding ({max(self.precompile_token_paddings)})")
         _require(self.chunked_prefill_size >= 1, "chunked_prefill_size", "must be >= 1")
-        _require(min(self.precompile_token_paddings) >= min(self.precompile_bs_paddings),
-                 "precompile_token_paddings",
-                 "smallest token padding must be >= the smallest bs padding")
         _require(self.attention_block_size % self.page_size == 0
                  or self.page_size % self.attention_block_size == 0,
                  "attention_block_size", "must be a multiple or divisor of page_size")
@@ -183,6 +189,9 @@ class FleetConfig:
     supervisor: ServerConfig = field(default_factory=lambda: ServerConfig(port=31100))
     platform: str = "auto"  # "cpu" sets the virtual device count before JAX starts
     warmup_parallel: bool = False
+    # Every engine and supervisor endpoint requires `Authorization: Bearer <api_key>` when
+    # set (server/auth.py); never printed (repr=False).
+    api_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         _require(len(self.engines) >= 1, "engines", "needs at least one engine")
@@ -199,6 +208,9 @@ class FleetConfig:
             ports.append(self.supervisor.port)
         dup = sorted({p for p in ports if ports.count(p) > 1})
         _require(not dup, "servers.port", f"port clash on {dup}")
+        _require(self.api_key is None or (isinstance(self.api_key, str) and self.api_key != ""
+                                          and self.api_key.strip() == self.api_key),
+                 "api_key", "must be a non-empty string without surrounding spaces")
 
     @property
     def device_count_needed(self) -> int:

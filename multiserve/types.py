@@ -226,6 +226,19 @@ class EngineUnavailable(RuntimeError):
     """The engine cannot take work (unhealthy or shut down); the message says why."""
 
 
+class EngineOverloaded(RuntimeError):
+    """The engine refused new work because its waiting queue is full (see
+    engine/admission.py). The HTTP side answers `status` (429 or 503) with `reason` as
+    the error code and a `Retry-After: retry_after` header (seconds)."""
+
+    def __init__(self, message: str, *, status: int = 503, reason: str = "overloaded",
+                 retry_after: int = 1) -> None:
+        super().__init__(message)
+        self.status = status
+        self.reason = reason
+        self.retry_after = retry_after
+
+
 @runtime_checkable
 class EngineClient(Protocol):
     """What one HTTP app needs from one engine. Implemented by `multiserve.Engine`

@@ -2,39 +2,40 @@
 
 Owns only data. Invariants: the list never changes between runs (so numbers taken on
 different days compare), every prompt is distinct (so a prefix cache only shares the
-chat template's system preamble, never a whole prompt), and lengths span 35 to 529
-tokens once chat-templated with SmolLM2's template (64 prompts: 10352 tokens in all):
-24 short, 24 medium, 24 long (the long ones are the medium requests followed by a fixed
-background passage, one to three times, and a task, so the text stays in this file).
+chat template's system preamble, never a whole prompt), and every prompt has 8 to 120
+words (the issue-11 prompt set: 64 prompts of 8-120 words x 128 greedy tokens), which is
+40 to 173 tokens once chat-templated with SmolLM2's template (64 prompts: 5743 tokens in
+all): 24 short (8-14 words), 24 medium (22-46), 24 long (101-120: a medium request, then
+background sentences added while the prompt stays within 120 words, then a task).
 """
 
 from __future__ import annotations
 
 _SHORT: tuple[str, ...] = (
-    "What is the capital of France?",
-    "Name three primary colors.",
-    "How many legs does a spider have?",
-    "Translate 'good morning' into Spanish.",
-    "What is 17 multiplied by 23?",
-    "Give me a synonym for 'happy'.",
-    "Why is the sky blue?",
-    "Who wrote the play Romeo and Juliet?",
-    "What does a thermometer measure?",
-    "Suggest a name for a pet goldfish.",
+    "What is the capital of France, and what river runs through it?",
+    "Name the three primary colors used when mixing paint.",
+    "How many legs does a spider have, and how many does an ant have?",
+    "Translate the greeting 'good morning' into Spanish and into French.",
+    "What is 17 multiplied by 23? Show the working briefly.",
+    "Give me two synonyms for the word 'happy', please.",
+    "Why is the sky blue on a clear day?",
+    "Who wrote the play Romeo and Juliet, and roughly when?",
+    "What does a thermometer measure, and in which units?",
+    "Suggest a funny name for my new pet goldfish.",
     "What is the boiling point of water at sea level in Celsius?",
-    "List four planets of the solar system.",
-    "What is the opposite of 'ancient'?",
-    "How do bees make honey?",
-    "Write a haiku about autumn leaves.",
-    "What is photosynthesis, in one sentence?",
-    "Which ocean is the largest?",
-    "Explain what a prime number is.",
-    "Give one tip for sleeping better.",
-    "What language is spoken in Brazil?",
-    "Tell me a short joke about computers.",
-    "How many minutes are there in a day?",
-    "What is the chemical symbol for gold?",
-    "Describe the taste of a lemon.",
+    "List four planets of the solar system in order from the sun.",
+    "What is the opposite of the word 'ancient' in English?",
+    "How do honey bees turn flower nectar into honey?",
+    "Write a short haiku about falling autumn leaves.",
+    "What is photosynthesis? Explain it in one simple sentence.",
+    "Which ocean is the largest on Earth, and how deep is it?",
+    "Explain what a prime number is, with two examples.",
+    "Give me one practical tip for sleeping better at night.",
+    "What language do most people speak in Brazil, and why?",
+    "Tell me a short, friendly joke about computers and programmers.",
+    "How many minutes are there in a day? Explain the calculation.",
+    "What is the chemical symbol for gold, and where does it come from?",
+    "Describe the taste of a fresh lemon to someone who never had one.",
 )
 
 _MEDIUM: tuple[str, ...] = (
@@ -111,26 +112,37 @@ _LONG_TASKS: tuple[str, ...] = (
     "expert. Label the two answers clearly.",
 )
 
-_LONG_CONTEXT = (
-    "Background notes from the person asking, which may or may not be relevant: they "
-    "live in a small apartment with a balcony, work shifts that change every week, share "
-    "a car with a sibling, prefer written instructions over videos, and have a budget "
-    "that is tight at the end of each month. They have tried several apps for planning "
-    "and reminders but stopped using each of them after a few weeks because entering "
-    "everything took too long. They enjoy cooking on days off, read mostly on their "
-    "phone, and would like advice that still works during busy weeks. They mentioned "
-    "that they learn best when a plan has small, concrete steps with a clear reason for "
-    "each step, and that they dislike advice that assumes a lot of free time. "
+_LONG_CONTEXT: tuple[str, ...] = (  # background sentences, added while the prompt fits
+    "Background: I live in a small apartment with a balcony and work shifts that change "
+    "every week.",
+    "I share a car with my sister, prefer written instructions over videos, and my budget "
+    "is tight at the end of each month.",
+    "I tried several planning apps but stopped using each one after a few weeks because "
+    "entering everything took too long.",
+    "I enjoy cooking on days off, read mostly on my phone, and want advice that still works "
+    "during busy weeks.",
+    "I learn best from small, concrete steps with a clear reason for each, and I dislike "
+    "advice that assumes a lot of free time.",
 )
+
+MAX_WORDS = 120  # the issue's prompt set: 8 to 120 words per prompt
 
 
 def _long_prompts() -> tuple[str, ...]:
     out = []
     for i, body in enumerate(_MEDIUM):
         task = _LONG_TASKS[i % len(_LONG_TASKS)]
-        repeat = 1 + (i % 3)  # three long sizes
         # The request comes first, so long prompts share no prefix with each other.
-        out.append(f"Request: {body}\n\n{_LONG_CONTEXT * repeat}\n{task}")
+        text = f"Request: {body}\n\n{task}"
+        context: list[str] = []
+        for k in range(len(_LONG_CONTEXT)):
+            sentence = _LONG_CONTEXT[(i + k) % len(_LONG_CONTEXT)]
+            longer = f"Request: {body}\n\n{' '.join([*context, sentence])}\n{task}"
+            if len(longer.split()) > MAX_WORDS:
+                break
+            context.append(sentence)
+            text = longer
+        out.append(text)
     return tuple(out)
 
 

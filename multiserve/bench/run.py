@@ -1,17 +1,20 @@
 """`multiserve bench`: offline throughput of one Engine on the default model, optionally
-against a peer (Hugging Face transformers, in a subprocess) in the same run.
+against a peer (HF transformers, vLLM CPU or llama.cpp, each in a subprocess with its own
+environment) in the same run.
 
-What is measured (see ours.py for how one run goes):
-- start-up: Engine construction (load + compile every bucket), reported apart;
-- a short warm-up run (excluded), then the measured run(s): N prompts from the fixed
-  list (prompts.py), chat-templated, all submitted at once, greedy, ignore_eos,
-  exactly M output tokens each;
-- tokens/s (output tokens / wall), TTFT p50/p99, ITL p50/p99, steps, peak RSS,
-  recompiles after warm-up (`cache_miss_count`, must stay 0);
-- `--ab-overlap`: the same prompts with overlap scheduling on and off (ratio on/off,
-  and whether greedy outputs are identical, as they must be);
-- `--peer hf`: the same token ids through transformers `generate`; ratio ours/peer
-  and how far the two greedy outputs agree.
+Modes:
+- batch (default, 64 x 128): N prompts from the fixed list (prompts.py), chat-templated,
+  all submitted at once, greedy, ignore_eos, exactly M output tokens each (ours.py);
+  `--ab-overlap` also runs overlap scheduling off (or on) for the ratio;
+- `--single-stream` (1 x 64): one prompt streamed through Engine.stream_sync, TTFT and
+  tok/s (single.py);
+- `--fleet`: the 4-engine fleet with one streaming client per port vs one engine with the
+  same requests (fleet_bench.py).
+What is measured: start-up (Engine construction: load + compile every bucket), a short
+warm-up (excluded), then tokens/s (output tokens / wall), TTFT p50/p99, ITL p50/p99,
+steps, peak RSS, recompiles after warm-up (`cache_miss_count`, must stay 0). `--peer
+hf|vllm|llamacpp` runs the same token ids through the peer (peer.py) and prints ours vs
+theirs as a table, with the ratio and how far the greedy outputs agree.
 Ends with ONE JSON line on stdout holding every figure (progress bars go to stderr).
 """
 
@@ -25,11 +28,14 @@ from pathlib import Path
 from typing import Any
 
 from multiserve.bench.prompts import bench_prompts
+from multiserve.bench.report import batch_report, single_report
 from multiserve.bench.stats import agreement
 from multiserve.bench.stats import peak_rss_mb as _peak_rss_mb
 
 TARGET_VS_PEER = 2.0
 TARGET_OVERLAP = 1.1
+BATCH_LEN = 128  # the issue's table: 64 prompts x 128 tokens
+SINGLE_STREAM_LEN = 64  # and 1 prompt x 64 tokens
 
 
 def _engine_config(args: argparse.Namespace) -> Any:
@@ -61,15 +67,56 @@ def _engine_config(args: argparse.Namespace) -> Any:
     return base.with_updates(**changes)
 
 
-def _peer_model_dir(args: argparse.Namespace) -> str:
+def _peer_model(args: argparse.Namespace) -> str:
+    """The model the peer loads: --peer-model, else the engine's model in the form the
+    peer reads (an HF dir; a .gguf file for llama.cpp), else the default model's."""
+    if args.peer_model:
+        return str(args.peer_model)
+    gguf = args.peer == "llamacpp"
     if args.model is None:
-        from multiserve.model.default_model import default_model_path
+        from multiserve.model.default_model import default_model_path, find_default_gguf
 
-        return str(default_model_path())
-    if Path(args.model, "config.json").is_file():
+        return str(find_default_gguf() if gguf else default_model_path())
+    if gguf and str(args.model).endswith(".gguf"):
         return str(args.model)
-    raise SystemExit("bench: --peer hf needs a Hugging Face model directory "
-                     f"(config.json + safetensors); got {args.model!r}")
+    if not gguf and Path(args.model, "config.json").is_file():
+        return str(args.model)
+    kind = "a .gguf file" if gguf else "a Hugging Face model directory (config.json)"
+    raise SystemExit(f"bench: --peer {args.peer} needs {kind}; got {args.model!r} "
+                     "(give one with --peer-model)")
+
+
+def _run_peer(args: argparse.Namespace, model: str, prompts: list[list[int]], m: int,
+              stream: bool, show: bool) -> dict[str, Any]:
+    from multiserve.bench.peer import run_peer
+
+    bs = 1 if stream else int(getattr(args, "peer_batch_size", 0) or 0)
+    return run_peer(args.peer, prompts, m, model, batch_size=bs,
+                    threads=getattr(args, "peer_threads", None), stream=stream,
+                    show_progress=show)
+
+
+def _check_peer_env(args: argparse.Namespace) -> None:
+    """Fail before compiling when the peer's environment is missing."""
+    from multiserve.bench.peer import PeerError, peer_python, peer_script
+
+    try:
+        peer_script(args.peer)
+        peer_python(args.peer)
+    except PeerError as e:
+        raise SystemExit(f"bench: {e}") from None
+
+
+def _start(cfg: Any) -> tuple[Any, float, dict[str, Any]]:
+    from multiserve.engine.engine import Engine
+
+    t_start = time.perf_counter()
+    engine = Engine(cfg)
+    startup_s = time.perf_counter() - t_start
+    info = engine.run_on_engine_thread(lambda core: {
+        "dtype": str(core.runner.dtype), "compile_s": core.runner.warmup_seconds,
+        "buckets": core.runner.buckets()})
+    return engine, startup_s, info
 
 
 def _strip(run: dict[str, Any]) -> dict[str, Any]:
@@ -77,23 +124,33 @@ def _strip(run: dict[str, Any]) -> dict[str, Any]:
 
 
 def bench_main(args: argparse.Namespace) -> int:
+    if getattr(args, "fleet", False):
+        from multiserve.bench.fleet_bench import fleet_main
+
+        return fleet_main(args)
+    single = bool(getattr(args, "single_stream", False))
+    if args.output_len is None:
+        args.output_len = SINGLE_STREAM_LEN if single else BATCH_LEN
     n, m = int(args.num_prompts), int(args.output_len)
     if n < 1 or m < 1:
         raise SystemExit("bench: --num-prompts and --output-len must be >= 1")
-    show = not getattr(args, "no_progress", False)
     cfg = _engine_config(args)
-    peer_dir = _peer_model_dir(args) if args.peer != "none" else None  # fail before compiling
+    peer_model = None
+    if args.peer != "none":  # fail before compiling
+        peer_model = _peer_model(args)
+        _check_peer_env(args)
+    if single:
+        return _single_main(args, cfg, peer_model)
+    return _batch_main(args, cfg, peer_model)
 
+
+def _batch_main(args: argparse.Namespace, cfg: Any, peer_model: str | None) -> int:
     from multiserve.bench.ours import run_once
-    from multiserve.engine.engine import Engine
 
-    t_start = time.perf_counter()
-    engine = Engine(cfg)
-    startup_s = time.perf_counter() - t_start
+    n, m = int(args.num_prompts), int(args.output_len)
+    show = not getattr(args, "no_progress", False)
+    engine, startup_s, info = _start(cfg)
     try:
-        info = engine.run_on_engine_thread(lambda core: {
-            "dtype": str(core.runner.dtype), "compile_s": core.runner.warmup_seconds,
-            "buckets": core.runner.buckets()})
         prompts = [engine.chat_ids([{"role": "user", "content": text}])
                    for text in bench_prompts(n)]
         primary = not cfg.disable_overlap
@@ -114,17 +171,41 @@ def bench_main(args: argparse.Namespace) -> int:
         engine.shutdown()
 
     peer = None
-    if args.peer != "none":
-        from multiserve.bench.peer import run_peer
-
-        assert peer_dir is not None
-        peer = run_peer(args.peer, prompts, m, peer_dir,
-                        batch_size=getattr(args, "peer_batch_size", 0) or 0,
-                        threads=getattr(args, "peer_threads", None), show_progress=show)
-
+    if peer_model is not None:
+        peer = _run_peer(args, peer_model, prompts, m, stream=False, show=show)
     result = _result(args, cfg, info, prompts, runs, peer, startup_s, peak_rss_mb,
                      final_state, device, model_name)
-    _print_report(result)
+    print("\n".join(batch_report(result)), file=sys.stdout)
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+def _single_main(args: argparse.Namespace, cfg: Any, peer_model: str | None) -> int:
+    from multiserve.bench.single import single_result, stream_once
+
+    m = int(args.output_len)
+    show = not getattr(args, "no_progress", False)
+    engine, startup_s, info = _start(cfg)
+    try:
+        ids = engine.chat_ids([{"role": "user", "content": bench_prompts(1)[0]}])
+        stream_once(engine, ids, min(m, 4), rid="bench-single-warmup")
+        ours = stream_once(engine, ids, m, rid="bench-single")
+        base = {"bench": "multiserve", "model": engine.model_name,
+                "device": f"{engine.devices[0].platform}:{cfg.device_indexes}",
+                "dtype": info["dtype"], "output_len": m,
+                "prompt_tokens": {"total": len(ids), "min": len(ids), "max": len(ids),
+                                  "mean": float(len(ids))},
+                "startup_s": startup_s, "compile_s": info["compile_s"],
+                "peak_rss_mb": _peak_rss_mb(),
+                "cache_miss_count": engine.get_internal_state()["cache_miss_count"]}
+    finally:
+        engine.shutdown()
+    peer = agree = None
+    if peer_model is not None:
+        peer = _run_peer(args, peer_model, [ids], m, stream=True, show=show)
+        agree = agreement(ours["output_ids"], peer["output_ids"])
+    result = single_result(base, ours, peer, agree)
+    print("\n".join(single_report(result)), file=sys.stdout)
     print(json.dumps(result), flush=True)
     return 0
 
@@ -137,6 +218,7 @@ def _result(args: argparse.Namespace, cfg: Any, info: dict[str, Any],
     ours = runs["ours"]
     res: dict[str, Any] = {
         "bench": "multiserve",
+        "mode": "batch",
         "model": model_name,
         "device": device,
         "dtype": info["dtype"],
@@ -178,46 +260,3 @@ def _result(args: argparse.Namespace, cfg: Any, info: dict[str, Any],
         "zero_recompiles_met": state["cache_miss_count"] == 0,
     }
     return res
-
-
-def _row(name: str, r: dict[str, Any]) -> str:
-    ms = 1000.0
-    return (f"{name:<18}{r['tokens_per_s']:>9.1f}{r['wall_s']:>9.2f}"
-            f"{r['ttft_p50_s'] * ms:>10.0f}{r['ttft_p99_s'] * ms:>10.0f}"
-            f"{r['itl_p50_s'] * ms:>9.1f}{r['itl_p99_s'] * ms:>9.1f}")
-
-
-def _print_report(res: dict[str, Any]) -> None:
-    p = res["prompt_tokens"]
-    c = res["config"]
-    out = sys.stdout
-    print(f"\nmultiserve bench — {res['model']} on {res['device']} ({res['dtype']})", file=out)
-    print(f"{res['num_prompts']} prompts (prompt tokens: total {p['total']}, min {p['min']}, "
-          f"mean {p['mean']:.0f}, max {p['max']}) x {res['output_len']} output tokens, "
-          "greedy, ignore_eos, all submitted at once", file=out)
-    print(f"engine: max_running_requests={c['max_running_requests']} "
-          f"bs_paddings={c['precompile_bs_paddings']} "
-          f"token_paddings={c['precompile_token_paddings']} "
-          f"chunked_prefill={c['chunked_prefill_size']} page_size={c['page_size']}", file=out)
-    print(f"start-up {res['startup_s']:.1f} s (compile {c['num_buckets']} buckets: "
-          f"{res['compile_s']:.1f} s); peak RSS {res['peak_rss_mb']:.0f} MiB", file=out)
-    print(f"{'':<18}{'tok/s':>9}{'wall s':>9}{'TTFT p50':>10}{'TTFT p99':>10}"
-          f"{'ITL p50':>9}{'ITL p99':>9}   (latencies in ms)", file=out)
-    for key in ("ours", "ours_ab"):
-        if key in res:
-            r = res[key]
-            label = f"ours overlap={'on' if r['overlap'] else 'off'}"
-            print(_row(label, r) + f"   {r['steps']} steps, {r['mean_step_ms']:.0f} ms/step",
-                  file=out)
-    if "peer" in res:
-        peer = res["peer"]
-        print(_row(f"peer {peer['peer']}", peer) + f"   batch {peer['batch_size']}, "
-              f"{peer['threads']} threads, RSS {peer['peak_rss_mb']:.0f} MiB", file=out)
-        a = res["peer_agreement"]
-        print(f"ours / peer: {res['ratio_vs_peer']:.2f}x (target >= {TARGET_VS_PEER}x); "
-              f"greedy outputs identical for {a['identical_fraction']:.0%}, mean common "
-              f"prefix {a['mean_common_prefix']:.1f} tokens", file=out)
-    if res["overlap_ratio"] is not None:
-        print(f"overlap on / off: {res['overlap_ratio']:.2f}x (target >= {TARGET_OVERLAP}x); "
-              f"outputs identical: {res['overlap_outputs_identical']}", file=out)
-    print(f"recompiles after warm-up (cache_miss_count): {res['cache_miss_count']}", file=out)

@@ -31,30 +31,37 @@ class StepArrays:
     positions: np.ndarray  # [T]
     token_seq: np.ndarray  # [T]
     out_slots: np.ndarray  # [T]
-    page_table: np.ndarray  # [B, max_pages]
+    page_table: np.ndarray  # [B, max_pages], B = min(T, max_rows)
     seq_lens: np.ndarray  # [B]
-    logit_rows: np.ndarray  # [B]
+    logit_rows: np.ndarray  # [max_rows]
     prompt_rows: list[tuple[Req, int]]  # (request, prompt index j) of each extra logits row
 
 
-def pick_bucket(n: int, paddings: tuple[int, ...]) -> int:
-    for p in paddings:
-        if p >= n:
-            return p
-    raise ValueError(f"{n} exceeds the largest precompiled size {paddings[-1]}")
+def empty_step_arrays(num_tokens: int, page_rows: int, logit_rows: int,
+                      max_pages: int) -> StepArrays:
+    """All-padding arrays of the given shapes (warm-up steps)."""
+    return StepArrays(
+        input_ids=np.zeros(num_tokens, np.int32), from_prev=np.full(num_tokens, -1, np.int32),
+        positions=np.zeros(num_tokens, np.int32), token_seq=np.zeros(num_tokens, np.int32),
+        out_slots=np.zeros(num_tokens, np.int32),
+        page_table=np.zeros((page_rows, max_pages), np.int32),
+        seq_lens=np.zeros(page_rows, np.int32), logit_rows=np.zeros(logit_rows, np.int32),
+        prompt_rows=[])
 
 
-def build_step_arrays(batch: ScheduledBatch, num_tokens: int, num_rows: int, max_pages: int,
-                      page_size: int) -> StepArrays:
-    t_pad, b_pad = num_tokens, num_rows
+def build_step_arrays(batch: ScheduledBatch, num_tokens: int, page_rows: int, logit_rows: int,
+                      max_pages: int, page_size: int) -> StepArrays:
+    """Arrays of `batch` padded to `num_tokens` tokens, `page_rows` sequence rows and
+    `logit_rows` logits rows (the runner's fixed-size selection buffer)."""
+    t_pad = num_tokens
     input_ids = np.zeros(t_pad, np.int32)
     from_prev = np.full(t_pad, -1, np.int32)
     positions = np.zeros(t_pad, np.int32)
     token_seq = np.zeros(t_pad, np.int32)
     out_slots = np.zeros(t_pad, np.int32)  # page 0, offset 0: the padding sink
-    page_table = np.zeros((b_pad, max_pages), np.int32)
-    seq_lens = np.zeros(b_pad, np.int32)
-    logit_rows = np.zeros(b_pad, np.int32)
+    page_table = np.zeros((page_rows, max_pages), np.int32)
+    seq_lens = np.zeros(page_rows, np.int32)
+    rows_out = np.zeros(logit_rows, np.int32)
     prompt_rows: list[tuple[Req, int]] = []
     extra = len(batch.rows)
     t = 0
@@ -72,11 +79,11 @@ def build_step_arrays(batch: ScheduledBatch, num_tokens: int, num_rows: int, max
         out_slots[t:t + n] = slots_for(req.pages, row.start, row.end, page_size)
         page_table[b, :len(req.pages)] = req.pages
         seq_lens[b] = row.end
-        logit_rows[b] = t + n - 1
+        rows_out[b] = t + n - 1
         for j in req.prompt_logprob_targets(row.start, row.end):
-            logit_rows[extra] = t + (j - 1 - row.start)
+            rows_out[extra] = t + (j - 1 - row.start)
             prompt_rows.append((req, j))
             extra += 1
         t += n
     return StepArrays(input_ids, from_prev, positions, token_seq, out_slots, page_table,
-                      seq_lens, logit_rows, prompt_rows)
+                      seq_lens, rows_out, prompt_rows)

@@ -24,6 +24,7 @@ import numpy as np
 
 from multiserve.config import EngineConfig, ModelConfig
 from multiserve.engine import sampling_host
+from multiserve.engine.admission import AdmissionLimits, check_admission
 from multiserve.engine.batch_arrays import build_step_arrays
 from multiserve.engine.memory import PageAllocator
 from multiserve.engine.prefix_cache import PrefixCache
@@ -72,6 +73,7 @@ class EngineCore:
         self.forward_ct_decode = 0
         self.overlap = not cfg.disable_overlap
         self.initial_available = self.scheduler.available_kv_tokens()
+        self.admission = AdmissionLimits.from_config(cfg, self.initial_available)
         self.fault: str | None = None  # test-only: the next step raises this
         # memory_release.py: device buffers released ("weights", "kv_cache"); never steps
         self.released_tags: frozenset[str] = frozenset()
@@ -85,6 +87,7 @@ class EngineCore:
             if req.key in self.reqs or req.key in keys:
                 raise ValueError(f"rid: a live request already uses rid {req.rid!r}")
             keys.add(req.key)
+        check_admission(self.scheduler.waiting, reqs, self.admission)  # or EngineOverloaded
         for req in reqs:
             self.reqs[req.key] = req
             if req.params.max_new_tokens == 0 and not req.needs_prompt_logprobs:
@@ -119,8 +122,10 @@ class EngineCore:
             self._process(*inflight)
 
     def _launch(self, batch: ScheduledBatch) -> tuple[ScheduledBatch, StepOutput]:
-        t_pad, b_pad = self.runner.bucket_for(batch.num_tokens, batch.num_logit_rows)
-        arrays = build_step_arrays(batch, t_pad, b_pad, self.max_pages, self.page_size)
+        runner = self.runner
+        t_pad, r_pad = runner.bucket_for(batch.num_tokens, batch.num_logit_rows)
+        arrays = build_step_arrays(batch, t_pad, runner.page_table_rows(t_pad), runner.max_rows,
+                                   self.max_pages, self.page_size)
         batch.prompt_rows = arrays.prompt_rows
         specs: list[sampling_host.RowSpec | None] = []
         wants_lp = bool(arrays.prompt_rows)
@@ -142,7 +147,7 @@ class EngineCore:
                                       top_logprobs_num=req.params.top_logprobs_num,
                                       token_ids_logprob=(req.prompt_ids[j],)),
                 seed=0, sample_index=0, position=j, output_ids=(), prompt_ids=()))
-        out = self.runner.run(arrays, self.runner.sampling_batch(specs, b_pad), wants_lp)
+        out = runner.run(arrays, runner.sampling_batch(specs, r_pad), wants_lp, r_pad)
         for b, row in enumerate(batch.rows):
             if row.samples:
                 row.req.last_out_row = b
@@ -342,6 +347,8 @@ class EngineCore:
             "page_size": self.page_size,
             "max_total_tokens": self.allocator.num_usable * self.page_size,
             "max_context_len": self.max_context,
+            "max_queued_requests": self.admission.max_queued_requests,
+            "max_queued_tokens": self.admission.max_queued_tokens,
             "overlap": self.overlap,
             "prefix_cache_hit_tokens": self.cache.hit_tokens,
         }

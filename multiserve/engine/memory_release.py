@@ -60,7 +60,7 @@ def normalize_tags(tags: Any) -> tuple[str, ...]:
 @dataclass
 class _PreservedKV:
     pages: np.ndarray  # page ids, ascending
-    k: np.ndarray  # [L, len(pages) * page_size, kv_heads, head_dim]
+    k: np.ndarray  # [L, kv_heads, len(pages) * page_size, head_dim]
     v: np.ndarray
 
     @property
@@ -128,8 +128,8 @@ class MemoryManager:
             ps = core.page_size
             slots = (pages[:, None] * ps + np.arange(ps)).reshape(-1)
             kv = runner.kv
-            self.preserved = _PreservedKV(pages, np.array(kv.k[:, slots], copy=True),
-                                          np.array(kv.v[:, slots], copy=True))
+            self.preserved = _PreservedKV(pages, np.array(kv.k[:, :, slots], copy=True),
+                                          np.array(kv.v[:, :, slots], copy=True))
             out["preserved_requests"] = len(holders)
             out["preserved_kv_pages"] = len(pages)
         else:
@@ -198,7 +198,7 @@ class MemoryManager:
 
         def put(pool_k: jax.Array, pool_v: jax.Array, s: jax.Array, nk: jax.Array,
                 nv: jax.Array) -> tuple[jax.Array, jax.Array]:
-            return pool_k.at[:, s].set(nk), pool_v.at[:, s].set(nv)
+            return pool_k.at[:, :, s].set(nk), pool_v.at[:, :, s].set(nv)
 
         fn = jax.jit(put, donate_argnums=(0, 1), out_shardings=(sh, sh))
         new_k, new_v = fn(kv.k, kv.v, slots_dev, k, v)

@@ -1,22 +1,32 @@
 """Runner: the jitted, bucketed forward + sample step of one engine, on its devices.
 
-Owns the device state of one engine: sharded params, the KV pool (donated to every
-step, updated in place), and the device buffer of the last step's sampled ids.
+Owns the device state of one engine: sharded params (and their compute form, with the
+transposed copies `dense` needs), the KV pool (donated to every step, updated in place),
+and the device buffer of the last step's sampled ids.
+
+A step is two jitted calls, so that shapes come from two independent bucket lists:
+- `forward` over T tokens (T in `precompile_token_paddings`): the decoder; it returns the
+  final-normed hidden states of the logits rows in a fixed [max_rows, D] buffer;
+- `head` over R logits rows (R in `precompile_bs_paddings`): lm_head on the first R rows,
+  then the sampler on R rows rounded up to its chunk (sampling.ROW_CHUNK).
+So |T| + |R| programs are compiled, not |T| x |R|, and a lone decode runs at T = R = 1.
+Every row's numerics are independent of T and R (row_invariant.py, attention.py, and the
+sampler's fixed-size row chunks).
 
 Invariants:
-- Shapes come only from (T, B) buckets in the config: T tokens, B sequence rows
-  (= logits rows). Every bucket is compiled by `warmup()`; `cache_miss_count` counts
-  traces after warm-up, so a test can assert zero recompiles.
+- Every bucket is compiled by `warmup()`; `cache_miss_count` counts traces after warm-up,
+  so a test can assert zero recompiles.
 - `run()` never waits for the device: it returns device arrays. The next step reads
   the previous step's sampled ids from `self._prev_ids` on device (overlap scheduling:
   no host round trip between consecutive decode steps).
-- The jitted function is created per Runner (closure over this engine's config and
+- The jitted functions are created per Runner (closures over this engine's config and
   shardings); nothing device-resident is cached at module level.
+- `params` is the canonical pytree (what weight updates and memory release read and
+  replace); assigning it re-derives the compute params, so the two never disagree.
 """
 
 from __future__ import annotations
 
-import itertools
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,11 +40,15 @@ from jax.sharding import PartitionSpec as P
 
 from multiserve.config import EngineConfig, ModelConfig
 from multiserve.engine import sampling, sampling_host
-from multiserve.engine.batch_arrays import StepArrays
+from multiserve.engine.batch_arrays import StepArrays, empty_step_arrays
+from multiserve.model.row_invariant import with_transposed
 from multiserve.model.forward_batch import ForwardBatch
 from multiserve.model.kv_pool import KVPool, make_kv_pool
-from multiserve.model.llama import forward
+from multiserve.model.llama import forward_hidden, lm_head
 from multiserve.model.sharding import kv_pool_sharding, make_mesh, shard_params
+
+ARRAY_FIELDS = ("input_ids", "from_prev", "positions", "token_seq", "out_slots", "page_table",
+                "seq_lens", "logit_rows")
 
 
 def cast_params(params: Any, dtype: Any) -> Any:
@@ -42,11 +56,16 @@ def cast_params(params: Any, dtype: Any) -> Any:
     return jax.tree.map(lambda a: np.asarray(a).astype(np.dtype(dtype), copy=False), params)
 
 
+def sampler_rows(num_rows: int) -> int:
+    """Rows the sampler runs for `num_rows` logits rows: a multiple of its chunk."""
+    return -(-num_rows // sampling.ROW_CHUNK) * sampling.ROW_CHUNK
+
+
 @dataclass
 class StepOutput:
     """Device arrays of one launched step (host reads them later)."""
 
-    next_ids: jax.Array  # [max_rows] int32 (rows >= B are junk)
+    next_ids: jax.Array  # [max_rows] int32 (rows >= R are junk)
     sample: Any  # sampling.SampleOutput (device)
     num_rows: int
     wants_logprobs: bool
@@ -63,6 +82,7 @@ class Runner:
         self.replicated = NamedSharding(self.mesh, P())
         self.num_pages = num_pages
         self.max_rows = max(cfg.precompile_bs_paddings)
+        self._compute: Any = None
         self.params = shard_params(cast_params(params_host, dtype), model_cfg, self.mesh)
         self._kv_sharding = kv_pool_sharding(model_cfg, self.mesh)
         self.kv: KVPool | None = make_kv_pool(model_cfg, num_pages, cfg.page_size, dtype,
@@ -71,12 +91,33 @@ class Runner:
         self._zero_cache: dict[int, Any] = {}
         self.trace_count = 0
         self.warmup_trace_count: int | None = None
+        self.warmup_seconds: float | None = None
         self._lock = threading.Lock()
-        self._step_fn = jax.jit(self._step_impl, donate_argnums=(1,))
+        self._forward_fn = jax.jit(self._forward_impl, donate_argnums=(1,))
+        self._head_fn = jax.jit(self._head_impl, static_argnames=("num_rows",))
+
+    # ---- params ---------------------------------------------------------------------
+    @property
+    def params(self) -> Any:
+        """The canonical params pytree on the device (None while released)."""
+        return self._params
+
+    @params.setter
+    def params(self, value: Any) -> None:
+        self._params = value
+        self._compute = None  # drop the old transposed copies before making new ones
+        if value is not None:
+            self._compute = with_transposed(value, self.model_cfg)
+
+    @property
+    def compute_params(self) -> Any:
+        """The params the step runs on: `params` plus their transposed copies (None while
+        released). Every device array holding weights is a leaf of this pytree."""
+        return self._compute
 
     # ---- the traced step -----------------------------------------------------------
-    def _step_impl(self, params: Any, kv: KVPool, prev_ids: jax.Array, arrays: dict,
-                   sb: Any) -> tuple[jax.Array, Any, KVPool]:
+    def _forward_impl(self, params: Any, kv: KVPool, prev_ids: jax.Array, arrays: dict
+                      ) -> tuple[jax.Array, jax.Array, jax.Array, KVPool]:
         self.trace_count += 1  # Python side effect: runs once per trace (= per compile)
         from_prev = arrays["from_prev"]
         ids = jnp.where(from_prev >= 0, prev_ids[jnp.maximum(from_prev, 0)],
@@ -85,43 +126,58 @@ class Runner:
                           token_seq=arrays["token_seq"], out_slots=arrays["out_slots"],
                           page_table=arrays["page_table"], seq_lens=arrays["seq_lens"],
                           logit_rows=arrays["logit_rows"])
-        logits, kv = forward(params, kv, fb, self.model_cfg, page_size=self.cfg.page_size,
-                             attn_block_size=self.cfg.attention_block_size)
+        hidden, kv = forward_hidden(params, kv, fb, self.model_cfg,
+                                    page_size=self.cfg.page_size,
+                                    attn_block_size=self.cfg.attention_block_size)
+        rows = arrays["logit_rows"]
+        return hidden, ids[rows], from_prev[rows] >= 0, kv
+
+    def _head_impl(self, params: Any, hidden: jax.Array, row_tok: jax.Array,
+                   row_prev: jax.Array, sb: Any, *, num_rows: int) -> tuple[jax.Array, Any]:
+        self.trace_count += 1
+        logits = lm_head(params, hidden[:num_rows])
+        rows = sb.temperature.shape[0]  # sampler_rows(num_rows)
+        if rows > num_rows:
+            logits = jnp.pad(logits, ((0, rows - num_rows), (0, 0)))
         # Penalties count output tokens; the host does not know the ids still on device:
         # add them here for rows whose input came from the previous step.
-        row_prev = from_prev[arrays["logit_rows"]]
-        prev_tok = ids[arrays["logit_rows"]]
-        sb = _add_inflight_tokens(sb, prev_tok, row_prev >= 0)
+        sb = _add_inflight_tokens(sb, row_tok[:rows], row_prev[:rows])
         out = sampling.sample(logits, sb)
-        b = logits.shape[0]
-        next_ids = jnp.zeros(self.max_rows, jnp.int32).at[:b].set(out.next_ids)
-        return next_ids, out, kv
+        next_ids = jnp.zeros(self.max_rows, jnp.int32).at[:num_rows].set(
+            out.next_ids[:num_rows])
+        return next_ids, out
 
     # ---- buckets / warm-up ---------------------------------------------------------
-    def buckets(self) -> list[tuple[int, int]]:
-        return [(t, b) for t, b in itertools.product(self.cfg.precompile_token_paddings,
-                                                     self.cfg.precompile_bs_paddings) if b <= t]
+    def buckets(self) -> list[tuple[str, int]]:
+        """Every compiled program: ("T", tokens) forwards and ("R", rows) heads."""
+        return ([("T", t) for t in self.cfg.precompile_token_paddings]
+                + [("R", r) for r in self.cfg.precompile_bs_paddings])
 
     def bucket_for(self, num_tokens: int, num_rows: int) -> tuple[int, int]:
-        for t, b in self.buckets():
-            if t >= num_tokens and b >= num_rows:
-                return t, b
-        raise ValueError(f"no bucket for {num_tokens} tokens / {num_rows} rows")
+        t = next((t for t in self.cfg.precompile_token_paddings if t >= num_tokens), None)
+        r = next((r for r in self.cfg.precompile_bs_paddings if r >= num_rows), None)
+        if t is None or r is None:
+            raise ValueError(f"no bucket for {num_tokens} tokens / {num_rows} rows")
+        return t, r
+
+    def page_table_rows(self, num_tokens: int) -> int:
+        """Sequence rows of a T-token step: every row has a token, and at most max_rows."""
+        return min(num_tokens, self.max_rows)
 
     def warmup(self, max_pages: int, progress: Any = None) -> None:
-        for t, b in self.buckets():
-            arrays = StepArrays(
-                input_ids=np.zeros(t, np.int32), from_prev=np.full(t, -1, np.int32),
-                positions=np.zeros(t, np.int32), token_seq=np.zeros(t, np.int32),
-                out_slots=np.zeros(t, np.int32),
-                page_table=np.zeros((b, max_pages), np.int32),
-                seq_lens=np.zeros(b, np.int32), logit_rows=np.zeros(b, np.int32),
-                prompt_rows=[])
-            sb = self.sampling_batch([], b)
-            out = self.run(arrays, sb, wants_logprobs=False)
-            jax.block_until_ready(out.next_ids)
+        for kind, size in self.buckets():
+            if kind == "T":
+                arrays = empty_step_arrays(size, self.page_table_rows(size), self.max_rows,
+                                           max_pages)
+                hidden, _, _, self.kv = self._forward(arrays)
+                jax.block_until_ready(hidden)
+            else:
+                out = self.run(empty_step_arrays(1, 1, self.max_rows, max_pages),
+                               self.sampling_batch([], size), wants_logprobs=False,
+                               num_rows=size)
+                jax.block_until_ready(out.next_ids)
             if progress is not None:
-                progress(t, b)
+                progress(kind, size)
         self.warmup_trace_count = self.trace_count
 
     @property
@@ -131,16 +187,22 @@ class Runner:
         return self.trace_count - self.warmup_trace_count
 
     # ---- running -------------------------------------------------------------------
-    def run(self, arrays: StepArrays, sb_host: Any, wants_logprobs: bool) -> StepOutput:
+    def _forward(self, arrays: StepArrays) -> tuple[jax.Array, jax.Array, jax.Array, KVPool]:
         assert self.kv is not None, "KV pool released: resume memory before running"
-        host = {k: getattr(arrays, k) for k in (
-            "input_ids", "from_prev", "positions", "token_seq", "out_slots", "page_table",
-            "seq_lens", "logit_rows")}
-        dev_arrays, sb = jax.device_put((host, sb_host), self.replicated)
-        next_ids, out, self.kv = self._step_fn(self.params, self.kv, self._prev_ids,
-                                               dev_arrays, sb)
+        host = {k: getattr(arrays, k) for k in ARRAY_FIELDS}
+        dev = jax.device_put(host, self.replicated)
+        return self._forward_fn(self._compute, self.kv, self._prev_ids, dev)
+
+    def run(self, arrays: StepArrays, sb_host: Any, wants_logprobs: bool,
+            num_rows: int) -> StepOutput:
+        """Launch one step: `num_rows` (a row bucket) logits rows, sampled with `sb_host`
+        (built by `sampling_batch(specs, num_rows)`)."""
+        hidden, row_tok, row_prev, self.kv = self._forward(arrays)
+        sb = jax.device_put(sb_host, self.replicated)
+        next_ids, out = self._head_fn(self._compute, hidden, row_tok, row_prev, sb,
+                                      num_rows=num_rows)
         self._prev_ids = next_ids
-        return StepOutput(next_ids=next_ids, sample=out, num_rows=arrays.seq_lens.shape[0],
+        return StepOutput(next_ids=next_ids, sample=out, num_rows=num_rows,
                           wants_logprobs=wants_logprobs)
 
     def reset_prev_ids(self) -> None:
@@ -158,14 +220,17 @@ class Runner:
 
     def sampling_batch(self, rows: Sequence[sampling_host.RowSpec | None],
                        num_rows: int) -> sampling.SamplingBatch:
-        """Host sampling inputs for one step; penalty-free steps reuse this engine's
-        device-resident zero [B, V] arrays (a per-engine cache, never module-level)."""
-        if num_rows not in self._zero_cache:
-            zeros = sampling_host.penalty_zeros(num_rows, self.model_cfg.vocab_size)
-            self._zero_cache[num_rows] = sampling_host.PenaltyZeros(
+        """Host sampling inputs for one step of `num_rows` logits rows (padded to
+        `sampler_rows`); penalty-free steps reuse this engine's device-resident zero
+        [rows, V] arrays (a per-engine cache, never module-level)."""
+        rows_padded = sampler_rows(num_rows)
+        if rows_padded not in self._zero_cache:
+            zeros = sampling_host.penalty_zeros(rows_padded, self.model_cfg.vocab_size)
+            self._zero_cache[rows_padded] = sampling_host.PenaltyZeros(
                 *jax.device_put(tuple(zeros), self.replicated))
-        return sampling_host.build_sampling_batch(rows, num_rows, self.model_cfg.vocab_size,
-                                             zeros=self._zero_cache[num_rows])
+        return sampling_host.build_sampling_batch(rows, rows_padded,
+                                                  self.model_cfg.vocab_size,
+                                                  zeros=self._zero_cache[rows_padded])
 
 
 def _add_inflight_tokens(sb: sampling.SamplingBatch, tokens: jax.Array,

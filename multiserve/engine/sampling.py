@@ -40,6 +40,7 @@ Invariants:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import flax.struct
@@ -53,6 +54,7 @@ from multiserve.types import (
     MAX_TOP_LOGPROBS,
 )
 
+ROW_CHUNK = 8  # rows sampled together: every [R, V] reduction runs on [ROW_CHUNK, V]
 CANDIDATES = 256  # per-row top logits examined before falling back to bisection
 DEEP_GROUP = 8  # rows per bisection pass when some rows' cut-off lies past the candidates
 MAX_BANNED_IDS = MAX_STOP_TOKEN_IDS + 8  # stop ids + eos ids banned before min_new_tokens
@@ -336,7 +338,34 @@ def _edited(raw: jax.Array, sb: SamplingBatch) -> jax.Array:
 
 
 def sample(logits: jax.Array, sb: SamplingBatch) -> SampleOutput:
-    """Next token (and raw logprobs) for every row of `logits` (f32/bf16[R, V])."""
+    """Next token (and raw logprobs) for every row of `logits` (f32/bf16[R, V]), R a
+    multiple of ROW_CHUNK.
+
+    Rows are sampled ROW_CHUNK at a time (`lax.map`), so every reduction over the
+    vocabulary runs on one [ROW_CHUNK, V] shape whatever R: XLA:CPU's sums change their
+    order with the operand's size (row_invariant.py), and a row's logprobs and draws must
+    not depend on how many rows share its step. The scalar `any_*` flags stay batch-wide
+    (they only skip work)."""
+    r, v = logits.shape
+    assert r % ROW_CHUNK == 0, (r, ROW_CHUNK)
+    n = r // ROW_CHUNK
+    per_row = {f.name for f in dataclasses.fields(sb)
+               if getattr(sb, f.name).ndim >= 1 and getattr(sb, f.name).shape[0] == r}
+    flags = {name: getattr(sb, name) for name in
+             {f.name for f in dataclasses.fields(sb)} - per_row}
+    chunks = {name: getattr(sb, name).reshape(n, ROW_CHUNK, *getattr(sb, name).shape[1:])
+              for name in per_row}
+
+    def one(args: tuple[jax.Array, dict[str, jax.Array]]) -> SampleOutput:
+        lg, rows = args
+        return _sample_chunk(lg, SamplingBatch(**rows, **flags))
+
+    out = lax.map(one, (logits.reshape(n, ROW_CHUNK, v), chunks))
+    return jax.tree.map(lambda a: a.reshape(r, *a.shape[2:]), out)
+
+
+def _sample_chunk(logits: jax.Array, sb: SamplingBatch) -> SampleOutput:
+    """`sample` for one chunk of ROW_CHUNK rows."""
     raw = logits.astype(jnp.float32)
     r, _ = raw.shape
     edit = sb.any_penalty | sb.any_banned

@@ -134,12 +134,12 @@ def _warmup(runner: Runner, cfg: EngineConfig, max_context: int, progress: Any) 
                    leave=False)
     t0 = time.monotonic()
 
-    def tick(t: int, b: int) -> None:
+    def tick(kind: str, size: int) -> None:
         if bar is not None:
-            bar.set_postfix_str(f"T={t} B={b}")
+            bar.set_postfix_str(f"{kind}={size}")
             bar.update(1)
         if progress is not None:
-            progress(t, b)
+            progress(kind, size)
 
     runner.warmup(max_pages, tick)
     if bar is not None:

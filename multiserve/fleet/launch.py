@@ -13,6 +13,8 @@ Invariants (DESIGN.md §3):
   SIGINT/SIGTERM handlers in the main thread only.
 - READY is printed only after every server (engines and supervisor) answered
   GET /health with 200: readiness is observed, never assumed after a sleep.
+- A non-loopback bind without an API key is logged as a WARNING before any engine is
+  built; with a key, every engine and supervisor route requires it.
 - Shutdown order: refuse new requests, drain (bounded) or abort in-flight work, stop
   the servers, then the engines. `Fleet.stop` is idempotent.
 """
@@ -145,6 +147,10 @@ def launch_fleet(cfg: FleetConfig, *, announce: bool = True, out: TextIO | None 
         raise ConfigError(e.field, f"{_message(e)} (on CPU the fleet asks for "
                           f"{cfg.device_count_needed} virtual devices, but JAX started "
                           f"earlier or XLA_FLAGS set another count)") from None
+    from multiserve.server.auth import warn_if_exposed
+
+    for host in sorted({s.host for s in (*cfg.servers, cfg.supervisor)}):
+        warn_if_exposed(host, cfg.api_key)  # a non-loopback bind without a key
     check_ports_free(cfg)
     cache = enable_compilation_cache()
     _say(log, f"fleet: {len(cfg.engines)} engine(s) on {devices[0].platform} devices "
@@ -155,7 +161,8 @@ def launch_fleet(cfg: FleetConfig, *, announce: bool = True, out: TextIO | None 
     try:
         _build_workers(workers, cfg.warmup_parallel, log, cancelled)
         _start_servers(fleet)
-        _wait_healthy([*fleet.urls, fleet.supervisor_url], health_timeout)
+        _wait_healthy([*fleet.urls, fleet.supervisor_url], health_timeout,
+                      api_key=cfg.api_key)
     except BaseException:
         fleet.stop("abort")
         raise
@@ -205,6 +212,7 @@ def _start_servers(fleet: Fleet) -> None:
     from multiserve.fleet.supervisor import build_supervisor_app
     from multiserve.fleet.supervisor_rl import add_rl_supervisor_routes
     from multiserve.server import ServerThread, TokenizerManager, build_app
+    from multiserve.server.auth import protect
     from multiserve.server.rl_routes import add_rl_routes
 
     cfg = fleet.config
@@ -216,24 +224,28 @@ def _start_servers(fleet: Fleet) -> None:
                 "tokenizer_path": str(engine.tokenizer_dir)}
         app = build_app(w, tm, server_info=info)
         add_rl_routes(app, w)  # release/resume memory, weight updates (per engine)
+        protect(app, cfg.api_key)  # every route, when a key is set
         server = ServerThread(app, scfg.host, scfg.port, name=f"engine-{w.index}-http")
         w.port = server.port
         fleet.servers.append(server.start())
     sup_app = build_supervisor_app(fleet.workers, restart=fleet.restart_engine,
                                    engine_ports=fleet.ports)
     add_rl_supervisor_routes(sup_app)  # fleet-wide two-phase weight updates, memory
+    protect(sup_app, cfg.api_key)
     fleet.supervisor = ServerThread(sup_app, cfg.supervisor.host, cfg.supervisor.port,
                                     name="supervisor-http").start()
 
 
-def _wait_healthy(urls: list[str], timeout: float) -> None:
+def _wait_healthy(urls: list[str], timeout: float, api_key: str | None = None) -> None:
     """Poll GET /health on every URL until each answers 200 (TimeoutError otherwise)."""
     import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
 
     deadline = time.monotonic() + timeout
     pending = list(urls)
     last: dict[str, str] = {}
-    with httpx.Client(timeout=5.0) as client:
+    with httpx.Client(timeout=5.0, headers=headers) as client:
         while pending:
             for url in list(pending):
                 try:

@@ -16,10 +16,11 @@ import argparse
 import os
 import socket
 import tomllib
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from multiserve.config import ConfigError, FleetConfig
+from multiserve.config import API_KEY_ENV, ConfigError, FleetConfig
 from multiserve.fleet.config_loader import fleet_config_from_dict
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "cpu-4.toml"
@@ -75,7 +76,8 @@ def fleet_config_from_args(args: argparse.Namespace) -> FleetConfig:
     """`--config` (or, without it, `--engines N`: N engines x 1 device, default engine
     settings; with neither, configs/cpu-4.toml). `--port` (first engine port, 0 for
     ephemeral), `--supervisor-port`, `--host`, `--model` override the file; `--engines N`
-    with `--config` keeps the file's first N engines."""
+    with `--config` keeps the file's first N engines. `--api-key` (else $MULTISERVE_API_KEY)
+    protects every endpoint."""
     engines = getattr(args, "engines", None)
     path = getattr(args, "config", None)
     if path is None and engines is None:
@@ -107,7 +109,9 @@ def fleet_config_from_args(args: argparse.Namespace) -> FleetConfig:
     if getattr(args, "model", None) is not None:
         data["model"] = {**(data.get("model") or {}), "path": args.model}
         base_dir = Path.cwd()
-    return fleet_config_from_dict(data, base_dir=base_dir)
+    cfg = fleet_config_from_dict(data, base_dir=base_dir)
+    api_key = getattr(args, "api_key", None) or os.environ.get(API_KEY_ENV) or None
+    return replace(cfg, api_key=api_key) if api_key else cfg
 
 
 def _read_toml(path: Path) -> dict[str, Any]:

@@ -30,6 +30,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from multiserve.fleet.supervisor_metrics import render_metrics
+from multiserve.server.errors import with_error
 from multiserve.types import ControlResult, EngineClient, EngineUnavailable
 
 RestartFn = Callable[[int], Awaitable[ControlResult]]
@@ -117,6 +118,8 @@ class Supervisor:
         except EngineUnavailable as e:
             return {**reply, "success": False, "failure": "unavailable",
                     "message": f"engine unavailable: {e}"}
+        except ValueError as e:  # the engine rejected an argument (e.g. an unknown tag)
+            return {**reply, "success": False, "failure": "refused", "message": str(e)}
         except Exception as e:  # noqa: BLE001 - an engine's failure is reported, not raised
             return {**reply, "success": False, "failure": "error",
                     "message": f"{type(e).__name__}: {e}"}
@@ -235,6 +238,9 @@ def build_supervisor_app(engines: Sequence[EngineClient], *, restart: RestartFn 
             entry["engines"].append(i)
         return json_response(200, {"object": "list", "data": list(by_name.values())})
 
+    from multiserve.fleet.supervisor_openapi import document_supervisor_app
+
+    document_supervisor_app(app)  # the OpenAPI document declares every body and answer
     return app
 
 
@@ -295,7 +301,10 @@ def error_response(status: int, message: str, param: str | None = None) -> Respo
 
 
 def json_response(status: int, content: Any) -> Response:
-    """JSON that tolerates engine-state values JSON does not know (numpy scalars, ...)."""
+    """JSON that tolerates engine-state values JSON does not know (numpy scalars, ...).
+    A failure (status >= 400) also carries the OpenAI `error` object."""
+    if isinstance(content, dict):
+        content = with_error(content, status, code="refused" if status < 500 else "failed")
     text = json.dumps(content, default=_plain)
     return Response(content=text, status_code=status, media_type="application/json")
 

@@ -87,13 +87,14 @@ def client_host(host: str) -> str:
 
 async def send_requests(host: str, ports: list[int], model: str, *, requests_per_engine: int,
                         prompt: str, max_tokens: int, ignore_eos: bool = False,
-                        timeout: float = REQUEST_TIMEOUT_S) -> tuple[list[Answer], float]:
+                        timeout: float = REQUEST_TIMEOUT_S, api_key: str | None = None
+                        ) -> tuple[list[Answer], float]:
     """All requests at once (one `AsyncOpenAI` client per port); (answers, wall seconds)."""
     import openai
 
     h = client_host(host)
     h = f"[{h}]" if ":" in h else h
-    clients = {p: openai.AsyncOpenAI(base_url=f"http://{h}:{p}/v1", api_key="none",
+    clients = {p: openai.AsyncOpenAI(base_url=f"http://{h}:{p}/v1", api_key=api_key or "none",
                                      max_retries=0, timeout=timeout) for p in ports}
     extra = {"ignore_eos": True} if ignore_eos else None
 
@@ -155,7 +156,7 @@ def run_validation(fleet: Any, *, requests_per_engine: int, prompt: str, max_tok
     model = fleet.workers[0].model_name
     answers, wall = asyncio.run(send_requests(
         host, fleet.ports, model, requests_per_engine=requests_per_engine, prompt=prompt,
-        max_tokens=max_tokens, ignore_eos=ignore_eos))
+        max_tokens=max_tokens, ignore_eos=ignore_eos, api_key=fleet.config.api_key))
     return Report(answers, wall, evaluate(answers, wall, inject_failure=inject_failure))
 
 

@@ -4,9 +4,17 @@
 p = positions[t], softmax(q_t . K_s / sqrt(head_dim)) V_s over the keys at positions <= p,
 reading K/V from the paged pool (the new tokens' K/V are already written there).
 
+Pool layout (kv_pool.py): head-major [L, KV, slots, hd], so one page of one head is a
+contiguous [page_size, hd] slab and a block gather lands directly in the [KV, C, bs, hd]
+order the contractions use (no transpose copies; they were half the decode step).
+
 Batch invariance (the engine's greedy determinism rests on it), by construction:
-- Tokens are processed in fixed chunks of QUERY_CHUNK rows (`lax.map`), so the attention
-  arithmetic always runs on the same shapes whatever the batch size T.
+- Tokens are processed in chunks of exactly QUERY_CHUNK rows (`lax.map`; T is padded up to
+  a multiple), so the per-chunk program has ONE shape whatever T: a token's arithmetic is
+  the same at every step size by construction. (Chunks of other sizes are not safe on
+  XLA:CPU: the fused exp and the softmax sum change their order below 16 rows, measured.)
+  Every contraction is batched over (head, token) and contracts only head_dim or the key
+  block, so a token's result is independent of the other tokens in its chunk.
 - Keys are visited in blocks of `block_size` consecutive positions aligned to position 0
   (block j = [j*bs, (j+1)*bs)), for j < nb, a TRACED loop bound (no recompiles per length):
   nb = max over the chunk of p // bs + 1.
@@ -14,8 +22,6 @@ Batch invariance (the engine's greedy determinism rests on it), by construction:
   -1e30, so a block entirely past p is an exact identity update (alpha == 1, p == 0; the
   pool is zero-initialised and holds only finite values). Hence a token's result does not
   depend on how many blocks its chunk needed.
-- Every contraction is per token (batched over tokens, never across tokens), so a token's
-  result is bitwise independent of the other tokens in its chunk and of its row.
 """
 
 from __future__ import annotations
@@ -24,67 +30,72 @@ import jax
 import jax.numpy as jnp
 
 from multiserve.model.forward_batch import ForwardBatch
+from multiserve.model.row_invariant import row_sum
 
 MASK_VALUE = -1e30  # finite: exp(MASK_VALUE - m) == 0 exactly, never inf - inf
-QUERY_CHUNK = 16  # rows per attention chunk; T is a multiple of it (else one chunk of T)
+QUERY_CHUNK = 16  # rows per attention chunk; T is padded to a multiple of it
+# dot_general dims, batch (KV, C): [KV,C,G,hd] x [KV,C,bs,hd] -> [KV,C,G,bs], and back
+_SCORES = (((3,), (3,)), ((0, 1), (0, 1)))
+_VALUES = (((3,), (2,)), ((0, 1), (0, 1)))  # [KV,C,G,bs] x [KV,C,bs,hd] -> [KV,C,G,hd]
 
 
 def _gather_block(k_pool: jax.Array, v_pool: jax.Array, layer: jax.Array, rows: jax.Array,
                   j: jax.Array, *, page_size: int,
                   block_size: int) -> tuple[jax.Array, jax.Array]:
-    """K and V of key block j for each chunk row's sequence: [C, KV, bs, hd] float32.
+    """K and V of key block j for each chunk row's sequence: [KV, C, bs, hd] float32.
 
-    Whole pages are gathered when a block spans pages (contiguous copies), single slots
-    otherwise. Page indices past the page table are clamped; those keys are masked anyway.
+    Whole pages are gathered when a block spans pages (contiguous [ps, hd] slabs), single
+    slots otherwise. Page indices past the page table are clamped; those keys are masked.
     """
     c, max_pages = rows.shape
-    num_layers, num_slots, kv_heads, head_dim = k_pool.shape
+    num_layers, kv_heads, num_slots, head_dim = k_pool.shape
+    heads = layer * kv_heads + jnp.arange(kv_heads)  # rows of the [L*KV, ...] view
     if block_size >= page_size:
         assert block_size % page_size == 0, (block_size, page_size)
         per_block = block_size // page_size
         page_idx = jnp.minimum(j * per_block + jnp.arange(per_block), max_pages - 1)
         pages = rows[:, page_idx]  # [C, per_block]
-        shape = (num_layers, num_slots // page_size, page_size, kv_heads, head_dim)
+        shape = (num_layers * kv_heads, num_slots // page_size, page_size, head_dim)
 
         def take(pool: jax.Array) -> jax.Array:
-            blk = pool.reshape(shape)[layer, pages]  # [C, per_block, ps, KV, hd]
-            return blk.reshape(c, block_size, kv_heads, head_dim)
+            blk = pool.reshape(shape)[heads[:, None, None], pages[None]]  # [KV,C,pb,ps,hd]
+            return blk.reshape(kv_heads, c, block_size, head_dim)
     else:
         key_pos = j * block_size + jnp.arange(block_size)
         page = rows[:, jnp.minimum(key_pos // page_size, max_pages - 1)]  # [C, bs]
         slots = page * page_size + key_pos % page_size
+        shape = (num_layers * kv_heads, num_slots, head_dim)
 
         def take(pool: jax.Array) -> jax.Array:
-            return pool[layer, slots]  # [C, bs, KV, hd]
+            return pool.reshape(shape)[heads[:, None, None], slots[None]]  # [KV, C, bs, hd]
 
-    return (jnp.swapaxes(take(k_pool), 1, 2).astype(jnp.float32),
-            jnp.swapaxes(take(v_pool), 1, 2).astype(jnp.float32))
+    return take(k_pool).astype(jnp.float32), take(v_pool).astype(jnp.float32)
 
 
 def _chunk_attention(q: jax.Array, pos: jax.Array, seq: jax.Array, k_pool: jax.Array,
                      v_pool: jax.Array, layer: jax.Array, page_table: jax.Array, *,
                      page_size: int, block_size: int) -> jax.Array:
-    """One chunk: q [C, KV, G, hd] f32 (pre-scaled), pos/seq [C] -> out [C, KV, G, hd] f32."""
-    c, kv_heads, group, head_dim = q.shape
+    """One chunk: q [KV, C, G, hd] f32 (pre-scaled), pos/seq [C] -> out [KV, C, G, hd] f32."""
+    kv_heads, c, group, head_dim = q.shape
     offsets = jnp.arange(block_size, dtype=jnp.int32)
     rows = page_table[seq]  # [C, max_pages]
     num_blocks = jnp.max(pos) // block_size + 1
 
     def body(j, carry):
-        m, l, acc = carry  # [C,KV,G], [C,KV,G], [C,KV,G,hd]
+        m, l, acc = carry  # [KV,C,G], [KV,C,G], [KV,C,G,hd]
         key_pos = j * block_size + offsets  # [bs]
         k, v = _gather_block(k_pool, v_pool, layer, rows, j, page_size=page_size,
-                             block_size=block_size)  # [C, KV, bs, hd] f32
-        s = jax.lax.dot_general(k, q, (((3,), (3,)), ((0, 1), (0, 1))))  # [C, KV, bs, G]
-        s = jnp.where(key_pos[None, None, :, None] > pos[:, None, None, None], MASK_VALUE, s)
-        m_new = jnp.maximum(m, jnp.max(s, axis=2))
+                             block_size=block_size)  # [KV, C, bs, hd] f32
+        s = jax.lax.dot_general(q, k, _SCORES)  # [KV, C, G, bs]
+        s = jnp.where(key_pos[None, None, None, :] > pos[None, :, None, None], MASK_VALUE, s)
+        m_new = jnp.maximum(m, jnp.max(s, axis=3))  # max is exact: order-free
         alpha = jnp.exp(m - m_new)
-        p = jnp.exp(s - m_new[:, :, None, :])
-        l_new = l * alpha + jnp.sum(p, axis=2)
-        pv = jax.lax.dot_general(p, v, (((2,), (2,)), ((0, 1), (0, 1))))  # [C, KV, G, hd]
+        p = jnp.exp(s - m_new[..., None])
+        l_new = l * alpha + row_sum(p)  # jnp.sum's order varies with C (row_invariant.py)
+        pv = jax.lax.dot_general(p, v, _VALUES)  # [KV, C, G, hd]
         return m_new, l_new, acc * alpha[..., None] + pv
 
-    shape = (c, kv_heads, group)
+    shape = (kv_heads, c, group)
     init = (jnp.full(shape, MASK_VALUE, jnp.float32), jnp.zeros(shape, jnp.float32),
             jnp.zeros(shape + (head_dim,), jnp.float32))
     _, l, acc = jax.lax.fori_loop(0, num_blocks, body, init)
@@ -95,29 +106,34 @@ def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer: j
                     batch: ForwardBatch, *, page_size: int, block_size: int) -> jax.Array:
     """q [T, H, hd] (already rotated) -> attention output [T, H, hd] in q's dtype.
 
-    k_pool/v_pool are the whole pool [L, slots, KV, hd]; `layer` (traced scalar) selects the
+    k_pool/v_pool are the whole pool [L, KV, slots, hd]; `layer` (traced scalar) selects the
     layer inside the gathers, so no per-layer copy of the pool is made.
     """
     num_tokens, num_heads, head_dim = q.shape
-    kv_heads = k_pool.shape[2]
+    kv_heads = k_pool.shape[1]
     group = num_heads // kv_heads
     scale = 1.0 / float(head_dim) ** 0.5
-    qf = (q.astype(jnp.float32) * scale).reshape(num_tokens, kv_heads, group, head_dim)
-    chunk = QUERY_CHUNK if num_tokens % QUERY_CHUNK == 0 else num_tokens
-    n = num_tokens // chunk
+    chunk = QUERY_CHUNK
+    padded = -(-num_tokens // chunk) * chunk
+    n = padded // chunk
     # Rows sorted by position: each chunk loops only over the key blocks its own longest
     # row needs, so short sequences stop paying for long ones. A row's result does not
     # depend on its chunk (blocks past its position are exact identity updates).
     order = jnp.argsort(batch.positions, stable=True)
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(num_tokens, dtype=order.dtype))
+    # Padding rows (T not a multiple of the chunk) sit at position 0 of sequence row 0:
+    # one key block, results dropped.
+    extra = padded - num_tokens
+    qf = (q.astype(jnp.float32) * scale)[order]
+    qf = jnp.pad(qf, ((0, extra), (0, 0), (0, 0))).reshape(n, chunk, kv_heads, group, head_dim)
+    pos = jnp.pad(batch.positions[order], (0, extra)).reshape(n, chunk)
+    seq = jnp.pad(batch.token_seq[order], (0, extra)).reshape(n, chunk)
 
     def one(args):
         qc, pc, sc = args
         return _chunk_attention(qc, pc, sc, k_pool, v_pool, layer, batch.page_table,
                                 page_size=page_size, block_size=block_size)
 
-    out = jax.lax.map(one, (qf[order].reshape(n, chunk, kv_heads, group, head_dim),
-                            batch.positions[order].reshape(n, chunk),
-                            batch.token_seq[order].reshape(n, chunk)))
-    out = out.reshape(num_tokens, kv_heads, group, head_dim)[inverse]
-    return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
+    out = jax.lax.map(one, (jnp.transpose(qf, (0, 2, 1, 3, 4)), pos, seq))  # [n,KV,C,G,hd]
+    out = jnp.transpose(out, (0, 2, 1, 3, 4)).reshape(padded, num_heads, head_dim)
+    return out[:num_tokens][inverse].astype(q.dtype)

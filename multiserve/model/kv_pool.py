@@ -1,7 +1,8 @@
 """The paged KV pool: device arrays holding every layer's keys and values.
 
-Layout: `KVPool.k` and `KVPool.v`, each [num_layers, num_pages * page_size, kv_heads, head_dim]
-("slot-major": slot = page * page_size + offset). Page 0 is reserved by convention as the
+Layout: `KVPool.k` and `KVPool.v`, each [num_layers, kv_heads, num_pages * page_size, head_dim]
+("head-major": slot = page * page_size + offset; one page of one head is a contiguous
+[page_size, head_dim] slab, which is what attention gathers). Page 0 is reserved by convention as the
 garbage page padding tokens write into; it is never read as real data.
 
 Invariants: zero-initialised (the pool never holds NaN/inf, so masked keys contribute exact
@@ -19,12 +20,12 @@ from multiserve.config import ModelConfig
 
 @struct.dataclass
 class KVPool:
-    k: jax.Array  # [L, num_slots, kv_heads, head_dim]
-    v: jax.Array  # [L, num_slots, kv_heads, head_dim]
+    k: jax.Array  # [L, kv_heads, num_slots, head_dim]
+    v: jax.Array  # [L, kv_heads, num_slots, head_dim]
 
     @property
     def num_slots(self) -> int:
-        return self.k.shape[1]
+        return self.k.shape[2]
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype) -> int:
@@ -40,7 +41,7 @@ def make_kv_pool(cfg: ModelConfig, num_pages: int, page_size: int, dtype,
     created directly with that sharding, never materialised on one device first.
     """
     assert num_pages >= 2 and page_size >= 1, (num_pages, page_size)
-    shape = (cfg.num_layers, num_pages * page_size, cfg.num_kv_heads, cfg.head_dim)
+    shape = (cfg.num_layers, cfg.num_kv_heads, num_pages * page_size, cfg.head_dim)
     dtype = jnp.dtype(dtype)
 
     def zeros() -> jax.Array:

@@ -1,12 +1,15 @@
 """The Llama-family decoder (Llama, SmolLM2, Qwen2, Qwen3) as a pure forward function.
 
 `forward(params, kv_pool, batch, cfg, page_size=, attn_block_size=)` -> (logits f32 [R, V],
-new kv_pool). No globals, no implicit context: jit it with cfg/page_size/attn_block_size
-static and kv_pool donated; the pool is updated in place (scatter into the scan carry).
+new kv_pool), also available in two halves: `forward_hidden` (decoder, final norm, the
+logits rows' hidden states) and `lm_head`. No globals, no implicit context: jit with
+cfg/page_size/attn_block_size static and kv_pool donated; the pool is updated in place.
 
-Params: the plain-dict pytree documented in `param_layout` (layers stacked over L).
-Compute is in the params dtype, attention softmax/accumulation in fp32, logits in fp32.
-One layer is a flax linen module applied with explicit params under `jax.lax.scan`.
+Params: the compute params, `row_invariant.with_transposed(params, cfg)`: the plain-dict pytree of
+`param_layout` (layers stacked over L, matrices [in, out]) plus a transposed copy of every
+matrix, so that every product is row-invariant (see row_invariant.py). Compute is in the params
+dtype, attention softmax/accumulation in fp32, logits in fp32. The layers run under
+`jax.lax.scan`.
 """
 
 from __future__ import annotations
@@ -14,13 +17,13 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from multiserve.config import ModelConfig
 from multiserve.model.attention import paged_attention
+from multiserve.model.row_invariant import LAYER_MATRICES, dense, is_compute_params, row_sum
 from multiserve.model.forward_batch import ForwardBatch
 from multiserve.model.kv_pool import KVPool
 from multiserve.model.param_layout import layer_param_shapes, param_shapes  # noqa: F401
@@ -29,8 +32,10 @@ Params = dict[str, Any]
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm over the last axis; each row's result is independent of the row count
+    (`row_sum`: XLA's own mean changes order with the operand's size)."""
     xf = x.astype(jnp.float32)
-    var = jnp.mean(xf * xf, axis=-1, keepdims=True)
+    var = row_sum(xf * xf)[..., None] / x.shape[-1]
     return (xf * jax.lax.rsqrt(var + eps)).astype(x.dtype) * weight
 
 
@@ -61,68 +66,85 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return out.astype(x.dtype)
 
 
-class DecoderLayer(nn.Module):
-    """One pre-norm decoder layer: attention over the paged pool, then a SwiGLU MLP."""
+def _layer(x: jax.Array, kv: KVPool, layer: jax.Array, w: dict[str, jax.Array],
+           batch: ForwardBatch, cos: jax.Array, sin: jax.Array, cfg: ModelConfig, *,
+           page_size: int, attn_block_size: int) -> tuple[jax.Array, KVPool]:
+    """One pre-norm decoder layer: attention over the paged pool, then a SwiGLU MLP.
+    `w` holds this layer's params, each matrix as (W [in, out], W^T) for `dense`."""
+    t, hd = x.shape[0], cfg.head_dim
 
-    cfg: ModelConfig
-    page_size: int
-    attn_block_size: int
+    def proj(h: jax.Array, name: str) -> jax.Array:
+        return dense(h, w[name], w[f"{name}_t"])
 
-    def _p(self, name: str, shape: tuple[int, ...]) -> jax.Array:
-        return self.param(name, nn.initializers.zeros_init(), shape)
+    h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps)
+    q, k, v = proj(h, "wq"), proj(h, "wk"), proj(h, "wv")
+    if cfg.attention_bias:
+        q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
+    q = q.reshape(t, cfg.num_heads, hd)
+    k = k.reshape(t, cfg.num_kv_heads, hd)
+    v = v.reshape(t, cfg.num_kv_heads, hd)
+    if cfg.qk_norm:
+        q = rms_norm(q, w["q_norm"], cfg.rms_norm_eps)
+        k = rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
-    @nn.compact
-    def __call__(self, x: jax.Array, kv: KVPool, layer: jax.Array, batch: ForwardBatch,
-                 cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, KVPool]:
-        cfg = self.cfg
-        shapes = layer_param_shapes(cfg)
-        w = {name: self._p(name, shape) for name, shape in shapes.items()}
-        t, hd = x.shape[0], cfg.head_dim
+    # head-major pool [L, KV, slots, hd]: the indexed result is [T, KV, hd], k's own shape
+    kv = KVPool(k=kv.k.at[layer, :, batch.out_slots].set(k.astype(kv.k.dtype)),
+                v=kv.v.at[layer, :, batch.out_slots].set(v.astype(kv.v.dtype)))
+    attn = paged_attention(q, kv.k, kv.v, layer, batch, page_size=page_size,
+                           block_size=attn_block_size)
+    x = x + proj(attn.reshape(t, cfg.num_heads * hd), "wo")
 
-        h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps)
-        q, k, v = h @ w["wq"], h @ w["wk"], h @ w["wv"]
-        if cfg.attention_bias:
-            q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
-        q = q.reshape(t, cfg.num_heads, hd)
-        k = k.reshape(t, cfg.num_kv_heads, hd)
-        v = v.reshape(t, cfg.num_kv_heads, hd)
-        if cfg.qk_norm:
-            q = rms_norm(q, w["q_norm"], cfg.rms_norm_eps)
-            k = rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps)
+    x = x + proj(jax.nn.silu(proj(h, "w_gate")) * proj(h, "w_up"), "w_down")
+    return x, kv
 
-        kv = KVPool(k=kv.k.at[layer, batch.out_slots].set(k.astype(kv.k.dtype)),
-                    v=kv.v.at[layer, batch.out_slots].set(v.astype(kv.v.dtype)))
-        attn = paged_attention(q, kv.k, kv.v, layer, batch, page_size=self.page_size,
-                               block_size=self.attn_block_size)
-        x = x + attn.reshape(t, cfg.num_heads * hd) @ w["wo"]
 
-        h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps)
-        x = x + (jax.nn.silu(h @ w["w_gate"]) * (h @ w["w_up"])) @ w["w_down"]
-        return x, kv
+def _layer_weights(layers: dict[str, jax.Array], num_tokens: int) -> dict[str, jax.Array]:
+    """The per-layer params the scan carries for a T-token step: of each matrix only the
+    layout `dense` uses at this T (the other is None), so no unused copy is sliced."""
+    one_row = num_tokens == 1
+    out = {}
+    for name, a in layers.items():
+        base = name[:-2] if name.endswith("_t") else name
+        if base in LAYER_MATRICES:
+            out[name] = a if name.endswith("_t") != one_row else None
+        else:
+            out[name] = a
+    return out
+
+
+def forward_hidden(params: Params, kv_pool: KVPool, batch: ForwardBatch, cfg: ModelConfig, *,
+                   page_size: int, attn_block_size: int) -> tuple[jax.Array, KVPool]:
+    """Run the new tokens of `batch` through the decoder; return (the final-normed hidden
+    states of the `batch.logit_rows` rows [R, D], new kv_pool). `params` are compute params
+    (`row_invariant.with_transposed`)."""
+    assert is_compute_params(params), "forward needs row_invariant.with_transposed(params, cfg)"
+    x = params["embed"][batch.input_ids]
+    freqs = batch.positions.astype(jnp.float32)[:, None] * jnp.asarray(rope_inv_freq(cfg))
+    cos, sin = jnp.cos(freqs)[:, None, :], jnp.sin(freqs)[:, None, :]
+    weights = _layer_weights(params["layers"], x.shape[0])
+
+    def step(carry, xs):
+        x, kv = carry
+        w, layer = xs
+        x, kv = _layer(x, kv, layer, w, batch, cos, sin, cfg, page_size=page_size,
+                       attn_block_size=attn_block_size)
+        return (x, kv), None
+
+    layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+    (x, kv_pool), _ = jax.lax.scan(step, (x, kv_pool), (weights, layer_ids))
+    return rms_norm(x[batch.logit_rows], params["final_norm"], cfg.rms_norm_eps), kv_pool
+
+
+def lm_head(params: Params, h: jax.Array) -> jax.Array:
+    """Logits f32 [R, V] of final-normed hidden states h [R, D] (row-invariant)."""
+    return dense(h, params["head_w"], params["head_wt"], preferred=jnp.float32)
 
 
 def forward(params: Params, kv_pool: KVPool, batch: ForwardBatch, cfg: ModelConfig, *,
             page_size: int, attn_block_size: int) -> tuple[jax.Array, KVPool]:
     """Run the new tokens of `batch` through the model; return (logits f32 [R, V], kv_pool)."""
-    layer_mod = DecoderLayer(cfg, page_size, attn_block_size)
-    x = params["embed"][batch.input_ids]
-    freqs = batch.positions.astype(jnp.float32)[:, None] * jnp.asarray(rope_inv_freq(cfg))
-    cos, sin = jnp.cos(freqs)[:, None, :], jnp.sin(freqs)[:, None, :]
-
-    def step(carry, xs):
-        x, kv = carry
-        layer_params, layer = xs
-        x, kv = layer_mod.apply({"params": layer_params}, x, kv, layer, batch, cos, sin)
-        return (x, kv), None
-
-    layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-    (x, kv_pool), _ = jax.lax.scan(step, (x, kv_pool), (params["layers"], layer_ids))
-
-    h = rms_norm(x[batch.logit_rows], params["final_norm"], cfg.rms_norm_eps)
-    if cfg.tie_word_embeddings:
-        logits = jax.lax.dot_general(h, params["embed"], (((1,), (1,)), ((), ())),
-                                     preferred_element_type=jnp.float32)
-    else:
-        logits = jnp.dot(h, params["lm_head"], preferred_element_type=jnp.float32)
-    return logits.astype(jnp.float32), kv_pool
+    h, kv_pool = forward_hidden(params, kv_pool, batch, cfg, page_size=page_size,
+                                attn_block_size=attn_block_size)
+    return lm_head(params, h).astype(jnp.float32), kv_pool

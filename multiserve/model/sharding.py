@@ -73,7 +73,7 @@ def shard_params(params: dict[str, Any], cfg: ModelConfig, mesh: Mesh) -> dict[s
 
 
 def kv_pool_sharding(cfg: ModelConfig, mesh: Mesh) -> NamedSharding:
-    """Sharding of each of KVPool.k / .v ([L, slots, KV, hd]): KV heads over "tensor" when
+    """Sharding of each of KVPool.k / .v ([L, KV, slots, hd]): KV heads over "tensor" when
     attention is sharded, else replicated."""
-    spec = P(None, None, AXIS, None) if attention_sharded(cfg, mesh) else P()
+    spec = P(None, AXIS, None, None) if attention_sharded(cfg, mesh) else P()
     return NamedSharding(mesh, spec)

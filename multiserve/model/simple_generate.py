@@ -1,8 +1,9 @@
 """A minimal, unbatched greedy generation loop over `llama.forward` (one sequence).
 
-`greedy_token_ids` is the reference the engine tests compare against: it pads every step to
-T = 64/128/256/512 tokens and B = R = 64 rows, the engine's smallest buckets, so it shares
-the engine's numerics (see `attention` on batch invariance). `greedy_generate` is what
+`greedy_token_ids` is the reference the engine tests compare against: one sequence, its
+steps padded to power-of-two token counts and one logits row. The model is row-invariant
+(row_invariant.py, attention.py), so this shares the engine's numerics bit for bit whatever the
+engine's batch. `greedy_generate` is what
 `multiserve generate PROMPT` runs: chat template, greedy decode, detokenize.
 """
 
@@ -17,12 +18,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from multiserve.config import ModelConfig
+from multiserve.model.row_invariant import is_compute_params, with_transposed
 from multiserve.model.forward_batch import ForwardBatch
 from multiserve.model.kv_pool import make_kv_pool
 from multiserve.model.llama import forward
 
-TOKEN_BUCKETS = (64, 128, 256, 512)
-ROWS = 64  # B == R
+TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+ROWS = 1  # B == R
 
 
 @partial(jax.jit, static_argnames=("cfg", "page_size", "attn_block_size"), donate_argnums=(1,))
@@ -37,7 +39,7 @@ def single_sequence_batch(token_ids: Sequence[int], start: int, pages: np.ndarra
     """A batch holding tokens [start, start+len) of one sequence (row 0) whose pages are
     `pages`; padded to the smallest fitting token bucket and ROWS rows."""
     n = len(token_ids)
-    t = next(b for b in TOKEN_BUCKETS if b >= n) if n <= TOKEN_BUCKETS[-1] else -(-n // 64) * 64
+    t = next(b for b in TOKEN_BUCKETS if b >= n) if n <= TOKEN_BUCKETS[-1] else -(-n // 512) * 512
     pos = np.zeros(t, np.int32)
     pos[:n] = np.arange(start, start + n)
     ids = np.zeros(t, np.int32)
@@ -63,6 +65,8 @@ def greedy_token_ids(params: Any, cfg: ModelConfig, prompt_ids: Sequence[int],
     after a token in `stop_token_ids`. Prefill in chunks of `chunk` tokens, then one token
     per step."""
     assert len(prompt_ids) >= 1 and max_new_tokens >= 0
+    if not is_compute_params(params):
+        params = with_transposed(params, cfg)
     total = len(prompt_ids) + max_new_tokens
     num_pages = -(-total // page_size)
     pages = np.arange(1, num_pages + 1, dtype=np.int32)  # page 0 is the garbage page

@@ -1,9 +1,10 @@
 """FastAPI app for one engine: OpenAI, native, control and introspection endpoints.
 
 Owns: `build_app(engine, tokenizer, ...)`, the routing table, and the mapping of every
-error to an OpenAI-shaped body (400 invalid input, 404 unknown model/route, 503
-engine unavailable, 500 unexpected). The endpoint logic lives in `openai_serving.py`
-and `native_serving.py`; control endpoints are thin calls into the `EngineClient`.
+error to an OpenAI-shaped body (400 invalid input, 404 unknown model/route, 429/503
+queue full with Retry-After, 503 engine unavailable, 500 unexpected). The endpoint
+logic lives in `openai_serving.py` and `native_serving.py`; control endpoints are thin
+calls into the `EngineClient`.
 
 Invariants: the app holds no engine state of its own (everything introspective is
 read from `async_get_internal_state()` at request time); an error in one request never
@@ -23,14 +24,21 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from multiserve.server import protocol_native as N
-from multiserve.server.errors import ApiError, bad_request
+from multiserve.server.api_schema import document_engine_app
+from multiserve.server.errors import ApiError, bad_request, overloaded, with_error
 from multiserve.server.http_utils import api_error_from, error_json, json_model, parse_body
 from multiserve.server.metrics import CONTENT_TYPE, MetricsMiddleware, ServerMetrics
 from multiserve.server.native_serving import NativeServing
 from multiserve.server.openai_serving import OpenAIServing
 from multiserve.server.run import ClientDisconnected, RequestRun, drain
 from multiserve.server.tokenizer import TokenizerManager
-from multiserve.types import EngineClient, EngineUnavailable, GenerateRequest, SamplingParams
+from multiserve.types import (
+    EngineClient,
+    EngineOverloaded,
+    EngineUnavailable,
+    GenerateRequest,
+    SamplingParams,
+)
 
 log = logging.getLogger("multiserve.server")
 HEALTH_GENERATE_TIMEOUT_S = 60.0
@@ -147,9 +155,12 @@ def build_app(engine: EngineClient, tokenizer: TokenizerManager, *,
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> Response:
         result = await engine.async_flush_cache()
-        return JSONResponse(result.to_dict(), status_code=200 if result.ok else 400)
+        status = 200 if result.ok else 400
+        return JSONResponse(with_error(result.to_dict(), status), status_code=status)
 
     _install_error_handlers(app)
+    # the OpenAPI document declares every body and answer
+    document_engine_app(app, engine.model_name, len(tokenizer.tokenizer))
     known = frozenset(r.path for r in app.routes if hasattr(r, "path"))
     app.add_middleware(MetricsMiddleware, metrics=metrics, known_paths=known)
     return app
@@ -159,6 +170,10 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def on_api_error(_: Request, exc: ApiError) -> Response:
         return error_json(exc)
+
+    @app.exception_handler(EngineOverloaded)
+    async def on_overloaded(_: Request, exc: EngineOverloaded) -> Response:
+        return error_json(overloaded(exc))  # 429/503 + Retry-After
 
     @app.exception_handler(EngineUnavailable)
     async def on_unavailable(_: Request, exc: EngineUnavailable) -> Response:

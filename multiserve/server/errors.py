@@ -13,15 +13,17 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from multiserve.types import SamplingParamsError
+from multiserve.types import EngineOverloaded, SamplingParamsError
 
 
 class ApiError(Exception):
     """An error answered to the client with `status` and an OpenAI error body."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None,
-                 code: str | None = None, err_type: str | None = None) -> None:
+                 code: str | None = None, err_type: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
+        self.headers = headers or {}  # e.g. Retry-After on 429/503
         self.status = status
         self.message = message
         self.param = param
@@ -38,9 +40,33 @@ def _default_type(status: int) -> str:
         return "NotFoundError"
     if status == 503:
         return "ServiceUnavailableError"
+    if status == 429:
+        return "RateLimitError"
+    if status == 401:
+        return "AuthenticationError"
     if status >= 500:
         return "InternalServerError"
     return "BadRequestError"
+
+
+def with_error(body: dict[str, Any], status: int, code: str = "refused") -> dict[str, Any]:
+    """A control answer (`success`, `message`, details) that failed with `status` >= 400
+    gets the OpenAI `error` object too, so every 4xx/5xx body has one; the sglang-style
+    fields stay as they are, except a detail string under `error`, which moves to
+    `error.detail`."""
+    if status < 400 or isinstance(body.get("error"), dict):
+        return body
+    message = str(body.get("message") or f"request failed with status {status}")
+    error = ApiError(status, message, code=code).body()["error"]
+    if "error" in body:  # a detail string under the same key: kept inside the object
+        error["detail"] = body["error"]
+    return {**body, "error": error}
+
+
+def overloaded(exc: EngineOverloaded) -> ApiError:
+    """The engine's admission refusal: 429/503 naming the bound, with Retry-After."""
+    return ApiError(exc.status, str(exc), code=exc.reason,
+                    headers={"Retry-After": str(max(1, int(exc.retry_after)))})
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:

@@ -18,8 +18,8 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 from starlette.responses import JSONResponse, StreamingResponse
 
-from multiserve.server.errors import ApiError, bad_request, from_validation_error
-from multiserve.types import EngineClient, EngineUnavailable
+from multiserve.server.errors import ApiError, bad_request, from_validation_error, overloaded
+from multiserve.types import EngineClient, EngineOverloaded, EngineUnavailable
 
 M = TypeVar("M", bound=BaseModel)
 NEG_INF_LOGPROB = -9999.0
@@ -74,6 +74,8 @@ def api_error_from(exc: Exception) -> ApiError:
     """The client-facing error for an exception raised while a request ran."""
     if isinstance(exc, ApiError):
         return exc
+    if isinstance(exc, EngineOverloaded):
+        return overloaded(exc)
     if isinstance(exc, EngineUnavailable):
         return ApiError(503, f"engine unavailable: {exc}", code="engine_unavailable")
     if isinstance(exc, ValueError):  # the engine rejected the request itself
@@ -88,4 +90,4 @@ def sse_error(exc: Exception) -> str:
 
 
 def error_json(exc: ApiError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status)
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers or None)

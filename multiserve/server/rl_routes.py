@@ -31,7 +31,7 @@ from pydantic import BaseModel, ConfigDict, field_validator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from multiserve.server.errors import ApiError, bad_request
+from multiserve.server.errors import ApiError, bad_request, with_error
 from multiserve.server.http_utils import parse_body
 from multiserve.types import ControlResult, EngineUnavailable
 
@@ -195,7 +195,8 @@ class WeightsByNameBody(_Body):
 
 
 def control_response(result: ControlResult) -> Response:
-    return JSONResponse(result.to_dict(), status_code=200 if result.ok else 400)
+    status = 200 if result.ok else 400
+    return JSONResponse(with_error(result.to_dict(), status), status_code=status)
 
 
 async def run_control(call: Callable[[], Awaitable[ControlResult]],

@@ -130,15 +130,18 @@ def run_server(app: Any, host: str = "127.0.0.1", port: int = 0, *,
 
 def serve_single(engine: Any, tokenizer_dir: str | Path, host: str = "127.0.0.1",
                  port: int = 31000, *, server_info: dict[str, Any] | None = None,
-                 log_level: str = "info") -> None:
+                 log_level: str = "info", api_key: str | None = None) -> None:
     """Serve one EngineClient in the calling (main) thread until SIGINT/SIGTERM."""
     from multiserve.server.app import build_app
+    from multiserve.server.auth import protect, warn_if_exposed
     from multiserve.server.tokenizer import TokenizerManager
 
     tm = TokenizerManager(tokenizer_dir, engine.context_len, engine.model_name)
     info = {"tokenizer_path": str(tokenizer_dir), "host": host, "port": port,
             **(server_info or {})}
     app = build_app(engine, tm, server_info=info)
+    protect(app, api_key)
+    warn_if_exposed(host, api_key)
     sock = bind_socket(host, port)
     config = uvicorn.Config(app, log_level=log_level, lifespan="off",
                             timeout_graceful_shutdown=5.0)

@@ -1,30 +1,31 @@
 """Benchmark peer: Hugging Face transformers batched `generate` (torch, CPU, fp32).
 
 Run as a subprocess by `multiserve bench --peer hf` (torch never enters the
-multiserve process). Reads token-id prompts from a JSON file, generates exactly
-`--output-len` greedy tokens per prompt with left-padded batches, and prints ONE JSON
-line with its figures (and the generated ids, so the caller can compare outputs).
+multiserve process), with .venv-peers/hf/bin/python if `scripts/peer-envs.sh hf` made
+it, else multiserve's own interpreter. Reads token-id prompts from a JSON file,
+generates exactly `--output-len` greedy tokens per prompt with left-padded batches, and
+prints ONE JSON line with its figures (and the generated ids, so the caller can compare
+outputs); protocol: plugins/peers/protocol.py. Every generated token is timed (a step
+clock), so `--stream` changes nothing here: one prompt is the single-stream run.
 
 Exact token count: EOS is disabled for generation (`eos_token_id=None`), the same
 semantics as multiserve's `ignore_eos` (an EOS may be generated and decoding goes on),
 rather than `min_new_tokens`, which would mask EOS and change the greedy choice.
 
 Usage: python plugins/peers/hf_generate.py --prompts-file P.json --output-len 128
-       --model-dir DIR [--batch-size 0] [--threads N] [--no-warmup]
+       --model DIR [--batch-size 0] [--threads N] [--stream] [--no-warmup]
 P.json: {"prompts": [[id, id, ...], ...]}
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import sys
 import time
 from typing import Any
 
 from multiserve.bench.stats import peak_rss_mb
 from multiserve.bench.stats import percentile as _percentile
+from plugins.peers.protocol import emit, load_prompts, parse_args
 
 
 def _left_pad(batch: list[list[int]], pad_id: int) -> tuple[Any, Any]:
@@ -135,22 +136,10 @@ def run(prompts: list[list[int]], output_len: int, model_dir: str, batch_size: i
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--prompts-file", required=True)
-    p.add_argument("--output-len", type=int, required=True)
-    p.add_argument("--model-dir", required=True)
-    p.add_argument("--batch-size", type=int, default=0, help="0: all prompts in one batch")
-    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    p.add_argument("--no-warmup", action="store_true")
-    args = p.parse_args(argv)
-    with open(args.prompts_file, encoding="utf-8") as f:
-        prompts = [list(map(int, ids)) for ids in json.load(f)["prompts"]]
-    if not prompts or any(not ids for ids in prompts):
-        print("hf_generate: every prompt needs at least one token id", file=sys.stderr)
-        return 2
-    result = run(prompts, args.output_len, args.model_dir, args.batch_size, args.threads,
-                 warmup=not args.no_warmup)
-    print(json.dumps(result), flush=True)
+    args = parse_args((__doc__ or "").splitlines()[0], argv)
+    prompts = load_prompts(args.prompts_file)
+    emit(run(prompts, args.output_len, args.model, args.batch_size, args.threads,
+             warmup=not args.no_warmup))
     return 0
 
 

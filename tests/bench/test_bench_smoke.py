@@ -20,7 +20,8 @@ def test_prompt_list_is_fixed_varied_and_distinct() -> None:
     first = bench_prompts(64)
     assert first == bench_prompts(64)  # deterministic
     words = sorted(len(p.split()) for p in first)
-    assert words[0] < 10 and words[-1] > 300  # short and long prompts both present
+    assert words[0] == 8 and 100 < words[-1] <= 120  # issue 11's set: 8-120 words
+    assert all(8 <= len(p.split()) <= 120 for p in BENCH_PROMPTS)
 
 
 def test_stats_arithmetic() -> None:
@@ -44,7 +45,8 @@ def test_stats_arithmetic() -> None:
 def test_bench_smoke_json_line(capsys: pytest.CaptureFixture[str]) -> None:
     from multiserve.bench.run import bench_main
 
-    # Two buckets and a small KV pool keep start-up short; everything else is default.
+    # Three programs (forwards at T=64/512, one head at R=64) and a small KV pool keep
+    # start-up short; everything else is default.
     args = build_parser().parse_args(
         ["bench", "--num-prompts", "4", "--output-len", "8", "--ab-overlap", "--no-progress",
          "--token-paddings", "64", "512", "--bs-paddings", "64", "--max-total-tokens", "8192"])
@@ -70,7 +72,7 @@ def test_bench_smoke_json_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert res["peak_rss_mb"] > 0
     assert res["prompt_tokens"]["min"] < res["prompt_tokens"]["max"]
     assert res["config"]["precompile_token_paddings"] == [64, 512]
-    assert res["config"]["max_running_requests"] == 64 and res["config"]["num_buckets"] == 2
+    assert res["config"]["max_running_requests"] == 64 and res["config"]["num_buckets"] == 3
 
 
 TINY = dict(architecture="llama", vocab_size=512, hidden_size=64, intermediate_size=128,

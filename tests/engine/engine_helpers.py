@@ -203,8 +203,9 @@ class ReferenceModel:
     """The model's plain unbatched generation loop: one sequence, its own KV pool, the
     prompt in one forward, then one token per forward; no scheduler, no prefix cache, no
     chunking, no other request. Steps are padded like `simple_generate.greedy_token_ids`
-    (the engine's smallest buckets) so it shares the engine's numerics; unlike it, the page
-    table has one fixed width, so the loop compiles once per token bucket."""
+    (power-of-two token counts, one logits row); the model is row-invariant, so it shares
+    the engine's numerics bit for bit. Unlike it, the page table has one fixed width, so
+    the loop compiles once per token bucket."""
 
     PAGE_SIZE = 16
 
@@ -212,12 +213,13 @@ class ReferenceModel:
         import jax
         import numpy as np
 
+        from multiserve.model.row_invariant import with_transposed
         from multiserve.model.llama import forward
         from multiserve.model.loader import load_model
 
         loaded = load_model(model_path, np.float32)
         self.cfg = loaded.config
-        self.params = jax.device_put(loaded.params)
+        self.params = with_transposed(jax.device_put(loaded.params), loaded.config)
         self.max_pages = -(-max_len // self.PAGE_SIZE)
         cfg = self.cfg
         self._fwd = jax.jit(lambda p, kv, b: forward(p, kv, b, cfg, page_size=self.PAGE_SIZE,

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from multiserve.config import ModelConfig
+from multiserve.model.row_invariant import is_compute_params, with_transposed
 from multiserve.model.forward_batch import ForwardBatch
 from multiserve.model.kv_pool import make_kv_pool
 from multiserve.model.llama import forward
@@ -40,9 +41,10 @@ class PagedSim:
     def __init__(self, params: Any, cfg: ModelConfig, *, page_size: int, block_size: int,
                  num_pages: int = 512, max_pages: int = 64, seed: int = 0,
                  kv_sharding: Any = None) -> None:
-        self.params, self.cfg = params, cfg
+        self.params = params if is_compute_params(params) else with_transposed(params, cfg)
+        self.cfg = cfg
         self.ps, self.bs, self.max_pages = page_size, block_size, max_pages
-        dtype = jax.tree.leaves(params)[0].dtype
+        dtype = params["embed"].dtype
         self.kv = make_kv_pool(cfg, num_pages, page_size, dtype, sharding=kv_sharding)
         rng = np.random.default_rng(seed)
         self.free = [int(p) for p in rng.permutation(np.arange(1, num_pages))]  # not page 0

@@ -1,6 +1,7 @@
 """A token's logits are BITWISE identical however it is batched: one full prefill, chunked
 prefill (various chunk sizes), token-by-token decode, and the same sequence at other rows
-next to other sequences, with T in {64, 128, 256} and B = R in {64, 128}."""
+next to other sequences, with T from 1 to 256 tokens and R from 1 to 128 logits rows
+(the engine's buckets: a lone decode is a T = R = 1 step)."""
 
 from __future__ import annotations
 
@@ -72,6 +73,28 @@ def run_modes(params, cfg: ModelConfig, target: list[int], probe: list[int], *,
         if i == first + 3:
             s.step([("o5", min(50, len(others["o5"]) - 1))], T=64)
     out["decode_T64_T128"] = collect(got)
+    # 5. small steps: chunked prefill in T=32/16 steps, then decode alone (T = B = R = 1)
+    #    alternating with decode beside 1..7 other sequences at T = 2/4/8 and R = 2..8
+    s = sim()
+    got, done = {}, 0
+    while done < probe[0] + 1:
+        size = min(probe[0] + 1 - done, 32 if done % 2 == 0 else 16)
+        got.update(s.step([("x", size)], T=32, B=32, R=1, logits_for=want))
+        done += size
+    s.step([(k, len(others[k]) - 8) for k in ("o0", "o1", "o2", "o3")], T=512, B=4, R=4)
+    for i in range(done, n):
+        if i % 2 == 0:
+            got.update(s.step([("x", 1)], T=1, B=1, R=1, logits_for=want))
+            continue
+        k = 1 + (i // 2) % 4
+        work = [(name, 1) for name in ("o0", "o1", "o2", "o3")[:k - 1]]
+        for name, _ in work:  # keep the others' lengths in range
+            s.seqs[name].kv_len -= 1
+        work.insert(i % k, ("x", 1))
+        rows = 1 << (k - 1).bit_length()
+        got.update(s.step(work, T=max(2, rows), B=max(2, rows), R=max(2, rows),
+                          rows=np.random.default_rng(i), logits_for=want))
+    out["small_T1_T8"] = collect(got)
     return out
 
 

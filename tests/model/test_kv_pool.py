@@ -16,7 +16,8 @@ from multiserve.model.param_layout import init_random_params
 
 def test_pool_layout_and_bytes() -> None:
     pool = make_kv_pool(TINY_LLAMA, num_pages=8, page_size=4, dtype=jnp.bfloat16)
-    assert pool.k.shape == pool.v.shape == (2, 32, 2, 16) and pool.k.dtype == jnp.bfloat16
+    # head-major: [L, KV, slots, hd]
+    assert pool.k.shape == pool.v.shape == (2, 2, 32, 16) and pool.k.dtype == jnp.bfloat16
     assert not np.any(np.asarray(pool.k, np.float32))
     assert kv_bytes_per_token(TINY_LLAMA, jnp.bfloat16) == 2 * 2 * 2 * 16 * 2
     assert kv_bytes_per_token(TINY_LLAMA, "float32") == 2 * 2 * 2 * 16 * 4
@@ -32,8 +33,8 @@ def test_forward_writes_only_its_slots() -> None:
     after_k, after_v = np.asarray(sim.kv.k), np.asarray(sim.kv.v)
     pages = sim.seqs["a"].pages
     written = {pages[p // 4] * 4 + p % 4 for p in range(10, 15)} | {0}  # slot 0: padding
-    changed = {int(s) for s in np.nonzero(np.any(after_k != before_k, axis=(0, 2, 3)))[0]}
-    changed |= {int(s) for s in np.nonzero(np.any(after_v != before_v, axis=(0, 2, 3)))[0]}
+    changed = {int(s) for s in np.nonzero(np.any(after_k != before_k, axis=(0, 1, 3)))[0]}
+    changed |= {int(s) for s in np.nonzero(np.any(after_v != before_v, axis=(0, 1, 3)))[0]}
     assert changed - {0} == written - {0}
     assert np.all(np.isfinite(after_k)) and np.all(np.isfinite(after_v))
 

@@ -65,5 +65,5 @@ def test_sharding_rule_follows_divisibility() -> None:
     assert smol["embed"] == P("tensor", None)
     div = param_specs(CONFIGS["heads_divide"], mesh)
     assert div["layers"]["wk"] == P(None, None, "tensor")
-    assert kv_pool_sharding(CONFIGS["heads_divide"], mesh).spec == P(None, None, "tensor", None)
+    assert kv_pool_sharding(CONFIGS["heads_divide"], mesh).spec == P(None, "tensor", None, None)
     assert kv_pool_sharding(CONFIGS["smollm_like"], mesh).spec == P()

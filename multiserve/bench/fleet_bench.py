@@ -1,0 +1,144 @@
+"""`multiserve bench --fleet`: the fleet under light load, against one engine.
+
+The fleet (configs/cpu-4.toml unless --config; on CPU its engines share the same cores
+through virtual devices) starts in this process on ephemeral loopback ports. Then, with
+the same K prompts (K = number of engines, from the fixed list, chat-templated):
+- fleet run: K concurrent streaming HTTP clients, client i on engine i's port;
+- one-engine run: the same K requests, all concurrently on engine 0's port.
+Each run starts cold (every prefix cache flushed) and all its clients start together at
+t0; aggregate tok/s = all output tokens / (last token - t0). The goal (issue 11) is
+fleet / one engine >= 0.9: several engines on shared cores must not cost much more than
+one engine batching the same requests. Greedy outputs must be identical across the two
+runs (a request's output depends neither on the engine nor on the batch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from multiserve.bench.http_stream import stream_generate
+from multiserve.bench.prompts import bench_prompts
+from multiserve.bench.report import fleet_table, ratio
+from multiserve.bench.stats import Timeline, summarize
+
+FLEET_LEN = 64
+TARGET_FLEET_VS_ONE = 0.9
+WARMUP_LEN = 2
+
+
+def fleet_config(args: argparse.Namespace) -> Any:
+    """The fleet config: --config (default configs/cpu-4.toml), on ephemeral ports, with
+    the engine flags of `multiserve bench` applied to every engine."""
+    from multiserve.fleet.config_loader import load_fleet_config
+    from multiserve.fleet.startup import DEFAULT_CONFIG
+
+    overrides: dict[str, Any] = {"fleet.base_port": 0, "fleet.supervisor_port": 0}
+    if getattr(args, "model", None):
+        overrides["model.path"] = args.model
+    for flag, key in (("token_paddings", "precompile_token_paddings"),
+                      ("bs_paddings", "precompile_bs_paddings"),
+                      ("chunked_prefill_size", "chunked_prefill_size"),
+                      ("max_total_tokens", "max_total_tokens"),
+                      ("max_running", "max_running_requests")):
+        value = getattr(args, flag, None)
+        if value is not None:
+            overrides[f"engine.{key}"] = list(value) if isinstance(value, list) else value
+    if getattr(args, "no_overlap", False):
+        overrides["engine.disable_overlap"] = True
+    if getattr(args, "no_progress", False):
+        overrides["engine.show_progress"] = False
+    return load_fleet_config(getattr(args, "config", None) or DEFAULT_CONFIG, overrides)
+
+
+async def _run_clients(jobs: Sequence[tuple[str, Sequence[int]]], output_len: int
+                       ) -> tuple[list[Timeline], float]:
+    import httpx
+
+    timeout = httpx.Timeout(None, connect=30.0)
+    async with httpx.AsyncClient(timeout=timeout, trust_env=False) as client:
+        t0 = time.perf_counter()
+        timelines = await asyncio.gather(*(stream_generate(client, url, ids, output_len)
+                                           for url, ids in jobs))
+    return list(timelines), t0
+
+
+def _forward_counts(fleet: Any) -> list[int]:
+    return [int(w.get_internal_state()["forward_ct"]) for w in fleet.workers]
+
+
+def measure(fleet: Any, jobs: Sequence[tuple[str, Sequence[int]]], output_len: int
+            ) -> dict[str, Any]:
+    """One cold run of `jobs` (engine URL, prompt ids), all started together."""
+    for w in fleet.workers:
+        flushed = w.engine.flush_cache()
+        assert flushed.ok, f"bench: cannot flush engine {w.index}: {flushed.message}"
+    before = _forward_counts(fleet)
+    timelines, t0 = asyncio.run(_run_clients(jobs, output_len))
+    after = _forward_counts(fleet)
+    figures: dict[str, Any] = dict(summarize(timelines, t0))
+    figures.update({
+        "clients": [url for url, _ in jobs],
+        "steps_per_engine": [b - a for a, b in zip(before, after, strict=True)],
+        "finish_reasons": sorted({str(t.finish_reason) for t in timelines}),
+        "exact_length": all(len(t.output_ids) == output_len for t in timelines),
+        "output_ids": [list(t.output_ids) for t in timelines],
+    })
+    return figures
+
+
+def run_fleet_bench(cfg: Any, output_len: int, log: Any = None) -> dict[str, Any]:
+    """Start the fleet `cfg`, run both measurements, stop it; the JSON-ready result."""
+    from multiserve.fleet.launch import launch_fleet
+
+    t_start = time.perf_counter()
+    fleet = launch_fleet(cfg, announce=False, log=log or sys.stderr)
+    startup_s = time.perf_counter() - t_start
+    try:
+        urls = fleet.urls
+        engine0 = fleet.workers[0].engine
+        prompts = [engine0.chat_ids([{"role": "user", "content": text}])
+                   for text in bench_prompts(len(urls))]
+        spread_jobs = list(zip(urls, prompts, strict=True))
+        measure(fleet, spread_jobs, WARMUP_LEN)  # warm the HTTP path on every port
+        spread = measure(fleet, spread_jobs, output_len)
+        one = measure(fleet, [(urls[0], p) for p in prompts], output_len)
+        misses = [int(w.get_internal_state()["cache_miss_count"]) for w in fleet.workers]
+        model_name = fleet.workers[0].model_name
+        groups = fleet.device_groups
+    finally:
+        fleet.stop("abort")
+    r = ratio(spread["tokens_per_s"], one["tokens_per_s"])
+    lens = [len(p) for p in prompts]
+    return {
+        "bench": "multiserve", "mode": "fleet", "model": model_name,
+        "num_engines": len(groups), "device_groups": groups, "num_clients": len(prompts),
+        "output_len": output_len, "startup_s": startup_s,
+        "prompt_tokens": {"total": sum(lens), "min": min(lens), "max": max(lens),
+                          "mean": sum(lens) / len(lens)},
+        "fleet": {k: v for k, v in spread.items() if k != "output_ids"},
+        "one_engine": {k: v for k, v in one.items() if k != "output_ids"},
+        "tokens_per_s": spread["tokens_per_s"], "ratio": r, "target": TARGET_FLEET_VS_ONE,
+        "outputs_identical": spread["output_ids"] == one["output_ids"],
+        "cache_miss_count": misses,
+        "targets": {"fleet_vs_one": TARGET_FLEET_VS_ONE,
+                    "fleet_vs_one_met": None if r is None else r >= TARGET_FLEET_VS_ONE,
+                    "zero_recompiles_met": not any(misses)},
+    }
+
+
+def fleet_main(args: argparse.Namespace) -> int:
+    if getattr(args, "peer", "none") != "none":
+        raise SystemExit("bench: --fleet compares the fleet with one engine; no --peer")
+    m = int(args.output_len) if args.output_len is not None else FLEET_LEN
+    if m < 1:
+        raise SystemExit("bench: --output-len must be >= 1")
+    result = run_fleet_bench(fleet_config(args), m)
+    print("\n".join(["", *fleet_table(result)]), file=sys.stdout)
+    print(json.dumps(result), flush=True)
+    return 0

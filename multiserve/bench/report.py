@@ -1,0 +1,142 @@
+"""The human-readable part of `multiserve bench` (pure formatting; the JSON line is the
+contract, this is for people).
+
+Owns: one row per run (tok/s, wall, TTFT and ITL percentiles), the ours-vs-peer table
+(same prompts, same run: each figure side by side with the ratio ours / peer, and how
+far the greedy outputs agree), and the fleet table (4 engines, one client each, vs one
+engine with the same 4 requests).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+MS = 1000.0
+HEADER = (f"{'':<22}{'tok/s':>9}{'wall s':>9}{'TTFT p50':>10}{'TTFT p99':>10}"
+          f"{'ITL p50':>9}{'ITL p99':>9}   (latencies in ms)")
+
+
+def _num(value: Any, scale: float, width: int, digits: int) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return f"{'-':>{width}}"
+    return f"{float(value) * scale:>{width}.{digits}f}"
+
+
+def run_row(name: str, r: dict[str, Any]) -> str:
+    """One line of figures for a run (ours or a peer's); '-' where a figure is unknown."""
+    return (f"{name:<22}{_num(r['tokens_per_s'], 1, 9, 1)}{_num(r['wall_s'], 1, 9, 2)}"
+            f"{_num(r['ttft_p50_s'], MS, 10, 0)}{_num(r['ttft_p99_s'], MS, 10, 0)}"
+            f"{_num(r['itl_p50_s'], MS, 9, 1)}{_num(r['itl_p99_s'], MS, 9, 1)}")
+
+
+def ratio(a: Any, b: Any) -> float | None:
+    """a / b, or None when either is unknown or b is 0."""
+    try:
+        x, y = float(a), float(b)
+    except (TypeError, ValueError):
+        return None
+    if math.isnan(x) or math.isnan(y) or y == 0:
+        return None
+    return x / y
+
+
+def comparison_table(ours: dict[str, Any], peer: dict[str, Any], peer_name: str,
+                     agreement: dict[str, float], num_prompts: int, output_len: int
+                     ) -> list[str]:
+    """Ours vs a peer, figure by figure, with ours / peer (tok/s: higher is better;
+    latencies: lower is better)."""
+    rows = [("tokens/s", "tokens_per_s", 1.0, 1),
+            ("TTFT p50 ms", "ttft_p50_s", MS, 0), ("TTFT p99 ms", "ttft_p99_s", MS, 0),
+            ("ITL p50 ms", "itl_p50_s", MS, 1), ("ITL p99 ms", "itl_p99_s", MS, 1),
+            ("wall s", "wall_s", 1.0, 2)]
+    out = [f"{'ours vs ' + peer_name + ' (same prompts, same run)':<40}"
+           f"{'ours':>10}{peer_name:>10}{'ours/peer':>11}"]
+    for label, key, scale, digits in rows:
+        r = ratio(ours.get(key), peer.get(key))
+        out.append(f"{label:<40}{_num(ours.get(key), scale, 10, digits)}"
+                   f"{_num(peer.get(key), scale, 10, digits)}"
+                   f"{'-' if r is None else f'{r:.2f}x':>11}")
+    out.append("(ours/peer: above 1 is better for tokens/s, below 1 for times)")
+    out.append(f"greedy outputs identical: {agreement['identical_fraction']:.0%} of "
+               f"{num_prompts}; mean common prefix {agreement['mean_common_prefix']:.1f} "
+               f"of {output_len} tokens")
+    return out
+
+
+def fleet_table(res: dict[str, Any]) -> list[str]:
+    """The fleet run (one client per engine port) against one engine with the same
+    requests, and the ratio of aggregate tok/s."""
+    spread, single = res["fleet"], res["one_engine"]
+    n = res["num_clients"]
+    out = [f"fleet benchmark: {n} concurrent streaming clients x {res['output_len']} tokens "
+           f"(greedy, ignore_eos), HTTP /generate on loopback", HEADER,
+           run_row(f"{res['num_engines']} engines, 1 each", spread),
+           run_row(f"1 engine, all {n}", single)]
+    r = res["ratio"]
+    out.append(f"aggregate tok/s, fleet / one engine: "
+               f"{'-' if r is None else f'{r:.2f}x'} (target >= {res['target']}x); "
+               f"outputs identical across the two: {res['outputs_identical']}")
+    return out
+
+
+def _peer_lines(res: dict[str, Any]) -> list[str]:
+    peer = res["peer"]
+    out = [run_row(f"peer {peer['peer']}", peer)
+           + f"   batch {peer['batch_size']}, {peer['threads']} threads, "
+             f"RSS {peer['peak_rss_mb']:.0f} MiB, load {peer.get('load_s', 0):.0f} s", ""]
+    out += comparison_table(res["ours"], peer, peer["peer"], res["peer_agreement"],
+                            int(res["num_prompts"]), int(res["output_len"]))
+    return out
+
+
+def batch_report(res: dict[str, Any]) -> list[str]:
+    """The batch run (N prompts at once): set-up, one row per run, the peer table."""
+    p = res["prompt_tokens"]
+    c = res["config"]
+    out = [f"\nmultiserve bench — {res['model']} on {res['device']} ({res['dtype']})",
+           f"{res['num_prompts']} prompts (prompt tokens: total {p['total']}, min {p['min']}, "
+           f"mean {p['mean']:.0f}, max {p['max']}) x {res['output_len']} output tokens, "
+           "greedy, ignore_eos, all submitted at once",
+           f"engine: max_running_requests={c['max_running_requests']} "
+           f"bs_paddings={c['precompile_bs_paddings']} "
+           f"token_paddings={c['precompile_token_paddings']} "
+           f"chunked_prefill={c['chunked_prefill_size']} page_size={c['page_size']}",
+           f"start-up {res['startup_s']:.1f} s (compile {c['num_buckets']} buckets: "
+           f"{res['compile_s']:.1f} s); peak RSS {res['peak_rss_mb']:.0f} MiB", HEADER]
+    for key in ("ours", "ours_ab"):
+        if key in res:
+            r = res[key]
+            label = f"ours overlap={'on' if r['overlap'] else 'off'}"
+            out.append(run_row(label, r) + f"   {r['steps']} steps, "
+                       f"{r['mean_step_ms']:.0f} ms/step")
+    if "peer" in res:
+        out += _peer_lines(res)
+        t = res["targets"]
+        out.append(f"ours / peer tok/s: {res['ratio_vs_peer']:.2f}x "
+                   f"(target >= {t['vs_peer']}x)")
+    if res["overlap_ratio"] is not None:
+        out.append(f"overlap on / off: {res['overlap_ratio']:.2f}x (target >= "
+                   f"{res['targets']['overlap']}x); outputs identical: "
+                   f"{res['overlap_outputs_identical']}")
+    out.append(f"recompiles after warm-up (cache_miss_count): {res['cache_miss_count']}")
+    return out
+
+
+def single_report(res: dict[str, Any]) -> list[str]:
+    """The single-stream run (one prompt, N tokens, streamed)."""
+    t = res["targets"]
+    out = [f"\nmultiserve bench --single-stream — {res['model']} on {res['device']} "
+           f"({res['dtype']})",
+           f"1 prompt ({res['prompt_tokens']['total']} tokens) x {res['output_len']} output "
+           "tokens, greedy, ignore_eos, streamed (Engine.stream_sync)",
+           f"start-up {res['startup_s']:.1f} s (compile {res['compile_s']:.1f} s)", HEADER,
+           run_row("ours", res["ours"]) + f"   {res['ours']['steps']} steps"]
+    if "peer" in res:
+        out += _peer_lines(res)
+        if res["ratio_vs_peer"] is not None:
+            out.append(f"ours / peer tok/s: {res['ratio_vs_peer']:.2f}x "
+                       f"(target >= {t['vs_peer']}x)")
+    out.append(f"TTFT {res['ttft_s'] * MS:.0f} ms (target < {t['ttft_s'] * MS:.0f} ms); "
+               f"recompiles after warm-up: {res['cache_miss_count']}")
+    return out

@@ -1,0 +1,78 @@
+"""The single-stream measurement: ONE prompt, N greedy tokens, streamed as a chat client
+would receive them (`multiserve bench --single-stream`, default 1 x 64).
+
+How a run goes: flush the prefix cache (cold, like the peer), then t0, then
+`Engine.stream_sync` (the engine's streaming API): TTFT is the time from t0 to the
+first snapshot holding a token, tok/s is N / (last token - t0), ITL the gaps between
+tokens. Tokens are timed when the caller's thread receives them (what a user sees),
+not on the engine thread. A short stream runs first as warm-up (excluded).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from multiserve.bench.stats import Timeline, summarize
+from multiserve.types import GenerateRequest, SamplingParams
+
+TARGET_VS_PEER = 1.0
+TARGET_TTFT_S = 0.3
+
+
+def stream_once(engine: Any, ids: Sequence[int], output_len: int, rid: str
+                ) -> dict[str, Any]:
+    """One cold streamed request; its figures (bench.stats.summarize) and output ids."""
+    flushed = engine.flush_cache()
+    assert flushed.ok, f"bench: cannot flush before a run: {flushed.message}"
+    before = engine.get_internal_state()
+    params = SamplingParams(max_new_tokens=output_len, temperature=0.0, ignore_eos=True)
+    request = GenerateRequest(rid=rid, input_ids=tuple(ids), sampling=params, stream=True)
+    tl = Timeline()
+    t0 = time.perf_counter()
+    for out in engine.stream_sync(request):
+        now = time.perf_counter()
+        tl.record(now, len(out.output_ids))
+        if out.finished:
+            tl.finished_at = now
+            tl.finish_reason = out.finish_reason
+            tl.output_ids = tuple(out.output_ids)
+            if out.error:
+                raise RuntimeError(f"bench: the engine failed during the run: {out.error}")
+    after = engine.get_internal_state()
+    figures: dict[str, Any] = dict(summarize([tl], t0))
+    steps = after["forward_ct"] - before["forward_ct"]
+    figures.update({
+        "steps": steps,
+        "mean_step_ms": 1000.0 * float(figures["wall_s"]) / steps if steps else float("nan"),
+        "finish_reasons": [str(tl.finish_reason)],
+        "exact_length": len(tl.output_ids) == output_len,
+        "cache_miss_count": after["cache_miss_count"],
+        "output_ids": [list(tl.output_ids)],
+    })
+    return figures
+
+
+def single_result(base: dict[str, Any], ours: dict[str, Any],
+                  peer: dict[str, Any] | None, agreement: dict[str, float] | None
+                  ) -> dict[str, Any]:
+    """The JSON line of a single-stream run: `base` (model, device, start-up, ...) plus
+    ours, the peer's figures and the ratios against the issue's targets."""
+    res = dict(base)
+    res.update({"mode": "single_stream", "num_prompts": 1,
+                "ours": {k: v for k, v in ours.items() if k != "output_ids"},
+                "tokens_per_s": ours["tokens_per_s"], "ttft_s": ours["ttft_p50_s"]})
+    ratio = None
+    if peer is not None:
+        ratio = ours["tokens_per_s"] / peer["tokens_per_s"] if peer["tokens_per_s"] else None
+        res["peer"] = {k: v for k, v in peer.items() if k != "output_ids"}
+        res["peer_agreement"] = agreement
+    res["ratio_vs_peer"] = ratio
+    res["targets"] = {
+        "vs_peer": TARGET_VS_PEER,
+        "vs_peer_met": None if ratio is None else ratio >= TARGET_VS_PEER,
+        "ttft_s": TARGET_TTFT_S, "ttft_met": ours["ttft_p50_s"] < TARGET_TTFT_S,
+        "zero_recompiles_met": res["cache_miss_count"] == 0,
+    }
+    return res

@@ -1,0 +1,57 @@
+"""The OpenAPI description of the supervisor app: every route's body and answers.
+
+Owns `document_supervisor_app(app)` (see server/openapi_docs.py), covering the routes of
+`build_supervisor_app` and of `add_rl_supervisor_routes` (documented once present).
+
+Invariant: documentation only; the models are the ones the handlers parse.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+from pydantic import BaseModel, ConfigDict
+
+from multiserve.fleet import supervisor as S
+from multiserve.server import rl_routes as R
+from multiserve.server.openapi_docs import Answer, Key, document
+
+
+class FleetAnswer(BaseModel):
+    """A broadcast's aggregate: success only if every engine succeeded, per engine detail."""
+
+    model_config = ConfigDict(extra="allow")
+    success: bool
+    message: str
+    engines: list[dict[str, Any]] = []
+
+
+BODIES: dict[Key, Any] = {
+    ("POST", "/pause_generation"): S.PauseBody,
+    ("POST", "/continue_generation"): S.EmptyBody,
+    ("POST", "/flush_cache"): S.EmptyBody,
+    ("POST", "/abort_request"): S.AbortBody,
+    ("POST", "/restart_engine"): S.RestartBody,
+    ("POST", "/release_memory_occupation"): R.ReleaseBody,
+    ("POST", "/resume_memory_occupation"): R.ResumeBody,
+    ("POST", "/get_weights_by_name"): R.WeightsByNameBody,
+    ("POST", "/update_weights_from_disk"): R.DiskBody,
+}
+OPTIONAL = frozenset(k for k in BODIES if k[1] in (
+    "/pause_generation", "/continue_generation", "/flush_cache",
+    "/release_memory_occupation", "/resume_memory_occupation"))
+FLEET_ERRORS = ("400", "401", "503")
+ANSWERS: dict[Key, Answer] = {
+    **{k: Answer(FleetAnswer, errors=FLEET_ERRORS) for k in BODIES},
+    ("GET", "/flush_cache"): Answer(FleetAnswer, errors=FLEET_ERRORS),
+    ("POST", "/restart_engine"): Answer(FleetAnswer, errors=("400", "401", "409", "503")),
+    ("GET", "/health"): Answer(errors=("401", "503")),
+    ("GET", "/get_server_info"): Answer(errors=("401", "503")),
+    ("GET", "/metrics"): Answer(text=True, errors=("401",)),
+    ("GET", "/v1/models"): Answer(errors=("401",)),
+}
+
+
+def document_supervisor_app(app: FastAPI) -> None:
+    document(app, BODIES, ANSWERS, optional_bodies=OPTIONAL)

@@ -1,0 +1,163 @@
+"""The OpenAPI description of one engine's app: every route's body and answers.
+
+Owns `document_engine_app(app)`: the table of (method, path) -> the pydantic model the
+handler parses, and what it answers (openapi_docs.py does the patching). Also refines
+`/generate`'s free-form `sampling_params` into the keys the engine reads, with their
+types, so a schema fuzzer exercises them.
+
+Invariants: documentation only; the RL routes (rl_routes.py) are documented here too,
+and appear once `add_rl_routes` added them (the document is built at first request).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+
+from multiserve.server import protocol as P
+from multiserve.server import protocol_native as N
+from multiserve.server import rl_routes as R
+from multiserve.server.openapi_docs import Answer, ControlAnswer, Key, document
+from multiserve.types import MAX_TOP_LOGPROBS
+
+GEN_ERRORS = ("400", "401", "404", "429", "503")
+INT, NUM, BOOL = {"type": "integer"}, {"type": "number"}, {"type": "boolean"}
+SAMPLING_PARAMS_SCHEMA: dict[str, Any] = {
+    "type": "object", "description": "sglang sampling parameters (other keys are ignored)",
+    "properties": {
+        "max_new_tokens": INT, "min_new_tokens": INT, "temperature": NUM, "top_k": INT,
+        "top_p": NUM, "min_p": NUM, "frequency_penalty": NUM, "presence_penalty": NUM,
+        "repetition_penalty": NUM, "seed": INT, "n": INT,
+        "stop": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]},
+        "stop_token_ids": {"type": "array", "items": INT},
+        "ignore_eos": BOOL, "skip_special_tokens": BOOL}}
+
+BODIES: dict[Key, Any] = {
+    ("POST", "/v1/chat/completions"): P.ChatCompletionRequest,
+    ("POST", "/v1/completions"): P.CompletionRequest,
+    ("POST", "/generate"): N.GenerateRequestBody,
+    ("POST", "/v1/score"): N.ScoreRequest,
+    ("POST", "/pause_generation"): N.PauseBody,
+    ("POST", "/abort_request"): N.AbortBody,
+    ("POST", "/release_memory_occupation"): R.ReleaseBody,
+    ("POST", "/resume_memory_occupation"): R.ResumeBody,
+    ("POST", "/update_weights_from_disk"): R.DiskBody,
+    ("POST", "/stage_weights_from_disk"): R.DiskBody,
+    ("POST", "/publish_staged_weights"): R.TokenBody,
+    ("POST", "/discard_staged_weights"): R.DiscardBody,
+    ("POST", "/get_weights_by_name"): R.WeightsByNameBody,
+}
+OPTIONAL_BODIES = frozenset({("POST", "/pause_generation"),
+                             ("POST", "/release_memory_occupation"),
+                             ("POST", "/resume_memory_occupation"),
+                             ("POST", "/discard_staged_weights")})
+QUERY = {("GET", "/get_weights_by_name"): [
+    {"name": "name", "in": "query", "required": True, "schema": {"type": "string"}},
+    {"name": "truncate_size", "in": "query", "required": False, "schema": INT}]}
+
+CONTROL = Answer(ControlAnswer)
+ANSWERS: dict[Key, Answer] = {
+    ("GET", "/v1/models"): Answer(P.ModelList, errors=("401",)),
+    ("POST", "/v1/chat/completions"): Answer(P.ChatCompletionResponse, stream=True,
+                                             errors=GEN_ERRORS),
+    ("POST", "/v1/completions"): Answer(P.CompletionResponse, stream=True, errors=GEN_ERRORS),
+    ("POST", "/generate"): Answer(N.GenerateResponse, stream=True, one_or_list=True,
+                                  errors=GEN_ERRORS),
+    ("POST", "/v1/score"): Answer(N.ScoreResponse, errors=GEN_ERRORS),
+    ("GET", "/health"): Answer(errors=("401", "503")),
+    ("GET", "/health_generate"): Answer(errors=("401", "503")),
+    ("GET", "/get_model_info"): Answer(errors=("401", "503")),
+    ("GET", "/get_server_info"): Answer(errors=("401", "503")),
+    ("GET", "/metrics"): Answer(text=True, errors=("401",)),
+    ("GET", "/flush_cache"): CONTROL, ("POST", "/flush_cache"): CONTROL,
+    ("GET", "/get_weights_by_name"): CONTROL,
+    **{k: CONTROL for k in BODIES if k[1] not in
+       ("/v1/chat/completions", "/v1/completions", "/generate", "/v1/score")},
+    ("POST", "/continue_generation"): CONTROL,
+}
+
+
+# The ranges SamplingParams enforces (types.py), by the names clients send; declared so
+# that a valid-looking request is valid. Context-length limits depend on the prompt and
+# stay undeclared (the server answers 400 naming the parameter).
+BOUNDS: dict[str, dict[str, Any]] = {
+    "temperature": {"minimum": 0, "maximum": 100},
+    "top_p": {"exclusiveMinimum": 0, "maximum": 1},
+    "min_p": {"minimum": 0, "maximum": 1},
+    "frequency_penalty": {"minimum": -2, "maximum": 2},
+    "presence_penalty": {"minimum": -2, "maximum": 2},
+    "repetition_penalty": {"exclusiveMinimum": 0, "maximum": 2},
+    "seed": {"minimum": 0, "maximum": 2**63 - 1},
+    "n": {"minimum": 1, "maximum": 64},
+    "max_tokens": {"minimum": 0}, "max_completion_tokens": {"minimum": 0},
+    "max_new_tokens": {"minimum": 0}, "min_tokens": {"minimum": 0},
+    "min_new_tokens": {"minimum": 0},
+    "top_logprobs": {"minimum": 0, "maximum": MAX_TOP_LOGPROBS},
+    "top_logprobs_num": {"minimum": 0, "maximum": MAX_TOP_LOGPROBS},
+    "logprobs": {"minimum": 0, "maximum": MAX_TOP_LOGPROBS},  # completions: an integer
+    "truncate_size": {"minimum": 1},
+}
+
+
+def _bound(props: dict[str, Any]) -> None:
+    """Add BOUNDS to the numeric branch(es) of each known property, in place."""
+    for name, bounds in BOUNDS.items():
+        prop = props.get(name)
+        if prop is None:
+            continue
+        for branch in prop.get("anyOf", [prop]):
+            if branch.get("type") in ("integer", "number"):
+                branch.update(bounds)
+
+
+def _token_ids(prop: Any, vocab: int) -> None:
+    """Bound every integer item (at any list depth) of a token-id property to the vocab."""
+    if isinstance(prop, dict):
+        if prop.get("type") == "integer":
+            prop.update({"minimum": 0, "maximum": vocab - 1})
+        for value in prop.values():
+            _token_ids(value, vocab)
+    elif isinstance(prop, list):
+        for value in prop:
+            _token_ids(value, vocab)
+
+
+def _refiner(model_name: str, vocab: int) -> Any:
+    def refine(components: dict[str, Any]) -> None:
+        for name, field in (("GenerateRequestBody", "input_ids"), ("ScoreRequest", "items"),
+                            ("ScoreRequest", "query"), ("ScoreRequest", "label_token_ids"),
+                            ("CompletionRequest", "prompt")):
+            _token_ids(components.get(name, {}).get("properties", {}).get(field), vocab)
+        score = components.get("ScoreRequest", {}).get("properties", {})
+        if "label_token_ids" in score:
+            score["label_token_ids"]["minItems"] = 1
+        chat = components.get("ChatCompletionRequest", {}).get("properties", {})
+        if "messages" in chat:
+            chat["messages"]["minItems"] = 1
+        _bound(components.get("WeightsByNameBody", {}).get("properties", {}))
+        body = components.get("GenerateRequestBody", {}).get("properties", {})
+        if "sampling_params" in body:
+            body["sampling_params"] = {"anyOf": [SAMPLING_PARAMS_SCHEMA, {"type": "null"}]}
+        _bound(SAMPLING_PARAMS_SCHEMA["properties"])
+        _bound(body)
+        for name in ("ChatCompletionRequest", "CompletionRequest"):  # one model served
+            props = components.get(name, {}).get("properties", {})
+            _bound(props)
+            if "model" in props:
+                props["model"] = {"type": "string", "enum": [model_name]}
+        stops = {"anyOf": [{"type": "string", "minLength": 1},
+                           {"type": "array", "maxItems": 16,
+                            "items": {"type": "string", "minLength": 1}}, {"type": "null"}]}
+        for name in ("ChatCompletionRequest", "CompletionRequest"):
+            if "stop" in components.get(name, {}).get("properties", {}):
+                components[name]["properties"]["stop"] = stops
+        SAMPLING_PARAMS_SCHEMA["properties"]["stop"] = {"anyOf": stops["anyOf"][:2]}
+    return refine
+
+
+def document_engine_app(app: FastAPI, model_name: str, vocab_size: int) -> None:
+    """Document `app` (serving `model_name`, the only value `model` may take, with token
+    ids in [0, vocab_size))."""
+    document(app, BODIES, ANSWERS, optional_bodies=OPTIONAL_BODIES, query=QUERY,
+             patch_components=_refiner(model_name, vocab_size))

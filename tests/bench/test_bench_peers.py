@@ -1,0 +1,165 @@
+"""Peer plumbing of `multiserve bench` without the peers' own environments (they are made by
+scripts/peer-envs.sh and exercised by hand): which interpreter and environment a peer gets,
+the subprocess protocol end to end with a fake peer script, the ours-vs-peer table, and
+`--peer` / `--single-stream` on a tiny model with the peer replaced by a stub."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from tiny_model import ENGINE_FLAGS, save_tiny_model
+
+from multiserve.bench import peer as peer_mod
+from multiserve.bench.report import comparison_table, ratio, run_row
+from multiserve.cli import build_parser
+
+FAKE_PEER = '''
+import sys
+from plugins.peers.protocol import emit, load_prompts, parse_args, reserve_stdout
+args = parse_args("fake peer")
+out = reserve_stdout()
+print("framework noise on stdout")  # must not reach the caller's stdout
+prompts = load_prompts(args.prompts_file)
+ids = [[7] * args.output_len for _ in prompts]
+emit({"peer": "fake", "stream": args.stream, "model": args.model, "ids": ids,
+      "batch_size": args.batch_size, "threads": args.threads}, out)
+'''
+
+
+def test_peer_python_and_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(peer_mod.ENVS_VAR, str(tmp_path))
+    with pytest.raises(peer_mod.PeerError, match="scripts/peer-envs.sh vllm"):
+        peer_mod.peer_python("vllm")
+    assert peer_mod.peer_python("hf") == sys.executable  # hf falls back to multiserve's
+    env_dir = tmp_path / "vllm"
+    (env_dir / "bin").mkdir(parents=True)
+    (env_dir / "bin" / "python").write_text("")
+    (env_dir / "peer.env").write_text("LD_PRELOAD=/lib/a.so:/lib/b.so\n# comment\nFOO=1\n")
+    assert peer_mod.peer_python("vllm") == str(env_dir / "bin" / "python")
+    env = peer_mod.peer_environ("vllm", base={"PYTHONPATH": "/x", "FOO": "mine"})
+    assert env["PYTHONPATH"].split(":")[:2] == [str(peer_mod.REPO_DIR), "/x"]
+    assert env["LD_PRELOAD"] == "/lib/a.so:/lib/b.so"
+    assert env["FOO"] == "mine"  # the caller's setting wins
+    assert peer_mod.peer_script("vllm").name == "vllm_generate.py"
+    assert peer_mod.peer_script("llamacpp").name == "llamacpp_generate.py"
+
+
+def test_run_peer_protocol_with_a_fake_peer(tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    plugins = tmp_path / "plugins"
+    plugins.mkdir()
+    (plugins / "hf_generate.py").write_text(FAKE_PEER)
+    monkeypatch.setattr(peer_mod, "PLUGINS_DIR", plugins)
+    monkeypatch.setenv(peer_mod.ENVS_VAR, str(tmp_path / "no-envs"))
+    res = peer_mod.run_peer("hf", [[1, 2], [3]], 3, "/some/model", batch_size=1, threads=2,
+                            stream=True, show_progress=False)
+    assert res == {"peer": "fake", "stream": True, "model": "/some/model",
+                   "ids": [[7, 7, 7], [7, 7, 7]], "batch_size": 1, "threads": 2}
+
+
+def _figures(tps: float, ttft: float, itl: float) -> dict[str, Any]:
+    return {"tokens_per_s": tps, "wall_s": 2.0, "ttft_p50_s": ttft, "ttft_p99_s": ttft,
+            "itl_p50_s": itl, "itl_p99_s": itl, "output_ids": [[1, 2, 3], [4, 5, 6]]}
+
+
+def test_comparison_table() -> None:
+    ours, peer = _figures(200.0, 0.1, 0.02), _figures(100.0, 0.2, float("nan"))
+    lines = comparison_table(ours, peer, "vllm",
+                             {"identical_fraction": 0.5, "mean_common_prefix": 2.5}, 2, 3)
+    text = "\n".join(lines)
+    assert "ours vs vllm" in lines[0] and "ours/peer" in lines[0]
+    tps = next(ln for ln in lines if ln.startswith("tokens/s"))
+    assert tps.split()[-3:] == ["200.0", "100.0", "2.00x"]
+    ttft = next(ln for ln in lines if ln.startswith("TTFT p50"))
+    assert ttft.split()[-3:] == ["100", "200", "0.50x"]
+    itl = next(ln for ln in lines if ln.startswith("ITL p50"))
+    assert itl.split()[-2:] == ["-", "-"]  # unknown figure, no ratio
+    assert "identical: 50% of 2; mean common prefix 2.5 of 3 tokens" in text
+    assert ratio(1.0, 0.0) is None and ratio(None, 1.0) is None
+    assert math.isclose(ratio(3.0, 2.0) or 0, 1.5)
+    assert run_row("x", peer).split()[-2:] == ["-", "-"]
+
+
+def test_cli_flags() -> None:
+    p = build_parser()
+    a = p.parse_args(["bench", "--peer", "vllm", "--single-stream"])
+    assert a.peer == "vllm" and a.single_stream and a.output_len is None
+    a = p.parse_args(["bench", "--peer", "llamacpp", "--peer-model", "/m.gguf"])
+    assert a.peer == "llamacpp" and a.peer_model == "/m.gguf"
+    a = p.parse_args(["bench", "--fleet", "--config", "configs/cpu-4.toml"])
+    assert a.fleet and a.config == "configs/cpu-4.toml"
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-bench"))
+
+
+@pytest.fixture
+def stub_peer(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+    """Replace the peer subprocess: the stub answers with fixed ids at 10 tok/s."""
+    calls: list[dict[str, Any]] = []
+
+    def fake_run_peer(name: str, prompts: Any, output_len: int, model: str,
+                      batch_size: int = 0, threads: Any = None, stream: bool = False,
+                      show_progress: bool = True) -> dict[str, Any]:
+        calls.append({"name": name, "n": len(prompts), "m": output_len, "model": model,
+                      "batch_size": batch_size, "stream": stream})
+        return {"peer": name, "batch_size": batch_size or len(prompts), "threads": 2,
+                "peak_rss_mb": 1.0, "load_s": 1.0, "num_prompts": len(prompts),
+                "output_tokens": len(prompts) * output_len, **_figures(10.0, 0.5, 0.1),
+                "output_ids": [[0] * output_len for _ in prompts]}
+
+    monkeypatch.setattr(peer_mod, "run_peer", fake_run_peer)
+    monkeypatch.setattr(peer_mod, "peer_python", lambda name: sys.executable)
+    return calls
+
+
+def _bench(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[str, dict[str, Any]]:
+    from multiserve.bench.run import bench_main
+
+    assert bench_main(build_parser().parse_args(["bench", *argv])) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    return "\n".join(lines[:-1]), json.loads(lines[-1])
+
+
+def test_batch_with_peer_prints_the_table(tiny_dir: Path, stub_peer: list[dict[str, Any]],
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    text, res = _bench(["--model", str(tiny_dir), "--num-prompts", "3", "--output-len", "4",
+                        "--peer", "vllm", *ENGINE_FLAGS], capsys)
+    assert stub_peer == [{"name": "vllm", "n": 3, "m": 4, "model": str(tiny_dir),
+                          "batch_size": 0, "stream": False}]
+    assert "ours vs vllm (same prompts, same run)" in text and "greedy outputs" in text
+    assert res["mode"] == "batch" and res["peer"]["peer"] == "vllm"
+    assert res["ratio_vs_peer"] == pytest.approx(res["ours"]["tokens_per_s"] / 10.0)
+    assert set(res["peer_agreement"]) == {"identical_fraction", "mean_common_prefix"}
+    assert res["ours"]["exact_length"] and res["cache_miss_count"] == 0
+
+
+def test_single_stream_with_peer(tiny_dir: Path, stub_peer: list[dict[str, Any]],
+                                 capsys: pytest.CaptureFixture[str]) -> None:
+    text, res = _bench(["--model", str(tiny_dir), "--single-stream", "--output-len", "6",
+                        "--peer", "llamacpp", "--peer-model", "/x.gguf", *ENGINE_FLAGS],
+                       capsys)
+    assert stub_peer == [{"name": "llamacpp", "n": 1, "m": 6, "model": "/x.gguf",
+                          "batch_size": 1, "stream": True}]
+    assert "--single-stream" in text and "ours vs llamacpp" in text and "TTFT" in text
+    assert res["mode"] == "single_stream" and res["num_prompts"] == 1
+    ours = res["ours"]
+    assert ours["output_tokens"] == 6 and ours["exact_length"]
+    assert 0 < ours["ttft_p50_s"] <= ours["wall_s"] and ours["tokens_per_s"] > 0
+    assert res["ttft_s"] == ours["ttft_p50_s"] and res["targets"]["ttft_s"] == 0.3
+    assert res["targets"]["vs_peer"] == 1.0 and res["targets"]["zero_recompiles_met"]
+
+
+def test_llamacpp_peer_needs_a_gguf(tiny_dir: Path, stub_peer: list[dict[str, Any]]) -> None:
+    from multiserve.bench.run import bench_main
+
+    args = build_parser().parse_args(["bench", "--model", str(tiny_dir), "--peer", "llamacpp"])
+    with pytest.raises(SystemExit, match="needs a .gguf file"):
+        bench_main(args)

@@ -1,0 +1,63 @@
+"""Schema fuzzing (quick profile): schemathesis against the engine app and the supervisor
+app of a 1-engine tiny fleet on loopback, positive and negative bodies for every
+operation of their OpenAPI documents. No 5xx, every 4xx an OpenAI error body, no hung
+request, SSE streams end with [DONE]; afterwards every engine is healthy, idle and its
+KV whole. Long run: `multiserve fuzz --cases 1000` (README, "Reliability runs").
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+CASES_PER_APP = 200
+
+
+@pytest.fixture(scope="module")
+def result(tiny_model: Path):  # noqa: ANN201
+    from multiserve.reliability.fuzz_run import run_fuzz
+
+    return run_fuzz(CASES_PER_APP, seed=0, model_dir=tiny_model)
+
+
+def test_no_server_error_and_error_bodies_everywhere(result) -> None:  # noqa: ANN001
+    print("\n".join(result.lines()))
+    for r in result.reports:
+        assert r.server_errors == 0, r.lines()
+        assert not r.violations, r.violations[:10]
+        assert r.cases >= CASES_PER_APP * 0.6, r.lines()
+        assert 200 in r.statuses and 400 in r.statuses, r.statuses
+    assert not result.problems, result.problems
+    assert result.ok
+
+
+def test_every_operation_was_fuzzed(result) -> None:  # noqa: ANN001
+    engine, supervisor = result.reports
+    for path in ("POST /v1/chat/completions", "POST /v1/completions", "POST /generate",
+                 "POST /v1/score", "POST /pause_generation", "POST /abort_request",
+                 "POST /update_weights_from_disk", "POST /stage_weights_from_disk",
+                 "POST /publish_staged_weights", "POST /release_memory_occupation",
+                 "GET /health", "GET /metrics"):
+        assert engine.per_operation[path] >= 1, path
+    for path in ("POST /pause_generation", "POST /restart_engine", "POST /flush_cache",
+                 "POST /update_weights_from_disk", "GET /health"):
+        assert supervisor.per_operation[path] >= 1, path
+
+
+def test_documents_declare_bodies_and_errors(tiny_model: Path) -> None:
+    """In process: every POST that parses a body declares it, and every operation
+    declares its success and its error answers (the OpenAI error schema)."""
+    from multiserve.fleet.supervisor import build_supervisor_app
+    from multiserve.fleet.supervisor_rl import add_rl_supervisor_routes
+    from multiserve.server.api_schema import BODIES
+    from multiserve.server.openapi_docs import ErrorBody
+
+    sup = build_supervisor_app([])
+    add_rl_supervisor_routes(sup)
+    doc = sup.openapi()
+    for path in ("/pause_generation", "/restart_engine", "/update_weights_from_disk"):
+        op = doc["paths"][path]["post"]
+        assert "requestBody" in op and "200" in op["responses"] and "400" in op["responses"]
+    assert ErrorBody.__name__ in doc["components"]["schemas"]
+    assert ("POST", "/generate") in BODIES and ("POST", "/v1/chat/completions") in BODIES
