@@ -27,8 +27,10 @@ Invariants:
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,7 +95,14 @@ class Runner:
         self.warmup_trace_count: int | None = None
         self.warmup_seconds: float | None = None
         self._lock = threading.Lock()
-        self._forward_fn = jax.jit(self._forward_impl, donate_argnums=(1,))
+        # warm-up compiles in parallel; an engine alone on the host uses every core
+        self.compile_threads = min(4, os.cpu_count() or 1)
+        # explicit output shardings: warm-up lowers the heads from abstract inputs that
+        # must match what a forward really returns
+        self._forward_fn = jax.jit(
+            self._forward_impl, donate_argnums=(1,),
+            out_shardings=(self.replicated, self.replicated, self.replicated,
+                           KVPool(k=self._kv_sharding, v=self._kv_sharding)))
         self._head_fn = jax.jit(self._head_impl, static_argnames=("num_rows",))
 
     # ---- params ---------------------------------------------------------------------
@@ -165,19 +174,45 @@ class Runner:
         return min(num_tokens, self.max_rows)
 
     def warmup(self, max_pages: int, progress: Any = None) -> None:
-        for kind, size in self.buckets():
-            if kind == "T":
-                arrays = empty_step_arrays(size, self.page_table_rows(size), self.max_rows,
-                                           max_pages)
-                hidden, _, _, self.kv = self._forward(arrays)
-                jax.block_until_ready(hidden)
-            else:
-                out = self.run(empty_step_arrays(1, 1, self.max_rows, max_pages),
-                               self.sampling_batch([], size), wants_logprobs=False,
-                               num_rows=size)
-                jax.block_until_ready(out.next_ids)
-            if progress is not None:
-                progress(kind, size)
+        """Compile every bucket, then run each once. Programs are traced and lowered here
+        (Python, serial) and compiled by `compile_threads` threads (XLA compiles release the
+        GIL, and the unrolled decoder makes each compile take seconds); the runs that follow
+        find them in JAX's compilation cache. `progress(kind, size)` is called on this
+        thread as each program is ready."""
+        forwards = {size: empty_step_arrays(size, self.page_table_rows(size), self.max_rows,
+                                            max_pages)
+                    for kind, size in self.buckets() if kind == "T"}
+        heads = [size for kind, size in self.buckets() if kind == "R"]
+        hidden = jax.ShapeDtypeStruct((self.max_rows, self.model_cfg.hidden_size), self.dtype,
+                                      sharding=self.replicated)
+        row_ids = jax.ShapeDtypeStruct((self.max_rows,), jnp.int32, sharding=self.replicated)
+        row_prev = jax.ShapeDtypeStruct((self.max_rows,), jnp.bool_, sharding=self.replicated)
+        with ThreadPoolExecutor(max(1, self.compile_threads)) as pool:
+            jobs = {}
+            for size in heads:  # the shorter compiles first: the pool's tail is a forward
+                sb = jax.device_put(self.sampling_batch([], size), self.replicated)
+                lowered = self._head_fn.lower(self._compute, hidden, row_ids, row_prev, sb,
+                                              num_rows=size)
+                jobs[pool.submit(lowered.compile)] = ("R", size)
+            for size, arrays in forwards.items():
+                lowered = self._forward_fn.lower(self._compute, self.kv, self._prev_ids,
+                                                 self._device_arrays(arrays))
+                jobs[pool.submit(lowered.compile)] = ("T", size)
+            for done in as_completed(jobs):
+                done.result()
+                if progress is not None:
+                    progress(*jobs[done])
+        # One run of each program (cache hits, no compile): the small forwards and every
+        # head; the large forwards only cost time here (seconds) and have been compiled.
+        smallest = min(forwards)
+        for size, arrays in forwards.items():
+            if size <= 64 or size == smallest:
+                out_hidden, _, _, self.kv = self._forward(arrays)
+                jax.block_until_ready(out_hidden)
+        for size in heads:
+            out = self.run(forwards[smallest], self.sampling_batch([], size),
+                           wants_logprobs=False, num_rows=size)
+            jax.block_until_ready(out.next_ids)
         self.warmup_trace_count = self.trace_count
 
     @property
@@ -187,11 +222,13 @@ class Runner:
         return self.trace_count - self.warmup_trace_count
 
     # ---- running -------------------------------------------------------------------
+    def _device_arrays(self, arrays: StepArrays) -> dict[str, jax.Array]:
+        return jax.device_put({k: getattr(arrays, k) for k in ARRAY_FIELDS}, self.replicated)
+
     def _forward(self, arrays: StepArrays) -> tuple[jax.Array, jax.Array, jax.Array, KVPool]:
         assert self.kv is not None, "KV pool released: resume memory before running"
-        host = {k: getattr(arrays, k) for k in ARRAY_FIELDS}
-        dev = jax.device_put(host, self.replicated)
-        return self._forward_fn(self._compute, self.kv, self._prev_ids, dev)
+        return self._forward_fn(self._compute, self.kv, self._prev_ids,
+                                self._device_arrays(arrays))
 
     def run(self, arrays: StepArrays, sb_host: Any, wants_logprobs: bool,
             num_rows: int) -> StepOutput:

@@ -9,10 +9,13 @@ contiguous [page_size, hd] slab and a block gather lands directly in the [KV, C,
 order the contractions use (no transpose copies; they were half the decode step).
 
 Batch invariance (the engine's greedy determinism rests on it), by construction:
-- Tokens are processed in chunks of exactly QUERY_CHUNK rows (`lax.map`; T is padded up to
-  a multiple), so the per-chunk program has ONE shape whatever T: a token's arithmetic is
-  the same at every step size by construction. (Chunks of other sizes are not safe on
-  XLA:CPU: the fused exp and the softmax sum change their order below 16 rows, measured.)
+- Tokens are processed in chunks of C rows (`lax.map`; T is padded up to a multiple of C),
+  C = `query_chunk(T)`, one of QUERY_CHUNKS = (1, 2, 8, 16): a lone decode token runs a
+  1-row chunk instead of paying for 16 gathered rows. Backend fact this relies on
+  (XLA:CPU, jax 0.10.2, fp32; guarded by tests/model/test_row_invariance.py, which fails
+  loudly if an upgrade or another backend changes it): the chunk program gives every row
+  bitwise the same result at C = 1, 2, 8 and 16 (measured for the Llama-family head
+  shapes; C = 4 is another kernel and differs by 1 ulp, so it is not used).
   Every contraction is batched over (head, token) and contracts only head_dim or the key
   block, so a token's result is independent of the other tokens in its chunk.
 - Keys are visited in blocks of `block_size` consecutive positions aligned to position 0
@@ -33,13 +36,20 @@ from multiserve.model.forward_batch import ForwardBatch
 from multiserve.model.row_invariant import row_sum
 
 MASK_VALUE = -1e30  # finite: exp(MASK_VALUE - m) == 0 exactly, never inf - inf
-QUERY_CHUNK = 16  # rows per attention chunk; T is padded to a multiple of it
+# Rows per attention chunk: the sizes proven to give identical rows (see the docstring).
+QUERY_CHUNKS = (1, 2, 8, 16)
+
+
+def query_chunk(num_tokens: int) -> int:
+    """The chunk size for a T-token step: the largest proven size <= T (T is padded to a
+    multiple of it), so small steps pay for no padding rows beyond that."""
+    return max(c for c in QUERY_CHUNKS if c <= max(num_tokens, 1))
 # dot_general dims, batch (KV, C): [KV,C,G,hd] x [KV,C,bs,hd] -> [KV,C,G,bs], and back
 _SCORES = (((3,), (3,)), ((0, 1), (0, 1)))
 _VALUES = (((3,), (2,)), ((0, 1), (0, 1)))  # [KV,C,G,bs] x [KV,C,bs,hd] -> [KV,C,G,hd]
 
 
-def _gather_block(k_pool: jax.Array, v_pool: jax.Array, layer: jax.Array, rows: jax.Array,
+def _gather_block(k_pool: jax.Array, v_pool: jax.Array, layer: int | jax.Array, rows: jax.Array,
                   j: jax.Array, *, page_size: int,
                   block_size: int) -> tuple[jax.Array, jax.Array]:
     """K and V of key block j for each chunk row's sequence: [KV, C, bs, hd] float32.
@@ -73,7 +83,7 @@ def _gather_block(k_pool: jax.Array, v_pool: jax.Array, layer: jax.Array, rows: 
 
 
 def _chunk_attention(q: jax.Array, pos: jax.Array, seq: jax.Array, k_pool: jax.Array,
-                     v_pool: jax.Array, layer: jax.Array, page_table: jax.Array, *,
+                     v_pool: jax.Array, layer: int | jax.Array, page_table: jax.Array, *,
                      page_size: int, block_size: int) -> jax.Array:
     """One chunk: q [KV, C, G, hd] f32 (pre-scaled), pos/seq [C] -> out [KV, C, G, hd] f32."""
     kv_heads, c, group, head_dim = q.shape
@@ -102,18 +112,18 @@ def _chunk_attention(q: jax.Array, pos: jax.Array, seq: jax.Array, k_pool: jax.A
     return acc / l[..., None]
 
 
-def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer: jax.Array,
+def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer: int | jax.Array,
                     batch: ForwardBatch, *, page_size: int, block_size: int) -> jax.Array:
     """q [T, H, hd] (already rotated) -> attention output [T, H, hd] in q's dtype.
 
-    k_pool/v_pool are the whole pool [L, KV, slots, hd]; `layer` (traced scalar) selects the
+    k_pool/v_pool are the whole pool [L, KV, slots, hd]; `layer` (an int or traced scalar) selects the
     layer inside the gathers, so no per-layer copy of the pool is made.
     """
     num_tokens, num_heads, head_dim = q.shape
     kv_heads = k_pool.shape[1]
     group = num_heads // kv_heads
     scale = 1.0 / float(head_dim) ** 0.5
-    chunk = QUERY_CHUNK
+    chunk = query_chunk(num_tokens)
     padded = -(-num_tokens // chunk) * chunk
     n = padded // chunk
     # Rows sorted by position: each chunk loops only over the key blocks its own longest

@@ -7,9 +7,9 @@ cfg/page_size/attn_block_size static and kv_pool donated; the pool is updated in
 
 Params: the compute params, `row_invariant.with_transposed(params, cfg)`: the plain-dict pytree of
 `param_layout` (layers stacked over L, matrices [in, out]) plus a transposed copy of every
-matrix, so that every product is row-invariant (see row_invariant.py). Compute is in the params
-dtype, attention softmax/accumulation in fp32, logits in fp32. The layers run under
-`jax.lax.scan`.
+matrix, so that every product is row-invariant (see row_invariant.py), split into one dict
+per layer. Compute is in the params dtype, attention softmax/accumulation in fp32, logits in
+fp32. The layers are unrolled over that tuple (see `forward_hidden`).
 """
 
 from __future__ import annotations
@@ -23,12 +23,22 @@ import numpy as np
 
 from multiserve.config import ModelConfig
 from multiserve.model.attention import paged_attention
-from multiserve.model.row_invariant import LAYER_MATRICES, dense, is_compute_params, row_sum
+from multiserve.model.row_invariant import (
+    LAYER_MATRICES,
+    PLAIN_MIN_ROWS,
+    dense,
+    is_compute_params,
+    row_sum,
+)
 from multiserve.model.forward_batch import ForwardBatch
 from multiserve.model.kv_pool import KVPool
 from multiserve.model.param_layout import layer_param_shapes, param_shapes  # noqa: F401
 
 Params = dict[str, Any]
+# Steps of up to this many tokens run the unrolled decoder (see `forward_hidden`); larger
+# ones scan. Measured here (SmolLM2-135M fp32, 2 cores): one token 25 ms unrolled vs 34 ms
+# scanned, 64 tokens 239 vs 262-333 ms; each unrolled program compiles in ~5-7 s vs ~1.3 s.
+UNROLL_MAX_TOKENS = 64
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -66,7 +76,7 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return out.astype(x.dtype)
 
 
-def _layer(x: jax.Array, kv: KVPool, layer: jax.Array, w: dict[str, jax.Array],
+def _layer(x: jax.Array, kv: KVPool, layer: int | jax.Array, w: dict[str, jax.Array | None],
            batch: ForwardBatch, cos: jax.Array, sin: jax.Array, cfg: ModelConfig, *,
            page_size: int, attn_block_size: int) -> tuple[jax.Array, KVPool]:
     """One pre-norm decoder layer: attention over the paged pool, then a SwiGLU MLP.
@@ -100,12 +110,12 @@ def _layer(x: jax.Array, kv: KVPool, layer: jax.Array, w: dict[str, jax.Array],
     return x, kv
 
 
-def _layer_weights(layers: dict[str, jax.Array], num_tokens: int) -> dict[str, jax.Array]:
-    """The per-layer params the scan carries for a T-token step: of each matrix only the
-    layout `dense` uses at this T (the other is None), so no unused copy is sliced."""
+def _layer_weights(layer: dict[str, jax.Array], num_tokens: int) -> dict[str, jax.Array]:
+    """One layer's params for a T-token step: of each matrix only the layout `dense` uses
+    at this T (the other is None, so the program does not take it as an input)."""
     one_row = num_tokens == 1
     out = {}
-    for name, a in layers.items():
+    for name, a in layer.items():
         base = name[:-2] if name.endswith("_t") else name
         if base in LAYER_MATRICES:
             out[name] = a if name.endswith("_t") != one_row else None
@@ -118,22 +128,39 @@ def forward_hidden(params: Params, kv_pool: KVPool, batch: ForwardBatch, cfg: Mo
                    page_size: int, attn_block_size: int) -> tuple[jax.Array, KVPool]:
     """Run the new tokens of `batch` through the decoder; return (the final-normed hidden
     states of the `batch.logit_rows` rows [R, D], new kv_pool). `params` are compute params
-    (`row_invariant.with_transposed`)."""
+    (`row_invariant.with_transposed`).
+
+    Steps of <= UNROLL_MAX_TOKENS tokens unroll the layers (a Python loop over the
+    per-layer tuple): each layer's matmuls read its own arrays in place, where a scan
+    slices (copies) every layer's weights out of the stacked arrays at every step, which
+    was a third of a one-token step. The price is compile time (~4x a scanned program),
+    paid at warm-up, so larger steps (prefill chunks: the copies are a few %) scan the
+    canonical stacked layers with the plain product, which sums like the NT product from
+    PLAIN_MIN_ROWS rows on (row_invariant.py): the same bits, no transposed stack."""
     assert is_compute_params(params), "forward needs row_invariant.with_transposed(params, cfg)"
     x = params["embed"][batch.input_ids]
     freqs = batch.positions.astype(jnp.float32)[:, None] * jnp.asarray(rope_inv_freq(cfg))
     cos, sin = jnp.cos(freqs)[:, None, :], jnp.sin(freqs)[:, None, :]
-    weights = _layer_weights(params["layers"], x.shape[0])
+    num_tokens = x.shape[0]
+    if num_tokens <= UNROLL_MAX_TOKENS or num_tokens < PLAIN_MIN_ROWS:
+        for index, layer in enumerate(params["layers"]):
+            x, kv_pool = _layer(x, kv_pool, index, _layer_weights(layer, num_tokens), batch,
+                                cos, sin, cfg, page_size=page_size,
+                                attn_block_size=attn_block_size)
+    else:
+        stacked = params["stacked_layers"]
+        plain = {name: (None if name.endswith("_t") else a) for name, a in stacked.items()}
+        plain.update({f"{name}_t": None for name in LAYER_MATRICES})
 
-    def step(carry, xs):
-        x, kv = carry
-        w, layer = xs
-        x, kv = _layer(x, kv, layer, w, batch, cos, sin, cfg, page_size=page_size,
-                       attn_block_size=attn_block_size)
-        return (x, kv), None
+        def step(carry: tuple[jax.Array, KVPool], xs: Any) -> tuple[Any, None]:
+            x, kv = carry
+            w, layer = xs
+            x, kv = _layer(x, kv, layer, w, batch, cos, sin, cfg, page_size=page_size,
+                           attn_block_size=attn_block_size)
+            return (x, kv), None
 
-    layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-    (x, kv_pool), _ = jax.lax.scan(step, (x, kv_pool), (weights, layer_ids))
+        layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+        (x, kv_pool), _ = jax.lax.scan(step, (x, kv_pool), (plain, layer_ids))
     return rms_norm(x[batch.logit_rows], params["final_norm"], cfg.rms_norm_eps), kv_pool
 
 

@@ -181,7 +181,8 @@ def test_tags_release_and_resume_separately(engine: Any, reference: dict) -> Non
     res = engine.release_memory_occupation(tags=["kv_cache"])
     assert res.details["released"] == ["kv_cache"]
     # weights only: the params and their transposed copies (tied head: an alias of embed)
-    n_params = len({id(a) for a in jax.tree.leaves(engine._core.runner.compute_params)})
+    runner = engine._core.runner  # canonical params + the per-layer compute copies
+    n_params = len({id(a) for a in jax.tree.leaves((runner.params, runner.compute_params))})
     assert len(_live_on(engine.devices, engine.foreign_arrays)) == n_params
     assert engine.get_weights_by_name("model.norm.weight", 4).details["from"] == "device"
     res = engine.release_memory_occupation(tags="weights")

@@ -18,7 +18,7 @@ import pytest
 from multiserve.model.attention import paged_attention
 from multiserve.model.forward_batch import ForwardBatch
 from multiserve.model.llama import rms_norm
-from multiserve.model.row_invariant import dense, row_sum
+from multiserve.model.row_invariant import PLAIN_MIN_ROWS, dense, row_sum
 
 ROW_COUNTS = (1, 2, 3, 5, 8, 16, 48, 64)
 # (in, out) of every contraction of SmolLM2-135M (q, k/v, gate/up, down, lm_head), a
@@ -46,6 +46,21 @@ def test_dense_rows_do_not_depend_on_row_count(din: int, dout: int) -> None:
     one = np.asarray(jax.jit(lambda a: dense(a, w, w_t))(x[:1]))
     two = np.asarray(jax.jit(lambda a: dense(a, w, w_t))(x[:2]))
     assert np.array_equal(one[0], two[0])
+
+
+@pytest.mark.parametrize("din,dout", CONTRACTIONS)
+def test_plain_product_sums_like_nt_product_from_64_rows(din: int, dout: int) -> None:
+    """The scanned decoder of >= 64-token steps uses the plain product on the stacked W
+    (dense with w_t None): its rows must equal the NT product's at every such size."""
+    rng = np.random.default_rng(din * 5 + dout)
+    w = (rng.standard_normal((din, dout), dtype=np.float32) * 0.05)
+    w_t = np.ascontiguousarray(w.T)
+    x = rng.standard_normal((512, din), dtype=np.float32)
+    nt = np.asarray(jax.jit(lambda a: dense(a, w, w_t))(x))
+    bad = [m for m in (PLAIN_MIN_ROWS, 65, 128, 256, 512)
+           if not np.array_equal(np.asarray(jax.jit(lambda a: dense(a, w, None))(x[:m])),
+                                 nt[:m])]
+    assert bad == [], f"plain {din}x{dout}: rows differ from the NT product at M={bad}"
 
 
 @pytest.mark.parametrize("width", [16, 64, 128, 576, 1536, 49152])
@@ -81,7 +96,7 @@ def test_paged_attention_rows_do_not_depend_on_step_size(kv_heads: int, group: i
                              out_slots=jnp.zeros(t, jnp.int32), page_table=jnp.asarray(table),
                              seq_lens=jnp.zeros(num_seqs, jnp.int32),
                              logit_rows=jnp.zeros(1, jnp.int32))
-        return paged_attention(qs, jnp.asarray(k_pool), jnp.asarray(v_pool), jnp.int32(1),
+        return paged_attention(qs, jnp.asarray(k_pool), jnp.asarray(v_pool), 1,
                                batch, page_size=page_size, block_size=block)
 
     bad = _rows_match(attend, q, counts=(1, 2, 3, 4, 5, 8, 15, 16, 17, 32, 48))
