@@ -264,6 +264,15 @@ class EngineCore:
                              {"aborted": len(targets),
                               "rids": sorted({r.rid for r in targets})})
 
+    def abort_started(self) -> int:
+        """Abort every live request that was ever admitted (it holds, or held, K/V or
+        output computed by the current weights); requests that only wait keep waiting.
+        Returns how many were aborted."""
+        started = [r for r in self.reqs.values() if r.admitted_once or r.output_ids]
+        for req in started:
+            self._finish(req, "abort")
+        return len(started)
+
     def pause(self, mode: str) -> ControlResult:
         if self.paused:
             return ControlResult(True, "already paused (no-op)",

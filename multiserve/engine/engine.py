@@ -226,7 +226,10 @@ class Engine(RLEngineMixin):
                  sampling_params: SamplingParams | dict | None, rid: str | None,
                  stream: bool) -> GenerateRequest:
         if isinstance(sampling_params, dict):
-            sampling_params = SamplingParams(**sampling_params)
+            # an sglang sampling dict (its key policy: honoured, no-op or refused by name)
+            from multiserve.server.sglang_params import to_sampling_params
+
+            sampling_params = to_sampling_params(sampling_params)
         params = sampling_params or SamplingParams()
         if input_ids is None:
             if prompt is None:
@@ -313,11 +316,16 @@ class Engine(RLEngineMixin):
             await st.aclose()
 
     def generate(self, prompt: str | Sequence[str] | None = None,
-                 sampling_params: SamplingParams | dict | None = None, *,
+                 sampling_params: SamplingParams | dict | Sequence[SamplingParams | dict]
+                 | None = None, *,
                  input_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
                  rid: str | None = None) -> Any:
         """Blocking generate. One prompt (text or ids) -> RequestOutput (a list of n
-        outputs when n > 1); a list of prompts -> a list of those, all run batched."""
+        outputs when n > 1); a list of prompts -> a list of those, all run batched and
+        admitted atomically (one engine command: a pause or abort issued once they are
+        submitted sees every one). `sampling_params` is one for all prompts or, as sglang
+        (and tunix) call it, a list with one per prompt; a dict is sglang's
+        `sampling_params` (sglang_params.py)."""
         batch = (isinstance(prompt, (list, tuple)) or
                  (input_ids is not None and len(input_ids) > 0
                   and isinstance(input_ids[0], (list, tuple))))
@@ -327,8 +335,15 @@ class Engine(RLEngineMixin):
                        else [(None, ids) for ids in input_ids])  # type: ignore[union-attr]
         else:
             prompts = [(prompt, input_ids)]  # type: ignore[list-item]
-        requests = [self._request(p, ids, sampling_params, rid if not batch else None, False)
-                    for p, ids in prompts]
+        if isinstance(sampling_params, (list, tuple)):
+            if len(sampling_params) != len(prompts):
+                raise ValueError(f"sampling_params: need one per prompt, got "
+                                 f"{len(sampling_params)} for {len(prompts)} prompt(s)")
+            per_prompt = list(sampling_params)
+        else:
+            per_prompt = [sampling_params] * len(prompts)
+        requests = [self._request(p, ids, sp, rid if not batch else None, False)
+                    for (p, ids), sp in zip(prompts, per_prompt, strict=True)]
         queues: list[queue.SimpleQueue[RequestOutput]] = [queue.SimpleQueue() for _ in requests]
         self.submit_many(requests, [q.put for q in queues])  # one command: atomic admission
         results = []

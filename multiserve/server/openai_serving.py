@@ -88,8 +88,9 @@ class OpenAIServing:
         req = parse_body(P.ChatCompletionRequest, await request.body())
         if req.top_logprobs is not None and not req.logprobs and req.top_logprobs > 0:
             raise bad_request("top_logprobs: requires logprobs=true", param="top_logprobs")
-        ids = self.tm.apply_chat_template(req.messages, req.add_generation_prompt,
-                                          **(req.chat_template_kwargs or {}))
+        add_generation_prompt, template_kwargs = req.template_args()
+        ids = self.tm.apply_chat_template(req.messages, add_generation_prompt,
+                                          **template_kwargs)
         runs = self._runs(req, [ids])
         if req.stream:
             await start_runs(runs)  # refusals become HTTP errors, not mid-stream events

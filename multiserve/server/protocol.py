@@ -49,7 +49,9 @@ class ChatMessage(_Request):
 class _SamplingRequest(_Request):
     """Fields shared by chat and completions requests."""
 
-    model: str
+    # Any string, or none: sglang ignores it (one model per server), and RL clients send
+    # the model's path; /v1/models names the served model.
+    model: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1
@@ -80,10 +82,16 @@ class _SamplingRequest(_Request):
     ebnf: Any = None
     structural_tag: Any = None
     stop_regex: Any = None
+    return_hidden_states: Any = None
+    lora_path: Any = None
 
     def refused(self) -> tuple[str, str] | None:
         """(param, why) of the first set option that would change the output and that we
         cannot honour."""
+        if self.return_hidden_states:
+            return "return_hidden_states", "hidden states are not returned by this server"
+        if self.lora_path:
+            return "lora_path", "LoRA adapters are not supported"
         if self.logit_bias:
             return "logit_bias", "logit_bias is not supported"
         if self.response_format and self.response_format.get("type", "text") != "text":
@@ -113,8 +121,23 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    # sglang: the reply continues the final (assistant) message instead of starting a new
+    # one: the template renders it open, with no generation prompt after it.
+    continue_final_message: bool = False
     # sglang: extra variables for the chat template (e.g. {"enable_thinking": false})
     chat_template_kwargs: dict[str, Any] | None = None
+    # Sent by sglang-router (sglang's defaults); they act only with a reasoning parser,
+    # which this server does not run, so the output is the same either way (as sglang's
+    # without --reasoning-parser).
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
+
+    def template_args(self) -> tuple[bool, dict[str, Any]]:
+        """(add_generation_prompt, extra chat-template keyword arguments)."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        if self.continue_final_message:
+            return False, {**kwargs, "continue_final_message": True}
+        return self.add_generation_prompt, kwargs
 
     @property
     def max_new_tokens_param(self) -> tuple[str, int | None]:

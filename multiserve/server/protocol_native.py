@@ -36,7 +36,19 @@ REFUSED_FEATURES = {
     "return_hidden_states": "hidden states are not returned by this server",
     "return_routed_experts": "routed experts exist only in MoE models; this one is dense",
     "session_params": "sessions are not supported",
+    "return_entropy": "token entropies are not returned by this server",
+    "return_bytes": "token bytes are not returned by this server",
+    "background": "background requests are not supported",
 }
+
+
+def is_set(value: Any) -> bool:
+    """Whether a refusable field asks for something: null, false, "" and empty containers
+    do not, and neither does a list whose items are all unset (verl sends
+    `image_data: [null, null, ...]`, one entry per prompt, for text-only batches)."""
+    if isinstance(value, list):
+        return any(is_set(v) for v in value)
+    return value not in (None, False, "", {})
 
 
 class GenerateRequestBody(_Request):
@@ -60,11 +72,16 @@ class GenerateRequestBody(_Request):
     return_hidden_states: Any = None
     return_routed_experts: Any = None
     session_params: Any = None
+    return_entropy: Any = None
+    return_bytes: Any = None
+    background: Any = None
+    # Sent by sglang-router (and ignored by sglang's /generate): the model is the one served.
+    model: str | None = None
 
     def refused_feature(self) -> tuple[str, str] | None:
         """(key, why) of the first set feature we cannot honour."""
         for key, why in REFUSED_FEATURES.items():
-            if getattr(self, key) not in (None, False, [], {}, ""):
+            if is_set(getattr(self, key)):
                 return key, why
         return None
 

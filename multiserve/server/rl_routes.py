@@ -122,9 +122,13 @@ class DiskBody(_SglangBody):
     - flush_cache: the prefix cache is ALWAYS invalidated when weights change (its K/V was
       computed with the old weights); `false` is accepted and the answer says so.
     - load_format: only an HF safetensors directory (None, "auto", "safetensors").
+    - keep_pause: an update never changes whether the engine is paused, so a paused
+      engine stays paused (keep_pause=true is what happens); continue it with
+      /continue_generation afterwards, as slime and AReaL do.
     - is_async, torch_empty_cache, recapture_cuda_graph, token_step: nothing to do here
       (the update is staged off the engine thread anyway; no torch, no CUDA graphs).
-    - keep_pause=true is refused: pause with /pause_generation before the update instead.
+    - manifest (a partial tensor list) is refused: every tensor of the directory is read.
+    - Unknown keys are ignored (AReaL once sent `abort_all_request`, a typo sglang ignores).
     """
 
     model_path: str | None = None
@@ -148,9 +152,6 @@ class DiskBody(_SglangBody):
             raise bad_request(f"load_format: {self.load_format!r} is not supported; an HF "
                               f"safetensors directory is read (load_format 'auto' or "
                               f"'safetensors')", param="load_format")
-        if self.keep_pause:
-            raise bad_request("keep_pause: not supported; pause with /pause_generation "
-                              "before the update", param="keep_pause")
         if self.manifest:
             raise bad_request("manifest: not supported; every tensor of the directory is "
                               "read", param="manifest")
