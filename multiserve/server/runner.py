@@ -23,6 +23,8 @@ from typing import Any
 
 import uvicorn
 
+from multiserve.server.http_logging import configure_uvicorn_logging
+
 log = logging.getLogger("multiserve.server")
 
 
@@ -67,7 +69,10 @@ class ServerThread:
         self.ready = threading.Event()
         self._sock = bind_socket(host, port)
         self.port: int = self._sock.getsockname()[1]
-        config = uvicorn.Config(app, log_level=log_level, lifespan="off",
+        configure_uvicorn_logging()
+        # log_config=None: uvicorn's own dictConfig would close the process's existing
+        # logging handlers (see http_logging).
+        config = uvicorn.Config(app, log_level=log_level, lifespan="off", log_config=None,
                                 timeout_graceful_shutdown=graceful_timeout_s,
                                 timeout_keep_alive=30)
         self._server = _Server(config, self.ready, handle_signals=False)
@@ -143,7 +148,8 @@ def serve_single(engine: Any, tokenizer_dir: str | Path, host: str = "127.0.0.1"
     protect(app, api_key)
     warn_if_exposed(host, api_key)
     sock = bind_socket(host, port)
-    config = uvicorn.Config(app, log_level=log_level, lifespan="off",
+    configure_uvicorn_logging()
+    config = uvicorn.Config(app, log_level=log_level, lifespan="off", log_config=None,
                             timeout_graceful_shutdown=5.0)
     server = _Server(config, threading.Event(),
                      handle_signals=threading.current_thread() is threading.main_thread())
