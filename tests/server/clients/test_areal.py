@@ -15,7 +15,7 @@ import threading
 import time
 from typing import Any
 
-from .conftest import Live
+from client_helpers import Live
 
 PROMPT = [1, 77, 5021, 309, 4410, 21, 8, 1999]
 TOP_K_OFF = 100_000_000  # AReaL's default top_k (GenerationHyperparameters)

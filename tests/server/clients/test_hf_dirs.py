@@ -13,8 +13,7 @@ import json
 from pathlib import Path
 
 import pytest
-
-from .conftest import Live
+from client_helpers import Live
 
 PROMPT = [1, 300, 4100, 27, 9, 618]
 

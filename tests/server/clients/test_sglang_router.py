@@ -24,8 +24,7 @@ from typing import Any
 
 import httpx
 import pytest
-
-from .conftest import Live
+from client_helpers import Live
 
 pytest.importorskip("sglang_router", reason="sglang-router is in the test extra")
 
@@ -86,8 +85,10 @@ def test_workers_are_the_engine_ports(router: str, live: Live) -> None:
     workers = httpx.get(f"{router}/workers").json()["workers"]
     assert sorted(w["url"] for w in workers) == sorted(live.urls)
     for w in workers:  # what the router read from /server_info and /model_info
+        info = live.state(w["url"])
         assert w["metadata"]["tp_size"] == "1" and w["metadata"]["dp_size"] == "1"
-        assert w["model_id"] == live.state(w["url"])["model_path"]
+        assert w["metadata"]["model_path"] == info["model_path"]
+        assert w["model_id"] == info["served_model_name"] == live.model_name
 
 
 def test_generate_through_the_router(router: str, live: Live) -> None:
@@ -149,9 +150,12 @@ def test_chat_through_the_router(router: str, live: Live) -> None:
                            for c in chunks if c["choices"])
         assert streamed == text
         assert chunks[-1]["usage"]["completion_tokens"] == 6
-        # an error from a worker comes back through the router with its error body
-        r = h.post("/v1/chat/completions", json={"messages": messages, "max_tokens": -1})
-        assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+        # an error from a worker comes back through the router with its error body (the
+        # router checks types itself, e.g. max_tokens >= 0; the context length is the
+        # engine's to check; the router forwards max_tokens as max_completion_tokens)
+        r = h.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 100_000})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == "max_completion_tokens", r.text
 
 
 def test_router_fields_are_accepted_by_the_engines(live: Live) -> None:

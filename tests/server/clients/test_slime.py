@@ -13,9 +13,8 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from client_helpers import Live
 from transformers import AutoTokenizer
-
-from .conftest import Live
 
 
 def rollout_params(max_new: int, **over: Any) -> dict[str, Any]:

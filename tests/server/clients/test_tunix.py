@@ -15,8 +15,7 @@ import threading
 from typing import Any
 
 import httpx
-
-from .conftest import Live
+from client_helpers import Live
 
 TOP_K_ALL = 1 << 30
 BOS, EOS = 1, 2

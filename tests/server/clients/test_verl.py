@@ -13,9 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from client_helpers import Live
 from openai.types.chat import ChatCompletion
-
-from .conftest import Live
 
 PROMPTS = [[1, 9, 402, 1771, 33, 5], [1, 640, 15, 8811, 2049, 300, 41, 7], [1, 28, 3]]
 
