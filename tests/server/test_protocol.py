@@ -40,12 +40,20 @@ def test_completion_logprobs_int_shape_and_prompt_forms():
     (b'{"model": "m", "prompt": "x", "n": true}', "n"),
     (b'{"model": "m", "prompt": "x", "temperature": "1"}', "temperature"),
     (b'{"model": "m", "prompt": {"a": 1}}', "prompt"),
-    (b'{"prompt": "x"}', "model"),
 ])
 def test_strict_types_name_the_field(body, param):
     with pytest.raises(ApiError) as e:
         parse_body(P.CompletionRequest, body)
     assert e.value.status == 400 and e.value.param.split(".")[0] == param
+
+
+def test_model_may_be_absent_or_any_string():
+    """sglang ignores `model` (one model per server): issue 10 item 9."""
+    for body in (b'{"prompt": "x"}', b'{"model": "/some/path", "prompt": "x"}'):
+        parse_body(P.CompletionRequest, body)
+    with pytest.raises(ApiError) as e:
+        parse_body(P.CompletionRequest, b'{"model": 5, "prompt": "x"}')
+    assert e.value.param == "model"
 
 
 def test_malformed_json_is_a_400():
