@@ -160,6 +160,10 @@ def test_memory_release_resume_as_slime_sends_it(live: Live) -> None:
     for path in ("/release_memory_occupation", "/resume_memory_occupation"):
         r = h.post(f"{url}{path}", json={"tags": ["cuda_graph"]})
         assert r.status_code == 200 and r.json()["success"] and "no-op" in r.json()["message"]
+    for path in ("/release_memory_occupation", "/resume_memory_occupation"):  # fleet-wide
+        r = h.post(f"{live.supervisor}{path}", json={"tags": ["cuda_graph"]})
+        assert r.status_code == 200 and r.json()["success"], r.text
+        assert all(e["noop_tags"] == ["cuda_graph"] for e in r.json()["engines"]), r.text
     r = h.post(f"{url}/resume_memory_occupation", json={"tags": None})  # slime's default
     assert r.status_code == 200
     r = h.post(f"{url}/release_memory_occupation", json={"tags": ["gpu_everything"]})
