@@ -197,3 +197,21 @@ def test_pause_continue_and_abort_until_idle(live: Live) -> None:
     worker.join(60)
     assert result["meta_info"]["finish_reason"]["type"] == "abort"
     assert total(h.get(f"{url}/v1/loads").json()) == 0
+
+
+def test_disk_weight_update_as_slime_sends_it(live: Live) -> None:
+    """Item 1: SGLangEngine.update_weights_from_disk posts {"model_path",
+    "torch_empty_cache": true, "weight_version"} (load_format only when given); its
+    get_weight_version reads `weight_version` from GET /model_info (newer slime) or GET
+    /get_weight_version (older)."""
+    h, url = live.http, live.url
+    for body, version in (({"model_path": str(live.perturbed), "torch_empty_cache": True,
+                            "weight_version": "7"}, "7"),
+                          ({"model_path": str(live.base), "torch_empty_cache": True,
+                            "load_format": "auto", "weight_version": "8"}, "8")):
+        r = h.post(f"{url}/update_weights_from_disk", json=body)
+        assert r.status_code == 200 and r.json()["success"], r.text
+        assert h.get(f"{url}/model_info").json()["weight_version"] == version
+        assert h.get(f"{url}/get_weight_version").json() == {"weight_version": version}
+    out = generate(live, PROMPT, rollout_params(3))
+    assert out["meta_info"]["weight_version"] == "8"
