@@ -83,13 +83,22 @@ class _SamplingRequest(_Request):
     structural_tag: Any = None
     stop_regex: Any = None
     return_hidden_states: Any = None
+    return_routed_experts: Any = None
     lora_path: Any = None
+    custom_logit_processor: Any = None
+    session_params: Any = None
 
     def refused(self) -> tuple[str, str] | None:
         """(param, why) of the first set option that would change the output and that we
         cannot honour."""
         if self.return_hidden_states:
             return "return_hidden_states", "hidden states are not returned by this server"
+        if self.return_routed_experts:
+            return "return_routed_experts", "routed experts exist only in MoE models"
+        if self.custom_logit_processor:
+            return "custom_logit_processor", "custom logit processors are not supported"
+        if self.session_params:
+            return "session_params", "sessions are not supported"
         if self.lora_path:
             return "lora_path", "LoRA adapters are not supported"
         if self.logit_bias:
@@ -131,6 +140,15 @@ class ChatCompletionRequest(_SamplingRequest):
     # without --reasoning-parser).
     separate_reasoning: bool = True
     stream_reasoning: bool = True
+    # sglang: pre-tokenized prompt ids that replace the rendered messages. Not done here:
+    # refused, never ignored (send token ids to /generate or /v1/completions).
+    input_ids: Any = None
+
+    def refused(self) -> tuple[str, str] | None:
+        if self.input_ids:
+            return "input_ids", ("pre-tokenized chat prompts are not supported; send token "
+                                 "ids to /generate or /v1/completions")
+        return super().refused()
 
     def template_args(self) -> tuple[bool, dict[str, Any]]:
         """(add_generation_prompt, extra chat-template keyword arguments)."""

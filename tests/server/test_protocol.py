@@ -100,3 +100,21 @@ def test_control_bodies():
         parse_body(N.PauseBody, b'{"mode": "later"}')
     ab = parse_body(N.AbortBody, b'{"abort_all": true}')
     assert ab.abort_all and ab.rid is None
+
+
+def test_openai_features_we_cannot_honour_are_refused_by_name():
+    """sglang's OpenAI extensions that would change the output are refused, never
+    ignored; unset (null/false) they are fine, as the router sends them."""
+    chat = b'{"messages": [{"role": "user", "content": "x"}], '
+    for extra, param in ((b'"input_ids": [1, 2]}', "input_ids"),
+                         (b'"custom_logit_processor": "p"}', "custom_logit_processor"),
+                         (b'"session_params": {"id": "s"}}', "session_params"),
+                         (b'"return_routed_experts": true}', "return_routed_experts"),
+                         (b'"logit_bias": {"5": 1.0}}', "logit_bias"),
+                         (b'"regex": "a+"}', "regex")):
+        assert parse_body(P.ChatCompletionRequest, chat + extra).refused()[0] == param
+    ok = parse_body(P.ChatCompletionRequest, chat + b'"return_hidden_states": false, '
+                    b'"custom_params": null, "separate_reasoning": true}')
+    assert ok.refused() is None
+    assert parse_body(P.CompletionRequest, b'{"prompt": "x", "suffix": "y"}').refused()[0] \
+        == "suffix"
