@@ -40,14 +40,19 @@ def transformers_dir(tmp_path_factory: pytest.TempPathFactory, _live: Live) -> P
             if p.dim() == 2:
                 p.normal_(0.0, 1.0 / p.shape[-1] ** 0.5)
         model.model.embed_tokens.weight.normal_(0.0, 1.0)
-    out = tmp_path_factory.mktemp("transformers") / "saved"
-    model.save_pretrained(out)
-    AutoTokenizer.from_pretrained(_live.base).save_pretrained(out)
-    config = json.loads((out / "config.json").read_text())
-    config.pop("architectures", None)
-    assert config["model_type"] == "llama"
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    return out
+    root = tmp_path_factory.mktemp("transformers")
+    # one file, and sharded with an index (what save_pretrained writes for a larger model)
+    for name, shard in (("saved", "10GB"), ("sharded", "2MB")):
+        out = root / name
+        model.save_pretrained(out, max_shard_size=shard)
+        AutoTokenizer.from_pretrained(_live.base).save_pretrained(out)
+        config = json.loads((out / "config.json").read_text())
+        config.pop("architectures", None)
+        assert config["model_type"] == "llama"
+        (out / "config.json").write_text(json.dumps(config, indent=2))
+    assert (root / "sharded" / "model.safetensors.index.json").exists()
+    assert len(list((root / "sharded").glob("*.safetensors"))) > 1
+    return root / "saved"
 
 
 def test_update_weights_from_a_transformers_dir(live: Live, transformers_dir: Path) -> None:
@@ -64,6 +69,13 @@ def test_update_weights_from_a_transformers_dir(live: Live, transformers_dir: Pa
     r = h.post(f"{live.supervisor}/update_weights_from_disk",
                json={"model_path": str(transformers_dir)})
     assert r.status_code == 200 and r.json()["success"], r.text
+    # the same weights in shards: the same answer
+    r = h.post(f"{live.url}/update_weights_from_disk",
+               json={"model_path": str(transformers_dir.parent / "sharded")})
+    assert r.status_code == 200 and r.json()["success"], r.text
+    sharded = h.post(f"{live.url}/generate", json={
+        "input_ids": PROMPT, "sampling_params": {"max_new_tokens": 8, "temperature": 0}}).json()
+    assert sharded["output_ids"] == after["output_ids"]
 
 
 def test_engine_starts_from_a_transformers_dir(live: Live, transformers_dir: Path) -> None:

@@ -26,7 +26,10 @@ import httpx
 import pytest
 from client_helpers import Live
 
-pytest.importorskip("sglang_router", reason="sglang-router is in the test extra")
+# Skips only when the router is not installed (it comes from PyPI, package `sglang-router`,
+# in the `test` extra that scripts/setup.sh installs).
+pytest.importorskip("sglang_router", reason="the sglang-router package (the router binary) "
+                    "is not installed: run scripts/setup.sh (it is in the test extra)")
 
 PROMPT = [1, 2040, 31, 777, 12, 9]
 
