@@ -97,6 +97,9 @@ def test_generate_interrupted_by_a_weight_update_resumes_where_it_stopped(live: 
     versions = {live.http.get(f"{u}/get_weight_version").json()["weight_version"]
                 for u in live.urls}
     assert len(versions) == 4 and "base" not in versions  # a new version per engine
+    fleet = live.http.get(f"{live.supervisor}/get_weight_version").json()  # item 2
+    assert fleet["agree"] is False and fleet["weight_version"] is None
+    assert {e["weight_version"] for e in fleet["engines"]} == versions
 
 
 def test_update_weights_from_disk_sglang_bodies(live: Live) -> None:
