@@ -85,31 +85,56 @@ def _gather_block(k_pool: jax.Array, v_pool: jax.Array, layer: int | jax.Array, 
 def _chunk_attention(q: jax.Array, pos: jax.Array, seq: jax.Array, k_pool: jax.Array,
                      v_pool: jax.Array, layer: int | jax.Array, page_table: jax.Array, *,
                      page_size: int, block_size: int) -> jax.Array:
-    """One chunk: q [KV, C, G, hd] f32 (pre-scaled), pos/seq [C] -> out [KV, C, G, hd] f32."""
+    """One chunk: q [KV, C, G, hd] f32 (pre-scaled), pos/seq [C] -> out [KV, C, G, hd] f32.
+
+    When every row of the chunk belongs to one sequence (a prefill chunk), each key block
+    is gathered once and broadcast to the C rows instead of gathered C times: the same
+    values in the same [KV, C, bs, hd] operand, so the contractions (and the bits) are
+    those of the per-row path. The broadcast is materialised behind an optimization
+    barrier so the compiler cannot fold it into a differently shaped contraction
+    (tests/model/test_row_invariance.py compares both paths bitwise).
+    """
     kv_heads, c, group, head_dim = q.shape
     offsets = jnp.arange(block_size, dtype=jnp.int32)
     rows = page_table[seq]  # [C, max_pages]
     num_blocks = jnp.max(pos) // block_size + 1
 
-    def body(j, carry):
-        m, l, acc = carry  # [KV,C,G], [KV,C,G], [KV,C,G,hd]
-        key_pos = j * block_size + offsets  # [bs]
-        k, v = _gather_block(k_pool, v_pool, layer, rows, j, page_size=page_size,
-                             block_size=block_size)  # [KV, C, bs, hd] f32
-        s = jax.lax.dot_general(q, k, _SCORES)  # [KV, C, G, bs]
-        s = jnp.where(key_pos[None, None, None, :] > pos[None, :, None, None], MASK_VALUE, s)
-        m_new = jnp.maximum(m, jnp.max(s, axis=3))  # max is exact: order-free
-        alpha = jnp.exp(m - m_new)
-        p = jnp.exp(s - m_new[..., None])
-        l_new = l * alpha + row_sum(p)  # jnp.sum's order varies with C (row_invariant.py)
-        pv = jax.lax.dot_general(p, v, _VALUES)  # [KV, C, G, hd]
-        return m_new, l_new, acc * alpha[..., None] + pv
+    def per_row(j: jax.Array) -> tuple[jax.Array, jax.Array]:
+        return _gather_block(k_pool, v_pool, layer, rows, j, page_size=page_size,
+                             block_size=block_size)
 
-    shape = (kv_heads, c, group)
-    init = (jnp.full(shape, MASK_VALUE, jnp.float32), jnp.zeros(shape, jnp.float32),
-            jnp.zeros(shape + (head_dim,), jnp.float32))
-    _, l, acc = jax.lax.fori_loop(0, num_blocks, body, init)
-    return acc / l[..., None]
+    def shared(j: jax.Array) -> tuple[jax.Array, jax.Array]:
+        k, v = _gather_block(k_pool, v_pool, layer, rows[:1], j, page_size=page_size,
+                             block_size=block_size)  # [KV, 1, bs, hd]
+        full = (kv_heads, c, block_size, head_dim)
+        return jax.lax.optimization_barrier((jnp.broadcast_to(k, full),
+                                             jnp.broadcast_to(v, full)))
+
+    def attend(gather):  # type: ignore[no-untyped-def]
+        def body(j, carry):  # type: ignore[no-untyped-def]
+            m, l, acc = carry  # [KV,C,G], [KV,C,G], [KV,C,G,hd]
+            key_pos = j * block_size + offsets  # [bs]
+            k, v = gather(j)  # [KV, C, bs, hd] f32
+            s = jax.lax.dot_general(q, k, _SCORES)  # [KV, C, G, bs]
+            s = jnp.where(key_pos[None, None, None, :] > pos[None, :, None, None],
+                          MASK_VALUE, s)
+            m_new = jnp.maximum(m, jnp.max(s, axis=3))  # max is exact: order-free
+            alpha = jnp.exp(m - m_new)
+            p = jnp.exp(s - m_new[..., None])
+            l_new = l * alpha + row_sum(p)  # jnp.sum's order varies with C (row_invariant.py)
+            pv = jax.lax.dot_general(p, v, _VALUES)  # [KV, C, G, hd]
+            return m_new, l_new, acc * alpha[..., None] + pv
+
+        shape = (kv_heads, c, group)
+        init = (jnp.full(shape, MASK_VALUE, jnp.float32), jnp.zeros(shape, jnp.float32),
+                jnp.zeros(shape + (head_dim,), jnp.float32))
+        _, l, acc = jax.lax.fori_loop(0, num_blocks, body, init)
+        return acc / l[..., None]
+
+    if c == 1:
+        return attend(per_row)
+    return jax.lax.cond(jnp.all(seq == seq[0]), lambda: attend(shared),
+                        lambda: attend(per_row))
 
 
 def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer: int | jax.Array,
@@ -126,10 +151,15 @@ def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer: i
     chunk = query_chunk(num_tokens)
     padded = -(-num_tokens // chunk) * chunk
     n = padded // chunk
-    # Rows sorted by position: each chunk loops only over the key blocks its own longest
-    # row needs, so short sequences stop paying for long ones. A row's result does not
-    # depend on its chunk (blocks past its position are exact identity updates).
-    order = jnp.argsort(batch.positions, stable=True)
+    # Row order (a row's result does not depend on its chunk: blocks past its position
+    # are exact identity updates, so any order is correct; the order only sets cost):
+    # by the first position its sequence has in this step, then sequence, then position.
+    # Decode rows (one per sequence) thus sort by position, so each chunk loops only over
+    # the key blocks its own longest row needs; a prefill's rows stay together, so its
+    # chunks hold one sequence and gather each key block once (`_chunk_attention`).
+    first = jnp.full(batch.page_table.shape[0], jnp.iinfo(jnp.int32).max, jnp.int32)
+    first = first.at[batch.token_seq].min(batch.positions)[batch.token_seq]
+    order = jnp.lexsort((batch.positions, batch.token_seq, first))
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(num_tokens, dtype=order.dtype))
     # Padding rows (T not a multiple of the chunk) sit at position 0 of sequence row 0:
     # one key block, results dropped.

@@ -101,3 +101,44 @@ def test_paged_attention_rows_do_not_depend_on_step_size(kv_heads: int, group: i
 
     bad = _rows_match(attend, q, counts=(1, 2, 3, 4, 5, 8, 15, 16, 17, 32, 48))
     assert bad == [], f"attention rows differ at T={bad}"
+
+
+@pytest.mark.parametrize("kv_heads,group,head_dim,page_size,block",
+                         [(3, 3, 64, 16, 128), (2, 2, 16, 4, 16)])
+def test_prefill_chunks_with_shared_keys_equal_lone_rows(kv_heads: int, group: int,
+                                                         head_dim: int, page_size: int,
+                                                         block: int) -> None:
+    """A step mixing two prefills (whose 16-row chunks hold one sequence and gather each
+    key block once, broadcast to the rows) with decode rows of other sequences: every
+    row bitwise equals the same row attended alone (a 1-row step, per-row gather)."""
+    rng = np.random.default_rng(head_dim)
+    pages_per_seq, num_seqs = 24, 8
+    slots = (1 + pages_per_seq * num_seqs) * page_size
+    k_pool = jnp.asarray(rng.standard_normal((2, kv_heads, slots, head_dim), dtype=np.float32))
+    v_pool = jnp.asarray(rng.standard_normal((2, kv_heads, slots, head_dim), dtype=np.float32))
+    table = jnp.asarray((1 + np.arange(num_seqs * pages_per_seq, dtype=np.int32))
+                        .reshape(num_seqs, -1))
+    # seq 1: positions 0..69 (a fresh prefill); seq 4: 30..99 (a chunk after a cached
+    # prefix); seqs 2, 5, 6: one decode row each
+    seq = np.concatenate([np.full(70, 1), np.full(70, 4), [2, 5, 6]]).astype(np.int32)
+    pos = np.concatenate([np.arange(70), np.arange(30, 100), [200, 13, 95]]).astype(np.int32)
+    perm = rng.permutation(len(seq))  # the step's row order must not matter either
+    seq, pos = seq[perm], pos[perm]
+    q = jnp.asarray(rng.standard_normal((len(seq), kv_heads * group, head_dim),
+                                        dtype=np.float32))
+
+    @jax.jit
+    def attend(qs: jax.Array, ps: jax.Array, ss: jax.Array) -> jax.Array:
+        t = qs.shape[0]
+        batch = ForwardBatch(input_ids=jnp.zeros(t, jnp.int32), positions=ps, token_seq=ss,
+                             out_slots=jnp.zeros(t, jnp.int32), page_table=table,
+                             seq_lens=jnp.zeros(num_seqs, jnp.int32),
+                             logit_rows=jnp.zeros(1, jnp.int32))
+        return paged_attention(qs, k_pool, v_pool, 1, batch, page_size=page_size,
+                               block_size=block)
+
+    full = np.asarray(attend(q, jnp.asarray(pos), jnp.asarray(seq)))
+    bad = [i for i in range(len(seq))
+           if not np.array_equal(np.asarray(attend(q[i:i + 1], jnp.asarray(pos[i:i + 1]),
+                                                   jnp.asarray(seq[i:i + 1]))), full[i:i + 1])]
+    assert bad == [], f"rows differ from their lone computation: {bad}"
