@@ -72,6 +72,9 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    # sglang's no_stop_trim: the text keeps the matched stop string / stop token. Read by
+    # the side that detokenizes (the HTTP server); the engine stops the same either way.
+    no_stop_trim: bool = False
     return_logprob: bool = False
     top_logprobs_num: int = 0
     token_ids_logprob: tuple[int, ...] | None = None
@@ -251,6 +254,13 @@ class EngineClient(Protocol):
         """Submit and yield snapshots until every sample finished (one final output
         per sample, `finished=True`). Closing/cancelling the iterator early aborts the
         request in the engine and frees its KV."""
+        ...
+
+    async def open_streams(self, requests: Sequence[GenerateRequest]
+                           ) -> list[AsyncIterator[RequestOutput]]:
+        """Admit every request ATOMICALLY (one command to the engine thread: all are
+        queued before its next step, or none when one is refused, which raises), then one
+        iterator per request as `stream` yields; `aclose()` on one aborts its request."""
         ...
 
     async def async_pause_generation(self, mode: str = "abort") -> ControlResult: ...

@@ -110,7 +110,7 @@ class RLEngineMixin:
             return begun
         token = begun.details["token"]
         try:
-            return self._stage_body(token, load, weight_version)
+            return _aborted_first(begun, self._stage_body(token, load, weight_version))
         except (WeightUpdateError, ModelLoadError) as e:
             self._call("weights_unhold", token)
             return self._failed(e, weight_version)
@@ -125,7 +125,8 @@ class RLEngineMixin:
             return begun
         token = begun.details["token"]
         try:
-            return await asyncio.to_thread(self._stage_body, token, load, weight_version)
+            return _aborted_first(begun, await asyncio.to_thread(
+                self._stage_body, token, load, weight_version))
         except (WeightUpdateError, ModelLoadError) as e:
             await self._acall("weights_unhold", token)
             return self._failed(e, weight_version)
@@ -160,14 +161,16 @@ class RLEngineMixin:
         staged = self.stage_weights_from_tensor(params, weight_version, abort_running)
         if not staged.ok:
             return staged
-        return self.publish_staged_weights(staged.details["token"], abort_running)
+        return _aborted_total(staged, self.publish_staged_weights(
+            staged.details["token"], abort_running))
 
     def update_weights_from_disk(self, path: str, weight_version: str,
                                  abort_running: bool = False) -> ControlResult:
         staged = self.stage_weights_from_disk(path, weight_version, abort_running)
         if not staged.ok:
             return staged
-        return self.publish_staged_weights(staged.details["token"], abort_running)
+        return _aborted_total(staged, self.publish_staged_weights(
+            staged.details["token"], abort_running))
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> ControlResult:
         """details: name, shape (HF orientation), dtype, values = the first
@@ -198,14 +201,16 @@ class RLEngineMixin:
                                                             abort_running)
         if not staged.ok:
             return staged
-        return await self.async_publish_staged_weights(staged.details["token"], abort_running)
+        return _aborted_total(staged, await self.async_publish_staged_weights(
+            staged.details["token"], abort_running))
 
     async def async_update_weights_from_disk(self, path: str, weight_version: str,
                                              abort_running: bool = False) -> ControlResult:
         staged = await self.async_stage_weights_from_disk(path, weight_version, abort_running)
         if not staged.ok:
             return staged
-        return await self.async_publish_staged_weights(staged.details["token"], abort_running)
+        return _aborted_total(staged, await self.async_publish_staged_weights(
+            staged.details["token"], abort_running))
 
     async def async_get_weights_by_name(self, name: str,
                                         truncate_size: int = 100) -> ControlResult:
@@ -236,3 +241,16 @@ class RLEngineMixin:
     async def async_resume_memory_occupation(self, tags: Any = ("weights", "kv_cache")
                                              ) -> ControlResult:
         return await self._acall("resume_memory", normalize_tags(tags))
+
+
+def _aborted_first(begun: ControlResult, staged: ControlResult) -> ControlResult:
+    """The staging result, with the requests `begin` aborted (abort_running) counted."""
+    n = int(begun.details.get("aborted", 0))
+    return ControlResult(staged.ok, staged.message, {**staged.details, "aborted": n})
+
+
+def _aborted_total(staged: ControlResult, published: ControlResult) -> ControlResult:
+    """A whole update's answer: the publish result, counting the requests aborted before
+    staging too."""
+    n = int(staged.details.get("aborted", 0)) + int(published.details.get("aborted", 0))
+    return ControlResult(published.ok, published.message, {**published.details, "aborted": n})

@@ -27,6 +27,15 @@ class FleetAnswer(BaseModel):
     engines: list[dict[str, Any]] = []
 
 
+class FleetWeightVersion(BaseModel):
+    """Every engine's weight version; `weight_version` is theirs when they all agree."""
+
+    model_config = ConfigDict(extra="allow")
+    weight_version: str | None
+    agree: bool
+    engines: list[dict[str, Any]]
+
+
 BODIES: dict[Key, Any] = {
     ("POST", "/pause_generation"): S.PauseBody,
     ("POST", "/continue_generation"): S.EmptyBody,
@@ -48,6 +57,7 @@ ANSWERS: dict[Key, Answer] = {
     ("POST", "/restart_engine"): Answer(FleetAnswer, errors=("400", "401", "409", "503")),
     ("GET", "/health"): Answer(errors=("401", "503")),
     ("GET", "/get_server_info"): Answer(errors=("401", "503")),
+    ("GET", "/get_weight_version"): Answer(FleetWeightVersion, errors=("401", "503")),
     ("GET", "/metrics"): Answer(text=True, errors=("401",)),
     ("GET", "/v1/models"): Answer(errors=("401",)),
 }
