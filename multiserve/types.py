@@ -13,7 +13,7 @@ Invariants:
 from __future__ import annotations
 
 import enum
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -77,6 +77,9 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    # sglang's no_stop_trim: the text keeps the matched stop string / stop token. Read by
+    # the side that detokenizes (the HTTP server); the engine stops the same either way.
+    no_stop_trim: bool = False
     return_logprob: bool = False
     top_logprobs_num: int = 0
     token_ids_logprob: tuple[int, ...] | None = None
@@ -256,6 +259,13 @@ class EngineClient(Protocol):
         """Submit and yield snapshots until every sample finished (one final output
         per sample, `finished=True`). Closing/cancelling the iterator early aborts the
         request in the engine and frees its KV."""
+        ...
+
+    async def open_streams(self, requests: Sequence[GenerateRequest]
+                           ) -> list[AsyncIterator[RequestOutput]]:
+        """Admit every request ATOMICALLY (one command to the engine thread: all are
+        queued before its next step, or none when one is refused, which raises), then one
+        iterator per request as `stream` yields; `aclose()` on one aborts its request."""
         ...
 
     async def async_pause_generation(self, mode: str = "abort") -> ControlResult: ...

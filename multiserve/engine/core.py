@@ -91,15 +91,19 @@ class EngineCore:
 
     # ---- requests ------------------------------------------------------------------
     def add(self, reqs: Sequence[Req]) -> None:
+        """Admit a batch atomically: all of it, or (a rid live already or repeated in the
+        batch) none of it."""
+        keys: set[tuple[str, int]] = set()
         for req in reqs:
-            if req.key in self.reqs:
+            if req.key in self.reqs or req.key in keys:
                 raise ValueError(f"rid: a live request already uses rid {req.rid!r}")
+            keys.add(req.key)
         check_admission(self.scheduler.waiting, reqs, self.admission)  # or EngineOverloaded
         for req in reqs:
             self.reqs[req.key] = req
-            if req.params.max_new_tokens == 0:
+            if req.params.max_new_tokens == 0 and not req.needs_prompt_logprobs:
                 self._finish(req, "length")
-            else:
+            else:  # max_new_tokens == 0 with prompt logprobs: prefill only (scoring)
                 self.scheduler.add(req)
 
     def has_work(self) -> bool:
@@ -188,6 +192,9 @@ class EngineCore:
             if req.finished:
                 continue
             req.pending -= 1
+            if req.params.max_new_tokens == 0:  # scoring: the prompt is done, no token
+                self._finish(req, "length")
+                continue
             tok = int(next_ids[b])
             req.output_ids.append(tok)
             if req.first_token_time is None:
@@ -266,6 +273,15 @@ class EngineCore:
         return ControlResult(True, f"aborted {len(targets)} request(s)",
                              {"aborted": len(targets),
                               "rids": sorted({r.rid for r in targets})})
+
+    def abort_started(self) -> int:
+        """Abort every live request that was ever admitted (it holds, or held, K/V or
+        output computed by the current weights); requests that only wait keep waiting.
+        Returns how many were aborted."""
+        started = [r for r in self.reqs.values() if r.admitted_once or r.output_ids]
+        for req in started:
+            self._finish(req, "abort")
+        return len(started)
 
     # ---- pause state: a set of reasons (see the module docstring) -------------------------
     @property

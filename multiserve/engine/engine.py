@@ -41,6 +41,7 @@ from multiserve.engine.commands import (
 from multiserve.engine.request import Req
 from multiserve.engine.rl.control import DEFAULT_TAGS, RLControl
 from multiserve.engine.setup import EngineParts, build_engine_parts
+from multiserve.engine.streams import OutputStream
 from multiserve.types import (
     PAUSE_MODES,
     ControlResult,
@@ -232,7 +233,10 @@ class Engine:
                  sampling_params: SamplingParams | dict | None, rid: str | None,
                  stream: bool) -> GenerateRequest:
         if isinstance(sampling_params, dict):
-            sampling_params = SamplingParams(**sampling_params)
+            # an sglang sampling dict (its key policy: honoured, no-op or refused by name)
+            from multiserve.server.sglang_params import to_sampling_params
+
+            sampling_params = to_sampling_params(sampling_params)
         params = sampling_params or SamplingParams()
         if input_ids is None:
             if prompt is None:
@@ -261,7 +265,16 @@ class Engine:
     def submit(self, request: GenerateRequest,
                sink: Callable[[RequestOutput], None]) -> None:
         """Low-level: enqueue a request; `sink` receives snapshots on the engine thread."""
-        reqs = self._make_reqs(request, sink)
+        self.submit_many([request], [sink])
+
+    def submit_many(self, requests: Sequence[GenerateRequest],
+                    sinks: Sequence[Callable[[RequestOutput], None]]) -> None:
+        """Enqueue several requests ATOMICALLY: one command to the engine thread, so all of
+        them are waiting (or running) before its next step, and a pause or abort issued
+        after this returns sees every one of them. Validation of all comes first: if one is
+        invalid (or a rid is live already), none is admitted."""
+        reqs = [req for request, sink in zip(requests, sinks, strict=True)
+                for req in self._make_reqs(request, sink)]
         self.call(Add(reqs)).result()
 
     def stream_sync(self, request: GenerateRequest) -> Iterator[RequestOutput]:
@@ -278,35 +291,48 @@ class Engine:
             if remaining:
                 self.abort_request(request.rid)
 
-    async def stream(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+    async def open_streams(self, requests: Sequence[GenerateRequest]) -> list[OutputStream]:
+        """Admit `requests` atomically (like `submit_many`) and return one OutputStream per
+        request, in order. Raises if any is refused (then none was admitted). Closing a
+        stream before it ended aborts its request."""
         loop = asyncio.get_running_loop()
-        q: asyncio.Queue[RequestOutput] = asyncio.Queue()
-
-        def sink(out: RequestOutput) -> None:
-            try:
-                loop.call_soon_threadsafe(q.put_nowait, out)
-            except RuntimeError:  # the caller's loop is gone; the request is orphaned
-                pass
-
-        reqs = self._make_reqs(request, sink)
-        await self.acall(Add(reqs))
-        remaining = request.sampling.n
+        streams = [OutputStream(r.rid, r.sampling.n, loop, self._abort_later)
+                   for r in requests]
+        reqs = [req for request, st in zip(requests, streams, strict=True)
+                for req in self._make_reqs(request, st.sink)]
+        fut = self.call(Add(reqs))
         try:
-            while remaining:
-                out = await q.get()
-                if out.finished:
-                    remaining -= 1
+            # shielded: cancelling must never cancel the command itself (the engine thread
+            # may be running it); aborts queued behind it clean up instead (FIFO).
+            await asyncio.shield(asyncio.wrap_future(fut))
+        except asyncio.CancelledError:
+            for r in requests:
+                self._abort_later(r.rid)
+            raise
+        return streams
+
+    def _abort_later(self, rid: str) -> None:
+        self.call(Abort(rid))
+
+    async def stream(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        (st,) = await self.open_streams([request])
+        try:
+            async for out in st:
                 yield out
         finally:
-            if remaining:
-                self.call(Abort(request.rid))
+            await st.aclose()
 
     def generate(self, prompt: str | Sequence[str] | None = None,
-                 sampling_params: SamplingParams | dict | None = None, *,
+                 sampling_params: SamplingParams | dict | Sequence[SamplingParams | dict]
+                 | None = None, *,
                  input_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
                  rid: str | None = None) -> Any:
         """Blocking generate. One prompt (text or ids) -> RequestOutput (a list of n
-        outputs when n > 1); a list of prompts -> a list of those, all run batched."""
+        outputs when n > 1); a list of prompts -> a list of those, all run batched and
+        admitted atomically (one engine command: a pause or abort issued once they are
+        submitted sees every one). `sampling_params` is one for all prompts or, as sglang
+        (and tunix) call it, a list with one per prompt; a dict is sglang's
+        `sampling_params` (sglang_params.py)."""
         batch = (isinstance(prompt, (list, tuple)) or
                  (input_ids is not None and len(input_ids) > 0
                   and isinstance(input_ids[0], (list, tuple))))
@@ -316,13 +342,17 @@ class Engine:
                        else [(None, ids) for ids in input_ids])  # type: ignore[union-attr]
         else:
             prompts = [(prompt, input_ids)]  # type: ignore[list-item]
-        requests = [self._request(p, ids, sampling_params, rid if not batch else None, False)
-                    for p, ids in prompts]
-        queues = []
-        for req in requests:
-            q: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
-            self.submit(req, q.put)
-            queues.append(q)
+        if isinstance(sampling_params, (list, tuple)):
+            if len(sampling_params) != len(prompts):
+                raise ValueError(f"sampling_params: need one per prompt, got "
+                                 f"{len(sampling_params)} for {len(prompts)} prompt(s)")
+            per_prompt = list(sampling_params)
+        else:
+            per_prompt = [sampling_params] * len(prompts)
+        requests = [self._request(p, ids, sp, rid if not batch else None, False)
+                    for (p, ids), sp in zip(prompts, per_prompt, strict=True)]
+        queues: list[queue.SimpleQueue[RequestOutput]] = [queue.SimpleQueue() for _ in requests]
+        self.submit_many(requests, [q.put for q in queues])  # one command: atomic admission
         results = []
         for req, q in zip(requests, queues, strict=True):
             finals: dict[int, RequestOutput] = {}

@@ -43,10 +43,10 @@ from jax.sharding import PartitionSpec as P
 from multiserve.config import EngineConfig, ModelConfig
 from multiserve.engine import sampling, sampling_host
 from multiserve.engine.batch_arrays import StepArrays, empty_step_arrays
-from multiserve.model.row_invariant import with_transposed
 from multiserve.model.forward_batch import ForwardBatch
 from multiserve.model.kv_pool import KVPool, make_kv_pool
 from multiserve.model.llama import forward_hidden, lm_head
+from multiserve.model.row_invariant import with_transposed
 from multiserve.model.sharding import kv_pool_sharding, make_mesh, shard_params
 
 ARRAY_FIELDS = ("input_ids", "from_prev", "positions", "token_seq", "out_slots", "page_table",

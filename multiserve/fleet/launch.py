@@ -227,6 +227,7 @@ def _start_servers(fleet: Fleet) -> None:
         protect(app, cfg.api_key)  # every route, when a key is set
         server = ServerThread(app, scfg.host, scfg.port, name=f"engine-{w.index}-http")
         w.port = server.port
+        app.state.server_info.update(host=scfg.host, port=server.port)  # /get_server_info
         fleet.servers.append(server.start())
     sup_app = build_supervisor_app(fleet.workers, restart=fleet.restart_engine,
                                    engine_ports=fleet.ports)

@@ -37,6 +37,16 @@ FLEET_INFO_SCHEMA: dict[str, Any] = {
         "internal_states": {"type": "array",
                             "items": {"anyOf": [ENGINE_STATE_SCHEMA, {"type": "null"}]}}}}
 
+
+class FleetWeightVersion(BaseModel):
+    """Every engine's weight version; `weight_version` is theirs when they all agree."""
+
+    model_config = ConfigDict(extra="allow")
+    weight_version: str | None
+    agree: bool
+    engines: list[dict[str, Any]]
+
+
 BODIES: dict[Key, Any] = {
     ("POST", "/pause_generation"): S.PauseBody,
     ("POST", "/continue_generation"): S.EmptyBody,
@@ -58,6 +68,7 @@ ANSWERS: dict[Key, Answer] = {
     ("POST", "/restart_engine"): Answer(FleetAnswer, errors=("400", "401", "409", "503")),
     ("GET", "/health"): Answer(errors=("401", "503")),
     ("GET", "/get_server_info"): Answer(FLEET_INFO_SCHEMA, errors=("401", "503")),
+    ("GET", "/get_weight_version"): Answer(FleetWeightVersion, errors=("401", "503")),
     ("GET", "/metrics"): Answer(text=True, errors=("401",)),
     ("GET", "/v1/models"): Answer(errors=("401",)),
 }

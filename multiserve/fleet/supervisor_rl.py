@@ -3,11 +3,14 @@ updates.
 
 Owns `add_rl_supervisor_routes(app, engines=None)` for an app built by
 `build_supervisor_app`:
-  POST /update_weights_from_disk   {"path" | "model_path", "weight_version", "abort_running"?}
-      phase 1 stages the checkpoint on every engine (concurrently: read, validate, copy to
+  POST /update_weights_from_disk   sglang's body (see rl_routes.DiskBody: "model_path",
+      "weight_version"? -- made once for all engines when absent --, "abort_all_requests"?,
+      ...) or {"path", "abort_running"?}.
+      Phase 1 stages the checkpoint on every engine (concurrently: read, validate, copy to
       its devices); only if EVERY engine staged does phase 2 publish on all of them.
       If any engine fails to stage, every staged copy is discarded, no engine changes
       weights, and the answer names each failing engine and its reason.
+  GET  /get_weight_version         {"weight_version", "agree", "engines": [...]}
   POST /release_memory_occupation  {"tags"?, "mode"?, "preserve_state"?}   (broadcast)
   POST /resume_memory_occupation   {"tags"?}                               (broadcast)
   POST /get_weights_by_name        {"name", "truncate_size"?}             (broadcast)
@@ -35,13 +38,11 @@ from multiserve.server.rl_routes import (
     ReleaseBody,
     ResumeBody,
     WeightsByNameBody,
+    noop_tags_result,
     rl_target,
+    with_noop_tags,
 )
-from multiserve.types import EngineClient
-
-
-def _tags(tags: list[str] | None) -> tuple[str, ...] | None:
-    return tuple(tags) if tags else None
+from multiserve.types import ControlResult, EngineClient
 
 
 def add_rl_supervisor_routes(app: FastAPI, engines: Sequence[EngineClient] | None = None
@@ -52,11 +53,21 @@ def add_rl_supervisor_routes(app: FastAPI, engines: Sequence[EngineClient] | Non
     sup = base if engines is None or engines is base.engines else Supervisor(
         engines, engine_ports=base.engine_ports, control_timeout=base.control_timeout)
 
-    add_control_route(app, "/release_memory_occupation", ReleaseBody,
-                      lambda e, b: rl_target(e).async_release_memory_occupation(
-                          _tags(b.tags), b.mode, b.preserve_state))
-    add_control_route(app, "/resume_memory_occupation", ResumeBody,
-                      lambda e, b: rl_target(e).async_resume_memory_occupation(_tags(b.tags)))
+    async def release(e: EngineClient, b: ReleaseBody) -> ControlResult:
+        tags, noop = b.split_tags()
+        if tags == ():
+            return noop_tags_result("release", noop)
+        return with_noop_tags(await rl_target(e).async_release_memory_occupation(
+            tags, b.mode, b.preserve_state), noop)
+
+    async def resume(e: EngineClient, b: ResumeBody) -> ControlResult:
+        tags, noop = b.split_tags()
+        if tags == ():
+            return noop_tags_result("resume", noop)
+        return with_noop_tags(await rl_target(e).async_resume_memory_occupation(tags), noop)
+
+    add_control_route(app, "/release_memory_occupation", ReleaseBody, release)
+    add_control_route(app, "/resume_memory_occupation", ResumeBody, resume)
     add_control_route(app, "/get_weights_by_name", WeightsByNameBody,
                       lambda e, b: rl_target(e).async_get_weights_by_name(
                           b.name, b.truncate_size))
@@ -64,13 +75,24 @@ def add_rl_supervisor_routes(app: FastAPI, engines: Sequence[EngineClient] | Non
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(request: Request) -> Response:
         body = parse_body(DiskBody, await request.body())
-        if (body.path is None) == (body.model_path is None):
-            return json_response(400, {"success": False, "message":
-                                       "give exactly one of 'path' or 'model_path'"})
-        path = body.dir()  # "" is a path (the engines refuse it), not a missing one
-        status, out = await two_phase_update(sup, path, body.weight_version,
-                                             body.abort_running)
+        path, version = body.dir(), body.version()  # one version for every engine
+        status, out = await two_phase_update(sup, path, version, body.abort)
+        if status == 200 and not body.flush_cache:
+            out["message"] = body.note(ControlResult(True, out["message"])).message
         return json_response(status, out)
+
+    @app.get("/get_weight_version")
+    async def get_weight_version() -> Response:
+        """Per engine, and whether they agree (then `weight_version` is theirs; else
+        null): sglang's answer shape, one level up."""
+        states = await sup.engine_states()
+        per = [{"engine": s["engine"], "port": s["port"],
+                "weight_version": (s["state"] or {}).get("weight_version")} for s in states]
+        versions = {p["weight_version"] for p in per}
+        agree = len(versions) == 1 and None not in versions
+        return json_response(200 if all(s["state"] is not None for s in states) else 503, {
+            "weight_version": next(iter(versions)) if agree else None, "agree": agree,
+            "engines": per})
 
 
 async def two_phase_update(sup: Supervisor, path: str, version: str,

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from multiserve.config import EngineConfig
@@ -200,6 +200,27 @@ class EngineWorker:
             with self._idle:
                 self._active_streams -= 1
                 self._idle.notify_all()
+
+    async def open_streams(self, requests: Sequence[GenerateRequest]) -> list[Any]:
+        """Admit `requests` atomically on the engine (see `Engine.open_streams`); each
+        stream counts as in flight until it ends or is closed."""
+        engine = self._live_engine()
+        with self._lock:
+            self._active_streams += len(requests)
+        try:
+            streams = await engine.open_streams(requests)
+        except BaseException:
+            for _ in requests:
+                self._stream_ended()
+            raise
+        for st in streams:
+            st.add_done_callback(self._stream_ended)
+        return streams
+
+    def _stream_ended(self) -> None:
+        with self._idle:
+            self._active_streams -= 1
+            self._idle.notify_all()
 
     async def async_pause_generation(self, mode: str = "abort") -> ControlResult:
         return await self._engine_for_control().async_pause_generation(mode)

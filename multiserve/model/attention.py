@@ -141,8 +141,8 @@ def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer: i
                     batch: ForwardBatch, *, page_size: int, block_size: int) -> jax.Array:
     """q [T, H, hd] (already rotated) -> attention output [T, H, hd] in q's dtype.
 
-    k_pool/v_pool are the whole pool [L, KV, slots, hd]; `layer` (an int or traced scalar) selects the
-    layer inside the gathers, so no per-layer copy of the pool is made.
+    k_pool/v_pool are the whole pool [L, KV, slots, hd]; `layer` (an int or traced
+    scalar) selects the layer inside the gathers, so no per-layer copy of the pool is made.
     """
     num_tokens, num_heads, head_dim = q.shape
     kv_heads = k_pool.shape[1]

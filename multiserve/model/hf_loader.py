@@ -62,6 +62,10 @@ def config_from_hf(raw: dict[str, Any], source: Path,
     """Map an HF config.json dict (transformers 4.x or 5.x spelling) to a ModelConfig."""
     archs = raw.get("architectures") or []
     arch = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
+    if arch is None and not archs and raw.get("model_type") in ARCHITECTURES.values():
+        # No `architectures` (e.g. a config saved from a GGUF-loaded model): transformers
+        # picks the class from `model_type` then, and so do we.
+        arch = raw["model_type"]
     if arch is None:
         raise ModelLoadError(f"{source}: unknown architecture {archs or raw.get('model_type')!r};"
                              f" supported: {sorted(ARCHITECTURES)}")

@@ -2,8 +2,8 @@
 
 Layout: `KVPool.k` and `KVPool.v`, each [num_layers, kv_heads, num_pages * page_size, head_dim]
 ("head-major": slot = page * page_size + offset; one page of one head is a contiguous
-[page_size, head_dim] slab, which is what attention gathers). Page 0 is reserved by convention as the
-garbage page padding tokens write into; it is never read as real data.
+[page_size, head_dim] slab, which is what attention gathers). Page 0 is reserved by
+convention as the garbage page padding tokens write into; it is never read as real data.
 
 Invariants: zero-initialised (the pool never holds NaN/inf, so masked keys contribute exact
 zeros); the forward updates it in place when the caller donates it.

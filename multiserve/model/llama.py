@@ -23,6 +23,9 @@ import numpy as np
 
 from multiserve.config import ModelConfig
 from multiserve.model.attention import paged_attention
+from multiserve.model.forward_batch import ForwardBatch
+from multiserve.model.kv_pool import KVPool
+from multiserve.model.param_layout import layer_param_shapes, param_shapes  # noqa: F401
 from multiserve.model.row_invariant import (
     LAYER_MATRICES,
     PLAIN_MIN_ROWS,
@@ -30,9 +33,6 @@ from multiserve.model.row_invariant import (
     is_compute_params,
     row_sum,
 )
-from multiserve.model.forward_batch import ForwardBatch
-from multiserve.model.kv_pool import KVPool
-from multiserve.model.param_layout import layer_param_shapes, param_shapes  # noqa: F401
 
 Params = dict[str, Any]
 # Steps of up to this many tokens run the unrolled decoder (see `forward_hidden`); larger

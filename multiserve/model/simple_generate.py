@@ -18,10 +18,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from multiserve.config import ModelConfig
-from multiserve.model.row_invariant import is_compute_params, with_transposed
 from multiserve.model.forward_batch import ForwardBatch
 from multiserve.model.kv_pool import make_kv_pool
 from multiserve.model.llama import forward
+from multiserve.model.row_invariant import is_compute_params, with_transposed
 
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 ROWS = 1  # B == R

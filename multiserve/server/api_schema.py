@@ -14,24 +14,44 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import FastAPI
+from pydantic import BaseModel
 
 from multiserve.server import protocol as P
 from multiserve.server import protocol_native as N
 from multiserve.server import rl_routes as R
+from multiserve.server import sglang_params as S
 from multiserve.server.openapi_docs import Answer, ControlAnswer, Key, document
 from multiserve.types import MAX_TOP_LOGPROBS, PAUSE_REASONS
 
 GEN_ERRORS = ("400", "401", "404", "429", "503")
 INT, NUM, BOOL = {"type": "integer"}, {"type": "number"}, {"type": "boolean"}
+NULL = {"type": "null"}
+# sglang's sampling_params keys (sglang_params.py): honoured ones with their types, no-op
+# ones, and refused ones (null only: a value is refused with a 400 naming the key).
+# Any other key is refused too, hence additionalProperties false.
 SAMPLING_PARAMS_SCHEMA: dict[str, Any] = {
-    "type": "object", "description": "sglang sampling parameters (other keys are ignored)",
+    "type": "object", "additionalProperties": False,
+    "description": "sglang sampling parameters; null means the default; unknown keys and "
+                   "features this server cannot honour are refused (400 naming the key)",
     "properties": {
         "max_new_tokens": INT, "min_new_tokens": INT, "temperature": NUM, "top_k": INT,
         "top_p": NUM, "min_p": NUM, "frequency_penalty": NUM, "presence_penalty": NUM,
-        "repetition_penalty": NUM, "seed": INT, "n": INT,
+        "repetition_penalty": NUM, "seed": INT, "sampling_seed": INT, "n": INT,
         "stop": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]},
         "stop_token_ids": {"type": "array", "items": INT},
-        "ignore_eos": BOOL, "skip_special_tokens": BOOL}}
+        "ignore_eos": BOOL, "skip_special_tokens": BOOL, "no_stop_trim": BOOL,
+        "stream_interval": {"type": "integer", "minimum": 1},
+        "spaces_between_special_tokens": BOOL, "custom_params": {"type": "object"},
+        **{key: {**NULL, "description": f"refused unless null: {why}"}
+           for key, why in S.REFUSED.items()}}}
+# Top-level /generate fields refused when set: null, false or a list of nulls only.
+UNSET_FEATURE: dict[str, Any] = {
+    "anyOf": [NULL, {"const": False}, {"type": "array", "items": NULL}],
+    "description": "refused (400) when set"}
+
+class WeightVersion(BaseModel):
+    weight_version: str | None
+
 
 # The engine's internal state (Engine.get_internal_state): the keys clients act on; the
 # answer carries more (queue sizes, KV accounting, counters).
@@ -87,7 +107,11 @@ ANSWERS: dict[Key, Answer] = {
     ("GET", "/health"): Answer(errors=("401", "503")),
     ("GET", "/health_generate"): Answer(errors=("401", "503")),
     ("GET", "/get_model_info"): Answer(errors=("401", "503")),
+    ("GET", "/model_info"): Answer(errors=("401", "503")),
     ("GET", "/get_server_info"): Answer(SERVER_INFO_SCHEMA, errors=("401", "503")),
+    ("GET", "/server_info"): Answer(SERVER_INFO_SCHEMA, errors=("401", "503")),
+    ("GET", "/get_weight_version"): Answer(WeightVersion, errors=("401", "503")),
+    ("GET", "/v1/loads"): Answer(errors=("401", "503")),
     ("GET", "/metrics"): Answer(text=True, errors=("401",)),
     ("GET", "/flush_cache"): CONTROL, ("POST", "/flush_cache"): CONTROL,
     ("GET", "/get_weights_by_name"): CONTROL,
@@ -108,6 +132,7 @@ BOUNDS: dict[str, dict[str, Any]] = {
     "presence_penalty": {"minimum": -2, "maximum": 2},
     "repetition_penalty": {"exclusiveMinimum": 0, "maximum": 2},
     "seed": {"minimum": 0, "maximum": 2**63 - 1},
+    "sampling_seed": {"minimum": 0, "maximum": 2**63 - 1},
     "n": {"minimum": 1, "maximum": 64},
     "max_tokens": {"minimum": 0}, "max_completion_tokens": {"minimum": 0},
     "max_new_tokens": {"minimum": 0}, "min_tokens": {"minimum": 0},
@@ -156,15 +181,21 @@ def _refiner(model_name: str, vocab: int) -> Any:
             chat["messages"]["minItems"] = 1
         _bound(components.get("WeightsByNameBody", {}).get("properties", {}))
         body = components.get("GenerateRequestBody", {}).get("properties", {})
-        if "sampling_params" in body:
-            body["sampling_params"] = {"anyOf": [SAMPLING_PARAMS_SCHEMA, {"type": "null"}]}
+        if "sampling_params" in body:  # one dict for every prompt, or one per prompt
+            body["sampling_params"] = {"anyOf": [
+                SAMPLING_PARAMS_SCHEMA, NULL,
+                {"type": "array", "items": {"anyOf": [SAMPLING_PARAMS_SCHEMA, NULL]}}]}
+        for key in N.REFUSED_FEATURES:
+            if key in body:
+                body[key] = UNSET_FEATURE
         _bound(SAMPLING_PARAMS_SCHEMA["properties"])
         _bound(body)
-        for name in ("ChatCompletionRequest", "CompletionRequest"):  # one model served
+        for name in ("ChatCompletionRequest", "CompletionRequest", "GenerateRequestBody"):
             props = components.get(name, {}).get("properties", {})
             _bound(props)
-            if "model" in props:
-                props["model"] = {"type": "string", "enum": [model_name]}
+            if "model" in props:  # any string (ignored, as sglang does)
+                props["model"] = {"anyOf": [{"type": "string"}, NULL], "description":
+                                  f"ignored: this server serves {model_name!r}"}
         stops = {"anyOf": [{"type": "string", "minLength": 1},
                            {"type": "array", "maxItems": 16,
                             "items": {"type": "string", "minLength": 1}}, {"type": "null"}]}

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any
 
 from fastapi import FastAPI
@@ -55,6 +56,7 @@ def build_app(engine: EngineClient, tokenizer: TokenizerManager, *,
     native = NativeServing(engine, tokenizer, on_done=metrics.observe_run)
     app = FastAPI(title="multiserve", docs_url=None, redoc_url=None)
     app.state.engine, app.state.tokenizer, app.state.metrics = engine, tokenizer, metrics
+    app.state.server_info = info  # read at request time: a launcher may add host/port
 
     # ---- OpenAI + native ------------------------------------------------------------
     @app.get("/v1/models")
@@ -101,7 +103,6 @@ def build_app(engine: EngineClient, tokenizer: TokenizerManager, *,
         return JSONResponse({"status": "ok", "output_ids": s.token_ids,
                              "latency": run.e2e_latency})
 
-    @app.get("/get_model_info")
     async def get_model_info() -> Response:
         state = await engine.async_get_internal_state()
         return JSONResponse({"model_path": info.get("model_path"),
@@ -110,10 +111,30 @@ def build_app(engine: EngineClient, tokenizer: TokenizerManager, *,
                              "context_len": engine.context_len,
                              "weight_version": state.get("weight_version")})
 
-    @app.get("/get_server_info")
+    # sglang serves both names (sglang-router reads /model_info when it adds a worker)
+    app.add_api_route("/get_model_info", get_model_info, methods=["GET"])
+    app.add_api_route("/model_info", get_model_info, methods=["GET"])
+
     async def get_server_info() -> Response:
         state = await engine.async_get_internal_state()
-        return JSONResponse(_jsonable({**info, **state, "internal_states": [state]}))
+        return JSONResponse(_jsonable({**server_args(info, state), **info, **state,
+                                       "internal_states": [state]}))
+
+    # sglang serves both names (/server_info is the newer one)
+    app.add_api_route("/get_server_info", get_server_info, methods=["GET"])
+    app.add_api_route("/server_info", get_server_info, methods=["GET"])
+
+    @app.get("/get_weight_version")
+    async def get_weight_version() -> Response:
+        state = await engine.async_get_internal_state()
+        return JSONResponse({"weight_version": state.get("weight_version")})
+
+    @app.get("/v1/loads")
+    async def loads() -> Response:
+        """sglang's load report (slime polls it after /abort_request until the server is
+        idle): one data-parallel rank, its request samples running and waiting."""
+        state = await engine.async_get_internal_state()
+        return JSONResponse(load_report(state))
 
     @app.get("/metrics")
     async def metrics_endpoint() -> Response:
@@ -190,6 +211,36 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def on_unexpected(_: Request, exc: Exception) -> Response:
         log.exception("unexpected error while serving a request")
         return error_json(ApiError(500, f"internal error: {type(exc).__name__}: {exc}"))
+
+
+def server_args(info: dict[str, Any], state: dict[str, Any]) -> dict[str, Any]:
+    """The sglang server-args keys RL clients read from /get_server_info, with this
+    engine's true values: each engine port is one server with one data-parallel rank, its
+    device group is its tensor-parallel group, nothing is pipelined or expert-parallel,
+    and memory can always be released and resumed (/release_memory_occupation)."""
+    devices = info.get("device_indexes") or state.get("device_indexes")
+    tp = len(devices) if devices else int(state.get("tp_size") or 1)
+    out = {"tp_size": tp, "dp_size": 1, "pp_size": 1, "ep_size": 1, "nnodes": 1,
+           "node_rank": 0, "enable_memory_saver": True,
+           "max_total_num_tokens": state.get("max_total_tokens")}
+    if devices:  # sglang's device placement: the group's first device, consecutive ids
+        contiguous = list(devices) == list(range(devices[0], devices[0] + len(devices)))
+        out.update(base_gpu_id=devices[0], gpu_id_step=1 if contiguous else None)
+    return out
+
+
+def load_report(state: dict[str, Any]) -> dict[str, Any]:
+    """The /v1/loads answer from the engine state (counts are request samples: n > 1
+    counts n times, as sglang counts its requests)."""
+    running, waiting = int(state["running_batch_size"]), int(state["waiting_queue_size"])
+    total_tokens = int(state.get("max_total_tokens") or 0)
+    used = max(0, total_tokens - int(state.get("available_kv_tokens") or 0)
+               - int(state.get("evictable_kv_tokens") or 0))
+    return {"timestamp": time.time(), "dp_rank_count": 1, "loads": [{
+        "dp_rank": 0, "num_running_reqs": running, "num_waiting_reqs": waiting,
+        "num_total_reqs": running + waiting, "num_used_tokens": used,
+        "max_total_num_tokens": total_tokens,
+        "token_usage": used / total_tokens if total_tokens else 0.0}]}
 
 
 def _jsonable(x: Any) -> Any:

@@ -8,8 +8,9 @@ Invariants:
   replacement character (an incomplete multi-byte character) is held back until the
   next token completes it (or the sample ends).
 - Stop strings: the output stops at the EARLIEST match of any stop string; the stop
-  string and everything after it are never emitted. Text that could still be the start
-  of a stop string is held back until it is disambiguated.
+  string and everything after it are never emitted (unless `no_stop_trim`: then the text
+  decoded so far, stop string included, is kept, as sglang does). Text that could still
+  be the start of a stop string is held back until it is disambiguated.
 - The concatenation of all returned deltas equals `text` (the emitted text).
 - `num_tokens` counts the output tokens consumed, up to and including the token that
   completed a stop string; tokens offered after the stop are refused by the caller.
@@ -30,8 +31,10 @@ class IncrementalDetokenizer:
     """Detokenizes one sample token by token. Not thread-safe; one per sample."""
 
     def __init__(self, tokenizer: Any, *, stop: Sequence[str] = (),
-                 skip_special_tokens: bool = True, prompt_ids: Sequence[int] = ()) -> None:
+                 skip_special_tokens: bool = True, prompt_ids: Sequence[int] = (),
+                 no_stop_trim: bool = False) -> None:
         self._tok = tokenizer
+        self.no_stop_trim = no_stop_trim
         self._skip = skip_special_tokens
         self._ids: list[int] = [int(i) for i in list(prompt_ids)[-PROMPT_CONTEXT_TOKENS:]]
         # Decode window: ids[_prefix:_read] is already turned into text; ids[_read:] not yet.
@@ -99,7 +102,8 @@ class IncrementalDetokenizer:
         if self.stop:
             cut, which = self._earliest_stop(old_len)
             if which is not None:
-                self._confirmed = self._confirmed[:cut]
+                if not self.no_stop_trim:
+                    self._confirmed = self._confirmed[:cut]
                 self.stopped = True
                 self.matched_stop = which
                 out = self._confirmed[self._emitted:]

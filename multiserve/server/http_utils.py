@@ -1,7 +1,8 @@
 """Small HTTP helpers shared by the endpoint modules.
 
-Owns: strict body parsing into pydantic models (errors → `ApiError`), the model-name
-and health gates, SSE framing, and JSON-safe floats.
+Owns: strict body parsing into pydantic models (errors → `ApiError`), the health gate,
+SSE framing, and JSON-safe floats. (The `model` a client names is never checked: sglang
+ignores it, and RL clients send the model's path.)
 
 Invariant: a JSON body we send never contains NaN/Infinity (strict JSON parsers, and
 OpenAI clients, reject them): non-finite logprobs become -9999.0.
@@ -33,12 +34,6 @@ def parse_body(cls: type[M], raw: bytes, *, allow_empty: bool = False) -> M:
         return cls.model_validate_json(raw)
     except ValidationError as exc:
         raise from_validation_error(exc) from None
-
-
-def check_model(engine: EngineClient, model: str | None) -> None:
-    if model is not None and model != engine.model_name:
-        raise ApiError(404, f"The model '{model}' does not exist; this server serves "
-                       f"'{engine.model_name}'", param="model", code="model_not_found")
 
 
 def check_health(engine: EngineClient) -> None:

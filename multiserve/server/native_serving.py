@@ -20,11 +20,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from multiserve.server import protocol_native as N
+from multiserve.server import sglang_params as S
 from multiserve.server.errors import ApiError, bad_request, from_sampling_error
 from multiserve.server.http_utils import (
     SSE_DONE,
     check_health,
-    check_model,
     finite,
     parse_body,
     sse_data,
@@ -60,7 +60,12 @@ class NativeServing:
         self.on_done = on_done
 
     # ---- /generate ----------------------------------------------------------------------
-    def _build(self, body: N.GenerateRequestBody) -> tuple[list[RequestRun], bool]:
+    def _build(self, body: N.GenerateRequestBody
+               ) -> tuple[list[RequestRun], bool, list[int]]:
+        """(runs, is_batch, stream interval per run); every check before the engine."""
+        refused = body.refused_feature()
+        if refused is not None:
+            raise bad_request(f"{refused[0]}: {refused[1]}", param=refused[0])
         try:
             prompts, is_batch = body.prompts()
         except ValueError as exc:
@@ -74,10 +79,12 @@ class NativeServing:
                 raise bad_request(f"input_ids: token ids must be in [0, {vocab})",
                                   param="input_ids")
         try:
-            sp = N.native_sampling(body)
+            raws = S.per_prompt(body.sampling_params, len(ids_list), is_batch)
+            params = [body.sampling(raw) for raw in raws]
+            intervals = [S.stream_interval(raw) for raw in raws]
         except SamplingParamsError as exc:
             raise from_sampling_error(exc) from None
-        for ids in ids_list:
+        for ids, sp in zip(ids_list, params, strict=True):
             self.tm.check_length(len(ids), sp.max_new_tokens, "max_new_tokens")
         rids = body.rid
         if isinstance(rids, list):
@@ -93,15 +100,16 @@ class NativeServing:
                                            stream=body.stream or bool(sp.stop),
                                            return_prompt_logprobs=prompt_lp),
                            on_done=self.on_done)
-                for r, ids in zip(rids, ids_list, strict=False)]
-        return runs, is_batch
+                for r, ids, sp in zip(rids, ids_list, params, strict=True)]
+        return runs, is_batch, intervals
 
     async def generate(self, request: Request) -> Response:
         body = parse_body(N.GenerateRequestBody, await request.body())
-        runs, is_batch = self._build(body)
+        runs, is_batch, intervals = self._build(body)
+        # The whole batch is admitted in one engine command (atomic), before any response.
+        await start_runs(runs)
         if body.stream:
-            await start_runs(runs)  # refusals become HTTP errors, not mid-stream events
-            return sse_response(self._generate_stream(body, runs))
+            return sse_response(self._generate_stream(body, runs, intervals))
         await finish_runs(request, runs)
         n = runs[0].request.sampling.n
         outs = [self._sample_out(body, run, s) for run in runs for s in run.samples]
@@ -151,13 +159,21 @@ class NativeServing:
                 triple(ids_in[j], None if lp is None else lp.logprob)
                 for j, lp in enumerate(run.prompt_logprobs) if j >= start and j < len(ids_in)]
 
-    async def _generate_stream(self, body: N.GenerateRequestBody,
-                               runs: list[RequestRun]) -> AsyncIterator[str]:
+    async def _generate_stream(self, body: N.GenerateRequestBody, runs: list[RequestRun],
+                               intervals: list[int]) -> AsyncIterator[str]:
         n = runs[0].request.sampling.n
+        sent: dict[tuple[int, int], int] = {}  # (prompt, sample) -> tokens when last sent
         try:
             async for p, ev in merge_runs(runs):
                 run = runs[p]
-                out = self._sample_out(body, run, run.samples[ev.index])
+                sample = run.samples[ev.index]
+                # sglang's stream_interval: a chunk every k tokens (and the final one);
+                # chunks are cumulative, so skipping some loses nothing.
+                last = sent.get((p, ev.index), 0)
+                if not ev.finished and len(sample.token_ids) - last < intervals[p]:
+                    continue
+                sent[(p, ev.index)] = len(sample.token_ids)
+                out = self._sample_out(body, run, sample)
                 out["index"] = p * n + ev.index
                 yield sse_data(out)
         except Exception as exc:  # noqa: BLE001 - headers are sent: report in-band
@@ -167,7 +183,6 @@ class NativeServing:
     # ---- /v1/score --------------------------------------------------------------------
     async def score(self, request: Request) -> Response:
         body = parse_body(N.ScoreRequest, await request.body())
-        check_model(self.engine, body.model)
         labels = list(body.label_token_ids)
         vocab = len(self.tm.tokenizer)
         if not labels or any(t < 0 or t >= vocab for t in labels):

@@ -23,7 +23,6 @@ from multiserve.server.errors import bad_request, from_sampling_error
 from multiserve.server.http_utils import (
     SSE_DONE,
     check_health,
-    check_model,
     finite,
     json_model,
     parse_body,
@@ -51,7 +50,9 @@ class OpenAIServing:
     # ---- shared -----------------------------------------------------------------------
     def _runs(self, req: P.ChatCompletionRequest | P.CompletionRequest,
               prompts: list[list[int]], echo_logprobs: bool = False) -> list[RequestRun]:
-        check_model(self.engine, req.model)
+        refused = req.refused()
+        if refused is not None:
+            raise bad_request(f"{refused[0]}: {refused[1]}", param=refused[0])
         param, max_tokens = req.max_new_tokens_param
         budgets = [self.tm.check_length(len(ids), max_tokens, param) for ids in prompts]
         rename = dict(P.OPENAI_PARAM_NAMES, max_new_tokens=param)
@@ -87,8 +88,9 @@ class OpenAIServing:
         req = parse_body(P.ChatCompletionRequest, await request.body())
         if req.top_logprobs is not None and not req.logprobs and req.top_logprobs > 0:
             raise bad_request("top_logprobs: requires logprobs=true", param="top_logprobs")
-        check_model(self.engine, req.model)
-        ids = self.tm.apply_chat_template(req.messages, req.add_generation_prompt)
+        add_generation_prompt, template_kwargs = req.template_args()
+        ids = self.tm.apply_chat_template(req.messages, add_generation_prompt,
+                                          **template_kwargs)
         runs = self._runs(req, [ids])
         if req.stream:
             await start_runs(runs)  # refusals become HTTP errors, not mid-stream events
@@ -160,7 +162,6 @@ class OpenAIServing:
 
     async def completions(self, request: Request) -> Response:
         req = parse_body(P.CompletionRequest, await request.body())
-        check_model(self.engine, req.model)
         if req.logprobs is not None and req.logprobs < 0:
             raise bad_request("logprobs: must be >= 0", param="logprobs")
         prompts = self._prompt_ids(req.prompt)

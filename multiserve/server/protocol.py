@@ -49,7 +49,9 @@ class ChatMessage(_Request):
 class _SamplingRequest(_Request):
     """Fields shared by chat and completions requests."""
 
-    model: str
+    # Any string, or none: sglang ignores it (one model per server), and RL clients send
+    # the model's path; /v1/models names the served model.
+    model: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1
@@ -70,6 +72,47 @@ class _SamplingRequest(_Request):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+    # Accepted by OpenAI or sglang, refused when set (see `refused`): never ignored.
+    logit_bias: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    regex: Any = None
+    json_schema: Any = None
+    ebnf: Any = None
+    structural_tag: Any = None
+    stop_regex: Any = None
+    return_hidden_states: Any = None
+    return_routed_experts: Any = None
+    lora_path: Any = None
+    custom_logit_processor: Any = None
+    session_params: Any = None
+
+    def refused(self) -> tuple[str, str] | None:
+        """(param, why) of the first set option that would change the output and that we
+        cannot honour."""
+        if self.return_hidden_states:
+            return "return_hidden_states", "hidden states are not returned by this server"
+        if self.return_routed_experts:
+            return "return_routed_experts", "routed experts exist only in MoE models"
+        if self.custom_logit_processor:
+            return "custom_logit_processor", "custom logit processors are not supported"
+        if self.session_params:
+            return "session_params", "sessions are not supported"
+        if self.lora_path:
+            return "lora_path", "LoRA adapters are not supported"
+        if self.logit_bias:
+            return "logit_bias", "logit_bias is not supported"
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            return "response_format", "only response_format type 'text' is supported"
+        if self.tools:
+            return "tools", "tool calling is not supported"
+        for name in ("regex", "json_schema", "ebnf", "structural_tag"):
+            if getattr(self, name) is not None:
+                return name, f"constrained decoding ({name}) is not supported"
+        if self.stop_regex is not None:
+            return "stop_regex", "regex stop conditions are not supported; use 'stop'"
+        return None
 
     @property
     def include_usage(self) -> bool:
@@ -87,6 +130,32 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    # sglang: the reply continues the final (assistant) message instead of starting a new
+    # one: the template renders it open, with no generation prompt after it.
+    continue_final_message: bool = False
+    # sglang: extra variables for the chat template (e.g. {"enable_thinking": false})
+    chat_template_kwargs: dict[str, Any] | None = None
+    # Sent by sglang-router (sglang's defaults); they act only with a reasoning parser,
+    # which this server does not run, so the output is the same either way (as sglang's
+    # without --reasoning-parser).
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
+    # sglang: pre-tokenized prompt ids that replace the rendered messages. Not done here:
+    # refused, never ignored (send token ids to /generate or /v1/completions).
+    input_ids: Any = None
+
+    def refused(self) -> tuple[str, str] | None:
+        if self.input_ids:
+            return "input_ids", ("pre-tokenized chat prompts are not supported; send token "
+                                 "ids to /generate or /v1/completions")
+        return super().refused()
+
+    def template_args(self) -> tuple[bool, dict[str, Any]]:
+        """(add_generation_prompt, extra chat-template keyword arguments)."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        if self.continue_final_message:
+            return False, {**kwargs, "continue_final_message": True}
+        return self.add_generation_prompt, kwargs
 
     @property
     def max_new_tokens_param(self) -> tuple[str, int | None]:
@@ -104,6 +173,15 @@ class CompletionRequest(_SamplingRequest):
     echo: bool = False
     logprobs: int | None = None
     max_tokens: int | None = 16  # OpenAI's default for legacy completions
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def refused(self) -> tuple[str, str] | None:
+        if self.best_of is not None and self.best_of != self.n:
+            return "best_of", "best_of other than n is not supported"
+        if self.suffix:
+            return "suffix", "suffix (insertion) is not supported"
+        return super().refused()
 
     @property
     def max_new_tokens_param(self) -> tuple[str, int | None]:
@@ -134,7 +212,8 @@ def openai_sampling(req: ChatCompletionRequest | CompletionRequest,
         max_new_tokens=max_new_tokens, min_new_tokens=req.min_tokens,
         n=req.n, stop=req.stop_list(), stop_token_ids=tuple(req.stop_token_ids or ()),
         ignore_eos=req.ignore_eos, skip_special_tokens=req.skip_special_tokens,
-        return_logprob=wants_logprobs, top_logprobs_num=req.top_logprobs_num, **given)
+        no_stop_trim=req.no_stop_trim, return_logprob=wants_logprobs,
+        top_logprobs_num=req.top_logprobs_num, **given)
 
 
 # ---- responses ----------------------------------------------------------------------

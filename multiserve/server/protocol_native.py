@@ -1,11 +1,12 @@
 """Pydantic models of the native (sglang-compatible) and control endpoints.
 
 Owns: the /generate request and response, /v1/score request and response, and the
-bodies of /pause_generation and /abort_request; plus the mapping of a native
-`sampling_params` dict onto `SamplingParams`.
+bodies of /pause_generation and /abort_request.
 
-Invariants: strict JSON parsing, unknown fields ignored (sglang clients send many we
-do not use); range checks stay in `SamplingParams`.
+Invariants: strict JSON parsing; unknown top-level fields ignored (sglang clients and
+routers send many that change nothing here), but set features we cannot honour are refused
+(`REFUSED_FEATURES`); the `sampling_params` key policy is in `sglang_params.py`; range
+checks stay in `SamplingParams`.
 """
 
 from __future__ import annotations
@@ -14,24 +15,46 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from multiserve.types import SamplingParams, SamplingParamsError
-
-# sampling_params keys the engine understands (sglang names); others are ignored.
-NATIVE_SAMPLING_KEYS = ("max_new_tokens", "min_new_tokens", "temperature", "top_k", "top_p",
-                        "min_p", "frequency_penalty", "presence_penalty",
-                        "repetition_penalty", "seed", "n", "stop", "stop_token_ids",
-                        "ignore_eos", "skip_special_tokens")
-DEFAULT_MAX_NEW_TOKENS = 128
+from multiserve.server.sglang_params import to_sampling_params
+from multiserve.types import SamplingParams
 
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
 
+# Top-level /generate keys sglang accepts that would change the result and that we cannot
+# honour: refused when set (truthy), never silently ignored.
+REFUSED_FEATURES = {
+    "image_data": "multimodal input is not supported",
+    "video_data": "multimodal input is not supported",
+    "audio_data": "multimodal input is not supported",
+    "input_embeds": "input_embeds are not supported; give text or input_ids",
+    "lora_path": "LoRA adapters are not supported",
+    "lora_id": "LoRA adapters are not supported",
+    "custom_logit_processor": "custom logit processors are not supported",
+    "return_hidden_states": "hidden states are not returned by this server",
+    "return_routed_experts": "routed experts exist only in MoE models; this one is dense",
+    "session_params": "sessions are not supported",
+    "return_entropy": "token entropies are not returned by this server",
+    "return_bytes": "token bytes are not returned by this server",
+    "background": "background requests are not supported",
+}
+
+
+def is_set(value: Any) -> bool:
+    """Whether a refusable field asks for something: null, false, "" and empty containers
+    do not, and neither does a list whose items are all unset (verl sends
+    `image_data: [null, null, ...]`, one entry per prompt, for text-only batches)."""
+    if isinstance(value, list):
+        return any(is_set(v) for v in value)
+    return value not in (None, False, "", {})
+
+
 class GenerateRequestBody(_Request):
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
-    sampling_params: dict[str, Any] | None = None
+    sampling_params: dict[str, Any] | list[dict[str, Any] | None] | None = None
     stream: bool = False
     rid: str | list[str] | None = None
     return_logprob: bool = False
@@ -39,6 +62,28 @@ class GenerateRequestBody(_Request):
     top_logprobs_num: int = 0
     token_ids_logprob: list[int] | None = None
     return_text_in_logprobs: bool = False
+    image_data: Any = None
+    video_data: Any = None
+    audio_data: Any = None
+    input_embeds: Any = None
+    lora_path: Any = None
+    lora_id: Any = None
+    custom_logit_processor: Any = None
+    return_hidden_states: Any = None
+    return_routed_experts: Any = None
+    session_params: Any = None
+    return_entropy: Any = None
+    return_bytes: Any = None
+    background: Any = None
+    # Sent by sglang-router (and ignored by sglang's /generate): the model is the one served.
+    model: str | None = None
+
+    def refused_feature(self) -> tuple[str, str] | None:
+        """(key, why) of the first set feature we cannot honour."""
+        for key, why in REFUSED_FEATURES.items():
+            if is_set(getattr(self, key)):
+                return key, why
+        return None
 
     def prompts(self) -> tuple[list[str] | list[list[int]], bool]:
         """(prompts, is_batch): exactly one of text / input_ids must be given."""
@@ -53,25 +98,12 @@ class GenerateRequestBody(_Request):
             return [list(x) for x in ids], True  # type: ignore[arg-type]
         return [list(ids)], False  # type: ignore[arg-type]
 
-
-def native_sampling(body: GenerateRequestBody) -> SamplingParams:
-    """The engine's SamplingParams for a /generate body (max_new_tokens defaults to 128;
-    its fit in the context is checked later). Raises SamplingParamsError naming the key."""
-    raw = dict(body.sampling_params or {})
-    given = {k: raw[k] for k in NATIVE_SAMPLING_KEYS if k in raw and raw[k] is not None}
-    max_new = given.pop("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
-    if "stop" in given and not isinstance(given["stop"], (str, list)):
-        raise SamplingParamsError("stop", "must be a string or a list of strings")
-    if "stop_token_ids" in given and not isinstance(given["stop_token_ids"], list):
-        raise SamplingParamsError("stop_token_ids", "must be a list of integers")
-    for key in ("ignore_eos", "skip_special_tokens"):
-        if key in given and not isinstance(given[key], bool):
-            raise SamplingParamsError(key, "must be a boolean")
-    return SamplingParams(
-        max_new_tokens=max_new,
-        return_logprob=body.return_logprob, top_logprobs_num=body.top_logprobs_num,
-        token_ids_logprob=None if body.token_ids_logprob is None
-        else tuple(body.token_ids_logprob), **given)
+    def sampling(self, raw: dict[str, Any]) -> SamplingParams:
+        """SamplingParams for one prompt's sampling dict (raises SamplingParamsError)."""
+        return to_sampling_params(
+            raw, return_logprob=self.return_logprob, top_logprobs_num=self.top_logprobs_num,
+            token_ids_logprob=None if self.token_ids_logprob is None
+            else tuple(self.token_ids_logprob))
 
 
 class GenerateMetaInfo(BaseModel):

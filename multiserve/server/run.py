@@ -70,7 +70,8 @@ class RequestRun:
         sp = request.sampling
         self.samples = [
             SampleState(i, tm.detokenizer(stop=sp.stop, skip_special_tokens=sp.skip_special_tokens,
-                                          prompt_ids=request.input_ids))
+                                          prompt_ids=request.input_ids,
+                                          no_stop_trim=sp.no_stop_trim))
             for i in range(sp.n)]
         self.prompt_tokens = len(request.input_ids)
         self.cached_tokens = 0
@@ -82,7 +83,6 @@ class RequestRun:
         self.ended_at: float | None = None
         self._on_done = on_done
         self._stream: AsyncIterator[RequestOutput] | None = None
-        self._first: RequestOutput | None = None
 
     @property
     def rid(self) -> str:
@@ -97,18 +97,9 @@ class RequestRun:
         return (self.ended_at or time.monotonic()) - self.started
 
     async def start(self) -> None:
-        """Submit now and wait for the engine's first output, so that a refusal (engine
-        unavailable or draining, invalid request) raises here, before any HTTP response
-        has begun; once a stream's first byte is out, the engine holds the request."""
-        assert self._stream is None, "a RequestRun starts once"
-        self._stream = self.engine.stream(self.request)
-        try:
-            self._first = await anext(self._stream)
-        except StopAsyncIteration:
-            self._first = None
-        except BaseException:
-            await self._close_stream()
-            raise
+        """Submit now (see `start_runs`): a refusal (engine unavailable or draining,
+        invalid request) raises here, before any HTTP response has begun."""
+        await start_runs([self])
 
     async def _close_stream(self) -> None:
         with anyio.CancelScope(shield=True):
@@ -119,8 +110,7 @@ class RequestRun:
     async def _outputs(self) -> AsyncIterator[RequestOutput]:
         if self._stream is None:
             await self.start()
-        if self._first is not None:
-            yield self._first
+        assert self._stream is not None
         async for out in self._stream:
             yield out
 
@@ -157,13 +147,22 @@ class RequestRun:
             if self._on_done is not None:
                 self._on_done(self)
 
+    def _trims_stop_token(self, out: RequestOutput) -> bool:
+        m = out.matched_stop
+        return (out.finished and out.finish_reason == "stop" and isinstance(m, int)
+                and not isinstance(m, bool) and not self.request.sampling.no_stop_trim)
+
     def _advance(self, st: SampleState, out: Any) -> SampleEvent | None:
         new_ids = list(out.output_ids[len(st.token_ids):])
         start = len(st.token_ids)
         pieces: list[str] = []
         taken = 0
-        for t in new_ids:
-            pieces.append(st.detok.add_token(t))
+        # sglang trims a matched stop TOKEN (eos or stop_token_ids) from the text, unless
+        # no_stop_trim; output_ids keep it either way.
+        trim = self._trims_stop_token(out) and bool(new_ids)
+        for k, t in enumerate(new_ids):
+            if not (trim and k == len(new_ids) - 1):
+                pieces.append(st.detok.add_token(t))
             taken += 1
             if st.detok.stopped:
                 break
@@ -190,15 +189,16 @@ class RequestRun:
 
 
 async def start_runs(runs: list[RequestRun]) -> None:
-    """Start every run (see `RequestRun.start`); if one is refused, the others are closed
-    and the refusal raises."""
-    results = await asyncio.gather(*(r.start() for r in runs), return_exceptions=True)
-    failed = [r for r in results if isinstance(r, BaseException)]
-    if failed:
-        for run in runs:
-            if run._stream is not None:
-                await run._close_stream()
-        raise failed[0]
+    """Submit every run not started yet in ONE engine command (`EngineClient.open_streams`):
+    a batch is admitted atomically, all queued before the engine's next step, so a pause or
+    abort that follows sees all of it. If the engine refuses one, none is admitted and the
+    refusal raises."""
+    todo = [r for r in runs if r._stream is None]
+    if not todo:
+        return
+    streams = await todo[0].engine.open_streams([r.request for r in todo])
+    for run, st in zip(todo, streams, strict=True):
+        run._stream = st
 
 
 async def merge_runs(runs: list[RequestRun]) -> AsyncIterator[tuple[int, SampleEvent]]:
@@ -283,5 +283,6 @@ async def drain(run: RequestRun) -> None:
 
 
 async def drain_all(runs: list[RequestRun]) -> None:
+    await start_runs(runs)
     async for _ in merge_runs(runs):
         pass

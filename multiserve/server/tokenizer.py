@@ -74,7 +74,8 @@ class TokenizerManager:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens,
                                      clean_up_tokenization_spaces=False)
 
-    def render_chat(self, messages: Sequence[Any], add_generation_prompt: bool = True) -> str:
+    def render_chat(self, messages: Sequence[Any], add_generation_prompt: bool = True,
+                    **template_kwargs: Any) -> str:
         """Validate OpenAI-style messages and render them with the chat template."""
         if not isinstance(messages, (list, tuple)) or not messages:
             raise bad_request("messages: must be a non-empty list", param="messages")
@@ -84,16 +85,17 @@ class TokenizerManager:
                               param="messages")
         try:
             return self.tokenizer.apply_chat_template(
-                plain, add_generation_prompt=add_generation_prompt, tokenize=False)
+                plain, add_generation_prompt=add_generation_prompt, tokenize=False,
+                **template_kwargs)
         except Exception as exc:  # template errors (e.g. role order rules) are client errors
             raise bad_request(f"messages: chat template failed: {exc}",
                               param="messages") from None
 
-    def apply_chat_template(self, messages: Sequence[Any],
-                            add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(self, messages: Sequence[Any], add_generation_prompt: bool = True,
+                            **template_kwargs: Any) -> list[int]:
         # The template already writes any BOS it wants: add no special tokens again.
-        return self.encode(self.render_chat(messages, add_generation_prompt),
-                           add_special_tokens=False)
+        return self.encode(self.render_chat(messages, add_generation_prompt,
+                                            **template_kwargs), add_special_tokens=False)
 
     # ---- validation -------------------------------------------------------------------
     def check_length(self, prompt_len: int, max_new_tokens: int | None,
@@ -127,10 +129,11 @@ class TokenizerManager:
 
     # ---- detokenize -------------------------------------------------------------------
     def detokenizer(self, *, stop: Sequence[str] = (), skip_special_tokens: bool = True,
-                    prompt_ids: Sequence[int] = ()) -> IncrementalDetokenizer:
+                    prompt_ids: Sequence[int] = (),
+                    no_stop_trim: bool = False) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self.tokenizer, stop=stop,
                                       skip_special_tokens=skip_special_tokens,
-                                      prompt_ids=prompt_ids)
+                                      prompt_ids=prompt_ids, no_stop_trim=no_stop_trim)
 
     def token_info(self, token_id: int) -> tuple[str, bytes]:
         """(display string, raw bytes) of one token, for logprobs."""

@@ -213,9 +213,9 @@ class ReferenceModel:
         import jax
         import numpy as np
 
-        from multiserve.model.row_invariant import with_transposed
         from multiserve.model.llama import forward
         from multiserve.model.loader import load_model
+        from multiserve.model.row_invariant import with_transposed
 
         loaded = load_model(model_path, np.float32)
         self.cfg = loaded.config

@@ -272,8 +272,9 @@ async def test_http_update_and_read_routes(engine: Any, original: tuple, tmp_pat
         r = await http.post("/update_weights_from_disk",
                             json={"path": str(tmp_path / "missing"), "weight_version": "v2"})
         assert r.status_code == 400 and "missing" in r.json()["message"]
+        # no weight_version (optional, as in sglang): a new version string is made
         r = await http.post("/update_weights_from_disk", json={"path": str(v1_dir)})
-        assert r.status_code == 400 and "weight_version" in r.text
+        assert r.status_code == 200 and r.json()["weight_version"].startswith("v1-"), r.text
         r = await http.post("/stage_weights_from_disk",
                             json={"path": str(tiny_model_dir), "weight_version": "default"})
         assert r.status_code == 200, r.text

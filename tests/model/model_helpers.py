@@ -13,10 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from multiserve.config import ModelConfig
-from multiserve.model.row_invariant import is_compute_params, with_transposed
 from multiserve.model.forward_batch import ForwardBatch
 from multiserve.model.kv_pool import make_kv_pool
 from multiserve.model.llama import forward
+from multiserve.model.row_invariant import is_compute_params, with_transposed
 
 # one jitted forward for all simulators: its compile cache is shared across tests
 FORWARD = jax.jit(forward, static_argnames=("cfg", "page_size", "attn_block_size"),

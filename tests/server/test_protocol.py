@@ -6,6 +6,7 @@ import pytest
 
 from multiserve.server import protocol as P
 from multiserve.server import protocol_native as N
+from multiserve.server import sglang_params as S
 from multiserve.server.errors import ApiError
 from multiserve.server.http_utils import parse_body
 from multiserve.types import SamplingParamsError
@@ -39,12 +40,20 @@ def test_completion_logprobs_int_shape_and_prompt_forms():
     (b'{"model": "m", "prompt": "x", "n": true}', "n"),
     (b'{"model": "m", "prompt": "x", "temperature": "1"}', "temperature"),
     (b'{"model": "m", "prompt": {"a": 1}}', "prompt"),
-    (b'{"prompt": "x"}', "model"),
 ])
 def test_strict_types_name_the_field(body, param):
     with pytest.raises(ApiError) as e:
         parse_body(P.CompletionRequest, body)
     assert e.value.status == 400 and e.value.param.split(".")[0] == param
+
+
+def test_model_may_be_absent_or_any_string():
+    """sglang ignores `model` (one model per server): issue 10 item 9."""
+    for body in (b'{"prompt": "x"}', b'{"model": "/some/path", "prompt": "x"}'):
+        parse_body(P.CompletionRequest, body)
+    with pytest.raises(ApiError) as e:
+        parse_body(P.CompletionRequest, b'{"model": 5, "prompt": "x"}')
+    assert e.value.param == "model"
 
 
 def test_malformed_json_is_a_400():
@@ -56,20 +65,22 @@ def test_malformed_json_is_a_400():
 def test_native_sampling_params():
     body = parse_body(N.GenerateRequestBody, b"""{"text": ["a", "b"], "sampling_params":
         {"max_new_tokens": 7, "temperature": 0.5, "stop": "x", "stop_token_ids": [2],
-         "n": 3, "json_schema": "ignored"}, "return_logprob": true, "top_logprobs_num": 2,
+         "n": 3, "json_schema": null}, "return_logprob": true, "top_logprobs_num": 2,
         "token_ids_logprob": [5, 6]}""")
     prompts, is_batch = body.prompts()
     assert prompts == ["a", "b"] and is_batch
-    sp = N.native_sampling(body)
+    sp = body.sampling(body.sampling_params)
     assert sp.max_new_tokens == 7 and sp.stop == ("x",) and sp.stop_token_ids == (2,)
     assert sp.n == 3 and sp.top_logprobs_num == 2 and sp.token_ids_logprob == (5, 6)
-    assert N.native_sampling(parse_body(N.GenerateRequestBody, b'{"text": "a"}')) \
-        .max_new_tokens == N.DEFAULT_MAX_NEW_TOKENS
+    assert N.GenerateRequestBody(text="a").sampling({}).max_new_tokens == \
+        S.DEFAULT_MAX_NEW_TOKENS
     for bad in ({"temperature": -1}, {"top_p": 0}, {"n": 0}, {"stop_token_ids": "x"},
-                {"ignore_eos": 1}, {"max_new_tokens": -3}):
+                {"ignore_eos": 1}, {"max_new_tokens": -3}, {"json_schema": "{}"},
+                {"logit_bias": {"5": 1.0}}, {"no_such_key": 1}, {"sampling_seed": -1},
+                {"stream_interval": 0}):
         b = N.GenerateRequestBody(text="a", sampling_params=bad)
         with pytest.raises(SamplingParamsError) as e:
-            N.native_sampling(b)
+            b.sampling(bad)
         assert e.value.field == next(iter(bad))
 
 
@@ -89,3 +100,21 @@ def test_control_bodies():
         parse_body(N.PauseBody, b'{"mode": "later"}')
     ab = parse_body(N.AbortBody, b'{"abort_all": true}')
     assert ab.abort_all and ab.rid is None
+
+
+def test_openai_features_we_cannot_honour_are_refused_by_name():
+    """sglang's OpenAI extensions that would change the output are refused, never
+    ignored; unset (null/false) they are fine, as the router sends them."""
+    chat = b'{"messages": [{"role": "user", "content": "x"}], '
+    for extra, param in ((b'"input_ids": [1, 2]}', "input_ids"),
+                         (b'"custom_logit_processor": "p"}', "custom_logit_processor"),
+                         (b'"session_params": {"id": "s"}}', "session_params"),
+                         (b'"return_routed_experts": true}', "return_routed_experts"),
+                         (b'"logit_bias": {"5": 1.0}}', "logit_bias"),
+                         (b'"regex": "a+"}', "regex")):
+        assert parse_body(P.ChatCompletionRequest, chat + extra).refused()[0] == param
+    ok = parse_body(P.ChatCompletionRequest, chat + b'"return_hidden_states": false, '
+                    b'"custom_params": null, "separate_reasoning": true}')
+    assert ok.refused() is None
+    assert parse_body(P.CompletionRequest, b'{"prompt": "x", "suffix": "y"}').refused()[0] \
+        == "suffix"

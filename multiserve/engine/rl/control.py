@@ -103,7 +103,7 @@ class RLControl:
             return begun
         token = begun.details["token"]
         try:
-            return self._stage_body(token, load, weight_version)
+            return _aborted_first(begun, self._stage_body(token, load, weight_version))
         except (WeightUpdateError, ModelLoadError) as e:
             self._run(self._unhold(token))
             return _failed(e, weight_version)
@@ -118,7 +118,8 @@ class RLControl:
             return begun
         token = begun.details["token"]
         try:
-            return await asyncio.to_thread(self._stage_body, token, load, weight_version)
+            return _aborted_first(begun, await asyncio.to_thread(
+                self._stage_body, token, load, weight_version))
         except (WeightUpdateError, ModelLoadError) as e:
             await self._arun(self._unhold(token))
             return _failed(e, weight_version)
@@ -146,14 +147,16 @@ class RLControl:
         staged = self.stage_weights_from_tensor(params, weight_version, abort_running)
         if not staged.ok:
             return staged
-        return self.publish_staged_weights(staged.details["token"], abort_running)
+        return _aborted_total(staged, self.publish_staged_weights(
+            staged.details["token"], abort_running))
 
     def update_weights_from_disk(self, path: str, weight_version: str,
                                  abort_running: bool = False) -> ControlResult:
         staged = self.stage_weights_from_disk(path, weight_version, abort_running)
         if not staged.ok:
             return staged
-        return self.publish_staged_weights(staged.details["token"], abort_running)
+        return _aborted_total(staged, self.publish_staged_weights(
+            staged.details["token"], abort_running))
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> ControlResult:
         if truncate_size < 1:
@@ -182,14 +185,16 @@ class RLControl:
                                                             abort_running)
         if not staged.ok:
             return staged
-        return await self.async_publish_staged_weights(staged.details["token"], abort_running)
+        return _aborted_total(staged, await self.async_publish_staged_weights(
+            staged.details["token"], abort_running))
 
     async def async_update_weights_from_disk(self, path: str, weight_version: str,
                                              abort_running: bool = False) -> ControlResult:
         staged = await self.async_stage_weights_from_disk(path, weight_version, abort_running)
         if not staged.ok:
             return staged
-        return await self.async_publish_staged_weights(staged.details["token"], abort_running)
+        return _aborted_total(staged, await self.async_publish_staged_weights(
+            staged.details["token"], abort_running))
 
     async def async_get_weights_by_name(self, name: str,
                                         truncate_size: int = 100) -> ControlResult:
@@ -219,3 +224,16 @@ class RLControl:
     async def async_resume_memory_occupation(self, tags: Any = DEFAULT_TAGS) -> ControlResult:
         tags = normalize_tags(tags)
         return await self._arun(lambda core: self.memory.resume(tags))
+
+
+def _aborted_first(begun: ControlResult, staged: ControlResult) -> ControlResult:
+    """The staging result, with the requests `begin` aborted (abort_running) counted."""
+    n = int(begun.details.get("aborted", 0))
+    return ControlResult(staged.ok, staged.message, {**staged.details, "aborted": n})
+
+
+def _aborted_total(staged: ControlResult, published: ControlResult) -> ControlResult:
+    """A whole update's answer: the publish result, counting the requests aborted before
+    staging too."""
+    n = int(staged.details.get("aborted", 0)) + int(published.details.get("aborted", 0))
+    return ControlResult(published.ok, published.message, {**published.details, "aborted": n})

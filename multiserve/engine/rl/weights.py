@@ -113,6 +113,9 @@ class WeightManager:
             return ControlResult(False, f"cannot update weights while {live} request(s) are "
                                  "running: pause_generation (retract or in_place) first, or "
                                  "pass abort_running=true", {"refused": "running", "live": live})
+        aborted = 0
+        if abort_running and live:  # sglang's abort_all_requests: abort first, then load
+            aborted = core.abort(None, abort_all=True).details.get("aborted", 0)
         token = uuid.uuid4().hex
         with self._lock:
             self._token = token
@@ -121,7 +124,7 @@ class WeightManager:
                 self._staged = None
             self._held = token
         core.hold("weights_staged")  # nothing runs (or it is aborted at publish)
-        return ControlResult(True, "ready to stage", {"token": token})
+        return ControlResult(True, "ready to stage", {"token": token, "aborted": aborted})
 
     # ---- caller thread: validate + stage ---------------------------------------------------
     def stage(self, token: str, tensors: Any, weight_version: str, *, require_all: bool,
@@ -201,7 +204,9 @@ class WeightManager:
             assert leaf.sharding == get_leaf(self.shardings, path) and leaf.dtype == self.dtype
         aborted = 0
         if abort_running and live:
-            aborted = core.abort(None, abort_all=True).details.get("aborted", 0)
+            # what runs on the old weights (it arrived, or was continued, while staging);
+            # requests that only waited run on the new weights, as in sglang
+            aborted = core.abort_started()
         previous = core.weight_version
         core.swap_params(new)
         for _, vals in staged.partial.values():
