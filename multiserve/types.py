@@ -189,7 +189,8 @@ class GenerateRequest:
 
 @dataclass(frozen=True)
 class RequestOutput:
-    """A snapshot of one sample of a request.
+    """A snapshot of one sample of a request: everything so far (the consumer-side view,
+    assembled from the engine's `OutputDelta`s by `engine.streams.OutputAssembler`).
 
     Streaming yields these repeatedly with growing `output_ids`; the last one has
     `finished=True`. `text` is filled by the side that owns a tokenizer.
@@ -216,6 +217,35 @@ class RequestOutput:
 
 
 @dataclass(frozen=True)
+class OutputDelta:
+    """What the engine emits for one sample: the tokens it produced since its previous
+    delta (with their logprobs), and, on the last one, how it finished. The engine sends
+    nothing cumulative; `engine.streams.OutputAssembler` rebuilds the `RequestOutput`
+    view on the consumer's side.
+
+    Invariants: a sample's deltas arrive in order, `start` is the number of output tokens
+    sent before this delta (so deltas tile the output exactly), exactly one has
+    `finished=True` and it is the last. `prompt_logprobs` is set on the delta where they
+    became available (asked for with return_prompt_logprobs), else None.
+    `weight_segments` is the sample's whole (short) list, as of this delta."""
+
+    rid: str
+    index: int
+    start: int
+    new_ids: tuple[int, ...]
+    finished: bool
+    finish_reason: FinishReason | None
+    prompt_tokens: int
+    cached_tokens: int
+    weight_version: str
+    new_logprobs: tuple[TokenLogprob, ...] | None = None  # None: logprobs not asked for
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+    weight_segments: tuple[WeightSegment, ...] = ()
+    matched_stop: int | str | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
 class ControlResult:
     """Outcome of a control call (pause, continue, abort, flush, ...)."""
 
@@ -225,6 +255,19 @@ class ControlResult:
 
     def to_dict(self) -> dict[str, Any]:
         return {"success": self.ok, "message": self.message, **self.details}
+
+
+class InvalidRequest(ValueError):
+    """The engine refused a request as given (the one place that checks a request against
+    the served model: prompt, token ids, context length, rid). `param` names the field in
+    the engine's terms (input_ids, max_new_tokens, rid); an HTTP layer maps it to its own
+    field name and answers 400 with `code`."""
+
+    def __init__(self, message: str, param: str | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+        self.code = code
 
 
 class EngineUnavailable(RuntimeError):
@@ -282,3 +325,35 @@ class EngineClient(Protocol):
     def health(self) -> tuple[bool, str]:
         """(healthy, reason). Unhealthy engines answer 503 with the reason."""
         ...
+
+
+@runtime_checkable
+class RLClient(Protocol):
+    """The RL controls an HTTP app (engine or supervisor) calls: memory release/resume and
+    weight updates. Implemented by `multiserve.Engine` (through its RLControl) and by the
+    fleet's worker handle, which forwards to the engine in its slot; the HTTP side never
+    reaches past this interface (no `worker.engine`)."""
+
+    async def async_release_memory_occupation(self, tags: Any = ..., mode: str = "retract",
+                                              preserve_state: bool = False
+                                              ) -> ControlResult: ...
+
+    async def async_resume_memory_occupation(self, tags: Any = ...) -> ControlResult: ...
+
+    async def async_update_weights_from_disk(self, path: str, weight_version: str,
+                                             abort_running: bool = False
+                                             ) -> ControlResult: ...
+
+    async def async_stage_weights_from_disk(self, path: str, weight_version: str,
+                                            abort_running: bool = False
+                                            ) -> ControlResult: ...
+
+    async def async_publish_staged_weights(self, token: str,
+                                           abort_running: bool = False
+                                           ) -> ControlResult: ...
+
+    async def async_discard_staged_weights(self, token: str | None = None
+                                           ) -> ControlResult: ...
+
+    async def async_get_weights_by_name(self, name: str, truncate_size: int = 100
+                                        ) -> ControlResult: ...

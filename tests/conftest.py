@@ -17,6 +17,7 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 import gc  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -27,15 +28,55 @@ def _top_dir(item: pytest.Item) -> str:
     return Path(item.path).resolve().relative_to(_TESTS).parts[0]
 
 
+_SESSION_FIXTURES: list[tuple[str, Any]] = []  # (top-level test dir, FixtureDef) set up
+
+
+class _SessionFixtureNotes:
+    """A global plugin (a conftest's own hooks do not see session-scoped fixtures: those
+    run with the session's hooks): notes each session-scoped fixture defined in a
+    conftest under tests/<dir>/ when it is set up."""
+
+    @staticmethod
+    def pytest_fixture_setup(fixturedef: Any, request: pytest.FixtureRequest) -> None:
+        if fixturedef.scope != "session":
+            return
+        try:
+            where = Path(fixturedef.func.__code__.co_filename).resolve().relative_to(_TESTS)
+        except (AttributeError, ValueError):
+            return  # a plugin's fixture
+        if len(where.parts) > 1:
+            _SESSION_FIXTURES.append((where.parts[0], fixturedef))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.pluginmanager.register(_SessionFixtureNotes(), "multiserve-session-fixture-notes")
+
+
+def _finish_session_fixtures_of(item: pytest.Item, top: str) -> None:
+    """Tear down the session-scoped fixtures defined under tests/<top>/ (their engines,
+    fleets, servers) now that no test of that directory is left, instead of at the end of
+    the session (pytest's "package" scope would need __init__.py files, which would break
+    these tests' imports). A later request for one would simply build it again."""
+    for i in reversed(range(len(_SESSION_FIXTURES))):
+        where, fixturedef = _SESSION_FIXTURES[i]
+        if where == top:
+            del _SESSION_FIXTURES[i]
+            if fixturedef.cached_result is not None:
+                fixturedef.finish(item._request)  # noqa: SLF001 - the item's own request
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):  # type: ignore[no-untyped-def]
     """When the run leaves a top-level test directory (tests/engine -> tests/fleet ...),
-    drop JAX's in-memory compiled programs once that directory's fixtures are torn down.
-    Without it the suite's process kept every engine's programs and grew past 16 GB (an
-    OOM kill on a 24 GB machine). Only at directory boundaries: engines shared inside a
-    directory assert zero recompiles after warm-up."""
+    finish that directory's session-scoped fixtures (the engines it shares) and drop JAX's
+    in-memory compiled programs. Without it the suite's process kept every directory's
+    engines and programs to the end and passed 16 GB (an OOM kill on a 24 GB machine).
+    Only at directory boundaries: engines shared inside a directory assert zero
+    recompiles after warm-up."""
     yield
-    if nextitem is not None and _top_dir(nextitem) != _top_dir(item) and "jax" in sys.modules:
-        gc.collect()
-        sys.modules["jax"].clear_caches()
+    if nextitem is not None and _top_dir(nextitem) != _top_dir(item):
+        _finish_session_fixtures_of(item, _top_dir(item))
+        if "jax" in sys.modules:
+            gc.collect()
+            sys.modules["jax"].clear_caches()
         gc.collect()

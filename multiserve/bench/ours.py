@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from multiserve.bench.stats import Timeline, summarize
-from multiserve.types import GenerateRequest, RequestOutput, SamplingParams
+from multiserve.types import GenerateRequest, OutputDelta, SamplingParams
 
 
 def set_overlap(engine: Any, on: bool) -> None:
@@ -44,12 +44,15 @@ def run_once(engine: Any, prompts: Sequence[Sequence[int]], output_len: int, *,
     n = len(prompts)
 
     def make_sink(tl: Timeline):  # noqa: ANN202
-        def sink(out: RequestOutput) -> None:  # engine thread: keep it cheap
-            counters["tokens"] += tl.record(time.perf_counter(), len(out.output_ids))
+        ids: list[int] = []
+
+        def sink(out: OutputDelta) -> None:  # engine thread: keep it cheap
+            ids.extend(out.new_ids)
+            counters["tokens"] += tl.record(time.perf_counter(), len(ids))
             if out.finished:
                 tl.finished_at = tl.events[-1][0] if tl.events else time.perf_counter()
                 tl.finish_reason = out.finish_reason
-                tl.output_ids = out.output_ids
+                tl.output_ids = tuple(ids)
                 tl.cached_tokens = out.cached_tokens
                 if out.error:
                     errors.append(out.error)

@@ -36,13 +36,14 @@ from multiserve.engine import sampling_host
 from multiserve.engine.admission import AdmissionLimits, check_admission
 from multiserve.engine.batch_arrays import build_step_arrays
 from multiserve.engine.memory import PageAllocator
+from multiserve.engine.model_runner import Runner, StepOutput
 from multiserve.engine.prefix_cache import PrefixCache
 from multiserve.engine.request import Req
-from multiserve.engine.runner import Runner, StepOutput
 from multiserve.engine.scheduler import ScheduledBatch, Scheduler
 from multiserve.types import (
     ControlResult,
     FinishReason,
+    InvalidRequest,
     PauseReason,
     RequestStatus,
     SamplingParams,
@@ -96,7 +97,8 @@ class EngineCore:
         keys: set[tuple[str, int]] = set()
         for req in reqs:
             if req.key in self.reqs or req.key in keys:
-                raise ValueError(f"rid: a live request already uses rid {req.rid!r}")
+                raise InvalidRequest(f"rid: a live request already uses rid {req.rid!r}",
+                                     param="rid")
             keys.add(req.key)
         check_admission(self.scheduler.waiting, reqs, self.admission)  # or EngineOverloaded
         for req in reqs:
@@ -247,10 +249,11 @@ class EngineCore:
         self._deliver(req)
 
     def _deliver(self, req: Req) -> None:
-        """Hand the Req's snapshot to its sink. A sink that raises is its consumer's fault,
-        not the engine's: that request alone is aborted (sink dropped), the engine goes on."""
+        """Hand the Req's new output (a delta: the tokens since the last delivery, and how
+        it finished) to its sink. A sink that raises is its consumer's fault, not the
+        engine's: that request alone is aborted (sink dropped), the engine goes on."""
         try:
-            req.sink(req.snapshot(self.weight_version))
+            req.sink(req.next_delta(self.weight_version))
         except Exception:  # noqa: BLE001 - isolate one consumer's failure
             log.exception("output sink of request %s raised; the request is aborted", req.rid)
             req.sink = _drop_output

@@ -41,12 +41,14 @@ from multiserve.engine.commands import (
 from multiserve.engine.request import Req
 from multiserve.engine.rl.control import DEFAULT_TAGS, RLControl
 from multiserve.engine.setup import EngineParts, build_engine_parts
-from multiserve.engine.streams import OutputStream
+from multiserve.engine.streams import OutputAssembler, OutputStream
 from multiserve.types import (
     PAUSE_MODES,
     ControlResult,
     EngineUnavailable,
     GenerateRequest,
+    InvalidRequest,
+    OutputDelta,
     RequestOutput,
     RequestStatus,
     SamplingParams,
@@ -179,9 +181,8 @@ class Engine:
             core.reqs.pop(req.key, None)
             req.finish_reason = "abort"
             req.status = RequestStatus.FINISHED
-            snap = req.snapshot(core.weight_version)
             try:
-                req.sink(RequestOutput(**{**snap.__dict__, "error": reason}))
+                req.sink(req.next_delta(core.weight_version, error=reason))
             except Exception:  # noqa: BLE001 - a bad sink must not kill the engine thread
                 pass
 
@@ -202,21 +203,29 @@ class Engine:
         return await asyncio.wrap_future(self.call(cmd))
 
     # ---- requests ------------------------------------------------------------------
-    def _make_reqs(self, request: GenerateRequest, sink: Callable[[RequestOutput], None]
+    def _make_reqs(self, request: GenerateRequest, sink: Callable[[OutputDelta], None]
                    ) -> list[Req]:
         if not self._healthy:
             raise EngineUnavailable(self._reason)
         ids = list(request.input_ids)
+        # the one place a request is checked against the served model (types.InvalidRequest;
+        # the HTTP side only checks JSON shapes and maps these to its own field names)
         if not ids:
-            raise ValueError("input_ids: the prompt is empty")
+            raise InvalidRequest("input_ids: the prompt is empty", "input_ids")
         vocab = self.model_config.vocab_size
         if any(t < 0 or t >= vocab for t in ids):
-            raise ValueError(f"input_ids: token ids must be in [0, {vocab})")
+            raise InvalidRequest(f"input_ids: token ids must be in [0, {vocab})", "input_ids")
         p = request.sampling
+        if len(ids) >= self.context_len:
+            raise InvalidRequest(
+                f"input_ids: the prompt has {len(ids)} tokens, but the context length is "
+                f"{self.context_len} tokens (room is needed for at least one new token)",
+                "input_ids", "context_length_exceeded")
         if len(ids) + p.max_new_tokens > self.context_len:
-            raise ValueError(
-                f"max_new_tokens: prompt ({len(ids)} tokens) + max_new_tokens "
-                f"({p.max_new_tokens}) exceeds the context length {self.context_len}")
+            raise InvalidRequest(
+                f"max_new_tokens: the prompt ({len(ids)} tokens) + max_new_tokens "
+                f"({p.max_new_tokens}) = {len(ids) + p.max_new_tokens} exceeds the context "
+                f"length ({self.context_len})", "max_new_tokens", "context_length_exceeded")
         seed = p.seed if p.seed is not None else self._seed_rng.getrandbits(63)
         reqs = [Req(rid=request.rid, index=i, prompt_ids=ids, params=p, seed=seed,
                     sink=sink, stream=request.stream,
@@ -262,13 +271,13 @@ class Engine:
         text = self.decode(out.output_ids, skip_special_tokens)
         return RequestOutput(**{**out.__dict__, "text": text})
 
-    def submit(self, request: GenerateRequest,
-               sink: Callable[[RequestOutput], None]) -> None:
-        """Low-level: enqueue a request; `sink` receives snapshots on the engine thread."""
+    def submit(self, request: GenerateRequest, sink: Callable[[OutputDelta], None]) -> None:
+        """Low-level: enqueue a request; `sink` receives its `OutputDelta`s on the engine
+        thread (wrap it in `engine.streams.assembling` for cumulative snapshots)."""
         self.submit_many([request], [sink])
 
     def submit_many(self, requests: Sequence[GenerateRequest],
-                    sinks: Sequence[Callable[[RequestOutput], None]]) -> None:
+                    sinks: Sequence[Callable[[OutputDelta], None]]) -> None:
         """Enqueue several requests ATOMICALLY: one command to the engine thread, so all of
         them are waiting (or running) before its next step, and a pause or abort issued
         after this returns sees every one of them. Validation of all comes first: if one is
@@ -278,12 +287,13 @@ class Engine:
         self.call(Add(reqs)).result()
 
     def stream_sync(self, request: GenerateRequest) -> Iterator[RequestOutput]:
-        q: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
+        q: queue.SimpleQueue[OutputDelta] = queue.SimpleQueue()
         self.submit(request, q.put)
+        assemble = OutputAssembler()
         remaining = request.sampling.n
         try:
             while remaining:
-                out = q.get()
+                out = assemble(q.get())
                 if out.finished:
                     remaining -= 1
                 yield out
@@ -351,13 +361,14 @@ class Engine:
             per_prompt = [sampling_params] * len(prompts)
         requests = [self._request(p, ids, sp, rid if not batch else None, False)
                     for (p, ids), sp in zip(prompts, per_prompt, strict=True)]
-        queues: list[queue.SimpleQueue[RequestOutput]] = [queue.SimpleQueue() for _ in requests]
+        queues: list[queue.SimpleQueue[OutputDelta]] = [queue.SimpleQueue() for _ in requests]
         self.submit_many(requests, [q.put for q in queues])  # one command: atomic admission
         results = []
+        assemble = OutputAssembler()
         for req, q in zip(requests, queues, strict=True):
             finals: dict[int, RequestOutput] = {}
             while len(finals) < req.sampling.n:
-                out = q.get()
+                out = assemble(q.get())
                 if out.finished:
                     finals[out.index] = self._with_text(out, req.sampling.skip_special_tokens)
             outs = [finals[i] for i in range(req.sampling.n)]

@@ -22,14 +22,14 @@ from dataclasses import dataclass, field
 
 from multiserve.types import (
     FinishReason,
-    RequestOutput,
+    OutputDelta,
     RequestStatus,
     SamplingParams,
     TokenLogprob,
     WeightSegment,
 )
 
-OutputSink = Callable[[RequestOutput], None]
+OutputSink = Callable[[OutputDelta], None]
 
 
 @dataclass(eq=False)
@@ -68,6 +68,10 @@ class Req:
     first_token_time: float | None = None
     finish_time: float | None = None
     num_retractions: int = 0
+    # output already handed to the sink: output_ids[:sent] (and their logprobs), and
+    # whether the prompt logprobs went out (see next_delta)
+    sent: int = 0
+    prompt_logprobs_sent: bool = False
 
     @property
     def key(self) -> tuple[str, int]:
@@ -107,19 +111,30 @@ class Req:
     def wants_more(self) -> bool:
         return not self.finished and self.num_generated < self.params.max_new_tokens
 
-    def snapshot(self, weight_version: str) -> RequestOutput:
-        want_lp = self.params.wants_logprobs
-        return RequestOutput(
+    def next_delta(self, weight_version: str, error: str | None = None) -> OutputDelta:
+        """What the sink has not seen yet: output_ids[sent:] (output_ids only grow), and
+        the prompt logprobs once they are complete. Advances `sent`."""
+        start, end = self.sent, len(self.output_ids)
+        self.sent = end
+        prompt_lps = None
+        if self.want_prompt_logprobs and not self.prompt_logprobs_sent and (
+                not self.needs_prompt_logprobs or self.finished):
+            prompt_lps = tuple(self.prompt_logprobs)
+            self.prompt_logprobs_sent = True
+        return OutputDelta(
             rid=self.rid,
             index=self.index,
-            output_ids=tuple(self.output_ids),
+            start=start,
+            new_ids=tuple(self.output_ids[start:end]),
             finished=self.finished,
             finish_reason=self.finish_reason,
             prompt_tokens=len(self.prompt_ids),
             cached_tokens=self.cached_tokens,
             weight_version=weight_version,
-            logprobs=tuple(self.output_logprobs) if want_lp else None,
+            new_logprobs=(tuple(self.output_logprobs[start:end])
+                          if self.params.wants_logprobs else None),
+            prompt_logprobs=prompt_lps,
             weight_segments=tuple(self.weight_segments),
-            prompt_logprobs=tuple(self.prompt_logprobs) if self.want_prompt_logprobs else None,
             matched_stop=self.matched_stop,
+            error=error,
         )

@@ -20,7 +20,8 @@ import numpy as np
 
 from multiserve.config import ConfigError, EngineConfig, ModelConfig
 from multiserve.engine.core import EngineCore
-from multiserve.engine.runner import Runner
+from multiserve.engine.model_runner import Runner
+from multiserve.engine.stop_strings import StopStringChecker
 from multiserve.model.kv_pool import kv_bytes_per_token
 from multiserve.model.loader import load_model
 
@@ -80,20 +81,6 @@ def load_tokenizer(tokenizer_dir: Path) -> Any:
         return PreTrainedTokenizerFast.from_pretrained(str(tokenizer_dir))
 
 
-def make_stop_string_checker(tokenizer: Any):  # noqa: ANN201
-    """Finish a request as soon as its decoded tail contains a stop string."""
-
-    def check(output_ids: list[int], stops: tuple[str, ...]) -> str | None:
-        window = max(len(s) for s in stops) + 8
-        text = tokenizer.decode(output_ids[-window:], skip_special_tokens=False)
-        for s in stops:
-            if s in text:
-                return s
-        return None
-
-    return check
-
-
 def build_engine_parts(cfg: EngineConfig, progress: Any = None) -> EngineParts:
     devices = resolve_devices(cfg.device_indexes)
     dtype = resolve_dtype(cfg, devices)
@@ -115,7 +102,7 @@ def build_engine_parts(cfg: EngineConfig, progress: Any = None) -> EngineParts:
     if tokenizer.eos_token_id is not None:
         eos.add(int(tokenizer.eos_token_id))
     core = EngineCore(cfg, model_cfg, runner, num_pages, max_context, sorted(eos),
-                      stop_string_checker=make_stop_string_checker(tokenizer))
+                      stop_string_checker=StopStringChecker(tokenizer))
     name = Path(loaded.path).name if loaded.path else "model"
     if cfg.model_path is None:
         name = "SmolLM2-135M-Instruct"

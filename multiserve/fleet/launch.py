@@ -217,11 +217,12 @@ def _start_servers(fleet: Fleet) -> None:
 
     cfg = fleet.config
     for w, scfg in zip(fleet.workers, cfg.servers, strict=True):
-        engine = w.engine
-        tm = TokenizerManager(engine.tokenizer_dir, w.context_len, w.model_name)
+        # the engine's own tokenizer instance (one per engine), not a second load
+        tm = TokenizerManager(w.tokenizer_dir, w.context_len, w.model_name,
+                              tokenizer=w.tokenizer)
         info = {"engine_index": w.index, "device_indexes": list(w.device_indexes),
-                "model_path": str(engine.model_path),
-                "tokenizer_path": str(engine.tokenizer_dir)}
+                "model_path": str(w.model_path),
+                "tokenizer_path": str(w.tokenizer_dir)}
         app = build_app(w, tm, server_info=info)
         add_rl_routes(app, w)  # release/resume memory, weight updates (per engine)
         protect(app, cfg.api_key)  # every route, when a key is set

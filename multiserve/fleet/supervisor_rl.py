@@ -15,8 +15,8 @@ Owns `add_rl_supervisor_routes(app, engines=None)` for an app built by
   POST /resume_memory_occupation   {"tags"?}                               (broadcast)
   POST /get_weights_by_name        {"name", "truncate_size"?}             (broadcast)
 
-Invariants: jax-free (EngineClient-style `async_*` calls only, see
-`multiserve.server.rl_routes.rl_target`); answers come after every engine answered;
+Invariants: jax-free (the `async_*` calls of types.EngineClient and types.RLClient
+only, which the fleet's workers implement); answers come after every engine answered;
 HTTP 200 only if every engine succeeded. A publish is refused by an engine only if its
 state changed between the phases (staging holds an idle engine paused so that requests
 arriving meanwhile cannot make it refuse); the answer then lists the engines on each
@@ -39,7 +39,7 @@ from multiserve.server.rl_routes import (
     ResumeBody,
     WeightsByNameBody,
     noop_tags_result,
-    rl_target,
+    rl_client,
     with_noop_tags,
 )
 from multiserve.types import ControlResult, EngineClient
@@ -57,19 +57,19 @@ def add_rl_supervisor_routes(app: FastAPI, engines: Sequence[EngineClient] | Non
         tags, noop = b.split_tags()
         if tags == ():
             return noop_tags_result("release", noop)
-        return with_noop_tags(await rl_target(e).async_release_memory_occupation(
+        return with_noop_tags(await rl_client(e).async_release_memory_occupation(
             tags, b.mode, b.preserve_state), noop)
 
     async def resume(e: EngineClient, b: ResumeBody) -> ControlResult:
         tags, noop = b.split_tags()
         if tags == ():
             return noop_tags_result("resume", noop)
-        return with_noop_tags(await rl_target(e).async_resume_memory_occupation(tags), noop)
+        return with_noop_tags(await rl_client(e).async_resume_memory_occupation(tags), noop)
 
     add_control_route(app, "/release_memory_occupation", ReleaseBody, release)
     add_control_route(app, "/resume_memory_occupation", ResumeBody, resume)
     add_control_route(app, "/get_weights_by_name", WeightsByNameBody,
-                      lambda e, b: rl_target(e).async_get_weights_by_name(
+                      lambda e, b: rl_client(e).async_get_weights_by_name(
                           b.name, b.truncate_size))
 
     @app.post("/update_weights_from_disk")
@@ -101,7 +101,7 @@ async def two_phase_update(sup: Supervisor, path: str, version: str,
     tokens: dict[int, str] = {}  # id(engine client) -> staged token
 
     async def stage(e: Any) -> Any:
-        res = await rl_target(e).async_stage_weights_from_disk(path, version, abort_running)
+        res = await rl_client(e).async_stage_weights_from_disk(path, version, abort_running)
         if res.ok:
             tokens[id(e)] = res.details["token"]
         return res
@@ -109,7 +109,7 @@ async def two_phase_update(sup: Supervisor, path: str, version: str,
     status, staged = await sup.broadcast("stage_weights_from_disk", stage)
     if status != 200:
         async def discard(e: Any) -> Any:
-            return await rl_target(e).async_discard_staged_weights(tokens.get(id(e)))
+            return await rl_client(e).async_discard_staged_weights(tokens.get(id(e)))
 
         _, discarded = await sup.broadcast("discard_staged_weights", discard)
         bad = [f"engine {r['engine']}: {r['message']}" for r in staged["engines"]
@@ -123,7 +123,7 @@ async def two_phase_update(sup: Supervisor, path: str, version: str,
             "engines": staged["engines"], "discard": discarded["engines"]}
 
     async def publish(e: Any) -> Any:
-        return await rl_target(e).async_publish_staged_weights(tokens[id(e)], abort_running)
+        return await rl_client(e).async_publish_staged_weights(tokens[id(e)], abort_running)
 
     status, published = await sup.broadcast("publish_staged_weights", publish)
     if status == 200:
@@ -134,7 +134,7 @@ async def two_phase_update(sup: Supervisor, path: str, version: str,
     ok = [r["engine"] for r in published["engines"] if r["success"]]
 
     async def discard_left(e: Any) -> Any:  # no-op on the engines that published
-        return await rl_target(e).async_discard_staged_weights(tokens.get(id(e)))
+        return await rl_client(e).async_discard_staged_weights(tokens.get(id(e)))
 
     await sup.broadcast("discard_staged_weights", discard_left)
     bad = [f"engine {r['engine']}: {r['message']}" for r in published["engines"]

@@ -54,6 +54,9 @@ class EngineWorker:
         self._draining = False
         self._model_name = engine_config.served_model_name or "unknown"
         self._context_len = engine_config.max_context_len or 0
+        self._tokenizer: Any = None  # set once, from the first engine built
+        self.tokenizer_dir: Any = None
+        self.model_path: Any = None
         self.build_seconds: float | None = None
         self.restart_count = 0
 
@@ -73,6 +76,12 @@ class EngineWorker:
     @property
     def state(self) -> str:
         return self._state
+
+    @property
+    def tokenizer(self) -> Any:
+        """The first engine's tokenizer instance: the HTTP side shares it (one tokenizer
+        per engine; a restarted engine loads the same files again)."""
+        return self._tokenizer
 
     @property
     def engine(self) -> Any:
@@ -109,6 +118,10 @@ class EngineWorker:
                 self._engine = engine
                 self._model_name = engine.model_name
                 self._context_len = engine.context_len
+                if self._tokenizer is None:
+                    self._tokenizer = engine.tokenizer
+                    self.tokenizer_dir = engine.tokenizer_dir
+                    self.model_path = engine.model_path
                 self._state = "ready"
                 self._reason = "ok"
         if stopped:
@@ -238,6 +251,38 @@ class EngineWorker:
     async def async_get_internal_state(self) -> dict[str, Any]:
         state = await self._engine_for_control().async_get_internal_state()
         return {**state, **self.identity()}
+
+    # ---- RL controls (types.RLClient): forwarded to the engine in the slot -----------
+    async def async_release_memory_occupation(self, tags: Any = None, mode: str = "retract",
+                                              preserve_state: bool = False) -> ControlResult:
+        """tags None = every tag (the engine's normalize_tags)."""
+        return await self._engine_for_control().async_release_memory_occupation(
+            tags, mode, preserve_state)
+
+    async def async_resume_memory_occupation(self, tags: Any = None) -> ControlResult:
+        return await self._engine_for_control().async_resume_memory_occupation(tags)
+
+    async def async_update_weights_from_disk(self, path: str, weight_version: str,
+                                             abort_running: bool = False) -> ControlResult:
+        return await self._engine_for_control().async_update_weights_from_disk(
+            path, weight_version, abort_running)
+
+    async def async_stage_weights_from_disk(self, path: str, weight_version: str,
+                                            abort_running: bool = False) -> ControlResult:
+        return await self._engine_for_control().async_stage_weights_from_disk(
+            path, weight_version, abort_running)
+
+    async def async_publish_staged_weights(self, token: str,
+                                           abort_running: bool = False) -> ControlResult:
+        return await self._engine_for_control().async_publish_staged_weights(
+            token, abort_running)
+
+    async def async_discard_staged_weights(self, token: str | None = None) -> ControlResult:
+        return await self._engine_for_control().async_discard_staged_weights(token)
+
+    async def async_get_weights_by_name(self, name: str,
+                                        truncate_size: int = 100) -> ControlResult:
+        return await self._engine_for_control().async_get_weights_by_name(name, truncate_size)
 
     # ---- sync helpers (launcher, tests) ----------------------------------------------
     def abort_all(self) -> ControlResult | None:

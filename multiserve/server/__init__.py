@@ -6,7 +6,7 @@ through `multiserve.types.EngineClient`.
 
 from multiserve.server.app import build_app
 from multiserve.server.metrics import ServerMetrics
-from multiserve.server.runner import ServerThread
+from multiserve.server.server_thread import ServerThread
 from multiserve.server.tokenizer import TokenizerManager
 
 __all__ = ["ServerMetrics", "ServerThread", "TokenizerManager", "build_app"]

@@ -31,7 +31,7 @@ from multiserve.server.http_utils import api_error_from, error_json, json_model,
 from multiserve.server.metrics import CONTENT_TYPE, MetricsMiddleware, ServerMetrics
 from multiserve.server.native_serving import NativeServing
 from multiserve.server.openai_serving import OpenAIServing
-from multiserve.server.run import ClientDisconnected, RequestRun, drain
+from multiserve.server.request_run import ClientDisconnected, RequestRun, drain
 from multiserve.server.tokenizer import TokenizerManager
 from multiserve.types import (
     EngineClient,

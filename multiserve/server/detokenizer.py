@@ -1,19 +1,19 @@
-"""Incremental detokenization of one sample, with stop strings.
+"""Incremental detokenization of one sample: text deltas safe to send to a client.
 
 Owns: `IncrementalDetokenizer`, which turns a growing list of output token ids into
-text deltas that are safe to send to a client.
+text deltas. It never DECIDES a stop string: the engine does, in one place
+(engine/stop_strings.py), and finishes the sample on the token that completed it; this
+class only presents that decision.
 
 Invariants:
 - Text is emitted only once it is final: a decode window that ends in the Unicode
   replacement character (an incomplete multi-byte character) is held back until the
   next token completes it (or the sample ends).
-- Stop strings: the output stops at the EARLIEST match of any stop string; the stop
-  string and everything after it are never emitted (unless `no_stop_trim`: then the text
-  decoded so far, stop string included, is kept, as sglang does). Text that could still
-  be the start of a stop string is held back until it is disambiguated.
+- Text that could still be the start of a stop string, or is one, is held back until
+  the next token or the end disambiguates it, so a stop string is never streamed out
+  before the engine's verdict. At `finish(matched_stop)`, the text from the engine's matched stop
+  string on is dropped (kept with `no_stop_trim`, as sglang does).
 - The concatenation of all returned deltas equals `text` (the emitted text).
-- `num_tokens` counts the output tokens consumed, up to and including the token that
-  completed a stop string; tokens offered after the stop are refused by the caller.
 """
 
 from __future__ import annotations
@@ -45,8 +45,6 @@ class IncrementalDetokenizer:
         self._confirmed = ""  # final text so far (some of it may be held for stop strings)
         self._emitted = 0  # length of the prefix of _confirmed already returned
         self.num_tokens = 0
-        self.stopped = False
-        self.matched_stop: str | None = None
         self.finished = False
 
     @property
@@ -62,7 +60,7 @@ class IncrementalDetokenizer:
 
     def add_token(self, token_id: int) -> str:
         """Consume one output token; return the newly emittable text (maybe "")."""
-        assert not self.stopped and not self.finished, "sample already ended"
+        assert not self.finished, "sample already ended"
         self._ids.append(int(token_id))
         self.num_tokens += 1
         prefix_text = self._decode(self._ids[self._prefix:self._read])
@@ -73,57 +71,49 @@ class IncrementalDetokenizer:
         return ""
 
     def add_tokens(self, token_ids: Iterable[int]) -> str:
-        """Consume tokens until they run out or a stop string matches."""
-        out = []
-        for t in token_ids:
-            if self.stopped:
-                break
-            out.append(self.add_token(t))
-        return "".join(out)
+        return "".join(self.add_token(t) for t in token_ids)
 
-    def finish(self) -> str:
-        """The sample ended (not by a stop string): flush everything still held."""
-        if self.stopped or self.finished:
+    def finish(self, matched_stop: str | None = None) -> str:
+        """The sample ended; flush everything still held. `matched_stop`: the stop string
+        the engine finished it on; the text from its occurrence on is dropped (unless
+        no_stop_trim). The occurrence lies in the held-back tail (the engine stops on the
+        token that completes it, and a stop's beginning is held until then); if this
+        sample's text does not contain it (skip_special_tokens removed a special token
+        inside it), nothing is dropped."""
+        if self.finished:
             return ""
         self.finished = True
         prefix_text = self._decode(self._ids[self._prefix:self._read])
         new_text = self._decode(self._ids[self._prefix:])
         self._prefix = self._read = len(self._ids)
-        out = self._append(new_text[len(prefix_text):])
-        if not self.stopped:
-            out += self._confirmed[self._emitted:]
-            self._emitted = len(self._confirmed)
+        self._confirmed += new_text[len(prefix_text):]
+        if matched_stop and not self.no_stop_trim:
+            at = self._confirmed.find(matched_stop, self._emitted)
+            if at != -1:
+                self._confirmed = self._confirmed[:at]
+        out = self._confirmed[self._emitted:]
+        self._emitted = len(self._confirmed)
         return out
 
     def _append(self, piece: str) -> str:
-        old_len = len(self._confirmed)
         self._confirmed += piece
-        hold = 0
-        if self.stop:
-            cut, which = self._earliest_stop(old_len)
-            if which is not None:
-                if not self.no_stop_trim:
-                    self._confirmed = self._confirmed[:cut]
-                self.stopped = True
-                self.matched_stop = which
-                out = self._confirmed[self._emitted:]
-                self._emitted = len(self._confirmed)
-                return out
-            hold = self._partial_stop_len()
-        end = max(len(self._confirmed) - hold, self._emitted)
+        end = max(self._held_from(), self._emitted)
         out = self._confirmed[self._emitted:end]
         self._emitted = end
         return out
 
-    def _earliest_stop(self, old_len: int) -> tuple[int, str | None]:
-        # Matches wholly inside the old text were found before; only look where a
-        # match could end in the new piece.
-        best, which = len(self._confirmed) + 1, None
-        for s in self.stop:
-            i = self._confirmed.find(s, max(0, old_len - len(s) + 1))
-            if i != -1 and i < best:
-                best, which = i, s
-        return best, which
+    def _held_from(self) -> int:
+        """Where the held-back tail starts: at the earliest whole stop string not yet
+        emitted (the engine finishes the sample on it: `finish` drops it; a whole one
+        can only precede the end when a chunk of several tokens arrives at once), else
+        at the longest suffix that could still become one."""
+        text = self._confirmed
+        if not self.stop:
+            return len(text)
+        found = [i for i in (text.find(s, self._emitted) for s in self.stop) if i != -1]
+        if found:
+            return min(found)
+        return len(text) - self._partial_stop_len()
 
     def _partial_stop_len(self) -> int:
         """Length of the longest suffix of the text that is a proper prefix of a stop."""

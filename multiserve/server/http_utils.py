@@ -19,7 +19,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.responses import JSONResponse, StreamingResponse
 
 from multiserve.server.errors import ApiError, bad_request, from_validation_error, overloaded
-from multiserve.types import EngineClient, EngineOverloaded, EngineUnavailable
+from multiserve.types import EngineClient, EngineOverloaded, EngineUnavailable, InvalidRequest
 
 M = TypeVar("M", bound=BaseModel)
 NEG_INF_LOGPROB = -9999.0
@@ -78,6 +78,8 @@ def api_error_from(exc: Exception) -> ApiError:
         return overloaded(exc)
     if isinstance(exc, EngineUnavailable):
         return ApiError(503, f"engine unavailable: {exc}", code="engine_unavailable")
+    if isinstance(exc, InvalidRequest):  # the engine's check of the request
+        return bad_request(str(exc), param=exc.param, code=exc.code)
     if isinstance(exc, ValueError):  # the engine rejected the request itself
         param = str(exc).split(":", 1)[0] if ":" in str(exc) else None
         return bad_request(str(exc), param=param if param and " " not in param else None)

@@ -21,7 +21,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from multiserve.server.run import RequestRun
+from multiserve.server.request_run import RequestRun
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0,

@@ -30,7 +30,13 @@ from multiserve.server.http_utils import (
     sse_error,
     sse_response,
 )
-from multiserve.server.run import RequestRun, SampleEvent, finish_runs, merge_runs, start_runs
+from multiserve.server.request_run import (
+    RequestRun,
+    SampleEvent,
+    finish_runs,
+    merge_runs,
+    start_runs,
+)
 from multiserve.server.tokenizer import TokenizerManager
 from multiserve.types import EngineClient, GenerateRequest, SamplingParamsError, TokenLogprob
 
@@ -54,7 +60,7 @@ class OpenAIServing:
         if refused is not None:
             raise bad_request(f"{refused[0]}: {refused[1]}", param=refused[0])
         param, max_tokens = req.max_new_tokens_param
-        budgets = [self.tm.check_length(len(ids), max_tokens, param) for ids in prompts]
+        budgets = [self.tm.resolve_max_tokens(len(ids), max_tokens, param) for ids in prompts]
         rename = dict(P.OPENAI_PARAM_NAMES, max_new_tokens=param)
         if isinstance(req, P.CompletionRequest):
             rename["top_logprobs_num"] = "logprobs"
@@ -67,12 +73,11 @@ class OpenAIServing:
         runs = []
         for i, (ids, sp) in enumerate(zip(prompts, params, strict=False)):
             rid = base if len(prompts) == 1 else f"{base}-{i}"
-            # The server is the authority on stop strings (earliest match, trimmed); a
-            # streamed run lets it end a sample as soon as one matches.
             greq = GenerateRequest(rid=rid, input_ids=tuple(ids), sampling=sp,
-                                   stream=req.stream or bool(sp.stop),
-                                   return_prompt_logprobs=echo_logprobs)
-            runs.append(RequestRun(self.engine, self.tm, greq, on_done=self.on_done))
+                                   stream=req.stream, return_prompt_logprobs=echo_logprobs)
+            # the engine checks the request; its refusals name OpenAI's fields
+            runs.append(RequestRun(self.engine, self.tm, greq, on_done=self.on_done,
+                                   fields={"input_ids": "prompt", "max_new_tokens": param}))
         return runs
 
     def _usage(self, runs: list[RequestRun]) -> P.UsageInfo:
@@ -154,11 +159,7 @@ class OpenAIServing:
         if isinstance(prompt[0], str):
             return [self.tm.encode(p) for p in prompt]
         batch = [prompt] if isinstance(prompt[0], int) else prompt
-        vocab = len(self.tm.tokenizer)
-        for ids in batch:
-            if any(t < 0 or t >= vocab for t in ids):
-                raise bad_request(f"prompt: token ids must be in [0, {vocab})", param="prompt")
-        return [list(ids) for ids in batch]
+        return [list(ids) for ids in batch]  # token ids: the engine checks them
 
     async def completions(self, request: Request) -> Response:
         req = parse_body(P.CompletionRequest, await request.body())

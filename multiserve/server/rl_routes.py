@@ -33,25 +33,15 @@ from starlette.responses import JSONResponse, Response
 
 from multiserve.server.errors import ApiError, bad_request, with_error
 from multiserve.server.http_utils import parse_body
-from multiserve.types import ControlResult, EngineUnavailable
-
-RL_METHODS = ("async_release_memory_occupation", "async_resume_memory_occupation",
-              "async_update_weights_from_disk", "async_stage_weights_from_disk",
-              "async_publish_staged_weights", "async_discard_staged_weights",
-              "async_get_weights_by_name")
+from multiserve.types import ControlResult, EngineUnavailable, RLClient
 
 
-def rl_target(client: Any) -> Any:
-    """The object that implements the RL methods for `client`: the client itself (an
-    Engine, or a handle that forwards them), else the Engine inside a fleet worker
-    (its public `engine` attribute)."""
-    if all(hasattr(client, m) for m in RL_METHODS):
-        return client
-    engine = getattr(client, "engine", None)
-    if engine is None:
-        ok, reason = client.health() if hasattr(client, "health") else (False, "no engine")
-        raise EngineUnavailable(reason if not ok else "this engine has no RL control API")
-    return engine
+def rl_client(client: Any) -> RLClient:
+    """`client` as an RLClient (types.py): an Engine or a fleet worker handle. A client
+    without the RL controls answers 503 (never reached past: no `client.engine`)."""
+    if not isinstance(client, RLClient):
+        raise EngineUnavailable("this engine has no RL control API")
+    return client
 
 
 class _Body(BaseModel):
@@ -216,8 +206,8 @@ async def run_control(call: Callable[[], Awaitable[ControlResult]],
 def add_rl_routes(app: FastAPI, engine: Any) -> None:
     """Add the RL endpoints above to `app` (one engine's app), calling `engine`."""
 
-    def eng() -> Any:
-        return rl_target(engine)
+    def eng() -> RLClient:
+        return rl_client(engine)
 
     async def release(request: Request) -> Response:
         b = parse_body(ReleaseBody, await request.body(), allow_empty=True)

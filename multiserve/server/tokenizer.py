@@ -46,13 +46,19 @@ class TokenizerManager:
     """Tokenizer, chat template and request-length rules for one served model."""
 
     def __init__(self, tokenizer_dir: str | Path, context_len: int, model_name: str, *,
-                 default_max_tokens: int | None = None) -> None:
-        from transformers import PreTrainedTokenizerFast  # tokenizers-backed: no torch
-
+                 default_max_tokens: int | None = None, tokenizer: Any = None) -> None:
+        """`tokenizer`: an already loaded instance to share (the engine's own: one
+        tokenizer per engine; the fast tokenizer's encode/decode are safe from several
+        threads as long as nobody changes its truncation/padding settings, which nothing
+        here does); else it is loaded from `tokenizer_dir`."""
         path = Path(tokenizer_dir)
-        if not path.is_dir():
-            raise FileNotFoundError(f"tokenizer directory not found: {path}")
-        self.tokenizer: Any = PreTrainedTokenizerFast.from_pretrained(str(path))
+        if tokenizer is None:
+            from transformers import PreTrainedTokenizerFast  # tokenizers-backed: no torch
+
+            if not path.is_dir():
+                raise FileNotFoundError(f"tokenizer directory not found: {path}")
+            tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path))
+        self.tokenizer: Any = tokenizer
         if not getattr(self.tokenizer, "is_fast", False):
             raise ValueError(f"{path}: need a fast (tokenizer.json) tokenizer")
         assert context_len > 0
@@ -97,30 +103,20 @@ class TokenizerManager:
         return self.encode(self.render_chat(messages, add_generation_prompt,
                                             **template_kwargs), add_special_tokens=False)
 
-    # ---- validation -------------------------------------------------------------------
-    def check_length(self, prompt_len: int, max_new_tokens: int | None,
-                     param: str = "max_tokens") -> int:
-        """Check prompt + max_new_tokens fits the context; return the resolved budget."""
-        if prompt_len <= 0:
-            raise bad_request("prompt: must not be empty", param="prompt")
-        if prompt_len >= self.context_len:
-            raise bad_request(
-                f"prompt has {prompt_len} tokens, but this model's context length is "
-                f"{self.context_len} tokens (room is needed for at least one new token)",
-                param="prompt", code="context_length_exceeded")
-        room = self.context_len - prompt_len
+    # ---- budgets ----------------------------------------------------------------------
+    def resolve_max_tokens(self, prompt_len: int, max_new_tokens: int | None,
+                           param: str = "max_tokens") -> int:
+        """The new-token budget of an OpenAI request: as given, or (None) the room the
+        context leaves (capped by default_max_tokens). Checking it against the model
+        (prompt + budget within the context) is the engine's (types.InvalidRequest)."""
         if max_new_tokens is None:
+            room = max(self.context_len - prompt_len, 1)  # no room: the engine refuses
             return room if self.default_max_tokens is None else min(room,
                                                                     self.default_max_tokens)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) \
                 or max_new_tokens < 0:
             raise bad_request(f"{param}: must be an integer >= 0, got {max_new_tokens!r}",
                               param=param)
-        if max_new_tokens > room:
-            raise bad_request(
-                f"{param}: prompt ({prompt_len} tokens) + {param} ({max_new_tokens}) = "
-                f"{prompt_len + max_new_tokens} exceeds this model's context length "
-                f"({self.context_len})", param=param, code="context_length_exceeded")
         return max_new_tokens
 
     @staticmethod

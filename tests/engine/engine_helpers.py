@@ -1,10 +1,11 @@
 """Helpers shared by the engine tests: request collection, exact pause points, state checks.
 
 `Collector` submits requests through the public `Engine.submit` and gathers every
-snapshot per (rid, index). `Trigger` starts async control calls FROM an output sink (that
-is, on the engine thread, between a step's results and the next step) and returns only
-once the calls were handed to the engine, so a pause lands right after the step that
-produced a given token: the engine loop runs every queued command before it steps again.
+snapshot per (rid, index) (assembled from the engine's deltas). `Trigger` starts async
+control calls FROM an output sink (that is, on the engine thread, between a step's
+results and the next step) and returns only once the calls were handed to the engine, so
+a pause lands right after the step that produced a given token: the engine loop runs
+every queued command before it steps again.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import time
 from collections.abc import Callable, Coroutine, Iterator, Sequence
 from typing import Any
 
+from multiserve.engine.streams import assembling
 from multiserve.types import GenerateRequest, RequestOutput, SamplingParams
 
 TINY_VOCAB = 512  # tiny test model: a small vocabulary keeps the sampler cheap
@@ -59,7 +61,8 @@ class Collector:
         with self._cv:
             self.expected += params.n
         self.engine.submit(GenerateRequest(rid=rid, input_ids=tuple(input_ids),
-                                           sampling=params, stream=stream), self._sink)
+                                           sampling=params, stream=stream),
+                           assembling(self._sink))
 
     def submit_all(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[
             SamplingParams], prefix: str = "r", together: bool = True) -> list[str]:

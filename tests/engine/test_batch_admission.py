@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from engine_helpers import restore
 
+from multiserve.engine.commands import Add
 from multiserve.types import GenerateRequest, SamplingParams
 
 N = 16
@@ -25,17 +26,17 @@ def _prompts() -> list[list[int]]:
 
 
 def _spy_adds(engine: Any, monkeypatch: pytest.MonkeyPatch) -> list[Any]:
-    """Record every "add" command sent to the engine thread (its future)."""
+    """Record every Add command sent to the engine thread (its future)."""
     adds: list[Any] = []
-    real = engine._submit
+    real = engine.call
 
-    def submit(name: str, *args: Any) -> Any:
-        fut = real(name, *args)
-        if name == "add":
-            adds.append((len(args[0]), fut))
+    def call(cmd: Any) -> Any:
+        fut = real(cmd)
+        if isinstance(cmd, Add):
+            adds.append((len(cmd.reqs), fut))
         return fut
 
-    monkeypatch.setattr(engine, "_submit", submit)
+    monkeypatch.setattr(engine, "call", call)
     return adds
 
 

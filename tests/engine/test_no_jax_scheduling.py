@@ -14,6 +14,7 @@ REPO = Path(__file__).resolve().parents[2]
 SCHEDULING = ("multiserve.engine.scheduler", "multiserve.engine.prefix_cache",
               "multiserve.engine.memory", "multiserve.engine.request",
               "multiserve.engine.admission", "multiserve.engine.commands",
+              "multiserve.engine.streams", "multiserve.engine.stop_strings",
               "multiserve.types", "multiserve.config")
 
 

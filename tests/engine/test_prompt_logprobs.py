@@ -9,6 +9,7 @@ import queue
 import numpy as np
 from engine_helpers import TINY_VOCAB, WAIT_S, ReferenceModel
 
+from multiserve.engine.streams import assembling
 from multiserve.types import GenerateRequest, RequestOutput, SamplingParams
 
 
@@ -16,7 +17,8 @@ def _run(engine, rid: str, prompt: list[int], top: int = 3) -> RequestOutput:
     q: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
     engine.submit(GenerateRequest(rid=rid, input_ids=tuple(prompt), return_prompt_logprobs=True,
                                   sampling=SamplingParams(temperature=0.0, max_new_tokens=2,
-                                                          top_logprobs_num=top)), q.put)
+                                                          top_logprobs_num=top)),
+                  assembling(q.put))
     while True:
         out = q.get(timeout=WAIT_S)
         if out.finished:

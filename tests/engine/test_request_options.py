@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from engine_helpers import TINY_VOCAB, Collector, ReferenceModel, held
 
-from multiserve.types import GenerateRequest, SamplingParams
+from multiserve.types import GenerateRequest, InvalidRequest, SamplingParams
 
 MAX_NEW = 20
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW, ignore_eos=True)
@@ -60,20 +60,28 @@ def test_invalid_sampling_params_name_the_field(tiny_engine: Any, kwargs: dict,
 
 
 def test_invalid_requests_are_rejected_and_the_engine_keeps_serving(tiny_engine: Any) -> None:
+    """The engine is the one request check (types.InvalidRequest, a ValueError naming the
+    field in engine terms, with an error code); the HTTP side only maps the field name."""
     ctx = tiny_engine.context_len
-    with pytest.raises(ValueError, match="input_ids"):
-        tiny_engine.generate(input_ids=[], sampling_params=GREEDY)
-    with pytest.raises(ValueError, match="input_ids"):
-        tiny_engine.generate(input_ids=[1, TINY_VOCAB], sampling_params=GREEDY)
-    with pytest.raises(ValueError, match="max_new_tokens"):
-        tiny_engine.generate(input_ids=[5] * 10, sampling_params=GREEDY.with_updates(
-            max_new_tokens=ctx))
+    cases = [([], GREEDY, "input_ids", None),
+             ([1, TINY_VOCAB], GREEDY, "input_ids", None),
+             ([5] * ctx, GREEDY.with_updates(max_new_tokens=0), "input_ids",
+              "context_length_exceeded"),
+             ([5] * 10, GREEDY.with_updates(max_new_tokens=ctx), "max_new_tokens",
+              "context_length_exceeded")]
+    for ids, params, param, code in cases:
+        with pytest.raises(InvalidRequest, match=f"^{param}:") as e:
+            tiny_engine.generate(input_ids=ids, sampling_params=params)
+        assert (e.value.param, e.value.code) == (param, code)
     with pytest.raises(ValueError, match="mode"):
         tiny_engine.pause_generation("sideways")
     st = tiny_engine.get_internal_state()
     assert not st["engine_paused"] and st["waiting_queue_size"] == 0
     out = tiny_engine.generate(input_ids=[5, 6, 7], sampling_params=GREEDY)
     assert out.finish_reason == "length" and out.completion_tokens == MAX_NEW
+    out = tiny_engine.generate(input_ids=[5] * (ctx - 1), sampling_params=GREEDY.with_updates(
+        max_new_tokens=1))  # exactly the context: accepted
+    assert out.completion_tokens == 1
     assert tiny_engine.health() == (True, "ok")
 
 

@@ -30,7 +30,8 @@ def server(tiny_model: Path) -> Iterator[str]:
 
     engine = Engine(EngineConfig(model_path=str(tiny_model), **tiny_engine_fields(
         max_queued_requests=MAX_QUEUED, max_queued_tokens=MAX_QUEUED_TOKENS)))
-    tm = TokenizerManager(engine.tokenizer_dir, engine.context_len, engine.model_name)
+    tm = TokenizerManager(engine.tokenizer_dir, engine.context_len, engine.model_name,
+                          tokenizer=engine.tokenizer)
     thread = ServerThread(build_app(engine, tm)).start()
     yield thread.url
     thread.stop()

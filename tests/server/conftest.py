@@ -79,7 +79,8 @@ class Served:
 def served(engine: Any) -> Iterator[Served]:
     from multiserve.server import ServerThread, TokenizerManager, build_app
 
-    tm = TokenizerManager(engine.tokenizer_dir, engine.context_len, engine.model_name)
+    tm = TokenizerManager(engine.tokenizer_dir, engine.context_len, engine.model_name,
+                          tokenizer=engine.tokenizer)
     app = build_app(engine, tm, server_info={"model_path": str(engine.model_path),
                                              "tokenizer_path": str(engine.tokenizer_dir)})
     thread = ServerThread(app).start()

@@ -9,7 +9,7 @@ import logging
 
 import httpx
 
-from multiserve.server.runner import ServerThread
+from multiserve.server.server_thread import ServerThread
 
 
 async def _app(scope, receive, send):  # type: ignore[no-untyped-def]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from multiserve.engine.stop_strings import StopStringChecker
 from multiserve.server.errors import ApiError
 from multiserve.server.tokenizer import score_softmax
 
@@ -57,46 +58,73 @@ def test_skip_special_tokens(tm):
     assert kept == "hi there" + tm.tokenizer.convert_ids_to_tokens(eos)
 
 
-def test_stop_string_split_across_tokens_is_trimmed_and_never_leaked(tm):
-    text = "The answer is forty-two. END OF ANSWER and more text"
+def _engine_run(tm, text, stops, *, no_stop_trim=False, chunk=1):
+    """What the engine and the HTTP side do together: the engine's StopStringChecker (the
+    one place that decides) runs after every token and ends the sample on the token that
+    completes a stop string; the detokenizer is fed `chunk` tokens at a time (a stream's
+    deltas) and only presents the verdict. Returns (deltas, tokens used, matched stop)."""
     ids = tm.encode(text, add_special_tokens=False)
-    det = tm.detokenizer(stop=["END OF ANSWER"])
-    deltas = []
-    for t in ids:
-        deltas.append(det.add_token(t))
-        if det.stopped:
+    check = StopStringChecker(tm.tokenizer)
+    used, matched = len(ids), None
+    for n in range(1, len(ids) + 1):
+        matched = check(ids[:n], stops)
+        if matched is not None:
+            used = n
             break
-    out = "".join(deltas)
-    assert out == "The answer is forty-two. "
-    assert det.stopped and det.matched_stop == "END OF ANSWER"
+    det = tm.detokenizer(stop=stops, no_stop_trim=no_stop_trim)
+    deltas = [det.add_tokens(ids[i:min(i + chunk, used)]) for i in range(0, used, chunk)]
+    deltas.append(det.finish(matched))
+    return deltas, ids[:used], matched
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 1000])
+def test_stop_string_split_across_tokens_is_trimmed_and_never_leaked(tm, chunk):
+    text = "The answer is forty-two. END OF ANSWER and more text"
+    deltas, used, matched = _engine_run(tm, text, ["END OF ANSWER"], chunk=chunk)
+    assert matched == "END OF ANSWER"
+    assert "".join(deltas) == "The answer is forty-two. "
     # No delta ever contained a piece of the stop string.
     assert all("END" not in d for d in deltas)
-    # Tokens consumed: exactly up to the token completing the stop string.
-    assert tm.decode(ids[:det.num_tokens]).find("END OF ANSWER") != -1
-    assert tm.decode(ids[:det.num_tokens - 1]).find("END OF ANSWER") == -1
-    assert det.finish() == ""
+    # The engine stopped exactly on the token completing the stop string.
+    assert tm.decode(used).find("END OF ANSWER") != -1
+    assert tm.decode(used[:-1]).find("END OF ANSWER") == -1
+
+
+def test_no_stop_trim_keeps_the_stop_string(tm):
+    deltas, used, matched = _engine_run(tm, "say hi STOP now", ["STOP"], no_stop_trim=True)
+    assert matched == "STOP" and "".join(deltas) == tm.decode(used)
+    assert "".join(deltas).rstrip().endswith("STOP")
 
 
 def test_earliest_stop_wins_among_several(tm):
-    text = "alpha beta gamma delta"
-    ids = tm.encode(text, add_special_tokens=False)
-    det = tm.detokenizer(stop=["delta", "beta", "a b"])
-    out = det.add_tokens(ids)
-    assert det.stopped
-    assert out == "alph" and det.matched_stop == "a b"
+    deltas, _, matched = _engine_run(tm, "alpha beta gamma delta", ["delta", "beta", "a b"])
+    assert matched == "a b" and "".join(deltas) == "alph"
+
+
+def test_checker_prefers_the_earliest_start_when_two_end_together():
+    class Chars:  # one character per token
+        def decode(self, ids, skip_special_tokens=False):
+            return "".join(chr(i) for i in ids)
+
+    check = StopStringChecker(Chars())
+    ids = [ord(c) for c in "xx abcd"]
+    assert check(ids, ["cd", "abcd"]) == "abcd"
+    assert check(ids, ["zz"]) is None
 
 
 def test_stop_prefix_held_then_released_when_not_a_match(tm):
     ids = tm.encode("one ST two STOP three", add_special_tokens=False)
     det = tm.detokenizer(stop=["STOP"])
-    seen = ""
-    for t in ids:
+    check = StopStringChecker(tm.tokenizer)
+    seen, matched = "", None
+    for n, t in enumerate(ids, start=1):
         seen += det.add_token(t)
-        assert not seen.endswith(("S", "ST", "STO")) or det.stopped
-        if det.stopped:
+        matched = check(ids[:n], ["STOP"])
+        if matched:
             break
-    assert seen == "one ST two "
-    assert det.matched_stop == "STOP"
+        assert not seen.endswith(("S", "ST", "STO"))
+    seen += det.finish(matched)
+    assert seen == "one ST two " and matched == "STOP"
 
 
 def test_stop_prefix_at_end_is_released_by_finish(tm):
@@ -105,14 +133,19 @@ def test_stop_prefix_at_end_is_released_by_finish(tm):
     out = det.add_tokens(ids)
     assert not out.endswith("ST")
     assert out + det.finish() == "ends with ST"
-    assert not det.stopped
 
 
 def test_stop_inside_multibyte_run(tm):
-    ids = tm.encode("前面😀后面", add_special_tokens=False)
-    det = tm.detokenizer(stop=["😀"])
-    out = det.add_tokens(ids)
-    assert out == "前面" and det.matched_stop == "😀"
+    deltas, _, matched = _engine_run(tm, "前面😀后面", ["😀"])
+    assert "".join(deltas) == "前面" and matched == "😀"
+
+
+def test_a_stop_the_engine_did_not_decide_is_not_cut(tm):
+    """The detokenizer never decides: text that contains a stop string the engine did not
+    finish on (e.g. split by a special token the client's text skips) is all emitted."""
+    ids = tm.encode("one STOP two", add_special_tokens=False)
+    det = tm.detokenizer(stop=["STOP"])
+    assert det.add_tokens(ids) + det.finish(None) == "one STOP two"
 
 
 def test_chat_template_and_message_validation(tm):
@@ -130,16 +163,18 @@ def test_chat_template_and_message_validation(tm):
         assert e.value.status == 400 and e.value.param.startswith("messages")
 
 
-def test_length_validation(tm):
-    assert tm.check_length(10, 20) == 20
-    assert tm.check_length(10, None) == tm.context_len - 10
-    for prompt_len, max_new in ((600, 1), (512, 1), (500, 13), (10, -1), (0, 5)):
+def test_max_tokens_resolution(tm):
+    """The HTTP side only resolves the budget (OpenAI's default: the room the context
+    leaves) and checks its JSON type; prompt + budget vs the context is the engine's
+    check (tests/engine/test_request_options.py::test_the_engine_is_the_one_request_check)."""
+    assert tm.resolve_max_tokens(10, 20) == 20
+    assert tm.resolve_max_tokens(10, None) == tm.context_len - 10
+    assert tm.resolve_max_tokens(600, None) == 1  # no room: the engine refuses it by name
+    assert tm.resolve_max_tokens(500, 10**6) == 10**6  # too big: the engine refuses it
+    for bad in (-1, True, 2.5):
         with pytest.raises(ApiError) as e:
-            tm.check_length(prompt_len, max_new)
-        assert e.value.status == 400
-    with pytest.raises(ApiError) as e:
-        tm.check_length(500, 100, param="max_completion_tokens")
-    assert e.value.param == "max_completion_tokens" and "512" in e.value.message
+            tm.resolve_max_tokens(10, bad, param="max_completion_tokens")
+        assert e.value.status == 400 and e.value.param == "max_completion_tokens"
 
 
 def test_rids_are_unique_hex():

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -26,9 +26,16 @@ import anyio
 from starlette.requests import Request
 
 from multiserve.server.detokenizer import IncrementalDetokenizer
+from multiserve.server.errors import bad_request
 from multiserve.server.http_utils import api_error_from
 from multiserve.server.tokenizer import TokenizerManager
-from multiserve.types import EngineClient, GenerateRequest, RequestOutput, TokenLogprob
+from multiserve.types import (
+    EngineClient,
+    GenerateRequest,
+    InvalidRequest,
+    RequestOutput,
+    TokenLogprob,
+)
 
 T = TypeVar("T")
 
@@ -64,9 +71,13 @@ class RequestRun:
     """Drives one GenerateRequest; iterate `events()` once."""
 
     def __init__(self, engine: EngineClient, tm: TokenizerManager, request: GenerateRequest,
-                 on_done: Callable[[RequestRun], None] | None = None) -> None:
+                 on_done: Callable[[RequestRun], None] | None = None,
+                 fields: Mapping[str, str] | None = None) -> None:
+        """`fields`: the client's name for each engine field a refusal may name
+        (types.InvalidRequest.param), e.g. input_ids -> prompt for the OpenAI API."""
         self.engine = engine
         self.request = request
+        self.fields = dict(fields or {})
         sp = request.sampling
         self.samples = [
             SampleState(i, tm.detokenizer(stop=sp.stop, skip_special_tokens=sp.skip_special_tokens,
@@ -156,28 +167,21 @@ class RequestRun:
         new_ids = list(out.output_ids[len(st.token_ids):])
         start = len(st.token_ids)
         pieces: list[str] = []
-        taken = 0
         # sglang trims a matched stop TOKEN (eos or stop_token_ids) from the text, unless
         # no_stop_trim; output_ids keep it either way.
         trim = self._trims_stop_token(out) and bool(new_ids)
-        for k, t in enumerate(new_ids):
-            if not (trim and k == len(new_ids) - 1):
-                pieces.append(st.detok.add_token(t))
-            taken += 1
-            if st.detok.stopped:
-                break
-        new_ids = new_ids[:taken]
+        pieces.append(st.detok.add_tokens(new_ids[:-1] if trim else new_ids))
         st.token_ids.extend(new_ids)
         new_lps: list[TokenLogprob] = []
         if out.logprobs is not None:
-            new_lps = list(out.logprobs[start:start + taken])
+            new_lps = list(out.logprobs[start:start + len(new_ids)])
             st.logprobs.extend(new_lps)
         if new_ids and self.first_token_at is None:
             self.first_token_at = time.monotonic()
-        if st.detok.stopped:
-            st.done, st.finish_reason, st.matched_stop = True, "stop", st.detok.matched_stop
-        elif out.finished:
-            pieces.append(st.detok.finish())
+        if out.finished:
+            # the engine decided any stop string (engine/stop_strings.py); the text follows
+            matched = out.matched_stop if isinstance(out.matched_stop, str) else None
+            pieces.append(st.detok.finish(matched))
             st.done, st.finish_reason = True, out.finish_reason or "stop"
             st.matched_stop, st.error = out.matched_stop, out.error
         text = "".join(pieces)
@@ -196,7 +200,14 @@ async def start_runs(runs: list[RequestRun]) -> None:
     todo = [r for r in runs if r._stream is None]
     if not todo:
         return
-    streams = await todo[0].engine.open_streams([r.request for r in todo])
+    try:
+        streams = await todo[0].engine.open_streams([r.request for r in todo])
+    except InvalidRequest as exc:  # the engine's check, in the client's field names
+        param = todo[0].fields.get(exc.param or "", exc.param)
+        message = str(exc)
+        if exc.param and param != exc.param and message.startswith(f"{exc.param}:"):
+            message = f"{param}:{message[len(exc.param) + 1:]}"
+        raise bad_request(message, param=param, code=exc.code) from None
     for run, st in zip(todo, streams, strict=True):
         run._stream = st
 
