@@ -7,7 +7,7 @@ package, or its jax-free parts (`multiserve.server`, `multiserve.types`,
 
 from typing import Any
 
-__all__ = ["Engine", "EngineConfig", "SamplingParams"]
+__all__ = ["Engine", "EngineConfig", "OutputAssembler", "SamplingParams", "assembling"]
 __version__ = "0.1.0"
 
 
@@ -20,6 +20,10 @@ def __getattr__(name: str) -> Any:
         from multiserve.config import EngineConfig
 
         return EngineConfig
+    if name in ("OutputAssembler", "assembling"):  # Engine.submit's sinks get deltas
+        from multiserve.engine import streams
+
+        return getattr(streams, name)
     if name == "SamplingParams":
         from multiserve.types import SamplingParams
 

@@ -1,8 +1,9 @@
 """Rollout backend over in-process `multiserve.Engine` objects (trainer in the same process).
 
-Uses only the Engine's public API: `submit` (with an output sink), `encode`/`decode`,
-pause/continue/abort, the two-phase weight update (`stage_weights_from_tensor` ->
-`publish_staged_weights` / `discard_staged_weights`) and memory release/resume.
+Uses only the public API: `Engine.submit` (its sink gets deltas; `multiserve.assembling`
+turns them into snapshots), `encode`/`decode`, pause/continue/abort, the two-phase weight
+update (`stage_weights_from_tensor` -> `publish_staged_weights` /
+`discard_staged_weights`) and memory release/resume.
 
 Invariant: a fleet-wide update publishes only if every engine staged; otherwise every
 staged copy is discarded and RolloutError names the engines that failed.
@@ -15,6 +16,7 @@ import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from multiserve import assembling
 from multiserve.types import ControlResult, GenerateRequest, RequestOutput, SamplingParams
 from plugins.rollout.results import RolloutError, RolloutHandle, RolloutResult
 
@@ -47,7 +49,7 @@ class InProcessBackend:
             rid = f"rollout-{batch}-{p}"
             sink = self._sink(handle, engine, e, p, tuple(ids))
             engine.submit(GenerateRequest(rid=rid, input_ids=tuple(ids), sampling=params,
-                                          stream=True), sink)
+                                          stream=True), assembling(sink))
         return handle
 
     @staticmethod
