@@ -79,4 +79,10 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):  #
         if "jax" in sys.modules:
             gc.collect()
             sys.modules["jax"].clear_caches()
+    if nextitem is None or nextitem.path != item.path:  # a module's fixtures are gone
+        # glibc keeps freed heap pages (a torn-down fleet's GBs) unless asked; without
+        # this the suite's RSS only ever grew (measured: 12.9 -> 7.7 GB after tests/fleet)
         gc.collect()
+        from multiserve.fleet.startup import release_free_heap
+
+        release_free_heap()

@@ -39,6 +39,7 @@ from multiserve.fleet.startup import (
     enable_compilation_cache,
     fleet_config_from_args,
     init_jax,
+    release_free_heap,
 )
 from multiserve.fleet.worker import EngineWorker
 from multiserve.types import ControlResult
@@ -160,6 +161,9 @@ def launch_fleet(cfg: FleetConfig, *, announce: bool = True, out: TextIO | None 
     fleet = Fleet(cfg, workers, compilation_cache=cache)
     try:
         _build_workers(workers, cfg.warmup_parallel, log, cancelled)
+        trimmed = release_free_heap()  # warm-up's compiler scratch, GBs on a 4-engine fleet
+        if trimmed:
+            _say(log, "fleet: returned the warm-up's free heap to the OS")
         _start_servers(fleet)
         _wait_healthy([*fleet.urls, fleet.supervisor_url], health_timeout,
                       api_key=cfg.api_key)
