@@ -104,7 +104,7 @@ class EngineConfig:
     mem_fraction_static: float = 0.6
     default_cpu_kv_tokens: int = 32768  # ~1.5 GB of fp32 KV for SmolLM2-135M
     max_running_requests: int = 128
-    # Admission bounds of the waiting queue (engine/admission.py): samples, and KV tokens
+    # Admission bounds of the waiting queue (engine/sched/admission.py): samples, and KV tokens
     # the waiting samples will need (None: 32 x the KV pool). Beyond them: 429 / 503.
     max_queued_requests: int = 1024
     max_queued_tokens: int | None = None

@@ -276,7 +276,7 @@ class EngineUnavailable(RuntimeError):
 
 class EngineOverloaded(RuntimeError):
     """The engine refused new work because its waiting queue is full (see
-    engine/admission.py). The HTTP side answers `status` (429 or 503) with `reason` as
+    engine/sched/admission.py). The HTTP side answers `status` (429 or 503) with `reason` as
     the error code and a `Retry-After: retry_after` header (seconds)."""
 
     def __init__(self, message: str, *, status: int = 503, reason: str = "overloaded",

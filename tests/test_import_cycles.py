@@ -97,7 +97,7 @@ def test_the_detector_finds_a_cycle() -> None:
 def test_the_graph_sees_function_level_and_relative_imports() -> None:
     graph = import_graph()
     assert "multiserve.engine.engine" in graph["multiserve"]  # lazy, inside __getattr__
-    assert "multiserve.engine.scheduler" in graph["multiserve.engine.core"]
+    assert "multiserve.engine.sched.scheduler" in graph["multiserve.engine.core"]
 
 
 def test_no_import_cycles() -> None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from multiserve.engine.request import Req
+    from multiserve.engine.sched.request import Req
 
 
 @dataclass(frozen=True)

@@ -32,14 +32,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from multiserve.config import EngineConfig, ModelConfig
-from multiserve.engine import sampling_host
-from multiserve.engine.admission import AdmissionLimits, check_admission
-from multiserve.engine.batch_arrays import build_step_arrays
-from multiserve.engine.memory import PageAllocator
-from multiserve.engine.model_runner import Runner, StepOutput
-from multiserve.engine.prefix_cache import PrefixCache
-from multiserve.engine.request import Req
-from multiserve.engine.scheduler import ScheduledBatch, Scheduler
+from multiserve.engine.device.batch_arrays import build_step_arrays
+from multiserve.engine.device.model_runner import Runner, StepOutput
+from multiserve.engine.sampling import host as sampling_host
+from multiserve.engine.sched.admission import AdmissionLimits, check_admission
+from multiserve.engine.sched.page_allocator import PageAllocator
+from multiserve.engine.sched.prefix_cache import PrefixCache
+from multiserve.engine.sched.request import Req
+from multiserve.engine.sched.scheduler import ScheduledBatch, Scheduler
 from multiserve.types import (
     ControlResult,
     FinishReason,

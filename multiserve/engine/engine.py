@@ -38,8 +38,8 @@ from multiserve.engine.commands import (
     Pause,
     Stop,
 )
-from multiserve.engine.request import Req
 from multiserve.engine.rl.control import DEFAULT_TAGS, RLControl
+from multiserve.engine.sched.request import Req
 from multiserve.engine.setup import EngineParts, build_engine_parts
 from multiserve.engine.streams import OutputAssembler, OutputStream
 from multiserve.types import (

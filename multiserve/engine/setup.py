@@ -20,7 +20,7 @@ import numpy as np
 
 from multiserve.config import ConfigError, EngineConfig, ModelConfig
 from multiserve.engine.core import EngineCore
-from multiserve.engine.model_runner import Runner
+from multiserve.engine.device.model_runner import Runner
 from multiserve.engine.stop_strings import StopStringChecker
 from multiserve.model.kv_pool import kv_bytes_per_token
 from multiserve.model.loader import load_model

@@ -9,10 +9,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from multiserve.config import EngineConfig
-from multiserve.engine.memory import PageAllocator
-from multiserve.engine.prefix_cache import PrefixCache
-from multiserve.engine.request import Req
-from multiserve.engine.scheduler import ScheduledBatch, Scheduler
+from multiserve.engine.sched.page_allocator import PageAllocator
+from multiserve.engine.sched.prefix_cache import PrefixCache
+from multiserve.engine.sched.request import Req
+from multiserve.engine.sched.scheduler import ScheduledBatch, Scheduler
 from multiserve.types import RequestStatus, SamplingParams
 
 PAGE = 4

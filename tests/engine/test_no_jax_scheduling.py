@@ -1,7 +1,7 @@
-"""The scheduling part of the engine (scheduler, prefix cache, page allocator, request,
-admission, the engine's command types, and the types and config they use) imports and
-runs without jax: checked in a fresh interpreter where importing jax, jaxlib or flax
-raises."""
+"""The scheduling part of the engine (every module of engine/sched/: scheduler, prefix
+cache, page allocator, request, admission), the engine's command types, its output side
+(streams, stop strings) and the types and config they use import and run without jax:
+checked in a fresh interpreter where importing jax, jaxlib or flax raises."""
 
 from __future__ import annotations
 
@@ -11,11 +11,15 @@ import textwrap
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-SCHEDULING = ("multiserve.engine.scheduler", "multiserve.engine.prefix_cache",
-              "multiserve.engine.memory", "multiserve.engine.request",
-              "multiserve.engine.admission", "multiserve.engine.commands",
-              "multiserve.engine.streams", "multiserve.engine.stop_strings",
-              "multiserve.types", "multiserve.config")
+SCHED = REPO / "multiserve" / "engine" / "sched"
+SCHEDULING = (*sorted(f"multiserve.engine.sched.{p.stem}" for p in SCHED.glob("*.py")),
+              "multiserve.engine.commands", "multiserve.engine.streams",
+              "multiserve.engine.stop_strings", "multiserve.types", "multiserve.config")
+
+
+def test_the_contract_covers_the_whole_sched_package() -> None:
+    assert {"scheduler", "prefix_cache", "page_allocator", "request", "admission"} <= {
+        m.rsplit(".", 1)[1] for m in SCHEDULING}
 
 
 def test_scheduling_imports_and_runs_without_jax() -> None:
@@ -32,10 +36,10 @@ def test_scheduling_imports_and_runs_without_jax() -> None:
         for name in {SCHEDULING!r}:
             importlib.import_module(name)
         from multiserve.config import EngineConfig
-        from multiserve.engine.memory import PageAllocator
-        from multiserve.engine.prefix_cache import PrefixCache
-        from multiserve.engine.request import Req
-        from multiserve.engine.scheduler import Scheduler
+        from multiserve.engine.sched.page_allocator import PageAllocator
+        from multiserve.engine.sched.prefix_cache import PrefixCache
+        from multiserve.engine.sched.request import Req
+        from multiserve.engine.sched.scheduler import Scheduler
         from multiserve.types import SamplingParams
         cfg = EngineConfig(page_size=4, chunked_prefill_size=16)
         alloc = PageAllocator(9, 4)

@@ -1,11 +1,11 @@
-"""PageAllocator and the page helpers (engine/memory.py): no model, no jax."""
+"""PageAllocator and the page helpers (engine/sched/page_allocator.py): no model, no jax."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from multiserve.engine.memory import PageAllocator, pages_needed, slots_for
+from multiserve.engine.sched.page_allocator import PageAllocator, pages_needed, slots_for
 
 
 def test_page_zero_is_never_handed_out_and_low_ids_come_first() -> None:

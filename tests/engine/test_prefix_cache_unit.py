@@ -1,12 +1,12 @@
-"""PrefixCache (engine/prefix_cache.py) on its own: full-page keys, ref counts, LRU eviction
+"""PrefixCache (engine/sched/prefix_cache.py) on its own: full-page keys, ref counts, LRU eviction
 (leaves before parents), shared content, reset; no model, no jax."""
 
 from __future__ import annotations
 
 import pytest
 
-from multiserve.engine.memory import PageAllocator
-from multiserve.engine.prefix_cache import PrefixCache
+from multiserve.engine.sched.page_allocator import PageAllocator
+from multiserve.engine.sched.prefix_cache import PrefixCache
 
 PS = 4
 

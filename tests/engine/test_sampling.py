@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from multiserve.engine.sampling import CANDIDATES, SamplingBatch, sample
-from multiserve.engine.sampling_host import RowSpec, build_sampling_batch, penalty_zeros
+from multiserve.engine.sampling.host import RowSpec, build_sampling_batch, penalty_zeros
+from multiserve.engine.sampling.sampler import CANDIDATES, SamplingBatch, sample
 from multiserve.types import SamplingParams
 
 V = 64
@@ -259,7 +259,7 @@ def test_row_keys_are_threefry_of_index_and_position_under_the_seed() -> None:
     """The documented key derivation (seeded outputs stay stable across releases)."""
     from jax.extend.random import threefry_2x32
 
-    from multiserve.engine.sampling import _row_words
+    from multiserve.engine.sampling.sampler import _row_words
 
     cases = [(0, 0, 0), (2**62 + 12345, 3, 777), (2**40, 63, 10**6)]
     sb = build_sampling_batch([spec(P(), seed=s, index=i, position=p) for s, i, p in cases],

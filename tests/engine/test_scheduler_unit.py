@@ -1,4 +1,4 @@
-"""The Scheduler (engine/scheduler.py) driven without a model (sched_sim.Sim): admission,
+"""The Scheduler (engine/sched/scheduler.py) driven without a model (sched_sim.Sim): admission,
 chunked prefill, prefix hits, retraction under KV pressure and by hand, eviction, and the
 page accounting after every step; no jax."""
 

@@ -24,7 +24,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from multiserve.engine.memory import PageAllocator
+from multiserve.engine.sched.page_allocator import PageAllocator
 
 
 @dataclass

@@ -26,9 +26,9 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from multiserve.config import EngineConfig
-from multiserve.engine.memory import PageAllocator, pages_needed
-from multiserve.engine.prefix_cache import PrefixCache
-from multiserve.engine.request import Req
+from multiserve.engine.sched.page_allocator import PageAllocator, pages_needed
+from multiserve.engine.sched.prefix_cache import PrefixCache
+from multiserve.engine.sched.request import Req
 from multiserve.types import RequestStatus
 
 

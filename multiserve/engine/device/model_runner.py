@@ -41,8 +41,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from multiserve.config import EngineConfig, ModelConfig
-from multiserve.engine import sampling, sampling_host
-from multiserve.engine.batch_arrays import StepArrays, empty_step_arrays
+from multiserve.engine.device.batch_arrays import StepArrays, empty_step_arrays
+from multiserve.engine.sampling import host as sampling_host
+from multiserve.engine.sampling import sampler as sampling
 from multiserve.model.forward_batch import ForwardBatch
 from multiserve.model.kv_pool import KVPool, make_kv_pool
 from multiserve.model.llama import forward_hidden, lm_head

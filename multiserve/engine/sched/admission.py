@@ -20,7 +20,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from multiserve.config import EngineConfig
-from multiserve.engine.request import Req
+from multiserve.engine.sched.request import Req
 from multiserve.types import EngineOverloaded
 
 QUEUED_TOKENS_PER_POOL = 32  # default max_queued_tokens, in KV pools

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from multiserve.engine.memory import slots_for
-from multiserve.engine.request import Req
-from multiserve.engine.scheduler import ScheduledBatch
+from multiserve.engine.sched.page_allocator import slots_for
+from multiserve.engine.sched.request import Req
+from multiserve.engine.sched.scheduler import ScheduledBatch
 
 
 @dataclass

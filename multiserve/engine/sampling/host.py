@@ -14,7 +14,7 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from multiserve.engine.sampling import MAX_BANNED_IDS, SamplingBatch
+from multiserve.engine.sampling.sampler import MAX_BANNED_IDS, SamplingBatch
 from multiserve.types import MAX_TOKEN_IDS_LOGPROB, SamplingParams
 
 
