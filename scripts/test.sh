@@ -3,4 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+# --durations: the slowest tests are listed at the end (the suite must stay under 15 min)
+exec .venv/bin/python -m pytest -q -p no:cacheprovider --durations=25 "$@"
