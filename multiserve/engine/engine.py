@@ -147,8 +147,7 @@ class Engine:
         core = self._core
         match cmd:
             case Add(reqs):
-                if not self._healthy:
-                    raise EngineUnavailable(self._reason)
+                self._require_healthy()
                 return core.add(reqs)
             case Abort(rid, abort_all):
                 return core.abort(rid, abort_all)
@@ -159,7 +158,7 @@ class Engine:
             case Flush():
                 return core.flush()
             case GetState():
-                return core.internal_state()
+                return {**core.internal_state(), "tp_size": len(self.devices)}
             case Call(fn):
                 return fn(core)
             case _:  # Stop is handled by the loop itself
@@ -205,8 +204,7 @@ class Engine:
     # ---- requests ------------------------------------------------------------------
     def _make_reqs(self, request: GenerateRequest, sink: Callable[[OutputDelta], None]
                    ) -> list[Req]:
-        if not self._healthy:
-            raise EngineUnavailable(self._reason)
+        self._require_healthy()
         ids = list(request.input_ids)
         # the one place a request is checked against the served model (types.InvalidRequest;
         # the HTTP side only checks JSON shapes and maps these to its own field names)

@@ -66,6 +66,7 @@ def test_two_engines_of_two_devices_match_one_device(single_device_answers: list
             leaves = jax.tree.leaves((params, kv))
             assert all(x.devices() == mine for x in leaves)  # on both devices, nowhere else
             assert any(not x.sharding.is_fully_replicated for x in leaves)  # really sharded
+            assert w.engine.get_internal_state()["tp_size"] == 2  # sglang's server-info key
 
         async def both() -> list[list[str]]:
             return list(await asyncio.gather(answers(fleet, 0), answers(fleet, 1)))
