@@ -305,10 +305,11 @@ class EngineClient(Protocol):
         ...
 
     async def open_streams(self, requests: Sequence[GenerateRequest]
-                           ) -> list[AsyncIterator[RequestOutput]]:
+                           ) -> list[AsyncIterator[OutputDelta]]:
         """Admit every request ATOMICALLY (one command to the engine thread: all are
         queued before its next step, or none when one is refused, which raises), then one
-        iterator per request as `stream` yields; `aclose()` on one aborts its request."""
+        iterator per request over its `OutputDelta`s (what the engine emits; the last per
+        sample has `finished=True`); `aclose()` on one aborts its request."""
         ...
 
     async def async_pause_generation(self, mode: str = "abort") -> ControlResult: ...

@@ -324,9 +324,10 @@ class Engine:
 
     async def stream(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
         (st,) = await self.open_streams([request])
+        assemble = OutputAssembler()
         try:
-            async for out in st:
-                yield out
+            async for delta in st:
+                yield assemble(delta)
         finally:
             await st.aclose()
 

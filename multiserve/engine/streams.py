@@ -3,8 +3,9 @@
 Owns `OutputAssembler`, which rebuilds each sample's cumulative `RequestOutput` from the
 engine's `OutputDelta`s (the engine itself never copies a whole output), and
 `OutputStream`, the per-request queue behind `Engine.open_streams` (and `Engine.stream`):
-the engine thread calls `sink(delta)`; the event loop iterates the stream, which yields
-one assembled snapshot per delta, until every sample sent its final output.
+the engine thread calls `sink(delta)`; the event loop iterates the stream's deltas until
+every sample sent its final one (the HTTP side consumes deltas as they are; `Engine.stream`
+assembles snapshots for Python callers).
 
 Invariants:
 - The stream ends (StopAsyncIteration) right after the last sample's final output.
@@ -75,8 +76,7 @@ def assembling(sink: Callable[[RequestOutput], None]) -> Callable[[OutputDelta],
 
 
 class OutputStream:
-    """Async iterator over one request's `RequestOutput` snapshots (all samples), one per
-    engine delta."""
+    """Async iterator over one request's `OutputDelta`s (all samples), in engine order."""
 
     def __init__(self, rid: str, num_samples: int, loop: asyncio.AbstractEventLoop,
                  abort: Callable[[str], None]) -> None:
@@ -84,7 +84,6 @@ class OutputStream:
         self._remaining = num_samples
         self._loop = loop
         self._queue: asyncio.Queue[OutputDelta] = asyncio.Queue()
-        self._assemble = OutputAssembler()
         self._abort = abort
         self._ended = False
         self._callbacks: list[Callable[[], None]] = []
@@ -113,11 +112,11 @@ class OutputStream:
     def __aiter__(self) -> OutputStream:
         return self
 
-    async def __anext__(self) -> RequestOutput:
+    async def __anext__(self) -> OutputDelta:
         if self._remaining == 0 or self._ended:
             self._end()
             raise StopAsyncIteration
-        out = self._assemble(await self._queue.get())
+        out = await self._queue.get()
         if out.finished:
             self._remaining -= 1
             if self._remaining == 0:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -70,8 +70,10 @@ def json_model(model: BaseModel, status: int = 200) -> JSONResponse:
     return JSONResponse(model.model_dump(mode="json", exclude_none=True), status_code=status)
 
 
-def api_error_from(exc: Exception) -> ApiError:
-    """The client-facing error for an exception raised while a request ran."""
+def api_error_from(exc: Exception, fields: Mapping[str, str] | None = None) -> ApiError:
+    """The client-facing error for an exception raised while a request ran. `fields`: the
+    client's name for each engine field an InvalidRequest may name (e.g. input_ids ->
+    prompt for the OpenAI API); the message's leading field name follows it."""
     if isinstance(exc, ApiError):
         return exc
     if isinstance(exc, EngineOverloaded):
@@ -79,7 +81,12 @@ def api_error_from(exc: Exception) -> ApiError:
     if isinstance(exc, EngineUnavailable):
         return ApiError(503, f"engine unavailable: {exc}", code="engine_unavailable")
     if isinstance(exc, InvalidRequest):  # the engine's check of the request
-        return bad_request(str(exc), param=exc.param, code=exc.code)
+        message, param = str(exc), exc.param
+        if param and fields and param in fields:
+            param = fields[param]
+            if message.startswith(f"{exc.param}:"):
+                message = f"{param}:{message[len(exc.param) + 1:]}"
+        return bad_request(message, param=param, code=exc.code)
     if isinstance(exc, ValueError):  # the engine rejected the request itself
         param = str(exc).split(":", 1)[0] if ":" in str(exc) else None
         return bad_request(str(exc), param=param if param and " " not in param else None)

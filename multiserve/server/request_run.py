@@ -1,17 +1,18 @@
 """One engine request seen from the HTTP side: per-sample text events.
 
-Owns: `RequestRun`, which submits a `GenerateRequest` through `EngineClient.stream`,
-detokenizes each sample incrementally (stop strings included), and yields
-`SampleEvent`s; `merge_runs` for several prompts at once; `until_disconnect` for
-non-streaming requests whose client may go away.
+Owns: `RequestRun`, which submits a `GenerateRequest` through
+`EngineClient.open_streams`, consumes the engine's `OutputDelta`s as they come (no
+cumulative copy), detokenizes each sample incrementally (showing the engine's stop-string
+verdict) and yields `SampleEvent`s; `merge_runs` for several prompts at once;
+`until_disconnect` for non-streaming requests whose client may go away.
 
 Invariants:
-- The engine stream is always closed when the run ends for any reason (done, a stop
-  string matched on every sample, error, cancellation on client disconnect): closing
-  it aborts whatever is still running in the engine and frees its KV. The close is
-  shielded from cancellation so a disconnect can never skip it.
-- Each sample ends exactly once; outputs for a sample after it ended (e.g. tokens the
-  engine produced past a stop string) are ignored and not counted.
+- The engine stream is always closed when the run ends for any reason (done, error,
+  cancellation on client disconnect): closing it aborts whatever is still running in the
+  engine and frees its KV. The close is shielded from cancellation so a disconnect can
+  never skip it.
+- Each sample ends exactly once, on its final delta; a delta must start where the
+  previous one of its sample ended.
 """
 
 from __future__ import annotations
@@ -26,14 +27,13 @@ import anyio
 from starlette.requests import Request
 
 from multiserve.server.detokenizer import IncrementalDetokenizer
-from multiserve.server.errors import bad_request
 from multiserve.server.http_utils import api_error_from
 from multiserve.server.tokenizer import TokenizerManager
 from multiserve.types import (
     EngineClient,
     GenerateRequest,
     InvalidRequest,
-    RequestOutput,
+    OutputDelta,
     TokenLogprob,
 )
 
@@ -93,7 +93,7 @@ class RequestRun:
         self.first_token_at: float | None = None
         self.ended_at: float | None = None
         self._on_done = on_done
-        self._stream: AsyncIterator[RequestOutput] | None = None
+        self._stream: AsyncIterator[OutputDelta] | None = None
 
     @property
     def rid(self) -> str:
@@ -118,7 +118,7 @@ class RequestRun:
             if aclose is not None:
                 await aclose()
 
-    async def _outputs(self) -> AsyncIterator[RequestOutput]:
+    async def _outputs(self) -> AsyncIterator[OutputDelta]:
         if self._stream is None:
             await self.start()
         assert self._stream is not None
@@ -158,24 +158,22 @@ class RequestRun:
             if self._on_done is not None:
                 self._on_done(self)
 
-    def _trims_stop_token(self, out: RequestOutput) -> bool:
+    def _trims_stop_token(self, out: OutputDelta) -> bool:
         m = out.matched_stop
         return (out.finished and out.finish_reason == "stop" and isinstance(m, int)
                 and not isinstance(m, bool) and not self.request.sampling.no_stop_trim)
 
-    def _advance(self, st: SampleState, out: Any) -> SampleEvent | None:
-        new_ids = list(out.output_ids[len(st.token_ids):])
-        start = len(st.token_ids)
+    def _advance(self, st: SampleState, out: OutputDelta) -> SampleEvent | None:
+        assert out.start == len(st.token_ids), "a delta must start where the last ended"
+        new_ids = list(out.new_ids)
         pieces: list[str] = []
         # sglang trims a matched stop TOKEN (eos or stop_token_ids) from the text, unless
         # no_stop_trim; output_ids keep it either way.
         trim = self._trims_stop_token(out) and bool(new_ids)
         pieces.append(st.detok.add_tokens(new_ids[:-1] if trim else new_ids))
         st.token_ids.extend(new_ids)
-        new_lps: list[TokenLogprob] = []
-        if out.logprobs is not None:
-            new_lps = list(out.logprobs[start:start + len(new_ids)])
-            st.logprobs.extend(new_lps)
+        new_lps = list(out.new_logprobs or ())
+        st.logprobs.extend(new_lps)
         if new_ids and self.first_token_at is None:
             self.first_token_at = time.monotonic()
         if out.finished:
@@ -203,11 +201,7 @@ async def start_runs(runs: list[RequestRun]) -> None:
     try:
         streams = await todo[0].engine.open_streams([r.request for r in todo])
     except InvalidRequest as exc:  # the engine's check, in the client's field names
-        param = todo[0].fields.get(exc.param or "", exc.param)
-        message = str(exc)
-        if exc.param and param != exc.param and message.startswith(f"{exc.param}:"):
-            message = f"{param}:{message[len(exc.param) + 1:]}"
-        raise bad_request(message, param=param, code=exc.code) from None
+        raise api_error_from(exc, todo[0].fields) from None
     for run, st in zip(todo, streams, strict=True):
         run._stream = st
 
