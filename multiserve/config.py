@@ -122,6 +122,12 @@ class EngineConfig:
     weight_version: str = "default"
     served_model_name: str | None = None
     warmup: bool = True
+    # Serve once the programs covering every step shape are compiled (the largest
+    # buckets); compile the smaller, faster ones on a background thread while serving
+    # (engine/device/programs.py). Outputs are identical (the model is row-invariant at
+    # every bucket); only speed differs until every program is compiled. False: the
+    # engine starts serving with every bucket compiled.
+    compile_in_background: bool = True
     show_progress: bool = True
 
     def __post_init__(self) -> None:

@@ -83,6 +83,6 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):  #
         # glibc keeps freed heap pages (a torn-down fleet's GBs) unless asked; without
         # this the suite's RSS only ever grew (measured: 12.9 -> 7.7 GB after tests/fleet)
         gc.collect()
-        from multiserve.fleet.startup import release_free_heap
+        from multiserve.host_heap import release_free_heap
 
         release_free_heap()

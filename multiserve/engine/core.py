@@ -24,6 +24,7 @@ Invariants:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Sequence
@@ -465,6 +466,7 @@ class EngineCore:
             "last_batch": self.last_batch is not None,
             "chunked_req": bool(s.chunked_reqs),
             "cache_miss_count": self.runner.cache_miss_count,
+            "compile": dataclasses.asdict(self.runner.programs.status()),
             "weight_version": self.weight_version,
             "memory_released": sorted(self.released_tags),
             "num_retractions": s.num_retractions,

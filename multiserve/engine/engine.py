@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import itertools
 import queue
 import random
@@ -89,6 +90,8 @@ class Engine:
         self._thread = threading.Thread(target=self._loop, name=f"engine-{cfg.device_indexes}",
                                         daemon=True)
         self._thread.start()
+        # programs compiled in the background are primed on the engine thread, between steps
+        parts.runner.programs.set_primer(lambda fn: self.call(Call(lambda core: fn())))
 
     # ---- the engine thread ---------------------------------------------------------
     def _loop(self) -> None:
@@ -448,9 +451,25 @@ class Engine:
             return
         fut = self.call(Stop())
         self._stopped = True
+        self._parts.runner.programs.stop()  # no further compile starts (none waited for)
         if self._thread.is_alive():
             fut.result(timeout=60)
             self._thread.join(timeout=60)
+
+    def wait_compiled(self, timeout: float | None = None) -> bool:
+        """Block until every step program is compiled (True), or the timeout ends (False).
+        The engine serves before that (EngineConfig.compile_in_background): with the same
+        outputs, but its smaller steps run padded to larger buckets until then. Benchmarks
+        wait here; get_internal_state()["compile"] shows the progress."""
+        return self._parts.runner.programs.wait_complete(timeout)
+
+    def compile_status(self) -> dict[str, Any]:
+        """The step programs' compile progress (also get_internal_state()["compile"]):
+        ready_s / complete_s (seconds from warm-up start to serving / to every bucket),
+        compiled and pending buckets ("T=<tokens>", "R=<rows>"), a background error, and
+        whether the background thread still runs. Readable from any thread, also after
+        shutdown."""
+        return dataclasses.asdict(self._parts.runner.programs.status())
 
     def __enter__(self) -> Engine:
         return self

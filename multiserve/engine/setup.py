@@ -21,8 +21,11 @@ import numpy as np
 from multiserve.config import ConfigError, EngineConfig, ModelConfig
 from multiserve.engine.core import EngineCore
 from multiserve.engine.device.model_runner import Runner
+from multiserve.engine.device.programs import plan
 from multiserve.engine.stop_strings import StopStringChecker
+from multiserve.host_heap import release_free_heap
 from multiserve.model.kv_pool import kv_bytes_per_token
+from multiserve.model.llama import UNROLL_MAX_TOKENS
 from multiserve.model.loader import load_model
 
 
@@ -111,24 +114,33 @@ def build_engine_parts(cfg: EngineConfig, progress: Any = None) -> EngineParts:
 
 
 def _warmup(runner: Runner, cfg: EngineConfig, max_context: int, progress: Any) -> None:
+    """Compile the step programs (engine/device/programs.py); returns once the engine can
+    serve. `progress(kind, size)` hears of every program, including those compiled later
+    in the background (on that thread); the bar counts the ones compiled before serving."""
     max_pages = -(-max_context // cfg.page_size)
-    buckets = runner.buckets()
     bar = None
     if cfg.show_progress and progress is None:
         from tqdm import tqdm
 
-        bar = tqdm(total=len(buckets), desc=f"compile engine {list(cfg.device_indexes)}",
+        first = plan(cfg.precompile_token_paddings, cfg.precompile_bs_paddings,
+                     UNROLL_MAX_TOKENS, cfg.compile_in_background).first
+        bar = tqdm(total=len(first), desc=f"compile engine {list(cfg.device_indexes)}",
                    leave=False)
     t0 = time.monotonic()
+    serving = threading.Event()
 
     def tick(kind: str, size: int) -> None:
-        if bar is not None:
+        if bar is not None and not serving.is_set():
             bar.set_postfix_str(f"{kind}={size}")
             bar.update(1)
         if progress is not None:
             progress(kind, size)
 
-    runner.warmup(max_pages, tick)
-    if bar is not None:
-        bar.close()
+    def first_ready() -> None:
+        serving.set()
+        if bar is not None:
+            bar.close()
+
+    runner.warmup(max_pages, tick, background=cfg.compile_in_background,
+                  on_complete=release_free_heap, on_first=first_ready)
     runner.warmup_seconds = time.monotonic() - t0

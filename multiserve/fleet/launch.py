@@ -39,9 +39,9 @@ from multiserve.fleet.startup import (
     enable_compilation_cache,
     fleet_config_from_args,
     init_jax,
-    release_free_heap,
 )
 from multiserve.fleet.worker import EngineWorker
+from multiserve.host_heap import release_free_heap
 from multiserve.types import ControlResult
 
 HEALTH_TIMEOUT_S = 120.0
@@ -161,7 +161,9 @@ def launch_fleet(cfg: FleetConfig, *, announce: bool = True, out: TextIO | None 
     fleet = Fleet(cfg, workers, compilation_cache=cache)
     try:
         _build_workers(workers, cfg.warmup_parallel, log, cancelled)
-        trimmed = release_free_heap()  # warm-up's compiler scratch, GBs on a 4-engine fleet
+        # warm-up's compiler scratch, GBs on a 4-engine fleet (each engine trims again when
+        # its background compiles end)
+        trimmed = release_free_heap()
         if trimmed:
             _say(log, "fleet: returned the warm-up's free heap to the OS")
         _start_servers(fleet)
@@ -172,7 +174,22 @@ def launch_fleet(cfg: FleetConfig, *, announce: bool = True, out: TextIO | None 
         raise
     if announce:
         print(fleet.ready_line(), file=out or sys.stdout, flush=True)
+    _log_when_compiled(workers, log)
     return fleet
+
+
+def _log_when_compiled(workers: list[EngineWorker], log: TextIO | None) -> None:
+    """Say on `log` when every engine has compiled its smaller step programs too (they
+    compile in the background after READY: engine/device/programs.py)."""
+    t0 = time.monotonic()
+
+    def wait() -> None:
+        for w in workers:
+            w.wait_compiled()
+        _say(log, f"fleet: every engine's step programs compiled "
+                  f"({time.monotonic() - t0:.1f} s after READY)")
+
+    threading.Thread(target=wait, name="fleet-compiled", daemon=True).start()
 
 
 def _build_workers(workers: list[EngineWorker], parallel: bool, log: TextIO | None,

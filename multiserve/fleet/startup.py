@@ -72,20 +72,6 @@ def enable_compilation_cache() -> str | None:
 
 # ---- configuration from the command line ----------------------------------------------
 
-def release_free_heap() -> bool:
-    """Ask the C allocator to return freed heap pages to the OS (glibc's malloc_trim).
-    Warm-up compiles leave GBs of freed compiler scratch in the heap, which glibc keeps:
-    without this a 4-engine CPU fleet sits at its warm-up peak. True if it ran; a no-op
-    (False) without glibc. Host memory only: says nothing about device memory."""
-    import ctypes
-
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        return False
-    return True
-
-
 def fleet_config_from_args(args: argparse.Namespace) -> FleetConfig:
     """`--config` (or, without it, `--engines N`: N engines x 1 device, default engine
     settings; with neither, configs/cpu-4.toml). `--port` (first engine port, 0 for

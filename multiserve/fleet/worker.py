@@ -156,6 +156,13 @@ class EngineWorker:
                              {"previous_reason": previous,
                               "build_seconds": round(self.build_seconds or 0.0, 3)})
 
+    def wait_compiled(self, timeout: float | None = None) -> bool:
+        """Block until the engine has compiled every step program (it serves before that;
+        EngineConfig.compile_in_background). True also for an engine without the notion."""
+        engine = self._engine
+        wait = getattr(engine, "wait_compiled", None)
+        return True if wait is None else bool(wait(timeout))
+
     def begin_drain(self) -> None:
         """Refuse new requests from now on (shutdown); in-flight ones go on."""
         with self._lock:

@@ -160,7 +160,7 @@ def run_chaos(cfg: ChaosConfig, *, log: Any = None) -> ChaosReport:
         try:
             _warm(fleet, checkpoints, cfg.seed)
             rss0, threads0 = process_usage()
-            names0 = {t.ident for t in threading.enumerate()}
+            names0 = Counter(t.name for t in threading.enumerate())
             say(f"chaos: fleet ready ({fleet.ready_line()}); {cfg.clients} clients for "
                 f"{cfg.seconds:g} s")
             t0 = time.monotonic()
@@ -179,9 +179,13 @@ def run_chaos(cfg: ChaosConfig, *, log: Any = None) -> ChaosReport:
             report.seconds = time.monotonic() - t0
             report.outcomes, report.ops = outcomes, op.records
             report.problems += fleet_problems(fleet)
+            for w in fleet.workers:  # a restarted engine compiles on a thread that then ends
+                w.wait_compiled(600)
             rss1, threads1 = process_usage()
-            report.new_threads = sorted(t.name for t in threading.enumerate()
-                                        if t.ident not in names0)
+            # by name: a restarted engine's thread replaces the old one's (comparing thread
+            # idents only worked while the OS happened to reuse the dead thread's id)
+            names1 = Counter(t.name for t in threading.enumerate())
+            report.new_threads = sorted((names1 - names0).elements())
             report.rss_mb, report.threads = (rss0, rss1), (threads0, threads1)
         finally:
             fleet.stop("abort")

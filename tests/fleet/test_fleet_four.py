@@ -39,6 +39,10 @@ STREAM_TOKENS = 12
 @pytest.fixture(scope="module")
 def fleet() -> Iterator[Fleet]:
     f = launch_fleet(load_fleet_config(CPU4, TEST_OVERRIDES), announce=False)
+    # The pause tests stop 4 short streams mid-way: they need the 4 engines at the same
+    # speed, i.e. every engine's small buckets compiled (READY comes before that).
+    for w in f.workers:
+        assert w.wait_compiled(600)
     yield f
     f.stop("abort")
 

@@ -14,8 +14,10 @@ Every row's numerics are independent of T and R (row_invariant.py, attention.py,
 sampler's fixed-size row chunks).
 
 Invariants:
-- Every bucket is compiled by `warmup()`; `cache_miss_count` counts traces after warm-up,
-  so a test can assert zero recompiles.
+- Steps call compiled executables (programs.py), never `jax.jit` dispatch: a step cannot
+  trace or compile. `warmup()` compiles the covering buckets, then the rest (optionally in
+  the background while serving); `bucket_for` picks only compiled buckets, so
+  `cache_miss_count` (programs compiled on the step path) stays 0 after warm-up.
 - `run()` never waits for the device: it returns device arrays. The next step reads
   the previous step's sampled ids from `self._prev_ids` on device (overlap scheduling:
   no host round trip between consecutive decode steps).
@@ -28,9 +30,7 @@ Invariants:
 from __future__ import annotations
 
 import os
-import threading
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,11 +42,12 @@ from jax.sharding import PartitionSpec as P
 
 from multiserve.config import EngineConfig, ModelConfig
 from multiserve.engine.device.batch_arrays import StepArrays, empty_step_arrays
+from multiserve.engine.device.programs import ProgramSet, plan, smallest_fit
 from multiserve.engine.sampling import host as sampling_host
 from multiserve.engine.sampling import sampler as sampling
 from multiserve.model.forward_batch import ForwardBatch
 from multiserve.model.kv_pool import KVPool, make_kv_pool
-from multiserve.model.llama import forward_hidden, lm_head
+from multiserve.model.llama import UNROLL_MAX_TOKENS, forward_hidden, lm_head
 from multiserve.model.row_invariant import with_transposed
 from multiserve.model.sharding import kv_pool_sharding, make_mesh, shard_params
 
@@ -92,10 +93,11 @@ class Runner:
                                               sharding=self._kv_sharding)
         self._prev_ids = jax.device_put(np.zeros(self.max_rows, np.int32), self.replicated)
         self._zero_cache: dict[int, Any] = {}
-        self.trace_count = 0
-        self.warmup_trace_count: int | None = None
-        self.warmup_seconds: float | None = None
-        self._lock = threading.Lock()
+        self.warmup_seconds: float | None = None  # warm-up start -> serving
+        self.programs = ProgramSet.on_demand()  # replaced by warmup()
+        self._warm_started = False
+        self._step_compiles = 0
+        self._prime_pages = 1
         # warm-up compiles in parallel; an engine alone on the host uses every core
         self.compile_threads = min(4, os.cpu_count() or 1)
         # explicit output shardings: warm-up lowers the heads from abstract inputs that
@@ -128,7 +130,6 @@ class Runner:
     # ---- the traced step -----------------------------------------------------------
     def _forward_impl(self, params: Any, kv: KVPool, prev_ids: jax.Array, arrays: dict
                       ) -> tuple[jax.Array, jax.Array, jax.Array, KVPool]:
-        self.trace_count += 1  # Python side effect: runs once per trace (= per compile)
         from_prev = arrays["from_prev"]
         ids = jnp.where(from_prev >= 0, prev_ids[jnp.maximum(from_prev, 0)],
                         arrays["input_ids"])
@@ -144,7 +145,6 @@ class Runner:
 
     def _head_impl(self, params: Any, hidden: jax.Array, row_tok: jax.Array,
                    row_prev: jax.Array, sb: Any, *, num_rows: int) -> tuple[jax.Array, Any]:
-        self.trace_count += 1
         logits = lm_head(params, hidden[:num_rows])
         rows = sb.temperature.shape[0]  # sampler_rows(num_rows)
         if rows > num_rows:
@@ -159,13 +159,18 @@ class Runner:
 
     # ---- buckets / warm-up ---------------------------------------------------------
     def buckets(self) -> list[tuple[str, int]]:
-        """Every compiled program: ("T", tokens) forwards and ("R", rows) heads."""
+        """Every step program: ("T", tokens) forwards and ("R", rows) heads."""
         return ([("T", t) for t in self.cfg.precompile_token_paddings]
                 + [("R", r) for r in self.cfg.precompile_bs_paddings])
 
     def bucket_for(self, num_tokens: int, num_rows: int) -> tuple[int, int]:
-        t = next((t for t in self.cfg.precompile_token_paddings if t >= num_tokens), None)
-        r = next((r for r in self.cfg.precompile_bs_paddings if r >= num_rows), None)
+        """The smallest compiled (T, R) buckets holding the step (all configured buckets
+        when warm-up is off: those compile on first use)."""
+        warm = self._warm_started
+        t = smallest_fit(self.programs.ready("T") if warm
+                         else self.cfg.precompile_token_paddings, num_tokens)
+        r = smallest_fit(self.programs.ready("R") if warm
+                         else self.cfg.precompile_bs_paddings, num_rows)
         if t is None or r is None:
             raise ValueError(f"no bucket for {num_tokens} tokens / {num_rows} rows")
         return t, r
@@ -174,53 +179,87 @@ class Runner:
         """Sequence rows of a T-token step: every row has a token, and at most max_rows."""
         return min(num_tokens, self.max_rows)
 
-    def warmup(self, max_pages: int, progress: Any = None) -> None:
-        """Compile every bucket, then run each once. Programs are traced and lowered here
-        (Python, serial) and compiled by `compile_threads` threads (XLA compiles release the
-        GIL, and the unrolled decoder makes each compile take seconds); the runs that follow
-        find them in JAX's compilation cache. `progress(kind, size)` is called on this
-        thread as each program is ready."""
-        forwards = {size: empty_step_arrays(size, self.page_table_rows(size), self.max_rows,
-                                            max_pages)
-                    for kind, size in self.buckets() if kind == "T"}
-        heads = [size for kind, size in self.buckets() if kind == "R"]
+    def _abstract_inputs(self, max_pages: int) -> dict[tuple[str, int], tuple[Any, ...]]:
+        """The arguments of every program as abstract shapes (shape, dtype, sharding),
+        captured now so that compiling later never reads live arrays (the engine thread
+        donates the KV pool and replaces params)."""
+        spec = _abstract
+        params, kv, prev = spec(self._compute), spec(self.kv), spec(self._prev_ids)
         hidden = jax.ShapeDtypeStruct((self.max_rows, self.model_cfg.hidden_size), self.dtype,
                                       sharding=self.replicated)
         row_ids = jax.ShapeDtypeStruct((self.max_rows,), jnp.int32, sharding=self.replicated)
         row_prev = jax.ShapeDtypeStruct((self.max_rows,), jnp.bool_, sharding=self.replicated)
-        with ThreadPoolExecutor(max(1, self.compile_threads)) as pool:
-            jobs = {}
-            for size in heads:  # the shorter compiles first: the pool's tail is a forward
-                sb = jax.device_put(self.sampling_batch([], size), self.replicated)
-                lowered = self._head_fn.lower(self._compute, hidden, row_ids, row_prev, sb,
-                                              num_rows=size)
-                jobs[pool.submit(lowered.compile)] = ("R", size)
-            for size, arrays in forwards.items():
-                lowered = self._forward_fn.lower(self._compute, self.kv, self._prev_ids,
-                                                 self._device_arrays(arrays))
-                jobs[pool.submit(lowered.compile)] = ("T", size)
-            for done in as_completed(jobs):
-                done.result()
-                if progress is not None:
-                    progress(*jobs[done])
-        # One run of each program (cache hits, no compile): the small forwards and every
-        # head; the large forwards only cost time here (seconds) and have been compiled.
-        smallest = min(forwards)
-        for size, arrays in forwards.items():
-            if size <= 64 or size == smallest:
-                out_hidden, _, _, self.kv = self._forward(arrays)
-                jax.block_until_ready(out_hidden)
-        for size in heads:
-            out = self.run(forwards[smallest], self.sampling_batch([], size),
-                           wants_logprobs=False, num_rows=size)
-            jax.block_until_ready(out.next_ids)
-        self.warmup_trace_count = self.trace_count
+        out: dict[tuple[str, int], tuple[Any, ...]] = {}
+        for kind, size in self.buckets():
+            if kind == "T":
+                arrays = empty_step_arrays(size, self.page_table_rows(size), self.max_rows,
+                                           max_pages)
+                out[(kind, size)] = (params, kv, prev, spec(self._device_arrays(arrays)))
+            else:
+                sb = spec(jax.device_put(self.sampling_batch([], size), self.replicated))
+                out[(kind, size)] = (params, hidden, row_ids, row_prev, sb)
+        return out
+
+    def _compile(self, inputs: tuple[Any, ...], kind: str, size: int) -> Any:
+        """Lower and compile one program (any thread). The one place programs are made."""
+        if kind == "T":
+            return self._forward_fn.lower(*inputs).compile()
+        return self._head_fn.lower(*inputs, num_rows=size).compile()
+
+    def warmup(self, max_pages: int, progress: Any = None, background: bool = False,
+               on_complete: Any = None, on_first: Any = None) -> None:
+        """Compile and prime the step programs (programs.py): the covering set first,
+        blocking, with `compile_threads` threads; then (`background`) the rest on a thread
+        while the engine serves — the engine primes those (`ProgramSet.set_primer`).
+        `progress(kind, size)` is called as each program is compiled; `on_first()` once
+        the covering set is ready, `on_complete()` once every program is."""
+        inputs = self._abstract_inputs(max_pages)
+        order = plan(self.cfg.precompile_token_paddings, self.cfg.precompile_bs_paddings,
+                     UNROLL_MAX_TOKENS, background)
+        self._warm_started = True
+        self._prime_pages = max_pages
+        self.programs = ProgramSet(
+            lambda kind, size: self._compile(inputs[(kind, size)], kind, size), self._prime)
+        self.programs.compile_first(order.first, self.compile_threads, progress)
+        if on_first is not None:
+            on_first()
+        self.programs.compile_rest(order.rest, self.compile_threads, progress, on_complete)
+
+    def _prime(self, kind: str, size: int, program: Any) -> None:
+        """Run a compiled program once on padding inputs (the engine's owner thread): its
+        first execution's one-off costs are paid here, not by a request, and a broken
+        program fails here. Padding tokens write K/V only into the garbage page 0; the
+        previous step's ids (`_prev_ids`) are read, never replaced, so a step in flight is
+        unaffected. Skipped while memory is released (no params / KV to run on)."""
+        if self._compute is None or self.kv is None or self._prev_ids is None:
+            return
+        if kind == "T":
+            arrays = empty_step_arrays(size, self.page_table_rows(size), self.max_rows,
+                                       self._prime_pages)
+            hidden, _, _, self.kv = program(self._compute, self.kv, self._prev_ids,
+                                            self._device_arrays(arrays))
+            jax.block_until_ready(hidden)
+            return
+        hidden = jnp.zeros((self.max_rows, self.model_cfg.hidden_size), self.dtype,
+                           device=self.replicated)
+        rows = jnp.zeros((self.max_rows,), jnp.int32, device=self.replicated)
+        sb = jax.device_put(self.sampling_batch([], size), self.replicated)
+        next_ids, _ = program(self._compute, hidden, rows, rows > 0, sb)
+        jax.block_until_ready(next_ids)
 
     @property
     def cache_miss_count(self) -> int:
-        if self.warmup_trace_count is None:
-            return 0
-        return self.trace_count - self.warmup_trace_count
+        """Programs compiled on the step path after warm-up began (must stay 0: a step
+        only picks compiled buckets)."""
+        return self._step_compiles if self._warm_started else 0
+
+    def _program(self, kind: str, size: int, inputs: tuple[Any, ...]) -> Any:
+        program = self.programs.get(kind, size)
+        if program is None:  # warm-up off, or a caller forced an uncompiled bucket
+            self._step_compiles += 1
+            program = self._compile(_abstract(inputs), kind, size)
+            self.programs.add_ready(kind, size, program)
+        return program
 
     # ---- running -------------------------------------------------------------------
     def _device_arrays(self, arrays: StepArrays) -> dict[str, jax.Array]:
@@ -228,8 +267,8 @@ class Runner:
 
     def _forward(self, arrays: StepArrays) -> tuple[jax.Array, jax.Array, jax.Array, KVPool]:
         assert self.kv is not None, "KV pool released: resume memory before running"
-        return self._forward_fn(self._compute, self.kv, self._prev_ids,
-                                self._device_arrays(arrays))
+        inputs = (self._compute, self.kv, self._prev_ids, self._device_arrays(arrays))
+        return self._program("T", arrays.input_ids.shape[0], inputs)(*inputs)
 
     def run(self, arrays: StepArrays, sb_host: Any, wants_logprobs: bool,
             num_rows: int) -> StepOutput:
@@ -237,8 +276,8 @@ class Runner:
         (built by `sampling_batch(specs, num_rows)`)."""
         hidden, row_tok, row_prev, self.kv = self._forward(arrays)
         sb = jax.device_put(sb_host, self.replicated)
-        next_ids, out = self._head_fn(self._compute, hidden, row_tok, row_prev, sb,
-                                      num_rows=num_rows)
+        inputs = (self._compute, hidden, row_tok, row_prev, sb)
+        next_ids, out = self._program("R", num_rows, inputs)(*inputs)
         self._prev_ids = next_ids
         return StepOutput(next_ids=next_ids, sample=out, num_rows=num_rows,
                           wants_logprobs=wants_logprobs)
@@ -282,3 +321,9 @@ def _add_inflight_tokens(sb: sampling.SamplingBatch, tokens: jax.Array,
 
     counts = jax.lax.cond(sb.any_penalty, add, lambda c: c, sb.output_counts)
     return sb.replace(output_counts=counts)
+
+
+def _abstract(tree: Any) -> Any:
+    """The abstract shape (shape, dtype, sharding) of every array leaf of `tree`."""
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+                        tree)

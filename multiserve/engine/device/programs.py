@@ -1,0 +1,293 @@
+"""The compiled step programs of one engine, and the order they are compiled in.
+
+A step runs two programs (model_runner.py): a forward over T tokens ("T", one per token
+bucket) and a head over R logits rows ("R", one per row bucket). They are compiled ahead
+of time (`jax.jit(...).lower(...).compile()`) and the step calls the compiled executables
+directly, so a step never traces or compiles: a shape without a program is never chosen.
+
+Serving before every program is compiled. The model is row-invariant at every bucket
+(model/row_invariant.py, model/attention.py): a step padded to a larger bucket gives every
+real row bitwise the same result. So an engine needs only a *covering* set to serve every
+step shape: the largest token bucket and the largest row bucket (plus the scanned token
+buckets, T > llama.UNROLL_MAX_TOKENS, which compile in ~2 s and keep a lone decode off the
+largest bucket). `plan()` splits the buckets into that first phase and the rest; with
+`background` the rest compile on one thread per engine while the engine serves, smallest
+first (a lone decode's T = 1, R = 1 first), and each joins the set as soon as it is
+compiled; the step then picks the smallest compiled bucket that fits (`smallest_fit`).
+Outputs are identical either way; only speed differs until the set is complete.
+The unrolled small-T forwards are most of the compile time (~8 s each on 2 cores vs ~2 s
+for a scanned one), which is why they go last.
+
+Ownership (one writer each): `_programs` and `_ready` are written only by the compiling
+thread (the warm-up caller, then the background thread), each program stored before its
+size is published in `_ready` (an immutable tuple swapped whole, so a reader on the engine
+thread sees a consistent set under the GIL). `COMPILE_SLOTS` bounds the background compiles
+running at once in the process (a fleet's engines share the host's cores).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+# Background compiles running at once in this process (all engines): as many as the warm-up
+# uses (Runner.compile_threads), so a fleet of 4 engines on 2 cores runs 2, not 8.
+COMPILE_SLOT_COUNT = max(1, min(4, os.cpu_count() or 1))
+COMPILE_SLOTS = threading.BoundedSemaphore(COMPILE_SLOT_COUNT)
+
+Kind = str  # "T" (forward over tokens) or "R" (head over rows)
+
+# Sets whose background thread is running. At interpreter exit each is stopped and its
+# compile in progress waited for: a daemon thread killed inside an XLA compile aborts the
+# process ("terminate called ..."), shut down engine or not.
+_BACKGROUND: set[ProgramSet] = set()
+_BACKGROUND_LOCK = threading.Lock()
+
+
+@atexit.register
+def _stop_background_compiles() -> None:
+    with _BACKGROUND_LOCK:
+        running = list(_BACKGROUND)
+    for programs in running:
+        programs.stop(timeout=None)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Which programs compile before the engine serves (`first`) and which after (`rest`,
+    in compile order)."""
+
+    first: tuple[tuple[Kind, int], ...]
+    rest: tuple[tuple[Kind, int], ...]
+
+
+def plan(token_buckets: Sequence[int], row_buckets: Sequence[int], unroll_max_tokens: int,
+         background: bool) -> Plan:
+    """Split the buckets: without `background` everything is `first`; with it, `first` is
+    the covering set (largest T and R, and every scanned T) and `rest` the others,
+    ordered by size (T before R at equal size: a forward is the longer compile)."""
+    everything = [("T", t) for t in token_buckets] + [("R", r) for r in row_buckets]
+    if not background:
+        return Plan(first=tuple(everything), rest=())
+    first = {("T", max(token_buckets)), ("R", max(row_buckets))}
+    first |= {("T", t) for t in token_buckets if t > unroll_max_tokens}
+    rest = sorted((p for p in everything if p not in first), key=lambda p: (p[1], p[0] != "T"))
+    return Plan(first=tuple(p for p in everything if p in first), rest=tuple(rest))
+
+
+def smallest_fit(ready: Iterable[int], n: int) -> int | None:
+    """The smallest size in `ready` that holds n (None: none does)."""
+    fits = [s for s in ready if s >= n]
+    return min(fits) if fits else None
+
+
+@dataclass
+class CompileStatus:
+    """What `status()` reports (get_internal_state "compile")."""
+
+    ready_s: float | None = None  # warm-up start -> serving (the first phase compiled)
+    complete_s: float | None = None  # warm-up start -> every program compiled
+    compiled: list[str] = field(default_factory=list)
+    pending: list[str] = field(default_factory=list)
+    error: str | None = None  # a background compile failed: the engine serves on without it
+    compiling: bool = False  # the background thread is running
+
+
+class ProgramSet:
+    """The step programs of one engine (see the module docstring for who writes what).
+
+    A program is compiled (`compile_program(kind, size)` -> executable; it must not touch
+    live device arrays: the runner lowers from abstract shapes), then *primed* — run once
+    by the engine's owner thread, which pays the first execution's one-off costs (buffer
+    allocation, ~1.4 s for a 64-token forward) outside a request — and only then ready,
+    i.e. chosen by steps. Background compiles are handed to the engine thread for priming
+    through `set_primer`."""
+
+    def __init__(self, compile_program: Callable[[Kind, int], Any],
+                 prime_program: Callable[[Kind, int, Any], None]) -> None:
+        self._compile_program = compile_program
+        self._prime_program = prime_program
+        self._programs: dict[tuple[Kind, int], Any] = {}  # compiled (compiling thread)
+        self._ready: dict[Kind, tuple[int, ...]] = {"T": (), "R": ()}  # primed (owner)
+        self._pending: tuple[tuple[Kind, int], ...] = ()
+        self._handoff = threading.Lock()  # guards _primer and _unprimed
+        self._primer: Callable[[Callable[[], None]], None] | None = None
+        self._unprimed: list[tuple[Kind, int]] = []
+        self._stop = threading.Event()
+        self._complete = threading.Event()
+        self._on_complete: Callable[[], None] | None = None
+        self._thread: threading.Thread | None = None
+        self._t0: float | None = None
+        self._all_planned = False  # compile_rest has added the rest to _pending
+        self.ready_s: float | None = None
+        self.complete_s: float | None = None
+        self.error: BaseException | None = None
+
+    # ---- readers (any thread) -----------------------------------------------------
+    def ready(self, kind: Kind) -> tuple[int, ...]:
+        return self._ready[kind]
+
+    def get(self, kind: Kind, size: int) -> Any | None:
+        return self._programs.get((kind, size))
+
+    def wait_complete(self, timeout: float | None = None) -> bool:
+        """Block until every planned program is ready (True) or the timeout ends."""
+        return self._complete.wait(timeout)
+
+    def status(self) -> CompileStatus:
+        ready = self._ready
+        return CompileStatus(
+            ready_s=self.ready_s, complete_s=self.complete_s,
+            compiled=[f"{k}={s}" for k in ("T", "R") for s in ready[k]],
+            pending=[f"{k}={s}" for k, s in self._pending],
+            error=None if self.error is None else f"{type(self.error).__name__}: {self.error}",
+            compiling=self._thread is not None and self._thread.is_alive())
+
+    @classmethod
+    def on_demand(cls) -> ProgramSet:
+        """A set with nothing planned (warm-up off): the runner adds programs as steps
+        need them, and there is nothing to wait for."""
+
+        def unplanned(*args: Any) -> Any:
+            raise AssertionError(f"nothing is planned: {args[:2]}")
+
+        programs = cls(unplanned, unplanned)
+        programs._complete.set()
+        return programs
+
+    # ---- the owner of the engine's device state (warm-up, then the engine thread) ---
+    def add_ready(self, kind: Kind, size: int, program: Any) -> None:
+        """Store and publish a program the owner compiled itself (warm-up off)."""
+        self._programs[(kind, size)] = program
+        self._publish(kind, size)
+
+    def prime_and_publish(self, kind: Kind, size: int) -> None:
+        """Run a compiled program once, then let steps choose it (the owner's thread)."""
+        self._prime_program(kind, size, self._programs[(kind, size)])
+        self._publish(kind, size)
+
+    def _publish(self, kind: Kind, size: int) -> None:
+        self._ready = {**self._ready, kind: tuple(sorted({*self._ready[kind], size}))}
+        self._pending = tuple(p for p in self._pending if p != (kind, size))
+        if not self._pending and self._all_planned and not self._complete.is_set():
+            self.complete_s = time.monotonic() - self._t0
+            self._complete.set()
+            if self._on_complete is not None:
+                self._on_complete()
+
+    def set_primer(self, submit: Callable[[Callable[[], None]], None]) -> None:
+        """From now on, hand each background-compiled program to `submit(fn)`, which runs
+        fn on the engine thread (between steps); the ones compiled before are handed now."""
+        with self._handoff:
+            self._primer = submit
+            backlog, self._unprimed = self._unprimed, []
+        for kind, size in backlog:
+            self._hand_over(kind, size)
+
+    def _hand_over(self, kind: Kind, size: int) -> None:
+        with self._handoff:
+            submit = self._primer
+            if submit is None:
+                self._unprimed.append((kind, size))
+                return
+
+        def prime() -> None:
+            try:
+                self.prime_and_publish(kind, size)
+            except Exception as e:  # noqa: BLE001 - reported via status; the engine serves on
+                self.error = e
+
+        try:
+            submit(prime)
+        except Exception:  # noqa: BLE001 - the engine has stopped: nothing to prime for
+            pass
+
+    # ---- compiling ---------------------------------------------------------------
+    def compile_first(self, programs: Sequence[tuple[Kind, int]], threads: int,
+                      progress: Callable[[Kind, int], None] | None = None) -> None:
+        """Compile `programs` with `threads` compile threads, then prime and publish each
+        (blocking; the caller owns the engine's device state). Lowering is Python and
+        serial; XLA compiles release the GIL."""
+        from concurrent.futures import ThreadPoolExecutor, as_completed
+
+        self._t0 = time.monotonic()
+        self._pending = tuple(programs)
+        with ThreadPoolExecutor(max(1, threads)) as pool:
+            jobs = {pool.submit(self._compile_program, kind, size): (kind, size)
+                    for kind, size in programs}
+            for done in as_completed(jobs):
+                kind, size = jobs[done]
+                self._programs[(kind, size)] = done.result()
+                if progress is not None:
+                    progress(kind, size)
+        for kind, size in programs:
+            self.prime_and_publish(kind, size)
+        self.ready_s = time.monotonic() - self._t0
+
+    def compile_rest(self, programs: Sequence[tuple[Kind, int]], threads: int,
+                     progress: Callable[[Kind, int], None] | None = None,
+                     on_complete: Callable[[], None] | None = None) -> None:
+        """Compile the remaining programs on a background thread while the engine serves:
+        started in order by `threads` workers, each holding one of COMPILE_SLOTS, none
+        started after `stop()`. Each compiled program goes to the engine thread to be
+        primed and published (`set_primer`); `on_complete()` runs once all are ready."""
+        from concurrent.futures import ThreadPoolExecutor, as_completed
+
+        self._on_complete = on_complete
+        self._pending = (*self._pending, *programs)
+        self._all_planned = True
+        if not programs:
+            self.complete_s = time.monotonic() - (self._t0 or time.monotonic())
+            self._complete.set()
+            if on_complete is not None:
+                on_complete()
+            return
+
+        def compile_one(kind: Kind, size: int) -> Any | None:
+            while not COMPILE_SLOTS.acquire(timeout=0.05):  # stop() need not wait for a slot
+                if self._stop.is_set():
+                    return None
+            try:
+                return None if self._stop.is_set() else self._compile_program(kind, size)
+            finally:
+                COMPILE_SLOTS.release()
+
+        def run() -> None:
+            try:
+                with ThreadPoolExecutor(max(1, threads)) as pool:
+                    jobs = {pool.submit(compile_one, kind, size): (kind, size)
+                            for kind, size in programs}
+                    for done in as_completed(jobs):
+                        program = done.result()
+                        if program is None:  # stopped
+                            continue
+                        kind, size = jobs[done]
+                        self._programs[(kind, size)] = program  # before it is handed over
+                        if progress is not None:
+                            progress(kind, size)
+                        self._hand_over(kind, size)
+            except BaseException as e:  # noqa: BLE001 - reported via status/error, engine serves on
+                self.error = e
+            finally:
+                with _BACKGROUND_LOCK:
+                    _BACKGROUND.discard(self)
+
+        self._thread = threading.Thread(target=run, name="compile-background", daemon=True)
+        with _BACKGROUND_LOCK:
+            _BACKGROUND.add(self)
+        self._thread.start()
+
+    def stop(self, timeout: float | None = 0.0) -> None:
+        """No further program starts compiling. Waits up to `timeout` s (None: until done)
+        for the background thread, which ends once a compile in progress finishes (an XLA
+        compile cannot be interrupted; at most seconds). Engine.shutdown does not wait;
+        interpreter exit does (`_stop_background_compiles`)."""
+        self._stop.set()
+        if (self._thread is not None and self._thread is not threading.current_thread()
+                and (timeout is None or timeout > 0)):
+            self._thread.join(timeout)

@@ -1,0 +1,140 @@
+"""Serving before every step program is compiled (EngineConfig.compile_in_background).
+
+An engine serves as soon as its covering buckets (the largest token and row buckets) are
+compiled and compiles the smaller ones while it serves. Outputs must not change when the
+smaller buckets arrive (the model is row-invariant at every bucket), no step may ever
+compile, and shutting down must not wait for the remaining compiles nor let them run.
+
+The tests hold every background compile slot (`programs.COMPILE_SLOTS`, the process-wide
+bound the engines really use) to keep an engine in its "covering buckets only" state for
+as long as they need, then release it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from engine_helpers import WAIT_S
+
+from multiserve.config import EngineConfig
+from multiserve.engine.device.programs import COMPILE_SLOT_COUNT, COMPILE_SLOTS, plan
+from multiserve.types import SamplingParams
+
+BUCKETS: dict[str, Any] = dict(
+    precompile_token_paddings=(1, 8, 64, 128), precompile_bs_paddings=(1, 8, 64),
+    max_running_requests=64, chunked_prefill_size=64, page_size=8, max_total_tokens=8192,
+    max_context_len=1024, show_progress=False)
+
+
+@contextlib.contextmanager
+def compile_slots_held() -> Iterator[None]:
+    """Hold every background compile slot of the process: no background compile starts."""
+    held = 0
+    try:
+        while COMPILE_SLOTS.acquire(timeout=WAIT_S):
+            held += 1
+            if held == COMPILE_SLOT_COUNT:
+                break
+        assert held == COMPILE_SLOT_COUNT, "a compile slot was never freed"
+        yield
+    finally:
+        for _ in range(held):
+            COMPILE_SLOTS.release()
+
+
+def _requests() -> list[tuple[list[int], SamplingParams]]:
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True,
+                            return_logprob=True, top_logprobs_num=2)
+    sampled = SamplingParams(temperature=0.8, top_p=0.9, max_new_tokens=12, ignore_eos=True,
+                             return_logprob=True, seed=7)
+    return [([5, 17, 42, 99, 7], greedy), ([3, 3, 8] * 9, sampled), ([11, 12, 13], greedy)]
+
+
+def _run(engine: Any) -> list[tuple[Any, Any]]:
+    """Each request alone (1-token decode steps), then all together (a batch)."""
+    reqs = _requests()
+    alone = [engine.generate(input_ids=ids, sampling_params=p) for ids, p in reqs]
+    together = engine.generate(input_ids=[ids for ids, _ in reqs],
+                               sampling_params=[p for _, p in reqs])
+    return [(o.output_ids, o.logprobs) for o in (*alone, *together)]
+
+
+def test_plan_serves_from_the_covering_buckets_and_compiles_small_ones_first() -> None:
+    tokens, rows = (1, 2, 8, 64, 128, 512), (1, 8, 64, 128)
+    order = plan(tokens, rows, unroll_max_tokens=64, background=True)
+    assert set(order.first) == {("T", 128), ("T", 512), ("R", 128)}
+    assert list(order.rest) == [("T", 1), ("R", 1), ("T", 2), ("T", 8), ("R", 8), ("T", 64),
+                                ("R", 64)]
+    blocking = plan(tokens, rows, unroll_max_tokens=64, background=False)
+    assert blocking.rest == () and len(blocking.first) == len(tokens) + len(rows)
+    # no scanned bucket: the largest (unrolled) token bucket covers
+    small = plan((1, 16), (1, 16), unroll_max_tokens=64, background=True)
+    assert set(small.first) == {("T", 16), ("R", 16)} and small.rest == (("T", 1), ("R", 1))
+
+
+def test_outputs_do_not_change_when_the_small_buckets_arrive(tiny_model_dir: Path) -> None:
+    from multiserve.engine.engine import Engine
+
+    with compile_slots_held():
+        engine = Engine(EngineConfig(model_path=str(tiny_model_dir), **BUCKETS))
+        try:
+            status = engine.get_internal_state()["compile"]
+            assert status == engine.compile_status()
+            assert status["compiled"] == ["T=128", "R=64"], status
+            assert status["pending"] == ["T=1", "R=1", "T=8", "R=8", "T=64"]
+            assert status["complete_s"] is None and not engine.wait_compiled(0.05)
+            covering_only = _run(engine)  # every step padded to 128 tokens / 64 rows
+            assert all(ids and lps for ids, lps in covering_only)
+        except BaseException:
+            engine.shutdown()
+            raise
+    try:
+        assert engine.wait_compiled(WAIT_S)
+        status = engine.get_internal_state()["compile"]
+        assert status["pending"] == [] and status["error"] is None
+        assert status["compiled"] == ["T=1", "T=8", "T=64", "T=128", "R=1", "R=8", "R=64"]
+        assert status["complete_s"] >= status["ready_s"] > 0
+        assert _run(engine) == covering_only  # lone requests now decode at T = R = 1
+        assert engine.get_internal_state()["cache_miss_count"] == 0
+    finally:
+        engine.shutdown()
+
+
+def test_blocking_warm_up_compiles_every_bucket_before_serving(tiny_model_dir: Path) -> None:
+    from multiserve.engine.engine import Engine
+
+    with compile_slots_held():  # the blocking warm-up does not need a background slot
+        engine = Engine(EngineConfig(model_path=str(tiny_model_dir),
+                                     compile_in_background=False, **BUCKETS))
+    try:
+        status = engine.get_internal_state()["compile"]
+        assert status["pending"] == [] and len(status["compiled"]) == 7
+        assert engine.wait_compiled(0)
+    finally:
+        engine.shutdown()
+
+
+def test_shutdown_does_not_wait_for_pending_compiles(tiny_model_dir: Path) -> None:
+    from multiserve.engine.engine import Engine
+
+    with compile_slots_held():
+        engine = Engine(EngineConfig(model_path=str(tiny_model_dir), **BUCKETS))
+        assert engine.compile_status()["compiling"]
+        done = threading.Event()
+        threading.Thread(target=lambda: (engine.shutdown(), done.set()), daemon=True).start()
+        # shutdown stops the background before a pending program starts: it returns while
+        # the slots are still held, and the compile thread ends without compiling more
+        assert done.wait(WAIT_S), "shutdown waited for the background compiles"
+        deadline = time.monotonic() + WAIT_S
+        while engine.compile_status()["compiling"] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        status = engine.compile_status()
+        assert not status["compiling"] and status["pending"], status
+    time.sleep(0.3)  # slots free again: nothing more is compiled for the stopped engine
+    assert engine.compile_status()["compiled"] == status["compiled"]
+    assert not engine.wait_compiled(0)
