@@ -160,7 +160,10 @@ def launch_fleet(cfg: FleetConfig, *, announce: bool = True, out: TextIO | None 
     workers = [EngineWorker(i, e) for i, e in enumerate(cfg.engines)]
     fleet = Fleet(cfg, workers, compilation_cache=cache)
     try:
-        _build_workers(workers, cfg.warmup_parallel, log, cancelled)
+        from multiserve.engine.device.programs import background_compiles_held
+
+        with background_compiles_held():  # every engine serving first, the small buckets after
+            _build_workers(workers, cfg.warmup_parallel, log, cancelled)
         # warm-up's compiler scratch, GBs on a 4-engine fleet (each engine trims again when
         # its background compiles end)
         trimmed = release_free_heap()

@@ -5,46 +5,28 @@ compiled and compiles the smaller ones while it serves. Outputs must not change 
 smaller buckets arrive (the model is row-invariant at every bucket), no step may ever
 compile, and shutting down must not wait for the remaining compiles nor let them run.
 
-The tests hold every background compile slot (`programs.COMPILE_SLOTS`, the process-wide
-bound the engines really use) to keep an engine in its "covering buckets only" state for
-as long as they need, then release it.
+The tests hold every background compile slot (`programs.background_compiles_held`, as the
+fleet launcher does while it builds its engines) to keep an engine in its "covering
+buckets only" state for as long as they need, then release it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from engine_helpers import WAIT_S
 
 from multiserve.config import EngineConfig
-from multiserve.engine.device.programs import COMPILE_SLOT_COUNT, COMPILE_SLOTS, plan
+from multiserve.engine.device.programs import background_compiles_held, plan
 from multiserve.types import SamplingParams
 
 BUCKETS: dict[str, Any] = dict(
     precompile_token_paddings=(1, 8, 64, 128), precompile_bs_paddings=(1, 8, 64),
     max_running_requests=64, chunked_prefill_size=64, page_size=8, max_total_tokens=8192,
     max_context_len=1024, show_progress=False)
-
-
-@contextlib.contextmanager
-def compile_slots_held() -> Iterator[None]:
-    """Hold every background compile slot of the process: no background compile starts."""
-    held = 0
-    try:
-        while COMPILE_SLOTS.acquire(timeout=WAIT_S):
-            held += 1
-            if held == COMPILE_SLOT_COUNT:
-                break
-        assert held == COMPILE_SLOT_COUNT, "a compile slot was never freed"
-        yield
-    finally:
-        for _ in range(held):
-            COMPILE_SLOTS.release()
 
 
 def _requests() -> list[tuple[list[int], SamplingParams]]:
@@ -80,7 +62,7 @@ def test_plan_serves_from_the_covering_buckets_and_compiles_small_ones_first() -
 def test_outputs_do_not_change_when_the_small_buckets_arrive(tiny_model_dir: Path) -> None:
     from multiserve.engine.engine import Engine
 
-    with compile_slots_held():
+    with background_compiles_held():
         engine = Engine(EngineConfig(model_path=str(tiny_model_dir), **BUCKETS))
         try:
             status = engine.get_internal_state()["compile"]
@@ -108,7 +90,7 @@ def test_outputs_do_not_change_when_the_small_buckets_arrive(tiny_model_dir: Pat
 def test_blocking_warm_up_compiles_every_bucket_before_serving(tiny_model_dir: Path) -> None:
     from multiserve.engine.engine import Engine
 
-    with compile_slots_held():  # the blocking warm-up does not need a background slot
+    with background_compiles_held():  # the blocking warm-up does not need a background slot
         engine = Engine(EngineConfig(model_path=str(tiny_model_dir),
                                      compile_in_background=False, **BUCKETS))
     try:
@@ -122,7 +104,7 @@ def test_blocking_warm_up_compiles_every_bucket_before_serving(tiny_model_dir: P
 def test_shutdown_does_not_wait_for_pending_compiles(tiny_model_dir: Path) -> None:
     from multiserve.engine.engine import Engine
 
-    with compile_slots_held():
+    with background_compiles_held():
         engine = Engine(EngineConfig(model_path=str(tiny_model_dir), **BUCKETS))
         assert engine.compile_status()["compiling"]
         done = threading.Event()

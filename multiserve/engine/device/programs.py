@@ -28,10 +28,11 @@ running at once in the process (a fleet's engines share the host's cores).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +48,24 @@ Kind = str  # "T" (forward over tokens) or "R" (head over rows)
 # process ("terminate called ..."), shut down engine or not.
 _BACKGROUND: set[ProgramSet] = set()
 _BACKGROUND_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def background_compiles_held(timeout: float = 600.0) -> Iterator[None]:
+    """Hold every COMPILE_SLOT: no background compile starts in this process until the
+    block ends (one in progress finishes first; waits for it up to `timeout` s). The fleet
+    launcher builds all its engines inside it, so that an engine's background compiles do
+    not slow the next engine's start-up: READY first, the small buckets after."""
+    held = 0
+    try:
+        while held < COMPILE_SLOT_COUNT and COMPILE_SLOTS.acquire(timeout=timeout):
+            held += 1
+        if held < COMPILE_SLOT_COUNT:
+            raise TimeoutError(f"a background compile held its slot for over {timeout} s")
+        yield
+    finally:
+        for _ in range(held):
+            COMPILE_SLOTS.release()
 
 
 @atexit.register
