@@ -11,18 +11,20 @@ real row bitwise the same result. So an engine needs only a *covering* set to se
 step shape: the largest token bucket and the largest row bucket (plus the scanned token
 buckets, T > llama.UNROLL_MAX_TOKENS, which compile in ~2 s and keep a lone decode off the
 largest bucket). `plan()` splits the buckets into that first phase and the rest; with
-`background` the rest compile on one thread per engine while the engine serves, smallest
-first (a lone decode's T = 1, R = 1 first), and each joins the set as soon as it is
-compiled; the step then picks the smallest compiled bucket that fits (`smallest_fit`).
-Outputs are identical either way; only speed differs until the set is complete.
-The unrolled small-T forwards are most of the compile time (~8 s each on 2 cores vs ~2 s
-for a scanned one), which is why they go last.
+`background` the rest compile on a background thread per engine while the engine serves,
+smallest first (a lone decode's T = 1, R = 1 first). Each compiled program is then primed
+(run once) on the engine thread between steps and only then joins the ready set; the step
+picks the smallest ready bucket that fits (`smallest_fit`). Outputs are identical either
+way; only speed differs until the set is complete. The unrolled small-T forwards are most
+of the compile time (~8 s each on 2 cores vs ~2 s for a scanned one): they go last.
 
-Ownership (one writer each): `_programs` and `_ready` are written only by the compiling
-thread (the warm-up caller, then the background thread), each program stored before its
-size is published in `_ready` (an immutable tuple swapped whole, so a reader on the engine
-thread sees a consistent set under the GIL). `COMPILE_SLOTS` bounds the background compiles
-running at once in the process (a fleet's engines share the host's cores).
+Ownership (one writer each): `_programs` (compiled executables) is written by the compiling
+thread (the warm-up caller, then the background thread), each program stored before it is
+handed over; `_ready` and `_pending` by the owner of the engine's device state (the warm-up
+caller before the engine serves, then the engine thread, which primes), `_ready` as an
+immutable tuple swapped whole so a reader sees a consistent set under the GIL. The handover
+between the two (`set_primer`, `_unprimed`) is under `_handoff`. `COMPILE_SLOTS` bounds the
+background compiles running at once in the process (a fleet's engines share the cores).
 """
 
 from __future__ import annotations
