@@ -21,11 +21,9 @@ import numpy as np
 from multiserve.config import ConfigError, EngineConfig, ModelConfig
 from multiserve.engine.core import EngineCore
 from multiserve.engine.device.model_runner import Runner
-from multiserve.engine.device.programs import plan
 from multiserve.engine.stop_strings import StopStringChecker
 from multiserve.host_heap import release_free_heap
 from multiserve.model.kv_pool import kv_bytes_per_token
-from multiserve.model.llama import UNROLL_MAX_TOKENS
 from multiserve.model.loader import load_model
 
 
@@ -122,8 +120,7 @@ def _warmup(runner: Runner, cfg: EngineConfig, max_context: int, progress: Any) 
     if cfg.show_progress and progress is None:
         from tqdm import tqdm
 
-        first = plan(cfg.precompile_token_paddings, cfg.precompile_bs_paddings,
-                     UNROLL_MAX_TOKENS, cfg.compile_in_background).first
+        first = runner.warmup_plan(cfg.compile_in_background).first
         bar = tqdm(total=len(first), desc=f"compile engine {list(cfg.device_indexes)}",
                    leave=False)
     t0 = time.monotonic()

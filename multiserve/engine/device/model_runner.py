@@ -42,7 +42,7 @@ from jax.sharding import PartitionSpec as P
 
 from multiserve.config import EngineConfig, ModelConfig
 from multiserve.engine.device.batch_arrays import StepArrays, empty_step_arrays
-from multiserve.engine.device.programs import ProgramSet, plan, smallest_fit
+from multiserve.engine.device.programs import Plan, ProgramSet, plan, smallest_fit
 from multiserve.engine.sampling import host as sampling_host
 from multiserve.engine.sampling import sampler as sampling
 from multiserve.model.forward_batch import ForwardBatch
@@ -179,6 +179,11 @@ class Runner:
         """Sequence rows of a T-token step: every row has a token, and at most max_rows."""
         return min(num_tokens, self.max_rows)
 
+    def warmup_plan(self, background: bool) -> Plan:
+        """Which programs `warmup` compiles before serving, and which after (programs.plan)."""
+        return plan(self.cfg.precompile_token_paddings, self.cfg.precompile_bs_paddings,
+                    UNROLL_MAX_TOKENS, background)
+
     def _abstract_inputs(self, max_pages: int) -> dict[tuple[str, int], tuple[Any, ...]]:
         """The arguments of every program as abstract shapes (shape, dtype, sharding),
         captured now so that compiling later never reads live arrays (the engine thread
@@ -214,8 +219,7 @@ class Runner:
         `progress(kind, size)` is called as each program is compiled; `on_first()` once
         the covering set is ready, `on_complete()` once every program is."""
         inputs = self._abstract_inputs(max_pages)
-        order = plan(self.cfg.precompile_token_paddings, self.cfg.precompile_bs_paddings,
-                     UNROLL_MAX_TOKENS, background)
+        order = self.warmup_plan(background)
         self._warm_started = True
         self._prime_pages = max_pages
         self.programs = ProgramSet(

@@ -195,11 +195,18 @@ class ProgramSet:
     def _publish(self, kind: Kind, size: int) -> None:
         self._ready = {**self._ready, kind: tuple(sorted({*self._ready[kind], size}))}
         self._pending = tuple(p for p in self._pending if p != (kind, size))
-        if not self._pending and self._all_planned and not self._complete.is_set():
-            self.complete_s = time.monotonic() - self._t0
-            self._complete.set()
-            if self._on_complete is not None:
-                self._on_complete()
+        if not self._pending and self._all_planned:
+            self._finish()
+
+    def _finish(self) -> None:
+        """Every planned program is ready: record the time, wake waiters, run on_complete
+        (once)."""
+        if self._complete.is_set():
+            return
+        self.complete_s = time.monotonic() - (self._t0 or time.monotonic())
+        self._complete.set()
+        if self._on_complete is not None:
+            self._on_complete()
 
     def set_primer(self, submit: Callable[[Callable[[], None]], None]) -> None:
         """From now on, hand each background-compiled program to `submit(fn)`, which runs
@@ -229,23 +236,23 @@ class ProgramSet:
             pass
 
     # ---- compiling ---------------------------------------------------------------
+    def _store(self, progress: Callable[[Kind, int], None] | None
+               ) -> Callable[[Kind, int, Any], None]:
+        """Keep a compiled program (the compiling thread), then report it to `progress`."""
+        def store(kind: Kind, size: int, program: Any) -> None:
+            self._programs[(kind, size)] = program
+            if progress is not None:
+                progress(kind, size)
+        return store
+
     def compile_first(self, programs: Sequence[tuple[Kind, int]], threads: int,
                       progress: Callable[[Kind, int], None] | None = None) -> None:
         """Compile `programs` with `threads` compile threads, then prime and publish each
         (blocking; the caller owns the engine's device state). Lowering is Python and
         serial; XLA compiles release the GIL."""
-        from concurrent.futures import ThreadPoolExecutor, as_completed
-
         self._t0 = time.monotonic()
         self._pending = tuple(programs)
-        with ThreadPoolExecutor(max(1, threads)) as pool:
-            jobs = {pool.submit(self._compile_program, kind, size): (kind, size)
-                    for kind, size in programs}
-            for done in as_completed(jobs):
-                kind, size = jobs[done]
-                self._programs[(kind, size)] = done.result()
-                if progress is not None:
-                    progress(kind, size)
+        _compile_each(programs, threads, self._compile_program, self._store(progress))
         for kind, size in programs:
             self.prime_and_publish(kind, size)
         self.ready_s = time.monotonic() - self._t0
@@ -257,16 +264,11 @@ class ProgramSet:
         started in order by `threads` workers, each holding one of COMPILE_SLOTS, none
         started after `stop()`. Each compiled program goes to the engine thread to be
         primed and published (`set_primer`); `on_complete()` runs once all are ready."""
-        from concurrent.futures import ThreadPoolExecutor, as_completed
-
         self._on_complete = on_complete
         self._pending = (*self._pending, *programs)
         self._all_planned = True
         if not programs:
-            self.complete_s = time.monotonic() - (self._t0 or time.monotonic())
-            self._complete.set()
-            if on_complete is not None:
-                on_complete()
+            self._finish()
             return
 
         def compile_one(kind: Kind, size: int) -> Any | None:
@@ -278,20 +280,15 @@ class ProgramSet:
             finally:
                 COMPILE_SLOTS.release()
 
+        store = self._store(progress)
+
+        def compiled(kind: Kind, size: int, program: Any) -> None:
+            store(kind, size, program)  # stored before it is handed over
+            self._hand_over(kind, size)
+
         def run() -> None:
             try:
-                with ThreadPoolExecutor(max(1, threads)) as pool:
-                    jobs = {pool.submit(compile_one, kind, size): (kind, size)
-                            for kind, size in programs}
-                    for done in as_completed(jobs):
-                        program = done.result()
-                        if program is None:  # stopped
-                            continue
-                        kind, size = jobs[done]
-                        self._programs[(kind, size)] = program  # before it is handed over
-                        if progress is not None:
-                            progress(kind, size)
-                        self._hand_over(kind, size)
+                _compile_each(programs, threads, compile_one, compiled)
             except BaseException as e:  # noqa: BLE001 - reported via status/error, engine serves on
                 self.error = e
             finally:
@@ -312,3 +309,19 @@ class ProgramSet:
         if (self._thread is not None and self._thread is not threading.current_thread()
                 and (timeout is None or timeout > 0)):
             self._thread.join(timeout)
+
+
+def _compile_each(programs: Sequence[tuple[Kind, int]], threads: int,
+                  compile_one: Callable[[Kind, int], Any | None],
+                  compiled: Callable[[Kind, int, Any], None]) -> None:
+    """Run compile_one for every program on `threads` workers (submitted in order) and
+    call compiled(kind, size, program) on this thread as each finishes; a None result
+    (stopped) is skipped. Lowering is Python; XLA compiles release the GIL."""
+    from concurrent.futures import ThreadPoolExecutor, as_completed
+
+    with ThreadPoolExecutor(max(1, threads)) as pool:
+        jobs = {pool.submit(compile_one, kind, size): (kind, size) for kind, size in programs}
+        for done in as_completed(jobs):
+            program = done.result()
+            if program is not None:
+                compiled(*jobs[done], program)
