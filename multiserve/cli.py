@@ -1,4 +1,4 @@
-"""`multiserve serve | validate | generate | bench | fuzz | chaos` — the command line.
+"""`multiserve serve | validate | generate | doctor | bench | fuzz | chaos` — the command line.
 
 Thin: parses arguments and hands over to fleet/launch.py, the model's simple generate
 loop, or the benchmark. Heavy imports happen inside each command so `--help` is fast
@@ -31,6 +31,12 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     from multiserve.fleet.validate import validate_main
 
     return validate_main(args)
+
+
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    from multiserve.model.doctor import doctor_main
+
+    return doctor_main(args)
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
@@ -96,6 +102,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --force-exit: exit 1 if the whole run takes longer (seconds)")
     v.set_defaults(func=_cmd_validate)
 
+    d = sub.add_parser("doctor", help="this machine's invariance plan (the determinism "
+                       "probe table) for a model; exit 1 if not verified")
+    d.add_argument("--model", default=None, help="HF dir or GGUF (default: embedded model)")
+    d.add_argument("--dtype", default="float32")
+    d.add_argument("--tp", type=int, default=1, help="devices per engine")
+    d.add_argument("--reprobe", action="store_true", help="probe again, ignore the cache")
+    d.add_argument("--json", action="store_true", help="the plan and table as JSON")
+    d.set_defaults(func=_cmd_doctor)
     b = sub.add_parser("bench", help="offline throughput on the default model")
     b.add_argument("--num-prompts", type=int, default=64)
     b.add_argument("--output-len", type=int, default=None,

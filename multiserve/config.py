@@ -129,6 +129,10 @@ class EngineConfig:
     # engine starts serving with every bucket compiled.
     compile_in_background: bool = True
     show_progress: bool = True
+    # How each row-invariant primitive computes each step size (a
+    # model.invariance_plan.InvariancePlan). None: calibrated on the machine at start-up
+    # (model/calibration.py, cached per backend); a plan given here is used as is.
+    invariance_plan: Any = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "device_indexes", tuple(self.device_indexes))

@@ -467,6 +467,7 @@ class EngineCore:
             "chunked_req": bool(s.chunked_reqs),
             "cache_miss_count": self.runner.cache_miss_count,
             "compile": dataclasses.asdict(self.runner.programs.status()),
+            "determinism": self.runner.determinism,
             "weight_version": self.weight_version,
             "memory_released": sorted(self.released_tags),
             "num_retractions": s.num_retractions,

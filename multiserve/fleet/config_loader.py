@@ -56,6 +56,8 @@ _FLEET_KEYS = ("platform", "host", "base_port", "ports", "supervisor_port", "war
 _ENGINE_FIELDS_ELSEWHERE = {
     "model_path": "set it as [model] path",
     "served_model_name": "set it as [model] served_model_name",
+    "invariance_plan": "it is calibrated on each machine at start-up (`multiserve doctor` "
+                       "prints it); a plan can be pinned from Python only",
 }
 _ENGINE_TYPES: dict[str, Any] = typing.get_type_hints(EngineConfig)
 

@@ -200,9 +200,14 @@ def build_supervisor_app(engines: Sequence[EngineClient], *, restart: RestartFn 
     async def get_server_info() -> Response:
         states = await sup.engine_states()
         ok = all(s["state"] is not None for s in states)
+        plans = [s["state"]["determinism"] for s in states if s["state"] is not None]
         return json_response(200 if ok else 503, {
             "num_engines": len(states), "engines": states,
-            "internal_states": [s["state"] for s in states]})
+            "internal_states": [s["state"] for s in states],
+            # verified on every engine, and whether they all run one plan (one key)
+            "determinism": {"verified": ok and all(p["verified"] for p in plans),
+                            "same_plan": len({p["key_hash"] for p in plans}) <= 1,
+                            "key_hashes": [p["key_hash"] for p in plans]}})
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -9,13 +9,12 @@ contiguous [page_size, hd] slab and a block gather lands directly in the [KV, C,
 order the contractions use (no transpose copies; they were half the decode step).
 
 Batch invariance (the engine's greedy determinism rests on it), by construction:
-- Tokens are processed in chunks of C rows (`lax.map`; T is padded up to a multiple of C),
-  C = `query_chunk(T)`, one of QUERY_CHUNKS = (1, 2, 8, 16): a lone decode token runs a
-  1-row chunk instead of paying for 16 gathered rows. Backend fact this relies on
-  (XLA:CPU, jax 0.10.2, fp32; guarded by tests/model/test_row_invariance.py, which fails
-  loudly if an upgrade or another backend changes it): the chunk program gives every row
-  bitwise the same result at C = 1, 2, 8 and 16 (measured for the Llama-family head
-  shapes; C = 4 is another kernel and differs by 1 ulp, so it is not used).
+- Tokens are processed in chunks of C query rows (`lax.map`; T is padded up), C and the
+  padded T given for each step size by the engine's `AttentionPlan` (invariance_plan.py).
+  Which (T, C) give every row the same bits is a backend fact that differs between
+  machines (measured: on an AVX2 Zen3 CPU C = 1, 2, 8, 16 agreed and C = 4 did not; on an
+  AVX-512 EPYC C >= 4 agree and C = 1, 2 do not once a step has more than one chunk), so
+  the plan is calibrated on the machine that runs the engine (model/calibration.py).
   Every contraction is batched over (head, token) and contracts only head_dim or the key
   block, so a token's result is independent of the other tokens in its chunk.
 - Keys are visited in blocks of `block_size` consecutive positions aligned to position 0
@@ -33,17 +32,12 @@ import jax
 import jax.numpy as jnp
 
 from multiserve.model.forward_batch import ForwardBatch
-from multiserve.model.row_invariant import row_sum
+from multiserve.model.invariance_plan import AttentionPlan
+from multiserve.model.row_invariant import row_sum_rows
 
 MASK_VALUE = -1e30  # finite: exp(MASK_VALUE - m) == 0 exactly, never inf - inf
-# Rows per attention chunk: the sizes proven to give identical rows (see the docstring).
-QUERY_CHUNKS = (1, 2, 8, 16)
-
-
-def query_chunk(num_tokens: int) -> int:
-    """The chunk size for a T-token step: the largest proven size <= T (T is padded to a
-    multiple of it), so small steps pay for no padding rows beyond that."""
-    return max(c for c in QUERY_CHUNKS if c <= max(num_tokens, 1))
+# Query chunk sizes the calibration tries (model/calibration.py).
+QUERY_CHUNKS = (1, 2, 4, 8, 16)
 # dot_general dims, batch (KV, C): [KV,C,G,hd] x [KV,C,bs,hd] -> [KV,C,G,bs], and back
 _SCORES = (((3,), (3,)), ((0, 1), (0, 1)))
 _VALUES = (((3,), (2,)), ((0, 1), (0, 1)))  # [KV,C,G,bs] x [KV,C,bs,hd] -> [KV,C,G,hd]
@@ -84,7 +78,7 @@ def _gather_block(k_pool: jax.Array, v_pool: jax.Array, layer: int | jax.Array, 
 
 def _chunk_attention(q: jax.Array, pos: jax.Array, seq: jax.Array, k_pool: jax.Array,
                      v_pool: jax.Array, layer: int | jax.Array, page_table: jax.Array, *,
-                     page_size: int, block_size: int) -> jax.Array:
+                     page_size: int, block_size: int, shared_keys: bool) -> jax.Array:
     """One chunk: q [KV, C, G, hd] f32 (pre-scaled), pos/seq [C] -> out [KV, C, G, hd] f32.
 
     When every row of the chunk belongs to one sequence (a prefill chunk), each key block
@@ -121,7 +115,10 @@ def _chunk_attention(q: jax.Array, pos: jax.Array, seq: jax.Array, k_pool: jax.A
             m_new = jnp.maximum(m, jnp.max(s, axis=3))  # max is exact: order-free
             alpha = jnp.exp(m - m_new)
             p = jnp.exp(s - m_new[..., None])
-            l_new = l * alpha + row_sum(p)  # jnp.sum's order varies with C (row_invariant.py)
+            # jnp.sum's order varies with the operand's size: a product with ones, whose
+            # invariance at this chunk size is part of what the attention plan checked
+            l_new = l * alpha + row_sum_rows(p.reshape(-1, block_size),
+                                             max(2, p.size // block_size)).reshape(m.shape)
             pv = jax.lax.dot_general(p, v, _VALUES)  # [KV, C, G, hd]
             return m_new, l_new, acc * alpha[..., None] + pv
 
@@ -131,14 +128,15 @@ def _chunk_attention(q: jax.Array, pos: jax.Array, seq: jax.Array, k_pool: jax.A
         _, l, acc = jax.lax.fori_loop(0, num_blocks, body, init)
         return acc / l[..., None]
 
-    if c == 1:
+    if c == 1 or not shared_keys:
         return attend(per_row)
     return jax.lax.cond(jnp.all(seq == seq[0]), lambda: attend(shared),
                         lambda: attend(per_row))
 
 
 def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer: int | jax.Array,
-                    batch: ForwardBatch, *, page_size: int, block_size: int) -> jax.Array:
+                    batch: ForwardBatch, *, page_size: int, block_size: int,
+                    plan: AttentionPlan) -> jax.Array:
     """q [T, H, hd] (already rotated) -> attention output [T, H, hd] in q's dtype.
 
     k_pool/v_pool are the whole pool [L, KV, slots, hd]; `layer` (an int or traced
@@ -148,8 +146,8 @@ def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer: i
     kv_heads = k_pool.shape[1]
     group = num_heads // kv_heads
     scale = 1.0 / float(head_dim) ** 0.5
-    chunk = query_chunk(num_tokens)
-    padded = -(-num_tokens // chunk) * chunk
+    chunk, padded = plan.chunking(num_tokens)
+    assert padded % chunk == 0 and padded >= num_tokens, (num_tokens, chunk, padded)
     n = padded // chunk
     # Row order (a row's result does not depend on its chunk: blocks past its position
     # are exact identity updates, so any order is correct; the order only sets cost):
@@ -172,7 +170,8 @@ def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer: i
     def one(args):
         qc, pc, sc = args
         return _chunk_attention(qc, pc, sc, k_pool, v_pool, layer, batch.page_table,
-                                page_size=page_size, block_size=block_size)
+                                page_size=page_size, block_size=block_size,
+                                shared_keys=plan.shared_keys)
 
     out = jax.lax.map(one, (jnp.transpose(qf, (0, 2, 1, 3, 4)), pos, seq))  # [n,KV,C,G,hd]
     out = jnp.transpose(out, (0, 2, 1, 3, 4)).reshape(padded, num_heads, head_dim)

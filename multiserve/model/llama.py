@@ -26,13 +26,8 @@ from multiserve.model.attention import paged_attention
 from multiserve.model.forward_batch import ForwardBatch
 from multiserve.model.kv_pool import KVPool
 from multiserve.model.param_layout import layer_param_shapes, param_shapes  # noqa: F401
-from multiserve.model.row_invariant import (
-    LAYER_MATRICES,
-    PLAIN_MIN_ROWS,
-    dense,
-    is_compute_params,
-    row_sum,
-)
+from multiserve.model.invariance_plan import InvariancePlan, RowSumPlan
+from multiserve.model.row_invariant import LAYER_MATRICES, dense, is_compute_params, row_sum
 
 Params = dict[str, Any]
 # Steps of up to this many tokens run the unrolled decoder (see `forward_hidden`); larger
@@ -41,11 +36,38 @@ Params = dict[str, Any]
 UNROLL_MAX_TOKENS = 64
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+def layer_matrix_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(in, out) of every layer matrix: the contractions `dense` computes per layer."""
+    d, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    i = cfg.intermediate_size
+    return {"wq": (d, q), "wk": (d, kv), "wv": (d, kv), "wo": (q, d), "w_gate": (d, i),
+            "w_up": (d, i), "w_down": (i, d)}
+
+
+def head_shape(cfg: ModelConfig) -> tuple[int, int]:
+    """(in, out) of the output head."""
+    return cfg.hidden_size, cfg.vocab_size
+
+
+def row_sum_widths(cfg: ModelConfig) -> tuple[int, ...]:
+    """Widths of the row sums the decoder computes (RMSNorms; q/k norms over head_dim)."""
+    return (cfg.hidden_size, cfg.head_dim) if cfg.qk_norm else (cfg.hidden_size,)
+
+
+def scan_needs_transposes(plan: InvariancePlan, cfg: ModelConfig,
+                          token_sizes: tuple[int, ...]) -> bool:
+    """Whether the scanned decoder (steps of more than UNROLL_MAX_TOKENS tokens) uses the
+    NT product somewhere, so the stacked transposes must be kept (`with_transposed`)."""
+    scanned = [t for t in token_sizes if t > UNROLL_MAX_TOKENS]
+    return any(plan.product(name).formulation(t)[0].kernel == "nt"
+               for name in LAYER_MATRICES for t in scanned)
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, plan: RowSumPlan) -> jax.Array:
     """RMSNorm over the last axis; each row's result is independent of the row count
-    (`row_sum`: XLA's own mean changes order with the operand's size)."""
+    (`row_sum` by the plan: XLA's own mean changes order with the operand's size)."""
     xf = x.astype(jnp.float32)
-    var = row_sum(xf * xf)[..., None] / x.shape[-1]
+    var = row_sum(xf * xf, plan)[..., None] / x.shape[-1]
     return (xf * jax.lax.rsqrt(var + eps)).astype(x.dtype) * weight
 
 
@@ -78,15 +100,18 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 def _layer(x: jax.Array, kv: KVPool, layer: int | jax.Array, w: dict[str, jax.Array | None],
            batch: ForwardBatch, cos: jax.Array, sin: jax.Array, cfg: ModelConfig, *,
-           page_size: int, attn_block_size: int) -> tuple[jax.Array, KVPool]:
+           page_size: int, attn_block_size: int, plan: InvariancePlan
+           ) -> tuple[jax.Array, KVPool]:
     """One pre-norm decoder layer: attention over the paged pool, then a SwiGLU MLP.
-    `w` holds this layer's params, each matrix as (W [in, out], W^T) for `dense`."""
+    `w` holds this layer's params, each matrix as (W [in, out], W^T) for `dense` (the
+    layout the plan does not use at this step size may be None)."""
     t, hd = x.shape[0], cfg.head_dim
+    norm = plan.row_sum(cfg.hidden_size)
 
     def proj(h: jax.Array, name: str) -> jax.Array:
-        return dense(h, w[name], w[f"{name}_t"])
+        return dense(h, w[name], w[f"{name}_t"], plan.product(name))
 
-    h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps)
+    h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps, norm)
     q, k, v = proj(h, "wq"), proj(h, "wk"), proj(h, "wv")
     if cfg.attention_bias:
         q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
@@ -94,84 +119,97 @@ def _layer(x: jax.Array, kv: KVPool, layer: int | jax.Array, w: dict[str, jax.Ar
     k = k.reshape(t, cfg.num_kv_heads, hd)
     v = v.reshape(t, cfg.num_kv_heads, hd)
     if cfg.qk_norm:
-        q = rms_norm(q, w["q_norm"], cfg.rms_norm_eps)
-        k = rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
+        q = rms_norm(q, w["q_norm"], cfg.rms_norm_eps, plan.row_sum(hd))
+        k = rms_norm(k, w["k_norm"], cfg.rms_norm_eps, plan.row_sum(hd))
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
     # head-major pool [L, KV, slots, hd]: the indexed result is [T, KV, hd], k's own shape
     kv = KVPool(k=kv.k.at[layer, :, batch.out_slots].set(k.astype(kv.k.dtype)),
                 v=kv.v.at[layer, :, batch.out_slots].set(v.astype(kv.v.dtype)))
     attn = paged_attention(q, kv.k, kv.v, layer, batch, page_size=page_size,
-                           block_size=attn_block_size)
+                           block_size=attn_block_size, plan=plan.attention)
     x = x + proj(attn.reshape(t, cfg.num_heads * hd), "wo")
 
-    h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps)
+    h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps, norm)
     x = x + proj(jax.nn.silu(proj(h, "w_gate")) * proj(h, "w_up"), "w_down")
     return x, kv
 
 
-def _layer_weights(layer: dict[str, jax.Array], num_tokens: int) -> dict[str, jax.Array]:
-    """One layer's params for a T-token step: of each matrix only the layout `dense` uses
-    at this T (the other is None, so the program does not take it as an input)."""
-    one_row = num_tokens == 1
-    out = {}
-    for name, a in layer.items():
+def _layer_weights(layer: dict[str, jax.Array], num_tokens: int, plan: InvariancePlan,
+                   cfg: ModelConfig) -> dict[str, jax.Array | None]:
+    """One layer's params for a T-token step: of each matrix only the layout the plan's
+    kernel uses at this T (the other is None, so the program does not take it as an
+    input)."""
+    out: dict[str, jax.Array | None] = {}
+    for name in layer:
         base = name[:-2] if name.endswith("_t") else name
         if base in LAYER_MATRICES:
-            out[name] = a if name.endswith("_t") != one_row else None
+            kernel = plan.product(base).formulation(num_tokens)[0].kernel
+            out[name] = layer[name] if (kernel == "nt") == name.endswith("_t") else None
         else:
-            out[name] = a
+            out[name] = layer[name]
+    for base in LAYER_MATRICES:
+        out.setdefault(f"{base}_t", None)
     return out
 
 
 def forward_hidden(params: Params, kv_pool: KVPool, batch: ForwardBatch, cfg: ModelConfig, *,
-                   page_size: int, attn_block_size: int) -> tuple[jax.Array, KVPool]:
+                   page_size: int, attn_block_size: int,
+                   plan: InvariancePlan) -> tuple[jax.Array, KVPool]:
     """Run the new tokens of `batch` through the decoder; return (the final-normed hidden
     states of the `batch.logit_rows` rows [R, D], new kv_pool). `params` are compute params
-    (`row_invariant.with_transposed`).
+    (`row_invariant.with_transposed`); `plan` says how each primitive computes this step's
+    sizes (invariance_plan.py).
 
     Steps of <= UNROLL_MAX_TOKENS tokens unroll the layers (a Python loop over the
     per-layer tuple): each layer's matmuls read its own arrays in place, where a scan
     slices (copies) every layer's weights out of the stacked arrays at every step, which
     was a third of a one-token step. The price is compile time (~4x a scanned program),
     paid at warm-up, so larger steps (prefill chunks: the copies are a few %) scan the
-    canonical stacked layers with the plain product, which sums like the NT product from
-    PLAIN_MIN_ROWS rows on (row_invariant.py): the same bits, no transposed stack."""
+    canonical stacked layers (and their stacked transposes where the plan uses the NT
+    product at that size: `scan_needs_transposes`)."""
     assert is_compute_params(params), "forward needs row_invariant.with_transposed(params, cfg)"
     x = params["embed"][batch.input_ids]
     freqs = batch.positions.astype(jnp.float32)[:, None] * jnp.asarray(rope_inv_freq(cfg))
     cos, sin = jnp.cos(freqs)[:, None, :], jnp.sin(freqs)[:, None, :]
     num_tokens = x.shape[0]
-    if num_tokens <= UNROLL_MAX_TOKENS or num_tokens < PLAIN_MIN_ROWS:
+    if num_tokens <= UNROLL_MAX_TOKENS:
         for index, layer in enumerate(params["layers"]):
-            x, kv_pool = _layer(x, kv_pool, index, _layer_weights(layer, num_tokens), batch,
-                                cos, sin, cfg, page_size=page_size,
-                                attn_block_size=attn_block_size)
+            x, kv_pool = _layer(x, kv_pool, index, _layer_weights(layer, num_tokens, plan, cfg),
+                                batch, cos, sin, cfg, page_size=page_size,
+                                attn_block_size=attn_block_size, plan=plan)
     else:
         stacked = params["stacked_layers"]
-        plain = {name: (None if name.endswith("_t") else a) for name, a in stacked.items()}
-        plain.update({f"{name}_t": None for name in LAYER_MATRICES})
+        for base in LAYER_MATRICES:
+            form = plan.product(base).formulation(num_tokens)[0]
+            assert form.kernel == "plain" or f"{base}_t" in stacked, (
+                "the plan uses the NT product in the scanned decoder: with_transposed("
+                "stacked_t=True) must keep the stacked transposes")
+        weights = _layer_weights(stacked, num_tokens, plan, cfg)
 
         def step(carry: tuple[jax.Array, KVPool], xs: Any) -> tuple[Any, None]:
             x, kv = carry
             w, layer = xs
             x, kv = _layer(x, kv, layer, w, batch, cos, sin, cfg, page_size=page_size,
-                           attn_block_size=attn_block_size)
+                           attn_block_size=attn_block_size, plan=plan)
             return (x, kv), None
 
         layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-        (x, kv_pool), _ = jax.lax.scan(step, (x, kv_pool), (plain, layer_ids))
-    return rms_norm(x[batch.logit_rows], params["final_norm"], cfg.rms_norm_eps), kv_pool
+        (x, kv_pool), _ = jax.lax.scan(step, (x, kv_pool), (weights, layer_ids))
+    return rms_norm(x[batch.logit_rows], params["final_norm"], cfg.rms_norm_eps,
+                    plan.row_sum(cfg.hidden_size)), kv_pool
 
 
-def lm_head(params: Params, h: jax.Array) -> jax.Array:
+def lm_head(params: Params, h: jax.Array, plan: InvariancePlan) -> jax.Array:
     """Logits f32 [R, V] of final-normed hidden states h [R, D] (row-invariant)."""
-    return dense(h, params["head_w"], params["head_wt"], preferred=jnp.float32)
+    return dense(h, params["head_w"], params["head_wt"], plan.product("head"),
+                 preferred=jnp.float32)
 
 
 def forward(params: Params, kv_pool: KVPool, batch: ForwardBatch, cfg: ModelConfig, *,
-            page_size: int, attn_block_size: int) -> tuple[jax.Array, KVPool]:
+            page_size: int, attn_block_size: int,
+            plan: InvariancePlan) -> tuple[jax.Array, KVPool]:
     """Run the new tokens of `batch` through the model; return (logits f32 [R, V], kv_pool)."""
     h, kv_pool = forward_hidden(params, kv_pool, batch, cfg, page_size=page_size,
-                                attn_block_size=attn_block_size)
-    return lm_head(params, h).astype(jnp.float32), kv_pool
+                                attn_block_size=attn_block_size, plan=plan)
+    return lm_head(params, h, plan).astype(jnp.float32), kv_pool

@@ -2,36 +2,25 @@
 
 A token's numerics must not depend on how many other tokens share its step (the engine's
 determinism rests on it), so every product x[M, K] @ W[K, N] and every sum over a row in
-the model and the sampler must give each row bitwise the same value for every row count M
-the engine runs (1 to the largest bucket).
+the model must give each row bitwise the same value for every row count M the engine runs.
 
-Backend fact this relies on (XLA:CPU, jax 0.10.2, fp32, AVX2+FMA; guarded by
-tests/model/test_row_invariance.py, which fails loudly when a JAX/XLA upgrade or another
-backend changes it):
-- the plain product `x @ W` (W stored [K, N]) gives one result for M == 1 (a GEMV) and for
-  M >= 64, but other results for M in 2..48 (another kernel);
-- the "NT" product `dot_general(x, Wt)` contracting x's dim 1 with Wt's dim 1 (Wt stored
-  [N, K], i.e. W transposed in memory) gives, for EVERY M >= 2, bitwise the same rows as
-  the plain product at M >= 64 and as the M == 1 GEMV (measured for every contraction of
-  the Llama family at M in 1..512: 576x{192,576,960,1536,3072,49152}, 1536x576);
-- the NT product at M == 1 is another kernel again (differs), hence the GEMV there;
-- but the GEMV agrees only while K <= 2048 (GEMV_MAX_K; measured K in 1536..14336): a
-  longer contraction is summed in another order, so one row with K > 2048 is padded to
-  two and takes the NT product.
-So `dense` uses the GEMV for one row (K <= 2048) and the NT product otherwise: all rows
-agree with each other bit for bit at every M. The price is a second, transposed copy of
-every matrix on the device (see `with_transposed`); on CPU it buys GEMV-speed single
-streams and 2..48-row steps at their own size instead of padded to 64 rows.
+Which formulation does that is a backend fact (which kernel XLA picks for which shape, how
+it splits the contraction), and it differs between machines: on an AVX2 Zen3 CPU the M = 1
+plain product (a GEMV) agreed with the NT product at M >= 2; on an AVX-512 EPYC it does
+not. So nothing here hard-codes it: `dense` and `row_sum` compute what the engine's
+`InvariancePlan` says (model/invariance_plan.py), and the plan is measured on the machine
+that runs the engine (model/calibration.py), checked bitwise against one reference.
 
-Row sums: XLA:CPU's own reductions (jnp.sum / jnp.mean over the last axis) change their
-summation order with the total size of the operand (measured: [M, 576] differs for M <= 5,
-[M, 64] for M <= 32, [M, 16] for every M < 256), so a row's sum depends on how many rows
-are reduced together. `row_sum` is an NT product with a block of ones, padded to >= 2 rows:
-invariant at every M and width measured (16 to 49152). Max/min reductions are exact and
-need nothing.
+Formulations (`Formulation.kernel`):
+- "plain": `x @ W` against W stored [K, N];
+- "nt": `dot_general(x, Wt)` contracting x's dim 1 with Wt's dim 1, Wt = W^T stored
+  [N, K] (a transposed copy, see `with_transposed`);
+each at `Formulation.rows` rows: M rows are zero-padded up to that (the rows beyond M are
+dropped), and an M beyond the plan's largest entry is split into pieces of that size.
 
-Measured cost on this machine (2 cores, ms, 576x1536): GEMV M=1 0.16; NT M=2 0.38,
-M=8 0.31, M=64 0.90, M=512 5.7; plain M=64 0.90, M=512 6.9 (the NT form is not slower).
+Row sums (RMSNorm): an NT product with a block of ROW_SUM_COLUMNS ones, padded to the
+plan's row count for the sum's width (XLA's own reductions change their summation order
+with the operand's size). Max/min reductions are exact and need nothing.
 """
 
 from __future__ import annotations
@@ -42,43 +31,63 @@ import jax
 import jax.numpy as jnp
 
 from multiserve.config import ModelConfig
+from multiserve.model.invariance_plan import InvariancePlan, ProductPlan, RowSumPlan
 
 # the matrices of one layer that get a transposed copy ("<name>_t", [L, out, in])
 LAYER_MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 NT = (((1,), (1,)), ((), ()))  # dot_general dims: x[M, K] . Wt[N, K] -> [M, N]
-GEMV_MAX_K = 2048  # longest contraction whose M == 1 GEMV sums like the NT product
-PLAIN_MIN_ROWS = 64  # from this row count on, the plain product sums like the NT product
-ROW_SUM_COLUMNS = 8  # columns of ones in `row_sum` (a 1-column product is a GEMV: varies)
+ROW_SUM_COLUMNS = 8  # columns of ones in `row_sum` (a 1-column product is a GEMV)
 
 
-def dense(x: jax.Array, w: jax.Array, w_t: jax.Array | None,
+def product(x: jax.Array, w: jax.Array | None, w_t: jax.Array | None, kernel: str, rows: int,
+            preferred: Any = None) -> jax.Array:
+    """x [M, K] @ W with one formulation: `kernel` at `rows` >= M rows (zero padding)."""
+    m = x.shape[0]
+    if rows > m:
+        x = jnp.pad(x, ((0, rows - m), (0, 0)))
+    if kernel == "plain":
+        assert w is not None, "the plain product needs W [K, N]"
+        out = jnp.dot(x, w, preferred_element_type=preferred)
+    else:
+        assert w_t is not None, "the NT product needs W^T [N, K]"
+        out = jax.lax.dot_general(x, w_t, NT, preferred_element_type=preferred)
+    return out[:m] if rows > m else out
+
+
+def dense(x: jax.Array, w: jax.Array | None, w_t: jax.Array | None, plan: ProductPlan,
           preferred: Any = None) -> jax.Array:
-    """x [M, K] @ W -> [M, N] with each row bitwise independent of M.
-
-    `w` is W [K, N], `w_t` the same matrix stored transposed [N, K]. M is static (a shape),
-    so the choice of kernel is made at trace time. With `w_t` None (the scanned decoder of
-    large steps, which has only the stacked W), M must be >= PLAIN_MIN_ROWS: there the
-    plain product sums like the NT product (backend fact, module docstring)."""
-    if x.shape[0] == 1 and x.shape[1] <= GEMV_MAX_K:
-        return jnp.dot(x, w, preferred_element_type=preferred)
-    if w_t is None:
-        assert x.shape[0] >= PLAIN_MIN_ROWS, (x.shape, "needs W^T below PLAIN_MIN_ROWS rows")
-        return jnp.dot(x, w, preferred_element_type=preferred)
-    if x.shape[0] == 1:
-        two = jnp.pad(x, ((0, 1), (0, 0)))  # the NT kernel at 2 rows: the same rows
-        return jax.lax.dot_general(two, w_t, NT, preferred_element_type=preferred)[:1]
-    return jax.lax.dot_general(x, w_t, NT, preferred_element_type=preferred)
+    """x [M, K] @ W -> [M, N], each row bitwise independent of M (the plan's formulation for
+    M rows). `w` is W [K, N], `w_t` W^T [N, K]; only the layout the plan's kernel at this M
+    uses must be given. M is static (a shape): the choice is made at trace time."""
+    form, pieces = plan.formulation(x.shape[0])
+    if pieces == 1:
+        return product(x, w, w_t, form.kernel, form.rows, preferred)
+    parts = [product(x[i:i + form.rows], w, w_t, form.kernel, form.rows, preferred)
+             for i in range(0, x.shape[0], form.rows)]
+    return jnp.concatenate(parts, axis=0)
 
 
-def row_sum(x: jax.Array) -> jax.Array:
+def row_sum_rows(flat: jax.Array, rows: int) -> jax.Array:
+    """Sums of the rows of flat [M, K] (M <= rows) computed at `rows` rows: [M]."""
+    m = flat.shape[0]
+    if rows > m:
+        flat = jnp.pad(flat, ((0, rows - m), (0, 0)))
+    ones = jnp.ones((ROW_SUM_COLUMNS, flat.shape[-1]), flat.dtype)
+    return jax.lax.dot_general(flat, ones, NT)[:m, 0]
+
+
+def row_sum(x: jax.Array, plan: RowSumPlan) -> jax.Array:
     """Sum over the last axis of x [..., K] (f32), each row bitwise independent of how many
-    rows x has. Leading axes are flattened into rows."""
+    rows x has (the plan's padding for this width). Leading axes are flattened into rows."""
+    assert x.shape[-1] == plan.width, (x.shape, plan.width)
     flat = x.reshape(-1, x.shape[-1])
-    rows = flat.shape[0]
-    if rows < 2:  # the NT kernel at one row is another kernel
-        flat = jnp.pad(flat, ((0, 2 - rows), (0, 0)))
-    ones = jnp.ones((ROW_SUM_COLUMNS, x.shape[-1]), x.dtype)
-    return jax.lax.dot_general(flat, ones, NT)[:rows, 0].reshape(x.shape[:-1])
+    rows, pieces = plan.padded_rows(flat.shape[0])
+    if pieces == 1:
+        out = row_sum_rows(flat, rows)
+    else:
+        out = jnp.concatenate([row_sum_rows(flat[i:i + rows], rows)
+                               for i in range(0, flat.shape[0], rows)])
+    return out.reshape(x.shape[:-1])
 
 
 def _transpose_last(a: jax.Array) -> jax.Array:
@@ -95,17 +104,19 @@ def _split_layers(layers: dict[str, jax.Array]) -> tuple[dict[str, jax.Array], .
     return tuple({name: a[i] for name, a in layers.items()} for i in range(num_layers))
 
 
-def with_transposed(params: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
+def with_transposed(params: dict[str, Any], cfg: ModelConfig,
+                    stacked_t: bool = False) -> dict[str, Any]:
     """The compute params the forward runs on, derived from the canonical pytree (matrices
     [in, out] stacked over layers, see param_layout):
     - `layers`: a TUPLE with one dict per layer, each matrix in both layouts (`<name>` W
-      [in, out] for the one-row GEMV, `<name>_t` W^T [out, in] for the NT product) and the
-      layer's norms/biases, each a separate device array. The forward unrolls the layers
-      over this tuple: a layer reads its weights in place, where a scan over stacked arrays
-      copies every layer's matrices out of the stack at every step (measured on XLA:CPU:
-      a third of a one-token step).
+      [in, out] for the plain product, `<name>_t` W^T [out, in] for the NT product) and
+      the layer's norms/biases, each a separate device array. The forward unrolls the
+      layers over this tuple: a layer reads its weights in place, where a scan over
+      stacked arrays copies every layer's matrices out of the stack at every step
+      (measured on XLA:CPU: a third of a one-token step).
     - `stacked_layers`: the canonical stacked layer arrays (shared, no copy), which the
-      scanned decoder of large steps reads with the plain product (>= PLAIN_MIN_ROWS rows);
+      scanned decoder of large steps reads; with `stacked_t` (the invariance plan uses the
+      NT product at a scanned size) also the stacked transposes `<name>_t` [L, out, in];
     - `embed`, `final_norm`: the canonical arrays (shared, no copy);
     - the output head in both layouts, `head_w` [D, V] and `head_wt` [V, D]; tied
       embeddings reuse `embed` as `head_wt` (no copy).
@@ -116,10 +127,12 @@ def with_transposed(params: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
     done = _transpose_tree(to_transpose)
     head = done.pop("head")
     out = {k: v for k, v in params.items() if k != "layers"}
-    out["stacked_layers"] = layers  # the canonical arrays themselves (no copy)
-    out["layers"] = _split_layers({**layers, **{f"{name}_t": a for name, a in done.items()}})
-    for a in done.values():
-        a.delete()  # the stacked transposes were only the source of the per-layer copies
+    transposed = {f"{name}_t": a for name, a in done.items()}
+    out["stacked_layers"] = {**layers, **transposed} if stacked_t else layers
+    out["layers"] = _split_layers({**layers, **transposed})
+    if not stacked_t:
+        for a in done.values():
+            a.delete()  # the stacked transposes were only the source of the per-layer copies
     if cfg.tie_word_embeddings:
         out["head_w"], out["head_wt"] = head, params["embed"]
     else:

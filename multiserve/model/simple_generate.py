@@ -18,7 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from multiserve.config import ModelConfig
+from multiserve.model.calibration import default_plan
 from multiserve.model.forward_batch import ForwardBatch
+from multiserve.model.invariance_plan import InvariancePlan
 from multiserve.model.kv_pool import make_kv_pool
 from multiserve.model.llama import forward
 from multiserve.model.row_invariant import is_compute_params, with_transposed
@@ -27,10 +29,11 @@ TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 ROWS = 1  # B == R
 
 
-@partial(jax.jit, static_argnames=("cfg", "page_size", "attn_block_size"), donate_argnums=(1,))
-def _step(params, kv_pool, batch, cfg, page_size, attn_block_size):
+@partial(jax.jit, static_argnames=("cfg", "page_size", "attn_block_size", "plan"),
+         donate_argnums=(1,))
+def _step(params, kv_pool, batch, cfg, page_size, attn_block_size, plan):
     logits, kv_pool = forward(params, kv_pool, batch, cfg, page_size=page_size,
-                              attn_block_size=attn_block_size)
+                              attn_block_size=attn_block_size, plan=plan)
     return jnp.argmax(logits[0]), kv_pool
 
 
@@ -60,19 +63,23 @@ def single_sequence_batch(token_ids: Sequence[int], start: int, pages: np.ndarra
 
 def greedy_token_ids(params: Any, cfg: ModelConfig, prompt_ids: Sequence[int],
                      max_new_tokens: int, page_size: int = 16, *, attn_block_size: int = 128,
-                     stop_token_ids: Sequence[int] = (), chunk: int = 512) -> list[int]:
+                     stop_token_ids: Sequence[int] = (), chunk: int = 512,
+                     plan: InvariancePlan | None = None) -> list[int]:
     """Greedy continuation of `prompt_ids`: up to `max_new_tokens` ids, ending early right
     after a token in `stop_token_ids`. Prefill in chunks of `chunk` tokens, then one token
-    per step."""
+    per step. `plan`: the invariance plan (default: a default engine's on this machine)."""
     assert len(prompt_ids) >= 1 and max_new_tokens >= 0
+    dtype = jax.tree.leaves(params)[0].dtype
+    if plan is None:
+        plan = default_plan(cfg, dtype, page_size=page_size, block_size=attn_block_size)
     if not is_compute_params(params):
-        params = with_transposed(params, cfg)
+        params = with_transposed(params, cfg, stacked_t=True)
     total = len(prompt_ids) + max_new_tokens
     num_pages = -(-total // page_size)
     pages = np.arange(1, num_pages + 1, dtype=np.int32)  # page 0 is the garbage page
-    dtype = jax.tree.leaves(params)[0].dtype
     kv = make_kv_pool(cfg, num_pages + 1, page_size, dtype)
-    run = partial(_step, cfg=cfg, page_size=page_size, attn_block_size=attn_block_size)
+    run = partial(_step, cfg=cfg, page_size=page_size, attn_block_size=attn_block_size,
+                  plan=plan)
     out: list[int] = []
     if max_new_tokens == 0:
         return out

@@ -64,8 +64,14 @@ ENGINE_STATE_SCHEMA: dict[str, Any] = {
                           "items": {"type": "string", "enum": list(PAUSE_REASONS)}},
         "memory_released": {"type": "array",
                             "items": {"type": "string", "enum": ["kv_cache", "weights"]}},
-        "weight_version": {"type": "string"}},
-    "required": ["engine_paused", "pause_reasons", "memory_released", "weight_version"]}
+        "weight_version": {"type": "string"},
+        "determinism": {"type": "object", "description": "the invariance plan this engine "
+                        "calibrated on its backend: verified, problems, plan, probe_seconds, "
+                        "cached, key (what decides kernels), key_hash",
+                        "properties": {"verified": BOOL, "key_hash": {"type": "string"}},
+                        "required": ["verified", "plan", "key_hash"]}},
+    "required": ["engine_paused", "pause_reasons", "memory_released", "weight_version",
+                 "determinism"]}
 SERVER_INFO_SCHEMA: dict[str, Any] = {
     **ENGINE_STATE_SCHEMA, "description": "the server's settings and its engine's state",
     "properties": {**ENGINE_STATE_SCHEMA["properties"],

@@ -216,17 +216,21 @@ class ReferenceModel:
         import jax
         import numpy as np
 
+        from multiserve.model.calibration import default_plan
         from multiserve.model.llama import forward
         from multiserve.model.loader import load_model
         from multiserve.model.row_invariant import with_transposed
 
         loaded = load_model(model_path, np.float32)
         self.cfg = loaded.config
-        self.params = with_transposed(jax.device_put(loaded.params), loaded.config)
+        self.params = with_transposed(jax.device_put(loaded.params), loaded.config,
+                                      stacked_t=True)
         self.max_pages = -(-max_len // self.PAGE_SIZE)
         cfg = self.cfg
+        # the plan of a default engine on this machine: its numerics, bit for bit
+        plan = default_plan(cfg, np.float32, page_size=self.PAGE_SIZE, block_size=128)
         self._fwd = jax.jit(lambda p, kv, b: forward(p, kv, b, cfg, page_size=self.PAGE_SIZE,
-                                                     attn_block_size=128),
+                                                     attn_block_size=128, plan=plan),
                             donate_argnums=(1,))
 
     def greedy(self, prompt: Sequence[int], max_new_tokens: int) -> list[int]:

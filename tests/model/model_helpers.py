@@ -13,13 +13,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from multiserve.config import ModelConfig
+from multiserve.model.calibration import default_plan
 from multiserve.model.forward_batch import ForwardBatch
 from multiserve.model.kv_pool import make_kv_pool
 from multiserve.model.llama import forward
 from multiserve.model.row_invariant import is_compute_params, with_transposed
 
 # one jitted forward for all simulators: its compile cache is shared across tests
-FORWARD = jax.jit(forward, static_argnames=("cfg", "page_size", "attn_block_size"),
+FORWARD = jax.jit(forward, static_argnames=("cfg", "page_size", "attn_block_size", "plan"),
                   donate_argnums=(1,))
 
 TINY_LLAMA = ModelConfig(
@@ -40,8 +41,9 @@ class PagedSim:
 
     def __init__(self, params: Any, cfg: ModelConfig, *, page_size: int, block_size: int,
                  num_pages: int = 512, max_pages: int = 64, seed: int = 0,
-                 kv_sharding: Any = None) -> None:
-        self.params = params if is_compute_params(params) else with_transposed(params, cfg)
+                 kv_sharding: Any = None, plan: Any = None) -> None:
+        self.params = (params if is_compute_params(params)
+                       else with_transposed(params, cfg, stacked_t=True))
         self.cfg = cfg
         self.ps, self.bs, self.max_pages = page_size, block_size, max_pages
         dtype = params["embed"].dtype
@@ -49,7 +51,11 @@ class PagedSim:
         rng = np.random.default_rng(seed)
         self.free = [int(p) for p in rng.permutation(np.arange(1, num_pages))]  # not page 0
         self.seqs: dict[str, Seq] = {}
-        self.fwd = partial(FORWARD, cfg=cfg, page_size=page_size, attn_block_size=block_size)
+        # the plan of a default engine on this machine, unless the test gives one
+        self.plan = plan if plan is not None else default_plan(
+            cfg, dtype, page_size=page_size, block_size=block_size)
+        self.fwd = partial(FORWARD, cfg=cfg, page_size=page_size, attn_block_size=block_size,
+                           plan=self.plan)
 
     def add(self, name: str, tokens: list[int]) -> None:
         self.seqs[name] = Seq(list(tokens))

@@ -1,11 +1,12 @@
-"""The backend facts the engine's determinism rests on, checked directly on this JAX/XLA.
+"""The invariance plan the engine calibrates (model/calibration.py) is bitwise invariant on
+the machine running these tests.
 
-Each primitive must give every row bitwise the same result whatever the number of rows it
-is computed with (1 to 128). These are properties of the backend's kernels (measured on
-XLA:CPU, jax 0.10; see multiserve/model/row_invariant.py), not of our code: when one of
-these tests fails after a JAX/XLA upgrade or on another backend, the engine's outputs
-would depend on batch composition. Fix the primitive (another formulation, padding),
-never the test.
+Nothing here hard-codes a backend fact: each test takes the plan that an engine would
+calibrate here (the embedded model's shapes and a tiny model's, default buckets) and
+checks that every primitive, computed the plan's way at every size the engine runs, gives
+every row the same bits as at the largest size, with rows at several positions. A failure
+means the calibration chose wrongly on this backend (fix the probe or the candidates,
+never the test).
 """
 
 from __future__ import annotations
@@ -14,131 +15,129 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from model_helpers import TINY_LLAMA
 
+from multiserve.config import EngineConfig
 from multiserve.model.attention import paged_attention
+from multiserve.model.calibration import default_plan
 from multiserve.model.forward_batch import ForwardBatch
-from multiserve.model.llama import rms_norm
-from multiserve.model.row_invariant import PLAIN_MIN_ROWS, dense, row_sum
+from multiserve.model.invariance_plan import InvariancePlan
+from multiserve.model.llama import head_shape, layer_matrix_shapes, rms_norm
+from multiserve.model.row_invariant import dense, row_sum
 
-ROW_COUNTS = (1, 2, 3, 5, 8, 16, 48, 64)
-# (in, out) of every contraction of SmolLM2-135M (q, k/v, gate/up, down, lm_head), a
-# Qwen2-0.5B-like MLP and the tiny test models
-CONTRACTIONS = [(576, 576), (576, 192), (576, 1536), (1536, 576), (576, 49152),
-                (2048, 896), (4864, 896), (64, 32), (128, 64), (64, 256)]
+TOKENS = EngineConfig().precompile_token_paddings
+ROWS = EngineConfig().precompile_bs_paddings
 
 
-def _rows_match(f, x: np.ndarray, counts=ROW_COUNTS) -> list[int]:
-    """Row counts M at which f(x[:M]) differs from the first M rows of f(x)."""
-    jf = jax.jit(f)
-    full = np.asarray(jf(x))
-    return [m for m in counts if not np.array_equal(np.asarray(jf(x[:m])), full[:m])]
+@pytest.fixture(scope="module", params=["default", "tiny"])
+def model(request: pytest.FixtureRequest) -> tuple[object, InvariancePlan]:
+    if request.param == "tiny":
+        return TINY_LLAMA, default_plan(TINY_LLAMA)
+    from multiserve.model.loader import load_model
+
+    cfg = load_model(None, np.float32).config
+    return cfg, default_plan(cfg)
 
 
-@pytest.mark.parametrize("din,dout", CONTRACTIONS)
-def test_dense_rows_do_not_depend_on_row_count(din: int, dout: int) -> None:
-    rng = np.random.default_rng(din * 7 + dout)
-    w = (rng.standard_normal((din, dout), dtype=np.float32) * 0.05)
-    w_t = np.ascontiguousarray(w.T)
-    x = rng.standard_normal((128, din), dtype=np.float32)
-    bad = _rows_match(lambda a: dense(a, w, w_t), x)
-    assert bad == [], f"dense {din}x{dout}: rows differ at M={bad}"
-    # the two kernels dense picks between really agree (M == 1 is the GEMV)
-    one = np.asarray(jax.jit(lambda a: dense(a, w, w_t))(x[:1]))
-    two = np.asarray(jax.jit(lambda a: dense(a, w, w_t))(x[:2]))
-    assert np.array_equal(one[0], two[0])
+def _sizes_match(f, x: np.ndarray, sizes) -> list[int]:
+    """Sizes M at which f(rows) differs from the full computation's rows, with the rows
+    taken from the start, the end and a random choice of x (each row at other positions)."""
+    full = np.asarray(jax.jit(f)(x))
+    rng = np.random.default_rng(0)
+    bad = []
+    for m in sizes:
+        fm = jax.jit(f)
+        for idx in (np.arange(m), np.arange(len(x) - m, len(x)), rng.permutation(len(x))[:m]):
+            if not np.array_equal(np.asarray(fm(x[idx])), full[idx]):
+                bad.append(m)
+                break
+    return bad
 
 
-@pytest.mark.parametrize("din,dout", CONTRACTIONS)
-def test_plain_product_sums_like_nt_product_from_64_rows(din: int, dout: int) -> None:
-    """The scanned decoder of >= 64-token steps uses the plain product on the stacked W
-    (dense with w_t None): its rows must equal the NT product's at every such size."""
-    rng = np.random.default_rng(din * 5 + dout)
-    w = (rng.standard_normal((din, dout), dtype=np.float32) * 0.05)
-    w_t = np.ascontiguousarray(w.T)
-    x = rng.standard_normal((512, din), dtype=np.float32)
-    nt = np.asarray(jax.jit(lambda a: dense(a, w, w_t))(x))
-    bad = [m for m in (PLAIN_MIN_ROWS, 65, 128, 256, 512)
-           if not np.array_equal(np.asarray(jax.jit(lambda a: dense(a, w, None))(x[:m])),
-                                 nt[:m])]
-    assert bad == [], f"plain {din}x{dout}: rows differ from the NT product at M={bad}"
+def test_the_plan_is_verified_here(model) -> None:
+    _, plan = model
+    assert plan.verified, plan.problems
 
 
-@pytest.mark.parametrize("width", [16, 64, 128, 576, 1536, 49152])
-def test_row_sum_and_rms_norm_do_not_depend_on_row_count(width: int) -> None:
-    rng = np.random.default_rng(width)
-    x = rng.standard_normal((128, width), dtype=np.float32)
-    assert _rows_match(row_sum, x) == []
-    weight = 1.0 + 0.1 * rng.standard_normal(width, dtype=np.float32)
-    assert _rows_match(lambda a: rms_norm(a, weight, 1e-5), x) == []
-    # the value is the sum (only the order of additions is fixed)
-    np.testing.assert_allclose(np.asarray(row_sum(x[:3])), x[:3].sum(axis=1), rtol=1e-4,
-                               atol=1e-3)
+def test_every_product_is_row_invariant_by_the_plan(model) -> None:
+    cfg, plan = model
+    rng = np.random.default_rng(1)
+    shapes = {**layer_matrix_shapes(cfg), "head": head_shape(cfg)}
+    for name, (k, n) in shapes.items():
+        sizes = ROWS if name == "head" else TOKENS
+        w = (rng.standard_normal((k, n), dtype=np.float32) / np.sqrt(k))
+        w_t = np.ascontiguousarray(w.T)
+        x = rng.standard_normal((max(sizes), k), dtype=np.float32)
+        bad = _sizes_match(lambda a: dense(a, w, w_t, plan.product(name)), x, sizes)
+        assert bad == [], f"{name} {k}x{n}: rows differ at M={bad} ({plan.product(name)})"
 
 
-@pytest.mark.parametrize("kv_heads,group,head_dim,page_size,block",
-                         [(3, 3, 64, 16, 128), (2, 2, 16, 4, 16), (2, 7, 64, 16, 64)])
-def test_paged_attention_rows_do_not_depend_on_step_size(kv_heads: int, group: int,
-                                                         head_dim: int, page_size: int,
-                                                         block: int) -> None:
-    rng = np.random.default_rng(head_dim + group)
-    pages_per_seq, num_seqs = 24, 64
+def test_row_sums_and_rms_norm_are_row_invariant_by_the_plan(model) -> None:
+    cfg, plan = model
+    rng = np.random.default_rng(2)
+    for rs in plan.row_sums:
+        sizes = [m for m, _ in rs.by_rows]
+        x = rng.standard_normal((max(sizes), rs.width), dtype=np.float32)
+        assert _sizes_match(lambda a: row_sum(a, rs), x, sizes) == []
+        weight = 1.0 + 0.1 * rng.standard_normal(rs.width, dtype=np.float32)
+        assert _sizes_match(lambda a: rms_norm(a, weight, 1e-5, rs), x, sizes) == []
+        np.testing.assert_allclose(np.asarray(row_sum(x[:3], rs)), x[:3].sum(axis=1),
+                                   rtol=1e-4, atol=1e-3)
+
+
+def _attention_case(cfg, plan: InvariancePlan, page_size: int, block: int, seed: int):
+    """A pool and T_max query rows: decode rows of many sequences, and two prefills whose
+    chunks hold one sequence (shared keys)."""
+    rng = np.random.default_rng(seed)
+    kvh, hd = cfg.num_kv_heads, cfg.head_dim
+    top = max(TOKENS)
+    pages_per_seq, num_seqs = -(-(3 * block) // page_size), 40
     slots = (1 + pages_per_seq * num_seqs) * page_size
-    k_pool = rng.standard_normal((2, kv_heads, slots, head_dim), dtype=np.float32)
-    v_pool = rng.standard_normal((2, kv_heads, slots, head_dim), dtype=np.float32)
-    table = (1 + np.arange(num_seqs * pages_per_seq, dtype=np.int32)).reshape(num_seqs, -1)
-    q = rng.standard_normal((num_seqs, kv_heads * group, head_dim), dtype=np.float32)
-    pos = rng.integers(0, pages_per_seq * page_size, num_seqs).astype(np.int32)
-
-    def attend(qs: jax.Array) -> jax.Array:
-        t = qs.shape[0]
-        batch = ForwardBatch(input_ids=jnp.zeros(t, jnp.int32), positions=jnp.asarray(pos[:t]),
-                             token_seq=jnp.arange(t, dtype=jnp.int32),
-                             out_slots=jnp.zeros(t, jnp.int32), page_table=jnp.asarray(table),
-                             seq_lens=jnp.zeros(num_seqs, jnp.int32),
-                             logit_rows=jnp.zeros(1, jnp.int32))
-        return paged_attention(qs, jnp.asarray(k_pool), jnp.asarray(v_pool), 1,
-                               batch, page_size=page_size, block_size=block)
-
-    bad = _rows_match(attend, q, counts=(1, 2, 3, 4, 5, 8, 15, 16, 17, 32, 48))
-    assert bad == [], f"attention rows differ at T={bad}"
-
-
-@pytest.mark.parametrize("kv_heads,group,head_dim,page_size,block",
-                         [(3, 3, 64, 16, 128), (2, 2, 16, 4, 16)])
-def test_prefill_chunks_with_shared_keys_equal_lone_rows(kv_heads: int, group: int,
-                                                         head_dim: int, page_size: int,
-                                                         block: int) -> None:
-    """A step mixing two prefills (whose 16-row chunks hold one sequence and gather each
-    key block once, broadcast to the rows) with decode rows of other sequences: every
-    row bitwise equals the same row attended alone (a 1-row step, per-row gather)."""
-    rng = np.random.default_rng(head_dim)
-    pages_per_seq, num_seqs = 24, 8
-    slots = (1 + pages_per_seq * num_seqs) * page_size
-    k_pool = jnp.asarray(rng.standard_normal((2, kv_heads, slots, head_dim), dtype=np.float32))
-    v_pool = jnp.asarray(rng.standard_normal((2, kv_heads, slots, head_dim), dtype=np.float32))
+    k_pool = jnp.asarray(rng.standard_normal((2, kvh, slots, hd), dtype=np.float32))
+    v_pool = jnp.asarray(rng.standard_normal((2, kvh, slots, hd), dtype=np.float32))
     table = jnp.asarray((1 + np.arange(num_seqs * pages_per_seq, dtype=np.int32))
                         .reshape(num_seqs, -1))
-    # seq 1: positions 0..69 (a fresh prefill); seq 4: 30..99 (a chunk after a cached
-    # prefix); seqs 2, 5, 6: one decode row each
-    seq = np.concatenate([np.full(70, 1), np.full(70, 4), [2, 5, 6]]).astype(np.int32)
-    pos = np.concatenate([np.arange(70), np.arange(30, 100), [200, 13, 95]]).astype(np.int32)
-    perm = rng.permutation(len(seq))  # the step's row order must not matter either
-    seq, pos = seq[perm], pos[perm]
-    q = jnp.asarray(rng.standard_normal((len(seq), kv_heads * group, head_dim),
-                                        dtype=np.float32))
+    half = top // 2
+    seq = np.concatenate([rng.integers(2, num_seqs, half), np.full(top - half - 70, 0),
+                          np.full(70, 1)]).astype(np.int32)
+    pos = np.concatenate([rng.integers(0, 3 * block - 1, half),
+                          np.arange(top - half - 70), 30 + np.arange(70)]).astype(np.int32)
+    q = rng.standard_normal((top, cfg.num_heads, hd), dtype=np.float32)
 
     @jax.jit
-    def attend(qs: jax.Array, ps: jax.Array, ss: jax.Array) -> jax.Array:
+    def attend(qs, ps, ss):
         t = qs.shape[0]
         batch = ForwardBatch(input_ids=jnp.zeros(t, jnp.int32), positions=ps, token_seq=ss,
                              out_slots=jnp.zeros(t, jnp.int32), page_table=table,
                              seq_lens=jnp.zeros(num_seqs, jnp.int32),
                              logit_rows=jnp.zeros(1, jnp.int32))
         return paged_attention(qs, k_pool, v_pool, 1, batch, page_size=page_size,
-                               block_size=block)
+                               block_size=block, plan=plan.attention)
 
-    full = np.asarray(attend(q, jnp.asarray(pos), jnp.asarray(seq)))
-    bad = [i for i in range(len(seq))
-           if not np.array_equal(np.asarray(attend(q[i:i + 1], jnp.asarray(pos[i:i + 1]),
-                                                   jnp.asarray(seq[i:i + 1]))), full[i:i + 1])]
+    return q, pos, seq, attend
+
+
+def test_paged_attention_is_row_invariant_by_the_plan(model) -> None:
+    cfg, plan = model
+    q, pos, seq, attend = _attention_case(cfg, plan, 16, 128, 3)
+    full = np.asarray(attend(q, pos, seq))
+    rng = np.random.default_rng(4)
+    bad = []
+    for t in TOKENS:
+        for idx in (np.arange(t), np.arange(len(q) - t, len(q)), rng.permutation(len(q))[:t]):
+            if not np.array_equal(np.asarray(attend(q[idx], pos[idx], seq[idx])), full[idx]):
+                bad.append(t)
+                break
+    assert bad == [], f"attention rows differ at T={bad} ({plan.attention})"
+
+
+def test_prefill_rows_with_shared_keys_equal_lone_rows(model) -> None:
+    """Every row of a full step (prefill chunks of one sequence gather each key block once
+    when the plan allows it) equals the same row computed alone (a 1-token step)."""
+    cfg, plan = model
+    q, pos, seq, attend = _attention_case(cfg, plan, 16, 128, 5)
+    full = np.asarray(attend(q, pos, seq))
+    rows = list(range(len(q) - 80, len(q))) + [0, 7]
+    bad = [i for i in rows if not np.array_equal(
+        np.asarray(attend(q[i:i + 1], pos[i:i + 1], seq[i:i + 1])), full[i:i + 1])]
     assert bad == [], f"rows differ from their lone computation: {bad}"

@@ -47,7 +47,14 @@ from multiserve.engine.sampling import host as sampling_host
 from multiserve.engine.sampling import sampler as sampling
 from multiserve.model.forward_batch import ForwardBatch
 from multiserve.model.kv_pool import KVPool, make_kv_pool
-from multiserve.model.llama import UNROLL_MAX_TOKENS, forward_hidden, lm_head
+from multiserve.model.calibration import calibrate, workload_for
+from multiserve.model.invariance_plan import Calibration, InvariancePlan
+from multiserve.model.llama import (
+    UNROLL_MAX_TOKENS,
+    forward_hidden,
+    lm_head,
+    scan_needs_transposes,
+)
 from multiserve.model.row_invariant import with_transposed
 from multiserve.model.sharding import kv_pool_sharding, make_mesh, shard_params
 
@@ -86,6 +93,10 @@ class Runner:
         self.replicated = NamedSharding(self.mesh, P())
         self.num_pages = num_pages
         self.max_rows = max(cfg.precompile_bs_paddings)
+        self.calibration = self._calibrate()
+        self.plan: InvariancePlan = self.calibration.plan
+        # get_internal_state()["determinism"]: made once (immutable, read by any thread)
+        self.determinism: dict[str, Any] = self.calibration.summary()
         self._compute: Any = None
         self.params = shard_params(cast_params(params_host, dtype), model_cfg, self.mesh)
         self._kv_sharding = kv_pool_sharding(model_cfg, self.mesh)
@@ -119,13 +130,27 @@ class Runner:
         self._params = value
         self._compute = None  # drop the old transposed copies before making new ones
         if value is not None:
-            self._compute = with_transposed(value, self.model_cfg)
+            self._compute = with_transposed(value, self.model_cfg, stacked_t=scan_needs_transposes(
+                self.plan, self.model_cfg, self.cfg.precompile_token_paddings))
 
     @property
     def compute_params(self) -> Any:
         """The params the step runs on: `params` plus their transposed copies (None while
         released). Every device array holding weights is a leaf of this pytree."""
         return self._compute
+
+    def _calibrate(self) -> Calibration:
+        """This engine's invariance plan: pinned by the config, else measured on its first
+        device's backend for exactly its shapes and buckets (model/calibration.py; cached,
+        so a second start, or a second engine of the same kind, probes nothing)."""
+        cfg = self.cfg
+        workload = workload_for(self.model_cfg, cfg.precompile_token_paddings,
+                                cfg.precompile_bs_paddings, self.max_rows, cfg.page_size,
+                                cfg.attention_block_size, self.dtype, tp=len(self.devices))
+        if cfg.invariance_plan is not None:
+            plan = cfg.invariance_plan
+            return Calibration(plan, {"pinned": True}, "pinned", 0.0, False)
+        return calibrate(workload, self.devices[0])
 
     # ---- the traced step -----------------------------------------------------------
     def _forward_impl(self, params: Any, kv: KVPool, prev_ids: jax.Array, arrays: dict
@@ -139,13 +164,14 @@ class Runner:
                           logit_rows=arrays["logit_rows"])
         hidden, kv = forward_hidden(params, kv, fb, self.model_cfg,
                                     page_size=self.cfg.page_size,
-                                    attn_block_size=self.cfg.attention_block_size)
+                                    attn_block_size=self.cfg.attention_block_size,
+                                    plan=self.plan)
         rows = arrays["logit_rows"]
         return hidden, ids[rows], from_prev[rows] >= 0, kv
 
     def _head_impl(self, params: Any, hidden: jax.Array, row_tok: jax.Array,
                    row_prev: jax.Array, sb: Any, *, num_rows: int) -> tuple[jax.Array, Any]:
-        logits = lm_head(params, hidden[:num_rows])
+        logits = lm_head(params, hidden[:num_rows], self.plan)
         rows = sb.temperature.shape[0]  # sampler_rows(num_rows)
         if rows > num_rows:
             logits = jnp.pad(logits, ((0, rows - num_rows), (0, 0)))

@@ -1,0 +1,575 @@
+"""Calibration: the engine measures its own invariance plan on the backend it runs on.
+
+For every primitive a step uses (each layer matrix and the output head at every row count
+the engine runs, the RMSNorm row sums, paged attention at every token count), candidate
+formulations are run on random data, with every probe row placed at several positions,
+and their rows compared BITWISE:
+
+- products: kernel "plain" (x @ W) and "nt" (x . W^T), each at every engine size and at
+  2, 4, 8, 16, 32, 64 rows (a smaller M can be zero-padded up to any of them);
+- row sums: the ones-product padded to every count used and to 2, 4, 8, 16, 32, 64;
+- attention: query chunk C in QUERY_CHUNKS at every token count T (T padded up to a
+  multiple of C, or to C), with and without the one-sequence key sharing.
+
+Selection, per primitive: each candidate at the LARGEST size is a possible reference
+(an anchor) if its own rows agree wherever they are placed. A candidate belongs to an
+anchor's class if every probe row it computed equals the anchor's row bitwise. For each
+anchor, every size the engine runs takes the fastest member able to hold it (rows >= the
+size); the anchor whose plan costs least (the sum, over sizes, of each member's time over
+the fastest candidate's) wins. The anchor is a member of its own class, so padding every
+step to the largest size is always there as the last resort; if no anchor's rows are
+position-invariant the primitive has no invariant plan and the plan says so
+(`verified=False`, `problems`), loudly.
+
+The result is cached as JSON, keyed by what decides kernels (platform, device kind, CPU
+model and flags, jax/jaxlib, XLA_FLAGS, dtype, every shape and size): a second start with
+the same key probes nothing. `$MULTISERVE_CACHE_DIR/invariance/` (default
+~/.cache/multiserve/invariance).
+
+`distort` (tests and `multiserve doctor --alien`): a predicate over (primitive, candidate)
+naming candidates whose rows should be treated as computed differently (their hashes are
+changed), so a test can make the probe see an alien backend.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from multiserve.model.attention import QUERY_CHUNKS, paged_attention
+from multiserve.model.forward_batch import ForwardBatch
+from multiserve.model.invariance_plan import (
+    AttentionPlan,
+    Calibration,
+    Formulation,
+    InvariancePlan,
+    ProductPlan,
+    RowSumPlan,
+)
+from multiserve.model.row_invariant import product, row_sum_rows
+
+log = logging.getLogger("multiserve.calibration")
+
+PROBE_VERSION = 2  # bump when a probe or the selection changes: old cache entries are ignored
+PAD_SIZES = (2, 4, 8, 16, 32, 64)  # extra row counts a small step may be padded to
+TIMING_RUNS = 3
+# (primitive, candidate description) -> treat this candidate's rows as different
+Distort = Callable[[str, dict[str, Any]], bool]
+
+
+# ---- what the engine runs ------------------------------------------------------------------
+@dataclass(frozen=True)
+class ProductUse:
+    name: str  # layer matrix name or "head"
+    k: int  # global contraction shape (what the model traces)
+    n: int
+    local_k: int  # the shape one device computes (tensor parallelism splits one side)
+    local_n: int
+    sizes: tuple[int, ...]  # row counts the engine runs
+
+
+@dataclass(frozen=True)
+class AttentionUse:
+    kv_heads: int  # per device
+    group: int
+    head_dim: int
+    page_size: int
+    block_size: int
+    sizes: tuple[int, ...]  # token counts the engine runs
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Every primitive size an engine will run: the input of the calibration."""
+
+    dtype: str
+    products: tuple[ProductUse, ...]
+    row_sums: tuple[tuple[int, tuple[int, ...]], ...]  # (width, row counts)
+    attention: AttentionUse
+
+
+def workload_for(cfg: Any, token_sizes: Sequence[int], row_sizes: Sequence[int],
+                 max_rows: int, page_size: int, block_size: int, dtype: Any,
+                 tp: int = 1) -> Workload:
+    """The workload of an engine: model config `cfg` (ModelConfig), its step buckets and
+    its tensor-parallel degree (sharding.py's rules decide which side of each matrix a
+    device holds).
+
+    The sizes always include the default EngineConfig's buckets: engines of one model with
+    other buckets (a fleet's per-engine overrides, tests, reference loops) then calibrate
+    the same workload and share one plan, hence one reference and the same bits."""
+    from multiserve.config import EngineConfig
+    from multiserve.model.llama import head_shape, layer_matrix_shapes
+
+    default = EngineConfig()
+    tokens = tuple(sorted(set(token_sizes) | set(default.precompile_token_paddings)))
+    rows = tuple(sorted(set(row_sizes) | set(default.precompile_bs_paddings) | {max_rows}))
+    attn = tp > 1 and cfg.num_heads % tp == 0 and cfg.num_kv_heads % tp == 0
+    mlp = tp > 1 and cfg.intermediate_size % tp == 0
+    vocab = tp > 1 and cfg.vocab_size % tp == 0
+    split_out = {"wq": attn, "wk": attn, "wv": attn, "w_gate": mlp, "w_up": mlp}
+    split_in = {"wo": attn, "w_down": mlp}
+    products = []
+    for name, (k, n) in layer_matrix_shapes(cfg).items():
+        lk = k // tp if split_in.get(name) else k
+        ln = n // tp if split_out.get(name) else n
+        products.append(ProductUse(name, k, n, lk, ln, tokens))
+    hk, hn = head_shape(cfg)
+    products.append(ProductUse("head", hk, hn, hk, hn // tp if vocab else hn, rows))
+    heads = cfg.num_heads // tp if attn else cfg.num_heads
+    kv_heads = cfg.num_kv_heads // tp if attn else cfg.num_kv_heads
+    row_sums = [(cfg.hidden_size, tuple(sorted(set(tokens) | set(rows))))]
+    if cfg.qk_norm:
+        row_sums.append((cfg.head_dim, tuple(sorted({t * h for t in tokens
+                                                      for h in (heads, kv_heads)}))))
+    return Workload(dtype=str(np.dtype(dtype)), products=tuple(products),
+                    row_sums=tuple(row_sums),
+                    attention=AttentionUse(kv_heads, cfg.num_heads // cfg.num_kv_heads,
+                                           cfg.head_dim, page_size, block_size, tokens))
+
+
+# ---- candidates and their rows -------------------------------------------------------------
+@dataclass
+class Candidate:
+    """One formulation at one size: which probe rows it computed, their hashes per
+    placement, and its time."""
+
+    desc: dict[str, Any]  # what it is (kernel/chunk, rows, ...), as shown in the table
+    rows: int  # how many rows one run holds (what it can serve: any size <= rows)
+    runs: list[dict[int, int]]  # per placement: probe row index -> hash of its output
+    seconds: float
+
+    def agrees(self, ref: dict[int, int]) -> bool:
+        """Every probe row this candidate computed that `ref` holds has ref's bits."""
+        return all(ref.get(i, h) == h for run in self.runs for i, h in run.items())
+
+
+def _row_hashes(out: np.ndarray, placement: np.ndarray, flip: int) -> dict[int, int]:
+    """Probe row index -> hash of its output row (XOR `flip`: a distorted candidate)."""
+    flat = np.ascontiguousarray(out.reshape(out.shape[0], -1))
+    return {int(i): hash(flat[r].tobytes()) ^ flip for r, i in enumerate(placement)}
+
+
+def _flip(distort: Distort | None, primitive: str, desc: dict[str, Any]) -> int:
+    """0, or (a distorted candidate) a value unique to the candidate: its rows then agree
+    with no other candidate's, as a kernel that sums in its own order."""
+    if distort is None or not distort(primitive, desc):
+        return 0
+    return hash((primitive, *sorted(desc.items()))) | 1
+
+
+MIN_PROBED_ROWS = 96  # row results a candidate is checked on, at least (small sizes: more runs)
+
+
+def _placements(size: int, total: int, rng: np.random.Generator) -> list[np.ndarray]:
+    """Which probe rows sit where in the runs of one candidate: the first `size` rows, the
+    last `size` rows, then random choices in random order until at least MIN_PROBED_ROWS
+    results are checked (each row at several positions; a difference that shows only for
+    some data, e.g. an FMA contracted in one kernel and not in another, needs many rows)."""
+    if size >= total:
+        return [np.arange(total), np.arange(total)[::-1].copy(), rng.permutation(total)]
+    out = [np.arange(size), np.arange(total - size, total)]
+    while len(out) * size < MIN_PROBED_ROWS or len(out) < 3:
+        out.append(rng.permutation(total)[:size])
+    return out
+
+
+def _timed(fn: Callable[[], Any]) -> float:
+    """Seconds per call: the best of TIMING_RUNS means over >= 2 ms of back-to-back calls
+    (one call of a small product is mostly dispatch noise)."""
+    jax.block_until_ready(fn())
+    best = float("inf")
+    for _ in range(TIMING_RUNS):
+        calls, t0 = 0, time.perf_counter()
+        while True:
+            jax.block_until_ready(fn())
+            calls += 1
+            elapsed = time.perf_counter() - t0
+            if elapsed >= 2e-3 or calls >= 64:
+                break
+        best = min(best, elapsed / calls)
+    return best
+
+
+def _probe_product(use: ProductUse, dtype: Any, device: Any, distort: Distort | None,
+                   rng: np.random.Generator) -> list[Candidate]:
+    sizes = use.sizes
+    top = max(sizes)
+    all_rows = sorted(set(sizes) | {p for p in PAD_SIZES if p < top})
+    x = jax.device_put(jnp.asarray(rng.standard_normal((top, use.local_k)), dtype), device)
+    w_host = rng.standard_normal((use.local_k, use.local_n)) / np.sqrt(use.local_k)
+    w = jax.device_put(jnp.asarray(w_host, dtype), device)
+    w_t = jax.device_put(jnp.asarray(np.ascontiguousarray(w_host.T), dtype), device)
+    out: list[Candidate] = []
+    for kernel in ("plain", "nt"):
+        fn = jax.jit(lambda a, b, bt, kernel=kernel: product(
+            a, b if kernel == "plain" else None, bt if kernel == "nt" else None, kernel,
+            a.shape[0], preferred=jnp.float32))
+        for rows in all_rows:
+            desc = {"kernel": kernel, "rows": rows}
+            flip = _flip(distort, "product", {"name": use.name, **desc})
+            runs = []
+            for placement in _placements(rows, top, rng):
+                res = np.asarray(fn(x[placement], w, w_t))
+                runs.append(_row_hashes(res, placement, flip))
+            xs = x[:rows]
+            out.append(Candidate(desc, rows, runs, _timed(lambda: fn(xs, w, w_t))))
+    return out
+
+
+def _probe_row_sum(width: int, counts: tuple[int, ...], device: Any,
+                   distort: Distort | None, rng: np.random.Generator) -> list[Candidate]:
+    top = max(counts)
+    all_rows = sorted(set(counts) | {p for p in PAD_SIZES if p < top})
+    x = jax.device_put(jnp.asarray(rng.standard_normal((top, width)), jnp.float32), device)
+    fn = jax.jit(lambda a: row_sum_rows(a, a.shape[0]))
+    out = []
+    for rows in all_rows:
+        desc = {"rows": rows}
+        flip = _flip(distort, "row_sum", {"width": width, **desc})
+        runs = [_row_hashes(np.asarray(fn(x[p])), p, flip) for p in _placements(rows, top, rng)]
+        xs = x[:rows]
+        out.append(Candidate(desc, rows, runs, _timed(lambda: fn(xs))))
+    return out
+
+
+class _AttentionProbe:
+    """Paged attention on fixed probe rows: the first half decode-like (each its own
+    sequence, random positions over several key blocks), the second half prefill-like
+    (runs of consecutive positions of a few sequences), so chunks of one sequence (shared
+    keys) occur at the larger sizes. Candidates are compiled on demand and remembered."""
+
+    def __init__(self, use: AttentionUse, dtype: Any, device: Any, distort: Distort | None,
+                 rng: np.random.Generator) -> None:
+        self.use, self.distort, self.rng = use, distort, rng
+        self.top = top = max(use.sizes)
+        self.num_seqs = num_seqs = 16
+        max_pos = 2 * use.block_size + use.block_size // 2
+        pages = -(-(max_pos + 1) // use.page_size)
+        slots = (1 + num_seqs * pages) * use.page_size
+        self.table = jnp.asarray((1 + np.arange(num_seqs * pages, dtype=np.int32))
+                                 .reshape(num_seqs, -1))
+        pool_shape = (1, use.kv_heads, slots, use.head_dim)
+        self.k_pool = jax.device_put(jnp.asarray(rng.standard_normal(pool_shape), dtype), device)
+        self.v_pool = jax.device_put(jnp.asarray(rng.standard_normal(pool_shape), dtype), device)
+        half = max(1, top // 2)
+        seq = np.zeros(top, np.int32)
+        pos = np.zeros(top, np.int32)
+        seq[:half] = np.arange(half) % (num_seqs // 2)
+        pos[:half] = rng.integers(0, max_pos, half)
+        rest = top - half
+        if rest:
+            per_seq = -(-rest // (num_seqs // 2))
+            seq[half:] = num_seqs // 2 + np.arange(rest) // per_seq
+            for s in np.unique(seq[half:]):
+                idx = np.nonzero(seq[half:] == s)[0] + half
+                start = int(rng.integers(0, max(1, max_pos - len(idx))))
+                pos[idx] = np.minimum(start + np.arange(len(idx)), max_pos)
+        heads = use.kv_heads * use.group
+        self.q = jax.device_put(jnp.asarray(rng.standard_normal((top, heads, use.head_dim)),
+                                            dtype), device)
+        self.seq, self.pos = jnp.asarray(seq), jnp.asarray(pos)
+        self.done: dict[tuple[int, int, int, bool], Candidate] = {}
+
+    def candidate(self, tokens: int, chunk: int, padded: int, shared: bool) -> Candidate:
+        key = (tokens, chunk, padded, shared)
+        if key not in self.done:
+            self.done[key] = self._run(*key)
+        return self.done[key]
+
+    def _run(self, tokens: int, chunk: int, padded: int, shared: bool) -> Candidate:
+        use, plan = self.use, AttentionPlan(((tokens, (chunk, padded)),), shared)
+        table, k_pool, v_pool, num_seqs = self.table, self.k_pool, self.v_pool, self.num_seqs
+
+        @jax.jit
+        def attend(qs: jax.Array, ps: jax.Array, ss: jax.Array) -> jax.Array:
+            n = qs.shape[0]
+            batch = ForwardBatch(input_ids=jnp.zeros(n, jnp.int32), positions=ps,
+                                 token_seq=ss, out_slots=jnp.zeros(n, jnp.int32),
+                                 page_table=table, seq_lens=jnp.zeros(num_seqs, jnp.int32),
+                                 logit_rows=jnp.zeros(1, jnp.int32))
+            return paged_attention(qs, k_pool, v_pool, 0, batch, page_size=use.page_size,
+                                   block_size=use.block_size, plan=plan)
+
+        desc = {"tokens": tokens, "chunk": chunk, "padded": padded, "shared_keys": shared}
+        flip = _flip(self.distort, "attention", desc)
+        runs = []
+        t0 = time.perf_counter()
+        for p in _placements(tokens, self.top, self.rng):
+            res = np.asarray(attend(self.q[p], self.pos[p], self.seq[p]))
+            runs.append(_row_hashes(res, p, flip))
+        # the cost model is static (padded rows, then chunk iterations): timing these tiny
+        # probe steps measures dispatch noise, not the step's attention
+        return Candidate(desc, tokens, runs, time.perf_counter() - t0)
+
+
+def _attention_preference(tokens: int, top: int) -> list[tuple[int, int]]:
+    """(chunk, padded) candidates for a T-token step, best first: no padding beyond a
+    multiple of the chunk, then the largest chunk (fewest iterations); then chunks larger
+    than T (T padded up to the chunk), smallest first."""
+    fits = [(c, -(-tokens // c) * c) for c in sorted(QUERY_CHUNKS, reverse=True) if c <= tokens]
+    fits.sort(key=lambda cp: (cp[1], -cp[0]))
+    larger = [(c, c) for c in sorted(QUERY_CHUNKS) if c > tokens and c <= max(top, 1)]
+    return fits + larger
+
+
+def _choose_attention(use: AttentionUse, dtype: Any, device: Any, distort: Distort | None,
+                      rng: np.random.Generator
+                      ) -> tuple[AttentionPlan | None, list[Candidate], Candidate | None]:
+    """The first position-invariant reference in preference order (largest chunk, shared
+    keys first) at the largest size; then, for every size, the first candidate in
+    preference order whose rows equal the reference's; none: the reference itself, the
+    step padded to the largest size (last resort). Candidates are probed lazily."""
+    probe = _AttentionProbe(use, dtype, device, distort, rng)
+    top = probe.top
+    for chunk, padded in _attention_preference(top, top):
+        for shared in ((True, False) if chunk > 1 else (False,)):
+            anchor = probe.candidate(top, chunk, padded, shared)
+            ref = anchor.runs[0]
+            if not anchor.agrees(ref):
+                continue
+            entries = []
+            for t in use.sizes:
+                for c, p in _attention_preference(t, top):
+                    cand = probe.candidate(t, c, p, shared and c > 1)
+                    if cand.agrees(ref):
+                        entries.append((t, (c, p)))
+                        break
+                else:
+                    entries.append((t, (chunk, padded)))
+            return (AttentionPlan(tuple(entries), shared), list(probe.done.values()), anchor)
+    return None, list(probe.done.values()), None
+
+
+# ---- selection -----------------------------------------------------------------------------
+TIE = 1.15  # candidates within this factor of the fastest count as equally fast
+
+
+def _fastest(cands: list[Candidate]) -> Candidate:
+    """The fastest candidate; among those within TIE of it (timing noise), the one with
+    the fewest rows (least padding), then the plain kernel (it needs no transposed copy
+    in the scanned decoder), then the fastest."""
+    quickest = min(c.seconds for c in cands)
+    return min((c for c in cands if c.seconds <= quickest * TIE),
+               key=lambda c: (c.rows, c.desc.get("kernel") == "nt", c.seconds))
+
+
+@dataclass
+class Selection:
+    """One primitive's choice: for each needed size the member used (None: no invariant
+    plan), the anchor, and whether every size is covered."""
+
+    choice: dict[int, Candidate]
+    anchor: Candidate | None
+    verified: bool
+
+
+def select(candidates: list[Candidate], sizes: Sequence[int],
+           usable: Callable[[Candidate, int], bool] = lambda c, m: c.rows >= m) -> Selection:
+    """The cheapest plan in which every needed size is served by a member of one anchor's
+    class (module docstring). `usable(c, m)`: candidate c can compute a size-m step."""
+    top = max(c.rows for c in candidates)
+    fastest = {m: min(c.seconds for c in candidates if usable(c, m)) for m in sizes}
+    best: tuple[float, Selection] | None = None
+    for anchor in (c for c in candidates if c.rows == top):
+        ref = anchor.runs[0]
+        if not anchor.agrees(ref):
+            continue  # its rows depend on where they sit: not a reference
+        members = [c for c in candidates if c.agrees(ref)]
+        choice = {}
+        for m in sizes:
+            able = [c for c in members if usable(c, m)]
+            if not able:
+                break
+            choice[m] = _fastest(able)
+        else:
+            cost = sum(choice[m].seconds / max(fastest[m], 1e-9) for m in sizes)
+            if best is None or cost < best[0]:
+                best = (cost, Selection(choice, anchor, True))
+    if best is not None:
+        return best[1]
+    # nothing invariant: the fastest candidate per size, flagged
+    return Selection({m: _fastest([c for c in candidates if usable(c, m)]) for m in sizes},
+                     None, False)
+
+
+def _table_rows(primitive: str, what: dict[str, Any], candidates: list[Candidate],
+                sel: Selection) -> list[dict[str, Any]]:
+    ref = sel.anchor.runs[0] if sel.anchor is not None else None
+    chosen = {id(c): m for m, c in sel.choice.items()}
+    rows = []
+    for c in candidates:
+        self_ok = c.agrees(c.runs[0])
+        rows.append({"primitive": primitive, **what, **c.desc,
+                     "ms": round(c.seconds * 1e3, 4),
+                     "position_invariant": self_ok,
+                     "matches_reference": bool(ref is not None and c.agrees(ref)),
+                     "reference": c is sel.anchor,
+                     "chosen_for": sorted(m for m, cc in sel.choice.items() if cc is c)
+                     if id(c) in chosen else []})
+    return rows
+
+
+def _choose(workload: Workload, device: Any, distort: Distort | None
+            ) -> tuple[InvariancePlan, list[dict[str, Any]]]:
+    rng = np.random.default_rng(20261124)
+    dtype = jnp.dtype(workload.dtype)
+    table: list[dict[str, Any]] = []
+    problems: list[str] = []
+    products = []
+    probed: dict[tuple[int, int, tuple[int, ...], str], tuple[list[Candidate], Selection]] = {}
+    for use in workload.products:
+        key = (use.local_k, use.local_n, use.sizes, use.name if distort else "")
+        if key not in probed:
+            cands = _probe_product(use, dtype, device, distort, rng)
+            probed[key] = (cands, select(cands, use.sizes))
+        cands, sel = probed[key]
+        if not sel.verified:
+            problems.append(f"product {use.name} ({use.local_k}x{use.local_n}): no "
+                            f"formulation gives position-invariant rows")
+        table += _table_rows("product", {"name": use.name, "shape": f"{use.k}x{use.n}"},
+                             cands, sel)
+        products.append(ProductPlan(use.name, use.k, use.n, tuple(
+            (m, Formulation(c.desc["kernel"], c.rows)) for m, c in sorted(sel.choice.items()))))
+    row_sums = []
+    for width, counts in workload.row_sums:
+        cands = _probe_row_sum(width, counts, device, distort, rng)
+        sel = select(cands, counts)
+        if not sel.verified:
+            problems.append(f"row sums of width {width}: not position-invariant")
+        table += _table_rows("row_sum", {"width": width}, cands, sel)
+        row_sums.append(RowSumPlan(width, tuple((m, c.rows)
+                                                for m, c in sorted(sel.choice.items()))))
+    attention, cands, anchor = _choose_attention(workload.attention, dtype, device, distort,
+                                                 rng)
+    if attention is None:
+        problems.append("attention: no query chunking gives position-invariant rows")
+        first = _attention_preference(max(workload.attention.sizes),
+                                      max(workload.attention.sizes))[0]
+        attention = AttentionPlan(tuple((t, first) for t in workload.attention.sizes), False)
+    chosen = {id(c): [t for t, cp in attention.by_tokens
+                      if (c.desc["tokens"] == t and (c.desc["chunk"], c.desc["padded"]) == cp)]
+              for c in cands}
+    ref = anchor.runs[0] if anchor is not None else None
+    table += [{"primitive": "attention", **c.desc, "ms": round(c.seconds * 1e3, 3),
+               "position_invariant": c.agrees(c.runs[0]),
+               "matches_reference": bool(ref is not None and c.agrees(ref)),
+               "reference": c is anchor, "chosen_for": chosen[id(c)]} for c in cands]
+    plan = InvariancePlan(tuple(products), tuple(row_sums), attention,
+                          verified=not problems, problems=tuple(problems))
+    return plan, table
+
+
+# ---- the key and the cache -----------------------------------------------------------------
+def _cpu_facts() -> dict[str, str]:
+    facts = {"machine": platform.machine()}
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            info = f.read()
+    except OSError:
+        return facts
+    for line in info.splitlines():
+        name, _, value = line.partition(":")
+        name = name.strip()
+        if name in ("model name", "flags", "Features", "CPU part") and name not in facts:
+            facts[name] = value.strip()
+    return facts
+
+
+def backend_key(device: Any, workload: Workload) -> dict[str, Any]:
+    """What decides which kernels run: the device, the CPU, the software, the shapes."""
+    import jaxlib
+
+    key: dict[str, Any] = {
+        "probe_version": PROBE_VERSION,
+        "platform": device.platform,
+        "device_kind": getattr(device, "device_kind", ""),
+        "jax": jax.__version__,
+        "jaxlib": jaxlib.__version__,
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "workload": asdict(workload),
+    }
+    if device.platform == "cpu":
+        key["cpu"] = _cpu_facts()
+    return key
+
+
+def _hash_key(key: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("MULTISERVE_CACHE_DIR")
+    root = Path(base) if base else Path.home() / ".cache" / "multiserve"
+    return root / "invariance"
+
+
+_MEMO: dict[str, Calibration] = {}
+_LOCK = threading.Lock()  # one probe at a time per process (a fleet's engines share it)
+
+
+def calibrate(workload: Workload, device: Any, *, distort: Distort | None = None,
+              use_cache: bool = True) -> Calibration:
+    """The invariance plan for `workload` on `device`'s backend: from this process's memo,
+    else the cache file, else probed now (and cached). A distorted probe is never cached."""
+    key = backend_key(device, workload)
+    key_hash = _hash_key(key)
+    cacheable = use_cache and distort is None
+    with _LOCK:
+        if cacheable and key_hash in _MEMO:
+            return _MEMO[key_hash]
+        path = cache_dir() / f"{key_hash}.json"
+        if cacheable and path.exists():
+            try:
+                d = json.loads(path.read_text())
+                if d.get("key") == json.loads(json.dumps(key)):
+                    cal = Calibration(InvariancePlan.from_json(d["plan"]), key, key_hash,
+                                      float(d["probe_seconds"]), True, tuple(d["table"]))
+                    _MEMO[key_hash] = cal
+                    return cal
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                log.warning("ignoring the unreadable invariance cache %s: %s", path, exc)
+        t0 = time.monotonic()
+        plan, table = _choose(workload, device, distort)
+        seconds = time.monotonic() - t0
+        cal = Calibration(plan, key, key_hash, seconds, False, tuple(table))
+        if not plan.verified:
+            log.error("DETERMINISM NOT VERIFIED on this backend: %s", "; ".join(plan.problems))
+        if cacheable:
+            _MEMO[key_hash] = cal
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = path.with_suffix(f".tmp{os.getpid()}")
+                tmp.write_text(json.dumps({"key": key, "plan": plan.to_json(),
+                                           "probe_seconds": seconds, "table": table}))
+                tmp.replace(path)
+            except OSError as exc:
+                log.warning("could not cache the invariance plan in %s: %s", path, exc)
+        return cal
+
+
+def default_plan(cfg: Any, dtype: Any = np.float32, *, page_size: int | None = None,
+                 block_size: int | None = None, device: Any = None) -> InvariancePlan:
+    """The plan of an engine with the default EngineConfig buckets on `device` (default:
+    the first device), for code that runs the model outside an engine and must share a
+    default engine's numerics bit for bit (simple_generate, reference loops in tests)."""
+    from multiserve.config import EngineConfig
+
+    ec = EngineConfig()
+    workload = workload_for(cfg, ec.precompile_token_paddings, ec.precompile_bs_paddings,
+                            max(ec.precompile_bs_paddings), page_size or ec.page_size,
+                            block_size or ec.attention_block_size, dtype)
+    return calibrate(workload, device if device is not None else jax.devices()[0]).plan

@@ -1,0 +1,184 @@
+"""The invariance plan: how each row-invariant primitive computes a step of a given size.
+
+A token's numerics must not depend on how many other tokens share its step. Which
+formulation of a primitive gives every row the same bits at every size is a fact of the
+backend (CPU model and ISA, GPU/TPU kind, XLA version), so it is measured on the machine
+that runs the engine (`model/calibration.py`) and written down here, as data:
+
+- `ProductPlan`, per contraction x[M, K] @ W[K, N]: for each row count M the engine runs,
+  a `Formulation` (kernel "plain" = x @ W, or "nt" = dot_general against W^T stored
+  [N, K]; computed at `rows` >= M rows, the extra rows zero padding);
+- `RowSumPlan`, per row width: the row count each sum over the last axis is padded to
+  (a row sum is an NT product with a block of ones: `row_invariant.row_sum`);
+- `AttentionPlan`: for each token count T, the query chunk C and the row count T is padded
+  to, and whether a chunk of one sequence may gather its keys once (`shared_keys`).
+
+Every entry of a plan was checked bitwise against one reference computation of its
+primitive (the largest size, rows at several positions), so all its entries agree with
+each other. Sizes between table entries take the next larger entry (the same program,
+padded); sizes beyond the largest entry are split into chunks of that entry's rows
+(products, row sums), so every size maps to a checked computation.
+
+This module is plain data (no jax): config and the HTTP side may import it. The plan is
+hashable and is a static argument of the jitted step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+KERNELS = ("plain", "nt")
+
+
+@dataclass(frozen=True)
+class Formulation:
+    """Compute M rows with `kernel` at `rows` rows (M <= rows; rows beyond M are zeros)."""
+
+    kernel: str
+    rows: int
+
+    def __post_init__(self) -> None:
+        if self.kernel not in KERNELS:
+            raise ValueError(f"unknown product kernel {self.kernel!r} (one of {KERNELS})")
+        if self.rows < 1:
+            raise ValueError(f"rows must be >= 1, got {self.rows}")
+
+
+def _entry(table: tuple[tuple[int, Any], ...], size: int) -> tuple[int, Any] | None:
+    """The entry of the smallest table size >= size (None: size beyond the table)."""
+    for limit, value in table:
+        if size <= limit:
+            return limit, value
+    return None
+
+
+@dataclass(frozen=True)
+class ProductPlan:
+    """The formulation of one named contraction (a layer matrix or "head"; global shape
+    K x N) at each row count."""
+
+    name: str
+    k: int
+    n: int
+    by_rows: tuple[tuple[int, Formulation], ...]  # (M, formulation), M ascending
+
+    def formulation(self, m: int) -> tuple[Formulation, int]:
+        """(formulation, chunks) for an M-row product: M is split into `chunks` pieces
+        of at most `formulation.rows` rows (1 unless M is beyond the table)."""
+        hit = _entry(self.by_rows, m)
+        if hit is not None:
+            return hit[1], 1
+        top = self.by_rows[-1][1]
+        return top, -(-m // top.rows)
+
+    @property
+    def kernels(self) -> frozenset[str]:
+        return frozenset(f.kernel for _, f in self.by_rows)
+
+
+@dataclass(frozen=True)
+class RowSumPlan:
+    """Row sums of width `width`: a sum over R rows is computed at `padded` rows."""
+
+    width: int
+    by_rows: tuple[tuple[int, int], ...]  # (R, padded rows), R ascending
+
+    def padded_rows(self, rows: int) -> tuple[int, int]:
+        """(rows per piece, pieces) for a sum over `rows` rows."""
+        hit = _entry(self.by_rows, rows)
+        if hit is not None:
+            return hit[1], 1
+        top = self.by_rows[-1][1]
+        return top, -(-rows // top)
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """Paged attention: a T-token step runs chunks of `chunk` query rows over T padded to
+    `padded` rows; `shared_keys`: a chunk whose rows are one sequence gathers each key
+    block once (else every row gathers its own)."""
+
+    by_tokens: tuple[tuple[int, tuple[int, int]], ...]  # (T, (chunk, padded T))
+    shared_keys: bool
+
+    def chunking(self, num_tokens: int) -> tuple[int, int]:
+        """(chunk, padded token count) for a T-token step."""
+        hit = _entry(self.by_tokens, num_tokens)
+        if hit is not None:  # the entry's program, padded: the same rows
+            return hit[1]
+        chunk = self.by_tokens[-1][1][0]
+        return chunk, -(-num_tokens // chunk) * chunk
+
+
+@dataclass(frozen=True)
+class InvariancePlan:
+    """Every primitive's plan. `verified`: each entry was checked bitwise on this backend
+    (False: the calibration found no invariant formulation for some primitive, or the plan
+    was not calibrated; `problems` says which)."""
+
+    products: tuple[ProductPlan, ...]
+    row_sums: tuple[RowSumPlan, ...]
+    attention: AttentionPlan
+    verified: bool
+    problems: tuple[str, ...] = ()
+
+    def product(self, name: str) -> ProductPlan:
+        for p in self.products:
+            if p.name == name:
+                return p
+        raise KeyError(f"the invariance plan has no product {name!r} (calibrated: "
+                       f"{[p.name for p in self.products]})")
+
+    def row_sum(self, width: int) -> RowSumPlan:
+        for r in self.row_sums:
+            if r.width == width:
+                return r
+        raise KeyError(f"the invariance plan has no row sums of width {width} (calibrated: "
+                       f"{[r.width for r in self.row_sums]})")
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "verified": self.verified,
+            "problems": list(self.problems),
+            "products": [{"name": p.name, "k": p.k, "n": p.n,
+                          "by_rows": [[m, f.kernel, f.rows] for m, f in p.by_rows]}
+                         for p in self.products],
+            "row_sums": [{"width": r.width, "by_rows": [list(e) for e in r.by_rows]}
+                         for r in self.row_sums],
+            "attention": {"by_tokens": [[t, c, p] for t, (c, p) in self.attention.by_tokens],
+                          "shared_keys": self.attention.shared_keys},
+        }
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> InvariancePlan:
+        return cls(
+            products=tuple(ProductPlan(p["name"], p["k"], p["n"], tuple(
+                (int(m), Formulation(str(kern), int(rows))) for m, kern, rows in p["by_rows"]))
+                for p in d["products"]),
+            row_sums=tuple(RowSumPlan(r["width"], tuple((int(a), int(b)) for a, b in
+                                                        r["by_rows"])) for r in d["row_sums"]),
+            attention=AttentionPlan(tuple((int(t), (int(c), int(p))) for t, c, p in
+                                          d["attention"]["by_tokens"]),
+                                    bool(d["attention"]["shared_keys"])),
+            verified=bool(d["verified"]), problems=tuple(d.get("problems", ())))
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """A plan with how it was obtained: the key it is cached under (what decides kernels),
+    the probe table (every candidate: checked against the reference or not, and its time),
+    the probe's own seconds, and whether this start read it from the cache."""
+
+    plan: InvariancePlan
+    key: dict[str, Any]
+    key_hash: str
+    probe_seconds: float
+    cached: bool
+    table: tuple[dict[str, Any], ...] = field(default=(), compare=False)
+
+    def summary(self) -> dict[str, Any]:
+        """The `determinism` block of get_server_info."""
+        return {"verified": self.plan.verified, "problems": list(self.plan.problems),
+                "plan": self.plan.to_json(), "probe_seconds": round(self.probe_seconds, 3),
+                "cached": self.cached, "key": self.key, "key_hash": self.key_hash}

@@ -1,0 +1,92 @@
+"""The calibration (model/calibration.py) on an alien backend: the probe is made to see
+candidates that sum differently (their rows' hashes changed), and must then choose the
+fallback formulations, and say so in its table; the cache serves a second start."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from model_helpers import TINY_LLAMA
+
+from multiserve.model.calibration import calibrate, select, workload_for, Candidate
+from multiserve.model.invariance_plan import InvariancePlan
+
+TOKENS = (1, 2, 4, 8, 16, 32, 64)
+ROWS = (1, 2, 4, 8)
+
+
+def _workload():
+    return workload_for(TINY_LLAMA, TOKENS, ROWS, 8, 16, 16, np.float32)
+
+
+def alien(primitive: str, c: dict) -> bool:
+    """A backend whose products below 16 rows (the GEMV included) each sum in their own
+    order, whose 1- and 2-row attention chunks are other kernels, and whose row sums
+    differ below 8 rows."""
+    if primitive == "product":
+        return c["rows"] < 16
+    if primitive == "attention":
+        return c["chunk"] <= 2
+    return c["rows"] < 8
+
+
+def alien_plan() -> InvariancePlan:
+    return calibrate(_workload(), jax.devices()[0], distort=alien).plan
+
+
+def test_alien_backend_gets_the_fallback_plan() -> None:
+    plan = alien_plan()
+    assert plan.verified
+    for p in plan.products:
+        for m, form in p.by_rows:
+            if form.rows < max(TOKENS if p.name != "head" else ROWS):
+                assert form.rows >= max(16, m), (p.name, m, form)
+    assert all(chunk > 2 for _, (chunk, _) in plan.attention.by_tokens)
+    assert all(padded >= 8 for rs in plan.row_sums for _, padded in rs.by_rows)
+
+
+def test_only_padding_works_pads_every_step_to_the_largest() -> None:
+    """Every candidate below the largest size differs: the last resort, every step padded
+    to the reference's shape, is what remains (and it is still verified)."""
+    top = max(EngineDefaults.tokens)
+    plan = calibrate(_workload(), jax.devices()[0],
+                     distort=lambda prim, c: (c.get("tokens", c.get("rows")) or 0) < top).plan
+    assert plan.verified
+    for p in plan.products:
+        want = max(EngineDefaults.rows if p.name == "head" else EngineDefaults.tokens)
+        assert {form.rows for _, form in p.by_rows} == {want}, p
+
+
+class EngineDefaults:
+    from multiserve.config import EngineConfig as _EC
+
+    tokens = _EC().precompile_token_paddings
+    rows = tuple(sorted(set(_EC().precompile_bs_paddings) | {8}))
+
+
+def test_no_position_invariant_reference_is_not_verified() -> None:
+    """A backend where no candidate's rows stay the same at other positions: the plan
+    says it is not verified, and why."""
+    def c(rows: int, runs: list[dict[int, int]]) -> Candidate:
+        return Candidate({"kernel": "nt", "rows": rows}, rows, runs, 1.0)
+
+    # the largest candidate gives row 0 other bits in its second placement
+    cands = [c(1, [{0: 1}]), c(2, [{0: 1, 1: 1}, {0: 2, 1: 1}])]
+    sel = select(cands, [1, 2])
+    assert not sel.verified and sel.anchor is None
+
+
+def test_second_start_reads_the_cache(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import multiserve.model.calibration as cal
+
+    monkeypatch.setenv("MULTISERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cal, "_MEMO", {})
+    wl = workload_for(TINY_LLAMA, (1, 4), (1,), 1, 16, 16, np.float32)
+    first = calibrate(wl, jax.devices()[0])
+    assert not first.cached and first.probe_seconds > 0
+    assert list((tmp_path / "invariance").glob("*.json"))
+    monkeypatch.setattr(cal, "_MEMO", {})
+    second = calibrate(wl, jax.devices()[0])
+    assert second.cached and second.plan == first.plan and second.key_hash == first.key_hash
+    assert second.key["jax"] == jax.__version__ and "workload" in second.key
