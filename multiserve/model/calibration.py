@@ -42,6 +42,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -226,7 +227,7 @@ def _probe_product(use: ProductUse, dtype: Any, device: Any, distort: Distort | 
                 res = np.asarray(fn(x[placement], w, w_t))
                 runs.append(_row_hashes(res, placement, flip))
             xs = x[:rows]
-            out.append(Candidate(desc, rows, runs, _timed(lambda: fn(xs, w, w_t))))
+            out.append(Candidate(desc, rows, runs, _timed(partial(fn, xs, w, w_t))))
     return out
 
 
@@ -242,7 +243,7 @@ def _probe_row_sum(width: int, counts: tuple[int, ...], device: Any,
         flip = _flip(distort, "row_sum", {"width": width, **desc})
         runs = [_row_hashes(np.asarray(fn(x[p])), p, flip) for p in _placements(rows, top, rng)]
         xs = x[:rows]
-        out.append(Candidate(desc, rows, runs, _timed(lambda: fn(xs))))
+        out.append(Candidate(desc, rows, runs, _timed(partial(fn, xs))))
     return out
 
 
@@ -327,12 +328,12 @@ def _attention_preference(tokens: int, top: int) -> list[tuple[int, int]]:
 
 
 def _choose_attention(use: AttentionUse, dtype: Any, device: Any, distort: Distort | None,
-                      rng: np.random.Generator
-                      ) -> tuple[AttentionPlan | None, list[Candidate], Candidate | None]:
+                      rng: np.random.Generator) -> tuple[Selection, bool, list[Candidate]]:
     """The first position-invariant reference in preference order (largest chunk, shared
     keys first) at the largest size; then, for every size, the first candidate in
     preference order whose rows equal the reference's; none: the reference itself, the
-    step padded to the largest size (last resort). Candidates are probed lazily."""
+    step padded to the largest size (last resort). Candidates are probed lazily.
+    Returns (the selection, shared keys, every candidate probed)."""
     probe = _AttentionProbe(use, dtype, device, distort, rng)
     top = probe.top
     for chunk, padded in _attention_preference(top, top):
@@ -341,17 +342,15 @@ def _choose_attention(use: AttentionUse, dtype: Any, device: Any, distort: Disto
             ref = anchor.runs[0]
             if not anchor.agrees(ref):
                 continue
-            entries = []
+            choice = {}
             for t in use.sizes:
-                for c, p in _attention_preference(t, top):
-                    cand = probe.candidate(t, c, p, shared and c > 1)
-                    if cand.agrees(ref):
-                        entries.append((t, (c, p)))
-                        break
-                else:
-                    entries.append((t, (chunk, padded)))
-            return (AttentionPlan(tuple(entries), shared), list(probe.done.values()), anchor)
-    return None, list(probe.done.values()), None
+                prefs = (probe.candidate(t, c, p, shared and c > 1)
+                         for c, p in _attention_preference(t, top))
+                choice[t] = next((cand for cand in prefs if cand.agrees(ref)), anchor)
+            return Selection(choice, anchor, True), shared, list(probe.done.values())
+    first = probe.candidate(top, *_attention_preference(top, top)[0], False)
+    return (Selection({t: first for t in use.sizes}, None, False), False,
+            list(probe.done.values()))
 
 
 # ---- selection -----------------------------------------------------------------------------
@@ -369,20 +368,20 @@ def _fastest(cands: list[Candidate]) -> Candidate:
 
 @dataclass
 class Selection:
-    """One primitive's choice: for each needed size the member used (None: no invariant
-    plan), the anchor, and whether every size is covered."""
+    """One primitive's choice: for each needed size the candidate used, the anchor (None:
+    no position-invariant reference, so `verified` is False and the choice is merely the
+    fastest)."""
 
     choice: dict[int, Candidate]
     anchor: Candidate | None
     verified: bool
 
 
-def select(candidates: list[Candidate], sizes: Sequence[int],
-           usable: Callable[[Candidate, int], bool] = lambda c, m: c.rows >= m) -> Selection:
-    """The cheapest plan in which every needed size is served by a member of one anchor's
-    class (module docstring). `usable(c, m)`: candidate c can compute a size-m step."""
+def select(candidates: list[Candidate], sizes: Sequence[int]) -> Selection:
+    """The cheapest plan in which every needed size m is served by a member of one anchor's
+    class holding at least m rows (module docstring)."""
     top = max(c.rows for c in candidates)
-    fastest = {m: min(c.seconds for c in candidates if usable(c, m)) for m in sizes}
+    fastest = {m: min(c.seconds for c in candidates if c.rows >= m) for m in sizes}
     best: tuple[float, Selection] | None = None
     for anchor in (c for c in candidates if c.rows == top):
         ref = anchor.runs[0]
@@ -391,7 +390,7 @@ def select(candidates: list[Candidate], sizes: Sequence[int],
         members = [c for c in candidates if c.agrees(ref)]
         choice = {}
         for m in sizes:
-            able = [c for c in members if usable(c, m)]
+            able = [c for c in members if c.rows >= m]
             if not able:
                 break
             choice[m] = _fastest(able)
@@ -402,25 +401,21 @@ def select(candidates: list[Candidate], sizes: Sequence[int],
     if best is not None:
         return best[1]
     # nothing invariant: the fastest candidate per size, flagged
-    return Selection({m: _fastest([c for c in candidates if usable(c, m)]) for m in sizes},
+    return Selection({m: _fastest([c for c in candidates if c.rows >= m]) for m in sizes},
                      None, False)
 
 
 def _table_rows(primitive: str, what: dict[str, Any], candidates: list[Candidate],
                 sel: Selection) -> list[dict[str, Any]]:
+    """The probe table's rows of one primitive: every candidate, whether its rows stay put
+    at other positions, whether it matches the reference, and the sizes it serves."""
     ref = sel.anchor.runs[0] if sel.anchor is not None else None
-    chosen = {id(c): m for m, c in sel.choice.items()}
-    rows = []
-    for c in candidates:
-        self_ok = c.agrees(c.runs[0])
-        rows.append({"primitive": primitive, **what, **c.desc,
-                     "ms": round(c.seconds * 1e3, 4),
-                     "position_invariant": self_ok,
-                     "matches_reference": bool(ref is not None and c.agrees(ref)),
-                     "reference": c is sel.anchor,
-                     "chosen_for": sorted(m for m, cc in sel.choice.items() if cc is c)
-                     if id(c) in chosen else []})
-    return rows
+    return [{"primitive": primitive, **what, **c.desc, "ms": round(c.seconds * 1e3, 4),
+             "position_invariant": c.agrees(c.runs[0]),
+             "matches_reference": bool(ref is not None and c.agrees(ref)),
+             "reference": c is sel.anchor,
+             "chosen_for": sorted(m for m, cc in sel.choice.items() if cc is c)}
+            for c in candidates]
 
 
 def _choose(workload: Workload, device: Any, distort: Distort | None
@@ -453,21 +448,12 @@ def _choose(workload: Workload, device: Any, distort: Distort | None
         table += _table_rows("row_sum", {"width": width}, cands, sel)
         row_sums.append(RowSumPlan(width, tuple((m, c.rows)
                                                 for m, c in sorted(sel.choice.items()))))
-    attention, cands, anchor = _choose_attention(workload.attention, dtype, device, distort,
-                                                 rng)
-    if attention is None:
+    sel, shared, cands = _choose_attention(workload.attention, dtype, device, distort, rng)
+    if not sel.verified:
         problems.append("attention: no query chunking gives position-invariant rows")
-        first = _attention_preference(max(workload.attention.sizes),
-                                      max(workload.attention.sizes))[0]
-        attention = AttentionPlan(tuple((t, first) for t in workload.attention.sizes), False)
-    chosen = {id(c): [t for t, cp in attention.by_tokens
-                      if (c.desc["tokens"] == t and (c.desc["chunk"], c.desc["padded"]) == cp)]
-              for c in cands}
-    ref = anchor.runs[0] if anchor is not None else None
-    table += [{"primitive": "attention", **c.desc, "ms": round(c.seconds * 1e3, 3),
-               "position_invariant": c.agrees(c.runs[0]),
-               "matches_reference": bool(ref is not None and c.agrees(ref)),
-               "reference": c is anchor, "chosen_for": chosen[id(c)]} for c in cands]
+    table += _table_rows("attention", {}, cands, sel)
+    attention = AttentionPlan(tuple((t, (c.desc["chunk"], c.desc["padded"]))
+                                    for t, c in sorted(sel.choice.items())), shared)
     plan = InvariancePlan(tuple(products), tuple(row_sums), attention,
                           verified=not problems, problems=tuple(problems))
     return plan, table
@@ -561,15 +547,21 @@ def calibrate(workload: Workload, device: Any, *, distort: Distort | None = None
         return cal
 
 
+def default_workload(cfg: Any, dtype: Any = np.float32, *, page_size: int | None = None,
+                     block_size: int | None = None, tp: int = 1) -> Workload:
+    """The workload of an engine with the default EngineConfig buckets."""
+    from multiserve.config import EngineConfig
+
+    ec = EngineConfig()
+    return workload_for(cfg, ec.precompile_token_paddings, ec.precompile_bs_paddings,
+                        max(ec.precompile_bs_paddings), page_size or ec.page_size,
+                        block_size or ec.attention_block_size, dtype, tp=tp)
+
+
 def default_plan(cfg: Any, dtype: Any = np.float32, *, page_size: int | None = None,
                  block_size: int | None = None, device: Any = None) -> InvariancePlan:
     """The plan of an engine with the default EngineConfig buckets on `device` (default:
     the first device), for code that runs the model outside an engine and must share a
     default engine's numerics bit for bit (simple_generate, reference loops in tests)."""
-    from multiserve.config import EngineConfig
-
-    ec = EngineConfig()
-    workload = workload_for(cfg, ec.precompile_token_paddings, ec.precompile_bs_paddings,
-                            max(ec.precompile_bs_paddings), page_size or ec.page_size,
-                            block_size or ec.attention_block_size, dtype)
+    workload = default_workload(cfg, dtype, page_size=page_size, block_size=block_size)
     return calibrate(workload, device if device is not None else jax.devices()[0]).plan

@@ -19,16 +19,11 @@ def doctor_main(args: argparse.Namespace) -> int:
     import jax
     import numpy as np
 
-    from multiserve.config import EngineConfig
-    from multiserve.model.calibration import calibrate, workload_for
+    from multiserve.model.calibration import calibrate, default_workload
     from multiserve.model.loader import load_model
 
-    ec = EngineConfig()
     cfg = load_model(args.model, np.float32).config
-    dtype = np.dtype(args.dtype)
-    workload = workload_for(cfg, ec.precompile_token_paddings, ec.precompile_bs_paddings,
-                            max(ec.precompile_bs_paddings), ec.page_size,
-                            ec.attention_block_size, dtype, tp=args.tp)
+    workload = default_workload(cfg, np.dtype(args.dtype), tp=args.tp)
     cal = calibrate(workload, jax.devices()[0], use_cache=not args.reprobe)
     if args.json:
         print(json.dumps({**cal.summary(), "table": list(cal.table)}, indent=1))

@@ -45,12 +45,13 @@ class Formulation:
             raise ValueError(f"rows must be >= 1, got {self.rows}")
 
 
-def _entry(table: tuple[tuple[int, Any], ...], size: int) -> tuple[int, Any] | None:
-    """The entry of the smallest table size >= size (None: size beyond the table)."""
+def _entry(table: tuple[tuple[int, Any], ...], size: int) -> Any:
+    """The value of the smallest table size >= size; beyond the table, the largest's (the
+    caller splits such a size into pieces that entry holds)."""
     for limit, value in table:
         if size <= limit:
-            return limit, value
-    return None
+            return value
+    return table[-1][1]
 
 
 @dataclass(frozen=True)
@@ -63,18 +64,10 @@ class ProductPlan:
     n: int
     by_rows: tuple[tuple[int, Formulation], ...]  # (M, formulation), M ascending
 
-    def formulation(self, m: int) -> tuple[Formulation, int]:
-        """(formulation, chunks) for an M-row product: M is split into `chunks` pieces
-        of at most `formulation.rows` rows (1 unless M is beyond the table)."""
-        hit = _entry(self.by_rows, m)
-        if hit is not None:
-            return hit[1], 1
-        top = self.by_rows[-1][1]
-        return top, -(-m // top.rows)
-
-    @property
-    def kernels(self) -> frozenset[str]:
-        return frozenset(f.kernel for _, f in self.by_rows)
+    def formulation(self, m: int) -> Formulation:
+        """The formulation of an M-row product (an M beyond the table is split into pieces
+        of at most `rows` rows)."""
+        return _entry(self.by_rows, m)
 
 
 @dataclass(frozen=True)
@@ -84,13 +77,10 @@ class RowSumPlan:
     width: int
     by_rows: tuple[tuple[int, int], ...]  # (R, padded rows), R ascending
 
-    def padded_rows(self, rows: int) -> tuple[int, int]:
-        """(rows per piece, pieces) for a sum over `rows` rows."""
-        hit = _entry(self.by_rows, rows)
-        if hit is not None:
-            return hit[1], 1
-        top = self.by_rows[-1][1]
-        return top, -(-rows // top)
+    def padded_rows(self, rows: int) -> int:
+        """The row count a sum over `rows` rows is computed at (beyond the table: pieces
+        of that many rows)."""
+        return _entry(self.by_rows, rows)
 
 
 @dataclass(frozen=True)
@@ -103,12 +93,10 @@ class AttentionPlan:
     shared_keys: bool
 
     def chunking(self, num_tokens: int) -> tuple[int, int]:
-        """(chunk, padded token count) for a T-token step."""
-        hit = _entry(self.by_tokens, num_tokens)
-        if hit is not None:  # the entry's program, padded: the same rows
-            return hit[1]
-        chunk = self.by_tokens[-1][1][0]
-        return chunk, -(-num_tokens // chunk) * chunk
+        """(chunk, padded token count) for a T-token step: the entry's program, padded
+        (the same rows); beyond the table, the largest entry's chunk over T rounded up."""
+        chunk, padded = _entry(self.by_tokens, num_tokens)
+        return chunk, max(padded, -(-num_tokens // chunk) * chunk)
 
 
 @dataclass(frozen=True)

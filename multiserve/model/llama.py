@@ -24,9 +24,9 @@ import numpy as np
 from multiserve.config import ModelConfig
 from multiserve.model.attention import paged_attention
 from multiserve.model.forward_batch import ForwardBatch
+from multiserve.model.invariance_plan import InvariancePlan, RowSumPlan
 from multiserve.model.kv_pool import KVPool
 from multiserve.model.param_layout import layer_param_shapes, param_shapes  # noqa: F401
-from multiserve.model.invariance_plan import InvariancePlan, RowSumPlan
 from multiserve.model.row_invariant import LAYER_MATRICES, dense, is_compute_params, row_sum
 
 Params = dict[str, Any]
@@ -49,17 +49,12 @@ def head_shape(cfg: ModelConfig) -> tuple[int, int]:
     return cfg.hidden_size, cfg.vocab_size
 
 
-def row_sum_widths(cfg: ModelConfig) -> tuple[int, ...]:
-    """Widths of the row sums the decoder computes (RMSNorms; q/k norms over head_dim)."""
-    return (cfg.hidden_size, cfg.head_dim) if cfg.qk_norm else (cfg.hidden_size,)
-
-
 def scan_needs_transposes(plan: InvariancePlan, cfg: ModelConfig,
                           token_sizes: tuple[int, ...]) -> bool:
     """Whether the scanned decoder (steps of more than UNROLL_MAX_TOKENS tokens) uses the
     NT product somewhere, so the stacked transposes must be kept (`with_transposed`)."""
     scanned = [t for t in token_sizes if t > UNROLL_MAX_TOKENS]
-    return any(plan.product(name).formulation(t)[0].kernel == "nt"
+    return any(plan.product(name).formulation(t).kernel == "nt"
                for name in LAYER_MATRICES for t in scanned)
 
 
@@ -144,7 +139,7 @@ def _layer_weights(layer: dict[str, jax.Array], num_tokens: int, plan: Invarianc
     for name in layer:
         base = name[:-2] if name.endswith("_t") else name
         if base in LAYER_MATRICES:
-            kernel = plan.product(base).formulation(num_tokens)[0].kernel
+            kernel = plan.product(base).formulation(num_tokens).kernel
             out[name] = layer[name] if (kernel == "nt") == name.endswith("_t") else None
         else:
             out[name] = layer[name]
@@ -181,7 +176,7 @@ def forward_hidden(params: Params, kv_pool: KVPool, batch: ForwardBatch, cfg: Mo
     else:
         stacked = params["stacked_layers"]
         for base in LAYER_MATRICES:
-            form = plan.product(base).formulation(num_tokens)[0]
+            form = plan.product(base).formulation(num_tokens)
             assert form.kernel == "plain" or f"{base}_t" in stacked, (
                 "the plan uses the NT product in the scanned decoder: with_transposed("
                 "stacked_t=True) must keep the stacked transposes")

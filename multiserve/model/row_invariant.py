@@ -25,13 +25,14 @@ with the operand's size). Max/min reductions are exact and need nothing.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from multiserve.config import ModelConfig
-from multiserve.model.invariance_plan import InvariancePlan, ProductPlan, RowSumPlan
+from multiserve.model.invariance_plan import ProductPlan, RowSumPlan
 
 # the matrices of one layer that get a transposed copy ("<name>_t", [L, out, in])
 LAYER_MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
@@ -54,17 +55,22 @@ def product(x: jax.Array, w: jax.Array | None, w_t: jax.Array | None, kernel: st
     return out[:m] if rows > m else out
 
 
+def _in_pieces(f: Callable[[jax.Array], jax.Array], x: jax.Array, rows: int) -> jax.Array:
+    """f over the rows of x in pieces of at most `rows` rows (one piece when x fits: a size
+    beyond the plan's table is computed as several of its largest entry)."""
+    if x.shape[0] <= rows:
+        return f(x)
+    return jnp.concatenate([f(x[i:i + rows]) for i in range(0, x.shape[0], rows)], axis=0)
+
+
 def dense(x: jax.Array, w: jax.Array | None, w_t: jax.Array | None, plan: ProductPlan,
           preferred: Any = None) -> jax.Array:
     """x [M, K] @ W -> [M, N], each row bitwise independent of M (the plan's formulation for
     M rows). `w` is W [K, N], `w_t` W^T [N, K]; only the layout the plan's kernel at this M
     uses must be given. M is static (a shape): the choice is made at trace time."""
-    form, pieces = plan.formulation(x.shape[0])
-    if pieces == 1:
-        return product(x, w, w_t, form.kernel, form.rows, preferred)
-    parts = [product(x[i:i + form.rows], w, w_t, form.kernel, form.rows, preferred)
-             for i in range(0, x.shape[0], form.rows)]
-    return jnp.concatenate(parts, axis=0)
+    form = plan.formulation(x.shape[0])
+    return _in_pieces(lambda part: product(part, w, w_t, form.kernel, form.rows, preferred),
+                      x, form.rows)
 
 
 def row_sum_rows(flat: jax.Array, rows: int) -> jax.Array:
@@ -81,13 +87,8 @@ def row_sum(x: jax.Array, plan: RowSumPlan) -> jax.Array:
     rows x has (the plan's padding for this width). Leading axes are flattened into rows."""
     assert x.shape[-1] == plan.width, (x.shape, plan.width)
     flat = x.reshape(-1, x.shape[-1])
-    rows, pieces = plan.padded_rows(flat.shape[0])
-    if pieces == 1:
-        out = row_sum_rows(flat, rows)
-    else:
-        out = jnp.concatenate([row_sum_rows(flat[i:i + rows], rows)
-                               for i in range(0, flat.shape[0], rows)])
-    return out.reshape(x.shape[:-1])
+    rows = plan.padded_rows(flat.shape[0])
+    return _in_pieces(lambda part: row_sum_rows(part, rows), flat, rows).reshape(x.shape[:-1])
 
 
 def _transpose_last(a: jax.Array) -> jax.Array:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from model_helpers import TINY_LLAMA
 
-from multiserve.model.calibration import calibrate, select, workload_for, Candidate
+from multiserve.model.calibration import Candidate, calibrate, select, workload_for
 from multiserve.model.invariance_plan import InvariancePlan
 
 TOKENS = (1, 2, 4, 8, 16, 32, 64)

@@ -11,6 +11,8 @@ never the test).
 
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -68,7 +70,7 @@ def test_every_product_is_row_invariant_by_the_plan(model) -> None:
         w = (rng.standard_normal((k, n), dtype=np.float32) / np.sqrt(k))
         w_t = np.ascontiguousarray(w.T)
         x = rng.standard_normal((max(sizes), k), dtype=np.float32)
-        bad = _sizes_match(lambda a: dense(a, w, w_t, plan.product(name)), x, sizes)
+        bad = _sizes_match(partial(dense, w=w, w_t=w_t, plan=plan.product(name)), x, sizes)
         assert bad == [], f"{name} {k}x{n}: rows differ at M={bad} ({plan.product(name)})"
 
 
@@ -78,9 +80,10 @@ def test_row_sums_and_rms_norm_are_row_invariant_by_the_plan(model) -> None:
     for rs in plan.row_sums:
         sizes = [m for m, _ in rs.by_rows]
         x = rng.standard_normal((max(sizes), rs.width), dtype=np.float32)
-        assert _sizes_match(lambda a: row_sum(a, rs), x, sizes) == []
+        assert _sizes_match(partial(row_sum, plan=rs), x, sizes) == []
         weight = 1.0 + 0.1 * rng.standard_normal(rs.width, dtype=np.float32)
-        assert _sizes_match(lambda a: rms_norm(a, weight, 1e-5, rs), x, sizes) == []
+        assert _sizes_match(partial(rms_norm, weight=weight, eps=1e-5, plan=rs), x,
+                            sizes) == []
         np.testing.assert_allclose(np.asarray(row_sum(x[:3], rs)), x[:3].sum(axis=1),
                                    rtol=1e-4, atol=1e-3)
 

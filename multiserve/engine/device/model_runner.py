@@ -45,10 +45,10 @@ from multiserve.engine.device.batch_arrays import StepArrays, empty_step_arrays
 from multiserve.engine.device.programs import Plan, ProgramSet, plan, smallest_fit
 from multiserve.engine.sampling import host as sampling_host
 from multiserve.engine.sampling import sampler as sampling
-from multiserve.model.forward_batch import ForwardBatch
-from multiserve.model.kv_pool import KVPool, make_kv_pool
 from multiserve.model.calibration import calibrate, workload_for
+from multiserve.model.forward_batch import ForwardBatch
 from multiserve.model.invariance_plan import Calibration, InvariancePlan
+from multiserve.model.kv_pool import KVPool, make_kv_pool
 from multiserve.model.llama import (
     UNROLL_MAX_TOKENS,
     forward_hidden,
@@ -130,8 +130,9 @@ class Runner:
         self._params = value
         self._compute = None  # drop the old transposed copies before making new ones
         if value is not None:
-            self._compute = with_transposed(value, self.model_cfg, stacked_t=scan_needs_transposes(
-                self.plan, self.model_cfg, self.cfg.precompile_token_paddings))
+            stacked_t = scan_needs_transposes(self.plan, self.model_cfg,
+                                              self.cfg.precompile_token_paddings)
+            self._compute = with_transposed(value, self.model_cfg, stacked_t=stacked_t)
 
     @property
     def compute_params(self) -> Any:
@@ -144,12 +145,11 @@ class Runner:
         device's backend for exactly its shapes and buckets (model/calibration.py; cached,
         so a second start, or a second engine of the same kind, probes nothing)."""
         cfg = self.cfg
+        if cfg.invariance_plan is not None:
+            return Calibration(cfg.invariance_plan, {"pinned": True}, "pinned", 0.0, False)
         workload = workload_for(self.model_cfg, cfg.precompile_token_paddings,
                                 cfg.precompile_bs_paddings, self.max_rows, cfg.page_size,
                                 cfg.attention_block_size, self.dtype, tp=len(self.devices))
-        if cfg.invariance_plan is not None:
-            plan = cfg.invariance_plan
-            return Calibration(plan, {"pinned": True}, "pinned", 0.0, False)
         return calibrate(workload, self.devices[0])
 
     # ---- the traced step -----------------------------------------------------------
