@@ -1,0 +1,112 @@
+"""An engine on an alien backend's plan keeps the pause-proof identity.
+
+The calibration is made to see an alien backend (tests/model/test_calibration.py's
+`alien`: products below 16 rows each sum in their own order, 1- and 2-row attention
+chunks differ, row sums below 8 rows differ), so it picks the fallback formulations
+(products padded to >= 16 rows, chunks of >= 4 rows, row sums padded to >= 8). The engine
+is then pinned to that plan (EngineConfig.invariance_plan) and must still give a lone
+request bitwise the same ids and logprobs after a pause in every mode, after abort +
+resubmit, and inside a batch, as uninterrupted and alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import pytest
+from engine_helpers import AtTokens, Collector, Trigger
+
+from multiserve.config import EngineConfig
+from multiserve.model.calibration import calibrate, workload_for
+from multiserve.types import SamplingParams
+
+ENGINE = dict(precompile_token_paddings=(1, 4, 16, 64), precompile_bs_paddings=(1, 4, 16),
+              max_running_requests=16, chunked_prefill_size=64, page_size=8,
+              max_total_tokens=4096, max_context_len=512, show_progress=False,
+              compile_in_background=False)
+
+
+def alien(primitive: str, c: dict) -> bool:
+    if primitive == "product":
+        return c["rows"] < 16
+    if primitive == "attention":
+        return c["chunk"] <= 2
+    return c["rows"] < 8
+
+
+@pytest.fixture(scope="module")
+def alien_engine(tiny_model_dir: Path) -> Iterator[Any]:
+    from multiserve.engine.engine import Engine
+    from multiserve.model.loader import load_model
+
+    cfg = load_model(str(tiny_model_dir), np.float32).config
+    workload = workload_for(cfg, ENGINE["precompile_token_paddings"],
+                            ENGINE["precompile_bs_paddings"], 16, 8, 128, np.float32)
+    plan = calibrate(workload, jax.devices()[0], distort=alien).plan
+    assert plan.verified
+    assert all(f.rows >= 16 for p in plan.products for _, f in p.by_rows)
+    assert all(chunk >= 4 for _, (chunk, _) in plan.attention.by_tokens)
+    eng = Engine(EngineConfig(model_path=str(tiny_model_dir), invariance_plan=plan, **ENGINE))
+    try:
+        yield eng
+    finally:
+        eng.shutdown()
+
+
+PROMPTS = [[5, 17, 42, 99, 7, 8], [3, 3, 8] * 5, [11, 12, 13], [40, 41]]
+
+
+def _params(i: int) -> SamplingParams:
+    if i % 2 == 0:
+        return SamplingParams(temperature=0.0, max_new_tokens=14, ignore_eos=True,
+                              return_logprob=True)
+    return SamplingParams(temperature=0.8, top_p=0.95, seed=3 + i, max_new_tokens=14,
+                          ignore_eos=True, return_logprob=True)
+
+
+def _tokens(outs: dict) -> dict:
+    return {k: (o.output_ids, tuple(t.logprob for t in o.logprobs)) for k, o in outs.items()}
+
+
+def _alone(engine: Any, i: int) -> tuple:
+    col = Collector(engine)
+    col.submit_all([PROMPTS[i]], [_params(i)])
+    return next(iter(_tokens(col.wait()).values()))
+
+
+def test_the_engine_reports_the_pinned_plan(alien_engine: Any) -> None:
+    det = alien_engine.get_internal_state()["determinism"]
+    assert det["key_hash"] == "pinned" and det["verified"]
+    assert all(rows >= 16 for p in det["plan"]["products"] for _, _, rows in p["by_rows"])
+
+
+@pytest.mark.parametrize("i", [0, 1])
+@pytest.mark.parametrize("mode", ["retract", "in_place", "abort"])
+def test_pause_proof_identity_on_the_alien_plan(alien_engine: Any, trigger: Trigger,
+                                                mode: str, i: int) -> None:
+    want = _alone(alien_engine, i)
+    hook = AtTokens(trigger, "r0", 5, lambda: alien_engine.async_pause_generation(mode))
+    col = Collector(alien_engine, on_output=hook)
+    col.submit_all([PROMPTS[i]], [_params(i)])
+    (res,) = hook.wait()
+    assert res.ok
+    if mode == "abort":
+        (ids, lps), = _tokens(col.wait()).values()
+        assert (ids, lps) == (want[0][:len(ids)], want[1][:len(ids)]) and len(ids) < 14
+        assert alien_engine.continue_generation().ok
+        assert _alone(alien_engine, i) == want
+        return
+    assert alien_engine.continue_generation().ok
+    assert next(iter(_tokens(col.wait()).values())) == want
+
+
+def test_a_batch_equals_each_request_alone_on_the_alien_plan(alien_engine: Any) -> None:
+    alone = [_alone(alien_engine, i) for i in range(len(PROMPTS))]
+    col = Collector(alien_engine)
+    col.submit_all(PROMPTS, [_params(i) for i in range(len(PROMPTS))])
+    together = _tokens(col.wait())
+    assert [together[(f"r{i}", 0)] for i in range(len(PROMPTS))] == alone
