@@ -1,4 +1,8 @@
-"""Paged, batch-invariant causal attention: the ONE function a TPU kernel may replace.
+"""Paged, batch-invariant causal attention: the ONE function a device kernel may replace.
+
+Two kernels, chosen by the engine's `AttentionPlan` (calibrated, model/calibration.py):
+"native", the CPU kernel of native_attention.py (reads K/V in place, invariant by
+construction), and "xla", the pure-JAX formulation below (every platform).
 
 `paged_attention` computes, for every new token t of sequence s = token_seq[t] at position
 p = positions[t], softmax(q_t . K_s / sqrt(head_dim)) V_s over the keys at positions <= p,
@@ -33,6 +37,7 @@ import jax.numpy as jnp
 
 from multiserve.model.forward_batch import ForwardBatch
 from multiserve.model.invariance_plan import AttentionPlan
+from multiserve.model.native_attention import paged_attention_native
 from multiserve.model.row_invariant import row_sum_rows
 
 MASK_VALUE = -1e30  # finite: exp(MASK_VALUE - m) == 0 exactly, never inf - inf
@@ -142,6 +147,8 @@ def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer: i
     k_pool/v_pool are the whole pool [L, KV, slots, hd]; `layer` (an int or traced
     scalar) selects the layer inside the gathers, so no per-layer copy of the pool is made.
     """
+    if plan.kernel == "native":
+        return paged_attention_native(q, k_pool, v_pool, layer, batch, page_size=page_size)
     num_tokens, num_heads, head_dim = q.shape
     kv_heads = k_pool.shape[1]
     group = num_heads // kv_heads

@@ -10,8 +10,11 @@ that runs the engine (`model/calibration.py`) and written down here, as data:
   [N, K]; computed at `rows` >= M rows, the extra rows zero padding);
 - `RowSumPlan`, per row width: the row count each sum over the last axis is padded to
   (a row sum is an NT product with a block of ones: `row_invariant.row_sum`);
-- `AttentionPlan`: for each token count T, the query chunk C and the row count T is padded
-  to, and whether a chunk of one sequence may gather its keys once (`shared_keys`).
+- `AttentionPlan`: which kernel ("xla": the pure-JAX formulation, or "native": the CPU
+  kernel of native_attention.py, invariant by construction and verified like the rest);
+  for the XLA formulation, for each token count T, the query chunk C and the row count T
+  is padded to, and whether a chunk of one sequence may gather its keys once
+  (`shared_keys`).
 
 Every entry of a plan was checked bitwise against one reference computation of its
 primitive (the largest size, rows at several positions), so all its entries agree with
@@ -29,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 KERNELS = ("plain", "nt")
+ATTENTION_KERNELS = ("xla", "native")
 
 
 @dataclass(frozen=True)
@@ -85,12 +89,19 @@ class RowSumPlan:
 
 @dataclass(frozen=True)
 class AttentionPlan:
-    """Paged attention: a T-token step runs chunks of `chunk` query rows over T padded to
-    `padded` rows; `shared_keys`: a chunk whose rows are one sequence gathers each key
-    block once (else every row gathers its own)."""
+    """Paged attention. kernel "xla": a T-token step runs chunks of `chunk` query rows over
+    T padded to `padded` rows; `shared_keys`: a chunk whose rows are one sequence gathers
+    each key block once (else every row gathers its own). kernel "native": the native
+    kernel computes every (token, head) alone at any T (the table is then (T, (1, T)))."""
 
     by_tokens: tuple[tuple[int, tuple[int, int]], ...]  # (T, (chunk, padded T))
     shared_keys: bool
+    kernel: str = "xla"
+
+    def __post_init__(self) -> None:
+        if self.kernel not in ATTENTION_KERNELS:
+            raise ValueError(f"unknown attention kernel {self.kernel!r} "
+                             f"(one of {ATTENTION_KERNELS})")
 
     def chunking(self, num_tokens: int) -> tuple[int, int]:
         """(chunk, padded token count) for a T-token step: the entry's program, padded
@@ -134,7 +145,8 @@ class InvariancePlan:
                          for p in self.products],
             "row_sums": [{"width": r.width, "by_rows": [list(e) for e in r.by_rows]}
                          for r in self.row_sums],
-            "attention": {"by_tokens": [[t, c, p] for t, (c, p) in self.attention.by_tokens],
+            "attention": {"kernel": self.attention.kernel,
+                          "by_tokens": [[t, c, p] for t, (c, p) in self.attention.by_tokens],
                           "shared_keys": self.attention.shared_keys},
         }
 
@@ -148,7 +160,8 @@ class InvariancePlan:
                                                         r["by_rows"])) for r in d["row_sums"]),
             attention=AttentionPlan(tuple((int(t), (int(c), int(p))) for t, c, p in
                                           d["attention"]["by_tokens"]),
-                                    bool(d["attention"]["shared_keys"])),
+                                    bool(d["attention"]["shared_keys"]),
+                                    str(d["attention"].get("kernel", "xla"))),
             verified=bool(d["verified"]), problems=tuple(d.get("problems", ())))
 
 

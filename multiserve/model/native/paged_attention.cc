@@ -1,0 +1,248 @@
+// multiserve's CPU paged attention, an XLA FFI custom call (built and loaded by
+// multiserve/model/native_attention.py; the pure-JAX paged_attention is the reference
+// formulation everywhere else).
+//
+// out[t, h*G + g, :] = softmax(q[t, h*G + g, :] . K_s[0..p] * scale) V_s[0..p] for every
+// token t of sequence s = token_seq[t] at position p = positions[t], K/V read in place from
+// the paged pool [L, KV, slots, HD] through the page table (no gathered copy).
+//
+// Row invariance BY CONSTRUCTION (the engine's determinism rests on it): one work item is
+// one (token, query head) pair, computed by the same code in the same order whatever else
+// the step holds, whichever thread runs it:
+//   - keys are visited in blocks of KEY_BLOCK positions aligned to position 0, up to p;
+//   - a score is a 16-lane partial sum over head_dim, lanes combined in a fixed tree;
+//   - each block is one online-softmax update (max, rescale, sum of exps in key order,
+//     then the weighted values in key order);
+//   - no reduction crosses items, and nothing depends on T, on the chunking, or on how
+//     many threads ran.
+// Built with -ffp-contract=fast (FMAs where the CPU has them) but never -ffast-math, so
+// the compiler keeps the written order: the bits are a function of the binary and the
+// row's own inputs only.
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int KEY_BLOCK = 16;  // keys per online-softmax update (= lanes of one vector)
+constexpr float MASK = -1e30f;
+
+// 16 floats, lane-wise arithmetic (GCC vector extensions: one zmm on AVX-512, two ymm on
+// AVX2; the lanes never mix except in the fixed trees below).
+typedef float vf __attribute__((vector_size(64)));
+typedef int32_t vi __attribute__((vector_size(64)));
+
+inline float hsum(vf a) {  // fixed tree: (0..7 + 8..15), then halves again
+  typedef float v8 __attribute__((vector_size(32)));
+  typedef float v4 __attribute__((vector_size(16)));
+  v8 b = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) +
+         __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
+  v4 c = __builtin_shufflevector(b, b, 0, 1, 2, 3) + __builtin_shufflevector(b, b, 4, 5, 6, 7);
+  return (c[0] + c[2]) + (c[1] + c[3]);
+}
+
+inline float hmax(vf a) {  // max is exact: any order
+  float m = a[0];
+  for (int i = 1; i < KEY_BLOCK; ++i) m = a[i] > m ? a[i] : m;
+  return m;
+}
+
+// exp(x) lane-wise for x <= 0 (every argument here is s - max): 2^n * P(r), r = x - n ln2
+// in [-ln2/2, ln2/2], P the degree-7 Taylor polynomial (relative error < 1e-8, below fp32's
+// rounding); arguments below
+// -104 give exactly 0 (so masked keys weigh nothing).
+inline vf exp_nonpositive(vf x) {
+  const vf lo = x < -104.0f ? vf{} - 104.0f : x;
+  const vf t = lo * 1.44269504088896341f + 0.5f;  // n = floor(t): round(x / ln2)
+  const vi tr = __builtin_convertvector(t, vi);    // truncation toward 0
+  const vi n = tr + (t < __builtin_convertvector(tr, vf));  // a true lane is -1
+  const vf nf = __builtin_convertvector(n, vf);
+  const vf r = (lo - nf * 0.693145751953125f) - nf * 1.428606765330187e-06f;
+  vf p = vf{} + 1.0f / 5040.0f;
+  p = p * r + 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const vi bits = (n + 127) << 23;
+  vf scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return n < -126 ? vf{} : p * scale;
+}
+
+inline vf load(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+struct Problem {
+  const float* q;       // [T, H, HD]
+  const float* k;       // [L, KV, S, HD]
+  const float* v;
+  float* out;           // [T, H, HD]
+  const int32_t* pos;   // [T]
+  const int32_t* seq;   // [T]
+  const int32_t* table; // [B, max_pages]
+  int64_t tokens, heads, kv_heads, group, head_dim, slots, batch, max_pages;
+  int64_t layer, page_size;
+  float scale;
+};
+
+// One (token, query head) item: the query against its sequence's keys at positions <= p.
+// Everything it computes lives in registers; the order of every sum is fixed above.
+template <int HD>
+void attend_item(const Problem& pr, int64_t t, int64_t head) {
+  constexpr int V = HD / 16;
+  const int64_t s = std::clamp<int64_t>(pr.seq[t], 0, pr.batch - 1);
+  const int64_t p = std::clamp<int64_t>(pr.pos[t], 0, pr.max_pages * pr.page_size - 1);
+  const int32_t* pages = pr.table + s * pr.max_pages;
+  const int64_t base = (pr.layer * pr.kv_heads + head / pr.group) * pr.slots;
+  const float* kh = pr.k + base * HD;
+  const float* vh = pr.v + base * HD;
+  const float* src = pr.q + (t * pr.heads + head) * HD;
+  vf q[V], acc[V];
+  for (int i = 0; i < V; ++i) {
+    q[i] = load(src + 16 * i) * pr.scale;
+    acc[i] = vf{};
+  }
+  float m = MASK, l = 0.0f;
+  const float* vrow[KEY_BLOCK];
+  for (int64_t b0 = 0; b0 <= p; b0 += KEY_BLOCK) {
+    const int n = static_cast<int>(std::min<int64_t>(KEY_BLOCK, p + 1 - b0));
+    vf sc = vf{} + MASK;
+    for (int j = 0; j < n; ++j) {
+      const int64_t key = b0 + j;
+      const int64_t slot = int64_t{pages[key / pr.page_size]} * pr.page_size
+                           + key % pr.page_size;
+      const float* kr = kh + slot * HD;
+      vrow[j] = vh + slot * HD;
+      vf d = q[0] * load(kr);
+      for (int i = 1; i < V; ++i) d += q[i] * load(kr + 16 * i);
+      sc[j] = hsum(d);
+    }
+    const float mb = hmax(sc);
+    const float mx = mb > m ? mb : m;
+    const float alpha = exp_nonpositive(vf{} + (m - mx))[0];
+    const vf w = exp_nonpositive(sc - mx);
+    l = l * alpha + hsum(w);
+    m = mx;
+    for (int i = 0; i < V; ++i) acc[i] *= alpha;
+    for (int j = 0; j < n; ++j) {
+      const float* vr = vrow[j];
+      for (int i = 0; i < V; ++i) acc[i] += w[j] * load(vr + 16 * i);
+    }
+  }
+  float* dst = pr.out + (t * pr.heads + head) * HD;
+  const float inv = 1.0f / l;
+  for (int i = 0; i < V; ++i) {
+    const vf o = acc[i] * inv;
+    std::memcpy(dst + 16 * i, &o, sizeof o);
+  }
+}
+
+using ItemFn = void (*)(const Problem&, int64_t, int64_t);
+
+// Items handed out in chunks from one counter; the caller works too, so the call finishes
+// even when no pool thread is free. The shared state outlives the call (a late helper
+// only finds the counter exhausted).
+struct Shared {
+  Problem pr;
+  ItemFn item;
+  int64_t items, chunk;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+};
+
+void work(Shared& sh) {
+  for (;;) {
+    const int64_t start = sh.next.fetch_add(sh.chunk);
+    if (start >= sh.items) return;
+    const int64_t stop = std::min(sh.items, start + sh.chunk);
+    for (int64_t i = start; i < stop; ++i) sh.item(sh.pr, i / sh.pr.heads, i % sh.pr.heads);
+    sh.done.fetch_add(stop - start);
+  }
+}
+
+ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                              ffi::Buffer<ffi::F32> k_pool, ffi::Buffer<ffi::F32> v_pool,
+                              ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> positions,
+                              ffi::Buffer<ffi::S32> token_seq,
+                              ffi::Buffer<ffi::S32> page_table, int64_t page_size, float scale,
+                              ffi::ResultBuffer<ffi::F32> out) {
+  const auto qd = q.dimensions();
+  const auto kd = k_pool.dimensions();
+  const auto td = page_table.dimensions();
+  if (qd.size() != 3 || kd.size() != 4 || td.size() != 2)
+    return ffi::Error::InvalidArgument("paged_attention: q [T,H,HD], pools [L,KV,S,HD], "
+                                       "page table [B,P] expected");
+  auto sh = std::make_shared<Shared>();
+  Problem& pr = sh->pr;
+  pr.q = q.typed_data();
+  pr.k = k_pool.typed_data();
+  pr.v = v_pool.typed_data();
+  pr.out = out->typed_data();
+  pr.pos = positions.typed_data();
+  pr.seq = token_seq.typed_data();
+  pr.table = page_table.typed_data();
+  pr.tokens = qd[0];
+  pr.heads = qd[1];
+  pr.head_dim = qd[2];
+  pr.kv_heads = kd[1];
+  pr.slots = kd[2];
+  pr.batch = td[0];
+  pr.max_pages = td[1];
+  pr.layer = layer.typed_data()[0];
+  pr.page_size = page_size;
+  pr.scale = scale;
+  if (pr.kv_heads < 1 || pr.heads % pr.kv_heads != 0 || kd[3] != pr.head_dim)
+    return ffi::Error::InvalidArgument("paged_attention: unsupported head layout");
+  pr.group = pr.heads / pr.kv_heads;
+  switch (pr.head_dim) {
+    case 16: sh->item = attend_item<16>; break;
+    case 32: sh->item = attend_item<32>; break;
+    case 48: sh->item = attend_item<48>; break;
+    case 64: sh->item = attend_item<64>; break;
+    case 80: sh->item = attend_item<80>; break;
+    case 96: sh->item = attend_item<96>; break;
+    case 128: sh->item = attend_item<128>; break;
+    case 256: sh->item = attend_item<256>; break;
+    default: return ffi::Error::InvalidArgument("paged_attention: unsupported head_dim");
+  }
+  if (pr.layer < 0 || pr.layer >= kd[0])
+    return ffi::Error::InvalidArgument("paged_attention: layer out of range");
+  sh->items = pr.tokens * pr.heads;
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  sh->chunk = std::max<int64_t>(1, sh->items / (threads * 8));
+  const int64_t helpers = std::min<int64_t>(threads, sh->items / sh->chunk) - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([sh] { work(*sh); });
+  work(*sh);
+  while (sh->done.load() < sh->items) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MultiservePagedAttention, PagedAttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int64_t>("page_size")
+                                  .Attr<float>("scale")
+                                  .Ret<ffi::Buffer<ffi::F32>>());

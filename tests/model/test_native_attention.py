@@ -1,0 +1,108 @@
+"""The native CPU paged attention: it builds here, computes what the XLA formulation
+computes (fp32 tolerance), is bitwise row-invariant, and the calibration chooses it where
+it can run and falls back to the XLA formulation where it cannot."""
+
+from __future__ import annotations
+
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from model_helpers import TINY_LLAMA
+
+from multiserve.model import native_attention
+from multiserve.model.attention import paged_attention
+from multiserve.model.calibration import calibrate, workload_for
+from multiserve.model.forward_batch import ForwardBatch
+from multiserve.model.invariance_plan import AttentionPlan
+
+XLA = AttentionPlan(((1 << 20, (4, 4)),), False)  # chunks of 4 rows, any T
+NATIVE = AttentionPlan(((1 << 20, (1, 1)),), False, "native")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built() -> None:
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        pytest.skip("no C++ compiler on this machine: the engine uses the XLA formulation")
+    assert native_attention.unavailable_reason() is None
+
+
+def _case(kv_heads: int, group: int, head_dim: int, page_size: int, seed: int = 0,
+          num_layers: int = 3):
+    """16 sequences in a shuffled page table; 40 decode rows at positions up to ~300 and a
+    24-token prefill run of one sequence."""
+    rng = np.random.default_rng(seed)
+    num_seqs, max_pages = 16, -(-320 // page_size)
+    slots = (1 + num_seqs * max_pages) * page_size
+    pool = (num_layers, kv_heads, slots, head_dim)
+    k_pool = jnp.asarray(rng.standard_normal(pool), jnp.float32)
+    v_pool = jnp.asarray(rng.standard_normal(pool), jnp.float32)
+    table = jnp.asarray((1 + rng.permutation(num_seqs * max_pages)).reshape(num_seqs, -1)
+                        .astype(np.int32))
+    seq = np.concatenate([rng.integers(0, num_seqs - 1, 40), np.full(24, num_seqs - 1)])
+    pos = np.concatenate([rng.integers(0, 300, 40), 150 + np.arange(24)])
+    q = jnp.asarray(rng.standard_normal((len(seq), kv_heads * group, head_dim)), jnp.float32)
+
+    def attend(plan: AttentionPlan, idx: np.ndarray, layer=1) -> np.ndarray:
+        n = len(idx)
+        batch = ForwardBatch(input_ids=jnp.zeros(n, jnp.int32),
+                             positions=jnp.asarray(pos[idx], jnp.int32),
+                             token_seq=jnp.asarray(seq[idx], jnp.int32),
+                             out_slots=jnp.zeros(n, jnp.int32), page_table=table,
+                             seq_lens=jnp.zeros(num_seqs, jnp.int32),
+                             logit_rows=jnp.zeros(1, jnp.int32))
+        fn = jax.jit(lambda qs, b, lay: paged_attention(qs, k_pool, v_pool, lay, b,
+                                                        page_size=page_size, block_size=32,
+                                                        plan=plan))
+        return np.asarray(fn(q[idx], batch, jnp.int32(layer)))
+
+    return len(seq), attend
+
+
+@pytest.mark.parametrize("kv_heads,group,head_dim,page_size",
+                         [(3, 3, 64, 16), (2, 1, 32, 8), (1, 4, 128, 16), (2, 2, 256, 4),
+                          (2, 2, 16, 8)])
+def test_native_equals_the_xla_formulation(kv_heads, group, head_dim, page_size) -> None:
+    n, attend = _case(kv_heads, group, head_dim, page_size)
+    idx = np.arange(n)
+    want, got = attend(XLA, idx), attend(NATIVE, idx)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
+
+
+def test_native_rows_are_bitwise_invariant() -> None:
+    """A row's bits do not depend on the step's size, its place in the step, the other rows
+    (decode rows of other sequences, a prefill run of its own sequence) or the layer
+    argument being a constant or traced."""
+    n, attend = _case(3, 3, 64, 16, seed=1)
+    full = attend(NATIVE, np.arange(n))
+    rng = np.random.default_rng(2)
+    for size in (1, 2, 3, 7, 16, 33, n):
+        for idx in (np.arange(size), np.arange(n - size, n), rng.permutation(n)[:size]):
+            assert np.array_equal(attend(NATIVE, idx), full[idx]), (size, idx[:5])
+    lone = np.stack([attend(NATIVE, np.array([i]))[0] for i in range(n - 24, n)])
+    assert np.array_equal(lone, full[n - 24:])
+
+
+def test_native_layer_index_selects_the_layer() -> None:
+    n, attend = _case(2, 2, 64, 16, seed=3)
+    idx = np.arange(n)
+    for layer in (0, 2):
+        np.testing.assert_allclose(attend(NATIVE, idx, layer), attend(XLA, idx, layer),
+                                   rtol=2e-5, atol=2e-6)
+
+
+def test_calibration_chooses_native_where_it_runs_and_xla_where_it_cannot(monkeypatch) -> None:
+    workload = workload_for(TINY_LLAMA, (1, 4, 16), (1, 4), 4, 16, 16, np.float32)
+    device = jax.devices()[0]
+    plan = calibrate(workload, device, use_cache=False).plan
+    assert plan.verified and plan.attention.kernel == "native"
+    # where it cannot build (no compiler, a failed build): the XLA formulation, verified
+    monkeypatch.setitem(native_attention._STATE, "error", "no C++ compiler (test)")
+    plan = calibrate(workload, device, use_cache=False).plan
+    assert plan.verified and plan.attention.kernel == "xla"
+    # heads split over a tensor-parallel group: never the native kernel
+    monkeypatch.setitem(native_attention._STATE, "error", None)
+    sharded = workload_for(TINY_LLAMA, (1, 4, 16), (1, 4), 4, 16, 16, np.float32, tp=2)
+    assert calibrate(sharded, device, use_cache=False).plan.attention.kernel == "xla"
