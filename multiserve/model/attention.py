@@ -1,7 +1,7 @@
 """Paged, batch-invariant causal attention: the ONE function a device kernel may replace.
 
 Two kernels, chosen by the engine's `AttentionPlan` (calibrated, model/calibration.py):
-"native", the CPU kernel of native_attention.py (reads K/V in place, invariant by
+"native", the CPU kernel of native_kernels.py (reads K/V in place, invariant by
 construction), and "xla", the pure-JAX formulation below (every platform).
 
 `paged_attention` computes, for every new token t of sequence s = token_seq[t] at position
@@ -37,7 +37,7 @@ import jax.numpy as jnp
 
 from multiserve.model.forward_batch import ForwardBatch
 from multiserve.model.invariance_plan import AttentionPlan
-from multiserve.model.native_attention import paged_attention_native
+from multiserve.model.native_kernels import paged_attention_native
 from multiserve.model.row_invariant import row_sum_rows
 
 MASK_VALUE = -1e30  # finite: exp(MASK_VALUE - m) == 0 exactly, never inf - inf

@@ -6,13 +6,15 @@ formulations are run on random data, with every probe row placed at several posi
 and their rows compared BITWISE:
 
 - products: kernel "plain" (x @ W) and "nt" (x . W^T), each at every engine size and at
-  2, 4, 8, 16, 32, 64 rows (a smaller M can be zero-padded up to any of them);
+  2, 4, 8, 16, 32, 64 rows (a smaller M can be zero-padded up to any of them); and where
+  it builds (CPU, float32, one device) the native kernel of native_kernels.py at every
+  engine size (invariant by construction: one class, no padding);
 - row sums: the ones-product padded to every count used and to 2, 4, 8, 16, 32, 64;
-- attention: first the native CPU kernel (native_attention.py; where it builds, the pool
+- attention: first the native CPU kernel (native_kernels.py; where it builds, the pool
   is float32 and the heads are not split over devices) at every token count T: it is
   row-invariant by construction, so if every size's rows equal its own reference it is
   chosen (it reads K/V in place: 3-6x faster than the XLA formulation, measured in
-  native_attention.py). Otherwise the XLA formulation: query chunk C in QUERY_CHUNKS at
+  native_kernels.py). Otherwise the XLA formulation: query chunk C in QUERY_CHUNKS at
   every token count T (T padded up to a multiple of C, or to C), with and without the
   one-sequence key sharing.
 
@@ -56,7 +58,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from multiserve.model import native_attention
+from multiserve.model import native_kernels
 from multiserve.model.attention import QUERY_CHUNKS, paged_attention
 from multiserve.model.forward_batch import ForwardBatch
 from multiserve.model.invariance_plan import (
@@ -87,6 +89,7 @@ class ProductUse:
     local_k: int  # the shape one device computes (tensor parallelism splits one side)
     local_n: int
     sizes: tuple[int, ...]  # row counts the engine runs
+    sharded: bool = False  # the engine is tensor-parallel (GSPMD-partitioned operands)
 
 
 @dataclass(frozen=True)
@@ -135,9 +138,10 @@ def workload_for(cfg: Any, token_sizes: Sequence[int], row_sizes: Sequence[int],
     for name, (k, n) in layer_matrix_shapes(cfg).items():
         lk = k // tp if split_in.get(name) else k
         ln = n // tp if split_out.get(name) else n
-        products.append(ProductUse(name, k, n, lk, ln, tokens))
+        products.append(ProductUse(name, k, n, lk, ln, tokens, sharded=tp > 1))
     hk, hn = head_shape(cfg)
-    products.append(ProductUse("head", hk, hn, hk, hn // tp if vocab else hn, rows))
+    products.append(ProductUse("head", hk, hn, hk, hn // tp if vocab else hn, rows,
+                               sharded=tp > 1))
     heads = cfg.num_heads // tp if attn else cfg.num_heads
     kv_heads = cfg.num_kv_heads // tp if attn else cfg.num_kv_heads
     row_sums = [(cfg.hidden_size, tuple(sorted(set(tokens) | set(rows))))]
@@ -223,21 +227,32 @@ def _probe_product(use: ProductUse, dtype: Any, device: Any, distort: Distort | 
     w_host = rng.standard_normal((use.local_k, use.local_n)) / np.sqrt(use.local_k)
     w = jax.device_put(jnp.asarray(w_host, dtype), device)
     w_t = jax.device_put(jnp.asarray(np.ascontiguousarray(w_host.T), dtype), device)
+    kernels = [("plain", all_rows), ("nt", all_rows)]
+    w_p = None
+    if not use.sharded and _native_products_usable(dtype, device):
+        # invariant by construction: no padding to try, each size at its own rows
+        kernels.append(("native", sorted(set(sizes))))
+        w_p = jax.jit(native_kernels.pack_panels)(w)
     out: list[Candidate] = []
-    for kernel in ("plain", "nt"):
-        fn = jax.jit(lambda a, b, bt, kernel=kernel: product(
+    for kernel, row_counts in kernels:
+        fn = jax.jit(lambda a, b, bt, bp, kernel=kernel: product(
             a, b if kernel == "plain" else None, bt if kernel == "nt" else None, kernel,
-            a.shape[0], preferred=jnp.float32))
-        for rows in all_rows:
+            a.shape[0], jnp.float32, bp if kernel == "native" else None, use.local_n))
+        for rows in row_counts:
             desc = {"kernel": kernel, "rows": rows}
             flip = _flip(distort, "product", {"name": use.name, **desc})
             runs = []
             for placement in _placements(rows, top, rng):
-                res = np.asarray(fn(x[placement], w, w_t))
+                res = np.asarray(fn(x[placement], w, w_t, w_p))
                 runs.append(_row_hashes(res, placement, flip))
             xs = x[:rows]
-            out.append(Candidate(desc, rows, runs, _timed(partial(fn, xs, w, w_t))))
+            out.append(Candidate(desc, rows, runs, _timed(partial(fn, xs, w, w_t, w_p))))
     return out
+
+
+def _native_products_usable(dtype: Any, device: Any) -> bool:
+    return (native_kernels.supports_products(device.platform, str(jnp.dtype(dtype)))
+            and native_kernels.unavailable_reason() is None)
 
 
 def _probe_row_sum(width: int, counts: tuple[int, ...], device: Any,
@@ -347,8 +362,9 @@ def _attention_preference(tokens: int, top: int) -> list[tuple[int, int]]:
 def _native_usable(use: AttentionUse, dtype: Any, device: Any) -> bool:
     """Whether the native CPU kernel may be a candidate here (and is built)."""
     return (not use.sharded
-            and native_attention.supports(device.platform, str(jnp.dtype(dtype)), use.head_dim)
-            and native_attention.unavailable_reason() is None)
+            and native_kernels.supports_attention(device.platform, str(jnp.dtype(dtype)),
+                                                  use.head_dim)
+            and native_kernels.unavailable_reason() is None)
 
 
 def _choose_attention(use: AttentionUse, dtype: Any, device: Any, distort: Distort | None,
@@ -464,7 +480,7 @@ def _choose(workload: Workload, device: Any, distort: Distort | None
     products = []
     probed: dict[tuple[int, int, tuple[int, ...], str], tuple[list[Candidate], Selection]] = {}
     for use in workload.products:
-        key = (use.local_k, use.local_n, use.sizes, use.name if distort else "")
+        key = (use.local_k, use.local_n, use.sizes, use.sharded, use.name if distort else "")
         if key not in probed:
             cands = _probe_product(use, dtype, device, distort, rng)
             probed[key] = (cands, select(cands, use.sizes))
@@ -529,7 +545,7 @@ def backend_key(device: Any, workload: Workload) -> dict[str, Any]:
     if device.platform == "cpu":
         key["cpu"] = _cpu_facts()
         # a plan naming the native kernel is only valid where it builds
-        key["native_attention"] = native_attention.unavailable_reason() is None
+        key["native_kernels"] = native_kernels.unavailable_reason() is None
     return key
 
 

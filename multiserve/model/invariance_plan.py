@@ -6,12 +6,13 @@ backend (CPU model and ISA, GPU/TPU kind, XLA version), so it is measured on the
 that runs the engine (`model/calibration.py`) and written down here, as data:
 
 - `ProductPlan`, per contraction x[M, K] @ W[K, N]: for each row count M the engine runs,
-  a `Formulation` (kernel "plain" = x @ W, or "nt" = dot_general against W^T stored
-  [N, K]; computed at `rows` >= M rows, the extra rows zero padding);
+  a `Formulation` (kernel "plain" = x @ W, "nt" = dot_general against W^T stored [N, K],
+  or "native" = the CPU kernel of native_kernels.py against W's packed panels; computed
+  at `rows` >= M rows, the extra rows zero padding);
 - `RowSumPlan`, per row width: the row count each sum over the last axis is padded to
   (a row sum is an NT product with a block of ones: `row_invariant.row_sum`);
 - `AttentionPlan`: which kernel ("xla": the pure-JAX formulation, or "native": the CPU
-  kernel of native_attention.py, invariant by construction and verified like the rest);
+  kernel of native_kernels.py, invariant by construction and verified like the rest);
   for the XLA formulation, for each token count T, the query chunk C and the row count T
   is padded to, and whether a chunk of one sequence may gather its keys once
   (`shared_keys`).
@@ -31,7 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-KERNELS = ("plain", "nt")
+KERNELS = ("plain", "nt", "native")
 ATTENTION_KERNELS = ("xla", "native")
 
 

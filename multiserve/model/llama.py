@@ -27,7 +27,13 @@ from multiserve.model.forward_batch import ForwardBatch
 from multiserve.model.invariance_plan import InvariancePlan, RowSumPlan
 from multiserve.model.kv_pool import KVPool
 from multiserve.model.param_layout import layer_param_shapes, param_shapes  # noqa: F401
-from multiserve.model.row_invariant import LAYER_MATRICES, dense, is_compute_params, row_sum
+from multiserve.model.row_invariant import (
+    LAYER_MATRICES,
+    LAYOUT_SUFFIX,
+    dense,
+    is_compute_params,
+    row_sum,
+)
 
 Params = dict[str, Any]
 # Steps of up to this many tokens run the unrolled decoder (see `forward_hidden`); larger
@@ -56,6 +62,12 @@ def scan_needs_transposes(plan: InvariancePlan, cfg: ModelConfig,
     scanned = [t for t in token_sizes if t > UNROLL_MAX_TOKENS]
     return any(plan.product(name).formulation(t).kernel == "nt"
                for name in LAYER_MATRICES for t in scanned)
+
+
+def plan_kernels(plan: InvariancePlan) -> frozenset[str]:
+    """The product kernels the plan uses anywhere: the weight layouts the compute params
+    must hold (`row_invariant.with_transposed(..., kernels=)`)."""
+    return frozenset(f.kernel for p in plan.products for _, f in p.by_rows)
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float, plan: RowSumPlan) -> jax.Array:
@@ -104,7 +116,7 @@ def _layer(x: jax.Array, kv: KVPool, layer: int | jax.Array, w: dict[str, jax.Ar
     norm = plan.row_sum(cfg.hidden_size)
 
     def proj(h: jax.Array, name: str) -> jax.Array:
-        return dense(h, w[name], w[f"{name}_t"], plan.product(name))
+        return dense(h, w[name], w[f"{name}_t"], plan.product(name), w_p=w[f"{name}_p"])
 
     h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps, norm)
     q, k, v = proj(h, "wq"), proj(h, "wk"), proj(h, "wv")
@@ -133,18 +145,17 @@ def _layer(x: jax.Array, kv: KVPool, layer: int | jax.Array, w: dict[str, jax.Ar
 def _layer_weights(layer: dict[str, jax.Array], num_tokens: int, plan: InvariancePlan,
                    cfg: ModelConfig) -> dict[str, jax.Array | None]:
     """One layer's params for a T-token step: of each matrix only the layout the plan's
-    kernel uses at this T (the other is None, so the program does not take it as an
-    input)."""
-    out: dict[str, jax.Array | None] = {}
-    for name in layer:
-        base = name[:-2] if name.endswith("_t") else name
-        if base in LAYER_MATRICES:
-            kernel = plan.product(base).formulation(num_tokens).kernel
-            out[name] = layer[name] if (kernel == "nt") == name.endswith("_t") else None
-        else:
-            out[name] = layer[name]
+    kernel uses at this T (`<name>`, `<name>_t` or `<name>_p`; the others are None, so the
+    program does not take them as inputs)."""
+    out: dict[str, jax.Array | None] = {k: v for k, v in layer.items()
+                                        if not any(k == base + sfx for base in LAYER_MATRICES
+                                                   for sfx in LAYOUT_SUFFIX.values())}
     for base in LAYER_MATRICES:
-        out.setdefault(f"{base}_t", None)
+        used = base + LAYOUT_SUFFIX[plan.product(base).formulation(num_tokens).kernel]
+        assert used in layer, (f"the plan's {used} layout is missing from the compute params "
+                               "(with_transposed(kernels=plan_kernels(plan)))")
+        for sfx in LAYOUT_SUFFIX.values():
+            out[base + sfx] = layer[used] if base + sfx == used else None
     return out
 
 
@@ -177,7 +188,7 @@ def forward_hidden(params: Params, kv_pool: KVPool, batch: ForwardBatch, cfg: Mo
         stacked = params["stacked_layers"]
         for base in LAYER_MATRICES:
             form = plan.product(base).formulation(num_tokens)
-            assert form.kernel == "plain" or f"{base}_t" in stacked, (
+            assert form.kernel != "nt" or f"{base}_t" in stacked, (
                 "the plan uses the NT product in the scanned decoder: with_transposed("
                 "stacked_t=True) must keep the stacked transposes")
         weights = _layer_weights(stacked, num_tokens, plan, cfg)
@@ -198,7 +209,7 @@ def forward_hidden(params: Params, kv_pool: KVPool, batch: ForwardBatch, cfg: Mo
 def lm_head(params: Params, h: jax.Array, plan: InvariancePlan) -> jax.Array:
     """Logits f32 [R, V] of final-normed hidden states h [R, D] (row-invariant)."""
     return dense(h, params["head_w"], params["head_wt"], plan.product("head"),
-                 preferred=jnp.float32)
+                 preferred=jnp.float32, w_p=params.get("head_wp"))
 
 
 def forward(params: Params, kv_pool: KVPool, batch: ForwardBatch, cfg: ModelConfig, *,

@@ -15,6 +15,8 @@ Formulations (`Formulation.kernel`):
 - "plain": `x @ W` against W stored [K, N];
 - "nt": `dot_general(x, Wt)` contracting x's dim 1 with Wt's dim 1, Wt = W^T stored
   [N, K] (a transposed copy, see `with_transposed`);
+- "native": the CPU kernel of native_kernels.py against W packed in 64-column panels
+  (`<name>_p`, see `with_transposed`), invariant by construction at every row count;
 each at `Formulation.rows` rows: M rows are zero-padded up to that (the rows beyond M are
 dropped), and an M beyond the plan's largest entry is split into pieces of that size.
 
@@ -33,6 +35,7 @@ import jax.numpy as jnp
 
 from multiserve.config import ModelConfig
 from multiserve.model.invariance_plan import ProductPlan, RowSumPlan
+from multiserve.model.native_kernels import pack_panels, row_gemm
 
 # the matrices of one layer that get a transposed copy ("<name>_t", [L, out, in])
 LAYER_MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
@@ -41,12 +44,16 @@ ROW_SUM_COLUMNS = 8  # columns of ones in `row_sum` (a 1-column product is a GEM
 
 
 def product(x: jax.Array, w: jax.Array | None, w_t: jax.Array | None, kernel: str, rows: int,
-            preferred: Any = None) -> jax.Array:
-    """x [M, K] @ W with one formulation: `kernel` at `rows` >= M rows (zero padding)."""
+            preferred: Any = None, w_p: jax.Array | None = None, n: int = 0) -> jax.Array:
+    """x [M, K] @ W with one formulation: `kernel` at `rows` >= M rows (zero padding). The
+    native kernel reads `w_p` (W packed, `pack_panels`) and needs N (`n`)."""
     m = x.shape[0]
     if rows > m:
         x = jnp.pad(x, ((0, rows - m), (0, 0)))
-    if kernel == "plain":
+    if kernel == "native":
+        assert w_p is not None and n > 0, "the native product needs W's panels and N"
+        out = row_gemm(x, w_p, n)
+    elif kernel == "plain":
         assert w is not None, "the plain product needs W [K, N]"
         out = jnp.dot(x, w, preferred_element_type=preferred)
     else:
@@ -64,13 +71,14 @@ def _in_pieces(f: Callable[[jax.Array], jax.Array], x: jax.Array, rows: int) -> 
 
 
 def dense(x: jax.Array, w: jax.Array | None, w_t: jax.Array | None, plan: ProductPlan,
-          preferred: Any = None) -> jax.Array:
+          preferred: Any = None, w_p: jax.Array | None = None) -> jax.Array:
     """x [M, K] @ W -> [M, N], each row bitwise independent of M (the plan's formulation for
-    M rows). `w` is W [K, N], `w_t` W^T [N, K]; only the layout the plan's kernel at this M
-    uses must be given. M is static (a shape): the choice is made at trace time."""
+    M rows). `w` is W [K, N], `w_t` W^T [N, K], `w_p` W's panels; only the layout the
+    plan's kernel at this M uses must be given. M is static (a shape): the choice is made
+    at trace time."""
     form = plan.formulation(x.shape[0])
-    return _in_pieces(lambda part: product(part, w, w_t, form.kernel, form.rows, preferred),
-                      x, form.rows)
+    return _in_pieces(lambda part: product(part, w, w_t, form.kernel, form.rows, preferred,
+                                           w_p, plan.n), x, form.rows)
 
 
 def row_sum_rows(flat: jax.Array, rows: int) -> jax.Array:
@@ -96,6 +104,7 @@ def _transpose_last(a: jax.Array) -> jax.Array:
 
 
 _transpose_tree = jax.jit(lambda tree: jax.tree.map(_transpose_last, tree))
+_pack_tree = jax.jit(lambda tree: jax.tree.map(pack_panels, tree))
 
 
 @jax.jit
@@ -105,22 +114,28 @@ def _split_layers(layers: dict[str, jax.Array]) -> tuple[dict[str, jax.Array], .
     return tuple({name: a[i] for name, a in layers.items()} for i in range(num_layers))
 
 
-def with_transposed(params: dict[str, Any], cfg: ModelConfig,
-                    stacked_t: bool = False) -> dict[str, Any]:
+LAYOUT_SUFFIX = {"plain": "", "nt": "_t", "native": "_p"}  # kernel -> weight layout name
+
+
+def with_transposed(params: dict[str, Any], cfg: ModelConfig, stacked_t: bool = False,
+                    kernels: frozenset[str] = frozenset(LAYOUT_SUFFIX)) -> dict[str, Any]:
     """The compute params the forward runs on, derived from the canonical pytree (matrices
-    [in, out] stacked over layers, see param_layout):
-    - `layers`: a TUPLE with one dict per layer, each matrix in both layouts (`<name>` W
-      [in, out] for the plain product, `<name>_t` W^T [out, in] for the NT product) and
-      the layer's norms/biases, each a separate device array. The forward unrolls the
-      layers over this tuple: a layer reads its weights in place, where a scan over
-      stacked arrays copies every layer's matrices out of the stack at every step
-      (measured on XLA:CPU: a third of a one-token step).
+    [in, out] stacked over layers, see param_layout), holding each layer matrix in the
+    layouts of the product `kernels` the invariance plan uses (`llama.plan_kernels`; by
+    default every layout, for code that runs several plans):
+    - `layers`: a TUPLE with one dict per layer, each matrix in those layouts (`<name>` W
+      [in, out] for "plain", `<name>_t` W^T [out, in] for "nt", `<name>_p` W's 64-column
+      panels for "native") and the layer's norms/biases, each a separate device array. The
+      forward unrolls the layers over this tuple: a layer reads its weights in place,
+      where a scan over stacked arrays copies every layer's matrices out of the stack at
+      every step (measured on XLA:CPU: a third of a one-token step).
     - `stacked_layers`: the canonical stacked layer arrays (shared, no copy), which the
-      scanned decoder of large steps reads; with `stacked_t` (the invariance plan uses the
-      NT product at a scanned size) also the stacked transposes `<name>_t` [L, out, in];
+      scanned decoder of large steps reads; with `stacked_t` (the plan uses the NT product
+      at a scanned size) also the stacked transposes `<name>_t` [L, out, in]; with
+      "native" the stacked panels `<name>_p` (its class covers every size);
     - `embed`, `final_norm`: the canonical arrays (shared, no copy);
-    - the output head in both layouts, `head_w` [D, V] and `head_wt` [V, D]; tied
-      embeddings reuse `embed` as `head_wt` (no copy).
+    - the output head as `head_w` [D, V] and `head_wt` [V, D] (tied embeddings reuse
+      `embed` as `head_wt`: no copy), and with "native" its panels `head_wp`.
     Copies keep their source's sharding (minus the layer axis; transposed for `_t`)."""
     layers = params["layers"]
     to_transpose: dict[str, Any] = {name: layers[name] for name in LAYER_MATRICES}
@@ -128,9 +143,20 @@ def with_transposed(params: dict[str, Any], cfg: ModelConfig,
     done = _transpose_tree(to_transpose)
     head = done.pop("head")
     out = {k: v for k, v in params.items() if k != "layers"}
-    transposed = {f"{name}_t": a for name, a in done.items()}
-    out["stacked_layers"] = {**layers, **transposed} if stacked_t else layers
-    out["layers"] = _split_layers({**layers, **transposed})
+    per_layer = {k: v for k, v in layers.items()
+                 if k not in LAYER_MATRICES or "plain" in kernels}
+    stacked = dict(layers)
+    if "nt" in kernels or stacked_t:
+        transposed = {f"{name}_t": a for name, a in done.items()}
+        per_layer.update(transposed)
+        if stacked_t:
+            stacked.update(transposed)
+    if "native" in kernels:
+        panels = _pack_tree({f"{name}_p": layers[name] for name in LAYER_MATRICES})
+        per_layer.update(panels)
+        stacked.update(panels)
+    out["stacked_layers"] = stacked
+    out["layers"] = _split_layers(per_layer)
     if not stacked_t:
         for a in done.values():
             a.delete()  # the stacked transposes were only the source of the per-layer copies
@@ -138,6 +164,8 @@ def with_transposed(params: dict[str, Any], cfg: ModelConfig,
         out["head_w"], out["head_wt"] = head, params["embed"]
     else:
         out["head_w"], out["head_wt"] = params["lm_head"], head
+    if "native" in kernels:
+        out["head_wp"] = _pack_tree(out["head_w"])
     return out
 
 

@@ -22,7 +22,7 @@ from multiserve.model.calibration import default_plan
 from multiserve.model.forward_batch import ForwardBatch
 from multiserve.model.invariance_plan import InvariancePlan
 from multiserve.model.kv_pool import make_kv_pool
-from multiserve.model.llama import forward, scan_needs_transposes
+from multiserve.model.llama import forward, plan_kernels, scan_needs_transposes
 from multiserve.model.row_invariant import is_compute_params, with_transposed
 
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -74,7 +74,8 @@ def greedy_token_ids(params: Any, cfg: ModelConfig, prompt_ids: Sequence[int],
         plan = default_plan(cfg, dtype, page_size=page_size, block_size=attn_block_size)
     if not is_compute_params(params):
         params = with_transposed(params, cfg,
-                                 stacked_t=scan_needs_transposes(plan, cfg, TOKEN_BUCKETS))
+                                 stacked_t=scan_needs_transposes(plan, cfg, TOKEN_BUCKETS),
+                                 kernels=plan_kernels(plan))
     total = len(prompt_ids) + max_new_tokens
     num_pages = -(-total // page_size)
     pages = np.arange(1, num_pages + 1, dtype=np.int32)  # page 0 is the garbage page

@@ -24,7 +24,8 @@ from multiserve.model.attention import paged_attention
 from multiserve.model.calibration import default_plan
 from multiserve.model.forward_batch import ForwardBatch
 from multiserve.model.invariance_plan import InvariancePlan
-from multiserve.model.llama import head_shape, layer_matrix_shapes, rms_norm
+from multiserve.model.llama import head_shape, layer_matrix_shapes, plan_kernels, rms_norm
+from multiserve.model.native_kernels import pack_panels
 from multiserve.model.row_invariant import dense, row_sum
 
 TOKENS = EngineConfig().precompile_token_paddings
@@ -69,8 +70,10 @@ def test_every_product_is_row_invariant_by_the_plan(model) -> None:
         sizes = ROWS if name == "head" else TOKENS
         w = (rng.standard_normal((k, n), dtype=np.float32) / np.sqrt(k))
         w_t = np.ascontiguousarray(w.T)
+        w_p = pack_panels(jnp.asarray(w)) if plan_kernels(plan) & {"native"} else None
         x = rng.standard_normal((max(sizes), k), dtype=np.float32)
-        bad = _sizes_match(partial(dense, w=w, w_t=w_t, plan=plan.product(name)), x, sizes)
+        bad = _sizes_match(partial(dense, w=w, w_t=w_t, plan=plan.product(name), w_p=w_p), x,
+                           sizes)
         assert bad == [], f"{name} {k}x{n}: rows differ at M={bad} ({plan.product(name)})"
 
 

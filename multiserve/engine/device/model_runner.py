@@ -53,6 +53,7 @@ from multiserve.model.llama import (
     UNROLL_MAX_TOKENS,
     forward_hidden,
     lm_head,
+    plan_kernels,
     scan_needs_transposes,
 )
 from multiserve.model.row_invariant import with_transposed
@@ -132,7 +133,8 @@ class Runner:
         if value is not None:
             stacked_t = scan_needs_transposes(self.plan, self.model_cfg,
                                               self.cfg.precompile_token_paddings)
-            self._compute = with_transposed(value, self.model_cfg, stacked_t=stacked_t)
+            self._compute = with_transposed(value, self.model_cfg, stacked_t=stacked_t,
+                                            kernels=plan_kernels(self.plan))
 
     @property
     def compute_params(self) -> Any:

@@ -1,0 +1,123 @@
+// multiserve's CPU row-invariant matrix product, an XLA FFI custom call (built and loaded
+// by multiserve/model/native_kernels.py).
+//
+// y[M, N] = x[M, K] @ W, W given PACKED as panels wp[N / 64, K, 64] (panel p holds columns
+// 64p .. 64p+63 of W, row k contiguous: `row_invariant.pack_panels`).
+//
+// Row invariance BY CONSTRUCTION: every y[m, n] is the sum over k = 0, 1, .., K-1 in that
+// order, each step one fused multiply-add into the running sum, starting from zero; the
+// tiling (4-row blocks, the last one smaller; 64-column panels; panels spread over
+// threads) only decides which core computes an element and which registers hold it,
+// never the order of its sum. So a row's bits do not depend on M, on the other rows or
+// on the thread count. (Built with -ffp-contract=fast: the compiler fuses `acc += a * b`.)
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+typedef float vf __attribute__((vector_size(64)));
+constexpr int NV = 4;         // vectors per panel row
+constexpr int PANEL = 16 * NV;  // columns per panel
+constexpr int MR = 4;         // rows per register block
+
+inline vf load(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// rows [m0, m0 + R) of one panel: R x 64 accumulators in registers, k in order
+template <int R>
+inline void block(const float* x, int64_t k_dim, const float* panel, float* y, int64_t ldy,
+                  int64_t m0) {
+  vf acc[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NV; ++j) acc[r][j] = vf{};
+  const float* xr[R];
+  for (int r = 0; r < R; ++r) xr[r] = x + (m0 + r) * k_dim;
+  for (int64_t k = 0; k < k_dim; ++k) {
+    vf b[NV];
+    for (int j = 0; j < NV; ++j) b[j] = load(panel + k * PANEL + 16 * j);
+    for (int r = 0; r < R; ++r) {
+      const vf a = vf{} + xr[r][k];
+      for (int j = 0; j < NV; ++j) acc[r][j] += a * b[j];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    std::memcpy(y + (m0 + r) * ldy, acc[r], sizeof acc[r]);
+}
+
+struct Problem {
+  const float* x;
+  const float* wp;
+  float* y;
+  int64_t m, k, panels;
+};
+
+void run_panel(const Problem& pr, int64_t p) {
+  const float* panel = pr.wp + p * pr.k * PANEL;
+  float* y = pr.y + p * PANEL;
+  const int64_t ldy = pr.panels * PANEL;
+  int64_t m0 = 0;
+  for (; m0 + MR <= pr.m; m0 += MR) block<MR>(pr.x, pr.k, panel, y, ldy, m0);
+  switch (pr.m - m0) {
+    case 3: block<3>(pr.x, pr.k, panel, y, ldy, m0); break;
+    case 2: block<2>(pr.x, pr.k, panel, y, ldy, m0); break;
+    case 1: block<1>(pr.x, pr.k, panel, y, ldy, m0); break;
+    default: break;
+  }
+}
+
+struct Shared {
+  Problem pr;
+  int64_t chunk;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+};
+
+void work(Shared& sh) {
+  for (;;) {
+    const int64_t start = sh.next.fetch_add(sh.chunk);
+    if (start >= sh.pr.panels) return;
+    const int64_t stop = std::min(sh.pr.panels, start + sh.chunk);
+    for (int64_t p = start; p < stop; ++p) run_panel(sh.pr, p);
+    sh.done.fetch_add(stop - start);
+  }
+}
+
+ffi::Error RowGemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                       ffi::Buffer<ffi::F32> wp, ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions();
+  const auto wd = wp.dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || wd[2] != PANEL || wd[1] != xd[1])
+    return ffi::Error::InvalidArgument("row_gemm: x [M, K] and panels [N/64, K, 64] expected");
+  auto sh = std::make_shared<Shared>();
+  sh->pr = Problem{x.typed_data(), wp.typed_data(), y->typed_data(), xd[0], xd[1], wd[0]};
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  // panels per grab: ~4 grabs per thread; a small product stays on the caller
+  const int64_t work_units = sh->pr.panels * std::max<int64_t>(1, sh->pr.m) * sh->pr.k;
+  const int64_t helpers = work_units < (1 << 16) ? 0 : std::min(threads, sh->pr.panels) - 1;
+  sh->chunk = std::max<int64_t>(1, sh->pr.panels / ((helpers + 1) * 4));
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([sh] { work(*sh); });
+  work(*sh);
+  while (sh->done.load() < sh->pr.panels) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MultiserveRowGemm, RowGemmImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());

@@ -1,0 +1,189 @@
+"""The native CPU kernels (native/*.cc, XLA FFI custom calls): built, loaded, called.
+
+- paged attention (native/paged_attention.cc). XLA:CPU runs the pure-JAX
+  `attention.paged_attention` as a loop of small gathers and batched products that
+  materialises every key block it reads (measured: a 64-row decode step over ~220 keys
+  spent ~100 ms of its ~230 ms there); the kernel reads K/V in place through the page
+  table and keeps one query head's whole computation in registers.
+- the row-invariant matrix product (native/row_gemm.cc) against weights packed in
+  64-column panels (`pack_panels`): each output element is a sum over k in order, one
+  FMA per step, whatever the row count. XLA:CPU's products change kernel with the row
+  count (its 1-row product is a loop fusion whose bits differ from its GEMM's on an
+  AVX-512 EPYC), so an invariant plan had to pad 1-row products to 2 rows (3x the time of
+  the head's 1-row product); this one is as fast as XLA's at 64-512 rows and 2-3x faster
+  at 1-2 rows (measured on that EPYC, see the calibration table of `multiserve doctor`).
+
+Both are row-invariant by construction (see the .cc files), which the calibration still
+verifies bitwise like any other candidate (model/calibration.py); they run only where the
+calibration chose them (`Formulation.kernel == "native"`, `AttentionPlan.kernel ==
+"native"`): never on another platform, never for float types other than float32, never
+for operands split over a tensor-parallel group.
+
+The shared object is compiled on first use with the system's C++ compiler (`$CXX`, else
+c++ or g++; `-march=native`, so the file is specific to this CPU) and cached under
+`$MULTISERVE_CACHE_DIR/kernels` (default ~/.cache/multiserve/kernels), named by a hash of
+the sources, the compiler, its flags, the jaxlib version (the FFI headers) and the CPU.
+No compiler, or a failing build: `unavailable_reason()` says why, and the calibration
+keeps XLA's formulations. MULTISERVE_NATIVE_KERNELS=0 turns them off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import threading
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from multiserve.model.forward_batch import ForwardBatch
+
+log = logging.getLogger("multiserve.native_kernels")
+
+ATTENTION = "multiserve_paged_attention"
+ROW_GEMM = "multiserve_row_gemm"
+HEAD_DIMS = (16, 32, 48, 64, 80, 96, 128, 256)  # the head sizes the kernel is instantiated for
+PANEL = 64  # columns per packed weight panel (row_gemm.cc)
+SOURCES = tuple(Path(__file__).parent / "native" / name
+                for name in ("paged_attention.cc", "row_gemm.cc"))
+FLAGS = ("-std=c++20", "-O3", "-march=native", "-ffp-contract=fast", "-fPIC", "-shared", "-w")
+
+_LOCK = threading.Lock()
+_STATE: dict[str, str | None] = {}  # "error": None once registered, else why not
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CXX"), "c++", "g++"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _cpu_id() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            info = f.read()
+    except OSError:
+        return platform.machine()
+    keep = [line for line in info.splitlines()
+            if line.split(":")[0].strip() in ("model name", "flags", "Features")]
+    return platform.machine() + "\n" + "\n".join(sorted(set(keep)))
+
+
+def _build(cxx: str) -> Path:
+    """Compile the kernel (once per source/compiler/CPU; concurrent builders each write
+    their own temporary file and rename it into place)."""
+    import jaxlib
+
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True,
+                             check=False).stdout
+    digest = hashlib.sha256("\n".join([*(src.read_text() for src in SOURCES), cxx, version,
+                                       " ".join(FLAGS), jaxlib.__version__, _cpu_id()]
+                                      ).encode()).hexdigest()
+    base = os.environ.get("MULTISERVE_CACHE_DIR")
+    root = (Path(base) if base else Path.home() / ".cache" / "multiserve") / "kernels"
+    path = root / f"multiserve-kernels-{digest[:20]}.so"
+    if path.exists():
+        return path
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}.so")
+    cmd = [cxx, *FLAGS, "-I", jax.ffi.include_dir(), *map(str, SOURCES), "-o", str(tmp)]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()[-2000:]}")
+    tmp.replace(path)
+    return path
+
+
+def unavailable_reason() -> str | None:
+    """None when the kernels are built and registered with XLA:CPU in this process; else
+    why they are not (the first call builds and registers them)."""
+    with _LOCK:
+        if "error" not in _STATE:
+            _STATE["error"] = _load()
+            if _STATE["error"] is not None:
+                log.warning("native CPU kernels unavailable (%s); using XLA's "
+                            "formulations", _STATE["error"])
+        return _STATE["error"]
+
+
+def _load() -> str | None:
+    if os.environ.get("MULTISERVE_NATIVE_KERNELS", "1") == "0":
+        return "disabled by MULTISERVE_NATIVE_KERNELS=0"
+    cxx = _compiler()
+    if cxx is None:
+        return "no C++ compiler (set $CXX or install g++)"
+    try:
+        lib = ctypes.cdll.LoadLibrary(str(_build(cxx)))
+        jax.ffi.register_ffi_target(ATTENTION,
+                                    jax.ffi.pycapsule(lib.MultiservePagedAttention),
+                                    platform="cpu")
+        jax.ffi.register_ffi_target(ROW_GEMM, jax.ffi.pycapsule(lib.MultiserveRowGemm),
+                                    platform="cpu")
+    except (OSError, RuntimeError, AttributeError, ValueError) as exc:
+        return f"build or load failed: {exc}"
+    return None
+
+
+def supports_attention(platform_name: str, dtype: str, head_dim: int) -> bool:
+    """Whether the attention kernel can serve an engine of this platform, pool dtype and
+    head size (not whether it is built: see `unavailable_reason`)."""
+    return platform_name == "cpu" and dtype == "float32" and head_dim in HEAD_DIMS
+
+
+def supports_products(platform_name: str, dtype: str) -> bool:
+    """Whether the product kernel can serve an engine of this platform and weight dtype."""
+    return platform_name == "cpu" and dtype == "float32"
+
+
+def _require() -> None:
+    reason = unavailable_reason()
+    if reason is not None:
+        raise RuntimeError(f"the invariance plan names a native kernel, which is "
+                           f"unavailable here: {reason}")
+
+
+def pack_panels(w: jax.Array) -> jax.Array:
+    """W [..., K, N] -> panels [..., ceil(N / 64), K, 64] (panel p = columns 64p..64p+63,
+    row k contiguous; columns past N are zeros): the layout `row_gemm` reads."""
+    k, n = w.shape[-2:]
+    pad = -n % PANEL
+    if pad:
+        w = jnp.pad(w, [(0, 0)] * (w.ndim - 1) + [(0, pad)])
+    lead = w.shape[:-2]
+    w = w.reshape(*lead, k, (n + pad) // PANEL, PANEL)
+    return jnp.moveaxis(w, -2, -3)
+
+
+def row_gemm(x: jax.Array, panels: jax.Array, n: int) -> jax.Array:
+    """x [M, K] @ W -> [M, n] float32, W given as `pack_panels(W)` (float32): every
+    element summed over k in order, so each row's bits are independent of M."""
+    assert x.dtype == jnp.float32 and panels.dtype == jnp.float32, (x.dtype, panels.dtype)
+    _require()
+    m = x.shape[0]
+    out = jax.ffi.ffi_call(ROW_GEMM, jax.ShapeDtypeStruct((m, panels.shape[0] * PANEL),
+                                                          jnp.float32))(x, panels)
+    return out if out.shape[1] == n else out[:, :n]
+
+
+def paged_attention_native(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
+                           layer: int | jax.Array, batch: ForwardBatch, *,
+                           page_size: int) -> jax.Array:
+    """q [T, H, hd] (rotated, not scaled) -> attention output [T, H, hd] in q's dtype,
+    K/V read from the pools [L, KV, slots, hd] (float32) through `batch.page_table`."""
+    assert k_pool.dtype == jnp.float32 and v_pool.dtype == jnp.float32, k_pool.dtype
+    _require()
+    head_dim = q.shape[-1]
+    call = jax.ffi.ffi_call(ATTENTION, jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    out = call(q.astype(jnp.float32), k_pool, v_pool, jnp.asarray(layer, jnp.int32),
+               batch.positions, batch.token_seq, batch.page_table,
+               page_size=np.int64(page_size), scale=np.float32(1.0 / float(head_dim) ** 0.5))
+    return out.astype(q.dtype)
