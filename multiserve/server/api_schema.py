@@ -104,11 +104,14 @@ QUERY = {("GET", "/get_weights_by_name"): [
 CONTROL = Answer(ControlAnswer)
 ANSWERS: dict[Key, Answer] = {
     ("GET", "/v1/models"): Answer(P.ModelList, errors=("401",)),
-    ("POST", "/v1/chat/completions"): Answer(P.ChatCompletionResponse, stream=True,
-                                             errors=GEN_ERRORS),
-    ("POST", "/v1/completions"): Answer(P.CompletionResponse, stream=True, errors=GEN_ERRORS),
-    ("POST", "/generate"): Answer(N.GenerateResponse, stream=True, one_or_list=True,
-                                  errors=GEN_ERRORS),
+    # streamed: one chunk per SSE event (chat: a delta; completions: OpenAI's legacy chunk
+    # is the answer's shape with the new text; /generate: one sample's cumulative state)
+    ("POST", "/v1/chat/completions"): Answer(P.ChatCompletionResponse,
+                                             stream=P.ChatCompletionChunk, errors=GEN_ERRORS),
+    ("POST", "/v1/completions"): Answer(P.CompletionResponse, stream=P.CompletionResponse,
+                                        errors=GEN_ERRORS),
+    ("POST", "/generate"): Answer(N.GenerateResponse, stream=N.GenerateResponse,
+                                  one_or_list=True, errors=GEN_ERRORS),
     ("POST", "/v1/score"): Answer(N.ScoreResponse, errors=GEN_ERRORS),
     ("GET", "/health"): Answer(errors=("401", "503")),
     ("GET", "/health_generate"): Answer(errors=("401", "503")),
