@@ -23,6 +23,7 @@ import numpy as np
 
 from multiserve.server.detokenizer import IncrementalDetokenizer
 from multiserve.server.errors import bad_request
+from multiserve.server.protocol import CHAT_ROLES
 
 _BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 
@@ -166,11 +167,11 @@ def _plain_message(m: Any, i: int) -> dict[str, str]:
     if hasattr(m, "model_dump"):
         m = m.model_dump(exclude_none=True)
     if not isinstance(m, dict):
-        raise bad_request(f"messages[{i}]: must be an object", param=f"messages.{i}")
+        raise bad_request(f"messages[{i}]: must be an object", param=f"messages[{i}]")
     role = m.get("role")
-    if not isinstance(role, str) or not role:
-        raise bad_request(f"messages[{i}].role: must be a non-empty string",
-                          param=f"messages.{i}.role")
+    if role not in CHAT_ROLES:  # the template writes it into the prompt (protocol.ChatRole)
+        raise bad_request(f"messages[{i}].role: must be one of {', '.join(CHAT_ROLES)}; got "
+                          f"{str(role)[:40]!r}", param=f"messages[{i}].role")
     content = m.get("content")
     if content is None:
         content = ""
@@ -182,12 +183,12 @@ def _plain_message(m: Any, i: int) -> dict[str, str]:
             if not isinstance(part, dict) or part.get("type") != "text" \
                     or not isinstance(part.get("text"), str):
                 raise bad_request(f"messages[{i}].content[{j}]: only text parts are supported",
-                                  param=f"messages.{i}.content")
+                                  param=f"messages[{i}].content")
             texts.append(part["text"])
         content = "".join(texts)
     if not isinstance(content, str):
         raise bad_request(f"messages[{i}].content: must be a string or a list of text parts",
-                          param=f"messages.{i}.content")
+                          param=f"messages[{i}].content")
     return {"role": role, "content": content}
 
 
