@@ -75,7 +75,8 @@ def enable_compilation_cache() -> str | None:
 def fleet_config_from_args(args: argparse.Namespace) -> FleetConfig:
     """`--config` (or, without it, `--engines N`: N engines x 1 device, default engine
     settings; with neither, configs/cpu-4.toml). `--port` (first engine port, 0 for
-    ephemeral), `--supervisor-port`, `--host`, `--model` override the file; `--engines N`
+    ephemeral), `--supervisor-port`, `--host`, `--model` and `--max-request-bytes`
+    override the file; `--engines N`
     with `--config` keeps the file's first N engines. `--api-key` (else $MULTISERVE_API_KEY)
     protects every endpoint."""
     engines = getattr(args, "engines", None)
@@ -105,6 +106,8 @@ def fleet_config_from_args(args: argparse.Namespace) -> FleetConfig:
         fleet["supervisor_port"] = args.supervisor_port
     if getattr(args, "host", None) is not None:
         fleet["host"] = args.host
+    if getattr(args, "max_request_bytes", None) is not None:
+        fleet["max_request_bytes"] = args.max_request_bytes
     data["fleet"] = fleet
     if getattr(args, "model", None) is not None:
         data["model"] = {**(data.get("model") or {}), "path": args.model}

@@ -75,8 +75,12 @@ ENGINE_STATE_SCHEMA: dict[str, Any] = {
 SERVER_INFO_SCHEMA: dict[str, Any] = {
     **ENGINE_STATE_SCHEMA, "description": "the server's settings and its engine's state",
     "properties": {**ENGINE_STATE_SCHEMA["properties"],
+                   "max_request_bytes": {**INT, "description": "larger bodies get 413"},
+                   "max_prompt_chars": {**INT, "description": "longer prompts get 400 "
+                                        "before they are tokenized"},
                    "internal_states": {"type": "array", "items": ENGINE_STATE_SCHEMA}},
-    "required": [*ENGINE_STATE_SCHEMA["required"], "internal_states"]}
+    "required": [*ENGINE_STATE_SCHEMA["required"], "max_request_bytes", "max_prompt_chars",
+                 "internal_states"]}
 
 BODIES: dict[Key, Any] = {
     ("POST", "/v1/chat/completions"): P.ChatCompletionRequest,

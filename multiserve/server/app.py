@@ -24,8 +24,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from multiserve.config import DEFAULT_MAX_REQUEST_BYTES
 from multiserve.server import protocol_native as N
 from multiserve.server.api_schema import document_engine_app
+from multiserve.server.body_limit import limit_body
 from multiserve.server.errors import ApiError, bad_request, overloaded, with_error
 from multiserve.server.http_utils import api_error_from, error_json, json_model, parse_body
 from multiserve.server.metrics import CONTENT_TYPE, MetricsMiddleware, ServerMetrics
@@ -47,11 +49,15 @@ HEALTH_GENERATE_TIMEOUT_S = 60.0
 
 def build_app(engine: EngineClient, tokenizer: TokenizerManager, *,
               metrics: ServerMetrics | None = None,
-              server_info: dict[str, Any] | None = None) -> FastAPI:
-    """One app in front of one engine. `server_info` is merged into /get_server_info."""
+              server_info: dict[str, Any] | None = None,
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+    """One app in front of one engine. `server_info` is merged into /get_server_info;
+    `max_request_bytes` bounds a request body (413 beyond, server/body_limit.py; a
+    `ServerConfig` field)."""
     metrics = metrics or ServerMetrics()
     info = {"served_model_name": engine.model_name, "context_len": engine.context_len,
-            **(server_info or {})}
+            "max_request_bytes": max_request_bytes,
+            "max_prompt_chars": tokenizer.max_prompt_chars, **(server_info or {})}
     oai = OpenAIServing(engine, tokenizer, on_done=metrics.observe_run)
     native = NativeServing(engine, tokenizer, on_done=metrics.observe_run)
     app = FastAPI(title="multiserve", docs_url=None, redoc_url=None)
@@ -174,6 +180,7 @@ def build_app(engine: EngineClient, tokenizer: TokenizerManager, *,
     # the OpenAPI document declares every body and answer
     document_engine_app(app, engine.model_name, len(tokenizer.tokenizer))
     known = frozenset(r.path for r in app.routes if hasattr(r, "path"))
+    limit_body(app, max_request_bytes)  # inside the metrics: a 413 is counted
     app.add_middleware(MetricsMiddleware, metrics=metrics, known_paths=known)
     return app
 

@@ -31,6 +31,7 @@ SSE = "text/event-stream"
 ERROR_STATUSES = {"400": "invalid request (the message names the parameter)",
                   "401": "missing or wrong API key (when the server has one)",
                   "404": "unknown model or route",
+                  "413": "request body over the server's max_request_bytes",
                   "429": "waiting queue full (Retry-After says when to retry)",
                   "503": "engine unavailable, asleep, paused or overloaded (reason given)"}
 
@@ -137,6 +138,10 @@ def document(app: FastAPI, bodies: Mapping[Key, type[BaseModel]],
                                              bodies[key], components)}}}
                 if key in answers:
                     op["responses"] = _responses(answers[key], components)
+                if key in bodies:  # every app bounds its bodies (server/body_limit.py)
+                    op.setdefault("responses", {})["413"] = {
+                        "description": ERROR_STATUSES["413"],
+                        "content": {JSON: {"schema": _schema(ErrorBody, components)}}}
                 if query and key in query:
                     op["parameters"] = query[key]
         if patch_components is not None:
