@@ -70,6 +70,9 @@ def _fleet_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-request-bytes", type=int, default=None,
                    help="refuse (413) request bodies over this many bytes, before parsing "
                         "(every server; default 8 MiB)")
+    p.add_argument("--enable-memory-saver", action="store_true",
+                   help="report sglang's enable_memory_saver=true in /get_server_info (slime "
+                        "checks it equals offload_rollout); memory release works either way")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every engine and supervisor "
                         "endpoint (default: $MULTISERVE_API_KEY; none: open, loopback only)")

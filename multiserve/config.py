@@ -191,6 +191,10 @@ class ServerConfig:
     port: int = 31000
     # Bodies above this many bytes get a 413 before they are parsed (server/body_limit.py).
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    # sglang's server argument, reported as set by /get_server_info (slime's external-engine
+    # check compares it with its offload_rollout). Memory release and resume
+    # (/release_memory_occupation) work either way.
+    enable_memory_saver: bool = False
 
     def __post_init__(self) -> None:
         _require(isinstance(self.port, int) and 0 <= self.port < 65536, "port",
@@ -199,6 +203,8 @@ class ServerConfig:
                  and not isinstance(self.max_request_bytes, bool)
                  and self.max_request_bytes >= 1024, "max_request_bytes",
                  f"must be an integer >= 1024, got {self.max_request_bytes!r}")
+        _require(isinstance(self.enable_memory_saver, bool), "enable_memory_saver",
+                 f"must be true or false, got {self.enable_memory_saver!r}")
 
 
 @dataclass(frozen=True)

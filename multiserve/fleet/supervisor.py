@@ -145,9 +145,11 @@ class Supervisor:
 def build_supervisor_app(engines: Sequence[EngineClient], *, restart: RestartFn | None = None,
                          engine_ports: list[int] | None = None,
                          control_timeout: float | None = 600.0,
-                         max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+                         max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+                         enable_memory_saver: bool = False) -> FastAPI:
     """The supervisor's FastAPI app; `app.state.supervisor` is its `Supervisor`.
-    `max_request_bytes`: its `ServerConfig`'s body bound (413 beyond)."""
+    `max_request_bytes` and `enable_memory_saver`: its `ServerConfig`'s (a body bound, and
+    the sglang server argument /get_server_info reports as set)."""
     sup = Supervisor(engines, restart=restart, engine_ports=engine_ports,
                      control_timeout=control_timeout)
     app = FastAPI(title="multiserve supervisor")
@@ -206,8 +208,8 @@ def build_supervisor_app(engines: Sequence[EngineClient], *, restart: RestartFn 
         ok = all(s["state"] is not None for s in states)
         plans = [s["state"]["determinism"] for s in states if s["state"] is not None]
         return json_response(200 if ok else 503, {
-            "num_engines": len(states), "max_request_bytes": max_request_bytes,
-            "engines": states,
+            "num_engines": len(states), "enable_memory_saver": enable_memory_saver,
+            "max_request_bytes": max_request_bytes, "engines": states,
             "internal_states": [s["state"] for s in states],
             # verified on every engine, and whether they all run one plan (one key)
             "determinism": {"verified": ok and all(p["verified"] for p in plans),

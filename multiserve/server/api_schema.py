@@ -75,12 +75,14 @@ ENGINE_STATE_SCHEMA: dict[str, Any] = {
 SERVER_INFO_SCHEMA: dict[str, Any] = {
     **ENGINE_STATE_SCHEMA, "description": "the server's settings and its engine's state",
     "properties": {**ENGINE_STATE_SCHEMA["properties"],
+                   "enable_memory_saver": {**BOOL, "description": "sglang's server option, "
+                                           "as set (memory release works either way)"},
                    "max_request_bytes": {**INT, "description": "larger bodies get 413"},
                    "max_prompt_chars": {**INT, "description": "longer prompts get 400 "
                                         "before they are tokenized"},
                    "internal_states": {"type": "array", "items": ENGINE_STATE_SCHEMA}},
-    "required": [*ENGINE_STATE_SCHEMA["required"], "max_request_bytes", "max_prompt_chars",
-                 "internal_states"]}
+    "required": [*ENGINE_STATE_SCHEMA["required"], "enable_memory_saver", "max_request_bytes",
+                 "max_prompt_chars", "internal_states"]}
 
 BODIES: dict[Key, Any] = {
     ("POST", "/v1/chat/completions"): P.ChatCompletionRequest,

@@ -131,6 +131,8 @@ def test_overrides_nested_and_dotted(tmp_path: Path) -> None:
      "fleet.max_request_bytes"),
     ("[fleet]\nmax_request_bytes = 10\n[[engines]]\ndevice_indexes = [0]\n",
      "fleet.max_request_bytes"),
+    ("[fleet]\nenable_memory_saver = 1\n[[engines]]\ndevice_indexes = [0]\n",
+     "fleet.enable_memory_saver"),
     ("[model]\npath = 3\n[[engines]]\ndevice_indexes = [0]\n", "model.path"),
     # misplaced keys
     ("[engine]\nmodel_path = 'x'\n[[engines]]\ndevice_indexes = [0]\n", "engine.model_path"),
@@ -212,15 +214,18 @@ def test_validate_against_devices_names_the_missing_device() -> None:
 
 
 def test_server_options_apply_to_every_server(tmp_path: Path) -> None:
-    """[fleet] max_request_bytes: every engine server and the supervisor; default 8 MiB."""
+    """[fleet] max_request_bytes / enable_memory_saver: every engine server and the
+    supervisor; defaults 8 MiB and false (sglang's default)."""
     from multiserve.config import DEFAULT_MAX_REQUEST_BYTES
 
     cfg = load_fleet_config(write(tmp_path, MINIMAL))
     for server in (*cfg.servers, cfg.supervisor):
         assert server.max_request_bytes == DEFAULT_MAX_REQUEST_BYTES == 8 * 1024 * 1024
+        assert server.enable_memory_saver is False
     cfg = load_fleet_config(write(tmp_path, MINIMAL.replace(
-        'platform = "cpu"', 'platform = "cpu"\nmax_request_bytes = 65536')))
+        'platform = "cpu"', 'platform = "cpu"\nmax_request_bytes = 65536\n'
+        "enable_memory_saver = true")))
     for server in (*cfg.servers, cfg.supervisor):
-        assert server.max_request_bytes == 65536
-    cfg = load_fleet_config(write(tmp_path, MINIMAL), {"fleet.max_request_bytes": 4096})
-    assert all(s.max_request_bytes == 4096 for s in (*cfg.servers, cfg.supervisor))
+        assert server.max_request_bytes == 65536 and server.enable_memory_saver is True
+    cfg = load_fleet_config(write(tmp_path, MINIMAL), {"fleet.enable_memory_saver": True})
+    assert all(s.enable_memory_saver for s in (*cfg.servers, cfg.supervisor))
