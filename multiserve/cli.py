@@ -67,6 +67,12 @@ def _fleet_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default=None)
     p.add_argument("--model", default=None, help="HF model dir or .gguf (default: SmolLM2)")
     p.add_argument("--shutdown-mode", choices=["drain", "abort"], default="abort")
+    p.add_argument("--max-request-bytes", type=int, default=None,
+                   help="refuse (413) request bodies over this many bytes, before parsing "
+                        "(every server; default 8 MiB)")
+    p.add_argument("--enable-memory-saver", action="store_true",
+                   help="report sglang's enable_memory_saver=true in /get_server_info (slime "
+                        "checks it equals offload_rollout); memory release works either way")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every engine and supervisor "
                         "endpoint (default: $MULTISERVE_API_KEY; none: open, loopback only)")

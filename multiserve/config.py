@@ -178,16 +178,33 @@ class EngineConfig:
         return replace(self, **changes)
 
 
+# A request body larger than this is refused (413) before it is parsed: room for a batch
+# of long token-id prompts, far below what would cost seconds of parsing and tokenizing.
+DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
+
+
 @dataclass(frozen=True)
 class ServerConfig:
-    """One HTTP server in front of one engine."""
+    """One HTTP server (in front of one engine, or the supervisor)."""
 
     host: str = "127.0.0.1"
     port: int = 31000
+    # Bodies above this many bytes get a 413 before they are parsed (server/body_limit.py).
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    # sglang's server argument, reported as set by /get_server_info (slime's external-engine
+    # check compares it with its offload_rollout). Memory release and resume
+    # (/release_memory_occupation) work either way.
+    enable_memory_saver: bool = False
 
     def __post_init__(self) -> None:
         _require(isinstance(self.port, int) and 0 <= self.port < 65536, "port",
                  f"must be in [0, 65535], got {self.port!r}")
+        _require(isinstance(self.max_request_bytes, int)
+                 and not isinstance(self.max_request_bytes, bool)
+                 and self.max_request_bytes >= 1024, "max_request_bytes",
+                 f"must be an integer >= 1024, got {self.max_request_bytes!r}")
+        _require(isinstance(self.enable_memory_saver, bool), "enable_memory_saver",
+                 f"must be true or false, got {self.enable_memory_saver!r}")
 
 
 @dataclass(frozen=True)

@@ -12,11 +12,15 @@ Invariants:
   no busy-wait. A control command runs between two steps, never during one.
 - An exception in a step marks the engine unhealthy with the reason; every live
   request then ends (finish_reason "abort", `error` set) and new work is refused.
+- At interpreter exit every engine not shut down is shut down (`_shutdown_live_engines`)
+  before jax's own exit hook and before finalization: its (daemon) thread would otherwise
+  still be inside XLA then, and the process would abort instead of exiting with its status.
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
 import dataclasses
 import itertools
@@ -24,6 +28,7 @@ import queue
 import random
 import threading
 import uuid
+import weakref
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
@@ -56,6 +61,36 @@ from multiserve.types import (
 )
 
 _Queued = tuple[Command, concurrent.futures.Future]
+
+_LIVE: weakref.WeakSet[Engine] = weakref.WeakSet()  # engines not shut down
+_LIVE_LOCK = threading.Lock()
+_EXIT_HOOK_REGISTERED = False
+
+
+def _shutdown_live_engines() -> None:
+    """Shut down every engine not shut down yet (interpreter exit): its step or priming in
+    progress finishes, its requests end with "abort", its thread ends, and no background
+    compile starts any more (programs.py's exit hook, which runs after this one, waits
+    for a compile in progress)."""
+    with _LIVE_LOCK:
+        engines = list(_LIVE)
+    for engine in engines:
+        try:
+            engine.shutdown()
+        except Exception:  # noqa: BLE001 - exiting anyway: the next engine still stops
+            pass
+
+
+def _register_exit_hook() -> None:
+    """Register `_shutdown_live_engines` at exit, once, when the first engine is built: jax
+    is imported by then and atexit runs hooks last-in first-out, so it runs before jax's
+    own hook (which drops the backends) and before programs.py's."""
+    global _EXIT_HOOK_REGISTERED
+    with _LIVE_LOCK:
+        if _EXIT_HOOK_REGISTERED:
+            return
+        _EXIT_HOOK_REGISTERED = True
+    atexit.register(_shutdown_live_engines)
 
 
 class Engine:
@@ -90,6 +125,9 @@ class Engine:
         self._thread = threading.Thread(target=self._loop, name=f"engine-{cfg.device_indexes}",
                                         daemon=True)
         self._thread.start()
+        with _LIVE_LOCK:
+            _LIVE.add(self)
+        _register_exit_hook()
         # programs compiled in the background are primed on the engine thread, between steps
         parts.runner.programs.set_primer(lambda fn: self.call(Call(lambda core: fn())))
 
@@ -451,6 +489,8 @@ class Engine:
             return
         fut = self.call(Stop())
         self._stopped = True
+        with _LIVE_LOCK:
+            _LIVE.discard(self)
         self._parts.runner.programs.stop()  # no further compile starts (none waited for)
         if self._thread.is_alive():
             fut.result(timeout=60)

@@ -19,6 +19,10 @@ Schema (every table and key is optional unless marked; unknown keys are errors):
     ports = [31000, 31001]    # ... or explicit ports, one per engine (not with base_port)
     supervisor_port = 31100   # 0: ephemeral
     warmup = "sequential"     # "parallel" | "sequential": how engines precompile
+    max_request_bytes = 8388608  # every server (engines and supervisor): a larger body
+                              # is refused with 413 before it is parsed (default 8 MiB)
+    enable_memory_saver = false  # sglang's server argument, reported by every
+                              # /get_server_info as set (memory release works either way)
 
     [engine]                  # any EngineConfig field, shared by every engine
     page_size = 16            # (not model_path / served_model_name: see [model];
@@ -51,7 +55,8 @@ DEFAULT_SUPERVISOR_PORT = 31100
 
 _TOP_KEYS = ("model", "fleet", "engine", "engines")
 _MODEL_KEYS = ("path", "served_model_name")
-_FLEET_KEYS = ("platform", "host", "base_port", "ports", "supervisor_port", "warmup")
+_FLEET_KEYS = ("platform", "host", "base_port", "ports", "supervisor_port", "warmup",
+               "max_request_bytes", "enable_memory_saver")
 # EngineConfig fields that are set elsewhere in the file, never in [engine]/[[engines]].
 _ENGINE_FIELDS_ELSEWHERE = {
     "model_path": "set it as [model] path",
@@ -135,13 +140,29 @@ def fleet_config_from_dict(data: Mapping[str, Any], base_dir: Path | None = None
         raise ConfigError("fleet.supervisor_port",
                           f"port {sup_port} is also engines[{ports.index(sup_port)}]'s port "
                           f"(from {port_field})")
+    options = _server_options(fleet)
     return FleetConfig(
         engines=engines,
-        servers=tuple(ServerConfig(host=host, port=p) for p in ports),
-        supervisor=ServerConfig(host=host, port=sup_port),
+        servers=tuple(ServerConfig(host=host, port=p, **options) for p in ports),
+        supervisor=ServerConfig(host=host, port=sup_port, **options),
         platform=platform,
         warmup_parallel=warmup == "parallel",
     )
+
+
+def _server_options(fleet: Mapping[str, Any]) -> dict[str, Any]:
+    """The [fleet] keys every server (engines and supervisor) shares, type-checked."""
+    out: dict[str, Any] = {}
+    if "max_request_bytes" in fleet:
+        value = fleet["max_request_bytes"]
+        _expect(isinstance(value, int) and not isinstance(value, bool) and value >= 1024,
+                "fleet.max_request_bytes", "an integer >= 1024 (bytes)", value)
+        out["max_request_bytes"] = value
+    if "enable_memory_saver" in fleet:
+        value = fleet["enable_memory_saver"]
+        _expect(isinstance(value, bool), "fleet.enable_memory_saver", "true or false", value)
+        out["enable_memory_saver"] = value
+    return out
 
 
 def validate_against_devices(cfg: FleetConfig, num_devices: int) -> None:

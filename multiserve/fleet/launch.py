@@ -247,7 +247,8 @@ def _start_servers(fleet: Fleet) -> None:
         info = {"engine_index": w.index, "device_indexes": list(w.device_indexes),
                 "model_path": str(w.model_path),
                 "tokenizer_path": str(w.tokenizer_dir)}
-        app = build_app(w, tm, server_info=info)
+        app = build_app(w, tm, server_info=info, max_request_bytes=scfg.max_request_bytes,
+                        enable_memory_saver=scfg.enable_memory_saver)
         add_rl_routes(app, w)  # release/resume memory, weight updates (per engine)
         protect(app, cfg.api_key)  # every route, when a key is set
         server = ServerThread(app, scfg.host, scfg.port, name=f"engine-{w.index}-http")
@@ -255,7 +256,9 @@ def _start_servers(fleet: Fleet) -> None:
         app.state.server_info.update(host=scfg.host, port=server.port)  # /get_server_info
         fleet.servers.append(server.start())
     sup_app = build_supervisor_app(fleet.workers, restart=fleet.restart_engine,
-                                   engine_ports=fleet.ports)
+                                   engine_ports=fleet.ports,
+                                   max_request_bytes=cfg.supervisor.max_request_bytes,
+                                   enable_memory_saver=cfg.supervisor.enable_memory_saver)
     add_rl_supervisor_routes(sup_app)  # fleet-wide two-phase weight updates, memory
     protect(sup_app, cfg.api_key)
     fleet.supervisor = ServerThread(sup_app, cfg.supervisor.host, cfg.supervisor.port,

@@ -75,9 +75,10 @@ def enable_compilation_cache() -> str | None:
 def fleet_config_from_args(args: argparse.Namespace) -> FleetConfig:
     """`--config` (or, without it, `--engines N`: N engines x 1 device, default engine
     settings; with neither, configs/cpu-4.toml). `--port` (first engine port, 0 for
-    ephemeral), `--supervisor-port`, `--host`, `--model` override the file; `--engines N`
-    with `--config` keeps the file's first N engines. `--api-key` (else $MULTISERVE_API_KEY)
-    protects every endpoint."""
+    ephemeral), `--supervisor-port`, `--host`, `--model`, `--max-request-bytes` and
+    `--enable-memory-saver` (sets it; absent, the file decides) override the file;
+    `--engines N` with `--config` keeps the file's first N engines. `--api-key` (else
+    $MULTISERVE_API_KEY) protects every endpoint."""
     engines = getattr(args, "engines", None)
     path = getattr(args, "config", None)
     if path is None and engines is None:
@@ -105,6 +106,10 @@ def fleet_config_from_args(args: argparse.Namespace) -> FleetConfig:
         fleet["supervisor_port"] = args.supervisor_port
     if getattr(args, "host", None) is not None:
         fleet["host"] = args.host
+    if getattr(args, "max_request_bytes", None) is not None:
+        fleet["max_request_bytes"] = args.max_request_bytes
+    if getattr(args, "enable_memory_saver", False):
+        fleet["enable_memory_saver"] = True
     data["fleet"] = fleet
     if getattr(args, "model", None) is not None:
         data["model"] = {**(data.get("model") or {}), "path": args.model}

@@ -29,9 +29,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from pydantic import BaseModel
 
+from multiserve.config import DEFAULT_MAX_REQUEST_BYTES
 from multiserve.fleet.supervisor_bodies import AbortBody, EmptyBody, PauseBody, RestartBody
 from multiserve.fleet.supervisor_metrics import render_metrics
 from multiserve.fleet.supervisor_openapi import document_supervisor_app
+from multiserve.server.body_limit import limit_body
 from multiserve.server.errors import ApiError, bad_request, with_error
 from multiserve.server.http_utils import error_json, parse_body
 from multiserve.types import ControlResult, EngineClient, EngineUnavailable
@@ -142,8 +144,12 @@ class Supervisor:
 
 def build_supervisor_app(engines: Sequence[EngineClient], *, restart: RestartFn | None = None,
                          engine_ports: list[int] | None = None,
-                         control_timeout: float | None = 600.0) -> FastAPI:
-    """The supervisor's FastAPI app; `app.state.supervisor` is its `Supervisor`."""
+                         control_timeout: float | None = 600.0,
+                         max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+                         enable_memory_saver: bool = False) -> FastAPI:
+    """The supervisor's FastAPI app; `app.state.supervisor` is its `Supervisor`.
+    `max_request_bytes` and `enable_memory_saver`: its `ServerConfig`'s (a body bound, and
+    the sglang server argument /get_server_info reports as set)."""
     sup = Supervisor(engines, restart=restart, engine_ports=engine_ports,
                      control_timeout=control_timeout)
     app = FastAPI(title="multiserve supervisor")
@@ -202,7 +208,8 @@ def build_supervisor_app(engines: Sequence[EngineClient], *, restart: RestartFn 
         ok = all(s["state"] is not None for s in states)
         plans = [s["state"]["determinism"] for s in states if s["state"] is not None]
         return json_response(200 if ok else 503, {
-            "num_engines": len(states), "engines": states,
+            "num_engines": len(states), "enable_memory_saver": enable_memory_saver,
+            "max_request_bytes": max_request_bytes, "engines": states,
             "internal_states": [s["state"] for s in states],
             # verified on every engine, and whether they all run one plan (one key)
             "determinism": {"verified": ok and all(p["verified"] for p in plans),
@@ -226,6 +233,7 @@ def build_supervisor_app(engines: Sequence[EngineClient], *, restart: RestartFn 
         return json_response(200, {"object": "list", "data": list(by_name.values())})
 
     document_supervisor_app(app)  # the OpenAPI document declares every body and answer
+    limit_body(app, max_request_bytes)
     return app
 
 

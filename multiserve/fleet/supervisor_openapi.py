@@ -30,9 +30,12 @@ class FleetAnswer(BaseModel):
 
 # GET /get_server_info: every engine's state (null where it could not be read: then 503)
 FLEET_INFO_SCHEMA: dict[str, Any] = {
-    "type": "object", "required": ["num_engines", "engines", "internal_states"],
+    "type": "object", "required": ["num_engines", "enable_memory_saver", "max_request_bytes",
+                                   "engines", "internal_states"],
     "properties": {
         "num_engines": {"type": "integer"},
+        "enable_memory_saver": {"type": "boolean", "description": "the server option as set"},
+        "max_request_bytes": {"type": "integer", "description": "larger bodies get 413"},
         "engines": {"type": "array", "items": {"type": "object"}},
         "internal_states": {"type": "array",
                             "items": {"anyOf": [ENGINE_STATE_SCHEMA, {"type": "null"}]}}}}

@@ -7,8 +7,14 @@ Owns `fuzz_server(name, url, cases)` -> `FuzzReport`, and the per-case rules:
   hung request); an SSE stream that does not end with `data: [DONE]` or carries a 5xx
   error event (a stream still going when the case timeout ends is read no further by
   schemathesis: counted as a finding, not checked);
-- findings (reported, not failing): what schemathesis' conformance checks say about
-  status codes, content types and response bodies versus the document.
+  an answer that disagrees with what the document declares for it (schemathesis'
+  conformance checks: status code, content type, body, each SSE event): the document
+  and the answer must agree;
+- findings (reported, not failing): a stream cut short by the case timeout, and cases
+  the generator could not make.
+Besides the generated cases, each streaming operation is sent `STREAM_EXAMPLES` (a
+valid streamed request with logprobs, n > 1 and usage), so every SSE event shape is
+checked on every run: generated cases reach a 200 stream only rarely.
 After every case that can leave the server paused or asleep (pause, memory release,
 weight staging) the harness continues and resumes it, so later generation cases run.
 
@@ -31,6 +37,18 @@ CASE_TIMEOUT_S = 60.0
 RESTART_CASES = 4  # /restart_engine rebuilds an engine: a few cases are enough
 MAX_ROUNDS = 6
 MAX_STREAM_EVENTS = 1_000_000
+# A valid streamed request per streaming operation, sent on every run (module docstring).
+STREAM_EXAMPLES: dict[str, dict[str, Any]] = {
+    "POST /v1/completions": {
+        "prompt": "Hello", "max_tokens": 4, "stream": True, "n": 2, "logprobs": 2,
+        "echo": True, "stream_options": {"include_usage": True}},
+    "POST /v1/chat/completions": {
+        "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4, "stream": True,
+        "n": 2, "logprobs": True, "top_logprobs": 2, "stream_options": {"include_usage": True}},
+    "POST /generate": {
+        "text": ["Hello", "Hi"], "stream": True, "return_logprob": True,
+        "top_logprobs_num": 2, "sampling_params": {"max_new_tokens": 4, "n": 2}},
+}
 RESTORING = ("/pause_generation", "/release_memory_occupation", "/stage_weights_from_disk",
              "/update_weights_from_disk", "/restart_engine")
 
@@ -123,7 +141,7 @@ def _first_failure(e: BaseException) -> str:
     while isinstance(e, BaseExceptionGroup) and e.exceptions:
         e = e.exceptions[0]
     text = " ".join(str(e).split())
-    return f"{type(e).__name__}: {text[:160]}"
+    return f"{type(e).__name__}: {text[:300]}"
 
 
 def restore(http: httpx.Client) -> None:
@@ -181,7 +199,7 @@ def fuzz_server(name: str, url: str, cases: int, *, seed: int = 0,
                             f"checked to its end"] += 1
             return
         problem = check_answer(resp)
-        mode = case.meta.generation.mode.value if case.meta else "?"
+        mode = case.meta.generation.mode.value if case.meta else "example"
         if mode == "positive" and 400 <= resp.status_code < 500 and problem is None:
             message = resp.json()["error"]["message"]
             report.positive_refusals[f"{label} {resp.status_code}: {message[:90]}"] += 1
@@ -190,9 +208,10 @@ def fuzz_server(name: str, url: str, cases: int, *, seed: int = 0,
                                      f"{case.as_curl_command(headers=headers)[:4000]}")
         try:
             case.validate_response(resp, checks=checks)
-        except (Exception, BaseExceptionGroup) as e:  # noqa: BLE001 - a finding, reported
-            first = _first_failure(e)
-            report.findings[f"{label} {resp.status_code}: {first[:140]}"] += 1
+        except (Exception, BaseExceptionGroup) as e:  # noqa: BLE001 - the document disagrees
+            report.violations.append(f"{label} {resp.status_code} ({mode}): answer does not "
+                                     f"match the document: {_first_failure(e)}; reproduce: "
+                                     f"{case.as_curl_command(headers=headers)[:4000]}")
 
     def fuzz(op: Any, mode: Any, n: int, case_seed: int) -> int:
         """Up to n cases of `op` in `mode`; returns how many were sent."""
@@ -219,6 +238,10 @@ def fuzz_server(name: str, url: str, cases: int, *, seed: int = 0,
                             f"{type(e).__name__}: {str(e)[:100]}"] += 1
         return report.cases - before
 
+    for op in ops:
+        example = STREAM_EXAMPLES.get(f"{op.method.upper()} {op.path}")
+        if example is not None:
+            one(op.Case(body=example, media_type="application/json"))
     # Rounds: operations whose inputs ran out (a GET without parameters has one case)
     # leave their share to the others, until `cases` were sent or nothing is left.
     active = [(op, mode) for op in ops for mode in modes]

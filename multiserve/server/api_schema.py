@@ -75,8 +75,14 @@ ENGINE_STATE_SCHEMA: dict[str, Any] = {
 SERVER_INFO_SCHEMA: dict[str, Any] = {
     **ENGINE_STATE_SCHEMA, "description": "the server's settings and its engine's state",
     "properties": {**ENGINE_STATE_SCHEMA["properties"],
+                   "enable_memory_saver": {**BOOL, "description": "sglang's server option, "
+                                           "as set (memory release works either way)"},
+                   "max_request_bytes": {**INT, "description": "larger bodies get 413"},
+                   "max_prompt_chars": {**INT, "description": "longer prompts get 400 "
+                                        "before they are tokenized"},
                    "internal_states": {"type": "array", "items": ENGINE_STATE_SCHEMA}},
-    "required": [*ENGINE_STATE_SCHEMA["required"], "internal_states"]}
+    "required": [*ENGINE_STATE_SCHEMA["required"], "enable_memory_saver", "max_request_bytes",
+                 "max_prompt_chars", "internal_states"]}
 
 BODIES: dict[Key, Any] = {
     ("POST", "/v1/chat/completions"): P.ChatCompletionRequest,
@@ -104,11 +110,14 @@ QUERY = {("GET", "/get_weights_by_name"): [
 CONTROL = Answer(ControlAnswer)
 ANSWERS: dict[Key, Answer] = {
     ("GET", "/v1/models"): Answer(P.ModelList, errors=("401",)),
-    ("POST", "/v1/chat/completions"): Answer(P.ChatCompletionResponse, stream=True,
-                                             errors=GEN_ERRORS),
-    ("POST", "/v1/completions"): Answer(P.CompletionResponse, stream=True, errors=GEN_ERRORS),
-    ("POST", "/generate"): Answer(N.GenerateResponse, stream=True, one_or_list=True,
-                                  errors=GEN_ERRORS),
+    # streamed: one chunk per SSE event (chat: a delta; completions: OpenAI's legacy chunk
+    # is the answer's shape with the new text; /generate: one sample's cumulative state)
+    ("POST", "/v1/chat/completions"): Answer(P.ChatCompletionResponse,
+                                             stream=P.ChatCompletionChunk, errors=GEN_ERRORS),
+    ("POST", "/v1/completions"): Answer(P.CompletionResponse, stream=P.CompletionResponse,
+                                        errors=GEN_ERRORS),
+    ("POST", "/generate"): Answer(N.GenerateResponse, stream=N.GenerateResponse,
+                                  one_or_list=True, errors=GEN_ERRORS),
     ("POST", "/v1/score"): Answer(N.ScoreResponse, errors=GEN_ERRORS),
     ("GET", "/health"): Answer(errors=("401", "503")),
     ("GET", "/health_generate"): Answer(errors=("401", "503")),

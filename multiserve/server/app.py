@@ -24,8 +24,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from multiserve.config import DEFAULT_MAX_REQUEST_BYTES
 from multiserve.server import protocol_native as N
 from multiserve.server.api_schema import document_engine_app
+from multiserve.server.body_limit import limit_body
 from multiserve.server.errors import ApiError, bad_request, overloaded, with_error
 from multiserve.server.http_utils import api_error_from, error_json, json_model, parse_body
 from multiserve.server.metrics import CONTENT_TYPE, MetricsMiddleware, ServerMetrics
@@ -47,11 +49,17 @@ HEALTH_GENERATE_TIMEOUT_S = 60.0
 
 def build_app(engine: EngineClient, tokenizer: TokenizerManager, *,
               metrics: ServerMetrics | None = None,
-              server_info: dict[str, Any] | None = None) -> FastAPI:
-    """One app in front of one engine. `server_info` is merged into /get_server_info."""
+              server_info: dict[str, Any] | None = None,
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+              enable_memory_saver: bool = False) -> FastAPI:
+    """One app in front of one engine. `server_info` is merged into /get_server_info;
+    `max_request_bytes` bounds a request body (413 beyond, server/body_limit.py);
+    `enable_memory_saver` is the sglang server argument /get_server_info reports (memory
+    release works either way). Both are `ServerConfig` fields."""
     metrics = metrics or ServerMetrics()
     info = {"served_model_name": engine.model_name, "context_len": engine.context_len,
-            **(server_info or {})}
+            "enable_memory_saver": enable_memory_saver, "max_request_bytes": max_request_bytes,
+            "max_prompt_chars": tokenizer.max_prompt_chars, **(server_info or {})}
     oai = OpenAIServing(engine, tokenizer, on_done=metrics.observe_run)
     native = NativeServing(engine, tokenizer, on_done=metrics.observe_run)
     app = FastAPI(title="multiserve", docs_url=None, redoc_url=None)
@@ -174,6 +182,7 @@ def build_app(engine: EngineClient, tokenizer: TokenizerManager, *,
     # the OpenAPI document declares every body and answer
     document_engine_app(app, engine.model_name, len(tokenizer.tokenizer))
     known = frozenset(r.path for r in app.routes if hasattr(r, "path"))
+    limit_body(app, max_request_bytes)  # inside the metrics: a 413 is counted
     app.add_middleware(MetricsMiddleware, metrics=metrics, known_paths=known)
     return app
 
@@ -216,13 +225,13 @@ def _install_error_handlers(app: FastAPI) -> None:
 def server_args(info: dict[str, Any], state: dict[str, Any]) -> dict[str, Any]:
     """The sglang server-args keys RL clients read from /get_server_info, with this
     engine's true values: each engine port is one server with one data-parallel rank, its
-    device group is its tensor-parallel group, nothing is pipelined or expert-parallel,
-    and memory can always be released and resumed (/release_memory_occupation)."""
+    device group is its tensor-parallel group, nothing is pipelined or expert-parallel.
+    (`enable_memory_saver` comes from `info`: the option as set; memory can be released
+    and resumed either way.)"""
     devices = info.get("device_indexes") or state.get("device_indexes")
     tp = len(devices) if devices else int(state.get("tp_size") or 1)
     out = {"tp_size": tp, "dp_size": 1, "pp_size": 1, "ep_size": 1, "nnodes": 1,
-           "node_rank": 0, "enable_memory_saver": True,
-           "max_total_num_tokens": state.get("max_total_tokens")}
+           "node_rank": 0, "max_total_num_tokens": state.get("max_total_tokens")}
     if devices:  # sglang's device placement: the group's first device, consecutive ids
         contiguous = list(devices) == list(range(devices[0], devices[0] + len(devices)))
         out.update(base_gpu_id=devices[0], gpu_id_step=1 if contiguous else None)

@@ -9,6 +9,7 @@ Invariant: every error a client sees has the body
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from pydantic import ValidationError
@@ -73,15 +74,27 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return ApiError(400, message, param=param, code=code or "invalid_request_error")
 
 
+def field_path(loc: Sequence[str | int | None]) -> str:
+    """A pydantic error location as OpenAI names a parameter: list items by index in
+    brackets, object keys dotted (`messages[0].role`)."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part is not None:
+            out += f".{part}" if out else str(part)
+    return out
+
+
 def from_validation_error(exc: ValidationError) -> ApiError:
-    """First pydantic error → 400 naming the offending field (dotted path)."""
+    """First pydantic error → 400 naming the offending field (`field_path`)."""
     errors = exc.errors(include_url=False)
     if not errors:
         return bad_request(str(exc))
     first = errors[0]
     if first.get("type") == "json_invalid":
         return bad_request(f"Invalid JSON body: {first.get('msg')}", code="invalid_json")
-    loc = ".".join(str(p) for p in first.get("loc", ()) if p is not None)
+    loc = field_path(first.get("loc", ()))
     msg = first.get("msg", "invalid value")
     more = f" (and {len(errors) - 1} more error(s))" if len(errors) > 1 else ""
     message = f"{loc}: {msg}{more}" if loc else f"{msg}{more}"

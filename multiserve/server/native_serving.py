@@ -76,6 +76,9 @@ class NativeServing:
             prompts, is_batch = body.prompts()
         except ValueError as exc:
             raise bad_request(str(exc), param="text") from None
+        for p in prompts:  # every text before any is tokenized
+            if isinstance(p, str):
+                self.tm.check_prompt_chars(len(p), "text")
         ids_list = [self.tm.encode(p) if isinstance(p, str) else p for p in prompts]
         if not ids_list:
             raise bad_request("no prompt given", param="text")
@@ -224,6 +227,8 @@ class NativeServing:
             if query is not None and not isinstance(query, str):
                 raise bad_request("query: must be text when items are text", param="query")
             q = query or ""
+            for i in items:  # every item before any is tokenized
+                self.tm.check_prompt_chars(len(i) + len(q), "items")
             return [self.tm.encode(i + q if body.item_first else q + i) for i in items]
         if query is not None and not isinstance(query, list):
             raise bad_request("query: must be token ids when items are token ids", param="query")

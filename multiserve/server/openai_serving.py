@@ -153,10 +153,12 @@ class OpenAIServing:
     # ---- /v1/completions ------------------------------------------------------------------
     def _prompt_ids(self, prompt: Any) -> list[list[int]]:
         if isinstance(prompt, str):
-            return [self.tm.encode(prompt)]
+            prompt = [prompt]
         if not prompt:
             raise bad_request("prompt: must not be empty", param="prompt")
         if isinstance(prompt[0], str):
+            for p in prompt:  # every one before any is tokenized
+                self.tm.check_prompt_chars(len(p), "prompt")
             return [self.tm.encode(p) for p in prompt]
         batch = [prompt] if isinstance(prompt[0], int) else prompt
         return [list(ids) for ids in batch]  # token ids: the engine checks them

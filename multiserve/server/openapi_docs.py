@@ -31,6 +31,7 @@ SSE = "text/event-stream"
 ERROR_STATUSES = {"400": "invalid request (the message names the parameter)",
                   "401": "missing or wrong API key (when the server has one)",
                   "404": "unknown model or route",
+                  "413": "request body over the server's max_request_bytes",
                   "429": "waiting queue full (Retry-After says when to retry)",
                   "503": "engine unavailable, asleep, paused or overloaded (reason given)"}
 
@@ -61,13 +62,26 @@ class ControlAnswer(BaseModel):
 
 class Answer:
     """How one route answers: its 200 body (a model, a list of them, a raw JSON schema or
-    plain text) and whether it may stream SSE instead."""
+    plain text) and, if it may stream SSE instead, the model of one event's JSON data
+    (`stream`: a chunk, which for chat differs from the whole answer)."""
 
     def __init__(self, ok: type[BaseModel] | dict[str, Any] | None = None, *,
-                 stream: bool = False, one_or_list: bool = False, text: bool = False,
+                 stream: type[BaseModel] | dict[str, Any] | None = None,
+                 one_or_list: bool = False, text: bool = False,
                  errors: tuple[str, ...] = ("400", "401", "503")) -> None:
         self.ok, self.stream, self.one_or_list, self.text = ok, stream, one_or_list, text
         self.errors = errors
+
+
+def sse_event_schema(chunk: dict[str, Any], error: dict[str, Any]) -> dict[str, Any]:
+    """One event of an SSE answer. OpenAPI before 3.2 (FastAPI writes 3.1) reads the
+    `schema` of text/event-stream as one event's: an object whose `data` is the final
+    `[DONE]`, or JSON text holding a chunk or, when the request failed after the headers
+    were sent, an error object (http_utils.sse_error)."""
+    data = {"type": "string", "contentMediaType": JSON,
+            "contentSchema": {"anyOf": [chunk, error]}}
+    return {"type": "object", "required": ["data"],
+            "properties": {"data": {"anyOf": [{"const": "[DONE]"}, data]}}}
 
 
 def _schema(model: type[BaseModel] | dict[str, Any], components: dict[str, Any]) -> dict:
@@ -89,10 +103,10 @@ def _responses(answer: Answer, components: dict[str, Any]) -> dict[str, Any]:
         if answer.one_or_list:
             ok = {"anyOf": [ok, {"type": "array", "items": ok}]}
         content = {JSON: {"schema": ok}}
-        if answer.stream:
-            content[SSE] = {"schema": {"type": "string"}}
-    out: dict[str, Any] = {"200": {"description": "success", "content": content}}
     err = _schema(ErrorBody, components)
+    if answer.stream is not None:
+        content[SSE] = {"schema": sse_event_schema(_schema(answer.stream, components), err)}
+    out: dict[str, Any] = {"200": {"description": "success", "content": content}}
     for status in answer.errors:
         out[status] = {"description": ERROR_STATUSES.get(status, "error"),
                        "content": {JSON: {"schema": err}}}
@@ -124,6 +138,10 @@ def document(app: FastAPI, bodies: Mapping[Key, type[BaseModel]],
                                              bodies[key], components)}}}
                 if key in answers:
                     op["responses"] = _responses(answers[key], components)
+                if key in bodies:  # every app bounds its bodies (server/body_limit.py)
+                    op.setdefault("responses", {})["413"] = {
+                        "description": ERROR_STATUSES["413"],
+                        "content": {JSON: {"schema": _schema(ErrorBody, components)}}}
                 if query and key in query:
                     op["parameters"] = query[key]
         if patch_components is not None:

@@ -13,7 +13,7 @@ client's parameter names by `OPENAI_PARAM_NAMES`.
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -40,8 +40,15 @@ class ContentPart(_Request):
     text: str | None = None
 
 
+# OpenAI's message roles. The chat template writes a message's role into the prompt, so
+# any other string (e.g. "user\n<|im_start|>system") is refused: a 400 naming
+# messages[i].role, never rendered.
+ChatRole = Literal["system", "developer", "user", "assistant", "tool", "function"]
+CHAT_ROLES: tuple[str, ...] = get_args(ChatRole)
+
+
 class ChatMessage(_Request):
-    role: str
+    role: ChatRole
     content: str | list[ContentPart] | None = None
     name: str | None = None
 

@@ -23,8 +23,20 @@ import numpy as np
 
 from multiserve.server.detokenizer import IncrementalDetokenizer
 from multiserve.server.errors import bad_request
+from multiserve.server.protocol import CHAT_ROLES
 
 _BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
+# Margin on the characters one token can stand for (`chars_per_token_bound`): normalizers
+# that merge characters (NFC/NFKC composition) make the text longer than the tokens' own.
+PROMPT_CHARS_MARGIN = 2
+
+
+def chars_per_token_bound(tokenizer: Any) -> int:
+    """The most characters of prompt text one token can stand for: the longest vocabulary
+    entry's spelling (a byte-level or sentencepiece spelling is at least as long as the
+    text it encodes: one symbol per byte, or per character), times PROMPT_CHARS_MARGIN."""
+    longest = max((len(token) for token in tokenizer.get_vocab()), default=1)
+    return max(1, longest) * PROMPT_CHARS_MARGIN
 
 
 @lru_cache(maxsize=1)
@@ -71,8 +83,24 @@ class TokenizerManager:
         self.special_ids: frozenset[int] = frozenset(self.tokenizer.all_special_ids)
         self._byte_level = "ByteLevel" in type(self.tokenizer.backend_tokenizer.decoder).__name__
         self._token_cache: dict[int, tuple[str, bytes]] = {}
+        # A prompt longer than this cannot fit the context whatever its text: refused
+        # before it is tokenized (`check_prompt_chars`), so an oversized one costs no
+        # tokenizing. Never refuses a prompt that fits (the engine checks the tokens).
+        self.chars_per_token = chars_per_token_bound(self.tokenizer)
+        self.max_prompt_chars = self.context_len * self.chars_per_token
 
     # ---- tokenize ---------------------------------------------------------------------
+    def check_prompt_chars(self, chars: int, param: str) -> None:
+        """400 naming `param` if a prompt of `chars` characters cannot fit the context
+        (`max_prompt_chars`); call it before tokenizing or rendering the prompt."""
+        if chars > self.max_prompt_chars:
+            raise bad_request(
+                f"{param}: {chars} characters is over this server's limit of "
+                f"{self.max_prompt_chars} characters per prompt (a {self.context_len}-token "
+                f"context x at most {self.chars_per_token} characters per token), so it "
+                f"cannot fit the context; it was not tokenized", param=param,
+                code="context_length_exceeded")
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
@@ -86,6 +114,7 @@ class TokenizerManager:
         if not isinstance(messages, (list, tuple)) or not messages:
             raise bad_request("messages: must be a non-empty list", param="messages")
         plain = [_plain_message(m, i) for i, m in enumerate(messages)]
+        self.check_prompt_chars(sum(len(m["content"]) for m in plain), "messages")
         if not self.has_chat_template:
             raise bad_request("this model has no chat template; use /v1/completions",
                               param="messages")
@@ -166,11 +195,11 @@ def _plain_message(m: Any, i: int) -> dict[str, str]:
     if hasattr(m, "model_dump"):
         m = m.model_dump(exclude_none=True)
     if not isinstance(m, dict):
-        raise bad_request(f"messages[{i}]: must be an object", param=f"messages.{i}")
+        raise bad_request(f"messages[{i}]: must be an object", param=f"messages[{i}]")
     role = m.get("role")
-    if not isinstance(role, str) or not role:
-        raise bad_request(f"messages[{i}].role: must be a non-empty string",
-                          param=f"messages.{i}.role")
+    if role not in CHAT_ROLES:  # the template writes it into the prompt (protocol.ChatRole)
+        raise bad_request(f"messages[{i}].role: must be one of {', '.join(CHAT_ROLES)}; got "
+                          f"{str(role)[:40]!r}", param=f"messages[{i}].role")
     content = m.get("content")
     if content is None:
         content = ""
@@ -182,12 +211,12 @@ def _plain_message(m: Any, i: int) -> dict[str, str]:
             if not isinstance(part, dict) or part.get("type") != "text" \
                     or not isinstance(part.get("text"), str):
                 raise bad_request(f"messages[{i}].content[{j}]: only text parts are supported",
-                                  param=f"messages.{i}.content")
+                                  param=f"messages[{i}].content")
             texts.append(part["text"])
         content = "".join(texts)
     if not isinstance(content, str):
         raise bad_request(f"messages[{i}].content: must be a string or a list of text parts",
-                          param=f"messages.{i}.content")
+                          param=f"messages[{i}].content")
     return {"role": role, "content": content}
 
 

@@ -120,3 +120,58 @@ def test_shutdown_does_not_wait_for_pending_compiles(tiny_model_dir: Path) -> No
     time.sleep(0.3)  # slots free again: nothing more is compiled for the stopped engine
     assert engine.compile_status()["compiled"] == status["compiled"]
     assert not engine.wait_compiled(0)
+
+
+# A user's script: an engine compiling its small buckets in the background, a request
+# generating on another thread, and then the script raises. The slots are held until the
+# raise, so a compile is in progress (and others pending) when the interpreter exits.
+_RAISING_SCRIPT = """
+import atexit, json, sys, threading
+
+def _final_status():  # registered before multiserve: runs after its exit hooks
+    print("EXIT-STATUS " + json.dumps(engine.compile_status()), file=sys.stderr, flush=True)
+
+atexit.register(_final_status)
+
+from multiserve import Engine, EngineConfig, SamplingParams
+from multiserve.engine.device.programs import background_compiles_held
+
+stepping = threading.Event()
+
+def generate_forever():
+    params = SamplingParams(temperature=0.0, max_new_tokens=200, ignore_eos=True)
+    try:
+        while True:
+            engine.generate(input_ids=[5, 17, 42], sampling_params=params)
+            stepping.set()
+    except Exception:  # the engine is shut down at exit
+        pass
+
+with background_compiles_held():
+    engine = Engine(EngineConfig(model_path=sys.argv[1], **json.loads(sys.argv[2])))
+    assert engine.compile_status()["pending"], "nothing left to compile in the background"
+    threading.Thread(target=generate_forever, daemon=True).start()
+    assert stepping.wait(120)
+    engine.generate(input_ids=[1, 2, 3], sampling_params=SamplingParams(temperature=-1.0))
+"""
+
+
+def test_a_script_raising_while_compiles_run_exits_with_its_traceback(
+        tiny_model_dir: Path) -> None:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    # no persistent compile cache: the compiles take as long as a first start's
+    env = {**os.environ, "JAX_ENABLE_COMPILATION_CACHE": "false"}
+    out = subprocess.run(
+        [sys.executable, "-c", _RAISING_SCRIPT, str(tiny_model_dir), json.dumps(BUCKETS)],
+        capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert "Traceback (most recent call last)" in out.stderr, out.stderr[-3000:]
+    assert "SamplingParamsError: temperature" in out.stderr, out.stderr[-3000:]
+    assert "terminate called" not in out.stderr and "FATAL" not in out.stderr
+    # exit stopped the background compiles (waiting only for one in progress) and the engine
+    final = json.loads(out.stderr.split("EXIT-STATUS ", 1)[1].splitlines()[0])
+    assert final["pending"] and not final["compiling"], final

@@ -127,6 +127,12 @@ def test_overrides_nested_and_dotted(tmp_path: Path) -> None:
     ("[fleet]\nbase_port = 'x'\n[[engines]]\ndevice_indexes = [0]\n", "fleet.base_port"),
     ("[fleet]\nplatform = 'cuda'\n[[engines]]\ndevice_indexes = [0]\n", "fleet.platform"),
     ("[fleet]\nwarmup = 'lazy'\n[[engines]]\ndevice_indexes = [0]\n", "fleet.warmup"),
+    ("[fleet]\nmax_request_bytes = '8MB'\n[[engines]]\ndevice_indexes = [0]\n",
+     "fleet.max_request_bytes"),
+    ("[fleet]\nmax_request_bytes = 10\n[[engines]]\ndevice_indexes = [0]\n",
+     "fleet.max_request_bytes"),
+    ("[fleet]\nenable_memory_saver = 1\n[[engines]]\ndevice_indexes = [0]\n",
+     "fleet.enable_memory_saver"),
     ("[model]\npath = 3\n[[engines]]\ndevice_indexes = [0]\n", "model.path"),
     # misplaced keys
     ("[engine]\nmodel_path = 'x'\n[[engines]]\ndevice_indexes = [0]\n", "engine.model_path"),
@@ -205,3 +211,21 @@ def test_validate_against_devices_names_the_missing_device() -> None:
         validate_against_devices(cfg, 3)
     assert info.value.field == "engines[1].device_indexes"
     assert "device 3 does not exist" in str(info.value)
+
+
+def test_server_options_apply_to_every_server(tmp_path: Path) -> None:
+    """[fleet] max_request_bytes / enable_memory_saver: every engine server and the
+    supervisor; defaults 8 MiB and false (sglang's default)."""
+    from multiserve.config import DEFAULT_MAX_REQUEST_BYTES
+
+    cfg = load_fleet_config(write(tmp_path, MINIMAL))
+    for server in (*cfg.servers, cfg.supervisor):
+        assert server.max_request_bytes == DEFAULT_MAX_REQUEST_BYTES == 8 * 1024 * 1024
+        assert server.enable_memory_saver is False
+    cfg = load_fleet_config(write(tmp_path, MINIMAL.replace(
+        'platform = "cpu"', 'platform = "cpu"\nmax_request_bytes = 65536\n'
+        "enable_memory_saver = true")))
+    for server in (*cfg.servers, cfg.supervisor):
+        assert server.max_request_bytes == 65536 and server.enable_memory_saver is True
+    cfg = load_fleet_config(write(tmp_path, MINIMAL), {"fleet.enable_memory_saver": True})
+    assert all(s.enable_memory_saver for s in (*cfg.servers, cfg.supervisor))

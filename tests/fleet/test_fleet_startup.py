@@ -55,6 +55,16 @@ def test_overrides_apply_on_top_of_the_config_file() -> None:
     assert cfg.supervisor.port == 0
 
 
+def test_server_options_from_the_command_line_reach_every_server() -> None:
+    cfg = fleet_config_from_args(args("--engines", "2", "--max-request-bytes", "65536",
+                                      "--enable-memory-saver"))
+    for server in (*cfg.servers, cfg.supervisor):
+        assert server.max_request_bytes == 65536 and server.enable_memory_saver is True
+    cfg = fleet_config_from_args(args("--engines", "2"))  # sglang's default: false
+    assert not any(s.enable_memory_saver for s in (*cfg.servers, cfg.supervisor))
+    assert {s.max_request_bytes for s in cfg.servers} == {8 * 1024 * 1024}
+
+
 def test_more_engines_than_the_config_has_is_an_error() -> None:
     with pytest.raises(ConfigError) as e:
         fleet_config_from_args(args("--config", str(CONFIGS / "cpu-2x2.toml"), "--engines", "3"))

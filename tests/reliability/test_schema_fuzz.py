@@ -1,8 +1,9 @@
 """Schema fuzzing (quick profile): schemathesis against the engine app and the supervisor
 app of a 1-engine tiny fleet on loopback, positive and negative bodies for every
 operation of their OpenAPI documents. No 5xx, every 4xx an OpenAI error body, no hung
-request, SSE streams end with [DONE]; afterwards every engine is healthy, idle and its
-KV whole. Long run: `multiserve fuzz --cases 1000` (README, "Reliability runs").
+request, SSE streams end with [DONE], every answer (each SSE event too) matches what the
+document declares; afterwards every engine is healthy, idle and its KV whole. Long run:
+`multiserve fuzz --cases 1000` (README, "Reliability runs").
 """
 
 from __future__ import annotations
@@ -61,3 +62,55 @@ def test_documents_declare_bodies_and_errors(tiny_model: Path) -> None:
         assert "requestBody" in op and "200" in op["responses"] and "400" in op["responses"]
     assert ErrorBody.__name__ in doc["components"]["schemas"]
     assert ("POST", "/generate") in BODIES and ("POST", "/v1/chat/completions") in BODIES
+
+
+STREAMING = {"POST /v1/completions", "POST /v1/chat/completions", "POST /generate"}
+
+
+def test_streamed_events_match_the_document(tiny_model: Path) -> None:
+    """Issue 21: every SSE event of a streamed answer (chunks, usage chunk, [DONE]) matches
+    the event schema the engine app's document declares (it said "a string")."""
+    from multiserve.fleet.launch import launch_fleet
+    from multiserve.reliability.fuzz import STREAM_EXAMPLES, fuzz_server
+    from multiserve.reliability.tiny_model import tiny_fleet_config
+
+    fleet = launch_fleet(tiny_fleet_config(tiny_model, engines=1), announce=False)
+    try:
+        report = fuzz_server("engine", fleet.urls[0], 12, operations=STREAMING)
+    finally:
+        fleet.stop("abort")
+    print("\n".join(report.lines()))
+    assert set(STREAM_EXAMPLES) == STREAMING
+    for label in STREAMING:
+        assert report.per_status[(label, 200)] >= 1, report.per_status
+    assert report.ok and not report.violations, report.violations[:5]
+
+
+def test_an_answer_disagreeing_with_the_document_fails_the_run() -> None:
+    """A server whose streamed events do not match its own document: the fuzzer counts it
+    as a violation (the run fails), not as a finding."""
+    from fastapi import FastAPI
+    from starlette.responses import StreamingResponse
+
+    from multiserve.reliability.fuzz import fuzz_server
+    from multiserve.server import protocol as P
+    from multiserve.server.openapi_docs import Answer, document
+    from multiserve.server.server_thread import ServerThread
+
+    app = FastAPI()
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions():  # noqa: ANN202 - a local route
+        async def events():  # noqa: ANN202
+            yield 'data: {"id": 7, "choices": "none"}\n\n'  # not a CompletionResponse
+            yield "data: [DONE]\n\n"
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    key = ("POST", "/v1/completions")
+    document(app, {key: P.CompletionRequest},
+             {key: Answer(P.CompletionResponse, stream=P.CompletionResponse)})
+    with ServerThread(app) as server:
+        report = fuzz_server("liar", server.url, 4)
+    assert not report.ok
+    assert any("does not match the document" in v and "SSE event" in v
+               for v in report.violations), report.violations[:3]

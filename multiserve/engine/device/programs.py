@@ -32,6 +32,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import queue
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -46,10 +47,15 @@ COMPILE_SLOTS = threading.BoundedSemaphore(COMPILE_SLOT_COUNT)
 Kind = str  # "T" (forward over tokens) or "R" (head over rows)
 
 # Sets whose background thread is running. At interpreter exit each is stopped and its
-# compile in progress waited for: a daemon thread killed inside an XLA compile aborts the
-# process ("terminate called ..."), shut down engine or not.
+# compile in progress waited for (`stop_background_compiles`): a daemon thread still inside
+# XLA when the interpreter finalizes is ended by a forced unwind that XLA's C++ does not
+# rethrow, and the process aborts ("terminate called ...", exit 134) instead of exiting
+# with the script's own status. Background compile workers are daemon threads, so that
+# exit waits only for the compile in progress, not for every queued one (a
+# ThreadPoolExecutor's workers are joined, queue and all, before atexit hooks run).
 _BACKGROUND: set[ProgramSet] = set()
 _BACKGROUND_LOCK = threading.Lock()
+_EXIT_HOOK_REGISTERED = False
 
 
 @contextlib.contextmanager
@@ -70,12 +76,27 @@ def background_compiles_held(timeout: float = 600.0) -> Iterator[None]:
             COMPILE_SLOTS.release()
 
 
-@atexit.register
-def _stop_background_compiles() -> None:
+def stop_background_compiles() -> None:
+    """Stop every background compile in the process (none starts any more), then wait for
+    the ones in progress to finish. Run at interpreter exit (`_register_exit_hook`)."""
     with _BACKGROUND_LOCK:
         running = list(_BACKGROUND)
     for programs in running:
+        programs.stop()
+    for programs in running:
         programs.stop(timeout=None)
+
+
+def _register_exit_hook() -> None:
+    """Register `stop_background_compiles` at exit, once, when the first background compile
+    starts: jax is imported by then, and atexit runs hooks last-in first-out, so this one
+    runs before jax's own (which drops the backends a compile in progress uses)."""
+    global _EXIT_HOOK_REGISTERED
+    with _BACKGROUND_LOCK:
+        if _EXIT_HOOK_REGISTERED:
+            return
+        _EXIT_HOOK_REGISTERED = True
+    atexit.register(stop_background_compiles)
 
 
 @dataclass(frozen=True)
@@ -288,7 +309,7 @@ class ProgramSet:
 
         def run() -> None:
             try:
-                _compile_each(programs, threads, compile_one, compiled)
+                _compile_each(programs, threads, compile_one, compiled, daemon=True)
             except BaseException as e:  # noqa: BLE001 - reported via status/error, engine serves on
                 self.error = e
             finally:
@@ -296,6 +317,7 @@ class ProgramSet:
                     _BACKGROUND.discard(self)
 
         self._thread = threading.Thread(target=run, name="compile-background", daemon=True)
+        _register_exit_hook()
         with _BACKGROUND_LOCK:
             _BACKGROUND.add(self)
         self._thread.start()
@@ -304,7 +326,7 @@ class ProgramSet:
         """No further program starts compiling. Waits up to `timeout` s (None: until done)
         for the background thread, which ends once a compile in progress finishes (an XLA
         compile cannot be interrupted; at most seconds). Engine.shutdown does not wait;
-        interpreter exit does (`_stop_background_compiles`)."""
+        interpreter exit does (`stop_background_compiles`)."""
         self._stop.set()
         if (self._thread is not None and self._thread is not threading.current_thread()
                 and (timeout is None or timeout > 0)):
@@ -313,15 +335,45 @@ class ProgramSet:
 
 def _compile_each(programs: Sequence[tuple[Kind, int]], threads: int,
                   compile_one: Callable[[Kind, int], Any | None],
-                  compiled: Callable[[Kind, int, Any], None]) -> None:
-    """Run compile_one for every program on `threads` workers (submitted in order) and
-    call compiled(kind, size, program) on this thread as each finishes; a None result
-    (stopped) is skipped. Lowering is Python; XLA compiles release the GIL."""
-    from concurrent.futures import ThreadPoolExecutor, as_completed
+                  compiled: Callable[[Kind, int, Any], None], daemon: bool = False) -> None:
+    """Run compile_one for every program on `threads` workers (started in order) and call
+    compiled(kind, size, program) on this thread as each finishes; a None result (stopped)
+    is skipped. Lowering is Python; XLA compiles release the GIL. If anything raises (a
+    compile, `compiled`, an interrupt), no further program starts and the workers are
+    joined (a compile in progress finishes) before it propagates. `daemon` workers do not
+    hold up interpreter exit (the background compiles: their exit hook stops them)."""
+    todo: queue.SimpleQueue[tuple[Kind, int]] = queue.SimpleQueue()
+    for program in programs:
+        todo.put(program)
+    done: queue.SimpleQueue[tuple[Kind, int, Any, BaseException | None]] = queue.SimpleQueue()
 
-    with ThreadPoolExecutor(max(1, threads)) as pool:
-        jobs = {pool.submit(compile_one, kind, size): (kind, size) for kind, size in programs}
-        for done in as_completed(jobs):
-            program = done.result()
+    def work() -> None:
+        while True:
+            try:
+                kind, size = todo.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                done.put((kind, size, compile_one(kind, size), None))
+            except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
+                done.put((kind, size, None, e))
+
+    workers = [threading.Thread(target=work, name=f"compile-{i}", daemon=daemon)
+               for i in range(max(1, min(threads, len(programs))))]
+    for worker in workers:
+        worker.start()
+    try:
+        for _ in programs:
+            kind, size, program, error = done.get()
+            if error is not None:
+                raise error
             if program is not None:
-                compiled(*jobs[done], program)
+                compiled(kind, size, program)
+    finally:
+        while True:  # nothing further starts (a no-op once every program was taken)
+            try:
+                todo.get_nowait()
+            except queue.Empty:
+                break
+        for worker in workers:
+            worker.join()

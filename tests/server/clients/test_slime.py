@@ -56,13 +56,17 @@ def test_startup_checks_and_server_info(live: Live) -> None:
     assert h.get(f"{live.url}/flush_cache").status_code == 200
     for path in ("/get_server_info", "/server_info"):
         info = h.get(f"{live.url}{path}").json()
-        assert info["enable_memory_saver"] is True
+        # the server argument as set (default false, as sglang's): slime asserts it equals
+        # its offload_rollout (false by default); memory release works either way
+        # (test_memory_release_resume_as_slime_sends_it)
+        assert info["enable_memory_saver"] is False
         assert (info["tp_size"], info["dp_size"], info["pp_size"], info["ep_size"]) == \
             (1, 1, 1, 1)
         assert (info["nnodes"], info["node_rank"]) == (1, 0)
         assert info["host"] == "127.0.0.1" and info["port"] == int(live.url.rsplit(":", 1)[1])
         assert info["base_gpu_id"] == 0 and info["gpu_id_step"] == 1
         assert info["weight_version"] == "base" and "internal_states" in info
+    assert h.get(f"{live.supervisor}/get_server_info").json()["enable_memory_saver"] is False
 
 
 def test_get_weight_version(live: Live) -> None:
