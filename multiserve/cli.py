@@ -127,6 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the fleet (--config, default configs/cpu-4.toml), one streaming "
                         "HTTP client per engine port, vs one engine with the same requests")
     b.add_argument("--config", default=None, help="with --fleet: the fleet config TOML")
+    b.add_argument("--clients-per-port", type=int, default=1,
+                   help="with --fleet: concurrent clients on each engine's port (e.g. 2 for "
+                        "8 clients on the 4-engine fleet)")
     b.add_argument("--peer", choices=["none", "hf", "vllm", "llamacpp"], default="none",
                    help="compare with a peer run in its own env (scripts/peer-envs.sh)")
     b.add_argument("--peer-model", default=None,

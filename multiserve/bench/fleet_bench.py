@@ -2,8 +2,9 @@
 
 The fleet (configs/cpu-4.toml unless --config; on CPU its engines share the same cores
 through virtual devices) starts in this process on ephemeral loopback ports. Then, with
-the same K prompts (K = number of engines, from the fixed list, chat-templated):
-- fleet run: K concurrent streaming HTTP clients, client i on engine i's port;
+the same K prompts (K = number of engines x --clients-per-port, from the fixed list,
+chat-templated):
+- fleet run: K concurrent streaming HTTP clients, client i on engine (i mod E)'s port;
 - one-engine run: the same K requests, all concurrently on engine 0's port.
 Each run starts cold (every prefix cache flushed) and all its clients start together at
 t0; aggregate tok/s = all output tokens / (last token - t0). The goal (issue 11) is
@@ -92,8 +93,10 @@ def measure(fleet: Any, jobs: Sequence[tuple[str, Sequence[int]]], output_len: i
     return figures
 
 
-def run_fleet_bench(cfg: Any, output_len: int, log: Any = None) -> dict[str, Any]:
-    """Start the fleet `cfg`, run both measurements, stop it; the JSON-ready result."""
+def run_fleet_bench(cfg: Any, output_len: int, log: Any = None,
+                    clients_per_port: int = 1) -> dict[str, Any]:
+    """Start the fleet `cfg`, run both measurements with `clients_per_port` clients on each
+    engine's port, stop it; the JSON-ready result."""
     from multiserve.fleet.launch import launch_fleet
 
     t_start = time.perf_counter()
@@ -106,8 +109,8 @@ def run_fleet_bench(cfg: Any, output_len: int, log: Any = None) -> dict[str, Any
         urls = fleet.urls
         engine0 = fleet.workers[0].engine
         prompts = [engine0.chat_ids([{"role": "user", "content": text}])
-                   for text in bench_prompts(len(urls))]
-        spread_jobs = list(zip(urls, prompts, strict=True))
+                   for text in bench_prompts(len(urls) * clients_per_port)]
+        spread_jobs = [(urls[i % len(urls)], p) for i, p in enumerate(prompts)]
         measure(fleet, spread_jobs, WARMUP_LEN)  # warm the HTTP path on every port
         spread = measure(fleet, spread_jobs, output_len)
         one = measure(fleet, [(urls[0], p) for p in prompts], output_len)
@@ -121,6 +124,7 @@ def run_fleet_bench(cfg: Any, output_len: int, log: Any = None) -> dict[str, Any
     return {
         "bench": "multiserve", "mode": "fleet", "model": model_name,
         "num_engines": len(groups), "device_groups": groups, "num_clients": len(prompts),
+        "clients_per_port": clients_per_port,
         "output_len": output_len, "startup_s": startup_s, "all_compiled_s": all_compiled_s,
         "prompt_tokens": {"total": sum(lens), "min": min(lens), "max": max(lens),
                           "mean": sum(lens) / len(lens)},
@@ -141,7 +145,10 @@ def fleet_main(args: argparse.Namespace) -> int:
     m = int(args.output_len) if args.output_len is not None else FLEET_LEN
     if m < 1:
         raise SystemExit("bench: --output-len must be >= 1")
-    result = run_fleet_bench(fleet_config(args), m)
+    per_port = int(getattr(args, "clients_per_port", 1) or 1)
+    if per_port < 1:
+        raise SystemExit("bench: --clients-per-port must be >= 1")
+    result = run_fleet_bench(fleet_config(args), m, clients_per_port=per_port)
     print("\n".join(["", *fleet_table(result)]), file=sys.stdout)
     print(json.dumps(result), flush=True)
     return 0

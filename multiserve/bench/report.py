@@ -65,15 +65,16 @@ def comparison_table(ours: dict[str, Any], peer: dict[str, Any], peer_name: str,
 
 
 def fleet_table(res: dict[str, Any]) -> list[str]:
-    """The fleet run (one client per engine port) against one engine with the same
-    requests, and the ratio of aggregate tok/s."""
+    """The fleet run (`clients_per_port` clients on each engine's port) against one engine
+    with the same requests, and the ratio of aggregate tok/s."""
     spread, single = res["fleet"], res["one_engine"]
     n = res["num_clients"]
     out = [f"fleet benchmark: {n} concurrent streaming clients x {res['output_len']} tokens "
            f"(greedy, ignore_eos), HTTP /generate on loopback",
            f"start-up: READY after {res['startup_s']:.1f} s, every engine's buckets compiled "
            f"after {res['all_compiled_s']:.1f} s (measured from there)", HEADER,
-           run_row(f"{res['num_engines']} engines, 1 each", spread),
+           run_row(f"{res['num_engines']} engines, {res.get('clients_per_port', 1)} each",
+                   spread),
            run_row(f"1 engine, all {n}", single)]
     r = res["ratio"]
     out.append(f"aggregate tok/s, fleet / one engine: "

@@ -27,21 +27,23 @@ def test_fleet_bench_tiny(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     args = build_parser().parse_args(
         ["bench", "--fleet", "--model", str(model), "--output-len", "6", "--no-progress",
          "--max-total-tokens", "4096", "--token-paddings", "64", "--chunked-prefill-size",
-         "64"])
+         "64", "--clients-per-port", "2"])
     assert bench_main(args) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     res = json.loads(lines[-1])
     text = "\n".join(lines[:-1])
-    assert "fleet / one engine" in text and "4 engines, 1 each" in text
-    assert res["mode"] == "fleet" and res["num_engines"] == 4 and res["num_clients"] == 4
+    assert "fleet / one engine" in text and "4 engines, 2 each" in text
+    assert res["mode"] == "fleet" and res["num_engines"] == 4 and res["num_clients"] == 8
+    assert res["clients_per_port"] == 2
     assert res["device_groups"] == [[0], [1], [2], [3]]
     spread, one = res["fleet"], res["one_engine"]
     for run in (spread, one):
-        assert run["output_tokens"] == 24 and run["exact_length"]
+        assert run["output_tokens"] == 48 and run["exact_length"]
         assert run["finish_reasons"] == ["length"]
         assert 0 < run["ttft_p50_s"] <= run["ttft_p99_s"] <= run["wall_s"]
         assert run["tokens_per_s"] > 0
     assert len(set(spread["clients"])) == 4 and len(set(one["clients"])) == 1
+    assert all(spread["clients"].count(url) == 2 for url in set(spread["clients"]))
     assert all(s > 0 for s in spread["steps_per_engine"])  # every engine served its client
     assert one["steps_per_engine"][0] > 0 and not any(one["steps_per_engine"][1:])
     assert res["ratio"] == pytest.approx(spread["tokens_per_s"] / one["tokens_per_s"])
