@@ -163,14 +163,21 @@ def pack_panels(w: jax.Array) -> jax.Array:
     return jnp.moveaxis(w, -2, -3)
 
 
-def row_gemm(x: jax.Array, panels: jax.Array, n: int) -> jax.Array:
-    """x [M, K] @ W -> [M, n] float32, W given as `pack_panels(W)` (float32): every
-    element summed over k in order, so each row's bits are independent of M."""
+def row_gemm(x: jax.Array, panels: jax.Array, n: int,
+             layer: int | jax.Array | None = None) -> jax.Array:
+    """x [M, K] @ W -> [M, n] float32, W given as `pack_panels(W)` [P, K, 64] or, with
+    `layer` (an int or traced scalar), as a stack of layers [L, P, K, 64] read in place
+    (float32): every element summed over k in order, so each row's bits are independent
+    of M."""
     assert x.dtype == jnp.float32 and panels.dtype == jnp.float32, (x.dtype, panels.dtype)
     _require()
+    if layer is None:
+        assert panels.ndim == 3, panels.shape
+        panels, layer = panels[None], 0
     m = x.shape[0]
-    out = jax.ffi.ffi_call(ROW_GEMM, jax.ShapeDtypeStruct((m, panels.shape[0] * PANEL),
-                                                          jnp.float32))(x, panels)
+    out = jax.ffi.ffi_call(ROW_GEMM, jax.ShapeDtypeStruct((m, panels.shape[1] * PANEL),
+                                                          jnp.float32))(
+        x, panels, jnp.asarray(layer, jnp.int32))
     return out if out.shape[1] == n else out[:, :n]
 
 

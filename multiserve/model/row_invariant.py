@@ -44,15 +44,17 @@ ROW_SUM_COLUMNS = 8  # columns of ones in `row_sum` (a 1-column product is a GEM
 
 
 def product(x: jax.Array, w: jax.Array | None, w_t: jax.Array | None, kernel: str, rows: int,
-            preferred: Any = None, w_p: jax.Array | None = None, n: int = 0) -> jax.Array:
+            preferred: Any = None, w_p: jax.Array | None = None, n: int = 0,
+            layer: int | jax.Array | None = None) -> jax.Array:
     """x [M, K] @ W with one formulation: `kernel` at `rows` >= M rows (zero padding). The
-    native kernel reads `w_p` (W packed, `pack_panels`) and needs N (`n`)."""
+    native kernel reads `w_p` (W packed, `pack_panels`; with `layer`, a stack of layers
+    [L, P, K, 64] read in place) and needs N (`n`)."""
     m = x.shape[0]
     if rows > m:
         x = jnp.pad(x, ((0, rows - m), (0, 0)))
     if kernel == "native":
         assert w_p is not None and n > 0, "the native product needs W's panels and N"
-        out = row_gemm(x, w_p, n)
+        out = row_gemm(x, w_p, n, layer)
     elif kernel == "plain":
         assert w is not None, "the plain product needs W [K, N]"
         out = jnp.dot(x, w, preferred_element_type=preferred)
@@ -71,14 +73,15 @@ def _in_pieces(f: Callable[[jax.Array], jax.Array], x: jax.Array, rows: int) -> 
 
 
 def dense(x: jax.Array, w: jax.Array | None, w_t: jax.Array | None, plan: ProductPlan,
-          preferred: Any = None, w_p: jax.Array | None = None) -> jax.Array:
+          preferred: Any = None, w_p: jax.Array | None = None,
+          layer: int | jax.Array | None = None) -> jax.Array:
     """x [M, K] @ W -> [M, N], each row bitwise independent of M (the plan's formulation for
-    M rows). `w` is W [K, N], `w_t` W^T [N, K], `w_p` W's panels; only the layout the
-    plan's kernel at this M uses must be given. M is static (a shape): the choice is made
-    at trace time."""
+    M rows). `w` is W [K, N], `w_t` W^T [N, K], `w_p` W's panels (a stack over layers
+    with `layer`); only the layout the plan's kernel at this M uses must be given. M is
+    static (a shape): the choice is made at trace time."""
     form = plan.formulation(x.shape[0])
     return _in_pieces(lambda part: product(part, w, w_t, form.kernel, form.rows, preferred,
-                                           w_p, plan.n), x, form.rows)
+                                           w_p, plan.n, layer), x, form.rows)
 
 
 def row_sum_rows(flat: jax.Array, rows: int) -> jax.Array:
@@ -123,16 +126,17 @@ def with_transposed(params: dict[str, Any], cfg: ModelConfig, stacked_t: bool = 
     [in, out] stacked over layers, see param_layout), holding each layer matrix in the
     layouts of the product `kernels` the invariance plan uses (`llama.plan_kernels`; by
     default every layout, for code that runs several plans):
-    - `layers`: a TUPLE with one dict per layer, each matrix in those layouts (`<name>` W
-      [in, out] for "plain", `<name>_t` W^T [out, in] for "nt", `<name>_p` W's 64-column
-      panels for "native") and the layer's norms/biases, each a separate device array. The
-      forward unrolls the layers over this tuple: a layer reads its weights in place,
-      where a scan over stacked arrays copies every layer's matrices out of the stack at
-      every step (measured on XLA:CPU: a third of a one-token step).
+    - `layers`: a TUPLE with one dict per layer, each matrix in the XLA kernels' layouts
+      (`<name>` W [in, out] for "plain", `<name>_t` W^T [out, in] for "nt") and the
+      layer's norms/biases, each a separate device array. The unrolled decoder loops over
+      this tuple: a layer reads its weights in place, where a scan over stacked arrays
+      copies every layer's matrices out of the stack at every step (measured on XLA:CPU:
+      a third of a one-token step).
     - `stacked_layers`: the canonical stacked layer arrays (shared, no copy), which the
       scanned decoder of large steps reads; with `stacked_t` (the plan uses the NT product
       at a scanned size) also the stacked transposes `<name>_t` [L, out, in]; with
-      "native" the stacked panels `<name>_p` (its class covers every size);
+      "native" the stacked panels `<name>_p` [L, N/64, K, 64], which the native kernel
+      indexes by layer itself (no per-layer copy, none in a scan either);
     - `embed`, `final_norm`: the canonical arrays (shared, no copy);
     - the output head as `head_w` [D, V] and `head_wt` [V, D] (tied embeddings reuse
       `embed` as `head_wt`: no copy), and with "native" its panels `head_wp`.
@@ -151,10 +155,8 @@ def with_transposed(params: dict[str, Any], cfg: ModelConfig, stacked_t: bool = 
         per_layer.update(transposed)
         if stacked_t:
             stacked.update(transposed)
-    if "native" in kernels:
-        panels = _pack_tree({f"{name}_p": layers[name] for name in LAYER_MATRICES})
-        per_layer.update(panels)
-        stacked.update(panels)
+    if "native" in kernels:  # stacked only: the kernel reads its layer in place
+        stacked.update(_pack_tree({f"{name}_p": layers[name] for name in LAYER_MATRICES}))
     out["stacked_layers"] = stacked
     out["layers"] = _split_layers(per_layer)
     if not stacked_t:

@@ -55,6 +55,7 @@ from multiserve.model.llama import (
     lm_head,
     plan_kernels,
     scan_needs_transposes,
+    scans,
 )
 from multiserve.model.row_invariant import with_transposed
 from multiserve.model.sharding import kv_pool_sharding, make_mesh, shard_params
@@ -208,9 +209,14 @@ class Runner:
         return min(num_tokens, self.max_rows)
 
     def warmup_plan(self, background: bool) -> Plan:
-        """Which programs `warmup` compiles before serving, and which after (programs.plan)."""
-        return plan(self.cfg.precompile_token_paddings, self.cfg.precompile_bs_paddings,
-                    UNROLL_MAX_TOKENS, background)
+        """Which programs `warmup` compiles before serving, and which after (programs.plan).
+        The covering set takes the scanned token buckets too when some are unrolled (those
+        compile ~4x slower and go last); when every size scans (native products), all
+        compile alike and the largest token and row buckets cover."""
+        tokens = self.cfg.precompile_token_paddings
+        all_scan = all(scans(self.plan, t) for t in tokens)
+        return plan(tokens, self.cfg.precompile_bs_paddings,
+                    max(tokens) if all_scan else UNROLL_MAX_TOKENS, background)
 
     def _abstract_inputs(self, max_pages: int) -> dict[tuple[str, int], tuple[Any, ...]]:
         """The arguments of every program as abstract shapes (shape, dtype, sharding),

@@ -1,8 +1,10 @@
 // multiserve's CPU row-invariant matrix product, an XLA FFI custom call (built and loaded
 // by multiserve/model/native_kernels.py).
 //
-// y[M, N] = x[M, K] @ W, W given PACKED as panels wp[N / 64, K, 64] (panel p holds columns
-// 64p .. 64p+63 of W, row k contiguous: `row_invariant.pack_panels`).
+// y[M, N] = x[M, K] @ W, W given PACKED as panels wp[L, N / 64, K, 64] (panel p of layer l
+// holds columns 64p .. 64p+63 of layer l's W, row k contiguous: `pack_panels`), the layer
+// chosen by a scalar operand, so a scanned decoder reads its layer's weights in place
+// (a slice of the stack would be copied for the call).
 //
 // Row invariance BY CONSTRUCTION: every y[m, n] is the sum over k = 0, 1, .., K-1 in that
 // order, each step one fused multiply-add into the running sum, starting from zero; the
@@ -95,13 +97,18 @@ void work(Shared& sh) {
 }
 
 ffi::Error RowGemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
-                       ffi::Buffer<ffi::F32> wp, ffi::ResultBuffer<ffi::F32> y) {
+                       ffi::Buffer<ffi::F32> wp, ffi::Buffer<ffi::S32> layer,
+                       ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions();
   const auto wd = wp.dimensions();
-  if (xd.size() != 2 || wd.size() != 3 || wd[2] != PANEL || wd[1] != xd[1])
-    return ffi::Error::InvalidArgument("row_gemm: x [M, K] and panels [N/64, K, 64] expected");
+  if (xd.size() != 2 || wd.size() != 4 || wd[3] != PANEL || wd[2] != xd[1])
+    return ffi::Error::InvalidArgument("row_gemm: x [M, K] and panels [L, N/64, K, 64] "
+                                       "expected");
+  const int64_t l = layer.typed_data()[0];
+  if (l < 0 || l >= wd[0]) return ffi::Error::InvalidArgument("row_gemm: layer out of range");
   auto sh = std::make_shared<Shared>();
-  sh->pr = Problem{x.typed_data(), wp.typed_data(), y->typed_data(), xd[0], xd[1], wd[0]};
+  sh->pr = Problem{x.typed_data(), wp.typed_data() + l * wd[1] * wd[2] * PANEL,
+                   y->typed_data(), xd[0], xd[1], wd[1]};
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   // panels per grab: ~4 grabs per thread; a small product stays on the caller
   const int64_t work_units = sh->pr.panels * std::max<int64_t>(1, sh->pr.m) * sh->pr.k;
@@ -120,4 +127,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MultiserveRowGemm, RowGemmImpl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
