@@ -73,6 +73,8 @@ def test_bench_smoke_json_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert res["prompt_tokens"]["min"] < res["prompt_tokens"]["max"]
     assert res["config"]["precompile_token_paddings"] == [64, 512]
     assert res["config"]["max_running_requests"] == 64 and res["config"]["num_buckets"] == 3
+    assert res["temperature"] == 0.0 and res["seed"] == 0
+    assert "x 8 output tokens, greedy, ignore_eos" in "\n".join(lines)
 
 
 TINY = dict(architecture="llama", vocab_size=512, hidden_size=64, intermediate_size=128,
