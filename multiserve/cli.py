@@ -144,6 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sampling temperature of every request (0: greedy, the default)")
     b.add_argument("--seed", type=int, default=0,
                    help="with --temperature > 0: request i is seeded SEED + i")
+    b.add_argument("--no-breakdown", action="store_true",
+                   help="batch mode: skip the step-time breakdown after the run")
     b.set_defaults(func=_cmd_bench)
     f = sub.add_parser("fuzz", help="schema-fuzz the engine and supervisor apps of a tiny "
                        "fleet on loopback (needs the test extra: schemathesis)")

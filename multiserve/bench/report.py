@@ -3,8 +3,9 @@ contract, this is for people).
 
 Owns: one row per run (tok/s, wall, TTFT and ITL percentiles), the ours-vs-peer table
 (same prompts, same run: each figure side by side with the ratio ours / peer, and how
-far the greedy outputs agree; sampled outputs are not compared), and the fleet table (4
-engines, one client each, vs one engine with the same 4 requests).
+far the greedy outputs agree; sampled outputs are not compared), the step-time breakdown
+table (breakdown.py), and the fleet table (4 engines, one client each, vs one engine
+with the same 4 requests).
 """
 
 from __future__ import annotations
@@ -109,6 +110,40 @@ def _peer_lines(res: dict[str, Any]) -> list[str]:
     return out
 
 
+BREAKDOWN_ROWS = (  # (key, label); indented rows are parts of the forward
+    ("forward", "forward (decoder program + head)"),
+    ("products", "  products (layer matrices + head)"),
+    ("attention", "  attention (all layers)"),
+    ("other_device", "  other device work"),
+    ("sampler", "sampler"),
+    ("host", "host (wall - forward - sampler)"),
+    ("wall_step", "wall step (run wall / decode steps)"),
+)
+
+
+def breakdown_table(bd: dict[str, Any]) -> list[str]:
+    """The step-time breakdown (breakdown.py): component, ms, share of the wall step."""
+    if "error" in bd:
+        return [f"step-time breakdown failed: {bd['error']}"]
+    out = [f"step-time breakdown: typical decode step, {bd['rows']} rows (forward at "
+           f"T={bd['tokens']} tokens, head and sampler at R={bd['logit_rows']} rows), "
+           f"mean context {bd['context_mean']:.0f} tokens, {bd['num_layers']} layers, "
+           f"attention kernel {bd['attention_kernel']}; each the best of {bd['rounds']} "
+           "interleaved runs",
+           f"{'component':<40}{'ms':>9}{'of wall step':>14}"]
+    for key, label in BREAKDOWN_ROWS:
+        share = bd["share_of_wall_step"].get(key)
+        out.append(f"{label:<40}{_num(bd['ms'][key], 1, 9, 2)}"
+                   f"{'-' if share is None else f'{share:.0%}':>14}")
+    steady = bd["steady"]
+    out.append(f"(wall step: the run's wall over its {bd['decode_steps']} decode steps, its "
+               "prefill included; other device work = forward - products - attention: "
+               "norms, RoPE, KV writes, gathers)")
+    out.append(f"steady decode step (ITL p50): {_num(steady['decode_step_ms'], 1, 0, 2)} ms, "
+               f"host beyond forward + sampler there: {_num(steady['host_ms'], 1, 0, 2)} ms")
+    return out
+
+
 def batch_report(res: dict[str, Any]) -> list[str]:
     """The batch run (N prompts at once): set-up, one row per run, the peer table."""
     p = res["prompt_tokens"]
@@ -139,6 +174,8 @@ def batch_report(res: dict[str, Any]) -> list[str]:
                    f"{res['targets']['overlap']}x); outputs identical: "
                    f"{res['overlap_outputs_identical']}")
     out.append(f"recompiles after warm-up (cache_miss_count): {res['cache_miss_count']}")
+    if res.get("breakdown"):
+        out += ["", *breakdown_table(res["breakdown"])]
     return out
 
 

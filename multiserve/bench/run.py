@@ -5,7 +5,10 @@ environment) in the same run.
 Modes:
 - batch (default, 64 x 128): N prompts from the fixed list (prompts.py), chat-templated,
   all submitted at once, ignore_eos, exactly M output tokens each (ours.py);
-  `--ab-overlap` also runs overlap scheduling off (or on) for the ratio;
+  `--ab-overlap` also runs overlap scheduling off (or on) for the ratio; then the
+  step-time breakdown of the run's typical decode step (breakdown.py: forward, products,
+  attention, other device work, sampler, host, against the wall time per decode step;
+  `--no-breakdown` skips it);
 - `--single-stream` (1 x 64): one prompt streamed through Engine.stream_sync, TTFT and
   tok/s (single.py);
 - `--fleet`: the 4-engine fleet with one streaming client per port vs one engine with the
@@ -211,6 +214,9 @@ def _batch_main(args: argparse.Namespace, cfg: Any, peer_model: str | None) -> i
         peak_rss_mb = _peak_rss_mb()
         device = f"{engine.devices[0].platform}:{cfg.device_indexes}"
         model_name = engine.model_name
+        breakdown = None  # after the measured runs, on the same engine: they are done
+        if not getattr(args, "no_breakdown", False):
+            breakdown = _breakdown(engine, prompts, m, runs["ours"], sampling)
     finally:
         engine.shutdown()
 
@@ -219,9 +225,22 @@ def _batch_main(args: argparse.Namespace, cfg: Any, peer_model: str | None) -> i
         peer = _run_peer(args, peer_model, prompts, m, stream=False, show=show)
     result = _result(args, cfg, info, prompts, runs, peer, startup_s, peak_rss_mb,
                      final_state, device, model_name)
+    result["breakdown"] = breakdown
     print("\n".join(batch_report(result)), file=sys.stdout)
     print(json.dumps(result), flush=True)
     return 0
+
+
+def _breakdown(engine: Any, prompts: list[list[int]], m: int, run: dict[str, Any],
+               sampling: dict[str, Any]) -> dict[str, Any]:
+    """The step-time breakdown of `run` (breakdown.py), or {"error": why}: a diagnostic
+    that fails must not throw away the measured runs."""
+    from multiserve.bench.breakdown import step_breakdown
+
+    try:
+        return step_breakdown(engine, prompts, m, run, **sampling)
+    except Exception as e:  # noqa: BLE001 - reported in the JSON and the table
+        return {"error": f"{type(e).__name__}: {e}"}
 
 
 def _single_main(args: argparse.Namespace, cfg: Any, peer_model: str | None) -> int:

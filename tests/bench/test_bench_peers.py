@@ -102,9 +102,9 @@ def test_cli_flags() -> None:
     a = p.parse_args(["bench", "--fleet", "--config", "configs/cpu-4.toml"])
     assert a.fleet and a.config == "configs/cpu-4.toml"
     a = p.parse_args(["bench"])
-    assert a.temperature == 0.0 and a.seed == 0
-    a = p.parse_args(["bench", "--temperature", "1", "--seed", "42"])
-    assert a.temperature == 1.0 and a.seed == 42
+    assert a.temperature == 0.0 and a.seed == 0 and not a.no_breakdown
+    a = p.parse_args(["bench", "--temperature", "1", "--seed", "42", "--no-breakdown"])
+    assert a.temperature == 1.0 and a.seed == 42 and a.no_breakdown
 
 
 def test_bad_sampling_flags_fail_before_compiling() -> None:
@@ -157,11 +157,12 @@ def _bench(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[str, di
 def test_batch_with_peer_prints_the_table(tiny_dir: Path, stub_peer: list[dict[str, Any]],
                                           capsys: pytest.CaptureFixture[str]) -> None:
     text, res = _bench(["--model", str(tiny_dir), "--num-prompts", "3", "--output-len", "4",
-                        "--peer", "vllm", *ENGINE_FLAGS], capsys)
+                        "--peer", "vllm", "--no-breakdown", *ENGINE_FLAGS], capsys)
     assert stub_peer == [{"name": "vllm", "n": 3, "m": 4, "model": str(tiny_dir),
                           "batch_size": 0, "stream": False, "temperature": 0.0, "seed": 0}]
     assert "ours vs vllm (same prompts, same run)" in text and "greedy outputs" in text
     assert "x 4 output tokens, greedy, ignore_eos" in text
+    assert "step-time breakdown" not in text and res["breakdown"] is None
     assert res["temperature"] == 0.0 and res["seed"] == 0
     assert res["mode"] == "batch" and res["peer"]["peer"] == "vllm"
     assert res["ratio_vs_peer"] == pytest.approx(res["ours"]["tokens_per_s"] / 10.0)
@@ -207,11 +208,28 @@ def test_llamacpp_peer_needs_a_gguf(tiny_dir: Path, stub_peer: list[dict[str, An
         bench_main(args)
 
 
-def test_batch_sampled_with_peer(tiny_dir: Path, stub_peer: list[dict[str, Any]],
-                                 capsys: pytest.CaptureFixture[str]) -> None:
+def _check_breakdown(bd: dict[str, Any]) -> None:
+    """The breakdown's figures: every measured component positive, the products and the
+    attention inside the forward, the derived figures consistent."""
+    ms = bd["ms"]
+    for key in ("forward", "products", "attention", "sampler", "wall_step"):
+        assert ms[key] > 0, (key, ms)
+    assert ms["products"] + ms["attention"] <= ms["forward"], ms
+    assert ms["other_device"] == pytest.approx(ms["forward"] - ms["products"]
+                                               - ms["attention"])
+    assert ms["host"] == pytest.approx(ms["wall_step"] - ms["forward"] - ms["sampler"])
+    assert bd["share_of_wall_step"]["wall_step"] == pytest.approx(1.0)
+    parts = bd["parts_ms"]
+    assert parts["decoder"] + parts["head"] == pytest.approx(ms["forward"])
+    assert parts["layer_products"] + parts["head"] == pytest.approx(ms["products"])
+    assert bd["steady"]["decode_step_ms"] > 0
+
+
+def test_batch_sampled_with_peer_and_breakdown(tiny_dir: Path, stub_peer: list[dict[str, Any]],
+                                               capsys: pytest.CaptureFixture[str]) -> None:
     """--temperature 1 --seed 7: the JSON and the report show them, the peer gets them,
     the agreement is null with a reason, both overlap runs draw the same ids (the seeds
-    are per request)."""
+    are per request), and the breakdown is printed and in the JSON."""
     text, res = _bench(["--model", str(tiny_dir), "--num-prompts", "2", "--output-len", "4",
                         "--temperature", "1", "--seed", "7", "--ab-overlap", "--peer", "vllm",
                         *ENGINE_FLAGS], capsys)
@@ -222,6 +240,14 @@ def test_batch_sampled_with_peer(tiny_dir: Path, stub_peer: list[dict[str, Any]]
     assert "outputs not compared: temperature 1 > 0" in text
     assert res["overlap_outputs_identical"] is True
     assert res["ours"]["exact_length"] and res["cache_miss_count"] == 0
+    bd = res["breakdown"]
+    assert bd["rows"] == 2 and bd["tokens"] == 64 and bd["logit_rows"] == 64  # the buckets
+    assert bd["decode_steps"] == res["ours"]["decode_steps"] > 0
+    _check_breakdown(bd)
+    assert "step-time breakdown" in text
+    for label in ("forward", "products", "attention", "other device work", "sampler", "host",
+                  "wall step"):
+        assert any(ln.strip().startswith(label) for ln in text.splitlines()), label
 
 
 def test_sampled_runs_are_reproducible_per_seed(tiny_dir: Path) -> None:
