@@ -149,6 +149,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="engine precompile_bs_paddings (default: EngineConfig's)")
     b.add_argument("--chunked-prefill-size", type=int, default=None)
     b.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size in tokens")
+    b.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature of every request (0: greedy, the default)")
+    b.add_argument("--seed", type=int, default=0,
+                   help="with --temperature > 0: request i is seeded SEED + i")
+    b.add_argument("--no-breakdown", action="store_true",
+                   help="batch mode: skip the step-time breakdown after the run")
     b.set_defaults(func=_cmd_bench)
     f = sub.add_parser("fuzz", help="schema-fuzz the engine and supervisor apps of a tiny "
                        "fleet on loopback (needs the test extra: schemathesis)")

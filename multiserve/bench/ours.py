@@ -1,4 +1,8 @@
-"""One measured run of a started multiserve Engine: N prompts at once, greedy, M tokens.
+"""One measured run of a started multiserve Engine: N prompts at once, M tokens each.
+
+Sampling: greedy by default; `temperature > 0` samples, request i with seed `seed + i`
+(top_p / top_k / min_p at their defaults), so a run is reproducible and two runs with
+the same seed give the same ids (the engine's draws are keyed by seed and position).
 
 How a run goes: flush the prefix cache (every run starts cold, like the peer), pause
 the engine in place, submit every request (streaming, so each token's arrival is
@@ -30,13 +34,21 @@ def set_overlap(engine: Any, on: bool) -> None:
     engine.run_on_engine_thread(apply)
 
 
+def request_params(output_len: int, temperature: float, seed: int, index: int
+                   ) -> SamplingParams:
+    """The sampling of bench request `index`: exactly `output_len` tokens (ignore_eos),
+    `temperature` (0 = greedy), seed `seed + index` (unused when greedy)."""
+    return SamplingParams(max_new_tokens=output_len, temperature=float(temperature),
+                          seed=int(seed) + index, ignore_eos=True)
+
+
 def run_once(engine: Any, prompts: Sequence[Sequence[int]], output_len: int, *,
-             overlap: bool, desc: str, show_progress: bool = True) -> dict[str, Any]:
+             overlap: bool, desc: str, show_progress: bool = True, temperature: float = 0.0,
+             seed: int = 0) -> dict[str, Any]:
     set_overlap(engine, overlap)
     flushed = engine.flush_cache()
     assert flushed.ok, f"bench: cannot flush before a run: {flushed.message}"
     before = engine.get_internal_state()
-    params = SamplingParams(max_new_tokens=output_len, temperature=0.0, ignore_eos=True)
     timelines: dict[str, Timeline] = {}
     counters = {"tokens": 0, "done": 0}
     all_done = threading.Event()
@@ -66,6 +78,7 @@ def run_once(engine: Any, prompts: Sequence[Sequence[int]], output_len: int, *,
         for i, ids in enumerate(prompts):
             rid = f"bench-{desc}-{i}"
             timelines[rid] = Timeline()
+            params = request_params(output_len, temperature, seed, i)
             engine.submit(GenerateRequest(rid=rid, input_ids=tuple(ids), sampling=params,
                                           stream=True), make_sink(timelines[rid]))
     finally:

@@ -8,8 +8,9 @@ PYTHONPATH (the peers import plugins.peers.protocol and multiserve.bench.stats, 
 pure Python) and the extra variables of `.venv-peers/<name>/peer.env` (KEY=VALUE lines,
 e.g. vLLM's LD_PRELOAD) unless the caller's environment already sets them. The `hf`
 peer falls back to this interpreter when it has no env of its own (multiserve's
-`bench` extra installs torch). The peer gets the exact token-id prompts through a
-temporary JSON file and prints one JSON line on stdout (protocol:
+`bench` extra installs torch). The peer gets the exact token-id prompts (and the
+sampling: temperature, base seed) through a temporary JSON file and its arguments, and
+prints one JSON line on stdout (protocol:
 plugins/peers/protocol.py). A progress line shows elapsed time; its stderr passes
 through.
 """
@@ -75,9 +76,12 @@ def peer_environ(name: str, base: dict[str, str] | None = None) -> dict[str, str
 
 def run_peer(name: str, prompts: Sequence[Sequence[int]], output_len: int, model: str,
              batch_size: int = 0, threads: int | None = None, stream: bool = False,
-             show_progress: bool = True) -> dict[str, Any]:
-    """Run peer `name` on `prompts` (token ids) for exactly `output_len` greedy tokens
-    each; returns its JSON result. `stream`: time every token (single stream)."""
+             show_progress: bool = True, temperature: float = 0.0,
+             seed: int = 0) -> dict[str, Any]:
+    """Run peer `name` on `prompts` (token ids) for exactly `output_len` tokens each,
+    greedy (`temperature` 0) or sampled with prompt i seeded `seed + i` where the peer
+    can (its result's `seeding` says how it did); returns its JSON result. `stream`: time
+    every token (single stream)."""
     script = peer_script(name)
     python = peer_python(name)
     with tempfile.TemporaryDirectory(prefix="multiserve-bench-") as tmp:
@@ -86,7 +90,8 @@ def run_peer(name: str, prompts: Sequence[Sequence[int]], output_len: int, model
         cmd = [python, str(script), "--prompts-file", str(pfile),
                "--output-len", str(output_len), "--model", str(model),
                "--batch-size", str(batch_size),
-               "--threads", str(threads or os.cpu_count() or 1)]
+               "--threads", str(threads or os.cpu_count() or 1),
+               "--temperature", repr(float(temperature)), "--seed", str(int(seed))]
         if stream:
             cmd.append("--stream")
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True,

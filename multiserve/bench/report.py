@@ -3,8 +3,9 @@ contract, this is for people).
 
 Owns: one row per run (tok/s, wall, TTFT and ITL percentiles), the ours-vs-peer table
 (same prompts, same run: each figure side by side with the ratio ours / peer, and how
-far the greedy outputs agree), and the fleet table (4 engines, one client each, vs one
-engine with the same 4 requests).
+far the greedy outputs agree; sampled outputs are not compared), the step-time breakdown
+table (breakdown.py), and the fleet table (4 engines, one client each, vs one engine
+with the same 4 requests).
 """
 
 from __future__ import annotations
@@ -41,11 +42,22 @@ def ratio(a: Any, b: Any) -> float | None:
     return x / y
 
 
+def sampling_label(res: dict[str, Any]) -> str:
+    """How the run sampled: greedy, or the temperature and the per-request seeds."""
+    t = float(res.get("temperature") or 0.0)
+    if t <= 0:
+        return "greedy"
+    seed = res.get("seed", 0)
+    seeds = f"seed {seed}" if res.get("num_prompts") == 1 else f"request i seeded {seed} + i"
+    return f"sampled (temperature {t:g}, {seeds})"
+
+
 def comparison_table(ours: dict[str, Any], peer: dict[str, Any], peer_name: str,
-                     agreement: dict[str, float], num_prompts: int, output_len: int
-                     ) -> list[str]:
+                     agreement: dict[str, float] | None, num_prompts: int, output_len: int,
+                     note: str | None = None) -> list[str]:
     """Ours vs a peer, figure by figure, with ours / peer (tok/s: higher is better;
-    latencies: lower is better)."""
+    latencies: lower is better); then how far the outputs agree, or `note` (why that
+    is not compared) when `agreement` is None."""
     rows = [("tokens/s", "tokens_per_s", 1.0, 1),
             ("TTFT p50 ms", "ttft_p50_s", MS, 0), ("TTFT p99 ms", "ttft_p99_s", MS, 0),
             ("ITL p50 ms", "itl_p50_s", MS, 1), ("ITL p99 ms", "itl_p99_s", MS, 1),
@@ -58,6 +70,9 @@ def comparison_table(ours: dict[str, Any], peer: dict[str, Any], peer_name: str,
                    f"{_num(peer.get(key), scale, 10, digits)}"
                    f"{'-' if r is None else f'{r:.2f}x':>11}")
     out.append("(ours/peer: above 1 is better for tokens/s, below 1 for times)")
+    if agreement is None:
+        out.append(f"outputs not compared: {note or 'no agreement figures'}")
+        return out
     out.append(f"greedy outputs identical: {agreement['identical_fraction']:.0%} of "
                f"{num_prompts}; mean common prefix {agreement['mean_common_prefix']:.1f} "
                f"of {output_len} tokens")
@@ -88,8 +103,45 @@ def _peer_lines(res: dict[str, Any]) -> list[str]:
     out = [run_row(f"peer {peer['peer']}", peer)
            + f"   batch {peer['batch_size']}, {peer['threads']} threads, "
              f"RSS {peer['peak_rss_mb']:.0f} MiB, load {peer.get('load_s', 0):.0f} s", ""]
+    if peer.get("seeding") and float(res.get("temperature") or 0.0) > 0:
+        out.append(f"peer {peer['peer']} seeding: {peer['seeding']}")
     out += comparison_table(res["ours"], peer, peer["peer"], res["peer_agreement"],
-                            int(res["num_prompts"]), int(res["output_len"]))
+                            int(res["num_prompts"]), int(res["output_len"]),
+                            res.get("peer_agreement_note"))
+    return out
+
+
+BREAKDOWN_ROWS = (  # (key, label); indented rows are parts of the forward
+    ("forward", "forward (decoder program + head)"),
+    ("products", "  products (layer matrices + head)"),
+    ("attention", "  attention (all layers)"),
+    ("other_device", "  other device work"),
+    ("sampler", "sampler"),
+    ("host", "host (wall - forward - sampler)"),
+    ("wall_step", "wall step (run wall / decode steps)"),
+)
+
+
+def breakdown_table(bd: dict[str, Any]) -> list[str]:
+    """The step-time breakdown (breakdown.py): component, ms, share of the wall step."""
+    if "error" in bd:
+        return [f"step-time breakdown failed: {bd['error']}"]
+    out = [f"step-time breakdown: typical decode step, {bd['rows']} rows (forward at "
+           f"T={bd['tokens']} tokens, head and sampler at R={bd['logit_rows']} rows), "
+           f"mean context {bd['context_mean']:.0f} tokens, {bd['num_layers']} layers, "
+           f"attention kernel {bd['attention_kernel']}; each the best of {bd['rounds']} "
+           "interleaved runs",
+           f"{'component':<40}{'ms':>9}{'of wall step':>14}"]
+    for key, label in BREAKDOWN_ROWS:
+        share = bd["share_of_wall_step"].get(key)
+        out.append(f"{label:<40}{_num(bd['ms'][key], 1, 9, 2)}"
+                   f"{'-' if share is None else f'{share:.0%}':>14}")
+    steady = bd["steady"]
+    out.append(f"(wall step: the run's wall over its {bd['decode_steps']} decode steps, its "
+               "prefill included; other device work = forward - products - attention: "
+               "norms, RoPE, KV writes, gathers)")
+    out.append(f"steady decode step (ITL p50): {_num(steady['decode_step_ms'], 1, 0, 2)} ms, "
+               f"host beyond forward + sampler there: {_num(steady['host_ms'], 1, 0, 2)} ms")
     return out
 
 
@@ -100,7 +152,7 @@ def batch_report(res: dict[str, Any]) -> list[str]:
     out = [f"\nmultiserve bench — {res['model']} on {res['device']} ({res['dtype']})",
            f"{res['num_prompts']} prompts (prompt tokens: total {p['total']}, min {p['min']}, "
            f"mean {p['mean']:.0f}, max {p['max']}) x {res['output_len']} output tokens, "
-           "greedy, ignore_eos, all submitted at once",
+           f"{sampling_label(res)}, ignore_eos, all submitted at once",
            f"engine: max_running_requests={c['max_running_requests']} "
            f"bs_paddings={c['precompile_bs_paddings']} "
            f"token_paddings={c['precompile_token_paddings']} "
@@ -123,6 +175,8 @@ def batch_report(res: dict[str, Any]) -> list[str]:
                    f"{res['targets']['overlap']}x); outputs identical: "
                    f"{res['overlap_outputs_identical']}")
     out.append(f"recompiles after warm-up (cache_miss_count): {res['cache_miss_count']}")
+    if res.get("breakdown"):
+        out += ["", *breakdown_table(res["breakdown"])]
     return out
 
 
@@ -139,7 +193,7 @@ def single_report(res: dict[str, Any]) -> list[str]:
     out = [f"\nmultiserve bench --single-stream — {res['model']} on {res['device']} "
            f"({res['dtype']})",
            f"1 prompt ({res['prompt_tokens']['total']} tokens) x {res['output_len']} output "
-           "tokens, greedy, ignore_eos, streamed (Engine.stream_sync)",
+           f"tokens, {sampling_label(res)}, ignore_eos, streamed (Engine.stream_sync)",
            startup_line(res), HEADER,
            run_row("ours", res["ours"]) + f"   {res['ours']['steps']} steps"]
     if "peer" in res:

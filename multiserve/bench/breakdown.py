@@ -1,0 +1,271 @@
+"""Step-time breakdown of a bench run (issue 19): where the run's typical decode step goes.
+
+The step measured is the run's typical decode step: n = min(num_prompts,
+max_running_requests) decode rows, padded as the engine pads them (T = the token bucket
+of its forward, R = the row bucket of its head and sampler: `Runner.bucket_for`), row i at
+position len(prompt i) + output_len // 2 (so the mean context is the mean prompt length
+plus half the output). Components, each timed alone:
+
+- forward: the engine's own compiled T-token forward program (decoder, final norm) on
+  that batch, plus the head: `llama.lm_head` at R rows (the plan's head formulation);
+- products: every layer matrix at T rows through `row_invariant.dense` with the plan's
+  formulations, and nothing else, plus the head (the same head figure as the forward's:
+  it is one product, timed once);
+- attention: `attention.paged_attention` for every layer with the plan's attention entry;
+- sampler: `sampling.sampler.sample` on R rows (padded to its chunk) with the run's
+  sampling (greedy, or temperature and per-request seeds);
+- wall step: the measured run's wall time / its decode steps;
+and derived: other device work = forward - products - attention (norms, RoPE, KV writes,
+gathers, the embedding), host = wall step - forward - sampler (the wall time of a step
+not spent in device compute: with overlap scheduling, host work hidden behind the device
+does not appear). The run's wall includes its prefill, which a short run spreads over
+few decode steps: the steady decode step (the run's ITL p50, the time between a
+request's consecutive tokens) and the host time beyond forward + sampler at that step
+are reported beside it (`steady`).
+
+Invariants:
+- Nothing is loaded twice: the breakdown runs on the engine thread (`run_on_engine_thread`)
+  with the engine's params, KV pool, invariance plan and compiled forward program, after
+  the measured runs and before shutdown, so it cannot disturb them.
+- It runs only on an idle engine (no request running or waiting, every KV page free):
+  the synthetic batch writes K/V into pages no request holds, and the forward's donated
+  pool is handed back to the runner at once.
+- Every program is compiled and run once before any is timed; then the programs run in
+  turns (one round: each once, each ended by `block_until_ready`), so load from outside
+  falls on all of them alike, and a figure is a program's best run over the rounds.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from multiserve.bench.ours import request_params
+from multiserve.engine.device.batch_arrays import StepArrays, empty_step_arrays
+from multiserve.engine.device.model_runner import ARRAY_FIELDS, sampler_rows
+from multiserve.engine.sampling import host as sampling_host
+from multiserve.engine.sampling import sampler as sampling
+from multiserve.model.attention import paged_attention
+from multiserve.model.forward_batch import ForwardBatch
+from multiserve.model.llama import lm_head
+from multiserve.model.row_invariant import dense
+
+MAX_ROUNDS = 50  # timed rounds (each program once per round)
+MIN_ROUNDS = 5  # at least this many, even past the budget
+BUDGET_S = 6.0  # stop starting rounds once the timed runs took this long in all
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """The decode step measured: `rows` real decode rows at `positions`, run at `tokens`
+    (forward bucket T) and `logit_rows` (head / sampler bucket R)."""
+
+    rows: int
+    tokens: int
+    logit_rows: int
+    positions: tuple[int, ...]
+
+
+def step_shape(core: Any, prompt_lens: Sequence[int], output_len: int) -> StepShape:
+    """The run's typical decode step on this engine (the engine thread)."""
+    runner = core.runner
+    n = min(len(prompt_lens), core.cfg.max_running_requests)
+    t, r = runner.bucket_for(n, n)
+    last = core.max_context - 1
+    positions = tuple(min(int(p) + output_len // 2, last) for p in prompt_lens[:n])
+    return StepShape(rows=n, tokens=t, logit_rows=r, positions=positions)
+
+
+def decode_arrays(shape: StepShape, page_rows: int, max_rows: int, max_pages: int,
+                  page_size: int, num_pages: int, vocab: int) -> StepArrays:
+    """Host arrays of a decode step as the engine builds them (batch_arrays.py): token b
+    is row b's one new token; padding tokens write into page 0 and read sequence row 0.
+    Row b's pages are consecutive ids from 1 on (wrapping past the pool's last page, so
+    rows may share pages in a small pool: the cost is the same, the values junk)."""
+    a = empty_step_arrays(shape.tokens, page_rows, max_rows, max_pages)
+    rng = np.random.default_rng(0)
+    next_page = 0
+    for b, pos in enumerate(shape.positions):
+        count = pos // page_size + 1
+        pages = 1 + (next_page + np.arange(count)) % (num_pages - 1)
+        next_page += count
+        a.input_ids[b] = rng.integers(0, vocab)
+        a.positions[b] = pos
+        a.token_seq[b] = b
+        a.out_slots[b] = pages[-1] * page_size + pos % page_size
+        a.page_table[b, :count] = pages
+        a.seq_lens[b] = pos + 1
+        a.logit_rows[b] = b
+    return a
+
+
+def best_ms(runs: dict[str, Callable[[], Any]], max_rounds: int = MAX_ROUNDS,
+            min_rounds: int = MIN_ROUNDS, budget_s: float = BUDGET_S
+            ) -> tuple[dict[str, float], int]:
+    """(best wall time in ms of each `runs[name]()`, rounds timed); each run ended by
+    block_until_ready: one untimed run of each (compile, first-execution costs), then
+    rounds of one run of each, until `max_rounds`, or `budget_s` spent after at least
+    `min_rounds`."""
+    for run in runs.values():
+        jax.block_until_ready(run())
+    best = dict.fromkeys(runs, math.inf)
+    spent = 0.0
+    rounds = 0
+    while rounds < max_rounds and (rounds < min_rounds or spent <= budget_s):
+        for name, run in runs.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(run())
+            took = time.perf_counter() - t0
+            best[name], spent = min(best[name], took), spent + took
+        rounds += 1
+    return {name: 1000.0 * t for name, t in best.items()}, rounds
+
+
+def _layer_products_fn(plan: Any) -> Callable[..., Any]:
+    """Every layer matrix at x's row count, chained the way the decoder chains them (q
+    feeds wo, gate * up feeds w_down). Every product's whole output reaches a result (no
+    slice the compiler could push into a product, no dead code); the layer input moves
+    only by a small residual (no growth over layers); only elementwise glue runs beside
+    the products."""
+
+    def run(layers: tuple[dict[str, jax.Array], ...], x: jax.Array
+            ) -> tuple[jax.Array, jax.Array]:
+        def proj(h: jax.Array, w: dict[str, jax.Array], name: str) -> jax.Array:
+            return dense(h, w[name], w[f"{name}_t"], plan.product(name))
+
+        h = x
+        kv = jnp.zeros((), x.dtype)
+        for w in layers:
+            q, k, v = proj(h, w, "wq"), proj(h, w, "wk"), proj(h, w, "wv")
+            out = proj(q, w, "wo") + proj(proj(h, w, "w_gate") * proj(h, w, "w_up"), w,
+                                          "w_down")
+            kv = kv + k + v
+            h = x + 1e-3 * out
+        return kv, h
+
+    return jax.jit(run)
+
+
+def _attention_fn(plan: Any, num_layers: int, page_size: int, block_size: int
+                  ) -> Callable[..., Any]:
+    """paged_attention for every layer (unrolled over the layers, as the decoder of a
+    step of up to llama.UNROLL_MAX_TOKENS tokens is), the outputs summed so none is dead
+    code."""
+
+    def run(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, batch: ForwardBatch
+            ) -> jax.Array:
+        total = jnp.zeros(q.shape, jnp.float32)
+        for layer in range(num_layers):
+            out = paged_attention(q, k_pool, v_pool, layer, batch, page_size=page_size,
+                                  block_size=block_size, plan=plan.attention)
+            total = total + out.astype(jnp.float32)
+        return total
+
+    return jax.jit(run)
+
+
+def _sampler_batch(runner: Any, shape: StepShape, output_len: int, temperature: float,
+                   seed: int) -> Any:
+    """The device SamplingBatch of the step: row b samples like bench request b."""
+    specs = [sampling_host.RowSpec(params=request_params(output_len, temperature, seed, b),
+                                   seed=seed + b, sample_index=0, position=pos,
+                                   output_ids=(), prompt_ids=())
+             for b, pos in enumerate(shape.positions)]
+    return jax.device_put(runner.sampling_batch(specs, shape.logit_rows), runner.replicated)
+
+
+def measure(core: Any, prompt_lens: Sequence[int], output_len: int, temperature: float,
+            seed: int) -> dict[str, Any]:
+    """Device figures (ms) of the run's typical decode step; runs on the engine thread."""
+    state = core.internal_state()
+    if (state["running_batch_size"] or state["waiting_queue_size"]
+            or state["available_kv_tokens"] != state["initial_available_kv_tokens"]):
+        raise RuntimeError("bench breakdown: the engine is not idle")
+    runner = core.runner
+    mcfg, plan, dtype = runner.model_cfg, runner.plan, runner.dtype
+    shape = step_shape(core, prompt_lens, output_len)
+    program = runner.programs.get("T", shape.tokens)
+    if program is None:
+        raise RuntimeError(f"bench breakdown: no compiled forward for T={shape.tokens}")
+    arrays = decode_arrays(shape, runner.page_table_rows(shape.tokens), runner.max_rows,
+                           core.max_pages, core.page_size, runner.num_pages, mcfg.vocab_size)
+    device = jax.device_put({k: getattr(arrays, k) for k in ARRAY_FIELDS}, runner.replicated)
+    batch = ForwardBatch(**{k: v for k, v in device.items() if k != "from_prev"})
+    params = runner.compute_params
+    rng = np.random.default_rng(1)
+
+    def put(shape_: tuple[int, ...], dt: Any = dtype) -> jax.Array:
+        return jax.device_put(rng.standard_normal(shape_).astype(dt), runner.replicated)
+
+    prev_ids = jax.device_put(np.zeros(runner.max_rows, np.int32), runner.replicated)
+
+    def decoder() -> Any:  # the engine's own program; the donated pool goes straight back
+        hidden, tok, prev, runner.kv = program(params, runner.kv, prev_ids, device)
+        return hidden, tok, prev, runner.kv
+
+    hidden = put((shape.logit_rows, mcfg.hidden_size))
+    head = jax.jit(lambda w, wt, h: lm_head({"head_w": w, "head_wt": wt}, h, plan))
+    layer_products = _layer_products_fn(plan)
+    attention = _attention_fn(plan, mcfg.num_layers, core.page_size,
+                              runner.cfg.attention_block_size)
+    x = put((shape.tokens, mcfg.hidden_size))
+    q = put((shape.tokens, mcfg.num_heads, mcfg.head_dim))
+    logits = put((sampler_rows(shape.logit_rows), mcfg.vocab_size), np.float32)
+    sb = _sampler_batch(runner, shape, output_len, temperature, seed)
+    sample = jax.jit(sampling.sample)
+    ms, rounds = best_ms({
+        "decoder": decoder,
+        "head": lambda: head(params["head_w"], params["head_wt"], hidden),
+        "layer_products": lambda: layer_products(params["layers"], x),
+        "attention": lambda: attention(q, runner.kv.k, runner.kv.v, batch),
+        "sampler": lambda: sample(logits, sb),
+    })
+    return {"rows": shape.rows, "tokens": shape.tokens, "logit_rows": shape.logit_rows,
+            "context_mean": float(np.mean(shape.positions)) + 1.0,
+            "attention_kernel": plan.attention.kernel, "num_layers": mcfg.num_layers,
+            "rounds": rounds, "device_ms": ms}
+
+
+def summarize(device: dict[str, Any], wall_s: float, decode_steps: int,
+              itl_p50_s: float = math.nan) -> dict[str, Any]:
+    """The JSON "breakdown": components in ms and as shares of the wall step, and the
+    steady decode step (ITL p50) with the host time beyond forward + sampler there."""
+    d = device["device_ms"]
+    forward = d["decoder"] + d["head"]
+    products = d["layer_products"] + d["head"]
+    wall_step = 1000.0 * wall_s / decode_steps if decode_steps else math.nan
+    ms = {"forward": forward, "products": products, "attention": d["attention"],
+          "other_device": forward - products - d["attention"],
+          "sampler": d["sampler"], "host": wall_step - forward - d["sampler"],
+          "wall_step": wall_step}
+    share = {k: v / wall_step if wall_step and not math.isnan(wall_step) else None
+             for k, v in ms.items()}
+    out = {k: v for k, v in device.items() if k != "device_ms"}
+    itl = 1000.0 * itl_p50_s
+    out.update({"ms": ms, "share_of_wall_step": share, "decode_steps": decode_steps,
+                "parts_ms": {"decoder": d["decoder"], "head": d["head"],
+                             "layer_products": d["layer_products"]},
+                "steady": {"decode_step_ms": itl, "host_ms": itl - forward - d["sampler"]}})
+    return out
+
+
+def step_breakdown(engine: Any, prompts: Sequence[Sequence[int]], output_len: int,
+                   run: dict[str, Any], temperature: float = 0.0, seed: int = 0
+                   ) -> dict[str, Any]:
+    """The breakdown of `run` (a run_once result on `engine`, with these prompts and
+    sampling): measured on the engine thread, then summarized."""
+    t0 = time.perf_counter()
+    lens = [len(p) for p in prompts]
+    device = engine.run_on_engine_thread(
+        lambda core: measure(core, lens, output_len, temperature, seed))
+    out = summarize(device, float(run["wall_s"]), int(run["decode_steps"]),
+                    float(run["itl_p50_s"]))
+    out["seconds"] = time.perf_counter() - t0
+    return out
