@@ -54,7 +54,7 @@ from multiserve.engine.sampling import host as sampling_host
 from multiserve.engine.sampling import sampler as sampling
 from multiserve.model.attention import paged_attention
 from multiserve.model.forward_batch import ForwardBatch
-from multiserve.model.llama import lm_head
+from multiserve.model.llama import layer_weights, lm_head
 from multiserve.model.row_invariant import dense
 
 MAX_ROUNDS = 50  # timed rounds (each program once per round)
@@ -128,21 +128,26 @@ def best_ms(runs: dict[str, Callable[[], Any]], max_rounds: int = MAX_ROUNDS,
     return {name: 1000.0 * t for name, t in best.items()}, rounds
 
 
-def _layer_products_fn(plan: Any) -> Callable[..., Any]:
+def _layer_products_fn(plan: Any, cfg: Any) -> Callable[..., Any]:
     """Every layer matrix at x's row count, chained the way the decoder chains them (q
-    feeds wo, gate * up feeds w_down). Every product's whole output reaches a result (no
-    slice the compiler could push into a product, no dead code); the layer input moves
-    only by a small residual (no growth over layers); only elementwise glue runs beside
-    the products."""
+    feeds wo, gate * up feeds w_down), each in the layout the plan's kernel reads (the
+    native kernel's stacked panels indexed by layer, as the decoder does). Every product's
+    whole output reaches a result (no slice the compiler could push into a product, no
+    dead code); the layer input moves only by a small residual (no growth over layers);
+    only elementwise glue runs beside the products."""
 
-    def run(layers: tuple[dict[str, jax.Array], ...], x: jax.Array
-            ) -> tuple[jax.Array, jax.Array]:
-        def proj(h: jax.Array, w: dict[str, jax.Array], name: str) -> jax.Array:
-            return dense(h, w[name], w[f"{name}_t"], plan.product(name))
+    def run(layers: tuple[dict[str, jax.Array], ...], stacked: dict[str, jax.Array],
+            x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        def proj(h: jax.Array, w: dict[str, Any], name: str) -> jax.Array:
+            panels = w[f"{name}_p"]
+            return dense(h, w[name], w[f"{name}_t"], plan.product(name), w_p=panels,
+                         layer=None if panels is None else w["layer"])
 
         h = x
         kv = jnp.zeros((), x.dtype)
-        for w in layers:
+        for index, layer in enumerate(layers):
+            w: dict[str, Any] = {**layer_weights(layer, x.shape[0], plan, cfg, stacked),
+                                 "layer": index}
             q, k, v = proj(h, w, "wq"), proj(h, w, "wk"), proj(h, w, "wv")
             out = proj(q, w, "wo") + proj(proj(h, w, "w_gate") * proj(h, w, "w_up"), w,
                                           "w_down")
@@ -211,8 +216,9 @@ def measure(core: Any, prompt_lens: Sequence[int], output_len: int, temperature:
         return hidden, tok, prev, runner.kv
 
     hidden = put((shape.logit_rows, mcfg.hidden_size))
-    head = jax.jit(lambda w, wt, h: lm_head({"head_w": w, "head_wt": wt}, h, plan))
-    layer_products = _layer_products_fn(plan)
+    head = jax.jit(lambda w, wt, wp, h: lm_head({"head_w": w, "head_wt": wt, "head_wp": wp},
+                                                 h, plan))
+    layer_products = _layer_products_fn(plan, mcfg)
     attention = _attention_fn(plan, mcfg.num_layers, core.page_size,
                               runner.cfg.attention_block_size)
     x = put((shape.tokens, mcfg.hidden_size))
@@ -222,8 +228,10 @@ def measure(core: Any, prompt_lens: Sequence[int], output_len: int, temperature:
     sample = jax.jit(sampling.sample)
     ms, rounds = best_ms({
         "decoder": decoder,
-        "head": lambda: head(params["head_w"], params["head_wt"], hidden),
-        "layer_products": lambda: layer_products(params["layers"], x),
+        "head": lambda: head(params["head_w"], params["head_wt"], params.get("head_wp"),
+                             hidden),
+        "layer_products": lambda: layer_products(params["layers"], params["stacked_layers"],
+                                                 x),
         "attention": lambda: attention(q, runner.kv.k, runner.kv.v, batch),
         "sampler": lambda: sample(logits, sb),
     })

@@ -144,7 +144,7 @@ def _layer(x: jax.Array, kv: KVPool, layer: int | jax.Array, w: dict[str, jax.Ar
     return x, kv
 
 
-def _layer_weights(layer: dict[str, jax.Array], num_tokens: int, plan: InvariancePlan,
+def layer_weights(layer: dict[str, jax.Array], num_tokens: int, plan: InvariancePlan,
                    cfg: ModelConfig, stacked: dict[str, jax.Array]
                    ) -> dict[str, jax.Array | None]:
     """One layer's params for a T-token step: of each matrix only the layout the plan's
@@ -200,7 +200,7 @@ def forward_hidden(params: Params, kv_pool: KVPool, batch: ForwardBatch, cfg: Mo
     if not scans(plan, num_tokens):
         for index, layer in enumerate(params["layers"]):
             x, kv_pool = _layer(x, kv_pool, index,
-                                _layer_weights(layer, num_tokens, plan, cfg, stacked),
+                                layer_weights(layer, num_tokens, plan, cfg, stacked),
                                 batch, cos, sin, cfg, page_size=page_size,
                                 attn_block_size=attn_block_size, plan=plan)
     else:
@@ -209,7 +209,7 @@ def forward_hidden(params: Params, kv_pool: KVPool, batch: ForwardBatch, cfg: Mo
             assert form.kernel != "nt" or f"{base}_t" in stacked, (
                 "the plan uses the NT product in the scanned decoder: with_transposed("
                 "stacked_t=True) must keep the stacked transposes")
-        weights = _layer_weights(stacked, num_tokens, plan, cfg, stacked)
+        weights = layer_weights(stacked, num_tokens, plan, cfg, stacked)
         # the native panels stay whole (the kernel indexes the layer); the rest is scanned
         whole = {k: v for k, v in weights.items() if k.endswith("_p") and v is not None}
         sliced = {k: v for k, v in weights.items() if k not in whole}
