@@ -544,8 +544,8 @@ def backend_key(device: Any, workload: Workload) -> dict[str, Any]:
     }
     if device.platform == "cpu":
         key["cpu"] = _cpu_facts()
-        # a plan naming the native kernel is only valid where it builds
-        key["native_kernels"] = native_kernels.unavailable_reason() is None
+        # a plan naming the native kernels is only valid where they build, as built
+        key["native_kernels"] = native_kernels.build_id()
     return key
 
 

@@ -56,7 +56,7 @@ SOURCES = tuple(Path(__file__).parent / "native" / name
 FLAGS = ("-std=c++20", "-O3", "-march=native", "-ffp-contract=fast", "-fPIC", "-shared", "-w")
 
 _LOCK = threading.Lock()
-_STATE: dict[str, str | None] = {}  # "error": None once registered, else why not
+_STATE: dict[str, str | None] = {}  # "error": None once registered, else why not; "so": file
 
 
 def _compiler() -> str | None:
@@ -122,7 +122,8 @@ def _load() -> str | None:
     if cxx is None:
         return "no C++ compiler (set $CXX or install g++)"
     try:
-        lib = ctypes.cdll.LoadLibrary(str(_build(cxx)))
+        path = _build(cxx)
+        lib = ctypes.cdll.LoadLibrary(str(path))
         jax.ffi.register_ffi_target(ATTENTION,
                                     jax.ffi.pycapsule(lib.MultiservePagedAttention),
                                     platform="cpu")
@@ -130,7 +131,14 @@ def _load() -> str | None:
                                     platform="cpu")
     except (OSError, RuntimeError, AttributeError, ValueError) as exc:
         return f"build or load failed: {exc}"
+    _STATE["so"] = path.name
     return None
+
+
+def build_id() -> str | None:
+    """The loaded kernels' file name (a hash of sources, compiler, flags, jaxlib, CPU), or
+    None when they are unavailable: part of the invariance plan's cache key."""
+    return _STATE.get("so") if unavailable_reason() is None else None
 
 
 def supports_attention(platform_name: str, dtype: str, head_dim: int) -> bool:

@@ -8,7 +8,7 @@
 //
 // Row invariance BY CONSTRUCTION: every y[m, n] is the sum over k = 0, 1, .., K-1 in that
 // order, each step one fused multiply-add into the running sum, starting from zero; the
-// tiling (4-row blocks, the last one smaller; 64-column panels; panels spread over
+// tiling (6-row blocks, the last one smaller; 64-column panels; panels spread over
 // threads) only decides which core computes an element and which registers hold it,
 // never the order of its sum. So a row's bits do not depend on M, on the other rows or
 // on the thread count. (Built with -ffp-contract=fast: the compiler fuses `acc += a * b`.)
@@ -29,7 +29,7 @@ namespace {
 typedef float vf __attribute__((vector_size(64)));
 constexpr int NV = 4;         // vectors per panel row
 constexpr int PANEL = 16 * NV;  // columns per panel
-constexpr int MR = 4;         // rows per register block
+constexpr int MR = 6;         // rows per register block
 
 inline vf load(const float* p) {
   vf v;
@@ -72,6 +72,8 @@ void run_panel(const Problem& pr, int64_t p) {
   int64_t m0 = 0;
   for (; m0 + MR <= pr.m; m0 += MR) block<MR>(pr.x, pr.k, panel, y, ldy, m0);
   switch (pr.m - m0) {
+    case 5: block<5>(pr.x, pr.k, panel, y, ldy, m0); break;
+    case 4: block<4>(pr.x, pr.k, panel, y, ldy, m0); break;
     case 3: block<3>(pr.x, pr.k, panel, y, ldy, m0); break;
     case 2: block<2>(pr.x, pr.k, panel, y, ldy, m0); break;
     case 1: block<1>(pr.x, pr.k, panel, y, ldy, m0); break;
