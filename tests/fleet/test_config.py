@@ -51,8 +51,10 @@ def test_cpu4_is_four_single_device_engines_on_the_documented_ports() -> None:
     assert cfg.platform == "cpu" and cfg.device_count_needed == 4
     eng = cfg.engines[0]
     assert eng.model_path is None  # the embedded default model
-    assert eng.max_running_requests == 64 and eng.precompile_bs_paddings == (1, 64)
-    assert eng.precompile_token_paddings == (1, 64, 256) and eng.chunked_prefill_size == 256
+    assert eng.max_running_requests == 64
+    assert eng.precompile_bs_paddings == (1, 2, 4, 8, 16, 32, 64)
+    assert eng.precompile_token_paddings == (1, 2, 4, 8, 16, 32, 64, 256)
+    assert eng.chunked_prefill_size == 256
     assert eng.max_total_tokens == 32768
     assert all(e == eng.with_updates(device_indexes=e.device_indexes) for e in cfg.engines)
 
