@@ -1,7 +1,8 @@
 """Jax-free records shared by the engine, the HTTP side and the fleet.
 
 Owns: `SamplingParams` (validated on construction), the request and output records,
-control results, and the `EngineClient` protocol the HTTP server talks to.
+control results, the `EngineClient` protocol the HTTP server talks to, and the control
+vocabulary (pause modes and reasons, memory tags, the "asleep" health status).
 
 Invariants:
 - Nothing here imports jax, numpy-on-device code or anything under `engine/`/`model/`:
@@ -13,18 +14,50 @@ Invariants:
 from __future__ import annotations
 
 import enum
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, get_args, runtime_checkable
 
 FinishReason = Literal["stop", "length", "abort"]
+
+# The control vocabulary: each concept is spelled once, here, and imported by the engine,
+# the HTTP bodies and the fleet. Every tuple is derived from its Literal (never restated),
+# so the runtime checks and the pydantic fields cannot drift apart.
+
+# What a pause does to running requests (engine/core.py). Each route keeps its own default
+# (sglang's: /pause_generation "abort", /release_memory_occupation "retract").
 PauseMode = Literal["abort", "retract", "in_place"]
-PAUSE_MODES: tuple[str, ...] = ("abort", "retract", "in_place")
+PAUSE_MODES: tuple[PauseMode, ...] = get_args(PauseMode)
 # Why an engine is paused (it steps only while it has none): the user's pause_generation,
 # a staged weight update waiting for publish/discard, device memory released. Each is
 # added and removed by its own owner only (engine/core.py).
 PauseReason = Literal["user", "weights_staged", "memory_released"]
-PAUSE_REASONS: tuple[str, ...] = ("user", "weights_staged", "memory_released")
+PAUSE_REASONS: tuple[PauseReason, ...] = get_args(PauseReason)
+# Device memory a release frees and a resume restores (sglang's tag names), in resume
+# order: weights before K/V (engine/rl/memory.py). sglang's "cuda_graph" is not one: the
+# HTTP side accepts it as a no-op (server/rl_routes.py NOOP_TAGS).
+MemoryTag = Literal["weights", "kv_cache"]
+MEMORY_TAGS: tuple[MemoryTag, ...] = get_args(MemoryTag)
+# /health's status (and the prefix of the health reason) of a healthy engine whose memory
+# is released: built by `asleep_reason` (Engine.health), recognised by `is_asleep` (the app).
+ASLEEP = "asleep"
+
+
+def check_pause_mode(mode: str) -> None:
+    """ValueError unless `mode` is one of PAUSE_MODES (the Python API's check; the HTTP
+    bodies check it through their `PauseMode` field)."""
+    if mode not in PAUSE_MODES:
+        raise ValueError(f"mode: must be one of {PAUSE_MODES}, got {mode!r}")
+
+
+def asleep_reason(released: Iterable[str]) -> str:
+    """The health reason of a healthy engine with these memory tags released."""
+    return f"{ASLEEP}: memory released ({', '.join(sorted(released))})"
+
+
+def is_asleep(reason: str) -> bool:
+    """Whether a healthy engine's reason says its memory is released (`asleep_reason`)."""
+    return reason.startswith(ASLEEP)
 
 # Upper bounds the jitted sampler is compiled for (fixed shapes: no recompiles).
 MAX_TOP_LOGPROBS = 20
