@@ -49,7 +49,6 @@ from multiserve.engine.sched.request import Req
 from multiserve.engine.setup import EngineParts, build_engine_parts
 from multiserve.engine.streams import OutputAssembler, OutputStream
 from multiserve.types import (
-    PAUSE_MODES,
     ControlResult,
     EngineUnavailable,
     GenerateRequest,
@@ -58,6 +57,7 @@ from multiserve.types import (
     RequestOutput,
     RequestStatus,
     SamplingParams,
+    check_pause_mode,
 )
 
 _Queued = tuple[Command, concurrent.futures.Future]
@@ -428,13 +428,8 @@ class Engine:
         return outs[0] if req.sampling.n == 1 else outs
 
     # ---- control: sync -------------------------------------------------------------
-    @staticmethod
-    def _check_mode(mode: str) -> None:
-        if mode not in PAUSE_MODES:
-            raise ValueError(f"mode: must be one of {PAUSE_MODES}, got {mode!r}")
-
     def pause_generation(self, mode: str = "abort") -> ControlResult:
-        self._check_mode(mode)
+        check_pause_mode(mode)
         return self.call(Pause(mode)).result()
 
     def continue_generation(self) -> ControlResult:
@@ -455,7 +450,7 @@ class Engine:
 
     # ---- control: async ------------------------------------------------------------
     async def async_pause_generation(self, mode: str = "abort") -> ControlResult:
-        self._check_mode(mode)
+        check_pause_mode(mode)
         return await self.acall(Pause(mode))
 
     async def async_continue_generation(self) -> ControlResult:

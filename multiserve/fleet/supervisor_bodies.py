@@ -6,9 +6,9 @@ document (supervisor_openapi.py) alike, so both describe the same models.
 
 from __future__ import annotations
 
-from typing import Literal
-
 from pydantic import BaseModel, ConfigDict
+
+from multiserve.types import PauseMode
 
 
 class _Body(BaseModel):
@@ -16,7 +16,7 @@ class _Body(BaseModel):
 
 
 class PauseBody(_Body):
-    mode: Literal["abort", "retract", "in_place"] = "abort"
+    mode: PauseMode = "abort"
 
 
 class EmptyBody(_Body):

@@ -29,6 +29,8 @@ from typing import Any
 
 import httpx
 
+from multiserve.types import PAUSE_MODES
+
 BASE_VERSION = "default"  # what EngineConfig calls the weights an engine starts with
 PERTURBED_VERSION = "perturbed"
 
@@ -145,8 +147,7 @@ class Operator:
             lambda: self._pause_continue("abort", True),
             lambda: self._pause_continue("retract", True),
             lambda: self._pause_continue("in_place", True),
-            lambda: self._pause_continue(self.rng.choice(("abort", "retract", "in_place")),
-                                         False),
+            lambda: self._pause_continue(self.rng.choice(PAUSE_MODES), False),
             lambda: self._abort(True), lambda: self._abort(True), lambda: self._abort(False),
             self._flush, self._weights, self._memory, self._fault_restart]
         self.rng.shuffle(cards)

@@ -16,7 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from multiserve.server.sglang_params import to_sampling_params
-from multiserve.types import SamplingParams
+from multiserve.types import PauseMode, SamplingParams
 
 
 class _Request(BaseModel):
@@ -148,7 +148,7 @@ class ScoreResponse(BaseModel):
 
 
 class PauseBody(_Request):
-    mode: Literal["abort", "retract", "in_place"] = "abort"
+    mode: PauseMode = "abort"  # sglang's default for a pause (a release: "retract")
 
 
 class AbortBody(_Request):

@@ -24,7 +24,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, field_validator
@@ -33,7 +33,7 @@ from starlette.responses import JSONResponse, Response
 
 from multiserve.server.errors import ApiError, bad_request, with_error
 from multiserve.server.http_utils import parse_body
-from multiserve.types import ControlResult, EngineUnavailable, RLClient
+from multiserve.types import ControlResult, EngineUnavailable, PauseMode, RLClient
 
 
 def rl_client(client: Any) -> RLClient:
@@ -82,7 +82,7 @@ class _TagsBody(_SglangBody):
 
 
 class ReleaseBody(_TagsBody):
-    mode: Literal["abort", "retract", "in_place"] = "retract"
+    mode: PauseMode = "retract"  # sglang's default for a release (a pause: "abort")
     preserve_state: bool = False
 
 

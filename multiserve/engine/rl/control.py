@@ -27,7 +27,7 @@ from multiserve.engine.rl.checks import WeightUpdateError
 from multiserve.engine.rl.memory import MemoryManager, normalize_tags
 from multiserve.engine.rl.weights import WeightManager
 from multiserve.model.errors import ModelLoadError
-from multiserve.types import PAUSE_MODES, ControlResult
+from multiserve.types import ControlResult, check_pause_mode
 
 if TYPE_CHECKING:
     from multiserve.engine.core import EngineCore
@@ -36,12 +36,6 @@ OnEngineThread = Callable[[Callable[["EngineCore"], Any]], Any]  # runs fn(core)
 AOnEngineThread = Callable[[Callable[["EngineCore"], Any]], Awaitable[Any]]
 Loader = Callable[[], tuple[Any, str, bool]]  # -> (tensors, source, require_all)
 DEFAULT_TAGS = ("weights", "kv_cache")
-
-
-def _check_mode(mode: str) -> None:
-    if mode not in PAUSE_MODES:
-        raise ValueError(f"mode: must be one of {PAUSE_MODES}, got {mode!r}")
-
 
 def _failed(e: Exception, weight_version: str) -> ControlResult:
     return ControlResult(False, str(e), {"error": str(e), "weight_version": weight_version})
@@ -205,7 +199,7 @@ class RLControl:
     # ---- memory ----------------------------------------------------------------------------
     def release_memory_occupation(self, tags: Any = DEFAULT_TAGS, mode: str = "retract",
                                   preserve_state: bool = False) -> ControlResult:
-        _check_mode(mode)
+        check_pause_mode(mode)
         tags = normalize_tags(tags)
         return self._run(lambda core: self.memory.release(tags, mode, bool(preserve_state)))
 
@@ -216,7 +210,7 @@ class RLControl:
     async def async_release_memory_occupation(self, tags: Any = DEFAULT_TAGS,
                                               mode: str = "retract",
                                               preserve_state: bool = False) -> ControlResult:
-        _check_mode(mode)
+        check_pause_mode(mode)
         tags = normalize_tags(tags)
         return await self._arun(lambda core: self.memory.release(tags, mode,
                                                                  bool(preserve_state)))
