@@ -45,6 +45,7 @@ from multiserve.types import (
     ControlResult,
     FinishReason,
     InvalidRequest,
+    MemoryTag,
     PauseReason,
     RequestStatus,
     SamplingParams,
@@ -363,7 +364,7 @@ class EngineCore:
 
     # ---- device state: the narrow interface of engine/rl/ (engine thread, between steps) --
     @property
-    def released_tags(self) -> frozenset[str]:
+    def released_tags(self) -> frozenset[MemoryTag]:
         """Device buffers given back by a memory release: "weights" while the runner has no
         params, "kv_cache" while it has no KV pool (derived from the runner, never stored)."""
         runner = self.runner

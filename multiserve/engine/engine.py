@@ -44,11 +44,12 @@ from multiserve.engine.commands import (
     Pause,
     Stop,
 )
-from multiserve.engine.rl.control import DEFAULT_TAGS, RLControl
+from multiserve.engine.rl.control import RLControl
 from multiserve.engine.sched.request import Req
 from multiserve.engine.setup import EngineParts, build_engine_parts
 from multiserve.engine.streams import OutputAssembler, OutputStream
 from multiserve.types import (
+    MEMORY_TAGS,
     ControlResult,
     EngineUnavailable,
     GenerateRequest,
@@ -553,14 +554,14 @@ class Engine:
         `truncate_size` rows as nested lists, weight_version."""
         return self._rl.get_weights_by_name(name, truncate_size)
 
-    def release_memory_occupation(self, tags: Any = DEFAULT_TAGS, mode: str = "retract",
+    def release_memory_occupation(self, tags: Any = MEMORY_TAGS, mode: str = "retract",
                                   preserve_state: bool = False) -> ControlResult:
         """Hold the engine (applying `mode` if it runs), then free the tagged device
         buffers; new requests wait until resume. preserve_state keeps in-place paused
         requests' K/V on the host and restores it exactly."""
         return self._rl.release_memory_occupation(tags, mode, preserve_state)
 
-    def resume_memory_occupation(self, tags: Any = DEFAULT_TAGS) -> ControlResult:
+    def resume_memory_occupation(self, tags: Any = MEMORY_TAGS) -> ControlResult:
         return self._rl.resume_memory_occupation(tags)
 
     async def async_stage_weights_from_tensor(self, params: Any, weight_version: str,
@@ -594,11 +595,11 @@ class Engine:
                                         truncate_size: int = 100) -> ControlResult:
         return await self._rl.async_get_weights_by_name(name, truncate_size)
 
-    async def async_release_memory_occupation(self, tags: Any = DEFAULT_TAGS,
+    async def async_release_memory_occupation(self, tags: Any = MEMORY_TAGS,
                                               mode: str = "retract",
                                               preserve_state: bool = False) -> ControlResult:
         return await self._rl.async_release_memory_occupation(tags, mode, preserve_state)
 
-    async def async_resume_memory_occupation(self, tags: Any = DEFAULT_TAGS
+    async def async_resume_memory_occupation(self, tags: Any = MEMORY_TAGS
                                              ) -> ControlResult:
         return await self._rl.async_resume_memory_occupation(tags)

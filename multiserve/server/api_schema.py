@@ -21,7 +21,7 @@ from multiserve.server import protocol_native as N
 from multiserve.server import rl_routes as R
 from multiserve.server import sglang_params as S
 from multiserve.server.openapi_docs import Answer, ControlAnswer, Key, document
-from multiserve.types import MAX_TOP_LOGPROBS, PAUSE_REASONS
+from multiserve.types import MAX_TOP_LOGPROBS, MEMORY_TAGS, PAUSE_REASONS
 
 GEN_ERRORS = ("400", "401", "404", "429", "503")
 INT, NUM, BOOL = {"type": "integer"}, {"type": "number"}, {"type": "boolean"}
@@ -63,7 +63,7 @@ ENGINE_STATE_SCHEMA: dict[str, Any] = {
                           "user's pause_generation, a staged weight update, released memory",
                           "items": {"type": "string", "enum": list(PAUSE_REASONS)}},
         "memory_released": {"type": "array",
-                            "items": {"type": "string", "enum": ["kv_cache", "weights"]}},
+                            "items": {"type": "string", "enum": sorted(MEMORY_TAGS)}},
         "weight_version": {"type": "string"},
         "determinism": {"type": "object", "description": "the invariance plan this engine "
                         "calibrated on its backend: verified, problems, plan, probe_seconds, "

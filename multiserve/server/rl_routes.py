@@ -33,7 +33,7 @@ from starlette.responses import JSONResponse, Response
 
 from multiserve.server.errors import ApiError, bad_request, with_error
 from multiserve.server.http_utils import parse_body
-from multiserve.types import ControlResult, EngineUnavailable, PauseMode, RLClient
+from multiserve.types import MEMORY_TAGS, ControlResult, EngineUnavailable, PauseMode, RLClient
 
 
 def rl_client(client: Any) -> RLClient:
@@ -55,9 +55,9 @@ class _SglangBody(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
 
-# sglang's memory tags. "cuda_graph" names memory this backend never holds (XLA keeps no
-# CUDA graphs): releasing or resuming it is accepted and reported as a no-op.
-ENGINE_TAGS = ("weights", "kv_cache")
+# sglang's memory tags: the engine's (types.MEMORY_TAGS) plus "cuda_graph", memory this
+# backend never holds (XLA keeps no CUDA graphs): releasing or resuming it is accepted and
+# reported as a no-op.
 NOOP_TAGS = ("cuda_graph",)
 
 
@@ -67,9 +67,9 @@ class _TagsBody(_SglangBody):
     @field_validator("tags")
     @classmethod
     def _known_tags(cls, tags: list[str] | None) -> list[str] | None:
-        bad = [t for t in tags or () if t not in ENGINE_TAGS + NOOP_TAGS]
+        bad = [t for t in tags or () if t not in MEMORY_TAGS + NOOP_TAGS]
         if bad:
-            raise ValueError(f"unknown tag {bad[0]!r}; known tags: {list(ENGINE_TAGS + NOOP_TAGS)}")
+            raise ValueError(f"unknown tag {bad[0]!r}; known tags: {list(MEMORY_TAGS + NOOP_TAGS)}")
         return tags
 
     def split_tags(self) -> tuple[tuple[str, ...] | None, list[str]]:
@@ -77,7 +77,7 @@ class _TagsBody(_SglangBody):
         tags); an EMPTY engine tuple means only no-op tags were named."""
         if not self.tags:
             return None, []
-        return (tuple(t for t in self.tags if t in ENGINE_TAGS),
+        return (tuple(t for t in self.tags if t in MEMORY_TAGS),
                 [t for t in self.tags if t in NOOP_TAGS])
 
 

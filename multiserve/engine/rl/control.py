@@ -27,7 +27,7 @@ from multiserve.engine.rl.checks import WeightUpdateError
 from multiserve.engine.rl.memory import MemoryManager, normalize_tags
 from multiserve.engine.rl.weights import WeightManager
 from multiserve.model.errors import ModelLoadError
-from multiserve.types import ControlResult, check_pause_mode
+from multiserve.types import MEMORY_TAGS, ControlResult, check_pause_mode
 
 if TYPE_CHECKING:
     from multiserve.engine.core import EngineCore
@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 OnEngineThread = Callable[[Callable[["EngineCore"], Any]], Any]  # runs fn(core), returns
 AOnEngineThread = Callable[[Callable[["EngineCore"], Any]], Awaitable[Any]]
 Loader = Callable[[], tuple[Any, str, bool]]  # -> (tensors, source, require_all)
-DEFAULT_TAGS = ("weights", "kv_cache")
+
 
 def _failed(e: Exception, weight_version: str) -> ControlResult:
     return ControlResult(False, str(e), {"error": str(e), "weight_version": weight_version})
@@ -197,17 +197,17 @@ class RLControl:
         return await self._arun(lambda core: self._read(name, truncate_size))
 
     # ---- memory ----------------------------------------------------------------------------
-    def release_memory_occupation(self, tags: Any = DEFAULT_TAGS, mode: str = "retract",
+    def release_memory_occupation(self, tags: Any = MEMORY_TAGS, mode: str = "retract",
                                   preserve_state: bool = False) -> ControlResult:
         check_pause_mode(mode)
         tags = normalize_tags(tags)
         return self._run(lambda core: self.memory.release(tags, mode, bool(preserve_state)))
 
-    def resume_memory_occupation(self, tags: Any = DEFAULT_TAGS) -> ControlResult:
+    def resume_memory_occupation(self, tags: Any = MEMORY_TAGS) -> ControlResult:
         tags = normalize_tags(tags)
         return self._run(lambda core: self.memory.resume(tags))
 
-    async def async_release_memory_occupation(self, tags: Any = DEFAULT_TAGS,
+    async def async_release_memory_occupation(self, tags: Any = MEMORY_TAGS,
                                               mode: str = "retract",
                                               preserve_state: bool = False) -> ControlResult:
         check_pause_mode(mode)
@@ -215,7 +215,7 @@ class RLControl:
         return await self._arun(lambda core: self.memory.release(tags, mode,
                                                                  bool(preserve_state)))
 
-    async def async_resume_memory_occupation(self, tags: Any = DEFAULT_TAGS) -> ControlResult:
+    async def async_resume_memory_occupation(self, tags: Any = MEMORY_TAGS) -> ControlResult:
         tags = normalize_tags(tags)
         return await self._arun(lambda core: self.memory.resume(tags))
 

@@ -43,25 +43,24 @@ import numpy as np
 from multiserve.engine.rl.weights import WeightManager
 from multiserve.model.kv_pool import KVPool, make_kv_pool
 from multiserve.model.sharding import kv_pool_sharding
-from multiserve.types import ControlResult
+from multiserve.types import MEMORY_TAGS, ControlResult, MemoryTag
 
 if TYPE_CHECKING:
     from multiserve.engine.core import EngineCore
 
-TAGS: tuple[str, ...] = ("weights", "kv_cache")  # resume order: weights first
 
-
-def normalize_tags(tags: Any) -> tuple[str, ...]:
-    """Validated tags in TAGS order (ValueError names the bad one). None/empty: all."""
+def normalize_tags(tags: Any) -> tuple[MemoryTag, ...]:
+    """Validated tags in MEMORY_TAGS order, the resume order (ValueError names the bad
+    one). None/empty: all."""
     if tags is None:
-        return TAGS
+        return MEMORY_TAGS
     if isinstance(tags, str):
         tags = (tags,)
     tags = tuple(tags)
-    bad = [t for t in tags if t not in TAGS]
+    bad = [t for t in tags if t not in MEMORY_TAGS]
     if bad:
-        raise ValueError(f"tags: unknown tag {bad[0]!r}; known tags: {list(TAGS)}")
-    return tuple(t for t in TAGS if t in tags) or TAGS
+        raise ValueError(f"tags: unknown tag {bad[0]!r}; known tags: {list(MEMORY_TAGS)}")
+    return tuple(t for t in MEMORY_TAGS if t in tags) or MEMORY_TAGS
 
 
 @dataclass
@@ -150,7 +149,7 @@ class MemoryManager:
     def resume(self, tags: tuple[str, ...]) -> ControlResult:
         core = self.core
         core.drain()
-        todo = [t for t in TAGS if t in tags and t in core.released_tags]
+        todo = [t for t in MEMORY_TAGS if t in tags and t in core.released_tags]
         if not todo:
             return ControlResult(True, f"not released: {list(tags)} (no-op)", {
                 "resumed": [], "memory_released": sorted(core.released_tags),
