@@ -147,6 +147,8 @@ class ScoreResponse(BaseModel):
     usage: dict[str, int] = Field(default_factory=dict)
 
 
+# The control bodies of /pause_generation and /abort_request: the engine's and (stricter
+# about unknown keys, same fields and defaults) the supervisor's (fleet/supervisor_bodies.py).
 class PauseBody(_Request):
     mode: PauseMode = "abort"  # sglang's default for a pause (a release: "retract")
 
