@@ -58,6 +58,7 @@ from multiserve.types import (
     RequestOutput,
     RequestStatus,
     SamplingParams,
+    asleep_reason,
     check_pause_mode,
 )
 
@@ -473,7 +474,7 @@ class Engine:
             return False, "engine is shut down"
         released = self._core.released_tags
         if self._healthy and released:
-            return True, f"asleep: memory released ({', '.join(sorted(released))})"
+            return True, asleep_reason(released)
         return self._healthy, self._reason
 
     def inject_fault_for_testing(self, message: str = "injected fault") -> None:

@@ -36,11 +36,13 @@ from multiserve.server.openai_serving import OpenAIServing
 from multiserve.server.request_run import ClientDisconnected, RequestRun, drain
 from multiserve.server.tokenizer import TokenizerManager
 from multiserve.types import (
+    ASLEEP,
     EngineClient,
     EngineOverloaded,
     EngineUnavailable,
     GenerateRequest,
     SamplingParams,
+    is_asleep,
 )
 
 log = logging.getLogger("multiserve.server")
@@ -80,8 +82,8 @@ def build_app(engine: EngineClient, tokenizer: TokenizerManager, *,
     @app.get("/health")
     async def health() -> Response:
         ok, reason = engine.health()
-        if ok and reason.startswith("asleep"):  # memory released: healthy, not generating
-            return JSONResponse({"status": "asleep", "message": reason})
+        if ok and is_asleep(reason):  # memory released: healthy, not generating
+            return JSONResponse({"status": ASLEEP, "message": reason})
         if ok:
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "unhealthy", "message": reason,
