@@ -142,7 +142,9 @@ def with_transposed(params: dict[str, Any], cfg: ModelConfig, stacked_t: bool = 
       `embed` as `head_wt`: no copy), and with "native" its panels `head_wp`.
     Copies keep their source's sharding (minus the layer axis; transposed for `_t`)."""
     layers = params["layers"]
-    to_transpose: dict[str, Any] = {name: layers[name] for name in LAYER_MATRICES}
+    keep_t = "nt" in kernels or stacked_t  # else no layer matrix is transposed at all
+    to_transpose: dict[str, Any] = ({name: layers[name] for name in LAYER_MATRICES}
+                                    if keep_t else {})
     to_transpose["head"] = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
     done = _transpose_tree(to_transpose)
     head = done.pop("head")
@@ -150,7 +152,7 @@ def with_transposed(params: dict[str, Any], cfg: ModelConfig, stacked_t: bool = 
     per_layer = {k: v for k, v in layers.items()
                  if k not in LAYER_MATRICES or "plain" in kernels}
     stacked = dict(layers)
-    if "nt" in kernels or stacked_t:
+    if keep_t:
         transposed = {f"{name}_t": a for name, a in done.items()}
         per_layer.update(transposed)
         if stacked_t:
