@@ -57,8 +57,8 @@ def head_shape(cfg: ModelConfig) -> tuple[int, int]:
 
 def scan_needs_transposes(plan: InvariancePlan, cfg: ModelConfig,
                           token_sizes: tuple[int, ...]) -> bool:
-    """Whether the scanned decoder (steps of more than UNROLL_MAX_TOKENS tokens) uses the
-    NT product somewhere, so the stacked transposes must be kept (`with_transposed`)."""
+    """Whether the scanned decoder (the step sizes `scans` sends there) uses the NT product
+    somewhere, so the stacked transposes must be kept (`with_transposed`)."""
     scanned = [t for t in token_sizes if scans(plan, t)]
     return any(plan.product(name).formulation(t).kernel == "nt"
                for name in LAYER_MATRICES for t in scanned)
@@ -110,8 +110,9 @@ def _layer(x: jax.Array, kv: KVPool, layer: int | jax.Array, w: dict[str, jax.Ar
            page_size: int, attn_block_size: int, plan: InvariancePlan
            ) -> tuple[jax.Array, KVPool]:
     """One pre-norm decoder layer: attention over the paged pool, then a SwiGLU MLP.
-    `w` holds this layer's params, each matrix as (W [in, out], W^T) for `dense` (the
-    layout the plan does not use at this step size may be None)."""
+    `w` holds this layer's params (`layer_weights`): each matrix as W [in, out], W^T and
+    the native panels (the whole stack, indexed by `layer`), the layouts the plan does
+    not use at this step size None."""
     t, hd = x.shape[0], cfg.head_dim
     norm = plan.row_sum(cfg.hidden_size)
 
@@ -159,7 +160,8 @@ def layer_weights(layer: dict[str, jax.Array], num_tokens: int, plan: Invariance
         used = base + LAYOUT_SUFFIX[kernel]
         source = stacked if kernel == "native" else layer
         assert used in source, (f"the plan's {used} layout is missing from the compute "
-                                "params (with_transposed(kernels=plan_kernels(plan)))")
+                                "params (with_transposed(kernels=plan_kernels(plan)); the "
+                                "scanned decoder's NT product also needs stacked_t=True)")
         for sfx in LAYOUT_SUFFIX.values():
             out[base + sfx] = source[used] if base + sfx == used else None
     return out
@@ -184,13 +186,14 @@ def forward_hidden(params: Params, kv_pool: KVPool, batch: ForwardBatch, cfg: Mo
     (`row_invariant.with_transposed`); `plan` says how each primitive computes this step's
     sizes (invariance_plan.py).
 
-    Steps of <= UNROLL_MAX_TOKENS tokens unroll the layers (a Python loop over the
-    per-layer tuple): each layer's matmuls read its own arrays in place, where a scan
-    slices (copies) every layer's weights out of the stacked arrays at every step, which
-    was a third of a one-token step. The price is compile time (~4x a scanned program),
-    paid at warm-up, so larger steps (prefill chunks: the copies are a few %) scan the
-    canonical stacked layers (and their stacked transposes where the plan uses the NT
-    product at that size: `scan_needs_transposes`)."""
+    Steps that `scans` keeps out of the scan (<= UNROLL_MAX_TOKENS tokens with some XLA
+    product) unroll the layers (a Python loop over the per-layer tuple): each layer's
+    matmuls read its own arrays in place, where a scan slices (copies) every layer's
+    weights out of the stacked arrays at every step, which was a third of a one-token
+    step. The price is compile time (~4x a scanned program), paid at warm-up. Every other
+    step scans the canonical stacked layers (and their stacked transposes where the plan
+    uses the NT product at that size: `scan_needs_transposes`); the native kernel's
+    panels are passed whole (it indexes the layer), so an all-native step copies nothing."""
     assert is_compute_params(params), "forward needs row_invariant.with_transposed(params, cfg)"
     x = params["embed"][batch.input_ids]
     freqs = batch.positions.astype(jnp.float32)[:, None] * jnp.asarray(rope_inv_freq(cfg))
@@ -204,11 +207,6 @@ def forward_hidden(params: Params, kv_pool: KVPool, batch: ForwardBatch, cfg: Mo
                                 batch, cos, sin, cfg, page_size=page_size,
                                 attn_block_size=attn_block_size, plan=plan)
     else:
-        for base in LAYER_MATRICES:
-            form = plan.product(base).formulation(num_tokens)
-            assert form.kernel != "nt" or f"{base}_t" in stacked, (
-                "the plan uses the NT product in the scanned decoder: with_transposed("
-                "stacked_t=True) must keep the stacked transposes")
         weights = layer_weights(stacked, num_tokens, plan, cfg, stacked)
         # the native panels stay whole (the kernel indexes the layer); the rest is scanned
         whole = {k: v for k, v in weights.items() if k.endswith("_p") and v is not None}
