@@ -45,7 +45,6 @@ import hashlib
 import json
 import logging
 import os
-import platform
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -514,21 +513,6 @@ def _choose(workload: Workload, device: Any, distort: Distort | None
 
 
 # ---- the key and the cache -----------------------------------------------------------------
-def _cpu_facts() -> dict[str, str]:
-    facts = {"machine": platform.machine()}
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            info = f.read()
-    except OSError:
-        return facts
-    for line in info.splitlines():
-        name, _, value = line.partition(":")
-        name = name.strip()
-        if name in ("model name", "flags", "Features", "CPU part") and name not in facts:
-            facts[name] = value.strip()
-    return facts
-
-
 def backend_key(device: Any, workload: Workload) -> dict[str, Any]:
     """What decides which kernels run: the device, the CPU, the software, the shapes."""
     import jaxlib
@@ -543,7 +527,7 @@ def backend_key(device: Any, workload: Workload) -> dict[str, Any]:
         "workload": asdict(workload),
     }
     if device.platform == "cpu":
-        key["cpu"] = _cpu_facts()
+        key["cpu"] = native_kernels.cpu_facts()
         # a plan naming the native kernels is only valid where they build, as built
         key["native_kernels"] = native_kernels.build_id()
     return key

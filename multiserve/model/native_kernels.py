@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import json
 import logging
 import os
 import platform
@@ -53,6 +54,7 @@ HEAD_DIMS = (16, 32, 48, 64, 80, 96, 128, 256)  # the head sizes the kernel is i
 PANEL = 64  # columns per packed weight panel (row_gemm.cc)
 SOURCES = tuple(Path(__file__).parent / "native" / name
                 for name in ("paged_attention.cc", "row_gemm.cc"))
+HEADERS = (Path(__file__).parent / "native" / "parallel_for.h",)  # hashed, not compiled
 FLAGS = ("-std=c++20", "-O3", "-march=native", "-ffp-contract=fast", "-fPIC", "-shared", "-w")
 
 _LOCK = threading.Lock()
@@ -66,15 +68,22 @@ def _compiler() -> str | None:
     return None
 
 
-def _cpu_id() -> str:
+def cpu_facts() -> dict[str, str]:
+    """What identifies this CPU for compiled code and measured plans: the machine and
+    /proc/cpuinfo's model name, flags (x86) or Features / CPU part (Arm) of its first core.
+    Part of the kernels' build hash and of the invariance plan's cache key."""
+    facts = {"machine": platform.machine()}
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             info = f.read()
     except OSError:
-        return platform.machine()
-    keep = [line for line in info.splitlines()
-            if line.split(":")[0].strip() in ("model name", "flags", "Features")]
-    return platform.machine() + "\n" + "\n".join(sorted(set(keep)))
+        return facts
+    for line in info.splitlines():
+        name, _, value = line.partition(":")
+        name = name.strip()
+        if name in ("model name", "flags", "Features", "CPU part") and name not in facts:
+            facts[name] = value.strip()
+    return facts
 
 
 def _build(cxx: str) -> Path:
@@ -84,9 +93,9 @@ def _build(cxx: str) -> Path:
 
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True,
                              check=False).stdout
-    digest = hashlib.sha256("\n".join([*(src.read_text() for src in SOURCES), cxx, version,
-                                       " ".join(FLAGS), jaxlib.__version__, _cpu_id()]
-                                      ).encode()).hexdigest()
+    inputs = [*(src.read_text() for src in SOURCES + HEADERS), cxx, version, " ".join(FLAGS),
+              jaxlib.__version__, json.dumps(cpu_facts(), sort_keys=True)]
+    digest = hashlib.sha256("\n".join(inputs).encode()).hexdigest()
     base = os.environ.get("MULTISERVE_CACHE_DIR")
     root = (Path(base) if base else Path.home() / ".cache" / "multiserve") / "kernels"
     path = root / f"multiserve-kernels-{digest[:20]}.so"

@@ -20,12 +20,10 @@
 // row's own inputs only.
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <thread>
 
+#include "parallel_for.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -153,27 +151,6 @@ void attend_item(const Problem& pr, int64_t t, int64_t head) {
 
 using ItemFn = void (*)(const Problem&, int64_t, int64_t);
 
-// Items handed out in chunks from one counter; the caller works too, so the call finishes
-// even when no pool thread is free. The shared state outlives the call (a late helper
-// only finds the counter exhausted).
-struct Shared {
-  Problem pr;
-  ItemFn item;
-  int64_t items, chunk;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-};
-
-void work(Shared& sh) {
-  for (;;) {
-    const int64_t start = sh.next.fetch_add(sh.chunk);
-    if (start >= sh.items) return;
-    const int64_t stop = std::min(sh.items, start + sh.chunk);
-    for (int64_t i = start; i < stop; ++i) sh.item(sh.pr, i / sh.pr.heads, i % sh.pr.heads);
-    sh.done.fetch_add(stop - start);
-  }
-}
-
 ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                               ffi::Buffer<ffi::F32> k_pool, ffi::Buffer<ffi::F32> v_pool,
                               ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> positions,
@@ -186,8 +163,7 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   if (qd.size() != 3 || kd.size() != 4 || td.size() != 2)
     return ffi::Error::InvalidArgument("paged_attention: q [T,H,HD], pools [L,KV,S,HD], "
                                        "page table [B,P] expected");
-  auto sh = std::make_shared<Shared>();
-  Problem& pr = sh->pr;
+  Problem pr;
   pr.q = q.typed_data();
   pr.k = k_pool.typed_data();
   pr.v = v_pool.typed_data();
@@ -208,26 +184,27 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   if (pr.kv_heads < 1 || pr.heads % pr.kv_heads != 0 || kd[3] != pr.head_dim)
     return ffi::Error::InvalidArgument("paged_attention: unsupported head layout");
   pr.group = pr.heads / pr.kv_heads;
+  ItemFn item = nullptr;
   switch (pr.head_dim) {
-    case 16: sh->item = attend_item<16>; break;
-    case 32: sh->item = attend_item<32>; break;
-    case 48: sh->item = attend_item<48>; break;
-    case 64: sh->item = attend_item<64>; break;
-    case 80: sh->item = attend_item<80>; break;
-    case 96: sh->item = attend_item<96>; break;
-    case 128: sh->item = attend_item<128>; break;
-    case 256: sh->item = attend_item<256>; break;
+    case 16: item = attend_item<16>; break;
+    case 32: item = attend_item<32>; break;
+    case 48: item = attend_item<48>; break;
+    case 64: item = attend_item<64>; break;
+    case 80: item = attend_item<80>; break;
+    case 96: item = attend_item<96>; break;
+    case 128: item = attend_item<128>; break;
+    case 256: item = attend_item<256>; break;
     default: return ffi::Error::InvalidArgument("paged_attention: unsupported head_dim");
   }
   if (pr.layer < 0 || pr.layer >= kd[0])
     return ffi::Error::InvalidArgument("paged_attention: layer out of range");
-  sh->items = pr.tokens * pr.heads;
+  const int64_t items = pr.tokens * pr.heads;  // one (token, query head) each
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  sh->chunk = std::max<int64_t>(1, sh->items / (threads * 8));
-  const int64_t helpers = std::min<int64_t>(threads, sh->items / sh->chunk) - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([sh] { work(*sh); });
-  work(*sh);
-  while (sh->done.load() < sh->items) std::this_thread::yield();
+  const int64_t chunk = std::max<int64_t>(1, items / (threads * 8));
+  const int64_t helpers = std::min<int64_t>(threads, items / chunk) - 1;
+  multiserve::parallel_for(pool, items, chunk, helpers, [pr, item](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) item(pr, i / pr.heads, i % pr.heads);
+  });
   return ffi::Error::Success();
 }
 

@@ -14,12 +14,10 @@
 // on the thread count. (Built with -ffp-contract=fast: the compiler fuses `acc += a * b`.)
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <thread>
 
+#include "parallel_for.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -81,23 +79,6 @@ void run_panel(const Problem& pr, int64_t p) {
   }
 }
 
-struct Shared {
-  Problem pr;
-  int64_t chunk;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-};
-
-void work(Shared& sh) {
-  for (;;) {
-    const int64_t start = sh.next.fetch_add(sh.chunk);
-    if (start >= sh.pr.panels) return;
-    const int64_t stop = std::min(sh.pr.panels, start + sh.chunk);
-    for (int64_t p = start; p < stop; ++p) run_panel(sh.pr, p);
-    sh.done.fetch_add(stop - start);
-  }
-}
-
 ffi::Error RowGemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                        ffi::Buffer<ffi::F32> wp, ffi::Buffer<ffi::S32> layer,
                        ffi::ResultBuffer<ffi::F32> y) {
@@ -108,17 +89,16 @@ ffi::Error RowGemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                                        "expected");
   const int64_t l = layer.typed_data()[0];
   if (l < 0 || l >= wd[0]) return ffi::Error::InvalidArgument("row_gemm: layer out of range");
-  auto sh = std::make_shared<Shared>();
-  sh->pr = Problem{x.typed_data(), wp.typed_data() + l * wd[1] * wd[2] * PANEL,
+  const Problem pr{x.typed_data(), wp.typed_data() + l * wd[1] * wd[2] * PANEL,
                    y->typed_data(), xd[0], xd[1], wd[1]};
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   // panels per grab: ~4 grabs per thread; a small product stays on the caller
-  const int64_t work_units = sh->pr.panels * std::max<int64_t>(1, sh->pr.m) * sh->pr.k;
-  const int64_t helpers = work_units < (1 << 16) ? 0 : std::min(threads, sh->pr.panels) - 1;
-  sh->chunk = std::max<int64_t>(1, sh->pr.panels / ((helpers + 1) * 4));
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([sh] { work(*sh); });
-  work(*sh);
-  while (sh->done.load() < sh->pr.panels) std::this_thread::yield();
+  const int64_t work_units = pr.panels * std::max<int64_t>(1, pr.m) * pr.k;
+  const int64_t helpers = work_units < (1 << 16) ? 0 : std::min(threads, pr.panels) - 1;
+  const int64_t chunk = std::max<int64_t>(1, pr.panels / ((helpers + 1) * 4));
+  multiserve::parallel_for(pool, pr.panels, chunk, helpers, [pr](int64_t b, int64_t e) {
+    for (int64_t p = b; p < e; ++p) run_panel(pr, p);
+  });
   return ffi::Error::Success();
 }
 
