@@ -133,7 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--peer", choices=["none", "hf", "vllm", "llamacpp"], default="none",
                    help="compare with a peer run in its own env (scripts/peer-envs.sh)")
     b.add_argument("--peer-model", default=None,
-                   help="the peer's model (HF dir; .gguf for llamacpp); default: ours")
+                   help="the peer's model (HF dir; .gguf for llamacpp); default: ours (for "
+                        "llamacpp an F32 copy of our GGUF: the weights we compute with)")
     b.add_argument("--no-overlap", action="store_true")
     b.add_argument("--ab-overlap", action="store_true", help="run overlap on AND off")
     b.add_argument("--model", default=None)

@@ -79,21 +79,30 @@ def _engine_config(args: argparse.Namespace) -> Any:
 
 def _peer_model(args: argparse.Namespace) -> str:
     """The model the peer loads: --peer-model, else the engine's model in the form the
-    peer reads (an HF dir; a .gguf file for llama.cpp), else the default model's."""
+    peer reads (an HF dir; for llama.cpp an F32 copy of the engine's .gguf, the weights
+    the engine computes with: gguf_f32.py), else the default model's."""
     if args.peer_model:
         return str(args.peer_model)
     gguf = args.peer == "llamacpp"
     if args.model is None:
         from multiserve.model.default_model import default_model_path, find_default_gguf
 
-        return str(find_default_gguf() if gguf else default_model_path())
+        return str(_f32(find_default_gguf()) if gguf else default_model_path())
     if gguf and str(args.model).endswith(".gguf"):
-        return str(args.model)
+        return str(_f32(Path(args.model)))
     if not gguf and Path(args.model, "config.json").is_file():
         return str(args.model)
     kind = "a .gguf file" if gguf else "a Hugging Face model directory (config.json)"
     raise SystemExit(f"bench: --peer {args.peer} needs {kind}; got {args.model!r} "
                      "(give one with --peer-model)")
+
+
+def _f32(gguf: Path) -> Path:
+    from multiserve.bench.gguf_f32 import f32_copy
+
+    print(f"bench: llama.cpp peer reads an F32 copy of {gguf.name} (--peer-model for another)",
+          flush=True)
+    return f32_copy(gguf)
 
 
 def _run_peer(args: argparse.Namespace, model: str, prompts: list[list[int]], m: int,
