@@ -42,6 +42,7 @@ from jax.sharding import PartitionSpec as P
 
 from multiserve.config import EngineConfig, ModelConfig
 from multiserve.engine.device.batch_arrays import StepArrays, empty_step_arrays
+from multiserve.engine.device.program_share import SHARE
 from multiserve.engine.device.programs import Plan, ProgramSet, plan, smallest_fit
 from multiserve.engine.sampling import host as sampling_host
 from multiserve.engine.sampling import sampler as sampling
@@ -240,10 +241,14 @@ class Runner:
         return out
 
     def _compile(self, inputs: tuple[Any, ...], kind: str, size: int) -> Any:
-        """Lower and compile one program (any thread). The one place programs are made."""
+        """Lower and compile one program (any thread). The one place programs are made:
+        compiled here, or loaded from another engine's compile of the same program
+        (program_share.py: a fleet compiles each program once, not once per engine)."""
         if kind == "T":
-            return self._forward_fn.lower(*inputs).compile()
-        return self._head_fn.lower(*inputs, num_rows=size).compile()
+            lowered = self._forward_fn.lower(*inputs)
+        else:
+            lowered = self._head_fn.lower(*inputs, num_rows=size)
+        return SHARE.compile(lowered, list(self.mesh.devices.flat))
 
     def warmup(self, max_pages: int, progress: Any = None, background: bool = False,
                on_complete: Any = None, on_first: Any = None) -> None:
