@@ -9,7 +9,9 @@ Invariants:
   before step N's results are read. `drain()` reads the step in flight, after which no
   device work of this engine is pending: every control operation that needs
   quiescence (pause, flush, weight updates, memory release) drains first.
-- Every Req reaches exactly one final output (finished=True) through its sink.
+- Every Req reaches exactly one final output (finished=True) through its sink: every
+  end goes through `finish` (stop, length, abort, a fault, shutdown), every output
+  through `_deliver`. Request state itself changes only in the Scheduler.
 - Pause state is a set of reasons (types.PAUSE_REASONS), owned here: "user" is set and
   cleared only by `pause()` / `resume()`; every other reason only by the subsystem that
   holds the engine (`hold()` / `release_hold()`: weight staging, memory release). The
@@ -26,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -35,22 +36,20 @@ import numpy as np
 from multiserve.config import EngineConfig, ModelConfig
 from multiserve.engine.device.batch_arrays import build_step_arrays
 from multiserve.engine.device.model_runner import Runner, StepOutput
-from multiserve.engine.sampling import host as sampling_host
+from multiserve.engine.sampling.logprobs import StepLogprobs
+from multiserve.engine.sampling.rows import step_rows
 from multiserve.engine.sched.admission import AdmissionLimits, check_admission
 from multiserve.engine.sched.page_allocator import PageAllocator
 from multiserve.engine.sched.prefix_cache import PrefixCache
 from multiserve.engine.sched.request import Req
 from multiserve.engine.sched.scheduler import ScheduledBatch, Scheduler
+from multiserve.engine.sched.stop_rules import StopRules
 from multiserve.types import (
     ControlResult,
     FinishReason,
     InvalidRequest,
     MemoryTag,
     PauseReason,
-    RequestStatus,
-    SamplingParams,
-    TokenLogprob,
-    WeightSegment,
 )
 
 if TYPE_CHECKING:
@@ -58,9 +57,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-
-def _drop_output(out: Any) -> None:
-    """The sink of a request whose own sink raised."""
 
 class EngineCore:
     def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, runner: Runner,
@@ -73,14 +69,13 @@ class EngineCore:
         self.max_context = max_context
         self.max_pages = -(-max_context // cfg.page_size)
         self.eos_ids = frozenset(eos_ids)
-        self.stop_string_checker = stop_string_checker
+        self.stop_rules = StopRules(self.eos_ids, max_context, stop_string_checker)
         self.allocator = PageAllocator(num_pages, cfg.page_size)
         self.cache = PrefixCache(self.allocator, cfg.page_size,
                                  enabled=not cfg.disable_prefix_cache)
         self.scheduler = Scheduler(cfg, self.allocator, self.cache, max_context,
                                    max(cfg.precompile_token_paddings),
                                    max(cfg.precompile_bs_paddings))
-        self.reqs: dict[tuple[str, int], Req] = {}
         self.in_flight: tuple[ScheduledBatch, StepOutput] | None = None
         self.last_batch: ScheduledBatch | None = None
         self._pause_reasons: set[PauseReason] = set()
@@ -90,9 +85,14 @@ class EngineCore:
         self.overlap = not cfg.disable_overlap
         self.initial_available = self.scheduler.available_kv_tokens()
         self.admission = AdmissionLimits.from_config(cfg, self.initial_available)
-        self.fault: str | None = None  # test-only: the next step raises this
+        self._fault: str | None = None  # the next step raises this (inject_fault)
 
     # ---- requests ------------------------------------------------------------------
+    @property
+    def reqs(self) -> dict[tuple[str, int], Req]:
+        """Every live Req, by (rid, index) (the Scheduler's table; read only)."""
+        return self.scheduler.reqs
+
     def add(self, reqs: Sequence[Req]) -> None:
         """Admit a batch atomically: all of it, or (a rid live already or repeated in the
         batch) none of it."""
@@ -104,11 +104,10 @@ class EngineCore:
             keys.add(req.key)
         check_admission(self.scheduler.waiting, reqs, self.admission)  # or EngineOverloaded
         for req in reqs:
-            self.reqs[req.key] = req
+            self.scheduler.add(req)
             if req.params.max_new_tokens == 0 and not req.needs_prompt_logprobs:
-                self._finish(req, "length")
-            else:  # max_new_tokens == 0 with prompt logprobs: prefill only (scoring)
-                self.scheduler.add(req)
+                self.finish(req, "length")
+            # else max_new_tokens == 0 with prompt logprobs: prefill only (scoring)
 
     def has_work(self) -> bool:
         return self.in_flight is not None or (not self.paused and self.scheduler.has_work())
@@ -117,8 +116,8 @@ class EngineCore:
     def step(self) -> None:
         """Launch the next step (if any), then read the previous one (overlap)."""
         assert not self._pause_reasons, self._pause_reasons
-        if self.fault is not None:
-            msg, self.fault = self.fault, None
+        if self._fault is not None:
+            msg, self._fault = self._fault, None
             raise RuntimeError(msg)
         batch = self.scheduler.schedule()
         launched = self._launch(batch) if batch is not None else None
@@ -141,30 +140,8 @@ class EngineCore:
         arrays = build_step_arrays(batch, t_pad, runner.page_table_rows(t_pad), runner.max_rows,
                                    self.max_pages, self.page_size)
         batch.prompt_rows = arrays.prompt_rows
-        specs: list[sampling_host.RowSpec | None] = []
-        wants_lp = bool(arrays.prompt_rows)
-        for row in batch.rows:
-            if not row.samples:
-                specs.append(None)
-                continue
-            req = row.req
-            ban: tuple[int, ...] = ()
-            if req.num_generated < req.params.min_new_tokens:
-                ban = tuple(sorted(self.eos_ids | set(req.params.stop_token_ids)))
-            specs.append(sampling_host.RowSpec(
-                params=req.params, seed=req.seed, sample_index=req.index, position=row.end,
-                output_ids=req.output_ids, prompt_ids=req.prompt_ids, ban_ids=ban))
-            wants_lp = wants_lp or req.params.wants_logprobs
-        for req, j in arrays.prompt_rows:  # score prompt token j (greedy row, ids ignored)
-            specs.append(sampling_host.RowSpec(
-                params=SamplingParams(temperature=0.0, max_new_tokens=1,
-                                      top_logprobs_num=req.params.top_logprobs_num,
-                                      token_ids_logprob=(req.prompt_ids[j],)),
-                seed=0, sample_index=0, position=j, output_ids=(), prompt_ids=()))
+        specs, wants_lp = step_rows(batch, arrays.prompt_rows, self.stop_rules)
         out = runner.run(arrays, runner.sampling_batch(specs, r_pad), wants_lp, r_pad)
-        for b, row in enumerate(batch.rows):
-            if row.samples:
-                row.req.last_out_row = b
         decodes = any(not r.req.in_prefill and r.samples and r.end - r.start == 1
                       for r in batch.rows)
         self.scheduler.launch(batch)
@@ -174,93 +151,51 @@ class EngineCore:
         return batch, out
 
     def _process(self, batch: ScheduledBatch, out: StepOutput) -> None:
+        """Read step `batch`'s results (blocks on the device), let the scheduler record
+        them, and deliver what they completed."""
         next_ids = np.asarray(out.next_ids)
-        lp = None
-        if out.wants_logprobs:
-            s = out.sample
-            lp = (np.asarray(s.logprob), np.asarray(s.top_ids), np.asarray(s.top_logprobs),
-                  np.asarray(s.selected_logprobs))
+        lp = StepLogprobs(out.sample) if out.wants_logprobs else None
         self.last_batch = batch
-        now = time.monotonic()
-        for k, (req, j) in enumerate(batch.prompt_rows):
-            if not req.finished and len(req.prompt_logprobs) == j:
-                b = len(batch.rows) + k
-                top = tuple((int(lp[1][b, i]), float(lp[2][b, i]))
-                            for i in range(req.params.top_logprobs_num))
-                req.prompt_logprobs.append(
-                    TokenLogprob(req.prompt_ids[j], float(lp[3][b, 0]), top))
-        for b, row in enumerate(batch.rows):
-            if not row.samples:
-                continue
-            req = row.req
-            if req.finished:
-                continue
-            req.pending -= 1
-            if req.params.max_new_tokens == 0:  # scoring: the prompt is done, no token
-                self._finish(req, "length")
-                continue
-            tok = int(next_ids[b])
-            req.output_ids.append(tok)
-            if req.first_token_time is None:
-                req.first_token_time = now
-            if not req.weight_segments or req.weight_segments[-1].weight_version != \
-                    self.weight_version:
-                req.weight_segments.append(
-                    WeightSegment(len(req.output_ids) - 1, self.weight_version))
-            if lp is not None and req.params.wants_logprobs:
-                req.output_logprobs.append(self._logprob_record(req, tok, b, lp))
-            reason = self._finish_reason(req, tok)
-            if reason is not None:
-                self._finish(req, reason)
-            elif req.stream:
-                self._deliver(req)
+        for req in self.scheduler.postprocess(batch, next_ids.tolist(), lp,
+                                              self.weight_version, self.stop_rules):
+            self._deliver(req)
 
-    def _logprob_record(self, req: Req, tok: int, b: int, lp: tuple) -> TokenLogprob:
-        logprob, top_ids, top_lps, sel = lp
-        k = req.params.top_logprobs_num
-        top = tuple((int(top_ids[b, j]), float(top_lps[b, j])) for j in range(k))
-        ids = req.params.token_ids_logprob or ()
-        selected = tuple((int(t), float(sel[b, j])) for j, t in enumerate(ids))
-        return TokenLogprob(tok, float(logprob[b]), top, selected)
-
-    def _finish_reason(self, req: Req, tok: int) -> FinishReason | None:
-        p = req.params
-        if not p.ignore_eos and tok in self.eos_ids:
-            req.matched_stop = tok
-            return "stop"
-        if tok in p.stop_token_ids:
-            req.matched_stop = tok
-            return "stop"
-        if p.stop and self.stop_string_checker is not None:
-            matched = self.stop_string_checker(req.output_ids, p.stop)
-            if matched is not None:
-                req.matched_stop = matched
-                return "stop"
-        if len(req.output_ids) >= p.max_new_tokens:
-            return "length"
-        if len(req.prompt_ids) + len(req.output_ids) >= self.max_context:
-            return "length"
-        return None
-
-    def _finish(self, req: Req, reason: FinishReason) -> None:
-        self.scheduler.remove(req)
-        req.status = RequestStatus.FINISHED
-        req.finish_reason = reason
-        req.finish_time = time.monotonic()
-        self.reqs.pop(req.key, None)
-        self._deliver(req)
-
-    def _deliver(self, req: Req) -> None:
-        """Hand the Req's new output (a delta: the tokens since the last delivery, and how
-        it finished) to its sink. A sink that raises is its consumer's fault, not the
-        engine's: that request alone is aborted (sink dropped), the engine goes on."""
+    def finish(self, req: Req, reason: FinishReason, error: str | None = None) -> None:
+        """THE finish path: the scheduler records it (finished, `reason`, no longer live,
+        KV released), then the Req's final output is delivered (with `error`, if any).
+        Delivered even if the scheduler's queues are broken (after a fault): then the
+        scheduler's exception follows the delivery."""
         try:
-            req.sink(req.next_delta(self.weight_version))
+            self.scheduler.finish(req, reason)
+        finally:
+            self._deliver(req, error)
+
+    def fail_all(self, error: str) -> None:
+        """A step raised (or the engine stops): the step in flight is dropped and every
+        live request ends with "abort" and `error`, whatever state a fault left behind."""
+        self.in_flight = None
+        for req in list(self.reqs.values()):
+            try:
+                self.finish(req, "abort", error)
+            except Exception:  # noqa: BLE001 - state may be broken after a fault
+                pass
+
+    def inject_fault(self, message: str) -> None:
+        """Test and chaos hook (command InjectFault): the next step raises
+        RuntimeError(message)."""
+        self._fault = message
+
+    def _deliver(self, req: Req, error: str | None = None) -> None:
+        """Hand the Req's new output (a delta: the tokens since the last delivery, and how
+        it finished) to its sink: the one place a sink is called. A sink that raises is
+        its consumer's fault, not the engine's: that request alone is aborted (finished
+        without a further delivery), the engine goes on."""
+        try:
+            req.sink(req.next_delta(self.weight_version, error))
         except Exception:  # noqa: BLE001 - isolate one consumer's failure
             log.exception("output sink of request %s raised; the request is aborted", req.rid)
-            req.sink = _drop_output
             if not req.finished:
-                self._finish(req, "abort")
+                self.scheduler.finish(req, "abort")
 
     # ---- control -------------------------------------------------------------------
     def abort(self, rid: str | None, abort_all: bool) -> ControlResult:
@@ -274,7 +209,7 @@ class EngineCore:
             return ControlResult(True, f"no live request with rid {rid!r}",
                                  {"aborted": 0, "unknown_rid": rid})
         for req in targets:
-            self._finish(req, "abort")
+            self.finish(req, "abort")
         return ControlResult(True, f"aborted {len(targets)} request(s)",
                              {"aborted": len(targets),
                               "rids": sorted({r.rid for r in targets})})
@@ -285,7 +220,7 @@ class EngineCore:
         Returns how many were aborted."""
         started = [r for r in self.reqs.values() if r.admitted_once or r.output_ids]
         for req in started:
-            self._finish(req, "abort")
+            self.finish(req, "abort")
         return len(started)
 
     # ---- pause state: a set of reasons (see the module docstring) -------------------------

@@ -56,7 +56,6 @@ from multiserve.types import (
     InvalidRequest,
     OutputDelta,
     RequestOutput,
-    RequestStatus,
     SamplingParams,
     asleep_reason,
     check_pause_mode,
@@ -145,7 +144,7 @@ class Engine:
                     except queue.Empty:
                         break
                     if isinstance(cmd, Stop):
-                        self._fail_all("engine shut down")
+                        core.fail_all("engine shut down")
                         self._close_queue()
                         future.set_result(ControlResult(True, "stopped"))
                         return
@@ -210,23 +209,7 @@ class Engine:
     def _mark_unhealthy(self, reason: str) -> None:
         self._healthy = False
         self._reason = reason
-        self._core.in_flight = None
-        self._fail_all(reason)
-
-    def _fail_all(self, reason: str) -> None:
-        core = self._core
-        for req in list(core.reqs.values()):
-            try:
-                core.scheduler.remove(req)
-            except Exception:  # noqa: BLE001 - state may be broken after a fault
-                pass
-            core.reqs.pop(req.key, None)
-            req.finish_reason = "abort"
-            req.status = RequestStatus.FINISHED
-            try:
-                req.sink(req.next_delta(core.weight_version, error=reason))
-            except Exception:  # noqa: BLE001 - a bad sink must not kill the engine thread
-                pass
+        self._core.fail_all(reason)
 
     # ---- commands: the one way into the engine thread -------------------------------
     def call(self, cmd: Command) -> concurrent.futures.Future:
@@ -268,13 +251,7 @@ class Engine:
                 f"({p.max_new_tokens}) = {len(ids) + p.max_new_tokens} exceeds the context "
                 f"length ({self.context_len})", "max_new_tokens", "context_length_exceeded")
         seed = p.seed if p.seed is not None else self._seed_rng.getrandbits(63)
-        reqs = [Req(rid=request.rid, index=i, prompt_ids=ids, params=p, seed=seed,
-                    sink=sink, stream=request.stream,
-                    want_prompt_logprobs=request.return_prompt_logprobs)
-                for i in range(p.n)]
-        for r in reqs[1:]:
-            r.leader = reqs[0]
-        return reqs
+        return Req.samples_of(request, seed, sink)
 
     def new_rid(self) -> str:
         return f"{uuid.uuid4().hex[:12]}-{next(self._rid_counter)}"
@@ -479,7 +456,7 @@ class Engine:
 
     def inject_fault_for_testing(self, message: str = "injected fault") -> None:
         """Test-only hook: the engine's next step raises RuntimeError(message)."""
-        self.run_on_engine_thread(lambda core: setattr(core, "fault", message))
+        self.run_on_engine_thread(lambda core: core.inject_fault(message))
 
     def shutdown(self) -> None:
         if self._stopped:
