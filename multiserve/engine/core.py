@@ -58,6 +58,12 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+@dataclasses.dataclass(frozen=True)
+class HeldPages:
+    requests: int  # running requests
+    pages: list[int]  # the KV pages they hold, sorted
+
+
 class EngineCore:
     def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, runner: Runner,
                  num_pages: int, max_context: int, eos_ids: Sequence[int],
@@ -184,6 +190,20 @@ class EngineCore:
         """Test and chaos hook (command InjectFault): the next step raises
         RuntimeError(message)."""
         self._fault = message
+
+    def prime(self, kind: str, size: int) -> None:
+        """Run a background-compiled step program once, then let steps choose it."""
+        self.runner.programs.prime(kind, size)
+
+    def set_overlap(self, on: bool) -> None:
+        """Benchmarks: from now on launch step N+1 before reading step N (on), or not."""
+        self.drain()
+        self.overlap = on
+
+    def step_info(self) -> dict[str, Any]:
+        """What the steps run on: dtype, warm-up seconds, the compiled buckets."""
+        return {"dtype": str(self.runner.dtype), "compile_s": self.runner.warmup_seconds,
+                "buckets": self.runner.buckets()}
 
     def _deliver(self, req: Req, error: str | None = None) -> None:
         """Hand the Req's new output (a delta: the tokens since the last delivery, and how
@@ -350,6 +370,30 @@ class EngineCore:
         assert self.in_flight is None and self.runner.kv is None
         self.runner.kv = kv
         self.runner.reset_prev_ids()
+
+    def running_pages(self) -> HeldPages:
+        """The KV pages the running requests hold (what a preserving release saves)."""
+        running = self.scheduler.running
+        return HeldPages(len(running), sorted({p for r in running for p in r.pages}))
+
+    def retract_running(self) -> int:
+        """Retract every running request (KV freed, output kept, back to waiting);
+        returns how many."""
+        running = list(self.scheduler.running)
+        self.scheduler.retract(running)
+        return len(running)
+
+    def drop_cached_kv(self) -> int:
+        """Free every cached page no request holds; returns how many."""
+        return self.scheduler.drop_cached_kv()
+
+    def reset_prefix_cache(self) -> int:
+        """Empty the prefix cache (no request may hold a page); returns the pages it had."""
+        return self.cache.reset()
+
+    def check_integrity(self) -> None:
+        """The page accounting (`Scheduler.check_integrity`; AssertionError if broken)."""
+        self.scheduler.check_integrity()
 
     def flush(self) -> ControlResult:
         self.drain()

@@ -34,14 +34,20 @@ from typing import Any
 
 from multiserve.config import EngineConfig
 from multiserve.engine.commands import (
+    RL_COMMANDS,
     Abort,
     Add,
     Call,
+    CheckIntegrity,
     Command,
     Continue,
     Flush,
     GetState,
+    InjectFault,
     Pause,
+    Prime,
+    SetOverlap,
+    StepInfo,
     Stop,
 )
 from multiserve.engine.rl.control import RLControl
@@ -113,8 +119,7 @@ class Engine:
         self.context_len = parts.core.max_context
         self.devices = parts.runner.devices
         self._core = parts.core
-        self._rl = RLControl(parts.core, self.run_on_engine_thread,
-                             lambda fn: self.acall(Call(fn)), self._require_healthy)
+        self._rl = RLControl(parts.core, self.call, self._require_healthy)
         self._commands: queue.SimpleQueue[_Queued] = queue.SimpleQueue()
         self._seed_rng = random.Random(cfg.seed)
         self._rid_counter = itertools.count()
@@ -130,7 +135,7 @@ class Engine:
             _LIVE.add(self)
         _register_exit_hook()
         # programs compiled in the background are primed on the engine thread, between steps
-        parts.runner.programs.set_primer(lambda fn: self.call(Call(lambda core: fn())))
+        parts.runner.programs.set_primer(lambda kind, size: self.call(Prime(kind, size)))
 
     # ---- the engine thread ---------------------------------------------------------
     def _loop(self) -> None:
@@ -201,8 +206,20 @@ class Engine:
                 return core.flush()
             case GetState():
                 return {**core.internal_state(), "tp_size": len(self.devices)}
+            case Prime(kind, size):
+                return core.prime(kind, size)
+            case CheckIntegrity():
+                return core.scheduler.check_integrity()
+            case InjectFault(message):
+                return core.inject_fault(message)
+            case SetOverlap(on):
+                return core.set_overlap(on)
+            case StepInfo():
+                return core.step_info()
             case Call(fn):
                 return fn(core)
+            case _ if isinstance(cmd, RL_COMMANDS):
+                return self._rl.execute(cmd)
             case _:  # Stop is handled by the loop itself
                 raise TypeError(f"not an engine command: {cmd!r}")
 
@@ -423,10 +440,6 @@ class Engine:
     def get_internal_state(self) -> dict[str, Any]:
         return self.call(GetState()).result()
 
-    def run_on_engine_thread(self, fn: Callable[[Any], Any]) -> Any:
-        """Run fn(core) on the engine thread between steps (tests and extensions)."""
-        return self.call(Call(fn)).result()
-
     # ---- control: async ------------------------------------------------------------
     async def async_pause_generation(self, mode: str = "abort") -> ControlResult:
         check_pause_mode(mode)
@@ -453,10 +466,6 @@ class Engine:
         if self._healthy and released:
             return True, asleep_reason(released)
         return self._healthy, self._reason
-
-    def inject_fault_for_testing(self, message: str = "injected fault") -> None:
-        """Test-only hook: the engine's next step raises RuntimeError(message)."""
-        self.run_on_engine_thread(lambda core: core.inject_fault(message))
 
     def shutdown(self) -> None:
         if self._stopped:
@@ -495,89 +504,104 @@ class Engine:
         if not self._healthy:
             raise EngineUnavailable(self._reason)
 
-    # ---- RL: weight updates and memory release (forwarded to engine/rl/control.py) ----
+    # ---- RL: weight updates and memory release --------------------------------------
+    # Each operation is written once (engine/rl/control.py); these are its sync and async
+    # entry points, by the names sglang clients call.
     def stage_weights_from_tensor(self, params: Any, weight_version: str,
                                   abort_running: bool = False) -> ControlResult:
         """Validate + copy `params` (flat {HF name: array}, (name, array) pairs, or the
         params pytree; a subset updates only those tensors) onto the engine's devices.
         details["token"] publishes it. Refused if requests run and the engine is not
         paused (unless abort_running). The engine is held paused until publish/discard."""
-        return self._rl.stage_weights_from_tensor(params, weight_version, abort_running)
+        return self._rl.run(self._rl.stage_from_tensor(params, weight_version, abort_running))
+
+    async def async_stage_weights_from_tensor(self, params: Any, weight_version: str,
+                                              abort_running: bool = False) -> ControlResult:
+        """stage_weights_from_tensor, awaited (staging runs in a worker thread)."""
+        return await self._rl.arun(self._rl.stage_from_tensor(params, weight_version,
+                                                              abort_running))
 
     def stage_weights_from_disk(self, path: str, weight_version: str,
                                 abort_running: bool = False) -> ControlResult:
         """Like stage_weights_from_tensor, from an HF safetensors dir (every tensor)."""
-        return self._rl.stage_weights_from_disk(path, weight_version, abort_running)
+        return self._rl.run(self._rl.stage_from_disk(path, weight_version, abort_running))
+
+    async def async_stage_weights_from_disk(self, path: str, weight_version: str,
+                                            abort_running: bool = False) -> ControlResult:
+        """stage_weights_from_disk, awaited (staging runs in a worker thread)."""
+        return await self._rl.arun(self._rl.stage_from_disk(path, weight_version,
+                                                            abort_running))
 
     def publish_staged_weights(self, token: str, abort_running: bool = False) -> ControlResult:
         """Swap the staged weights in (between two steps), set the version, invalidate
         the prefix cache; abort_running aborts every live request first."""
-        return self._rl.publish_staged_weights(token, abort_running)
+        return self._rl.run(self._rl.publish(token, abort_running))
+
+    async def async_publish_staged_weights(self, token: str,
+                                           abort_running: bool = False) -> ControlResult:
+        """publish_staged_weights, awaited."""
+        return await self._rl.arun(self._rl.publish(token, abort_running))
 
     def discard_staged_weights(self, token: str | None = None) -> ControlResult:
-        return self._rl.discard_staged_weights(token)
+        """Drop the staged weights (`token`, or whichever are staged); the engine runs
+        again unless another reason holds it."""
+        return self._rl.run(self._rl.discard(token))
+
+    async def async_discard_staged_weights(self, token: str | None = None) -> ControlResult:
+        """discard_staged_weights, awaited."""
+        return await self._rl.arun(self._rl.discard(token))
 
     def update_weights_from_tensor(self, params: Any, weight_version: str,
                                    abort_running: bool = False) -> ControlResult:
         """stage_weights_from_tensor, then publish_staged_weights."""
-        return self._rl.update_weights_from_tensor(params, weight_version, abort_running)
+        return self._rl.run(self._rl.update_from_tensor(params, weight_version, abort_running))
+
+    async def async_update_weights_from_tensor(self, params: Any, weight_version: str,
+                                               abort_running: bool = False) -> ControlResult:
+        """update_weights_from_tensor, awaited."""
+        return await self._rl.arun(self._rl.update_from_tensor(params, weight_version,
+                                                               abort_running))
 
     def update_weights_from_disk(self, path: str, weight_version: str,
                                  abort_running: bool = False) -> ControlResult:
         """stage_weights_from_disk, then publish_staged_weights."""
-        return self._rl.update_weights_from_disk(path, weight_version, abort_running)
+        return self._rl.run(self._rl.update_from_disk(path, weight_version, abort_running))
+
+    async def async_update_weights_from_disk(self, path: str, weight_version: str,
+                                             abort_running: bool = False) -> ControlResult:
+        """update_weights_from_disk, awaited."""
+        return await self._rl.arun(self._rl.update_from_disk(path, weight_version,
+                                                             abort_running))
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> ControlResult:
         """details: name, shape (HF orientation), dtype, values = the first
         `truncate_size` rows as nested lists, weight_version."""
-        return self._rl.get_weights_by_name(name, truncate_size)
+        return self._rl.run(self._rl.read(name, truncate_size))
+
+    async def async_get_weights_by_name(self, name: str,
+                                        truncate_size: int = 100) -> ControlResult:
+        """get_weights_by_name, awaited."""
+        return await self._rl.arun(self._rl.read(name, truncate_size))
 
     def release_memory_occupation(self, tags: Any = MEMORY_TAGS, mode: str = "retract",
                                   preserve_state: bool = False) -> ControlResult:
         """Hold the engine (applying `mode` if it runs), then free the tagged device
         buffers; new requests wait until resume. preserve_state keeps in-place paused
         requests' K/V on the host and restores it exactly."""
-        return self._rl.release_memory_occupation(tags, mode, preserve_state)
-
-    def resume_memory_occupation(self, tags: Any = MEMORY_TAGS) -> ControlResult:
-        return self._rl.resume_memory_occupation(tags)
-
-    async def async_stage_weights_from_tensor(self, params: Any, weight_version: str,
-                                              abort_running: bool = False) -> ControlResult:
-        return await self._rl.async_stage_weights_from_tensor(params, weight_version,
-                                                              abort_running)
-
-    async def async_stage_weights_from_disk(self, path: str, weight_version: str,
-                                            abort_running: bool = False) -> ControlResult:
-        return await self._rl.async_stage_weights_from_disk(path, weight_version,
-                                                            abort_running)
-
-    async def async_publish_staged_weights(self, token: str,
-                                           abort_running: bool = False) -> ControlResult:
-        return await self._rl.async_publish_staged_weights(token, abort_running)
-
-    async def async_discard_staged_weights(self, token: str | None = None) -> ControlResult:
-        return await self._rl.async_discard_staged_weights(token)
-
-    async def async_update_weights_from_tensor(self, params: Any, weight_version: str,
-                                               abort_running: bool = False) -> ControlResult:
-        return await self._rl.async_update_weights_from_tensor(params, weight_version,
-                                                               abort_running)
-
-    async def async_update_weights_from_disk(self, path: str, weight_version: str,
-                                             abort_running: bool = False) -> ControlResult:
-        return await self._rl.async_update_weights_from_disk(path, weight_version,
-                                                             abort_running)
-
-    async def async_get_weights_by_name(self, name: str,
-                                        truncate_size: int = 100) -> ControlResult:
-        return await self._rl.async_get_weights_by_name(name, truncate_size)
+        return self._rl.run(self._rl.release(tags, mode, preserve_state))
 
     async def async_release_memory_occupation(self, tags: Any = MEMORY_TAGS,
                                               mode: str = "retract",
                                               preserve_state: bool = False) -> ControlResult:
-        return await self._rl.async_release_memory_occupation(tags, mode, preserve_state)
+        """release_memory_occupation, awaited."""
+        return await self._rl.arun(self._rl.release(tags, mode, preserve_state))
+
+    def resume_memory_occupation(self, tags: Any = MEMORY_TAGS) -> ControlResult:
+        """Bring the tagged device buffers back; generation starts again once everything
+        is resident and nothing else holds the engine."""
+        return self._rl.run(self._rl.resume(tags))
 
     async def async_resume_memory_occupation(self, tags: Any = MEMORY_TAGS
                                              ) -> ControlResult:
-        return await self._rl.async_resume_memory_occupation(tags)
+        """resume_memory_occupation, awaited."""
+        return await self._rl.arun(self._rl.resume(tags))

@@ -121,28 +121,26 @@ class MemoryManager:
 
     def _release_kv(self, preserve_state: bool) -> dict[str, Any]:
         core = self.core
-        sched = core.scheduler
-        holders = list(sched.running)
+        held = core.running_pages()
         out: dict[str, Any] = {}
-        if preserve_state and holders:
-            out["dropped_cached_pages"] = sched.drop_cached_kv()
-            pages = np.asarray(sorted({p for r in holders for p in r.pages}), np.int64)
+        if preserve_state and held.requests:
+            out["dropped_cached_pages"] = core.drop_cached_kv()
+            pages = np.asarray(held.pages, np.int64)
             ps = core.page_size
             slots = (pages[:, None] * ps + np.arange(ps)).reshape(-1)
             kv = core.kv_pool
             assert kv is not None
             self.preserved = _PreservedKV(pages, np.array(kv.k[:, :, slots], copy=True),
                                           np.array(kv.v[:, :, slots], copy=True))
-            out["preserved_requests"] = len(holders)
+            out["preserved_requests"] = held.requests
             out["preserved_kv_pages"] = len(pages)
         else:
-            if holders:
-                sched.retract(holders)
-                out["retracted"] = len(holders)
-            out["dropped_cached_pages"] = core.cache.reset()  # nothing holds a page now
+            if held.requests:
+                out["retracted"] = core.retract_running()
+            out["dropped_cached_pages"] = core.reset_prefix_cache()  # no page is held now
             self.preserved = None
         core.drop_kv()
-        sched.check_integrity()
+        core.check_integrity()
         return out
 
     # ---- resume ----------------------------------------------------------------------------
