@@ -51,7 +51,7 @@ class Flush:
 
 @dataclass(frozen=True)
 class GetState:
-    """`EngineCore.internal_state()`."""
+    """The engine's internal state (engine/state_report.internal_state)."""
 
 
 @dataclass(frozen=True)

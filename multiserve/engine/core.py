@@ -1,8 +1,17 @@
-"""EngineCore: the thread-confined heart of one engine (scheduler + runner + results).
+"""EngineCore: the thread-confined heart of one engine: admission, stepping, finishing,
+pausing, flushing.
 
 Only the engine's own thread calls into an EngineCore (docs/architecture.md §3); the public
-`Engine` hands work to it through a queue. Owns: the Reqs, the scheduler, the runner,
-step counters, pause state and the step in flight.
+`Engine` hands work to it through a queue of typed commands. Owns: the scheduler (which
+owns the Reqs), the runner, the step in flight, step counters, the pause state, the
+weight version. Its other jobs live beside it, each in its own module:
+- which sampler row each logits row is: engine/sampling/rows.py (`step_rows`);
+- a step's logprobs on the host: engine/sampling/logprobs.py (`StepLogprobs`);
+- when a sample ends: engine/sched/stop_rules.py (`StopRules`);
+- recording a step's results on the Reqs: `Scheduler.postprocess`;
+- why the engine is paused: engine/pause_state.py (`PauseState`);
+- what the RL subsystem may do to it: engine/rl_interface.py (`RLInterface`);
+- what get_internal_state reports: engine/state_report.py.
 
 Invariants:
 - At most one step is in flight (`self.in_flight`); under overlap, step N+1 is launched
@@ -12,21 +21,18 @@ Invariants:
 - Every Req reaches exactly one final output (finished=True) through its sink: every
   end goes through `finish` (stop, length, abort, a fault, shutdown), every output
   through `_deliver`. Request state itself changes only in the Scheduler.
-- Pause state is a set of reasons (types.PAUSE_REASONS), owned here: "user" is set and
-  cleared only by `pause()` / `resume()`; every other reason only by the subsystem that
-  holds the engine (`hold()` / `release_hold()`: weight staging, memory release). The
-  engine is paused iff the set is non-empty; while it is, `step()` is never called (the
-  loop sleeps on its queue). A user pause takes effect (its mode applies) whether or not
-  a hold is active, and no hold's end clears it.
+- The engine is paused iff its PauseState has a reason; while it has, `step()` is never
+  called (the loop sleeps on its queue). "user" is set and cleared only by `pause()` /
+  `resume()`; every other reason only by the subsystem that holds the engine (`hold()` /
+  `release_hold()`: weight staging, memory release). A user pause takes effect (its mode
+  applies) whether or not a hold is active, and no hold's end clears it.
 - Device state outside a step (params, the KV pool, the weight version) changes only
-  through `swap_params`, `set_weight_version`, `drop_kv` and `install_kv`, between steps
-  (asserted): the RL subsystem (engine/rl/) uses those and `hold`/`release_hold`, never
-  the runner's or the scheduler's fields.
+  between steps, through `set_weight_version` and RLInterface's `swap_params`,
+  `drop_kv`, `install_kv` (asserted).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -36,6 +42,7 @@ import numpy as np
 from multiserve.config import EngineConfig, ModelConfig
 from multiserve.engine.device.batch_arrays import build_step_arrays
 from multiserve.engine.device.model_runner import Runner, StepOutput
+from multiserve.engine.pause_state import PauseState
 from multiserve.engine.sampling.logprobs import StepLogprobs
 from multiserve.engine.sampling.rows import step_rows
 from multiserve.engine.sched.admission import AdmissionLimits, check_admission
@@ -53,15 +60,9 @@ from multiserve.types import (
 )
 
 if TYPE_CHECKING:
-    from multiserve.model.kv_pool import KVPool
+    pass
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class HeldPages:
-    requests: int  # running requests
-    pages: list[int]  # the KV pages they hold, sorted
 
 
 class EngineCore:
@@ -84,7 +85,7 @@ class EngineCore:
                                    max(cfg.precompile_bs_paddings))
         self.in_flight: tuple[ScheduledBatch, StepOutput] | None = None
         self.last_batch: ScheduledBatch | None = None
-        self._pause_reasons: set[PauseReason] = set()
+        self.pause_state = PauseState()
         self.weight_version = cfg.weight_version
         self.forward_ct = 0
         self.forward_ct_decode = 0
@@ -121,7 +122,7 @@ class EngineCore:
     # ---- stepping ------------------------------------------------------------------
     def step(self) -> None:
         """Launch the next step (if any), then read the previous one (overlap)."""
-        assert not self._pause_reasons, self._pause_reasons
+        assert not self.paused, self.pause_reasons
         if self._fault is not None:
             msg, self._fault = self._fault, None
             raise RuntimeError(msg)
@@ -191,19 +192,10 @@ class EngineCore:
         RuntimeError(message)."""
         self._fault = message
 
-    def prime(self, kind: str, size: int) -> None:
-        """Run a background-compiled step program once, then let steps choose it."""
-        self.runner.programs.prime(kind, size)
-
     def set_overlap(self, on: bool) -> None:
         """Benchmarks: from now on launch step N+1 before reading step N (on), or not."""
         self.drain()
         self.overlap = on
-
-    def step_info(self) -> dict[str, Any]:
-        """What the steps run on: dtype, warm-up seconds, the compiled buckets."""
-        return {"dtype": str(self.runner.dtype), "compile_s": self.runner.warmup_seconds,
-                "buckets": self.runner.buckets()}
 
     def _deliver(self, req: Req, error: str | None = None) -> None:
         """Hand the Req's new output (a delta: the tokens since the last delivery, and how
@@ -243,33 +235,28 @@ class EngineCore:
             self.finish(req, "abort")
         return len(started)
 
-    # ---- pause state: a set of reasons (see the module docstring) -------------------------
+    # ---- pause state (engine/pause_state.py) ----------------------------------------
     @property
     def paused(self) -> bool:
-        return bool(self._pause_reasons)
+        return self.pause_state.paused
 
     @property
     def pause_reasons(self) -> list[PauseReason]:
-        return sorted(self._pause_reasons)
+        return self.pause_state.reasons
 
     def hold(self, reason: PauseReason, mode: str | None = None) -> dict[str, Any] | None:
         """A subsystem holds the engine still: drain, then add `reason`. With `mode`, and
         only if the engine was running (no reason set), first apply that pause mode to the
         requests (what a memory release does); returns its details, else None."""
-        assert reason != "user", "the user's pause is pause()/resume()"
         self.drain()
         applied = self._apply_mode(mode) if mode is not None and not self.paused else None
-        self._pause_reasons.add(reason)
+        self.pause_state.add_hold(reason)
         return applied
 
     def release_hold(self, reason: PauseReason) -> bool:
         """Remove `reason` (its owner's hold ends). True iff it was set and no reason is
         left: the engine runs again now."""
-        assert reason != "user", "the user's pause is pause()/resume()"
-        if reason not in self._pause_reasons:
-            return False
-        self._pause_reasons.discard(reason)
-        return not self._pause_reasons
+        return self.pause_state.remove_hold(reason)
 
     def _apply_mode(self, mode: str) -> dict[str, Any]:
         """What a pause does to the requests (the caller drained): abort ends them all,
@@ -280,28 +267,32 @@ class EngineCore:
             details["aborted"] = self.abort(None, abort_all=True).details.get("aborted", 0)
         elif mode == "retract":
             before = self.scheduler.available_kv_tokens()
-            running = list(self.scheduler.running)
-            self.scheduler.retract(running)
-            details["retracted"] = len(running)
+            details["retracted"] = self.retract_running()
             details["freed_kv_tokens"] = self.scheduler.available_kv_tokens() - before
         return details
 
+    def retract_running(self) -> int:
+        """Retract every running request (KV freed, output kept, to the front of
+        waiting); returns how many."""
+        running = list(self.scheduler.running)
+        self.scheduler.retract(running)
+        return len(running)
+
     def pause(self, mode: str) -> ControlResult:
         """The user's pause: takes effect even while a hold is active (its mode applies)."""
-        if "user" in self._pause_reasons:
+        if self.pause_state.user:
             return ControlResult(True, "already paused (no-op)",
                                  {"already_paused": True, "mode": mode,
                                   "pause_reasons": self.pause_reasons})
         self.drain()
         details = self._apply_mode(mode)
-        self._pause_reasons.add("user")
+        self.pause_state.set_user()
         details["pause_reasons"] = self.pause_reasons
         return ControlResult(True, f"paused ({mode})", details)
 
     def resume(self) -> ControlResult:
         """Clear the user's pause only; a hold still active keeps the engine paused."""
-        had_user = "user" in self._pause_reasons
-        self._pause_reasons.discard("user")
+        had_user = self.pause_state.clear_user()
         left = self.pause_reasons
         if not had_user and not left:
             return ControlResult(True, "not paused (no-op)",
@@ -317,7 +308,7 @@ class EngineCore:
                                  {"pause_reasons": left})
         return ControlResult(True, "continued", {"pause_reasons": left})
 
-    # ---- device state: the narrow interface of engine/rl/ (engine thread, between steps) --
+    # ---- device state -------------------------------------------------------------
     @property
     def released_tags(self) -> frozenset[MemoryTag]:
         """Device buffers given back by a memory release: "weights" while the runner has no
@@ -325,25 +316,6 @@ class EngineCore:
         runner = self.runner
         return frozenset(tag for tag, gone in (("weights", runner.params is None),
                                                ("kv_cache", runner.kv is None)) if gone)
-
-    @property
-    def params(self) -> Any:
-        """The canonical params pytree on the devices (None while released). Read only:
-        replace it with `swap_params`."""
-        return self.runner.params
-
-    @property
-    def kv_pool(self) -> KVPool | None:
-        """The device KV pool (None while released). Read only."""
-        return self.runner.kv
-
-    def swap_params(self, params: Any) -> Any:
-        """Put `params` (None: the weights are released) on the runner, which re-derives
-        the compute form the step runs on; returns the tree it replaced."""
-        assert self.in_flight is None, "params change only between steps"
-        old = self.runner.params
-        self.runner.params = params
-        return old
 
     def set_weight_version(self, version: str) -> dict[str, Any]:
         """New weights are live: outputs carry `version` from now on, and K/V computed with
@@ -353,48 +325,7 @@ class EngineCore:
         return {"flushed_cached_pages": dropped, "kept_kv_requests": kept,
                 "prefix_cache_enabled": self.cache.enabled}
 
-    def drop_kv(self) -> None:
-        """Free the device KV pool and the small step buffers (memory release). The page
-        accounting is untouched: requests holding pages are the caller's to retract or
-        to keep (their K/V saved elsewhere, restored by `install_kv`)."""
-        assert self.in_flight is None, "KV is dropped only between steps"
-        kv = self.runner.kv
-        assert kv is not None, "the KV pool is released already"
-        kv.k.delete()
-        kv.v.delete()
-        self.runner.kv = None
-        self.runner.drop_step_buffers()
-
-    def install_kv(self, kv: KVPool) -> None:
-        """Give the runner a KV pool again (memory resume) and fresh step buffers."""
-        assert self.in_flight is None and self.runner.kv is None
-        self.runner.kv = kv
-        self.runner.reset_prev_ids()
-
-    def running_pages(self) -> HeldPages:
-        """The KV pages the running requests hold (what a preserving release saves)."""
-        running = self.scheduler.running
-        return HeldPages(len(running), sorted({p for r in running for p in r.pages}))
-
-    def retract_running(self) -> int:
-        """Retract every running request (KV freed, output kept, back to waiting);
-        returns how many."""
-        running = list(self.scheduler.running)
-        self.scheduler.retract(running)
-        return len(running)
-
-    def drop_cached_kv(self) -> int:
-        """Free every cached page no request holds; returns how many."""
-        return self.scheduler.drop_cached_kv()
-
-    def reset_prefix_cache(self) -> int:
-        """Empty the prefix cache (no request may hold a page); returns the pages it had."""
-        return self.cache.reset()
-
-    def check_integrity(self) -> None:
-        """The page accounting (`Scheduler.check_integrity`; AssertionError if broken)."""
-        self.scheduler.check_integrity()
-
+    # ---- control -------------------------------------------------------------------
     def flush(self) -> ControlResult:
         self.drain()
         blockers = []
@@ -418,44 +349,11 @@ class EngineCore:
         self.last_batch = None
         if self.runner.kv is not None:  # else install_kv makes them anew
             self.runner.reset_prev_ids()
-        self.scheduler.check_integrity()
+        self.check_integrity()
         return ControlResult(True, "cache flushed",
                              {"flushed_cached_pages": cached,
                               "flushed_cached_tokens": cached * self.page_size})
 
-    def internal_state(self) -> dict[str, Any]:
-        s = self.scheduler
-        return {
-            "engine_paused": self.paused,
-            "pause_reasons": self.pause_reasons,
-            "waiting_queue_size": len(s.waiting),
-            "running_batch_size": len(s.running),
-            "running_rids": [f"{r.rid}" if r.params.n == 1 else f"{r.rid}#{r.index}"
-                             for r in s.running],
-            "waiting_rids": [f"{r.rid}" if r.params.n == 1 else f"{r.rid}#{r.index}"
-                             for r in s.waiting],
-            "available_kv_tokens": s.available_kv_tokens(),
-            "initial_available_kv_tokens": self.initial_available,
-            "evictable_kv_tokens": self.cache.num_evictable_pages * self.page_size,
-            "tree_cache_size": self.cache.num_cached_pages * self.page_size,
-            "req_to_token_pool_used": sum(1 for r in s.running if r.pages),
-            "forward_ct_decode": self.forward_ct_decode,
-            "forward_ct": self.forward_ct,
-            "new_token_ratio": s.new_token_ratio,
-            "cur_batch": self.in_flight is not None,
-            "last_batch": self.last_batch is not None,
-            "chunked_req": bool(s.chunked_reqs),
-            "cache_miss_count": self.runner.cache_miss_count,
-            "compile": dataclasses.asdict(self.runner.programs.status()),
-            "determinism": self.runner.determinism,
-            "weight_version": self.weight_version,
-            "memory_released": sorted(self.released_tags),
-            "num_retractions": s.num_retractions,
-            "page_size": self.page_size,
-            "max_total_tokens": self.allocator.num_usable * self.page_size,
-            "max_context_len": self.max_context,
-            "max_queued_requests": self.admission.max_queued_requests,
-            "max_queued_tokens": self.admission.max_queued_tokens,
-            "overlap": self.overlap,
-            "prefix_cache_hit_tokens": self.cache.hit_tokens,
-        }
+    def check_integrity(self) -> None:
+        """The page accounting (`Scheduler.check_integrity`; AssertionError if broken)."""
+        self.scheduler.check_integrity()

@@ -51,8 +51,10 @@ from multiserve.engine.commands import (
     Stop,
 )
 from multiserve.engine.rl.control import RLControl
+from multiserve.engine.rl_interface import RLInterface
 from multiserve.engine.sched.request import Req
 from multiserve.engine.setup import EngineParts, build_engine_parts
+from multiserve.engine.state_report import internal_state, step_info
 from multiserve.engine.streams import OutputAssembler, OutputStream
 from multiserve.types import (
     MEMORY_TAGS,
@@ -119,7 +121,7 @@ class Engine:
         self.context_len = parts.core.max_context
         self.devices = parts.runner.devices
         self._core = parts.core
-        self._rl = RLControl(parts.core, self.call, self._require_healthy)
+        self._rl = RLControl(RLInterface(parts.core), self.call, self._require_healthy)
         self._commands: queue.SimpleQueue[_Queued] = queue.SimpleQueue()
         self._seed_rng = random.Random(cfg.seed)
         self._rid_counter = itertools.count()
@@ -205,17 +207,17 @@ class Engine:
             case Flush():
                 return core.flush()
             case GetState():
-                return {**core.internal_state(), "tp_size": len(self.devices)}
+                return {**internal_state(core), "tp_size": len(self.devices)}
             case Prime(kind, size):
-                return core.prime(kind, size)
+                return core.runner.programs.prime(kind, size)
             case CheckIntegrity():
-                return core.scheduler.check_integrity()
+                return core.check_integrity()
             case InjectFault(message):
                 return core.inject_fault(message)
             case SetOverlap(on):
                 return core.set_overlap(on)
             case StepInfo():
-                return core.step_info()
+                return step_info(core.runner)
             case Call(fn):
                 return fn(core)
             case _ if isinstance(cmd, RL_COMMANDS):

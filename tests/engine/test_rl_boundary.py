@@ -1,21 +1,23 @@
 """The RL subsystem (engine/rl/) stays behind its interface (issues 12, 21): it never
 assigns a field of anything but its own objects, never touches a request's sink, and
-calls only the core's narrow interface (`CORE_INTERFACE`: hold/release_hold,
-swap_params, set_weight_version, drop_kv/install_kv, ...): never a method of the core's
-parts (scheduler, prefix cache, allocator, runner), which it does not even name. Static
-(ast)."""
+calls only the narrow interface it is given (engine/rl_interface.RLInterface: hold/
+release_hold, swap_params, set_weight_version, drop_kv/install_kv, ...): never a method
+of the core's parts (scheduler, prefix cache, allocator, runner), and it names none of the
+first three. Static (ast)."""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
+from ast_targets import written
+
+from multiserve.engine.rl_interface import RLInterface
+
 RL = Path(__file__).resolve().parents[2] / "multiserve" / "engine" / "rl"
 OWN = {"staged"}  # rl/weights.StagedWeights, the staging's own object
-# EngineCore's methods engine/rl/ may call (engine thread, between steps)
-CORE_INTERFACE = {"drain", "hold", "release_hold", "swap_params", "set_weight_version",
-                  "drop_kv", "install_kv", "abort", "abort_started", "running_pages",
-                  "retract_running", "drop_cached_kv", "reset_prefix_cache", "check_integrity"}
+# what engine/rl/ may call: the public methods of the object it is given
+CORE_INTERFACE = {n for n in dir(RLInterface) if not n.startswith("_")}
 CORE_PARTS = {"scheduler", "cache", "allocator"}  # never named from engine/rl/
 
 
@@ -37,28 +39,15 @@ def _chain(node: ast.expr) -> list[str]:
 
 def _assigned_attributes(tree: ast.AST) -> list[tuple[int, str]]:
     out = []
-    for node in ast.walk(tree):
-        targets: list[ast.expr] = []
-        if isinstance(node, ast.Assign):
-            targets = list(node.targets)
-        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
-            targets = [node.target]
-        flat: list[ast.expr] = []
-        while targets:
-            t = targets.pop()
-            if isinstance(t, (ast.Tuple, ast.List)):
-                targets.extend(t.elts)
-            else:
-                flat.append(t)
-        for t in flat:
-            if isinstance(t, (ast.Attribute, ast.Subscript)):
-                chain = _chain(t)
-                # allowed: a local (d[k] =), a field of its own object (self.x =,
-                # self.x[k] =), and the StagedWeights it builds (staged.full[k] =)
-                if len(chain) > 1 and not (chain[0] == "self" and len(chain) == 2) \
-                        and chain[0] not in OWN:
-                    out.append((node.lineno, ".".join(chain)))
-    return out
+    for line, t in written(tree):
+        if isinstance(t, (ast.Attribute, ast.Subscript)):
+            chain = _chain(t)
+            # allowed: a local (d[k] =), a field of its own object (self.x =,
+            # self.x[k] =), and the StagedWeights it builds (staged.full[k] =)
+            if len(chain) > 1 and not (chain[0] == "self" and len(chain) == 2) \
+                    and chain[0] not in OWN:
+                out.append((line, ".".join(chain)))
+    return sorted(out)
 
 
 def test_rl_assigns_only_its_own_fields_and_never_touches_a_sink() -> None:
@@ -109,7 +98,7 @@ def test_rl_calls_only_the_cores_narrow_interface() -> None:
 
 def test_the_check_sees_a_call_into_the_cores_internals() -> None:
     tree = ast.parse("self.core.hold('x')\ncore.scheduler.retract(rs)\ns = core.cache\n"
-                     "self.core.runner.reset_prev_ids()\ncore._finish(r)\ncore.drop_kv()\n")
+                     "self.core.runner.reset_prev_ids()\ncore.finish(r)\ncore.drop_kv()\n")
     assert sorted(_core_calls(tree)) == [
         (2, "core.scheduler"), (2, "core.scheduler.retract()"), (3, "core.cache"),
-        (4, "self.core.runner.reset_prev_ids()"), (5, "core._finish()")]
+        (4, "self.core.runner.reset_prev_ids()"), (5, "core.finish()")]

@@ -46,7 +46,7 @@ from multiserve.model.errors import ModelLoadError
 from multiserve.types import MEMORY_TAGS, ControlResult, check_pause_mode
 
 if TYPE_CHECKING:
-    from multiserve.engine.core import EngineCore
+    from multiserve.engine.rl_interface import RLInterface
 
 Submit = Callable[[Command], concurrent.futures.Future]  # Engine.call
 Loader = Callable[[], tuple[Any, str, bool]]  # -> (tensors, source, require_all)
@@ -60,6 +60,24 @@ class OffThread:
 
 
 Op = RLCommand | Generator[Command | OffThread, Any, ControlResult]
+Outcome = tuple[Any, BaseException | None]  # a step's (result, None) or (None, exception)
+
+
+@dataclass(frozen=True)
+class Returned:
+    """An operation ended with `result`."""
+    result: ControlResult
+
+
+def _resume(op: Generator[Command | OffThread, Any, ControlResult], outcome: Outcome
+            ) -> Command | OffThread | Returned:
+    """Hand the last step's outcome to the operation (its result, or its exception
+    raised inside the operation); the operation's next step, or what it returned."""
+    result, error = outcome
+    try:
+        return op.throw(error) if error is not None else op.send(result)
+    except StopIteration as done:
+        return Returned(done.value)
 
 
 def _failed(e: Exception, weight_version: str) -> ControlResult:
@@ -70,7 +88,7 @@ class RLControl:
     """See the module docstring. `require_healthy()` raises EngineUnavailable when the
     engine cannot take an update (it runs on the engine thread)."""
 
-    def __init__(self, core: EngineCore, submit: Submit,
+    def __init__(self, core: RLInterface, submit: Submit,
                  require_healthy: Callable[[], None]) -> None:
         self.weights = WeightManager(core)
         self.memory = MemoryManager(core, self.weights)
@@ -82,38 +100,29 @@ class RLControl:
         """Run `op` on this thread (its commands wait for the engine thread)."""
         if not isinstance(op, Generator):
             return self._submit(op).result()
-        send: Any = None
-        error: BaseException | None = None
-        while True:
+        outcome: Outcome = (None, None)
+        while not isinstance(step := _resume(op, outcome), Returned):
             try:
-                step = op.throw(error) if error is not None else op.send(send)
-            except StopIteration as done:
-                return done.value
-            try:
-                send = step.fn() if isinstance(step, OffThread) else \
-                    self._submit(step).result()
-                error = None
+                outcome = (step.fn() if isinstance(step, OffThread)
+                           else self._submit(step).result()), None
             except BaseException as e:  # noqa: BLE001 - handed to the operation
-                send, error = None, e
+                outcome = None, e
+        return step.result
 
     async def arun(self, op: Op) -> ControlResult:
         """`run(op)`, awaited: commands are awaited, OffThread work runs in a worker
         thread (`asyncio.to_thread`)."""
         if not isinstance(op, Generator):
             return await asyncio.wrap_future(self._submit(op))
-        send: Any = None
-        error: BaseException | None = None
-        while True:
+        outcome: Outcome = (None, None)
+        while not isinstance(step := _resume(op, outcome), Returned):
+            pending = (asyncio.to_thread(step.fn) if isinstance(step, OffThread)
+                       else asyncio.wrap_future(self._submit(step)))
             try:
-                step = op.throw(error) if error is not None else op.send(send)
-            except StopIteration as done:
-                return done.value
-            try:
-                send = await (asyncio.to_thread(step.fn) if isinstance(step, OffThread)
-                              else asyncio.wrap_future(self._submit(step)))
-                error = None
+                outcome = await pending, None
             except BaseException as e:  # noqa: BLE001 - handed to the operation
-                send, error = None, e
+                outcome = None, e
+        return step.result
 
     # ---- the engine thread: RL commands ----------------------------------------------------
     def execute(self, cmd: RLCommand) -> ControlResult | None:

@@ -4,7 +4,7 @@ the same chips), then take them again, without losing a request.
 Owns `MemoryManager` (one per Engine): the host copy of released weights, the host copy
 of preserved K/V pages, and the "memory_released" pause reason. Runs on the engine
 thread only (commands between steps). Which tags are released is not stored here: it is
-what the runner lacks (`EngineCore.released_tags`). The engine is touched only through
+what the runner lacks (`RLInterface.released_tags`). The engine is touched only through
 the core's narrow methods (hold/release_hold, swap_params, drop_kv/install_kv), the
 scheduler's (retract, drop_cached_kv, check_integrity) and the prefix cache's reset.
 
@@ -46,7 +46,7 @@ from multiserve.model.sharding import kv_pool_sharding
 from multiserve.types import MEMORY_TAGS, ControlResult, MemoryTag
 
 if TYPE_CHECKING:
-    from multiserve.engine.core import EngineCore
+    from multiserve.engine.rl_interface import RLInterface
 
 
 def normalize_tags(tags: Any) -> tuple[MemoryTag, ...]:
@@ -79,7 +79,7 @@ def _nbytes(tree: Any) -> int:
 
 
 class MemoryManager:
-    def __init__(self, core: EngineCore, weights: WeightManager) -> None:
+    def __init__(self, core: RLInterface, weights: WeightManager) -> None:
         self.core = core
         self.weights = weights
         runner = core.runner  # read for its fixed settings only
