@@ -23,8 +23,8 @@ Invariants:
   through `_deliver`. Request state itself changes only in the Scheduler.
 - The engine is paused iff its PauseState has a reason; while it has, `step()` is never
   called (the loop sleeps on its queue). "user" is set and cleared only by `pause()` /
-  `resume()`; every other reason only by the subsystem that holds the engine (`hold()` /
-  `release_hold()`: weight staging, memory release). A user pause takes effect (its mode
+  `resume()`; every other reason only by the subsystem that holds the engine (`hold()`,
+  ended by `RLInterface.release_hold`: weight staging, memory release). A user pause takes effect (its mode
   applies) whether or not a hold is active, and no hold's end clears it.
 - Device state outside a step (params, the KV pool, the weight version) changes only
   between steps, through `set_weight_version` and RLInterface's `swap_params`,
@@ -95,17 +95,12 @@ class EngineCore:
         self._fault: str | None = None  # the next step raises this (inject_fault)
 
     # ---- requests ------------------------------------------------------------------
-    @property
-    def reqs(self) -> dict[tuple[str, int], Req]:
-        """Every live Req, by (rid, index) (the Scheduler's table; read only)."""
-        return self.scheduler.reqs
-
     def add(self, reqs: Sequence[Req]) -> None:
         """Admit a batch atomically: all of it, or (a rid live already or repeated in the
         batch) none of it."""
         keys: set[tuple[str, int]] = set()
         for req in reqs:
-            if req.key in self.reqs or req.key in keys:
+            if req.key in self.scheduler.reqs or req.key in keys:
                 raise InvalidRequest(f"rid: a live request already uses rid {req.rid!r}",
                                      param="rid")
             keys.add(req.key)
@@ -117,12 +112,13 @@ class EngineCore:
             # else max_new_tokens == 0 with prompt logprobs: prefill only (scoring)
 
     def has_work(self) -> bool:
-        return self.in_flight is not None or (not self.paused and self.scheduler.has_work())
+        return self.in_flight is not None or (not self.pause_state.paused
+                                              and self.scheduler.has_work())
 
     # ---- stepping ------------------------------------------------------------------
     def step(self) -> None:
         """Launch the next step (if any), then read the previous one (overlap)."""
-        assert not self.paused, self.pause_reasons
+        assert not self.pause_state.paused, self.pause_state.reasons
         if self._fault is not None:
             msg, self._fault = self._fault, None
             raise RuntimeError(msg)
@@ -181,7 +177,7 @@ class EngineCore:
         """A step raised (or the engine stops): the step in flight is dropped and every
         live request ends with "abort" and `error`, whatever state a fault left behind."""
         self.in_flight = None
-        for req in list(self.reqs.values()):
+        for req in list(self.scheduler.reqs.values()):
             try:
                 self.finish(req, "abort", error)
             except Exception:  # noqa: BLE001 - state may be broken after a fault
@@ -212,9 +208,9 @@ class EngineCore:
     # ---- control -------------------------------------------------------------------
     def abort(self, rid: str | None, abort_all: bool) -> ControlResult:
         if abort_all:
-            targets = list(self.reqs.values())
+            targets = list(self.scheduler.reqs.values())
         else:
-            targets = [r for r in self.reqs.values() if r.rid == rid]
+            targets = [r for r in self.scheduler.reqs.values() if r.rid == rid]
         if not targets:
             if abort_all:
                 return ControlResult(True, "no live requests to abort", {"aborted": 0})
@@ -226,37 +222,16 @@ class EngineCore:
                              {"aborted": len(targets),
                               "rids": sorted({r.rid for r in targets})})
 
-    def abort_started(self) -> int:
-        """Abort every live request that was ever admitted (it holds, or held, K/V or
-        output computed by the current weights); requests that only wait keep waiting.
-        Returns how many were aborted."""
-        started = [r for r in self.reqs.values() if r.admitted_once or r.output_ids]
-        for req in started:
-            self.finish(req, "abort")
-        return len(started)
-
     # ---- pause state (engine/pause_state.py) ----------------------------------------
-    @property
-    def paused(self) -> bool:
-        return self.pause_state.paused
-
-    @property
-    def pause_reasons(self) -> list[PauseReason]:
-        return self.pause_state.reasons
-
     def hold(self, reason: PauseReason, mode: str | None = None) -> dict[str, Any] | None:
         """A subsystem holds the engine still: drain, then add `reason`. With `mode`, and
         only if the engine was running (no reason set), first apply that pause mode to the
         requests (what a memory release does); returns its details, else None."""
         self.drain()
-        applied = self._apply_mode(mode) if mode is not None and not self.paused else None
+        running = not self.pause_state.paused
+        applied = self._apply_mode(mode) if mode is not None and running else None
         self.pause_state.add_hold(reason)
         return applied
-
-    def release_hold(self, reason: PauseReason) -> bool:
-        """Remove `reason` (its owner's hold ends). True iff it was set and no reason is
-        left: the engine runs again now."""
-        return self.pause_state.remove_hold(reason)
 
     def _apply_mode(self, mode: str) -> dict[str, Any]:
         """What a pause does to the requests (the caller drained): abort ends them all,
@@ -283,17 +258,17 @@ class EngineCore:
         if self.pause_state.user:
             return ControlResult(True, "already paused (no-op)",
                                  {"already_paused": True, "mode": mode,
-                                  "pause_reasons": self.pause_reasons})
+                                  "pause_reasons": self.pause_state.reasons})
         self.drain()
         details = self._apply_mode(mode)
         self.pause_state.set_user()
-        details["pause_reasons"] = self.pause_reasons
+        details["pause_reasons"] = self.pause_state.reasons
         return ControlResult(True, f"paused ({mode})", details)
 
     def resume(self) -> ControlResult:
         """Clear the user's pause only; a hold still active keeps the engine paused."""
         had_user = self.pause_state.clear_user()
-        left = self.pause_reasons
+        left = self.pause_state.reasons
         if not had_user and not left:
             return ControlResult(True, "not paused (no-op)",
                                  {"already_running": True, "pause_reasons": left})
@@ -349,11 +324,7 @@ class EngineCore:
         self.last_batch = None
         if self.runner.kv is not None:  # else install_kv makes them anew
             self.runner.reset_prev_ids()
-        self.check_integrity()
+        self.scheduler.check_integrity()
         return ControlResult(True, "cache flushed",
                              {"flushed_cached_pages": cached,
                               "flushed_cached_tokens": cached * self.page_size})
-
-    def check_integrity(self) -> None:
-        """The page accounting (`Scheduler.check_integrity`; AssertionError if broken)."""
-        self.scheduler.check_integrity()

@@ -159,7 +159,7 @@ class Engine:
                     block = False
                 if not self._healthy:
                     continue
-                if core.has_work() and not core.paused:
+                if core.has_work() and not core.pause_state.paused:
                     core.step()
                 elif core.in_flight is not None:
                     core.drain()
@@ -211,7 +211,7 @@ class Engine:
             case Prime(kind, size):
                 return core.runner.programs.prime(kind, size)
             case CheckIntegrity():
-                return core.check_integrity()
+                return core.scheduler.check_integrity()
             case InjectFault(message):
                 return core.inject_fault(message)
             case SetOverlap(on):

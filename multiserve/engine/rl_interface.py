@@ -49,12 +49,12 @@ class RLInterface:
 
     @property
     def paused(self) -> bool:
-        return self._core.paused
+        return self._core.pause_state.paused
 
     @property
     def num_live(self) -> int:
         """Live requests (waiting or running)."""
-        return len(self._core.reqs)
+        return len(self._core.scheduler.reqs)
 
     @property
     def released_tags(self) -> frozenset[MemoryTag]:
@@ -85,16 +85,22 @@ class RLInterface:
         return self._core.hold(reason, mode)
 
     def release_hold(self, reason: PauseReason) -> bool:
-        """EngineCore.release_hold: True iff the engine runs again now."""
-        return self._core.release_hold(reason)
+        """End hold `reason` (its owner's hold ends): True iff the engine runs again now."""
+        return self._core.pause_state.remove_hold(reason)
 
     def abort_all(self) -> int:
         """Abort every live request; returns how many."""
         return int(self._core.abort(None, abort_all=True).details.get("aborted", 0))
 
     def abort_started(self) -> int:
-        """EngineCore.abort_started: abort every request ever admitted; how many."""
-        return self._core.abort_started()
+        """Abort every live request that was ever admitted (it holds, or held, K/V or
+        output computed by the current weights); requests that only wait keep waiting.
+        Returns how many were aborted."""
+        started = [r for r in self._core.scheduler.reqs.values()
+                   if r.admitted_once or r.output_ids]
+        for req in started:
+            self._core.finish(req, "abort")
+        return len(started)
 
     def set_weight_version(self, version: str) -> dict[str, Any]:
         """EngineCore.set_weight_version: the version outputs carry; old K/V invalidated."""
@@ -114,7 +120,7 @@ class RLInterface:
 
     def check_integrity(self) -> None:
         """The page accounting (AssertionError if broken)."""
-        self._core.check_integrity()
+        self._core.scheduler.check_integrity()
 
     # ---- device buffers (between steps) ----------------------------------------------------
     def swap_params(self, params: Any) -> Any:

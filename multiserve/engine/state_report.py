@@ -27,8 +27,8 @@ def step_info(runner: Runner) -> dict[str, Any]:
 def internal_state(core: EngineCore) -> dict[str, Any]:
     s = core.scheduler
     return {
-        "engine_paused": core.paused,
-        "pause_reasons": core.pause_reasons,
+        "engine_paused": core.pause_state.paused,
+        "pause_reasons": core.pause_state.reasons,
         "waiting_queue_size": len(s.waiting),
         "running_batch_size": len(s.running),
         "running_rids": [f"{r.rid}" if r.params.n == 1 else f"{r.rid}#{r.index}"

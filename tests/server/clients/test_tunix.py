@@ -127,7 +127,7 @@ def test_batched_generate_is_admitted_atomically(live: Live) -> None:
             for i, p in enumerate(prompts)]
     engine.submit_many(reqs, [got.append] * len(reqs))
     live_rids = engine.call(Call(lambda core: sorted({r.rid for r in
-                                                      core.reqs.values()}))).result()
+                                                      core.scheduler.reqs.values()}))).result()
     assert live_rids == sorted(r.rid for r in reqs)
     engine.abort_request(abort_all=True)
     live.wait_state(lambda s: s["running_batch_size"] + s["waiting_queue_size"] == 0)
