@@ -24,8 +24,9 @@ Invariants:
 - The engine is paused iff its PauseState has a reason; while it has, `step()` is never
   called (the loop sleeps on its queue). "user" is set and cleared only by `pause()` /
   `resume()`; every other reason only by the subsystem that holds the engine (`hold()`,
-  ended by `RLInterface.release_hold`: weight staging, memory release). A user pause takes effect (its mode
-  applies) whether or not a hold is active, and no hold's end clears it.
+  ended by `RLInterface.release_hold`: weight staging, memory release). A user pause
+  takes effect (its mode applies) whether or not a hold is active, and no hold's end
+  clears it.
 - Device state outside a step (params, the KV pool, the weight version) changes only
   between steps, through `set_weight_version` and RLInterface's `swap_params`,
   `drop_kv`, `install_kv` (asserted).
@@ -35,7 +36,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -58,9 +59,6 @@ from multiserve.types import (
     MemoryTag,
     PauseReason,
 )
-
-if TYPE_CHECKING:
-    pass
 
 log = logging.getLogger(__name__)
 
@@ -302,6 +300,7 @@ class EngineCore:
 
     # ---- control -------------------------------------------------------------------
     def flush(self) -> ControlResult:
+        """Reset the prefix cache and the allocator, refused while any request is live."""
         self.drain()
         blockers = []
         if self.scheduler.waiting:
