@@ -75,10 +75,6 @@ class ModelConfig:
                  f"num_heads ({self.num_heads}) must be a multiple of it ({self.num_kv_heads})")
         object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
 
-    @property
-    def q_per_kv(self) -> int:
-        return self.num_heads // self.num_kv_heads
-
 
 @dataclass(frozen=True)
 class EngineConfig:

@@ -24,7 +24,7 @@ request's consecutive tokens) and the host time beyond forward + sampler at that
 are reported beside it (`steady`).
 
 Invariants:
-- Nothing is loaded twice: the breakdown runs on the engine thread (`run_on_engine_thread`)
+- Nothing is loaded twice: the breakdown runs on the engine thread (command `Call`)
   with the engine's params, KV pool, invariance plan and compiled forward program, after
   the measured runs and before shutdown, so it cannot disturb them.
 - It runs only on an idle engine (no request running or waiting, every KV page free):
@@ -48,6 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from multiserve.bench.ours import request_params
+from multiserve.engine.commands import Call
 from multiserve.engine.device.batch_arrays import StepArrays, empty_step_arrays
 from multiserve.engine.device.model_runner import ARRAY_FIELDS, sampler_rows
 from multiserve.engine.sampling import host as sampling_host
@@ -271,8 +272,8 @@ def step_breakdown(engine: Any, prompts: Sequence[Sequence[int]], output_len: in
     sampling): measured on the engine thread, then summarized."""
     t0 = time.perf_counter()
     lens = [len(p) for p in prompts]
-    device = engine.run_on_engine_thread(
-        lambda core: measure(core, lens, output_len, temperature, seed))
+    device = engine.call(Call(lambda core: measure(core, lens, output_len, temperature,
+                                                    seed))).result()
     out = summarize(device, float(run["wall_s"]), int(run["decode_steps"]),
                     float(run["itl_p50_s"]))
     out["seconds"] = time.perf_counter() - t0

@@ -23,15 +23,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from multiserve.bench.stats import Timeline, summarize
+from multiserve.engine.commands import SetOverlap
 from multiserve.types import GenerateRequest, OutputDelta, SamplingParams
 
 
 def set_overlap(engine: Any, on: bool) -> None:
-    def apply(core: Any) -> None:
-        core.drain()
-        core.overlap = on
-
-    engine.run_on_engine_thread(apply)
+    engine.call(SetOverlap(on)).result()
 
 
 def request_params(output_len: int, temperature: float, seed: int, index: int

@@ -41,6 +41,7 @@ from multiserve.bench.prompts import bench_prompts
 from multiserve.bench.report import batch_report, single_report
 from multiserve.bench.stats import agreement
 from multiserve.bench.stats import peak_rss_mb as _peak_rss_mb
+from multiserve.engine.commands import StepInfo
 
 TARGET_VS_PEER = 1.2  # issue 19: 64 x 128 and 16 x 768 at >= 1.2x vLLM-CPU
 TARGET_OVERLAP = 1.1
@@ -163,9 +164,7 @@ def _start(cfg: Any) -> tuple[Any, float, dict[str, Any]]:
     startup_s = time.perf_counter() - t_start  # to serving (the covering buckets compiled)
     engine.wait_compiled()  # measure with every bucket, as a long-running server has
     all_compiled_s = time.perf_counter() - t_start
-    info = engine.run_on_engine_thread(lambda core: {
-        "dtype": str(core.runner.dtype), "compile_s": core.runner.warmup_seconds,
-        "all_compiled_s": all_compiled_s, "buckets": core.runner.buckets()})
+    info = {**engine.call(StepInfo()).result(), "all_compiled_s": all_compiled_s}
     return engine, startup_s, info
 
 

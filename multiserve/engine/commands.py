@@ -51,13 +51,7 @@ class Flush:
 
 @dataclass(frozen=True)
 class GetState:
-    """`EngineCore.internal_state()`."""
-
-
-@dataclass(frozen=True)
-class Call:
-    """Run fn(core) between two steps (the RL subsystem, tests, extensions)."""
-    fn: Callable[[Any], Any]
+    """The engine's internal state (engine/state_report.internal_state)."""
 
 
 @dataclass(frozen=True)
@@ -65,4 +59,96 @@ class Stop:
     """End every live request, refuse further commands, end the engine thread."""
 
 
-Command = Add | Abort | Pause | Continue | Flush | GetState | Call | Stop
+# ---- upkeep: background compiles, integrity, tests and tools ------------------------------
+@dataclass(frozen=True)
+class Prime:
+    """Run background-compiled program (kind "T" / "R", size) once on padding inputs, then
+    let steps choose it (engine/device/programs.py)."""
+    kind: str
+    size: int
+
+
+@dataclass(frozen=True)
+class CheckIntegrity:
+    """`Scheduler.check_integrity()`: the page accounting (raises AssertionError)."""
+
+
+@dataclass(frozen=True)
+class InjectFault:
+    """Tests and chaos runs: the engine's next step raises RuntimeError(message)."""
+    message: str = "injected fault"
+
+
+@dataclass(frozen=True)
+class SetOverlap:
+    """Benchmarks: drain, then run steps with (True) or without (False) overlap."""
+    on: bool
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """What the step runs on: dtype, warm-up seconds, the compiled buckets."""
+
+
+@dataclass(frozen=True)
+class Call:
+    """Run fn(core) between two steps. Diagnostics only (tests, the bench's step-time
+    breakdown): nothing in the engine, its RL subsystem or the fleet sends it."""
+    fn: Callable[[Any], Any]
+
+
+# ---- RL (engine/rl/): run by RLControl.execute on the engine thread ----------------------
+@dataclass(frozen=True)
+class BeginStaging:
+    """Hold the engine for a weight staging (refused while requests run, unless
+    abort_running); details["token"] names the staging."""
+    abort_running: bool = False
+
+
+@dataclass(frozen=True)
+class EndStaging:
+    """A staging that failed or was interrupted ends its own hold (token), not another's."""
+    token: str
+
+
+@dataclass(frozen=True)
+class Publish:
+    """Swap staged weights `token` in, set their version, invalidate the prefix cache."""
+    token: str
+    abort_running: bool = False
+
+
+@dataclass(frozen=True)
+class Discard:
+    """Drop staged weights (`token`, or whichever are staged) and end their hold."""
+    token: str | None = None
+
+
+@dataclass(frozen=True)
+class ReadWeights:
+    """One tensor's first `truncate_size` rows (HF name and orientation)."""
+    name: str
+    truncate_size: int = 100
+
+
+@dataclass(frozen=True)
+class ReleaseMemory:
+    """Hold the engine (applying `mode` if it runs), then free the tagged device buffers."""
+    tags: tuple[str, ...]
+    mode: str = "retract"
+    preserve_state: bool = False
+
+
+@dataclass(frozen=True)
+class ResumeMemory:
+    """Bring the tagged device buffers back; the hold ends once all are resident."""
+    tags: tuple[str, ...]
+
+
+RLCommand = (BeginStaging | EndStaging | Publish | Discard | ReadWeights | ReleaseMemory
+             | ResumeMemory)
+RL_COMMANDS = (BeginStaging, EndStaging, Publish, Discard, ReadWeights, ReleaseMemory,
+               ResumeMemory)
+
+Command = (Add | Abort | Pause | Continue | Flush | GetState | Stop | Prime | CheckIntegrity
+           | InjectFault | SetOverlap | StepInfo | Call | RLCommand)

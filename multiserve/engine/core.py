@@ -1,66 +1,67 @@
-"""EngineCore: the thread-confined heart of one engine (scheduler + runner + results).
+"""EngineCore: the thread-confined heart of one engine: admission, stepping, finishing,
+pausing, flushing.
 
 Only the engine's own thread calls into an EngineCore (docs/architecture.md §3); the public
-`Engine` hands work to it through a queue. Owns: the Reqs, the scheduler, the runner,
-step counters, pause state and the step in flight.
+`Engine` hands work to it through a queue of typed commands. Owns: the scheduler (which
+owns the Reqs), the runner, the step in flight, step counters, the pause state, the
+weight version. Its other jobs live beside it, each in its own module:
+- which sampler row each logits row is: engine/sampling/rows.py (`step_rows`);
+- a step's logprobs on the host: engine/sampling/logprobs.py (`StepLogprobs`);
+- when a sample ends: engine/sched/stop_rules.py (`StopRules`);
+- recording a step's results on the Reqs: `Scheduler.postprocess`;
+- why the engine is paused: engine/pause_state.py (`PauseState`);
+- what the RL subsystem may do to it: engine/rl_interface.py (`RLInterface`);
+- what get_internal_state reports: engine/state_report.py.
 
 Invariants:
 - At most one step is in flight (`self.in_flight`); under overlap, step N+1 is launched
   before step N's results are read. `drain()` reads the step in flight, after which no
   device work of this engine is pending: every control operation that needs
   quiescence (pause, flush, weight updates, memory release) drains first.
-- Every Req reaches exactly one final output (finished=True) through its sink.
-- Pause state is a set of reasons (types.PAUSE_REASONS), owned here: "user" is set and
-  cleared only by `pause()` / `resume()`; every other reason only by the subsystem that
-  holds the engine (`hold()` / `release_hold()`: weight staging, memory release). The
-  engine is paused iff the set is non-empty; while it is, `step()` is never called (the
-  loop sleeps on its queue). A user pause takes effect (its mode applies) whether or not
-  a hold is active, and no hold's end clears it.
+- Every Req reaches exactly one final output (finished=True) through its sink: every
+  end goes through `finish` (stop, length, abort, a fault, shutdown), every output
+  through `_deliver`. Request state itself changes only in the Scheduler.
+- The engine is paused iff its PauseState has a reason; while it has, `step()` is never
+  called (the loop sleeps on its queue). "user" is set and cleared only by `pause()` /
+  `resume()`; every other reason only by the subsystem that holds the engine (`hold()`,
+  ended by `RLInterface.release_hold`: weight staging, memory release). A user pause
+  takes effect (its mode applies) whether or not a hold is active, and no hold's end
+  clears it.
 - Device state outside a step (params, the KV pool, the weight version) changes only
-  through `swap_params`, `set_weight_version`, `drop_kv` and `install_kv`, between steps
-  (asserted): the RL subsystem (engine/rl/) uses those and `hold`/`release_hold`, never
-  the runner's or the scheduler's fields.
+  between steps, through `set_weight_version` and RLInterface's `swap_params`,
+  `drop_kv`, `install_kv` (asserted).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from multiserve.config import EngineConfig, ModelConfig
 from multiserve.engine.device.batch_arrays import build_step_arrays
 from multiserve.engine.device.model_runner import Runner, StepOutput
-from multiserve.engine.sampling import host as sampling_host
+from multiserve.engine.pause_state import PauseState
+from multiserve.engine.sampling.logprobs import StepLogprobs
+from multiserve.engine.sampling.rows import step_rows
 from multiserve.engine.sched.admission import AdmissionLimits, check_admission
 from multiserve.engine.sched.page_allocator import PageAllocator
 from multiserve.engine.sched.prefix_cache import PrefixCache
 from multiserve.engine.sched.request import Req
 from multiserve.engine.sched.scheduler import ScheduledBatch, Scheduler
+from multiserve.engine.sched.stop_rules import StopRules
 from multiserve.types import (
     ControlResult,
     FinishReason,
     InvalidRequest,
     MemoryTag,
     PauseReason,
-    RequestStatus,
-    SamplingParams,
-    TokenLogprob,
-    WeightSegment,
 )
-
-if TYPE_CHECKING:
-    from multiserve.model.kv_pool import KVPool
 
 log = logging.getLogger(__name__)
 
-
-def _drop_output(out: Any) -> None:
-    """The sink of a request whose own sink raised."""
 
 class EngineCore:
     def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, runner: Runner,
@@ -73,24 +74,23 @@ class EngineCore:
         self.max_context = max_context
         self.max_pages = -(-max_context // cfg.page_size)
         self.eos_ids = frozenset(eos_ids)
-        self.stop_string_checker = stop_string_checker
+        self.stop_rules = StopRules(self.eos_ids, max_context, stop_string_checker)
         self.allocator = PageAllocator(num_pages, cfg.page_size)
         self.cache = PrefixCache(self.allocator, cfg.page_size,
                                  enabled=not cfg.disable_prefix_cache)
         self.scheduler = Scheduler(cfg, self.allocator, self.cache, max_context,
                                    max(cfg.precompile_token_paddings),
                                    max(cfg.precompile_bs_paddings))
-        self.reqs: dict[tuple[str, int], Req] = {}
         self.in_flight: tuple[ScheduledBatch, StepOutput] | None = None
         self.last_batch: ScheduledBatch | None = None
-        self._pause_reasons: set[PauseReason] = set()
+        self.pause_state = PauseState()
         self.weight_version = cfg.weight_version
         self.forward_ct = 0
         self.forward_ct_decode = 0
         self.overlap = not cfg.disable_overlap
         self.initial_available = self.scheduler.available_kv_tokens()
         self.admission = AdmissionLimits.from_config(cfg, self.initial_available)
-        self.fault: str | None = None  # test-only: the next step raises this
+        self._fault: str | None = None  # the next step raises this (inject_fault)
 
     # ---- requests ------------------------------------------------------------------
     def add(self, reqs: Sequence[Req]) -> None:
@@ -98,27 +98,27 @@ class EngineCore:
         batch) none of it."""
         keys: set[tuple[str, int]] = set()
         for req in reqs:
-            if req.key in self.reqs or req.key in keys:
+            if req.key in self.scheduler.reqs or req.key in keys:
                 raise InvalidRequest(f"rid: a live request already uses rid {req.rid!r}",
                                      param="rid")
             keys.add(req.key)
         check_admission(self.scheduler.waiting, reqs, self.admission)  # or EngineOverloaded
         for req in reqs:
-            self.reqs[req.key] = req
+            self.scheduler.add(req)
             if req.params.max_new_tokens == 0 and not req.needs_prompt_logprobs:
-                self._finish(req, "length")
-            else:  # max_new_tokens == 0 with prompt logprobs: prefill only (scoring)
-                self.scheduler.add(req)
+                self.finish(req, "length")
+            # else max_new_tokens == 0 with prompt logprobs: prefill only (scoring)
 
     def has_work(self) -> bool:
-        return self.in_flight is not None or (not self.paused and self.scheduler.has_work())
+        return self.in_flight is not None or (not self.pause_state.paused
+                                              and self.scheduler.has_work())
 
     # ---- stepping ------------------------------------------------------------------
     def step(self) -> None:
         """Launch the next step (if any), then read the previous one (overlap)."""
-        assert not self._pause_reasons, self._pause_reasons
-        if self.fault is not None:
-            msg, self.fault = self.fault, None
+        assert not self.pause_state.paused, self.pause_state.reasons
+        if self._fault is not None:
+            msg, self._fault = self._fault, None
             raise RuntimeError(msg)
         batch = self.scheduler.schedule()
         launched = self._launch(batch) if batch is not None else None
@@ -141,30 +141,8 @@ class EngineCore:
         arrays = build_step_arrays(batch, t_pad, runner.page_table_rows(t_pad), runner.max_rows,
                                    self.max_pages, self.page_size)
         batch.prompt_rows = arrays.prompt_rows
-        specs: list[sampling_host.RowSpec | None] = []
-        wants_lp = bool(arrays.prompt_rows)
-        for row in batch.rows:
-            if not row.samples:
-                specs.append(None)
-                continue
-            req = row.req
-            ban: tuple[int, ...] = ()
-            if req.num_generated < req.params.min_new_tokens:
-                ban = tuple(sorted(self.eos_ids | set(req.params.stop_token_ids)))
-            specs.append(sampling_host.RowSpec(
-                params=req.params, seed=req.seed, sample_index=req.index, position=row.end,
-                output_ids=req.output_ids, prompt_ids=req.prompt_ids, ban_ids=ban))
-            wants_lp = wants_lp or req.params.wants_logprobs
-        for req, j in arrays.prompt_rows:  # score prompt token j (greedy row, ids ignored)
-            specs.append(sampling_host.RowSpec(
-                params=SamplingParams(temperature=0.0, max_new_tokens=1,
-                                      top_logprobs_num=req.params.top_logprobs_num,
-                                      token_ids_logprob=(req.prompt_ids[j],)),
-                seed=0, sample_index=0, position=j, output_ids=(), prompt_ids=()))
+        specs, wants_lp = step_rows(batch, arrays.prompt_rows, self.stop_rules)
         out = runner.run(arrays, runner.sampling_batch(specs, r_pad), wants_lp, r_pad)
-        for b, row in enumerate(batch.rows):
-            if row.samples:
-                row.req.last_out_row = b
         decodes = any(not r.req.in_prefill and r.samples and r.end - r.start == 1
                       for r in batch.rows)
         self.scheduler.launch(batch)
@@ -174,147 +152,84 @@ class EngineCore:
         return batch, out
 
     def _process(self, batch: ScheduledBatch, out: StepOutput) -> None:
+        """Read step `batch`'s results (blocks on the device), let the scheduler record
+        them, and deliver what they completed."""
         next_ids = np.asarray(out.next_ids)
-        lp = None
-        if out.wants_logprobs:
-            s = out.sample
-            lp = (np.asarray(s.logprob), np.asarray(s.top_ids), np.asarray(s.top_logprobs),
-                  np.asarray(s.selected_logprobs))
+        lp = StepLogprobs(out.sample) if out.wants_logprobs else None
         self.last_batch = batch
-        now = time.monotonic()
-        for k, (req, j) in enumerate(batch.prompt_rows):
-            if not req.finished and len(req.prompt_logprobs) == j:
-                b = len(batch.rows) + k
-                top = tuple((int(lp[1][b, i]), float(lp[2][b, i]))
-                            for i in range(req.params.top_logprobs_num))
-                req.prompt_logprobs.append(
-                    TokenLogprob(req.prompt_ids[j], float(lp[3][b, 0]), top))
-        for b, row in enumerate(batch.rows):
-            if not row.samples:
-                continue
-            req = row.req
-            if req.finished:
-                continue
-            req.pending -= 1
-            if req.params.max_new_tokens == 0:  # scoring: the prompt is done, no token
-                self._finish(req, "length")
-                continue
-            tok = int(next_ids[b])
-            req.output_ids.append(tok)
-            if req.first_token_time is None:
-                req.first_token_time = now
-            if not req.weight_segments or req.weight_segments[-1].weight_version != \
-                    self.weight_version:
-                req.weight_segments.append(
-                    WeightSegment(len(req.output_ids) - 1, self.weight_version))
-            if lp is not None and req.params.wants_logprobs:
-                req.output_logprobs.append(self._logprob_record(req, tok, b, lp))
-            reason = self._finish_reason(req, tok)
-            if reason is not None:
-                self._finish(req, reason)
-            elif req.stream:
-                self._deliver(req)
+        for req in self.scheduler.postprocess(batch, next_ids.tolist(), lp,
+                                              self.weight_version, self.stop_rules):
+            self._deliver(req)
 
-    def _logprob_record(self, req: Req, tok: int, b: int, lp: tuple) -> TokenLogprob:
-        logprob, top_ids, top_lps, sel = lp
-        k = req.params.top_logprobs_num
-        top = tuple((int(top_ids[b, j]), float(top_lps[b, j])) for j in range(k))
-        ids = req.params.token_ids_logprob or ()
-        selected = tuple((int(t), float(sel[b, j])) for j, t in enumerate(ids))
-        return TokenLogprob(tok, float(logprob[b]), top, selected)
-
-    def _finish_reason(self, req: Req, tok: int) -> FinishReason | None:
-        p = req.params
-        if not p.ignore_eos and tok in self.eos_ids:
-            req.matched_stop = tok
-            return "stop"
-        if tok in p.stop_token_ids:
-            req.matched_stop = tok
-            return "stop"
-        if p.stop and self.stop_string_checker is not None:
-            matched = self.stop_string_checker(req.output_ids, p.stop)
-            if matched is not None:
-                req.matched_stop = matched
-                return "stop"
-        if len(req.output_ids) >= p.max_new_tokens:
-            return "length"
-        if len(req.prompt_ids) + len(req.output_ids) >= self.max_context:
-            return "length"
-        return None
-
-    def _finish(self, req: Req, reason: FinishReason) -> None:
-        self.scheduler.remove(req)
-        req.status = RequestStatus.FINISHED
-        req.finish_reason = reason
-        req.finish_time = time.monotonic()
-        self.reqs.pop(req.key, None)
-        self._deliver(req)
-
-    def _deliver(self, req: Req) -> None:
-        """Hand the Req's new output (a delta: the tokens since the last delivery, and how
-        it finished) to its sink. A sink that raises is its consumer's fault, not the
-        engine's: that request alone is aborted (sink dropped), the engine goes on."""
+    def finish(self, req: Req, reason: FinishReason, error: str | None = None) -> None:
+        """THE finish path: the scheduler records it (finished, `reason`, no longer live,
+        KV released), then the Req's final output is delivered (with `error`, if any).
+        Delivered even if the scheduler's queues are broken (after a fault): then the
+        scheduler's exception follows the delivery."""
         try:
-            req.sink(req.next_delta(self.weight_version))
+            self.scheduler.finish(req, reason)
+        finally:
+            self._deliver(req, error)
+
+    def fail_all(self, error: str) -> None:
+        """A step raised (or the engine stops): the step in flight is dropped and every
+        live request ends with "abort" and `error`, whatever state a fault left behind."""
+        self.in_flight = None
+        for req in list(self.scheduler.reqs.values()):
+            try:
+                self.finish(req, "abort", error)
+            except Exception:  # noqa: BLE001 - state may be broken after a fault
+                pass
+
+    def inject_fault(self, message: str) -> None:
+        """Test and chaos hook (command InjectFault): the next step raises
+        RuntimeError(message)."""
+        self._fault = message
+
+    def set_overlap(self, on: bool) -> None:
+        """Benchmarks: from now on launch step N+1 before reading step N (on), or not."""
+        self.drain()
+        self.overlap = on
+
+    def _deliver(self, req: Req, error: str | None = None) -> None:
+        """Hand the Req's new output (a delta: the tokens since the last delivery, and how
+        it finished) to its sink: the one place a sink is called. A sink that raises is
+        its consumer's fault, not the engine's: that request alone is aborted (finished
+        without a further delivery), the engine goes on."""
+        try:
+            req.sink(req.next_delta(self.weight_version, error))
         except Exception:  # noqa: BLE001 - isolate one consumer's failure
             log.exception("output sink of request %s raised; the request is aborted", req.rid)
-            req.sink = _drop_output
             if not req.finished:
-                self._finish(req, "abort")
+                self.scheduler.finish(req, "abort")
 
     # ---- control -------------------------------------------------------------------
     def abort(self, rid: str | None, abort_all: bool) -> ControlResult:
         if abort_all:
-            targets = list(self.reqs.values())
+            targets = list(self.scheduler.reqs.values())
         else:
-            targets = [r for r in self.reqs.values() if r.rid == rid]
+            targets = [r for r in self.scheduler.reqs.values() if r.rid == rid]
         if not targets:
             if abort_all:
                 return ControlResult(True, "no live requests to abort", {"aborted": 0})
             return ControlResult(True, f"no live request with rid {rid!r}",
                                  {"aborted": 0, "unknown_rid": rid})
         for req in targets:
-            self._finish(req, "abort")
+            self.finish(req, "abort")
         return ControlResult(True, f"aborted {len(targets)} request(s)",
                              {"aborted": len(targets),
                               "rids": sorted({r.rid for r in targets})})
 
-    def abort_started(self) -> int:
-        """Abort every live request that was ever admitted (it holds, or held, K/V or
-        output computed by the current weights); requests that only wait keep waiting.
-        Returns how many were aborted."""
-        started = [r for r in self.reqs.values() if r.admitted_once or r.output_ids]
-        for req in started:
-            self._finish(req, "abort")
-        return len(started)
-
-    # ---- pause state: a set of reasons (see the module docstring) -------------------------
-    @property
-    def paused(self) -> bool:
-        return bool(self._pause_reasons)
-
-    @property
-    def pause_reasons(self) -> list[PauseReason]:
-        return sorted(self._pause_reasons)
-
+    # ---- pause state (engine/pause_state.py) ----------------------------------------
     def hold(self, reason: PauseReason, mode: str | None = None) -> dict[str, Any] | None:
         """A subsystem holds the engine still: drain, then add `reason`. With `mode`, and
         only if the engine was running (no reason set), first apply that pause mode to the
         requests (what a memory release does); returns its details, else None."""
-        assert reason != "user", "the user's pause is pause()/resume()"
         self.drain()
-        applied = self._apply_mode(mode) if mode is not None and not self.paused else None
-        self._pause_reasons.add(reason)
+        running = not self.pause_state.paused
+        applied = self._apply_mode(mode) if mode is not None and running else None
+        self.pause_state.add_hold(reason)
         return applied
-
-    def release_hold(self, reason: PauseReason) -> bool:
-        """Remove `reason` (its owner's hold ends). True iff it was set and no reason is
-        left: the engine runs again now."""
-        assert reason != "user", "the user's pause is pause()/resume()"
-        if reason not in self._pause_reasons:
-            return False
-        self._pause_reasons.discard(reason)
-        return not self._pause_reasons
 
     def _apply_mode(self, mode: str) -> dict[str, Any]:
         """What a pause does to the requests (the caller drained): abort ends them all,
@@ -325,29 +240,33 @@ class EngineCore:
             details["aborted"] = self.abort(None, abort_all=True).details.get("aborted", 0)
         elif mode == "retract":
             before = self.scheduler.available_kv_tokens()
-            running = list(self.scheduler.running)
-            self.scheduler.retract(running)
-            details["retracted"] = len(running)
+            details["retracted"] = self.retract_running()
             details["freed_kv_tokens"] = self.scheduler.available_kv_tokens() - before
         return details
 
+    def retract_running(self) -> int:
+        """Retract every running request (KV freed, output kept, to the front of
+        waiting); returns how many."""
+        running = list(self.scheduler.running)
+        self.scheduler.retract(running)
+        return len(running)
+
     def pause(self, mode: str) -> ControlResult:
         """The user's pause: takes effect even while a hold is active (its mode applies)."""
-        if "user" in self._pause_reasons:
+        if self.pause_state.user:
             return ControlResult(True, "already paused (no-op)",
                                  {"already_paused": True, "mode": mode,
-                                  "pause_reasons": self.pause_reasons})
+                                  "pause_reasons": self.pause_state.reasons})
         self.drain()
         details = self._apply_mode(mode)
-        self._pause_reasons.add("user")
-        details["pause_reasons"] = self.pause_reasons
+        self.pause_state.set_user()
+        details["pause_reasons"] = self.pause_state.reasons
         return ControlResult(True, f"paused ({mode})", details)
 
     def resume(self) -> ControlResult:
         """Clear the user's pause only; a hold still active keeps the engine paused."""
-        had_user = "user" in self._pause_reasons
-        self._pause_reasons.discard("user")
-        left = self.pause_reasons
+        had_user = self.pause_state.clear_user()
+        left = self.pause_state.reasons
         if not had_user and not left:
             return ControlResult(True, "not paused (no-op)",
                                  {"already_running": True, "pause_reasons": left})
@@ -362,7 +281,7 @@ class EngineCore:
                                  {"pause_reasons": left})
         return ControlResult(True, "continued", {"pause_reasons": left})
 
-    # ---- device state: the narrow interface of engine/rl/ (engine thread, between steps) --
+    # ---- device state -------------------------------------------------------------
     @property
     def released_tags(self) -> frozenset[MemoryTag]:
         """Device buffers given back by a memory release: "weights" while the runner has no
@@ -370,25 +289,6 @@ class EngineCore:
         runner = self.runner
         return frozenset(tag for tag, gone in (("weights", runner.params is None),
                                                ("kv_cache", runner.kv is None)) if gone)
-
-    @property
-    def params(self) -> Any:
-        """The canonical params pytree on the devices (None while released). Read only:
-        replace it with `swap_params`."""
-        return self.runner.params
-
-    @property
-    def kv_pool(self) -> KVPool | None:
-        """The device KV pool (None while released). Read only."""
-        return self.runner.kv
-
-    def swap_params(self, params: Any) -> Any:
-        """Put `params` (None: the weights are released) on the runner, which re-derives
-        the compute form the step runs on; returns the tree it replaced."""
-        assert self.in_flight is None, "params change only between steps"
-        old = self.runner.params
-        self.runner.params = params
-        return old
 
     def set_weight_version(self, version: str) -> dict[str, Any]:
         """New weights are live: outputs carry `version` from now on, and K/V computed with
@@ -398,25 +298,9 @@ class EngineCore:
         return {"flushed_cached_pages": dropped, "kept_kv_requests": kept,
                 "prefix_cache_enabled": self.cache.enabled}
 
-    def drop_kv(self) -> None:
-        """Free the device KV pool and the small step buffers (memory release). The page
-        accounting is untouched: requests holding pages are the caller's to retract or
-        to keep (their K/V saved elsewhere, restored by `install_kv`)."""
-        assert self.in_flight is None, "KV is dropped only between steps"
-        kv = self.runner.kv
-        assert kv is not None, "the KV pool is released already"
-        kv.k.delete()
-        kv.v.delete()
-        self.runner.kv = None
-        self.runner.drop_step_buffers()
-
-    def install_kv(self, kv: KVPool) -> None:
-        """Give the runner a KV pool again (memory resume) and fresh step buffers."""
-        assert self.in_flight is None and self.runner.kv is None
-        self.runner.kv = kv
-        self.runner.reset_prev_ids()
-
+    # ---- control -------------------------------------------------------------------
     def flush(self) -> ControlResult:
+        """Reset the prefix cache and the allocator, refused while any request is live."""
         self.drain()
         blockers = []
         if self.scheduler.waiting:
@@ -443,40 +327,3 @@ class EngineCore:
         return ControlResult(True, "cache flushed",
                              {"flushed_cached_pages": cached,
                               "flushed_cached_tokens": cached * self.page_size})
-
-    def internal_state(self) -> dict[str, Any]:
-        s = self.scheduler
-        return {
-            "engine_paused": self.paused,
-            "pause_reasons": self.pause_reasons,
-            "waiting_queue_size": len(s.waiting),
-            "running_batch_size": len(s.running),
-            "running_rids": [f"{r.rid}" if r.params.n == 1 else f"{r.rid}#{r.index}"
-                             for r in s.running],
-            "waiting_rids": [f"{r.rid}" if r.params.n == 1 else f"{r.rid}#{r.index}"
-                             for r in s.waiting],
-            "available_kv_tokens": s.available_kv_tokens(),
-            "initial_available_kv_tokens": self.initial_available,
-            "evictable_kv_tokens": self.cache.num_evictable_pages * self.page_size,
-            "tree_cache_size": self.cache.num_cached_pages * self.page_size,
-            "req_to_token_pool_used": sum(1 for r in s.running if r.pages),
-            "forward_ct_decode": self.forward_ct_decode,
-            "forward_ct": self.forward_ct,
-            "new_token_ratio": s.new_token_ratio,
-            "cur_batch": self.in_flight is not None,
-            "last_batch": self.last_batch is not None,
-            "chunked_req": bool(s.chunked_reqs),
-            "cache_miss_count": self.runner.cache_miss_count,
-            "compile": dataclasses.asdict(self.runner.programs.status()),
-            "determinism": self.runner.determinism,
-            "weight_version": self.weight_version,
-            "memory_released": sorted(self.released_tags),
-            "num_retractions": s.num_retractions,
-            "page_size": self.page_size,
-            "max_total_tokens": self.allocator.num_usable * self.page_size,
-            "max_context_len": self.max_context,
-            "max_queued_requests": self.admission.max_queued_requests,
-            "max_queued_tokens": self.admission.max_queued_tokens,
-            "overlap": self.overlap,
-            "prefix_cache_hit_tokens": self.cache.hit_tokens,
-        }

@@ -34,19 +34,27 @@ from typing import Any
 
 from multiserve.config import EngineConfig
 from multiserve.engine.commands import (
+    RL_COMMANDS,
     Abort,
     Add,
     Call,
+    CheckIntegrity,
     Command,
     Continue,
     Flush,
     GetState,
+    InjectFault,
     Pause,
+    Prime,
+    SetOverlap,
+    StepInfo,
     Stop,
 )
 from multiserve.engine.rl.control import RLControl
+from multiserve.engine.rl_interface import RLInterface
 from multiserve.engine.sched.request import Req
 from multiserve.engine.setup import EngineParts, build_engine_parts
+from multiserve.engine.state_report import internal_state, step_info
 from multiserve.engine.streams import OutputAssembler, OutputStream
 from multiserve.types import (
     MEMORY_TAGS,
@@ -56,7 +64,6 @@ from multiserve.types import (
     InvalidRequest,
     OutputDelta,
     RequestOutput,
-    RequestStatus,
     SamplingParams,
     asleep_reason,
     check_pause_mode,
@@ -114,8 +121,7 @@ class Engine:
         self.context_len = parts.core.max_context
         self.devices = parts.runner.devices
         self._core = parts.core
-        self._rl = RLControl(parts.core, self.run_on_engine_thread,
-                             lambda fn: self.acall(Call(fn)), self._require_healthy)
+        self._rl = RLControl(RLInterface(parts.core), self.call, self._require_healthy)
         self._commands: queue.SimpleQueue[_Queued] = queue.SimpleQueue()
         self._seed_rng = random.Random(cfg.seed)
         self._rid_counter = itertools.count()
@@ -131,7 +137,7 @@ class Engine:
             _LIVE.add(self)
         _register_exit_hook()
         # programs compiled in the background are primed on the engine thread, between steps
-        parts.runner.programs.set_primer(lambda fn: self.call(Call(lambda core: fn())))
+        parts.runner.programs.set_primer(lambda kind, size: self.call(Prime(kind, size)))
 
     # ---- the engine thread ---------------------------------------------------------
     def _loop(self) -> None:
@@ -145,7 +151,7 @@ class Engine:
                     except queue.Empty:
                         break
                     if isinstance(cmd, Stop):
-                        self._fail_all("engine shut down")
+                        core.fail_all("engine shut down")
                         self._close_queue()
                         future.set_result(ControlResult(True, "stopped"))
                         return
@@ -153,7 +159,7 @@ class Engine:
                     block = False
                 if not self._healthy:
                     continue
-                if core.has_work() and not core.paused:
+                if core.has_work() and not core.pause_state.paused:
                     core.step()
                 elif core.in_flight is not None:
                     core.drain()
@@ -201,32 +207,28 @@ class Engine:
             case Flush():
                 return core.flush()
             case GetState():
-                return {**core.internal_state(), "tp_size": len(self.devices)}
+                return {**internal_state(core), "tp_size": len(self.devices)}
+            case Prime(kind, size):
+                return core.runner.programs.prime(kind, size)
+            case CheckIntegrity():
+                return core.scheduler.check_integrity()
+            case InjectFault(message):
+                return core.inject_fault(message)
+            case SetOverlap(on):
+                return core.set_overlap(on)
+            case StepInfo():
+                return step_info(core.runner)
             case Call(fn):
                 return fn(core)
+            case _ if isinstance(cmd, RL_COMMANDS):
+                return self._rl.execute(cmd)
             case _:  # Stop is handled by the loop itself
                 raise TypeError(f"not an engine command: {cmd!r}")
 
     def _mark_unhealthy(self, reason: str) -> None:
         self._healthy = False
         self._reason = reason
-        self._core.in_flight = None
-        self._fail_all(reason)
-
-    def _fail_all(self, reason: str) -> None:
-        core = self._core
-        for req in list(core.reqs.values()):
-            try:
-                core.scheduler.remove(req)
-            except Exception:  # noqa: BLE001 - state may be broken after a fault
-                pass
-            core.reqs.pop(req.key, None)
-            req.finish_reason = "abort"
-            req.status = RequestStatus.FINISHED
-            try:
-                req.sink(req.next_delta(core.weight_version, error=reason))
-            except Exception:  # noqa: BLE001 - a bad sink must not kill the engine thread
-                pass
+        self._core.fail_all(reason)
 
     # ---- commands: the one way into the engine thread -------------------------------
     def call(self, cmd: Command) -> concurrent.futures.Future:
@@ -268,13 +270,7 @@ class Engine:
                 f"({p.max_new_tokens}) = {len(ids) + p.max_new_tokens} exceeds the context "
                 f"length ({self.context_len})", "max_new_tokens", "context_length_exceeded")
         seed = p.seed if p.seed is not None else self._seed_rng.getrandbits(63)
-        reqs = [Req(rid=request.rid, index=i, prompt_ids=ids, params=p, seed=seed,
-                    sink=sink, stream=request.stream,
-                    want_prompt_logprobs=request.return_prompt_logprobs)
-                for i in range(p.n)]
-        for r in reqs[1:]:
-            r.leader = reqs[0]
-        return reqs
+        return Req.samples_of(request, seed, sink)
 
     def new_rid(self) -> str:
         return f"{uuid.uuid4().hex[:12]}-{next(self._rid_counter)}"
@@ -446,10 +442,6 @@ class Engine:
     def get_internal_state(self) -> dict[str, Any]:
         return self.call(GetState()).result()
 
-    def run_on_engine_thread(self, fn: Callable[[Any], Any]) -> Any:
-        """Run fn(core) on the engine thread between steps (tests and extensions)."""
-        return self.call(Call(fn)).result()
-
     # ---- control: async ------------------------------------------------------------
     async def async_pause_generation(self, mode: str = "abort") -> ControlResult:
         check_pause_mode(mode)
@@ -476,10 +468,6 @@ class Engine:
         if self._healthy and released:
             return True, asleep_reason(released)
         return self._healthy, self._reason
-
-    def inject_fault_for_testing(self, message: str = "injected fault") -> None:
-        """Test-only hook: the engine's next step raises RuntimeError(message)."""
-        self.run_on_engine_thread(lambda core: setattr(core, "fault", message))
 
     def shutdown(self) -> None:
         if self._stopped:
@@ -518,89 +506,104 @@ class Engine:
         if not self._healthy:
             raise EngineUnavailable(self._reason)
 
-    # ---- RL: weight updates and memory release (forwarded to engine/rl/control.py) ----
+    # ---- RL: weight updates and memory release --------------------------------------
+    # Each operation is written once (engine/rl/control.py); these are its sync and async
+    # entry points, by the names sglang clients call.
     def stage_weights_from_tensor(self, params: Any, weight_version: str,
                                   abort_running: bool = False) -> ControlResult:
         """Validate + copy `params` (flat {HF name: array}, (name, array) pairs, or the
         params pytree; a subset updates only those tensors) onto the engine's devices.
         details["token"] publishes it. Refused if requests run and the engine is not
         paused (unless abort_running). The engine is held paused until publish/discard."""
-        return self._rl.stage_weights_from_tensor(params, weight_version, abort_running)
+        return self._rl.run(self._rl.stage_from_tensor(params, weight_version, abort_running))
+
+    async def async_stage_weights_from_tensor(self, params: Any, weight_version: str,
+                                              abort_running: bool = False) -> ControlResult:
+        """stage_weights_from_tensor, awaited (staging runs in a worker thread)."""
+        return await self._rl.arun(self._rl.stage_from_tensor(params, weight_version,
+                                                              abort_running))
 
     def stage_weights_from_disk(self, path: str, weight_version: str,
                                 abort_running: bool = False) -> ControlResult:
         """Like stage_weights_from_tensor, from an HF safetensors dir (every tensor)."""
-        return self._rl.stage_weights_from_disk(path, weight_version, abort_running)
+        return self._rl.run(self._rl.stage_from_disk(path, weight_version, abort_running))
+
+    async def async_stage_weights_from_disk(self, path: str, weight_version: str,
+                                            abort_running: bool = False) -> ControlResult:
+        """stage_weights_from_disk, awaited (staging runs in a worker thread)."""
+        return await self._rl.arun(self._rl.stage_from_disk(path, weight_version,
+                                                            abort_running))
 
     def publish_staged_weights(self, token: str, abort_running: bool = False) -> ControlResult:
         """Swap the staged weights in (between two steps), set the version, invalidate
         the prefix cache; abort_running aborts every live request first."""
-        return self._rl.publish_staged_weights(token, abort_running)
+        return self._rl.run(self._rl.publish(token, abort_running))
+
+    async def async_publish_staged_weights(self, token: str,
+                                           abort_running: bool = False) -> ControlResult:
+        """publish_staged_weights, awaited."""
+        return await self._rl.arun(self._rl.publish(token, abort_running))
 
     def discard_staged_weights(self, token: str | None = None) -> ControlResult:
-        return self._rl.discard_staged_weights(token)
+        """Drop the staged weights (`token`, or whichever are staged); the engine runs
+        again unless another reason holds it."""
+        return self._rl.run(self._rl.discard(token))
+
+    async def async_discard_staged_weights(self, token: str | None = None) -> ControlResult:
+        """discard_staged_weights, awaited."""
+        return await self._rl.arun(self._rl.discard(token))
 
     def update_weights_from_tensor(self, params: Any, weight_version: str,
                                    abort_running: bool = False) -> ControlResult:
         """stage_weights_from_tensor, then publish_staged_weights."""
-        return self._rl.update_weights_from_tensor(params, weight_version, abort_running)
+        return self._rl.run(self._rl.update_from_tensor(params, weight_version, abort_running))
+
+    async def async_update_weights_from_tensor(self, params: Any, weight_version: str,
+                                               abort_running: bool = False) -> ControlResult:
+        """update_weights_from_tensor, awaited."""
+        return await self._rl.arun(self._rl.update_from_tensor(params, weight_version,
+                                                               abort_running))
 
     def update_weights_from_disk(self, path: str, weight_version: str,
                                  abort_running: bool = False) -> ControlResult:
         """stage_weights_from_disk, then publish_staged_weights."""
-        return self._rl.update_weights_from_disk(path, weight_version, abort_running)
+        return self._rl.run(self._rl.update_from_disk(path, weight_version, abort_running))
+
+    async def async_update_weights_from_disk(self, path: str, weight_version: str,
+                                             abort_running: bool = False) -> ControlResult:
+        """update_weights_from_disk, awaited."""
+        return await self._rl.arun(self._rl.update_from_disk(path, weight_version,
+                                                             abort_running))
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> ControlResult:
         """details: name, shape (HF orientation), dtype, values = the first
         `truncate_size` rows as nested lists, weight_version."""
-        return self._rl.get_weights_by_name(name, truncate_size)
+        return self._rl.run(self._rl.read(name, truncate_size))
+
+    async def async_get_weights_by_name(self, name: str,
+                                        truncate_size: int = 100) -> ControlResult:
+        """get_weights_by_name, awaited."""
+        return await self._rl.arun(self._rl.read(name, truncate_size))
 
     def release_memory_occupation(self, tags: Any = MEMORY_TAGS, mode: str = "retract",
                                   preserve_state: bool = False) -> ControlResult:
         """Hold the engine (applying `mode` if it runs), then free the tagged device
         buffers; new requests wait until resume. preserve_state keeps in-place paused
         requests' K/V on the host and restores it exactly."""
-        return self._rl.release_memory_occupation(tags, mode, preserve_state)
-
-    def resume_memory_occupation(self, tags: Any = MEMORY_TAGS) -> ControlResult:
-        return self._rl.resume_memory_occupation(tags)
-
-    async def async_stage_weights_from_tensor(self, params: Any, weight_version: str,
-                                              abort_running: bool = False) -> ControlResult:
-        return await self._rl.async_stage_weights_from_tensor(params, weight_version,
-                                                              abort_running)
-
-    async def async_stage_weights_from_disk(self, path: str, weight_version: str,
-                                            abort_running: bool = False) -> ControlResult:
-        return await self._rl.async_stage_weights_from_disk(path, weight_version,
-                                                            abort_running)
-
-    async def async_publish_staged_weights(self, token: str,
-                                           abort_running: bool = False) -> ControlResult:
-        return await self._rl.async_publish_staged_weights(token, abort_running)
-
-    async def async_discard_staged_weights(self, token: str | None = None) -> ControlResult:
-        return await self._rl.async_discard_staged_weights(token)
-
-    async def async_update_weights_from_tensor(self, params: Any, weight_version: str,
-                                               abort_running: bool = False) -> ControlResult:
-        return await self._rl.async_update_weights_from_tensor(params, weight_version,
-                                                               abort_running)
-
-    async def async_update_weights_from_disk(self, path: str, weight_version: str,
-                                             abort_running: bool = False) -> ControlResult:
-        return await self._rl.async_update_weights_from_disk(path, weight_version,
-                                                             abort_running)
-
-    async def async_get_weights_by_name(self, name: str,
-                                        truncate_size: int = 100) -> ControlResult:
-        return await self._rl.async_get_weights_by_name(name, truncate_size)
+        return self._rl.run(self._rl.release(tags, mode, preserve_state))
 
     async def async_release_memory_occupation(self, tags: Any = MEMORY_TAGS,
                                               mode: str = "retract",
                                               preserve_state: bool = False) -> ControlResult:
-        return await self._rl.async_release_memory_occupation(tags, mode, preserve_state)
+        """release_memory_occupation, awaited."""
+        return await self._rl.arun(self._rl.release(tags, mode, preserve_state))
+
+    def resume_memory_occupation(self, tags: Any = MEMORY_TAGS) -> ControlResult:
+        """Bring the tagged device buffers back; generation starts again once everything
+        is resident and nothing else holds the engine."""
+        return self._rl.run(self._rl.resume(tags))
 
     async def async_resume_memory_occupation(self, tags: Any = MEMORY_TAGS
                                              ) -> ControlResult:
-        return await self._rl.async_resume_memory_occupation(tags)
+        """resume_memory_occupation, awaited."""
+        return await self._rl.arun(self._rl.resume(tags))

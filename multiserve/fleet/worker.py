@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from multiserve.config import EngineConfig
-from multiserve.types import ControlResult, EngineUnavailable, GenerateRequest, RequestOutput
+from multiserve.types import ControlResult, EngineUnavailable, GenerateRequest
 
 EngineFactory = Callable[[EngineConfig], Any]
 
@@ -209,18 +209,6 @@ class EngineWorker:
             raise EngineUnavailable(self._reason)
         return engine
 
-    async def stream(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
-        engine = self._live_engine()
-        with self._lock:
-            self._active_streams += 1
-        try:
-            async for out in engine.stream(request):
-                yield out
-        finally:
-            with self._idle:
-                self._active_streams -= 1
-                self._idle.notify_all()
-
     async def open_streams(self, requests: Sequence[GenerateRequest]) -> list[Any]:
         """Admit `requests` atomically on the engine (see `Engine.open_streams`); each
         stream counts as in flight until it ends or is closed."""
@@ -298,10 +286,6 @@ class EngineWorker:
 
     def get_internal_state(self) -> dict[str, Any]:
         return {**self._engine_for_control().get_internal_state(), **self.identity()}
-
-    def inject_fault_for_testing(self, message: str = "injected fault") -> None:
-        """Test-only: the engine's next step raises RuntimeError(message)."""
-        self._engine_for_control().inject_fault_for_testing(message)
 
     def __repr__(self) -> str:
         return (f"EngineWorker(index={self.index}, devices={list(self.device_indexes)}, "

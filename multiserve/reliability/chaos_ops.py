@@ -29,7 +29,16 @@ from typing import Any
 
 import httpx
 
-from multiserve.types import PAUSE_MODES
+from multiserve.engine.commands import InjectFault
+from multiserve.types import PAUSE_MODES, EngineUnavailable
+
+
+def _inject_fault(worker: Any, message: str) -> None:
+    """The next step of the engine in `worker`'s slot raises RuntimeError(message)."""
+    engine = worker.engine
+    if engine is None:
+        raise EngineUnavailable(f"engine {worker.index}: no engine in the slot")
+    engine.call(InjectFault(message)).result()
 
 BASE_VERSION = "default"  # what EngineConfig calls the weights an engine starts with
 PERTURBED_VERSION = "perturbed"
@@ -127,7 +136,7 @@ class Operator:
         i = self.rng.randrange(len(self.fleet.workers))
         t0 = time.monotonic()
         try:
-            await asyncio.to_thread(self.fleet.workers[i].inject_fault_for_testing,
+            await asyncio.to_thread(_inject_fault, self.fleet.workers[i],
                                     "chaos: injected fault")
         except Exception as e:  # noqa: BLE001 - e.g. the engine is not there: recorded
             self.records.append(OpRecord("inject_fault", f"engine {i}", None, False,

@@ -17,6 +17,8 @@ from typing import Any
 
 import httpx
 
+from multiserve.engine.commands import CheckIntegrity
+
 IDLE_TIMEOUT_S = 120.0
 
 
@@ -47,7 +49,7 @@ def engine_problems(http: httpx.Client, url: str, engine: Any, i: int) -> list[s
         time.sleep(0.05)
     if engine is not None:
         try:
-            engine.run_on_engine_thread(lambda core: core.scheduler.check_integrity())
+            engine.call(CheckIntegrity()).result()
         except AssertionError as e:
             out.append(f"engine {i}: check_integrity failed: {e}")
     if st["req_to_token_pool_used"] != 0:

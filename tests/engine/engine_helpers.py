@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Coroutine, Iterator, Sequence
 from typing import Any
 
+from multiserve.engine.commands import CheckIntegrity
 from multiserve.engine.streams import assembling
 from multiserve.types import GenerateRequest, RequestOutput, SamplingParams
 
@@ -180,7 +181,7 @@ class AtTokens:
 def assert_idle_and_clean(engine: Any) -> None:
     """The engine holds no request and no KV beyond an unreferenced prefix cache; after a
     flush every KV token is available again (the memory-integrity contract)."""
-    engine.run_on_engine_thread(lambda core: core.scheduler.check_integrity())
+    engine.call(CheckIntegrity()).result()
     st = engine.get_internal_state()
     assert not st["engine_paused"], "the test left the engine paused"
     assert st["running_batch_size"] == 0 and st["waiting_queue_size"] == 0, st

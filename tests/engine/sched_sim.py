@@ -13,7 +13,7 @@ from multiserve.engine.sched.page_allocator import PageAllocator
 from multiserve.engine.sched.prefix_cache import PrefixCache
 from multiserve.engine.sched.request import Req
 from multiserve.engine.sched.scheduler import ScheduledBatch, Scheduler
-from multiserve.types import RequestStatus, SamplingParams
+from multiserve.types import SamplingParams
 
 PAGE = 4
 
@@ -70,8 +70,7 @@ class Sim:
         return batch
 
     def finish(self, req: Req) -> None:
-        self.sched.remove(req)
-        req.status = RequestStatus.FINISHED
+        self.sched.finish(req, "length")
         self.finished[req.rid] = req
 
     def run(self, max_steps: int = 1000) -> int:

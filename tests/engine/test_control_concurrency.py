@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 from engine_helpers import TINY_ENGINE, TINY_VOCAB, Collector
 
+from multiserve.engine.commands import CheckIntegrity, InjectFault
 from multiserve.types import ControlResult, SamplingParams
 
 THREAD_BOUND_S = 90.0
@@ -83,7 +84,7 @@ def test_concurrent_control_never_corrupts_or_deadlocks(tiny_engine: Any) -> Non
                     st = eng.get_internal_state()
                     assert st["running_batch_size"] + st["waiting_queue_size"] <= 48
                 else:
-                    eng.run_on_engine_thread(lambda core: core.scheduler.check_integrity())
+                    eng.call(CheckIntegrity()).result()
                 time.sleep(rng.random() * 0.01)
         return run
 
@@ -109,7 +110,7 @@ def test_concurrent_control_never_corrupts_or_deadlocks(tiny_engine: Any) -> Non
             assert out.output_ids == want[key][:len(out.output_ids)], key
         else:
             assert out.finish_reason == "length" and out.output_ids == want[key], key
-    eng.run_on_engine_thread(lambda core: core.scheduler.check_integrity())
+    eng.call(CheckIntegrity()).result()
 
 
 def test_shutdown_under_concurrent_calls_ends_everything(tiny_model_dir: Any) -> None:
@@ -172,7 +173,7 @@ def test_a_failing_step_marks_the_engine_unhealthy_and_ends_every_request(
     try:
         col = Collector(eng)
         col.submit_all([[5, 6, 7]] * 3, SamplingParams(max_new_tokens=500, ignore_eos=True))
-        eng.inject_fault_for_testing("boom: injected")
+        eng.call(InjectFault("boom: injected")).result()
         got = col.wait(timeout=30)
         assert all(o.finish_reason == "abort" and "boom: injected" in o.error
                    for o in got.values())
@@ -185,6 +186,6 @@ def test_a_failing_step_marks_the_engine_unhealthy_and_ends_every_request(
         assert st["running_batch_size"] == 0 and st["waiting_queue_size"] == 0
         assert st["available_kv_tokens"] + st["evictable_kv_tokens"] == \
             st["initial_available_kv_tokens"]
-        eng.run_on_engine_thread(lambda core: core.scheduler.check_integrity())
+        eng.call(CheckIntegrity()).result()
     finally:
         eng.shutdown()

@@ -9,6 +9,7 @@ from typing import Any
 
 from engine_helpers import TINY_VOCAB, AtTokens, Collector, Trigger, held
 
+from multiserve.engine.commands import CheckIntegrity
 from multiserve.types import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True)
@@ -42,7 +43,7 @@ def _assert_flushed(engine: Any, res: Any, cached_before: int) -> None:
     assert st["new_token_ratio"] == engine.config.init_new_token_ratio
     assert st["running_batch_size"] == 0 and st["waiting_queue_size"] == 0
     assert not st["cur_batch"] and not st["last_batch"] and not st["chunked_req"]
-    engine.run_on_engine_thread(lambda core: core.scheduler.check_integrity())
+    engine.call(CheckIntegrity()).result()
 
 
 def test_flush_after_generation_resets_everything(tiny_engine: Any) -> None:

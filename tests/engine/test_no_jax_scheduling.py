@@ -14,7 +14,8 @@ REPO = Path(__file__).resolve().parents[2]
 SCHED = REPO / "multiserve" / "engine" / "sched"
 SCHEDULING = (*sorted(f"multiserve.engine.sched.{p.stem}" for p in SCHED.glob("*.py")),
               "multiserve.engine.commands", "multiserve.engine.streams",
-              "multiserve.engine.stop_strings", "multiserve.types", "multiserve.config")
+              "multiserve.engine.stop_strings", "multiserve.engine.pause_state",
+              "multiserve.types", "multiserve.config")
 
 
 def test_the_contract_covers_the_whole_sched_package() -> None:

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 from engine_helpers import TINY_VOCAB, AtTokens, Collector, Trigger
 
+from multiserve.engine.commands import Call, CheckIntegrity
 from multiserve.types import GenerateRequest, SamplingParams
 
 MAX_NEW = 32
@@ -140,7 +141,7 @@ def test_five_cycles_alternating_modes_at_random_steps(tiny_engine: Any, trigger
         assert st["engine_paused"]
         if mode == "retract":
             assert st["running_batch_size"] == 0 and res.details["retracted"] > 0
-        tiny_engine.run_on_engine_thread(lambda core: core.scheduler.check_integrity())
+        tiny_engine.call(CheckIntegrity()).result()
         assert tiny_engine.continue_generation().ok
     got = col.wait()
     assert all(o.finish_reason == "length" for o in got.values())
@@ -214,7 +215,7 @@ def test_aborted_stream_ends_cleanly(tiny_engine: Any) -> None:
 
 def _engine_thread_cpu_seconds(engine: Any) -> float | None:
     """CPU time used so far by the engine's own thread (Linux /proc), else None."""
-    native_id = engine.run_on_engine_thread(lambda core: threading.get_native_id())
+    native_id = engine.call(Call(lambda core: threading.get_native_id())).result()
     path = f"/proc/self/task/{native_id}/stat"
     if not os.path.exists(path):
         return None

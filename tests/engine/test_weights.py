@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 from engine_helpers import TINY_VOCAB, AtTokens, Collector, Trigger
 
+from multiserve.engine.commands import Call
 from multiserve.types import ControlResult, SamplingParams, WeightSegment
 
 MAX_NEW = 16
@@ -207,7 +208,7 @@ def test_update_while_paused_records_segments(engine: Any, trigger: Trigger, ori
             cont = _run(engine, [prompts[0] + list(out.output_ids[:n])],
                         GREEDY.with_updates(max_new_tokens=MAX_NEW - n))
             assert cont[("r0", 0)].output_ids == out.output_ids[n:]
-    assert engine.run_on_engine_thread(lambda core: core.cache.enabled)
+    assert engine.call(Call(lambda core: core.cache.enabled)).result()
 
 
 def test_partial_update_and_two_phase(engine: Any, original: tuple, tmp_path: Path) -> None:

@@ -22,6 +22,7 @@ import httpx
 import openai
 import pytest
 
+from multiserve.engine.commands import Call, InjectFault
 from multiserve.fleet.config_loader import load_fleet_config
 from multiserve.fleet.launch import Fleet, launch_fleet
 
@@ -111,8 +112,8 @@ def test_each_engine_arrays_live_only_on_its_own_device(fleet: Fleet) -> None:
 
     owned: list[list[jax.Array]] = []
     for w in fleet.workers:
-        params, kv = w.engine.run_on_engine_thread(lambda core: (core.runner.params,
-                                                                 core.runner.kv))
+        params, kv = w.engine.call(Call(lambda core: (core.runner.params,
+                                                      core.runner.kv))).result()
         leaves = [x for x in jax.tree.leaves((params, kv)) if isinstance(x, jax.Array)]
         assert leaves
         mine = {jax.devices()[i] for i in w.device_indexes}
@@ -196,7 +197,7 @@ async def test_supervisor_pause_while_every_engine_streams(fleet: Fleet, referen
 async def test_fault_in_one_engine_isolated_and_restart_restores_it(fleet: Fleet,
                                                                     reference: str) -> None:
     broken = 1
-    fleet.workers[broken].inject_fault_for_testing("boom: injected by test")
+    fleet.workers[broken].engine.call(InjectFault("boom: injected by test")).result()
     try:  # the next step of engine 1 raises; the request that triggers it ends in error
         resp = await chat(fleet, broken, 8)
         assert resp.choices[0].finish_reason == "abort"

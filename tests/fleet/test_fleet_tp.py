@@ -16,6 +16,7 @@ import httpx
 import openai
 import pytest
 
+from multiserve.engine.commands import Call
 from multiserve.fleet.config_loader import load_fleet_config
 from multiserve.fleet.launch import Fleet, launch_fleet
 
@@ -61,7 +62,7 @@ def test_two_engines_of_two_devices_match_one_device(single_device_answers: list
     try:
         assert fleet.device_groups == [[0, 1], [2, 3]]
         for w in fleet.workers:
-            params, kv = w.engine.run_on_engine_thread(lambda c: (c.runner.params, c.runner.kv))
+            params, kv = w.engine.call(Call(lambda c: (c.runner.params, c.runner.kv))).result()
             mine = {jax.devices()[i] for i in w.device_indexes}
             leaves = jax.tree.leaves((params, kv))
             assert all(x.devices() == mine for x in leaves)  # on both devices, nowhere else

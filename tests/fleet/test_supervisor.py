@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from multiserve.config import EngineConfig, ModelConfig
+from multiserve.engine.commands import InjectFault
 from multiserve.fleet.supervisor import build_supervisor_app
 from multiserve.types import ControlResult, EngineClient, GenerateRequest, SamplingParams
 
@@ -349,7 +350,7 @@ async def test_fault_is_isolated_and_restart_rebuilds_the_engine(
     async with supervisor_client(fleet, restart=restart) as c:
         victim = Stream(fleet[1], request("victim", PROMPTS[0], max_new=LONG))
         await victim.started.wait()
-        fleet[1].inject_fault_for_testing("boom in step")
+        fleet[1].call(InjectFault("boom in step")).result()
         assert (await victim.task).finish_reason == "abort"
         r = await c.get("/health")
         assert r.status_code == 503

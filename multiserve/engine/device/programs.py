@@ -158,7 +158,7 @@ class ProgramSet:
         self._ready: dict[Kind, tuple[int, ...]] = {"T": (), "R": ()}  # primed (owner)
         self._pending: tuple[tuple[Kind, int], ...] = ()
         self._handoff = threading.Lock()  # guards _primer and _unprimed
-        self._primer: Callable[[Callable[[], None]], None] | None = None
+        self._primer: Callable[[Kind, int], Any] | None = None
         self._unprimed: list[tuple[Kind, int]] = []
         self._stop = threading.Event()
         self._complete = threading.Event()
@@ -229,9 +229,10 @@ class ProgramSet:
         if self._on_complete is not None:
             self._on_complete()
 
-    def set_primer(self, submit: Callable[[Callable[[], None]], None]) -> None:
-        """From now on, hand each background-compiled program to `submit(fn)`, which runs
-        fn on the engine thread (between steps); the ones compiled before are handed now."""
+    def set_primer(self, submit: Callable[[Kind, int], Any]) -> None:
+        """From now on, hand each background-compiled program to `submit(kind, size)`,
+        which has the engine thread run `prime(kind, size)` between steps (the Engine's
+        typed command Prime); the ones compiled before are handed now."""
         with self._handoff:
             self._primer = submit
             backlog, self._unprimed = self._unprimed, []
@@ -245,16 +246,18 @@ class ProgramSet:
                 self._unprimed.append((kind, size))
                 return
 
-        def prime() -> None:
-            try:
-                self.prime_and_publish(kind, size)
-            except Exception as e:  # noqa: BLE001 - reported via status; the engine serves on
-                self.error = e
-
         try:
-            submit(prime)
+            submit(kind, size)
         except Exception:  # noqa: BLE001 - the engine has stopped: nothing to prime for
             pass
+
+    def prime(self, kind: Kind, size: int) -> None:
+        """`prime_and_publish` (the engine thread); a failure is reported via status and
+        the engine serves on without this program."""
+        try:
+            self.prime_and_publish(kind, size)
+        except Exception as e:  # noqa: BLE001 - reported via status; the engine serves on
+            self.error = e
 
     # ---- compiling ---------------------------------------------------------------
     def _store(self, progress: Callable[[Kind, int], None] | None

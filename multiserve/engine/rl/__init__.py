@@ -5,8 +5,10 @@ methods to), `weights.py` (WeightManager: stage, publish, discard, read back),
 `memory.py` (MemoryManager: release and resume device buffers), `checks.py` (validation
 of tensors and checkpoints against the served model; no engine state).
 
-Invariant: nothing here assigns a field of the engine core, the runner, the scheduler or
-the prefix cache, or wraps a request's sink; it uses their narrow methods
-(`EngineCore.hold/release_hold`, `swap_params`, `set_weight_version`, `drop_kv`,
-`install_kv`; `Scheduler.retract`, `drop_cached_kv`), on the engine thread.
+Invariant: the managers are given the engine as an `RLInterface` (engine/rl_interface.py)
+and use only its public methods (`hold/release_hold`, `swap_params`, `set_weight_version`,
+`drop_kv`, `install_kv`, `retract_running`, ...), on the engine thread, through the typed
+RL commands (engine/commands.py) that `RLControl.execute` runs; nothing here assigns a
+field of another object, names the core's scheduler, prefix cache or allocator, or wraps
+a request's sink.
 """

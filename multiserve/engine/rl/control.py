@@ -1,28 +1,44 @@
 """RLControl: weight updates and memory release of one engine, behind one object.
 
-The Engine composes one RLControl and forwards its public RL methods here (same names and
-signatures); the logic lives in `weights.py` (WeightManager) and `memory.py`
-(MemoryManager). RLControl reaches the engine only through what it is given: the core
-(whose narrow methods the managers use) and a way to run a function on the engine thread
-between two steps, sync or async.
+Each RL operation is written once here, as an *operation* (`Op`): a typed command for the
+engine thread (engine/commands.py: BeginStaging, Publish, ReleaseMemory, ...), or, for
+the operations that also work on the caller's side (staging: read and copy tensors), a
+generator that yields commands and `OffThread` work and returns the ControlResult.
+`run(op)` drives an operation synchronously, `await arun(op)` asynchronously: the sync and
+async public methods of Engine (and the fleet's EngineWorker) are one-line wrappers over
+the same operation. On the engine thread, `execute(cmd)` runs the RL commands with the
+managers: `weights.py` (WeightManager) and `memory.py` (MemoryManager).
 
 Invariants:
-- Everything that touches engine state runs on the engine thread (`run` / `arun`).
+- Everything that touches engine state runs on the engine thread, as a typed command.
   Reading a checkpoint and copying tensors onto the devices (staging) runs on the
-  caller's thread (or a worker thread for the async twins), so generation is not
-  blocked by disk reads; the engine is held meanwhile (pause reason "weights_staged").
+  caller's thread (a worker thread for `arun`), so generation is not blocked by disk
+  reads; the engine is held meanwhile (pause reason "weights_staged").
 - A staging that fails or is interrupted ends its own hold (never another staging's).
-- Every public method returns a ControlResult. Invalid tensors/checkpoints give
-  ok=False with a message naming the tensor; invalid arguments (unknown tag or mode)
-  raise ValueError at the call.
+- Every operation returns a ControlResult. Invalid tensors/checkpoints give ok=False with
+  a message naming the tensor; invalid arguments (unknown tag or mode, truncate_size < 1)
+  raise ValueError when the operation is built, i.e. at the call.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+import concurrent.futures
+from collections.abc import Callable, Generator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from multiserve.engine.commands import (
+    BeginStaging,
+    Command,
+    Discard,
+    EndStaging,
+    Publish,
+    ReadWeights,
+    ReleaseMemory,
+    ResumeMemory,
+    RLCommand,
+)
 from multiserve.engine.rl.checks import WeightUpdateError
 from multiserve.engine.rl.memory import MemoryManager, normalize_tags
 from multiserve.engine.rl.weights import WeightManager
@@ -30,11 +46,38 @@ from multiserve.model.errors import ModelLoadError
 from multiserve.types import MEMORY_TAGS, ControlResult, check_pause_mode
 
 if TYPE_CHECKING:
-    from multiserve.engine.core import EngineCore
+    from multiserve.engine.rl_interface import RLInterface
 
-OnEngineThread = Callable[[Callable[["EngineCore"], Any]], Any]  # runs fn(core), returns
-AOnEngineThread = Callable[[Callable[["EngineCore"], Any]], Awaitable[Any]]
+Submit = Callable[[Command], concurrent.futures.Future]  # Engine.call
 Loader = Callable[[], tuple[Any, str, bool]]  # -> (tensors, source, require_all)
+
+
+@dataclass(frozen=True)
+class OffThread:
+    """Work of an operation that runs off the engine thread (the caller's thread, or a
+    worker thread under `arun`): staging."""
+    fn: Callable[[], ControlResult]
+
+
+Op = RLCommand | Generator[Command | OffThread, Any, ControlResult]
+Outcome = tuple[Any, BaseException | None]  # a step's (result, None) or (None, exception)
+
+
+@dataclass(frozen=True)
+class Returned:
+    """An operation ended with `result`."""
+    result: ControlResult
+
+
+def _resume(op: Generator[Command | OffThread, Any, ControlResult], outcome: Outcome
+            ) -> Command | OffThread | Returned:
+    """Hand the last step's outcome to the operation (its result, or its exception
+    raised inside the operation); the operation's next step, or what it returned."""
+    result, error = outcome
+    try:
+        return op.throw(error) if error is not None else op.send(result)
+    except StopIteration as done:
+        return Returned(done.value)
 
 
 def _failed(e: Exception, weight_version: str) -> ControlResult:
@@ -45,18 +88,63 @@ class RLControl:
     """See the module docstring. `require_healthy()` raises EngineUnavailable when the
     engine cannot take an update (it runs on the engine thread)."""
 
-    def __init__(self, core: EngineCore, run: OnEngineThread, arun: AOnEngineThread,
+    def __init__(self, core: RLInterface, submit: Submit,
                  require_healthy: Callable[[], None]) -> None:
         self.weights = WeightManager(core)
         self.memory = MemoryManager(core, self.weights)
-        self._run = run
-        self._arun = arun
+        self._submit = submit
         self._require_healthy = require_healthy
 
-    # ---- engine-thread bodies ------------------------------------------------------------
-    def _begin(self, abort_running: bool) -> ControlResult:
-        self._require_healthy()
-        return self.weights.begin(abort_running)
+    # ---- drivers: one operation, sync or async ---------------------------------------------
+    def run(self, op: Op) -> ControlResult:
+        """Run `op` on this thread (its commands wait for the engine thread)."""
+        if not isinstance(op, Generator):
+            return self._submit(op).result()
+        outcome: Outcome = (None, None)
+        while not isinstance(step := _resume(op, outcome), Returned):
+            try:
+                outcome = (step.fn() if isinstance(step, OffThread)
+                           else self._submit(step).result()), None
+            except BaseException as e:  # noqa: BLE001 - handed to the operation
+                outcome = None, e
+        return step.result
+
+    async def arun(self, op: Op) -> ControlResult:
+        """`run(op)`, awaited: commands are awaited, OffThread work runs in a worker
+        thread (`asyncio.to_thread`)."""
+        if not isinstance(op, Generator):
+            return await asyncio.wrap_future(self._submit(op))
+        outcome: Outcome = (None, None)
+        while not isinstance(step := _resume(op, outcome), Returned):
+            pending = (asyncio.to_thread(step.fn) if isinstance(step, OffThread)
+                       else asyncio.wrap_future(self._submit(step)))
+            try:
+                outcome = await pending, None
+            except BaseException as e:  # noqa: BLE001 - handed to the operation
+                outcome = None, e
+        return step.result
+
+    # ---- the engine thread: RL commands ----------------------------------------------------
+    def execute(self, cmd: RLCommand) -> ControlResult | None:
+        """Run one RL command (engine thread, between two steps)."""
+        match cmd:
+            case BeginStaging(abort_running):
+                self._require_healthy()
+                return self.weights.begin(abort_running)
+            case EndStaging(token):
+                self.weights.release_hold_if(token)
+                return None
+            case Publish(token, abort_running):
+                return self.weights.publish(token, abort_running)
+            case Discard(token):
+                return self.weights.discard(token)
+            case ReadWeights(name, truncate_size):
+                return self._read(name, truncate_size)
+            case ReleaseMemory(tags, mode, preserve_state):
+                return self.memory.release(tags, mode, preserve_state)
+            case ResumeMemory(tags):
+                return self.memory.resume(tags)
+        raise TypeError(f"not an RL command: {cmd!r}")
 
     def _read(self, name: str, truncate_size: int) -> ControlResult:
         params, source = self.memory.readable_params()
@@ -67,15 +155,77 @@ class RLControl:
         return ControlResult(True, f"{name}: shape {out['shape']}", {
             **out, "weight_version": self.weights.core.weight_version, "from": source})
 
-    # ---- staging (caller side) -----------------------------------------------------------
-    def _tensor_loader(self, params: Any) -> Loader:
-        return lambda: (params, "<tensors>", False)
+    # ---- the operations (each written once) ------------------------------------------------
+    def stage_from_tensor(self, params: Any, weight_version: str,
+                          abort_running: bool = False) -> Op:
+        """Engine.stage_weights_from_tensor."""
+        return self._stage(lambda: (params, "<tensors>", False), weight_version,
+                           abort_running)
 
-    def _disk_loader(self, path: str) -> Loader:
+    def stage_from_disk(self, path: str, weight_version: str,
+                        abort_running: bool = False) -> Op:
+        """Engine.stage_weights_from_disk."""
         def load() -> tuple[Any, str, bool]:
             named, source = self.weights.layout.read_disk(path)
             return named, source, True
-        return load
+        return self._stage(load, weight_version, abort_running)
+
+    def update_from_tensor(self, params: Any, weight_version: str,
+                           abort_running: bool = False) -> Op:
+        """Engine.update_weights_from_tensor: stage, then publish."""
+        return self._update(self.stage_from_tensor(params, weight_version, abort_running),
+                            abort_running)
+
+    def update_from_disk(self, path: str, weight_version: str,
+                         abort_running: bool = False) -> Op:
+        """Engine.update_weights_from_disk: stage, then publish."""
+        return self._update(self.stage_from_disk(path, weight_version, abort_running),
+                            abort_running)
+
+    @staticmethod
+    def publish(token: str, abort_running: bool = False) -> Op:
+        """Engine.publish_staged_weights."""
+        return Publish(token, abort_running)
+
+    @staticmethod
+    def discard(token: str | None = None) -> Op:
+        """Engine.discard_staged_weights."""
+        return Discard(token)
+
+    @staticmethod
+    def read(name: str, truncate_size: int = 100) -> Op:
+        """Engine.get_weights_by_name."""
+        if truncate_size < 1:
+            raise ValueError("truncate_size: must be >= 1")
+        return ReadWeights(name, truncate_size)
+
+    @staticmethod
+    def release(tags: Any = MEMORY_TAGS, mode: str = "retract",
+                preserve_state: bool = False) -> Op:
+        """Engine.release_memory_occupation."""
+        check_pause_mode(mode)
+        return ReleaseMemory(normalize_tags(tags), mode, bool(preserve_state))
+
+    @staticmethod
+    def resume(tags: Any = MEMORY_TAGS) -> Op:
+        """Engine.resume_memory_occupation."""
+        return ResumeMemory(normalize_tags(tags))
+
+    def _stage(self, load: Loader, weight_version: str, abort_running: bool
+               ) -> Generator[Command | OffThread, Any, ControlResult]:
+        begun = yield BeginStaging(abort_running)
+        if not begun.ok:
+            return begun
+        token = begun.details["token"]
+        try:
+            staged = yield OffThread(lambda: self._stage_body(token, load, weight_version))
+        except (WeightUpdateError, ModelLoadError) as e:
+            yield EndStaging(token)
+            return _failed(e, weight_version)
+        except BaseException:
+            yield EndStaging(token)
+            raise
+        return _aborted_first(begun, staged)
 
     def _stage_body(self, token: str, load: Loader, weight_version: str) -> ControlResult:
         tensors, source, require_all = load()
@@ -88,136 +238,15 @@ class RLControl:
                                  "tensors": staged.names, "source": source,
                                  "staged_bytes": int(nbytes)})
 
-    def _unhold(self, token: str) -> Callable[[EngineCore], None]:
-        return lambda core: self.weights.release_hold_if(token)
-
-    def _stage(self, load: Loader, weight_version: str, abort_running: bool) -> ControlResult:
-        begun = self._run(lambda core: self._begin(abort_running))
-        if not begun.ok:
-            return begun
-        token = begun.details["token"]
-        try:
-            return _aborted_first(begun, self._stage_body(token, load, weight_version))
-        except (WeightUpdateError, ModelLoadError) as e:
-            self._run(self._unhold(token))
-            return _failed(e, weight_version)
-        except BaseException:
-            self._run(self._unhold(token))
-            raise
-
-    async def _astage(self, load: Loader, weight_version: str,
-                      abort_running: bool) -> ControlResult:
-        begun = await self._arun(lambda core: self._begin(abort_running))
-        if not begun.ok:
-            return begun
-        token = begun.details["token"]
-        try:
-            return _aborted_first(begun, await asyncio.to_thread(
-                self._stage_body, token, load, weight_version))
-        except (WeightUpdateError, ModelLoadError) as e:
-            await self._arun(self._unhold(token))
-            return _failed(e, weight_version)
-        except BaseException:
-            await self._arun(self._unhold(token))
-            raise
-
-    # ---- weights: sync ---------------------------------------------------------------------
-    def stage_weights_from_tensor(self, params: Any, weight_version: str,
-                                  abort_running: bool = False) -> ControlResult:
-        return self._stage(self._tensor_loader(params), weight_version, abort_running)
-
-    def stage_weights_from_disk(self, path: str, weight_version: str,
-                                abort_running: bool = False) -> ControlResult:
-        return self._stage(self._disk_loader(path), weight_version, abort_running)
-
-    def publish_staged_weights(self, token: str, abort_running: bool = False) -> ControlResult:
-        return self._run(lambda core: self.weights.publish(token, abort_running))
-
-    def discard_staged_weights(self, token: str | None = None) -> ControlResult:
-        return self._run(lambda core: self.weights.discard(token))
-
-    def update_weights_from_tensor(self, params: Any, weight_version: str,
-                                   abort_running: bool = False) -> ControlResult:
-        staged = self.stage_weights_from_tensor(params, weight_version, abort_running)
+    @staticmethod
+    def _update(stage: Op, abort_running: bool
+                ) -> Generator[Command | OffThread, Any, ControlResult]:
+        assert isinstance(stage, Generator)
+        staged = yield from stage
         if not staged.ok:
             return staged
-        return _aborted_total(staged, self.publish_staged_weights(
-            staged.details["token"], abort_running))
-
-    def update_weights_from_disk(self, path: str, weight_version: str,
-                                 abort_running: bool = False) -> ControlResult:
-        staged = self.stage_weights_from_disk(path, weight_version, abort_running)
-        if not staged.ok:
-            return staged
-        return _aborted_total(staged, self.publish_staged_weights(
-            staged.details["token"], abort_running))
-
-    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> ControlResult:
-        if truncate_size < 1:
-            raise ValueError("truncate_size: must be >= 1")
-        return self._run(lambda core: self._read(name, truncate_size))
-
-    # ---- weights: async --------------------------------------------------------------------
-    async def async_stage_weights_from_tensor(self, params: Any, weight_version: str,
-                                              abort_running: bool = False) -> ControlResult:
-        return await self._astage(self._tensor_loader(params), weight_version, abort_running)
-
-    async def async_stage_weights_from_disk(self, path: str, weight_version: str,
-                                            abort_running: bool = False) -> ControlResult:
-        return await self._astage(self._disk_loader(path), weight_version, abort_running)
-
-    async def async_publish_staged_weights(self, token: str,
-                                           abort_running: bool = False) -> ControlResult:
-        return await self._arun(lambda core: self.weights.publish(token, abort_running))
-
-    async def async_discard_staged_weights(self, token: str | None = None) -> ControlResult:
-        return await self._arun(lambda core: self.weights.discard(token))
-
-    async def async_update_weights_from_tensor(self, params: Any, weight_version: str,
-                                               abort_running: bool = False) -> ControlResult:
-        staged = await self.async_stage_weights_from_tensor(params, weight_version,
-                                                            abort_running)
-        if not staged.ok:
-            return staged
-        return _aborted_total(staged, await self.async_publish_staged_weights(
-            staged.details["token"], abort_running))
-
-    async def async_update_weights_from_disk(self, path: str, weight_version: str,
-                                             abort_running: bool = False) -> ControlResult:
-        staged = await self.async_stage_weights_from_disk(path, weight_version, abort_running)
-        if not staged.ok:
-            return staged
-        return _aborted_total(staged, await self.async_publish_staged_weights(
-            staged.details["token"], abort_running))
-
-    async def async_get_weights_by_name(self, name: str,
-                                        truncate_size: int = 100) -> ControlResult:
-        if truncate_size < 1:
-            raise ValueError("truncate_size: must be >= 1")
-        return await self._arun(lambda core: self._read(name, truncate_size))
-
-    # ---- memory ----------------------------------------------------------------------------
-    def release_memory_occupation(self, tags: Any = MEMORY_TAGS, mode: str = "retract",
-                                  preserve_state: bool = False) -> ControlResult:
-        check_pause_mode(mode)
-        tags = normalize_tags(tags)
-        return self._run(lambda core: self.memory.release(tags, mode, bool(preserve_state)))
-
-    def resume_memory_occupation(self, tags: Any = MEMORY_TAGS) -> ControlResult:
-        tags = normalize_tags(tags)
-        return self._run(lambda core: self.memory.resume(tags))
-
-    async def async_release_memory_occupation(self, tags: Any = MEMORY_TAGS,
-                                              mode: str = "retract",
-                                              preserve_state: bool = False) -> ControlResult:
-        check_pause_mode(mode)
-        tags = normalize_tags(tags)
-        return await self._arun(lambda core: self.memory.release(tags, mode,
-                                                                 bool(preserve_state)))
-
-    async def async_resume_memory_occupation(self, tags: Any = MEMORY_TAGS) -> ControlResult:
-        tags = normalize_tags(tags)
-        return await self._arun(lambda core: self.memory.resume(tags))
+        published = yield Publish(staged.details["token"], abort_running)
+        return _aborted_total(staged, published)
 
 
 def _aborted_first(begun: ControlResult, staged: ControlResult) -> ControlResult:

@@ -4,7 +4,7 @@ the same chips), then take them again, without losing a request.
 Owns `MemoryManager` (one per Engine): the host copy of released weights, the host copy
 of preserved K/V pages, and the "memory_released" pause reason. Runs on the engine
 thread only (commands between steps). Which tags are released is not stored here: it is
-what the runner lacks (`EngineCore.released_tags`). The engine is touched only through
+what the runner lacks (`RLInterface.released_tags`). The engine is touched only through
 the core's narrow methods (hold/release_hold, swap_params, drop_kv/install_kv), the
 scheduler's (retract, drop_cached_kv, check_integrity) and the prefix cache's reset.
 
@@ -46,7 +46,7 @@ from multiserve.model.sharding import kv_pool_sharding
 from multiserve.types import MEMORY_TAGS, ControlResult, MemoryTag
 
 if TYPE_CHECKING:
-    from multiserve.engine.core import EngineCore
+    from multiserve.engine.rl_interface import RLInterface
 
 
 def normalize_tags(tags: Any) -> tuple[MemoryTag, ...]:
@@ -79,7 +79,7 @@ def _nbytes(tree: Any) -> int:
 
 
 class MemoryManager:
-    def __init__(self, core: EngineCore, weights: WeightManager) -> None:
+    def __init__(self, core: RLInterface, weights: WeightManager) -> None:
         self.core = core
         self.weights = weights
         runner = core.runner  # read for its fixed settings only
@@ -121,28 +121,26 @@ class MemoryManager:
 
     def _release_kv(self, preserve_state: bool) -> dict[str, Any]:
         core = self.core
-        sched = core.scheduler
-        holders = list(sched.running)
+        held = core.running_pages()
         out: dict[str, Any] = {}
-        if preserve_state and holders:
-            out["dropped_cached_pages"] = sched.drop_cached_kv()
-            pages = np.asarray(sorted({p for r in holders for p in r.pages}), np.int64)
+        if preserve_state and held.requests:
+            out["dropped_cached_pages"] = core.drop_cached_kv()
+            pages = np.asarray(held.pages, np.int64)
             ps = core.page_size
             slots = (pages[:, None] * ps + np.arange(ps)).reshape(-1)
             kv = core.kv_pool
             assert kv is not None
             self.preserved = _PreservedKV(pages, np.array(kv.k[:, :, slots], copy=True),
                                           np.array(kv.v[:, :, slots], copy=True))
-            out["preserved_requests"] = len(holders)
+            out["preserved_requests"] = held.requests
             out["preserved_kv_pages"] = len(pages)
         else:
-            if holders:
-                sched.retract(holders)
-                out["retracted"] = len(holders)
-            out["dropped_cached_pages"] = core.cache.reset()  # nothing holds a page now
+            if held.requests:
+                out["retracted"] = core.retract_running()
+            out["dropped_cached_pages"] = core.reset_prefix_cache()  # no page is held now
             self.preserved = None
         core.drop_kv()
-        sched.check_integrity()
+        core.check_integrity()
         return out
 
     # ---- resume ----------------------------------------------------------------------------

@@ -51,7 +51,7 @@ from multiserve.model.sharding import param_shardings
 from multiserve.types import ControlResult
 
 if TYPE_CHECKING:
-    from multiserve.engine.core import EngineCore
+    from multiserve.engine.rl_interface import RLInterface
 
 __all__ = ["StagedWeights", "WeightManager", "WeightUpdateError"]
 
@@ -77,9 +77,9 @@ class StagedWeights:
 
 
 class WeightManager:
-    """Weight updates for one engine (see module docstring). `core` is its EngineCore."""
+    """Weight updates for one engine (see module docstring). `core` is its RLInterface."""
 
-    def __init__(self, core: EngineCore) -> None:
+    def __init__(self, core: RLInterface) -> None:
         self.core = core
         runner = core.runner  # read for its fixed settings only (dtype, mesh)
         self.model_cfg = core.model_cfg
@@ -108,14 +108,14 @@ class WeightManager:
             return ControlResult(False, "weights are released: resume_memory_occupation("
                                  "tags=['weights']) before updating them",
                                  {"refused": "weights_released"})
-        live = len(core.reqs)
+        live = core.num_live
         if live and not core.paused and not abort_running:
             return ControlResult(False, f"cannot update weights while {live} request(s) are "
                                  "running: pause_generation (retract or in_place) first, or "
                                  "pass abort_running=true", {"refused": "running", "live": live})
         aborted = 0
         if abort_running and live:  # sglang's abort_all_requests: abort first, then load
-            aborted = core.abort(None, abort_all=True).details.get("aborted", 0)
+            aborted = core.abort_all()
         token = uuid.uuid4().hex
         with self._lock:
             self._token = token
@@ -181,7 +181,7 @@ class WeightManager:
         if "weights" in core.released_tags:
             return ControlResult(False, "weights are released: resume them, then publish",
                                  {"refused": "weights_released", "token": token})
-        live = len(core.reqs)
+        live = core.num_live
         if live and not core.paused and not abort_running:
             return ControlResult(False, f"cannot publish weights while {live} request(s) are "
                                  "running: pause first or pass abort_running=true",

@@ -12,16 +12,22 @@ Position bookkeeping (the invariants the scheduler and runner rely on):
   owned by this Req alone.
 - A token at position P is sampled with the key (seed, index, P): resumed, retracted
   or re-batched requests draw the same tokens.
+
+Ownership: after construction (`Req.samples_of`), only the Scheduler changes a Req
+(engine/sched/scheduler.py: admission, launch, retraction, `postprocess` of a step's
+results, `finish`); everything else reads. The one exception is the delivery cursor
+(`sent`, `prompt_logprobs_sent`), advanced by `next_delta`, which only the core's one
+delivery function (`EngineCore._deliver`) calls.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from multiserve.types import (
     FinishReason,
+    GenerateRequest,
     OutputDelta,
     RequestStatus,
     SamplingParams,
@@ -58,20 +64,30 @@ class Req:
     weight_segments: list[WeightSegment] = field(default_factory=list)
     # row of this Req in the last launched step's sampled ids (valid while pending > 0)
     last_out_row: int = -1
+    num_retractions: int = 0
     # prompt logprobs: entry j is the logprob of prompt token j (entry 0 is None)
     want_prompt_logprobs: bool = False
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=lambda: [None])
     # n > 1: siblings wait until sample 0 has prefilled the shared prompt
     leader: Req | None = None
-    # counters
-    arrival_time: float = field(default_factory=time.monotonic)
-    first_token_time: float | None = None
-    finish_time: float | None = None
-    num_retractions: int = 0
     # output already handed to the sink: output_ids[:sent] (and their logprobs), and
     # whether the prompt logprobs went out (see next_delta)
     sent: int = 0
     prompt_logprobs_sent: bool = False
+
+    @classmethod
+    def samples_of(cls, request: GenerateRequest, seed: int, sink: OutputSink) -> list[Req]:
+        """The n Reqs of one (checked) request: sample i draws with (seed, i); samples
+        1..n-1 follow sample 0 (`leader`), which prefills the shared prompt first."""
+        p = request.sampling
+        ids = list(request.input_ids)
+        leader = cls(rid=request.rid, index=0, prompt_ids=ids, params=p, seed=seed,
+                     sink=sink, stream=request.stream,
+                     want_prompt_logprobs=request.return_prompt_logprobs)
+        return [leader] + [
+            cls(rid=request.rid, index=i, prompt_ids=ids, params=p, seed=seed, sink=sink,
+                stream=request.stream, want_prompt_logprobs=request.return_prompt_logprobs,
+                leader=leader) for i in range(1, p.n)]
 
     @property
     def key(self) -> tuple[str, int]:

@@ -1,10 +1,17 @@
-"""Scheduler: decides what the next step computes. Plain Python (never imports jax).
+"""Scheduler: decides what the next step computes, and owns every request's state.
+Plain Python (never imports jax).
 
 Every step is one ragged batch: one token for each decoding request, plus prefill
 chunks (new admissions or the continuation of a chunked prefill) filling the rest of
 the token budget. Rows are `BatchRow`s; the runner turns them into padded arrays.
 
+The Scheduler is the one writer of Req state (engine/sched/request.py): it admits,
+launches, retracts, records a step's results (`postprocess`: tokens, logprobs, the stop
+verdict of StopRules) and finishes (`finish`, the one finish path of a Req's state; the
+core then delivers). Everything else reads Reqs.
+
 Invariants:
+- `reqs` holds every live Req (added, not finished), by (rid, index); `finish` removes it.
 - `running` holds every admitted Req that holds KV (decoding or mid-prefill), in
   admission order; `waiting` holds the rest, front first. A Req is in at most one.
 - A waiting Req with `pending > 0` (retracted while a step that samples for it was
@@ -23,13 +30,30 @@ Invariants:
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from multiserve.config import EngineConfig
 from multiserve.engine.sched.page_allocator import PageAllocator, pages_needed
 from multiserve.engine.sched.prefix_cache import PrefixCache
 from multiserve.engine.sched.request import Req
-from multiserve.types import RequestStatus
+from multiserve.engine.sched.stop_rules import StopRules
+from multiserve.types import (
+    FinishReason,
+    RequestStatus,
+    SamplingParams,
+    TokenLogprob,
+    WeightSegment,
+)
+
+
+class StepLogprobSource(Protocol):
+    """A step's logprobs read to the host (engine/sampling/logprobs.StepLogprobs)."""
+
+    def token(self, b: int, tok: int, params: SamplingParams) -> TokenLogprob: ...
+
+    def prompt(self, b: int, token: int, params: SamplingParams) -> TokenLogprob: ...
 
 
 @dataclass
@@ -68,6 +92,7 @@ class Scheduler:
         self.max_context = max_context
         self.max_tokens_per_step = max_tokens_per_step
         self.max_rows = max_rows
+        self.reqs: dict[tuple[str, int], Req] = {}  # every live Req
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.new_token_ratio = cfg.init_new_token_ratio
@@ -156,7 +181,18 @@ class Scheduler:
 
     # ---- admission / removal -------------------------------------------------------
     def add(self, req: Req) -> None:
+        """A new live Req, waiting (its key is not live: the caller checked)."""
+        self.reqs[req.key] = req
         self.waiting.append(req)
+
+    def finish(self, req: Req, reason: FinishReason) -> None:
+        """The one finish path of a Req's state: finished with `reason`, no longer live,
+        its KV released. The state is recorded before the queues are touched, so after a
+        fault (queues possibly broken, `remove` raising) the Req still reads finished."""
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        self.reqs.pop(req.key, None)
+        self.remove(req)
 
     def remove(self, req: Req) -> None:
         """Drop a Req from whichever queue holds it and release its KV."""
@@ -304,12 +340,13 @@ class Scheduler:
     def launch(self, batch: ScheduledBatch) -> None:
         """The runner enqueued `batch`: advance positions and cache new full prefill pages."""
         decoded = False
-        for row in batch.rows:
+        for b, row in enumerate(batch.rows):
             req = row.req
             was_prefill = req.in_prefill
             req.kv_len = row.end
             if row.samples:
                 req.pending += 1
+                req.last_out_row = b
             if was_prefill:
                 num_full = row.end // self.page_size
                 req.num_cached_pages = self.cache.insert(
@@ -322,3 +359,43 @@ class Scheduler:
 
     def reset_ratio(self) -> None:
         self.new_token_ratio = self.cfg.init_new_token_ratio
+
+    # ---- a step's results (the host read them) -------------------------------------
+    def postprocess(self, batch: ScheduledBatch, next_ids: Sequence[int],
+                    logprobs: StepLogprobSource | None, weight_version: str,
+                    rules: StopRules) -> list[Req]:
+        """Record the results of launched step `batch`: prompt logprobs of its prompt
+        rows, and per sampling row its token (with logprob record and weight version)
+        and the stop verdict (finishing the Req). Returns the Reqs with output to deliver
+        now (finished, or streaming), in row order."""
+        for k, (req, j) in enumerate(batch.prompt_rows):
+            if not req.finished and len(req.prompt_logprobs) == j:
+                assert logprobs is not None, "prompt rows always return logprobs"
+                req.prompt_logprobs.append(
+                    logprobs.prompt(len(batch.rows) + k, req.prompt_ids[j], req.params))
+        deliver: list[Req] = []
+        for b, row in enumerate(batch.rows):
+            req = row.req
+            if not row.samples or req.finished:
+                continue
+            req.pending -= 1
+            if req.params.max_new_tokens == 0:  # scoring: the prompt is done, no token
+                self.finish(req, "length")
+                deliver.append(req)
+                continue
+            tok = int(next_ids[b])
+            req.output_ids.append(tok)
+            if not req.weight_segments or \
+                    req.weight_segments[-1].weight_version != weight_version:
+                req.weight_segments.append(
+                    WeightSegment(len(req.output_ids) - 1, weight_version))
+            if logprobs is not None and req.params.wants_logprobs:
+                req.output_logprobs.append(logprobs.token(b, tok, req.params))
+            reason, matched = rules.verdict(req, tok)
+            if reason is not None:
+                req.matched_stop = matched
+                self.finish(req, reason)
+                deliver.append(req)
+            elif req.stream:
+                deliver.append(req)
+        return deliver

@@ -17,6 +17,8 @@ from typing import Any
 import httpx
 from client_helpers import Live
 
+from multiserve.engine.commands import Call
+
 TOP_K_ALL = 1 << 30
 BOS, EOS = 1, 2
 PROMPTS = [[BOS, 4000, 12, 777, EOS], [BOS, 31, 9, 2222, 15, 640, EOS], [BOS, 8, EOS]]
@@ -124,8 +126,8 @@ def test_batched_generate_is_admitted_atomically(live: Live) -> None:
                             sampling=SamplingParams(max_new_tokens=200, ignore_eos=True))
             for i, p in enumerate(prompts)]
     engine.submit_many(reqs, [got.append] * len(reqs))
-    live_rids = engine.run_on_engine_thread(lambda core: sorted({r.rid for r in
-                                                                 core.reqs.values()}))
+    live_rids = engine.call(Call(lambda core: sorted({r.rid for r in
+                                                      core.scheduler.reqs.values()}))).result()
     assert live_rids == sorted(r.rid for r in reqs)
     engine.abort_request(abort_all=True)
     live.wait_state(lambda s: s["running_batch_size"] + s["waiting_queue_size"] == 0)

@@ -1,0 +1,45 @@
+"""StepLogprobs: one step's sampler logprob outputs, read to the host and unpacked per row.
+
+Row b of a step is either a sequence's sampled row (b < number of batch rows) or a prompt
+row that scores prompt token j (after them; `ScheduledBatch.prompt_rows`). The arrays are
+the sampler's: the sampled token's logprob [R], the top-k ids and logprobs [R, K] and the
+logprobs of the requested token ids [R, S].
+
+Invariant: read only; a record is built from row b's arrays alone.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from multiserve.types import SamplingParams, TokenLogprob
+
+
+class StepLogprobs:
+    def __init__(self, sample: Any) -> None:
+        """`sample`: the step's sampler output (device arrays: logprob, top_ids,
+        top_logprobs, selected_logprobs); copied to the host once, here."""
+        self.logprob = np.asarray(sample.logprob)
+        self.top_ids = np.asarray(sample.top_ids)
+        self.top_logprobs = np.asarray(sample.top_logprobs)
+        self.selected = np.asarray(sample.selected_logprobs)
+
+    def _top(self, b: int, k: int) -> tuple[tuple[int, float], ...]:
+        return tuple((int(self.top_ids[b, j]), float(self.top_logprobs[b, j]))
+                     for j in range(k))
+
+    def token(self, b: int, tok: int, params: SamplingParams) -> TokenLogprob:
+        """The record of sampled token `tok` of row b: its logprob, the top
+        `top_logprobs_num` and the logprobs of `token_ids_logprob`."""
+        ids = params.token_ids_logprob or ()
+        selected = tuple((int(t), float(self.selected[b, j])) for j, t in enumerate(ids))
+        return TokenLogprob(tok, float(self.logprob[b]), self._top(b, params.top_logprobs_num),
+                            selected)
+
+    def prompt(self, b: int, token: int, params: SamplingParams) -> TokenLogprob:
+        """The record of prompt token `token` scored by prompt row b (its one requested
+        id: `sampling.rows.prompt_row_params`)."""
+        return TokenLogprob(token, float(self.selected[b, 0]),
+                            self._top(b, params.top_logprobs_num))

@@ -1,0 +1,47 @@
+"""The sampler's rows of one step: a RowSpec per logits row of a ScheduledBatch.
+
+Rows 0..len(batch.rows)-1 are the batch's sequences (None for a prefill chunk that samples
+nothing); after them one row per prompt token scored (`prompt_rows`, prompt logprobs):
+such a row is greedy and asks for the logprob of the prompt token it scores, its sampled
+id is ignored (`prompt_row_params`).
+
+Invariant: read only (Reqs, params); the specs carry everything the sampler needs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from multiserve.engine.sampling.host import RowSpec
+from multiserve.engine.sched.request import Req
+from multiserve.engine.sched.scheduler import ScheduledBatch
+from multiserve.engine.sched.stop_rules import StopRules
+from multiserve.types import SamplingParams
+
+
+def prompt_row_params(req: Req, j: int) -> SamplingParams:
+    """The made-up sampling of the row that scores prompt token j of `req`: greedy, one
+    token, the request's top-k, and the logprob of that prompt token."""
+    return SamplingParams(temperature=0.0, max_new_tokens=1,
+                          top_logprobs_num=req.params.top_logprobs_num,
+                          token_ids_logprob=(req.prompt_ids[j],))
+
+
+def step_rows(batch: ScheduledBatch, prompt_rows: Sequence[tuple[Req, int]],
+              rules: StopRules) -> tuple[list[RowSpec | None], bool]:
+    """(the RowSpecs of every logits row, whether the step must return logprobs)."""
+    specs: list[RowSpec | None] = []
+    wants_lp = bool(prompt_rows)
+    for row in batch.rows:
+        if not row.samples:
+            specs.append(None)
+            continue
+        req = row.req
+        specs.append(RowSpec(params=req.params, seed=req.seed, sample_index=req.index,
+                             position=row.end, output_ids=req.output_ids,
+                             prompt_ids=req.prompt_ids, ban_ids=rules.ban_ids(req)))
+        wants_lp = wants_lp or req.params.wants_logprobs
+    for req, j in prompt_rows:
+        specs.append(RowSpec(params=prompt_row_params(req, j), seed=0, sample_index=0,
+                             position=j, output_ids=(), prompt_ids=()))
+    return specs, wants_lp

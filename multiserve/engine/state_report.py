@@ -1,0 +1,62 @@
+"""The engine's introspection: `internal_state(core)`, what get_internal_state answers.
+
+The keys are sglang's where it has them (`waiting_queue_size`, `running_batch_size`,
+`forward_ct_decode`, ...) plus ours (pause reasons, compile progress, the determinism
+plan, weight version, memory released, admission bounds). Tests assert on them: they are
+exact (docs/architecture.md §6).
+
+Invariant: read only, on the engine thread (a snapshot between two steps).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from multiserve.engine.core import EngineCore
+    from multiserve.engine.device.model_runner import Runner
+
+
+def step_info(runner: Runner) -> dict[str, Any]:
+    """What the steps run on: dtype, warm-up seconds, the compiled buckets."""
+    return {"dtype": str(runner.dtype), "compile_s": runner.warmup_seconds,
+            "buckets": runner.buckets()}
+
+
+def internal_state(core: EngineCore) -> dict[str, Any]:
+    s = core.scheduler
+    return {
+        "engine_paused": core.pause_state.paused,
+        "pause_reasons": core.pause_state.reasons,
+        "waiting_queue_size": len(s.waiting),
+        "running_batch_size": len(s.running),
+        "running_rids": [f"{r.rid}" if r.params.n == 1 else f"{r.rid}#{r.index}"
+                         for r in s.running],
+        "waiting_rids": [f"{r.rid}" if r.params.n == 1 else f"{r.rid}#{r.index}"
+                         for r in s.waiting],
+        "available_kv_tokens": s.available_kv_tokens(),
+        "initial_available_kv_tokens": core.initial_available,
+        "evictable_kv_tokens": core.cache.num_evictable_pages * core.page_size,
+        "tree_cache_size": core.cache.num_cached_pages * core.page_size,
+        "req_to_token_pool_used": sum(1 for r in s.running if r.pages),
+        "forward_ct_decode": core.forward_ct_decode,
+        "forward_ct": core.forward_ct,
+        "new_token_ratio": s.new_token_ratio,
+        "cur_batch": core.in_flight is not None,
+        "last_batch": core.last_batch is not None,
+        "chunked_req": bool(s.chunked_reqs),
+        "cache_miss_count": core.runner.cache_miss_count,
+        "compile": dataclasses.asdict(core.runner.programs.status()),
+        "determinism": core.runner.determinism,
+        "weight_version": core.weight_version,
+        "memory_released": sorted(core.released_tags),
+        "num_retractions": s.num_retractions,
+        "page_size": core.page_size,
+        "max_total_tokens": core.allocator.num_usable * core.page_size,
+        "max_context_len": core.max_context,
+        "max_queued_requests": core.admission.max_queued_requests,
+        "max_queued_tokens": core.admission.max_queued_tokens,
+        "overlap": core.overlap,
+        "prefix_cache_hit_tokens": core.cache.hit_tokens,
+    }
