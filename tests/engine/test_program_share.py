@@ -14,6 +14,7 @@ from typing import Any
 import jax
 import pytest
 
+from multiserve.engine.commands import Call
 from multiserve.types import SamplingParams
 
 DEVICE = 3  # not the shared tiny engine's device
@@ -50,7 +51,7 @@ def test_a_second_device_loads_every_program_and_matches_bitwise(tiny_engine: An
         warm = dict(events)
         assert warm.get("/jax/compilation_cache/cache_misses", 0) == 0, warm
         assert warm.get("/jax/compilation_cache/cache_hits", 0) >= 2, warm
-        params, kv = other.run_on_engine_thread(lambda c: (c.runner.params, c.runner.kv))
+        params, kv = other.call(Call(lambda c: (c.runner.params, c.runner.kv))).result()
         assert all(x.devices() == {jax.devices()[DEVICE]}
                    for x in jax.tree.leaves((params, kv)))
         assert _outputs(other) == _outputs(tiny_engine)
