@@ -121,7 +121,8 @@ LAYOUT_SUFFIX = {"plain": "", "nt": "_t", "native": "_p"}  # kernel -> weight la
 
 
 def with_transposed(params: dict[str, Any], cfg: ModelConfig, stacked_t: bool = False,
-                    kernels: frozenset[str] = frozenset(LAYOUT_SUFFIX)) -> dict[str, Any]:
+                    kernels: frozenset[str] = frozenset(LAYOUT_SUFFIX),
+                    matrices: tuple[str, ...] = LAYER_MATRICES) -> dict[str, Any]:
     """The compute params the forward runs on, derived from the canonical pytree (matrices
     [in, out] stacked over layers, see param_layout), holding each layer matrix in the
     layouts of the product `kernels` the invariance plan uses (`llama.plan_kernels`; by
@@ -140,17 +141,19 @@ def with_transposed(params: dict[str, Any], cfg: ModelConfig, stacked_t: bool = 
     - `embed`, `final_norm`: the canonical arrays (shared, no copy);
     - the output head as `head_w` [D, V] and `head_wt` [V, D] (tied embeddings reuse
       `embed` as `head_wt`: no copy), and with "native" its panels `head_wp`.
-    Copies keep their source's sharding (minus the layer axis; transposed for `_t`)."""
+    Copies keep their source's sharding (minus the layer axis; transposed for `_t`).
+    `matrices`: the layer matrices of `params["layers"]` (a MoE family passes the attention
+    projections only; its MLP groups have their own layouts, moe_decoder.py)."""
     layers = params["layers"]
     keep_t = "nt" in kernels or stacked_t  # else no layer matrix is transposed at all
-    to_transpose: dict[str, Any] = ({name: layers[name] for name in LAYER_MATRICES}
+    to_transpose: dict[str, Any] = ({name: layers[name] for name in matrices}
                                     if keep_t else {})
     to_transpose["head"] = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
     done = _transpose_tree(to_transpose)
     head = done.pop("head")
     out = {k: v for k, v in params.items() if k != "layers"}
     per_layer = {k: v for k, v in layers.items()
-                 if k not in LAYER_MATRICES or "plain" in kernels}
+                 if k not in matrices or "plain" in kernels}
     stacked = dict(layers)
     if keep_t:
         transposed = {f"{name}_t": a for name, a in done.items()}
@@ -158,7 +161,7 @@ def with_transposed(params: dict[str, Any], cfg: ModelConfig, stacked_t: bool = 
         if stacked_t:
             stacked.update(transposed)
     if "native" in kernels:  # stacked only: the kernel reads its layer in place
-        stacked.update(_pack_tree({f"{name}_p": layers[name] for name in LAYER_MATRICES}))
+        stacked.update(_pack_tree({f"{name}_p": layers[name] for name in matrices}))
     out["stacked_layers"] = stacked
     out["layers"] = _split_layers(per_layer)
     if not stacked_t:
