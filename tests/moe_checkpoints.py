@@ -22,10 +22,11 @@ ARCHS: dict[str, dict[str, Any]] = {
     # 3 layers, layer 1 dense (mlp_only_layers): sparse, dense, sparse; 8 experts, top-2
     "qwen3_moe": dict(COMMON, num_hidden_layers=3, num_experts=8, norm_topk_prob=True,
                       mlp_only_layers=[1], tie_word_embeddings=False),
-    # 2 layers, both sparse; 6 experts top-2 plus the shared expert; tied embeddings
+    # 2 layers, both sparse; 6 experts top-2 plus the shared expert (tied embeddings would
+    # make a random model repeat its input token: h ~ embed[x], so logit x ~ |e_x|^2)
     "qwen2_moe": dict(COMMON, num_hidden_layers=2, num_experts=6, norm_topk_prob=False,
                       shared_expert_intermediate_size=48, decoder_sparse_step=1,
-                      tie_word_embeddings=True),
+                      tie_word_embeddings=False),
 }
 
 

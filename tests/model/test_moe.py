@@ -141,8 +141,26 @@ def test_expert_rows_do_not_depend_on_who_else_chose_the_expert(tmp_path_factory
     assert len(same) >= 40 and len(other) >= 40
     for t in (2, 8, 64, 256):
         for crowd in (same, other, pool):
-            for where in (0, t // 2, t - 1):
-                batch = crowd[rng.permutation(len(crowd))[:t - 1]]
+            batch = crowd[rng.permutation(len(crowd))[:t - 1]]
+            for where in (0, len(batch) // 2, len(batch)):
                 h = np.insert(batch, where, probe[0], axis=0)
                 got = np.asarray(layer0(jnp.asarray(h)))[where]
                 assert np.array_equal(got, alone[0]), (t, where)
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_moe_logits_are_bitwise_batch_invariant(arch: str, tmp_path_factory) -> None:
+    """test_batch_invariance's batchings (full prefill, mixed T=256 batch, chunked prefill,
+    decode beside others at T = 64/128, lone T = 1 decode, small T = 2..8 steps) on the
+    MoE model: the routed groups differ in every batching, the logits bits do not."""
+    from test_batch_invariance import assert_bitwise_equal, run_modes
+
+    _, path, _ = checkpoint(arch, tmp_path_factory)
+    loaded = load_model(str(path), "float32")
+    cfg = loaded.config
+    rng = np.random.default_rng(5)
+    target = [int(t) for t in rng.integers(3, cfg.vocab_size, 70)]
+    probe = sorted({0, 1, 15, 16, 17, 40, 63, 64, 65, 69} | set(range(50, 55)))
+    out = run_modes(jax.device_put(loaded.params), cfg, target, probe, page_size=4, block=16)
+    assert_bitwise_equal(out, probe)
+    assert not np.array_equal(out["prefill_T128"][0], out["prefill_T128"][69])
