@@ -47,7 +47,9 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The static shape of a Llama-family decoder. Hashable: used as a jit static arg."""
+    """The static shape of a decoder of one of the model families (model/families): the
+    dense fields every family has, and the mixture-of-experts fields (0 / () when dense).
+    Hashable: used as a jit static arg."""
 
     architecture: str
     vocab_size: int

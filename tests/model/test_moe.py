@@ -104,9 +104,24 @@ def test_moe_greedy_ids_match_transformers_generate(arch: str, tmp_path_factory)
     assert len(set(got)) > 3  # a varied continuation, not one repeated token
 
 
-def test_expert_rows_do_not_depend_on_who_else_chose_the_expert(tmp_path_factory) -> None:
+def gather_plan(plan: Any) -> Any:
+    """`plan` with every grouped expert product on the "gather" formulation (XLA: each row
+    against its gathered expert matrix), the one used where the native kernel is not."""
+    from dataclasses import replace
+
+    from multiserve.model.invariance_plan import Formulation
+
+    return replace(plan, products=tuple(
+        replace(p, by_rows=tuple((m, Formulation("gather", m)) for m, _ in p.by_rows))
+        if p.name.startswith("we_") else p for p in plan.products))
+
+
+@pytest.mark.parametrize("kind", ["calibrated", "gather"])
+def test_expert_rows_do_not_depend_on_who_else_chose_the_expert(kind: str,
+                                                               tmp_path_factory) -> None:
     """One MoE layer's output for a fixed token, computed beside 0..255 other tokens that
-    (by construction of the batch) crowd its experts or avoid them: bitwise the same."""
+    (by construction of the batch) crowd its experts or avoid them: bitwise the same; with
+    the calibrated plan (here: the native grouped kernel) and with "gather"."""
     from multiserve.model.llama import layer_projection
     from multiserve.model.moe import moe_mlp
     from multiserve.model.moe_decoder import _select, moe_dense_matrices
@@ -115,6 +130,12 @@ def test_expert_rows_do_not_depend_on_who_else_chose_the_expert(tmp_path_factory
     loaded = load_model(str(path), "float32")
     cfg = loaded.config
     plan = default_plan(cfg, np.float32)
+    if kind == "gather":
+        plan = gather_plan(plan)
+    kernels = {plan.product(m).formulation(t).kernel for m in ("we_gate", "we_down")
+               for t in (2, 128, 512)}
+    print(f"{kind}: grouped kernels {kernels}")
+    assert kernels == {"gather"} or kind == "calibrated"
     params = family_for(cfg).compute_params(jax.device_put(loaded.params), cfg, plan, ())
     rng = np.random.default_rng(0)
     probe = rng.standard_normal((1, cfg.hidden_size)).astype(np.float32)
