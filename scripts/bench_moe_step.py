@@ -3,7 +3,9 @@ random MoE model against a dense model of the same ACTIVE size (same attention, 
 intermediate = top-k x expert intermediate), at T = 1 (a lone decode) and T = 64 tokens.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=1 JAX_PLATFORMS=cpu \\
-        python scripts/bench_moe_step.py [--steps 300]
+        python scripts/bench_moe_step.py [--steps 300] [--sizes tiny small]
+
+The first run of a size calibrates both models' invariance plans (cached afterwards).
 """
 
 from __future__ import annotations
@@ -70,9 +72,10 @@ def step_seconds(cfg: ModelConfig, tokens: int, steps: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
     args = ap.parse_args()
-    for name, size in SIZES.items():
-        moe, dense = configs(*size)
+    for name in args.sizes:
+        moe, dense = configs(*SIZES[name])
         for tokens in (1, 64):
             steps = args.steps if tokens == 1 else max(20, args.steps // 10)
             m, d = step_seconds(moe, tokens, steps), step_seconds(dense, tokens, steps)

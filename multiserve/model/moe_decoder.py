@@ -39,9 +39,10 @@ from multiserve.model.moe import EXPERT_MATRICES, SHARED_MATRICES, moe_mlp
 from multiserve.model.native_kernels import pack_panels
 from multiserve.model.row_invariant import (
     LAYOUT_SUFFIX,
-    _split_layers,
-    _transpose_tree,
     is_compute_params,
+    pack_tree,
+    split_layers,
+    transpose_tree,
     with_transposed,
 )
 
@@ -60,8 +61,6 @@ def _pack_experts(stacks: dict[str, jax.Array]) -> dict[str, jax.Array]:
     return {f"{k}_p": pack_panels(v.reshape(-1, *v.shape[2:])) for k, v in stacks.items()}
 
 
-_pack_tree = jax.jit(lambda tree: jax.tree.map(pack_panels, tree))
-
 
 def _group_layouts(group: dict[str, jax.Array], matrices: tuple[str, ...],
                    kernels: frozenset[str]) -> tuple[tuple[dict[str, jax.Array], ...],
@@ -71,9 +70,9 @@ def _group_layouts(group: dict[str, jax.Array], matrices: tuple[str, ...],
     per = {k: v for k, v in group.items() if k not in matrices or "plain" in kernels}
     if "nt" in kernels:
         per.update({f"{k}_t": v for k, v in
-                    _transpose_tree({k: group[k] for k in matrices}).items()})
-    stacked = _pack_tree({f"{k}_p": group[k] for k in matrices}) if "native" in kernels else {}
-    return (_split_layers(per) if per else ()), stacked
+                    transpose_tree({k: group[k] for k in matrices}).items()})
+    stacked = pack_tree({f"{k}_p": group[k] for k in matrices}) if "native" in kernels else {}
+    return (split_layers(per) if per else ()), stacked
 
 
 def compute_params(params: dict[str, Any], cfg: ModelConfig,
@@ -94,7 +93,7 @@ def compute_params(params: dict[str, Any], cfg: ModelConfig,
         dense_names = moe_dense_matrices(cfg)
         per, stacked = _group_layouts({k: moe[k] for k in dense_names}, dense_names, kernels)
         experts = {k: moe[k] for k in EXPERT_MATRICES}
-        per_experts = _split_layers(experts) if "gather" in kernels else ()
+        per_experts = split_layers(experts) if "gather" in kernels else ()
         for j, i in enumerate(cfg.moe_layers):
             mlp[i] = {**(per[j] if per else {}), **(per_experts[j] if per_experts else {})}
         if "native" in kernels:

@@ -106,12 +106,13 @@ def _transpose_last(a: jax.Array) -> jax.Array:
     return jnp.swapaxes(a, -1, -2)
 
 
-_transpose_tree = jax.jit(lambda tree: jax.tree.map(_transpose_last, tree))
-_pack_tree = jax.jit(lambda tree: jax.tree.map(pack_panels, tree))
+# jitted helpers over pytrees of stacked arrays (shared with moe_decoder's compute params)
+transpose_tree = jax.jit(lambda tree: jax.tree.map(_transpose_last, tree))  # [.., N, K]
+pack_tree = jax.jit(lambda tree: jax.tree.map(pack_panels, tree))  # native kernel panels
 
 
 @jax.jit
-def _split_layers(layers: dict[str, jax.Array]) -> tuple[dict[str, jax.Array], ...]:
+def split_layers(layers: dict[str, jax.Array]) -> tuple[dict[str, jax.Array], ...]:
     """Stacked [L, ...] layer params -> one dict of separate arrays per layer."""
     num_layers = next(iter(layers.values())).shape[0]
     return tuple({name: a[i] for name, a in layers.items()} for i in range(num_layers))
@@ -149,7 +150,7 @@ def with_transposed(params: dict[str, Any], cfg: ModelConfig, stacked_t: bool = 
     to_transpose: dict[str, Any] = ({name: layers[name] for name in matrices}
                                     if keep_t else {})
     to_transpose["head"] = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
-    done = _transpose_tree(to_transpose)
+    done = transpose_tree(to_transpose)
     head = done.pop("head")
     out = {k: v for k, v in params.items() if k != "layers"}
     per_layer = {k: v for k, v in layers.items()
@@ -161,9 +162,9 @@ def with_transposed(params: dict[str, Any], cfg: ModelConfig, stacked_t: bool = 
         if stacked_t:
             stacked.update(transposed)
     if "native" in kernels:  # stacked only: the kernel reads its layer in place
-        stacked.update(_pack_tree({f"{name}_p": layers[name] for name in matrices}))
+        stacked.update(pack_tree({f"{name}_p": layers[name] for name in matrices}))
     out["stacked_layers"] = stacked
-    out["layers"] = _split_layers(per_layer)
+    out["layers"] = split_layers(per_layer)
     if not stacked_t:
         for a in done.values():
             a.delete()  # the stacked transposes were only the source of the per-layer copies
@@ -172,7 +173,7 @@ def with_transposed(params: dict[str, Any], cfg: ModelConfig, stacked_t: bool = 
     else:
         out["head_w"], out["head_wt"] = params["lm_head"], head
     if "native" in kernels:
-        out["head_wp"] = _pack_tree(out["head_w"])
+        out["head_wp"] = pack_tree(out["head_w"])
     return out
 
 
