@@ -64,17 +64,24 @@ def route(logits: jax.Array, cfg: ModelConfig, dtype: Any) -> tuple[jax.Array, j
 
 def grouped(x: jax.Array, groups: jax.Array, w: jax.Array | None, w_p: jax.Array | None,
             plan: ProductPlan, first_group: int | jax.Array) -> jax.Array:
-    """y[m] = x[m] @ W[groups[m]] [M, N] by the plan's formulation at M rows: "native" reads
+    """y[m] = x[m] @ W[groups[m]] [M, N] by the plan's formulation for M rows (computed at
+    its `rows`, zero rows of expert 0 appended; the calibration chooses rows = M unless a
+    formulation is only invariant at a larger size): "native" reads
     the panels of every layer's experts `w_p` [L*E, P, K, 64] at group first_group +
     groups[m] (this layer's experts start at first_group); "gather" gathers this layer's
     expert matrices `w` [E, K, N] per row (float32 accumulation)."""
-    kernel = plan.formulation(x.shape[0]).kernel
-    if kernel == "native":
+    m = x.shape[0]
+    form = plan.formulation(m)
+    if form.rows > m:  # the checked computation is at form.rows rows: pad (expert 0) to it
+        x = jnp.pad(x, ((0, form.rows - m), (0, 0)))
+        groups = jnp.pad(groups, (0, form.rows - m))
+    if form.kernel == "native":
         assert w_p is not None, "the native grouped product needs the experts' panels"
-        return grouped_row_gemm(x, w_p, groups + first_group, plan.n).astype(x.dtype)
-    assert kernel == "gather" and w is not None, (kernel, "needs the expert stack [E, K, N]")
-    out = jnp.einsum("mk,mkn->mn", x, w[groups], preferred_element_type=jnp.float32)
-    return out.astype(x.dtype)
+        out = grouped_row_gemm(x, w_p, groups + first_group, plan.n)
+    else:
+        assert form.kernel == "gather" and w is not None, (form.kernel, "needs W [E, K, N]")
+        out = jnp.einsum("mk,mkn->mn", x, w[groups], preferred_element_type=jnp.float32)
+    return out[:m].astype(x.dtype)
 
 
 def moe_mlp(h: jax.Array, w: dict[str, jax.Array | None], moe_index: int,

@@ -185,3 +185,21 @@ def test_moe_logits_are_bitwise_batch_invariant(arch: str, tmp_path_factory) -> 
     out = run_modes(jax.device_put(loaded.params), cfg, target, probe, page_size=4, block=16)
     assert_bitwise_equal(out, probe)
     assert not np.array_equal(out["prefill_T128"][0], out["prefill_T128"][69])
+
+
+def test_calibration_checks_grouped_products_and_falls_back_to_gather() -> None:
+    """The probe of a grouped product (rows at several positions inside groups of changing
+    size): here the native grouped kernel wins where it builds; a backend whose native
+    rows differ (distorted) gets "gather", still verified."""
+    from multiserve.model import native_kernels
+    from multiserve.model.calibration import GroupedUse, _probe_grouped, select
+
+    use = GroupedUse("we_gate", 64, 32, 64, 32, experts=8, sizes=(2, 8, 32, 128))
+    device = jax.devices()[0]
+    native = native_kernels.unavailable_reason() is None
+    for distort in (None, lambda prim, desc: prim == "grouped" and desc["kernel"] == "native"):
+        cands = _probe_grouped(use, jnp.float32, device, distort, np.random.default_rng(0))
+        sel = select(cands, use.sizes)
+        assert sel.verified
+        kernels = {c.desc["kernel"] for c in sel.choice.values()}
+        assert kernels == ({"native"} if native and distort is None else {"gather"}), kernels
