@@ -1,4 +1,6 @@
-"""The Llama-family decoder (Llama, SmolLM2, Qwen2, Qwen3) as a pure forward function.
+"""The Llama-family decoder (Llama, SmolLM2, Qwen2, Qwen3) as a pure forward function: the
+forward of the dense families (families/dense.py). Its attention half (`attention_block`,
+`layer_projection`) is every family's, the MoE decoder's too (moe_decoder.py).
 
 `forward(params, kv_pool, batch, cfg, page_size=, attn_block_size=)` -> (logits f32 [R, V],
 new kv_pool), also available in two halves: `forward_hidden` (decoder, final norm, the

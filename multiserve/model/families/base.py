@@ -8,9 +8,11 @@ interface (`families.family_for(cfg)`), never to a family's forward directly:
 - HF config -> ModelConfig (`config_from_hf`) and back (`config_to_hf`);
 - the canonical params layout (`param_shapes`: a dict pytree, matrices [in, out], leaves
   stacked over their layers) and the HF names of its tensors (`hf_tensor_specs`);
-- sharding rules over an engine's device group (`param_specs`, `kv_heads_sharded`);
-- what the invariance calibration must probe (`product_uses`, `grouped_uses`,
-  `row_sum_widths`);
+- sharding rules over an engine's device group (`param_specs`; the KV pool's and the
+  attention's split is the same for every family: `tp_splits`, sharding.py);
+- what the invariance calibration must probe: every dense product (`product_shapes`) and
+  grouped expert product (`grouped_shapes`); the row sums (RMSNorm widths) follow from the
+  config for every family (calibration.workload_for);
 - the compute params a step runs on (`compute_params`: the layouts the plan's kernels read),
   the decoder up to the final-normed hidden states (`forward_hidden`), the output head
   (`lm_head`), and which step sizes run a scanned decoder (`scans`, for warm-up order);
@@ -91,8 +93,6 @@ class ModelFamily(Protocol):
 
     def grouped_shapes(self, cfg: ModelConfig, tp: int, moe_sharding: str
                        ) -> list[ProductShape]: ...
-
-    def row_sum_widths(self, cfg: ModelConfig) -> tuple[int, ...]: ...
 
     def compute_params(self, params: dict[str, Any], cfg: ModelConfig, plan: Any,
                        token_sizes: tuple[int, ...]) -> dict[str, Any]: ...
