@@ -15,8 +15,11 @@ from typing import Any, Literal
 
 API_KEY_ENV = "MULTISERVE_API_KEY"  # the API key when --api-key is not given
 
-Architecture = Literal["llama", "qwen2", "qwen3"]
-ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3")
+Architecture = Literal["llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe"]
+# the model families behind multiserve/model/families (one module each; the registry there
+# maps HF `architectures` / `model_type` to them)
+ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe")
+MOE_SHARDING = ("tensor", "expert")  # how an engine's device group splits the experts
 
 
 class ConfigError(ValueError):
@@ -44,7 +47,9 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The static shape of a Llama-family decoder. Hashable: used as a jit static arg."""
+    """The static shape of a decoder of one of the model families (model/families): the
+    dense fields every family has, and the mixture-of-experts fields (0 / () when dense).
+    Hashable: used as a jit static arg."""
 
     architecture: str
     vocab_size: int
@@ -63,10 +68,27 @@ class ModelConfig:
     qk_norm: bool = False  # qwen3: RMSNorm over head_dim on q and k
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # mixture of experts (qwen3_moe, qwen2_moe); 0 / () for dense families
+    num_experts: int = 0
+    num_experts_per_tok: int = 0  # top-k
+    moe_intermediate_size: int = 0  # each routed expert's intermediate size
+    norm_topk_prob: bool = False  # renormalise the top-k router probabilities to sum 1
+    moe_layers: tuple[int, ...] = ()  # the sparse layers (the others run the dense MLP)
+    shared_expert_intermediate_size: int = 0  # qwen2_moe: the sigmoid-gated shared expert
 
     def __post_init__(self) -> None:
         _require(self.architecture in ARCHITECTURES, "architecture",
                  f"unknown architecture {self.architecture!r}; supported: {ARCHITECTURES}")
+        object.__setattr__(self, "moe_layers", tuple(self.moe_layers))
+        if self.num_experts:
+            _require(0 < self.num_experts_per_tok <= self.num_experts, "num_experts_per_tok",
+                     f"must be in 1..num_experts, got {self.num_experts_per_tok}")
+            _require(self.moe_intermediate_size > 0, "moe_intermediate_size", "must be > 0")
+            _require(all(0 <= i < self.num_layers for i in self.moe_layers)
+                     and list(self.moe_layers) == sorted(set(self.moe_layers)), "moe_layers",
+                     f"must be distinct ascending layer indexes, got {self.moe_layers}")
+        else:
+            _require(not self.moe_layers, "moe_layers", "needs num_experts > 0")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
                      "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
             value = getattr(self, name)
@@ -74,6 +96,11 @@ class ModelConfig:
         _require(self.num_heads % self.num_kv_heads == 0, "num_kv_heads",
                  f"num_heads ({self.num_heads}) must be a multiple of it ({self.num_kv_heads})")
         object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
+
+    @property
+    def dense_mlp_layers(self) -> tuple[int, ...]:
+        """The layers running the dense SwiGLU MLP (every layer of a dense family)."""
+        return tuple(i for i in range(self.num_layers) if i not in self.moe_layers)
 
 
 @dataclass(frozen=True)
@@ -109,6 +136,9 @@ class EngineConfig:
     precompile_token_paddings: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
     precompile_bs_paddings: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
     attention_block_size: int = 128
+    # how a MoE model's experts are split over the engine's device group: "tensor" (each
+    # expert's intermediate dim) or "expert" (the experts); ignored by dense models
+    moe_sharding: str = "tensor"
     disable_overlap: bool = False
     disable_prefix_cache: bool = False
     init_new_token_ratio: float = 0.7
@@ -169,6 +199,8 @@ class EngineConfig:
                  "attention_block_size", "must be a multiple or divisor of page_size")
         _require(0.0 <= self.min_new_token_ratio <= self.init_new_token_ratio <= 1.0,
                  "init_new_token_ratio", "need 0 <= min_new_token_ratio <= it <= 1")
+        _require(self.moe_sharding in MOE_SHARDING, "moe_sharding",
+                 f"must be one of {MOE_SHARDING}, got {self.moe_sharding!r}")
 
     def with_updates(self, **changes: Any) -> EngineConfig:
         return replace(self, **changes)

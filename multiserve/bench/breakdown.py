@@ -196,6 +196,9 @@ def measure(core: Any, prompt_lens: Sequence[int], output_len: int, temperature:
         raise RuntimeError("bench breakdown: the engine is not idle")
     runner = core.runner
     mcfg, plan, dtype = runner.model_cfg, runner.plan, runner.dtype
+    if mcfg.num_experts:
+        raise NotImplementedError("the step breakdown covers the dense families only "
+                                  f"(this model is {mcfg.architecture})")
     shape = step_shape(core, prompt_lens, output_len)
     program = runner.programs.get("T", shape.tokens)
     if program is None:

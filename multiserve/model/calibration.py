@@ -103,6 +103,22 @@ class AttentionUse:
 
 
 @dataclass(frozen=True)
+class GroupedUse:
+    """A grouped (mixture-of-experts) product: rows x[m] @ W[expert of m], `experts`
+    matrices of (local) shape local_k x local_n, at every routed-pair count in `sizes`
+    (tokens x top-k)."""
+
+    name: str
+    k: int
+    n: int
+    local_k: int
+    local_n: int
+    experts: int
+    sizes: tuple[int, ...]
+    sharded: bool = False
+
+
+@dataclass(frozen=True)
 class Workload:
     """Every primitive size an engine will run: the input of the calibration."""
 
@@ -110,37 +126,40 @@ class Workload:
     products: tuple[ProductUse, ...]
     row_sums: tuple[tuple[int, tuple[int, ...]], ...]  # (width, row counts)
     attention: AttentionUse
+    grouped: tuple[GroupedUse, ...] = ()  # a MoE family's expert products
 
 
 def workload_for(cfg: Any, token_sizes: Sequence[int], row_sizes: Sequence[int],
                  max_rows: int, page_size: int, block_size: int, dtype: Any,
-                 tp: int = 1) -> Workload:
+                 tp: int = 1, moe_sharding: str = "tensor") -> Workload:
     """The workload of an engine: model config `cfg` (ModelConfig), its step buckets and
-    its tensor-parallel degree (sharding.py's rules decide which side of each matrix a
-    device holds).
+    its tensor-parallel degree (the family's rules, model/families, decide which side of
+    each matrix a device holds, and which products it runs: `product_shapes`, and for a
+    MoE family the grouped expert products `grouped_shapes`).
 
     The sizes always include the default EngineConfig's buckets: engines of one model with
     other buckets (a fleet's per-engine overrides, tests, reference loops) then calibrate
     the same workload and share one plan, hence one reference and the same bits."""
     from multiserve.config import EngineConfig
-    from multiserve.model.llama import head_shape, layer_matrix_shapes
+    from multiserve.model.families import family_for
+    from multiserve.model.families.base import tp_splits
 
     default = EngineConfig()
     tokens = tuple(sorted(set(token_sizes) | set(default.precompile_token_paddings)))
     rows = tuple(sorted(set(row_sizes) | set(default.precompile_bs_paddings) | {max_rows}))
-    attn = tp > 1 and cfg.num_heads % tp == 0 and cfg.num_kv_heads % tp == 0
-    mlp = tp > 1 and cfg.intermediate_size % tp == 0
-    vocab = tp > 1 and cfg.vocab_size % tp == 0
-    split_out = {"wq": attn, "wk": attn, "wv": attn, "w_gate": mlp, "w_up": mlp}
-    split_in = {"wo": attn, "w_down": mlp}
-    products = []
-    for name, (k, n) in layer_matrix_shapes(cfg).items():
-        lk = k // tp if split_in.get(name) else k
-        ln = n // tp if split_out.get(name) else n
-        products.append(ProductUse(name, k, n, lk, ln, tokens, sharded=tp > 1))
-    hk, hn = head_shape(cfg)
-    products.append(ProductUse("head", hk, hn, hk, hn // tp if vocab else hn, rows,
-                               sharded=tp > 1))
+    attn = tp_splits(cfg, tp)["attention"]
+    family = family_for(cfg)
+
+    def local(k: int, n: int, split: str) -> tuple[int, int]:
+        return (k // tp if split == "in" else k), (n // tp if split == "out" else n)
+
+    products = [ProductUse(p.name, p.k, p.n, *local(p.k, p.n, p.split),
+                           rows if p.rows == "rows" else tokens, sharded=tp > 1)
+                for p in family.product_shapes(cfg, tp, moe_sharding)]
+    pairs = tuple(t * cfg.num_experts_per_tok for t in tokens)
+    grouped = tuple(GroupedUse(g.name, g.k, g.n, *local(g.k, g.n, g.split), cfg.num_experts,
+                               pairs, sharded=tp > 1)
+                    for g in family.grouped_shapes(cfg, tp, moe_sharding))
     heads = cfg.num_heads // tp if attn else cfg.num_heads
     kv_heads = cfg.num_kv_heads // tp if attn else cfg.num_kv_heads
     row_sums = [(cfg.hidden_size, tuple(sorted(set(tokens) | set(rows))))]
@@ -151,7 +170,7 @@ def workload_for(cfg: Any, token_sizes: Sequence[int], row_sizes: Sequence[int],
                     row_sums=tuple(row_sums),
                     attention=AttentionUse(kv_heads, cfg.num_heads // cfg.num_kv_heads,
                                            cfg.head_dim, page_size, block_size, tokens,
-                                           sharded=attn))
+                                           sharded=attn), grouped=grouped)
 
 
 # ---- candidates and their rows -------------------------------------------------------------
@@ -246,6 +265,50 @@ def _probe_product(use: ProductUse, dtype: Any, device: Any, distort: Distort | 
                 runs.append(_row_hashes(res, placement, flip))
             xs = x[:rows]
             out.append(Candidate(desc, rows, runs, _timed(partial(fn, xs, w, w_t, w_p))))
+    return out
+
+
+def _probe_grouped(use: GroupedUse, dtype: Any, device: Any, distort: Distort | None,
+                   rng: np.random.Generator) -> list[Candidate]:
+    """A grouped product as the MoE layer runs it: every probe row has a fixed expert;
+    each run takes a placement of probe rows, sorts them by expert (stably, as moe.py
+    does) and computes each row against its expert's matrix. So a row is checked at
+    several positions inside groups of several sizes (which rows share its expert changes
+    with the placement); its bits must not move."""
+    from multiserve.model.moe import grouped
+
+    sizes = use.sizes
+    top = max(sizes)
+    x = jax.device_put(jnp.asarray(rng.standard_normal((top, use.local_k)), dtype), device)
+    experts = jnp.asarray(rng.integers(0, use.experts, top), jnp.int32)
+    w_host = rng.standard_normal((use.experts, use.local_k, use.local_n)) / np.sqrt(use.local_k)
+    w = jax.device_put(jnp.asarray(w_host, dtype), device)
+    kernels = ["gather"]
+    w_p = None
+    if not use.sharded and _native_products_usable(dtype, device):
+        kernels.insert(0, "native")
+        w_p = jax.jit(native_kernels.pack_panels)(w)
+    out: list[Candidate] = []
+    for kernel in kernels:
+        for rows in sorted(set(sizes)):
+            plan = ProductPlan(use.name, use.local_k, use.local_n,
+                               ((rows, Formulation(kernel, rows)),))
+
+            @jax.jit
+            def fn(a: jax.Array, g: jax.Array, b: jax.Array, bp: Any, plan: Any = plan
+                   ) -> jax.Array:
+                order = jnp.argsort(g, stable=True)
+                ys = grouped(a[order], g[order], b, bp, plan, 0)
+                return jnp.zeros_like(ys).at[order].set(ys)
+
+            desc = {"kernel": kernel, "rows": rows}
+            flip = _flip(distort, "grouped", {"name": use.name, **desc})
+            runs = []
+            for placement in _placements(rows, top, rng):
+                res = np.asarray(fn(x[placement], experts[placement], w, w_p))
+                runs.append(_row_hashes(res, placement, flip))
+            xs, gs = x[:rows], experts[:rows]
+            out.append(Candidate(desc, rows, runs, _timed(partial(fn, xs, gs, w, w_p))))
     return out
 
 
@@ -491,6 +554,16 @@ def _choose(workload: Workload, device: Any, distort: Distort | None
                              cands, sel)
         products.append(ProductPlan(use.name, use.k, use.n, tuple(
             (m, Formulation(c.desc["kernel"], c.rows)) for m, c in sorted(sel.choice.items()))))
+    for guse in workload.grouped:
+        cands = _probe_grouped(guse, dtype, device, distort, rng)
+        sel = select(cands, guse.sizes)
+        if not sel.verified:
+            problems.append(f"grouped product {guse.name} ({guse.local_k}x{guse.local_n}): "
+                            "no formulation gives position-invariant rows")
+        table += _table_rows("grouped", {"name": guse.name, "shape": f"{guse.k}x{guse.n}"},
+                             cands, sel)
+        products.append(ProductPlan(guse.name, guse.k, guse.n, tuple(
+            (m, Formulation(c.desc["kernel"], c.rows)) for m, c in sorted(sel.choice.items()))))
     row_sums = []
     for width, counts in workload.row_sums:
         cands = _probe_row_sum(width, counts, device, distort, rng)
@@ -526,6 +599,8 @@ def backend_key(device: Any, workload: Workload) -> dict[str, Any]:
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "workload": asdict(workload),
     }
+    if not workload.grouped:  # a dense model's key stays what it was before MoE existed
+        del key["workload"]["grouped"]
     if device.platform == "cpu":
         key["cpu"] = native_kernels.cpu_facts()
         # a plan naming the native kernels is only valid where they build, as built
@@ -588,14 +663,16 @@ def calibrate(workload: Workload, device: Any, *, distort: Distort | None = None
 
 
 def default_workload(cfg: Any, dtype: Any = np.float32, *, page_size: int | None = None,
-                     block_size: int | None = None, tp: int = 1) -> Workload:
+                     block_size: int | None = None, tp: int = 1,
+                     moe_sharding: str = "tensor") -> Workload:
     """The workload of an engine with the default EngineConfig buckets."""
     from multiserve.config import EngineConfig
 
     ec = EngineConfig()
     return workload_for(cfg, ec.precompile_token_paddings, ec.precompile_bs_paddings,
                         max(ec.precompile_bs_paddings), page_size or ec.page_size,
-                        block_size or ec.attention_block_size, dtype, tp=tp)
+                        block_size or ec.attention_block_size, dtype, tp=tp,
+                        moe_sharding=moe_sharding)
 
 
 def default_plan(cfg: Any, dtype: Any = np.float32, *, page_size: int | None = None,

@@ -1,7 +1,9 @@
 """Load a Hugging Face model directory: config.json -> ModelConfig, *.safetensors -> params.
 
-Supports LlamaForCausalLM (incl. SmolLM2, llama3 rope scaling), Qwen2ForCausalLM and
-Qwen3ForCausalLM; one `model.safetensors` or shards listed in `model.safetensors.index.json`.
+Supports every family of model/families (its registry lists the HF architectures: Llama
+incl. SmolLM2 and llama3 rope scaling, Qwen2, Qwen3, Qwen3-MoE, Qwen2-MoE); the fields
+every family shares are read here, the rest by the family (`config_from_hf`); one
+`model.safetensors` or shards listed in `model.safetensors.index.json`.
 Also writes such a directory (`save_hf_dir`), used by the GGUF conversion cache and tests.
 Numpy only (no jax, no torch). Every failure is a ModelLoadError naming the file/tensor.
 """
@@ -18,10 +20,10 @@ import numpy as np
 from multiserve.config import ConfigError, ModelConfig, RopeScaling
 from multiserve.model import safetensors_io
 from multiserve.model.errors import ModelLoadError
+from multiserve.model.families import HF_ARCHITECTURES, architecture_of_hf, family_for
 from multiserve.model.hf_names import params_from_hf, params_to_hf
 
-ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-                 "Qwen3ForCausalLM": "qwen3"}
+ARCHITECTURES = HF_ARCHITECTURES  # HF class name -> our architecture (every family's)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja",
                    "generation_config.json")
@@ -61,16 +63,10 @@ def config_from_hf(raw: dict[str, Any], source: Path,
                    generation: dict[str, Any] | None = None) -> ModelConfig:
     """Map an HF config.json dict (transformers 4.x or 5.x spelling) to a ModelConfig."""
     archs = raw.get("architectures") or []
-    arch = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
-    if arch is None and not archs and raw.get("model_type") in ARCHITECTURES.values():
-        # No `architectures` (e.g. a config saved from a GGUF-loaded model): transformers
-        # picks the class from `model_type` then, and so do we.
-        arch = raw["model_type"]
+    arch = architecture_of_hf(raw)
     if arch is None:
         raise ModelLoadError(f"{source}: unknown architecture {archs or raw.get('model_type')!r};"
                              f" supported: {sorted(ARCHITECTURES)}")
-    if raw.get("mlp_bias") or (arch == "llama" and raw.get("attention_bias")):
-        raise ModelLoadError(f"{source}: llama with mlp_bias/attention_bias is not supported")
     if raw.get("use_sliding_window"):
         raise ModelLoadError(f"{source}: sliding-window attention is not supported")
     if raw.get("hidden_act", "silu") != "silu":
@@ -83,8 +79,8 @@ def config_from_hf(raw: dict[str, Any], source: Path,
     bos = gen.get("bos_token_id", raw.get("bos_token_id"))
     try:
         heads = int(raw["num_attention_heads"])
-        return ModelConfig(
-            architecture=arch, vocab_size=int(raw["vocab_size"]),
+        common = dict(
+            vocab_size=int(raw["vocab_size"]),
             hidden_size=int(raw["hidden_size"]),
             intermediate_size=int(raw["intermediate_size"]),
             num_layers=int(raw["num_hidden_layers"]), num_heads=heads,
@@ -94,8 +90,8 @@ def config_from_hf(raw: dict[str, Any], source: Path,
             rope_scaling=scaling,
             max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            attention_bias=arch == "qwen2", qk_norm=arch == "qwen3",
             bos_token_id=None if bos is None else int(bos), eos_token_ids=eos)
+        return family_for(arch).config_from_hf(raw, arch, source, common)
     except KeyError as e:
         raise ModelLoadError(f"{source}: missing config field {e.args[0]!r}") from e
     except (ConfigError, TypeError, ValueError) as e:
@@ -153,13 +149,14 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         "head_dim": cfg.head_dim, "rms_norm_eps": cfg.rms_norm_eps,
         "rope_theta": cfg.rope_theta, "max_position_embeddings": cfg.max_position_embeddings,
         "tie_word_embeddings": cfg.tie_word_embeddings, "hidden_act": "silu",
-        "attention_bias": cfg.attention_bias, "torch_dtype": "float32",
+        "torch_dtype": "float32",
         "bos_token_id": cfg.bos_token_id,
         "eos_token_id": list(cfg.eos_token_ids) if len(cfg.eos_token_ids) != 1
         else cfg.eos_token_ids[0],
     }
     if cfg.rope_scaling is not None:
         raw["rope_scaling"] = rope_scaling_to_hf(cfg.rope_scaling)
+    raw.update(family_for(cfg).config_to_hf(cfg))
     return raw
 
 

@@ -13,62 +13,24 @@ anything else raises ModelLoadError naming the tensor.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from multiserve.config import ModelConfig
 from multiserve.model.errors import ModelLoadError
+from multiserve.model.families import family_for
+from multiserve.model.families.base import HfTensorSpec
 
-# (our layer key, HF suffix under model.layers.{i}., transposed)
-_LAYER_NAMES: tuple[tuple[str, str, bool], ...] = (
-    ("attn_norm", "input_layernorm.weight", False),
-    ("wq", "self_attn.q_proj.weight", True),
-    ("wk", "self_attn.k_proj.weight", True),
-    ("wv", "self_attn.v_proj.weight", True),
-    ("wo", "self_attn.o_proj.weight", True),
-    ("bq", "self_attn.q_proj.bias", False),
-    ("bk", "self_attn.k_proj.bias", False),
-    ("bv", "self_attn.v_proj.bias", False),
-    ("q_norm", "self_attn.q_norm.weight", False),
-    ("k_norm", "self_attn.k_norm.weight", False),
-    ("mlp_norm", "post_attention_layernorm.weight", False),
-    ("w_gate", "mlp.gate_proj.weight", True),
-    ("w_up", "mlp.up_proj.weight", True),
-    ("w_down", "mlp.down_proj.weight", True),
-)
+__all__ = ["HfTensorSpec", "hf_tensor_specs", "params_from_hf", "params_to_hf"]
+
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-@dataclass(frozen=True)
-class HfTensorSpec:
-    """Where one HF tensor lives in our params: params[key] (layer None) or
-    params["layers"][key][layer]; `hf_shape` is the shape under its HF name."""
-
-    key: str
-    layer: int | None
-    hf_shape: tuple[int, ...]
-    transposed: bool
-
-
 def hf_tensor_specs(cfg: ModelConfig) -> dict[str, HfTensorSpec]:
-    """Every HF tensor name this config's params consist of, in a stable order."""
-    from multiserve.model.param_layout import layer_param_shapes
-
-    d, v = cfg.hidden_size, cfg.vocab_size
-    specs: dict[str, HfTensorSpec] = {
-        "model.embed_tokens.weight": HfTensorSpec("embed", None, (v, d), False)}
-    shapes = layer_param_shapes(cfg)
-    for i in range(cfg.num_layers):
-        for key, suffix, transposed in _LAYER_NAMES:
-            if key in shapes:
-                shape = shapes[key][::-1] if transposed else shapes[key]
-                specs[f"model.layers.{i}.{suffix}"] = HfTensorSpec(key, i, shape, transposed)
-    specs["model.norm.weight"] = HfTensorSpec("final_norm", None, (d,), False)
-    if not cfg.tie_word_embeddings:
-        specs["lm_head.weight"] = HfTensorSpec("lm_head", None, (v, d), True)
-    return specs
+    """Every HF tensor name this config's params consist of, in a stable order (the
+    family's, model/families)."""
+    return family_for(cfg).hf_tensor_specs(cfg)
 
 
 def _ignorable(name: str, cfg: ModelConfig) -> bool:
@@ -91,7 +53,7 @@ def params_from_hf(named: dict[str, Any], cfg: ModelConfig, dtype=None,
     if unknown:
         raise ModelLoadError(f"{src(unknown[0])}: unexpected tensor {unknown[0]!r} for a "
                              f"{cfg.architecture} config ({len(unknown)} unexpected in all)")
-    per_layer: dict[str, list[Any]] = {}
+    stacked: dict[tuple[str, ...], dict[tuple[int, ...], Any]] = {}
     params: dict[str, Any] = {}
     for name, spec in specs.items():
         if name not in named:
@@ -106,9 +68,21 @@ def params_from_hf(named: dict[str, Any], cfg: ModelConfig, dtype=None,
         if spec.layer is None:
             params[spec.key] = np.array(arr, order="C")  # own, writable memory (not a mmap)
         else:
-            per_layer.setdefault(spec.key, []).append(arr)
-    params["layers"] = {k: np.stack(v) for k, v in per_layer.items()}
+            stacked.setdefault(spec.path, {})[spec.index] = arr
+    for (group, key), parts in stacked.items():
+        params.setdefault(group, {})[key] = _stack(parts)
     return params
+
+
+def _stack(parts: dict[tuple[int, ...], Any]) -> np.ndarray:
+    """One stacked leaf from its pieces keyed by (layer,) or (layer, expert), every index
+    present (the specs list them all)."""
+    if len(next(iter(parts))) == 1:
+        return np.stack([parts[(i,)] for i in range(len(parts))])
+    layers = 1 + max(i for i, _ in parts)
+    experts = len(parts) // layers
+    return np.stack([np.stack([parts[(i, e)] for e in range(experts)])
+                     for i in range(layers)])
 
 
 def params_to_hf(params: dict[str, Any], cfg: ModelConfig) -> dict[str, np.ndarray]:
@@ -118,6 +92,6 @@ def params_to_hf(params: dict[str, Any], cfg: ModelConfig) -> dict[str, np.ndarr
         if spec.layer is None:
             arr = np.asarray(params[spec.key])
         else:
-            arr = np.asarray(params["layers"][spec.key][spec.layer])
+            arr = np.asarray(params[spec.group][spec.key][spec.index])
         out[name] = np.ascontiguousarray(arr.T if spec.transposed else arr)
     return out

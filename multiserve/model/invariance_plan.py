@@ -9,6 +9,10 @@ that runs the engine (`model/calibration.py`) and written down here, as data:
   a `Formulation` (kernel "plain" = x @ W, "nt" = dot_general against W^T stored [N, K],
   or "native" = the CPU kernel of native_kernels.py against W's packed panels; computed
   at `rows` >= M rows, the extra rows zero padding);
+- grouped products (a MoE layer's experts, moe.py) are ProductPlans too, named after their
+  expert matrix (`we_gate`, `we_up`, `we_down`), per row count M = tokens x top-k: kernel
+  "native" (the grouped CPU kernel) or "gather" (each row against its expert's gathered
+  matrix, an XLA batched product), both at M rows (no padding);
 - `RowSumPlan`, per row width: the row count each sum over the last axis is padded to
   (a row sum is an NT product with a block of ones: `row_invariant.row_sum`);
 - `AttentionPlan`: which kernel ("xla": the pure-JAX formulation, or "native": the CPU
@@ -32,7 +36,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-KERNELS = ("plain", "nt", "native")
+# "gather" serves grouped (mixture-of-experts) products only: each row against its own
+# expert's matrix, gathered ([M, K] x [M, K, N] batched over rows)
+KERNELS = ("plain", "nt", "native", "gather")
 ATTENTION_KERNELS = ("xla", "native")
 
 

@@ -1,4 +1,6 @@
-"""The Llama-family decoder (Llama, SmolLM2, Qwen2, Qwen3) as a pure forward function.
+"""The Llama-family decoder (Llama, SmolLM2, Qwen2, Qwen3) as a pure forward function: the
+forward of the dense families (families/dense.py). Its attention half (`attention_block`,
+`layer_projection`) is every family's, the MoE decoder's too (moe_decoder.py).
 
 `forward(params, kv_pool, batch, cfg, page_size=, attn_block_size=)` -> (logits f32 [R, V],
 new kv_pool), also available in two halves: `forward_hidden` (decoder, final norm, the
@@ -26,7 +28,6 @@ from multiserve.model.attention import paged_attention
 from multiserve.model.forward_batch import ForwardBatch
 from multiserve.model.invariance_plan import InvariancePlan, RowSumPlan
 from multiserve.model.kv_pool import KVPool
-from multiserve.model.param_layout import layer_param_shapes, param_shapes  # noqa: F401
 from multiserve.model.row_invariant import (
     LAYER_MATRICES,
     LAYOUT_SUFFIX,
@@ -113,14 +114,39 @@ def _layer(x: jax.Array, kv: KVPool, layer: int | jax.Array, w: dict[str, jax.Ar
     `w` holds this layer's params (`layer_weights`): each matrix as W [in, out], W^T and
     the native panels (the whole stack, indexed by `layer`), the layouts the plan does
     not use at this step size None."""
-    t, hd = x.shape[0], cfg.head_dim
-    norm = plan.row_sum(cfg.hidden_size)
+    proj = layer_projection(w, layer, plan)
+    x, kv = attention_block(x, kv, layer, w, proj, batch, cos, sin, cfg, page_size=page_size,
+                            attn_block_size=attn_block_size, plan=plan)
+    h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps, plan.row_sum(cfg.hidden_size))
+    x = x + proj(jax.nn.silu(proj(h, "w_gate")) * proj(h, "w_up"), "w_down")
+    return x, kv
+
+
+Projection = Any  # (h [M, K], matrix name) -> h @ W, row-invariant (`layer_projection`)
+
+
+def layer_projection(w: dict[str, jax.Array | None], layer: int | jax.Array,
+                     plan: InvariancePlan) -> Projection:
+    """The row-invariant product with one of this layer's matrices, by name: the plan's
+    layout from `w` (`<name>`, `<name>_t`, or the stacked panels `<name>_p` indexed by
+    `layer`)."""
 
     def proj(h: jax.Array, name: str) -> jax.Array:
         panels = w[f"{name}_p"]  # the whole stack: the native kernel indexes the layer
         return dense(h, w[name], w[f"{name}_t"], plan.product(name), w_p=panels,
                      layer=None if panels is None else layer)
 
+    return proj
+
+
+def attention_block(x: jax.Array, kv: KVPool, layer: int | jax.Array,
+                    w: dict[str, jax.Array | None], proj: Projection, batch: ForwardBatch,
+                    cos: jax.Array, sin: jax.Array, cfg: ModelConfig, *, page_size: int,
+                    attn_block_size: int, plan: InvariancePlan) -> tuple[jax.Array, KVPool]:
+    """The attention half of a pre-norm layer (every family's): x + attention(norm(x)),
+    this step's K/V written into the pool."""
+    t, hd = x.shape[0], cfg.head_dim
+    norm = plan.row_sum(cfg.hidden_size)
     h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps, norm)
     q, k, v = proj(h, "wq"), proj(h, "wk"), proj(h, "wv")
     if cfg.attention_bias:
@@ -138,11 +164,7 @@ def _layer(x: jax.Array, kv: KVPool, layer: int | jax.Array, w: dict[str, jax.Ar
                 v=kv.v.at[layer, :, batch.out_slots].set(v.astype(kv.v.dtype)))
     attn = paged_attention(q, kv.k, kv.v, layer, batch, page_size=page_size,
                            block_size=attn_block_size, plan=plan.attention)
-    x = x + proj(attn.reshape(t, cfg.num_heads * hd), "wo")
-
-    h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps, norm)
-    x = x + proj(jax.nn.silu(proj(h, "w_gate")) * proj(h, "w_up"), "w_down")
-    return x, kv
+    return x + proj(attn.reshape(t, cfg.num_heads * hd), "wo"), kv
 
 
 def layer_weights(layer: dict[str, jax.Array], num_tokens: int, plan: InvariancePlan,

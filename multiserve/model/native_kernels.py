@@ -6,12 +6,14 @@
   spent ~100 ms of its ~230 ms there); the kernel reads K/V in place through the page
   table and keeps one query head's whole computation in registers.
 - the row-invariant matrix product (native/row_gemm.cc) against weights packed in
-  64-column panels (`pack_panels`): each output element is a sum over k in order, one
-  FMA per step, whatever the row count. XLA:CPU's products change kernel with the row
-  count (its 1-row product is a loop fusion whose bits differ from its GEMM's on an
-  AVX-512 EPYC), so an invariant plan had to pad 1-row products to 2 rows (3x the time of
-  the head's 1-row product); this one is as fast as XLA's at 64-512 rows and 2-3x faster
-  at 1-2 rows (measured on that EPYC, see the calibration table of `multiserve doctor`).
+  64-column panels (`pack_panels`), and its grouped form (one matrix per row: a MoE layer's
+  experts over the tokens routed to each, `grouped_row_gemm`): each output element is a sum
+  over k in order, one FMA per step, whatever the row count. XLA:CPU's products change
+  kernel with the row count (its 1-row product is a loop fusion whose bits differ from its
+  GEMM's on an AVX-512 EPYC), so an invariant plan had to pad 1-row products to 2 rows (3x
+  the time of the head's 1-row product); this one is as fast as XLA's at 64-512 rows and
+  2-3x faster at 1-2 rows (measured on that EPYC, see the calibration table of `multiserve
+  doctor`).
 
 Both are row-invariant by construction (see the .cc files), which the calibration still
 verifies bitwise like any other candidate (model/calibration.py); they run only where the
@@ -50,6 +52,7 @@ log = logging.getLogger("multiserve.native_kernels")
 
 ATTENTION = "multiserve_paged_attention"
 ROW_GEMM = "multiserve_row_gemm"
+GROUPED_ROW_GEMM = "multiserve_grouped_row_gemm"
 HEAD_DIMS = (16, 32, 48, 64, 80, 96, 128, 256)  # the head sizes the kernel is instantiated for
 PANEL = 64  # columns per packed weight panel (row_gemm.cc)
 SOURCES = tuple(Path(__file__).parent / "native" / name
@@ -138,6 +141,9 @@ def _load() -> str | None:
                                     platform="cpu")
         jax.ffi.register_ffi_target(ROW_GEMM, jax.ffi.pycapsule(lib.MultiserveRowGemm),
                                     platform="cpu")
+        jax.ffi.register_ffi_target(GROUPED_ROW_GEMM,
+                                    jax.ffi.pycapsule(lib.MultiserveGroupedRowGemm),
+                                    platform="cpu")
     except (OSError, RuntimeError, AttributeError, ValueError) as exc:
         return f"build or load failed: {exc}"
     _STATE["so"] = path.name
@@ -195,6 +201,19 @@ def row_gemm(x: jax.Array, panels: jax.Array, n: int,
     out = jax.ffi.ffi_call(ROW_GEMM, jax.ShapeDtypeStruct((m, panels.shape[1] * PANEL),
                                                           jnp.float32))(
         x, panels, jnp.asarray(layer, jnp.int32))
+    return out if out.shape[1] == n else out[:, :n]
+
+
+def grouped_row_gemm(x: jax.Array, panels: jax.Array, groups: jax.Array, n: int
+                     ) -> jax.Array:
+    """y[m] = x[m] @ W[groups[m]] -> [M, n] float32: x [M, K] (rows best sorted by group),
+    W given as panels [G, P, K, 64] (`pack_panels` of a [G, K, N] stack), groups [M] int32
+    in [0, G). Each row's bits depend only on its x row and its group's W (row_gemm.cc)."""
+    assert x.dtype == jnp.float32 and panels.dtype == jnp.float32, (x.dtype, panels.dtype)
+    _require()
+    m = x.shape[0]
+    out = jax.ffi.ffi_call(GROUPED_ROW_GEMM, jax.ShapeDtypeStruct(
+        (m, panels.shape[1] * PANEL), jnp.float32))(x, panels, groups.astype(jnp.int32))
     return out if out.shape[1] == n else out[:, :n]
 
 

@@ -106,12 +106,13 @@ def _transpose_last(a: jax.Array) -> jax.Array:
     return jnp.swapaxes(a, -1, -2)
 
 
-_transpose_tree = jax.jit(lambda tree: jax.tree.map(_transpose_last, tree))
-_pack_tree = jax.jit(lambda tree: jax.tree.map(pack_panels, tree))
+# jitted helpers over pytrees of stacked arrays (shared with moe_decoder's compute params)
+transpose_tree = jax.jit(lambda tree: jax.tree.map(_transpose_last, tree))  # [.., N, K]
+pack_tree = jax.jit(lambda tree: jax.tree.map(pack_panels, tree))  # native kernel panels
 
 
 @jax.jit
-def _split_layers(layers: dict[str, jax.Array]) -> tuple[dict[str, jax.Array], ...]:
+def split_layers(layers: dict[str, jax.Array]) -> tuple[dict[str, jax.Array], ...]:
     """Stacked [L, ...] layer params -> one dict of separate arrays per layer."""
     num_layers = next(iter(layers.values())).shape[0]
     return tuple({name: a[i] for name, a in layers.items()} for i in range(num_layers))
@@ -121,7 +122,8 @@ LAYOUT_SUFFIX = {"plain": "", "nt": "_t", "native": "_p"}  # kernel -> weight la
 
 
 def with_transposed(params: dict[str, Any], cfg: ModelConfig, stacked_t: bool = False,
-                    kernels: frozenset[str] = frozenset(LAYOUT_SUFFIX)) -> dict[str, Any]:
+                    kernels: frozenset[str] = frozenset(LAYOUT_SUFFIX),
+                    matrices: tuple[str, ...] = LAYER_MATRICES) -> dict[str, Any]:
     """The compute params the forward runs on, derived from the canonical pytree (matrices
     [in, out] stacked over layers, see param_layout), holding each layer matrix in the
     layouts of the product `kernels` the invariance plan uses (`llama.plan_kernels`; by
@@ -140,17 +142,19 @@ def with_transposed(params: dict[str, Any], cfg: ModelConfig, stacked_t: bool = 
     - `embed`, `final_norm`: the canonical arrays (shared, no copy);
     - the output head as `head_w` [D, V] and `head_wt` [V, D] (tied embeddings reuse
       `embed` as `head_wt`: no copy), and with "native" its panels `head_wp`.
-    Copies keep their source's sharding (minus the layer axis; transposed for `_t`)."""
+    Copies keep their source's sharding (minus the layer axis; transposed for `_t`).
+    `matrices`: the layer matrices of `params["layers"]` (a MoE family passes the attention
+    projections only; its MLP groups have their own layouts, moe_decoder.py)."""
     layers = params["layers"]
     keep_t = "nt" in kernels or stacked_t  # else no layer matrix is transposed at all
-    to_transpose: dict[str, Any] = ({name: layers[name] for name in LAYER_MATRICES}
+    to_transpose: dict[str, Any] = ({name: layers[name] for name in matrices}
                                     if keep_t else {})
     to_transpose["head"] = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
-    done = _transpose_tree(to_transpose)
+    done = transpose_tree(to_transpose)
     head = done.pop("head")
     out = {k: v for k, v in params.items() if k != "layers"}
     per_layer = {k: v for k, v in layers.items()
-                 if k not in LAYER_MATRICES or "plain" in kernels}
+                 if k not in matrices or "plain" in kernels}
     stacked = dict(layers)
     if keep_t:
         transposed = {f"{name}_t": a for name, a in done.items()}
@@ -158,9 +162,9 @@ def with_transposed(params: dict[str, Any], cfg: ModelConfig, stacked_t: bool = 
         if stacked_t:
             stacked.update(transposed)
     if "native" in kernels:  # stacked only: the kernel reads its layer in place
-        stacked.update(_pack_tree({f"{name}_p": layers[name] for name in LAYER_MATRICES}))
+        stacked.update(pack_tree({f"{name}_p": layers[name] for name in matrices}))
     out["stacked_layers"] = stacked
-    out["layers"] = _split_layers(per_layer)
+    out["layers"] = split_layers(per_layer)
     if not stacked_t:
         for a in done.values():
             a.delete()  # the stacked transposes were only the source of the per-layer copies
@@ -169,7 +173,7 @@ def with_transposed(params: dict[str, Any], cfg: ModelConfig, stacked_t: bool = 
     else:
         out["head_w"], out["head_wt"] = params["lm_head"], head
     if "native" in kernels:
-        out["head_wp"] = _pack_tree(out["head_w"])
+        out["head_wp"] = pack_tree(out["head_w"])
     return out
 
 

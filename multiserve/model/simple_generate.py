@@ -1,4 +1,4 @@
-"""A minimal, unbatched greedy generation loop over `llama.forward` (one sequence).
+"""A minimal, unbatched greedy generation loop over a model family's forward (one sequence).
 
 `greedy_token_ids` is the reference the engine tests compare against: one sequence, its
 steps padded to power-of-two token counts and one logits row. The model is row-invariant
@@ -19,11 +19,12 @@ import numpy as np
 
 from multiserve.config import ModelConfig
 from multiserve.model.calibration import default_plan
+from multiserve.model.families import family_for
+from multiserve.model.family_forward import forward
 from multiserve.model.forward_batch import ForwardBatch
 from multiserve.model.invariance_plan import InvariancePlan
 from multiserve.model.kv_pool import make_kv_pool
-from multiserve.model.llama import forward, plan_kernels, scan_needs_transposes
-from multiserve.model.row_invariant import is_compute_params, with_transposed
+from multiserve.model.row_invariant import is_compute_params
 
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 ROWS = 1  # B == R
@@ -73,9 +74,7 @@ def greedy_token_ids(params: Any, cfg: ModelConfig, prompt_ids: Sequence[int],
     if plan is None:
         plan = default_plan(cfg, dtype, page_size=page_size, block_size=attn_block_size)
     if not is_compute_params(params):
-        params = with_transposed(params, cfg,
-                                 stacked_t=scan_needs_transposes(plan, cfg, TOKEN_BUCKETS),
-                                 kernels=plan_kernels(plan))
+        params = family_for(cfg).compute_params(params, cfg, plan, TOKEN_BUCKETS)
     total = len(prompt_ids) + max_new_tokens
     num_pages = -(-total // page_size)
     pages = np.arange(1, num_pages + 1, dtype=np.int32)  # page 0 is the garbage page

@@ -14,12 +14,13 @@ import numpy as np
 
 from multiserve.config import ModelConfig
 from multiserve.model.calibration import default_plan
+from multiserve.model.families import family_for
+from multiserve.model.family_forward import forward
 from multiserve.model.forward_batch import ForwardBatch
 from multiserve.model.kv_pool import make_kv_pool
-from multiserve.model.llama import forward
-from multiserve.model.row_invariant import is_compute_params, with_transposed
+from multiserve.model.row_invariant import is_compute_params
 
-# one jitted forward for all simulators: its compile cache is shared across tests
+# one jitted forward for all simulators (any family): its compile cache is shared
 FORWARD = jax.jit(forward, static_argnames=("cfg", "page_size", "attn_block_size", "plan"),
                   donate_argnums=(1,))
 
@@ -42,11 +43,12 @@ class PagedSim:
     def __init__(self, params: Any, cfg: ModelConfig, *, page_size: int, block_size: int,
                  num_pages: int = 512, max_pages: int = 64, seed: int = 0,
                  kv_sharding: Any = None, plan: Any = None) -> None:
+        # every layout (plan None): the simulator may run any plan
         self.params = (params if is_compute_params(params)
-                       else with_transposed(params, cfg, stacked_t=True))
+                       else family_for(cfg).compute_params(params, cfg, None, ()))
         self.cfg = cfg
         self.ps, self.bs, self.max_pages = page_size, block_size, max_pages
-        dtype = params["embed"].dtype
+        dtype = self.params["embed"].dtype
         self.kv = make_kv_pool(cfg, num_pages, page_size, dtype, sharding=kv_sharding)
         rng = np.random.default_rng(seed)
         self.free = [int(p) for p in rng.permutation(np.arange(1, num_pages))]  # not page 0

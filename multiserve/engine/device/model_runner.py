@@ -1,8 +1,10 @@
 """Runner: the jitted, bucketed forward + sample step of one engine, on its devices.
 
-Owns the device state of one engine: sharded params (and their compute form, with the
-transposed copies `dense` needs), the KV pool (donated to every step, updated in place),
-and the device buffer of the last step's sampled ids.
+Owns the device state of one engine: sharded params (and their compute form, the layouts
+the invariance plan's kernels read), the model's family (model/families: the runner talks
+only to that interface: compute params, forward to hidden states, head), the KV pool
+(donated to every step, updated in place), and the device buffer of the last step's
+sampled ids.
 
 A step is two jitted calls, so that shapes come from two independent bucket lists:
 - `forward` over T tokens (T in `precompile_token_paddings`): the decoder; it returns the
@@ -47,18 +49,11 @@ from multiserve.engine.device.programs import Plan, ProgramSet, plan, smallest_f
 from multiserve.engine.sampling import host as sampling_host
 from multiserve.engine.sampling import sampler as sampling
 from multiserve.model.calibration import calibrate, workload_for
+from multiserve.model.families import family_for
 from multiserve.model.forward_batch import ForwardBatch
 from multiserve.model.invariance_plan import Calibration, InvariancePlan
 from multiserve.model.kv_pool import KVPool, make_kv_pool
-from multiserve.model.llama import (
-    UNROLL_MAX_TOKENS,
-    forward_hidden,
-    lm_head,
-    plan_kernels,
-    scan_needs_transposes,
-    scans,
-)
-from multiserve.model.row_invariant import with_transposed
+from multiserve.model.llama import UNROLL_MAX_TOKENS
 from multiserve.model.sharding import kv_pool_sharding, make_mesh, shard_params
 
 ARRAY_FIELDS = ("input_ids", "from_prev", "positions", "token_seq", "out_slots", "page_table",
@@ -90,6 +85,8 @@ class Runner:
                  devices: Sequence[jax.Device], num_pages: int, dtype: Any) -> None:
         self.cfg = cfg
         self.model_cfg = model_cfg
+        # the model interface (model/families): the runner calls nothing family-specific
+        self.family = family_for(model_cfg)
         self.dtype = dtype
         self.devices = list(devices)
         self.mesh = make_mesh(self.devices)
@@ -101,7 +98,8 @@ class Runner:
         # get_internal_state()["determinism"]: made once (immutable, read by any thread)
         self.determinism: dict[str, Any] = self.calibration.summary()
         self._compute: Any = None
-        self.params = shard_params(cast_params(params_host, dtype), model_cfg, self.mesh)
+        self.params = shard_params(cast_params(params_host, dtype), model_cfg, self.mesh,
+                                   cfg.moe_sharding)
         self._kv_sharding = kv_pool_sharding(model_cfg, self.mesh)
         self.kv: KVPool | None = make_kv_pool(model_cfg, num_pages, cfg.page_size, dtype,
                                               sharding=self._kv_sharding)
@@ -133,10 +131,8 @@ class Runner:
         self._params = value
         self._compute = None  # drop the old transposed copies before making new ones
         if value is not None:
-            stacked_t = scan_needs_transposes(self.plan, self.model_cfg,
-                                              self.cfg.precompile_token_paddings)
-            self._compute = with_transposed(value, self.model_cfg, stacked_t=stacked_t,
-                                            kernels=plan_kernels(self.plan))
+            self._compute = self.family.compute_params(value, self.model_cfg, self.plan,
+                                                       self.cfg.precompile_token_paddings)
 
     @property
     def compute_params(self) -> Any:
@@ -153,7 +149,8 @@ class Runner:
             return Calibration(cfg.invariance_plan, {"pinned": True}, "pinned", 0.0, False)
         workload = workload_for(self.model_cfg, cfg.precompile_token_paddings,
                                 cfg.precompile_bs_paddings, self.max_rows, cfg.page_size,
-                                cfg.attention_block_size, self.dtype, tp=len(self.devices))
+                                cfg.attention_block_size, self.dtype, tp=len(self.devices),
+                                moe_sharding=cfg.moe_sharding)
         return calibrate(workload, self.devices[0])
 
     # ---- the traced step -----------------------------------------------------------
@@ -166,16 +163,16 @@ class Runner:
                           token_seq=arrays["token_seq"], out_slots=arrays["out_slots"],
                           page_table=arrays["page_table"], seq_lens=arrays["seq_lens"],
                           logit_rows=arrays["logit_rows"])
-        hidden, kv = forward_hidden(params, kv, fb, self.model_cfg,
-                                    page_size=self.cfg.page_size,
-                                    attn_block_size=self.cfg.attention_block_size,
-                                    plan=self.plan)
+        hidden, kv = self.family.forward_hidden(params, kv, fb, self.model_cfg,
+                                                page_size=self.cfg.page_size,
+                                                attn_block_size=self.cfg.attention_block_size,
+                                                plan=self.plan)
         rows = arrays["logit_rows"]
         return hidden, ids[rows], from_prev[rows] >= 0, kv
 
     def _head_impl(self, params: Any, hidden: jax.Array, row_tok: jax.Array,
                    row_prev: jax.Array, sb: Any, *, num_rows: int) -> tuple[jax.Array, Any]:
-        logits = lm_head(params, hidden[:num_rows], self.plan)
+        logits = self.family.lm_head(params, hidden[:num_rows], self.plan)
         rows = sb.temperature.shape[0]  # sampler_rows(num_rows)
         if rows > num_rows:
             logits = jnp.pad(logits, ((0, rows - num_rows), (0, 0)))
@@ -215,7 +212,7 @@ class Runner:
         compile ~4x slower and go last); when every size scans (native products), all
         compile alike and the largest token and row buckets cover."""
         tokens = self.cfg.precompile_token_paddings
-        all_scan = all(scans(self.plan, t) for t in tokens)
+        all_scan = all(self.family.scans(self.plan, t) for t in tokens)
         return plan(tokens, self.cfg.precompile_bs_paddings,
                     max(tokens) if all_scan else UNROLL_MAX_TOKENS, background)
 

@@ -1,11 +1,13 @@
 """Validation of weight updates against one model's params layout, and reading them back.
 
-Owns `ParamLayout` (per model config): the HF tensor names (`hf_names.hf_tensor_specs`) and
-our pytree's leaf shapes; `validate()` turns a flat {HF name: array} dict (or pairs, a subset
-allowed) or a params pytree into whole new leaves plus per-layer slices of stacked leaves,
-raising WeightUpdateError that names the tensor (unknown name, missing, shape, non-floating
-dtype, NaN/inf); `read_disk()` reads an HF safetensors dir (memory-mapped) after checking its
-config.json against the served model; `read()` returns the first rows of one tensor.
+Owns `ParamLayout` (per model config): the HF tensor names (`hf_names.hf_tensor_specs`,
+the model family's) and our pytree's leaf shapes (dense and MoE leaves alike: a stacked
+leaf is indexed by layer, an expert leaf by (layer, expert)); `validate()` turns a flat
+{HF name: array} dict (or pairs, a subset allowed) or a params pytree into whole new
+leaves plus per-layer slices of stacked leaves, raising WeightUpdateError that names the
+tensor (unknown name, missing, shape, non-floating dtype, NaN/inf); `read_disk()` reads an
+HF safetensors dir (memory-mapped) after checking its config.json against the served
+model; `read()` returns the first rows of one tensor.
 
 Invariant: nothing here touches engine state or creates device buffers except `read()`'s
 small device-to-host slice; it runs on any thread.
@@ -26,18 +28,16 @@ import numpy as np
 from multiserve.config import ModelConfig
 from multiserve.model import safetensors_io
 from multiserve.model.errors import ModelLoadError
+from multiserve.model.families import family_for
 from multiserve.model.hf_names import HfTensorSpec, hf_tensor_specs
 from multiserve.model.param_layout import param_shapes
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-# config.json fields that must agree with the serving model for a disk update
-_CONFIG_FIELDS = ("architecture", "vocab_size", "hidden_size", "intermediate_size",
-                  "num_layers", "num_heads", "num_kv_heads", "head_dim", "tie_word_embeddings",
-                  "rope_theta", "rms_norm_eps")
 
-LeafPath = tuple[str, ...]  # ("embed",) or ("layers", "wq")
+LeafPath = tuple[str, ...]  # ("embed",), ("layers", "wq"), ("moe", "we_gate")
 Full = dict[LeafPath, Any]  # whole new leaves
-Partial = dict[LeafPath, tuple[np.ndarray, Any]]  # stacked leaf -> (layer idx, [k, ...])
+# stacked leaf -> (layer indexes [k], or (layer, expert) pairs [k, 2]; values [k, ...])
+Partial = dict[LeafPath, tuple[np.ndarray, Any]]
 
 
 class WeightUpdateError(ValueError):
@@ -172,25 +172,27 @@ class ParamLayout:
                                         f"({len(missing)} missing in all)")
         if not given:
             raise WeightUpdateError(f"{where}no tensor to update")
-        # group per leaf: whole leaves, or a subset of a stacked leaf's layers
-        by_leaf: dict[LeafPath, dict[int | None, Any]] = {}
+        # group per leaf: whole leaves, or a subset of a stacked leaf's layers (MoE expert
+        # leaves: of its (layer, expert) entries)
+        by_leaf: dict[LeafPath, dict[tuple[int, ...], Any]] = {}
         for name, x in given.items():
             spec = self.specs[name]
-            path = (spec.key,) if spec.layer is None else ("layers", spec.key)
             xt = _transpose(x) if spec.transposed else x
-            by_leaf.setdefault(path, {})[spec.layer] = xt
+            by_leaf.setdefault(spec.path, {})[spec.index] = xt
         full: Full = {}
         partial: Partial = {}
         for path, parts in by_leaf.items():
-            if None in parts:
-                full[path] = parts[None]
+            if () in parts:
+                full[path] = parts[()]
                 continue
-            layers = sorted(parts)
-            stacked = _stack([parts[i] for i in layers])
-            if len(layers) == cfg.num_layers:
-                full[path] = stacked
+            index = sorted(parts)
+            stacked = _stack([parts[i] for i in index])
+            leaf_shape = get_leaf(self.shapes, path)
+            if len(index) == int(np.prod(leaf_shape[:len(index[0])])):  # every entry given
+                full[path] = stacked.reshape(leaf_shape)
             else:
-                partial[path] = (np.asarray(layers, np.int32), stacked)
+                idx = np.asarray(index, np.int32)
+                partial[path] = (idx[:, 0] if idx.shape[1] == 1 else idx, stacked)
         return full, partial, len(given)
 
     # ---- disk ------------------------------------------------------------------------
@@ -232,7 +234,7 @@ class ParamLayout:
             theirs = load_hf_config(model_dir)
         except ModelLoadError as e:
             raise WeightUpdateError(str(e)) from e
-        for f in _CONFIG_FIELDS:
+        for f in family_for(self.model_cfg).config_fields:
             a, b = getattr(theirs, f), getattr(self.model_cfg, f)
             if a != b:
                 raise WeightUpdateError(f"{cfg_file}: {f} is {a!r} but the served model has "
@@ -245,9 +247,8 @@ class ParamLayout:
         or host pytree)."""
         spec = self.specs.get(name)
         if spec is not None:
-            path = (spec.key,) if spec.layer is None else ("layers", spec.key)
-            leaf = get_leaf(params, path)
-            x = leaf if spec.layer is None else leaf[spec.layer]
+            leaf = get_leaf(params, spec.path)
+            x = leaf[spec.index] if spec.index else leaf
             shape = spec.hf_shape
             x = x[:, :truncate_size].T if spec.transposed else x[:truncate_size]
         else:

@@ -61,7 +61,8 @@ class StagedWeights:
     token: str
     weight_version: str
     full: dict[LeafPath, jax.Array] = field(default_factory=dict)  # whole new leaves
-    # stacked leaves updated for some layers only: path -> (layer indexes, [k, ...] values)
+    # stacked leaves updated for some layers (or some experts of some layers) only:
+    # path -> (layer indexes [k] or (layer, expert) pairs [k, 2], [k, ...] values)
     partial: dict[LeafPath, tuple[np.ndarray, jax.Array]] = field(default_factory=dict)
     names: int = 0  # tensors given
     source: str = "<tensors>"
@@ -87,7 +88,7 @@ class WeightManager:
         self.replicated = runner.replicated
         self.layout = ParamLayout(self.model_cfg)
         self.shapes, self.paths = self.layout.shapes, self.layout.paths
-        self.shardings = param_shardings(self.model_cfg, runner.mesh)
+        self.shardings = param_shardings(self.model_cfg, runner.mesh, runner.cfg.moe_sharding)
         for path in self.paths:  # the live params must have exactly this layout
             leaf = get_leaf(core.params, path)
             assert tuple(leaf.shape) == get_leaf(self.shapes, path), path
@@ -264,5 +265,8 @@ class WeightManager:
 
 def _scatter_layers(old: jax.Array, idx: jax.Array, vals: jax.Array, sharding: Any
                     ) -> jax.Array:
-    fn = jax.jit(lambda a, i, v: a.at[i].set(v), out_shardings=sharding)
-    return fn(old, idx, vals)
+    """old with vals written at idx: [n] layer indexes, or [n, 2] (layer, expert) pairs."""
+    def put(a: jax.Array, i: jax.Array, v: jax.Array) -> jax.Array:
+        return a.at[i].set(v) if i.ndim == 1 else a.at[i[:, 0], i[:, 1]].set(v)
+
+    return jax.jit(put, out_shardings=sharding)(old, idx, vals)

@@ -12,6 +12,14 @@
 // threads) only decides which core computes an element and which registers hold it,
 // never the order of its sum. So a row's bits do not depend on M, on the other rows or
 // on the thread count. (Built with -ffp-contract=fast: the compiler fuses `acc += a * b`.)
+//
+// The GROUPED product (mixture-of-experts experts) is the same computation with one weight
+// matrix per row: y[m] = x[m] @ W[groups[m]], W given as panels wp[G, N / 64, K, 64] (an
+// expert's matrix, layers x experts flattened into G). Register blocks take up to 6
+// consecutive rows of ONE group (rows come sorted by expert, so blocks are full except
+// at a group's end); every element is still the in-order sum over k from zero, so a row's
+// bits depend only on its own x row and its group's matrix: not on how many other rows
+// chose that expert, nor where the group starts.
 
 #include <algorithm>
 #include <cstdint>
@@ -102,7 +110,70 @@ ffi::Error RowGemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   return ffi::Error::Success();
 }
 
+struct GroupedProblem {
+  const float* x;
+  const float* wp;  // [G, panels, K, 64]
+  const int32_t* groups;  // [M], each in [0, G)
+  float* y;
+  int64_t m, k, panels;
+};
+
+void run_grouped_panel(const GroupedProblem& pr, int64_t p) {
+  float* y = pr.y + p * PANEL;
+  const int64_t ldy = pr.panels * PANEL;
+  int64_t m0 = 0;
+  while (m0 < pr.m) {
+    const int32_t g = pr.groups[m0];
+    int r = 1;
+    while (r < MR && m0 + r < pr.m && pr.groups[m0 + r] == g) ++r;
+    const float* panel = pr.wp + (g * pr.panels + p) * pr.k * PANEL;
+    switch (r) {
+      case 6: block<6>(pr.x, pr.k, panel, y, ldy, m0); break;
+      case 5: block<5>(pr.x, pr.k, panel, y, ldy, m0); break;
+      case 4: block<4>(pr.x, pr.k, panel, y, ldy, m0); break;
+      case 3: block<3>(pr.x, pr.k, panel, y, ldy, m0); break;
+      case 2: block<2>(pr.x, pr.k, panel, y, ldy, m0); break;
+      default: block<1>(pr.x, pr.k, panel, y, ldy, m0); break;
+    }
+    m0 += r;
+  }
+}
+
+ffi::Error GroupedRowGemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                              ffi::Buffer<ffi::F32> wp, ffi::Buffer<ffi::S32> groups,
+                              ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions();
+  const auto wd = wp.dimensions();
+  const auto gd = groups.dimensions();
+  if (xd.size() != 2 || wd.size() != 4 || wd[3] != PANEL || wd[2] != xd[1] ||
+      gd.size() != 1 || gd[0] != xd[0])
+    return ffi::Error::InvalidArgument("grouped_row_gemm: x [M, K], panels [G, N/64, K, 64] "
+                                       "and groups [M] expected");
+  const int32_t* g = groups.typed_data();
+  for (int64_t i = 0; i < xd[0]; ++i)
+    if (g[i] < 0 || g[i] >= wd[0])
+      return ffi::Error::InvalidArgument("grouped_row_gemm: group out of range");
+  const GroupedProblem pr{x.typed_data(), wp.typed_data(), g, y->typed_data(), xd[0], xd[1],
+                          wd[1]};
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t work_units = pr.panels * std::max<int64_t>(1, pr.m) * pr.k;
+  const int64_t helpers = work_units < (1 << 16) ? 0 : std::min(threads, pr.panels) - 1;
+  const int64_t chunk = std::max<int64_t>(1, pr.panels / ((helpers + 1) * 4));
+  multiserve::parallel_for(pool, pr.panels, chunk, helpers, [pr](int64_t b, int64_t e) {
+    for (int64_t p = b; p < e; ++p) run_grouped_panel(pr, p);
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MultiserveGroupedRowGemm, GroupedRowGemmImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MultiserveRowGemm, RowGemmImpl,
                               ffi::Ffi::Bind()

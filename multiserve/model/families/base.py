@@ -1,0 +1,117 @@
+"""The model interface: what one model family provides (`ModelFamily`), and the record
+that ties an HF tensor name to a leaf of our params (`HfTensorSpec`).
+
+A family is one module under model/families/ (registered in `families/__init__.py`). The
+engine, the loaders, RL weight updates, sharding and the calibration talk only to this
+interface (`families.family_for(cfg)`), never to a family's forward directly:
+
+- HF config -> ModelConfig (`config_from_hf`) and back (`config_to_hf`);
+- the canonical params layout (`param_shapes`: a dict pytree, matrices [in, out], leaves
+  stacked over their layers) and the HF names of its tensors (`hf_tensor_specs`);
+- sharding rules over an engine's device group (`param_specs`; the KV pool's and the
+  attention's split is the same for every family: `tp_splits`, sharding.py);
+- what the invariance calibration must probe: every dense product (`product_shapes`) and
+  grouped expert product (`grouped_shapes`); the row sums (RMSNorm widths) follow from the
+  config for every family (calibration.workload_for);
+- the compute params a step runs on (`compute_params`: the layouts the plan's kernels read),
+  the decoder up to the final-normed hidden states (`forward_hidden`), the output head
+  (`lm_head`), and which step sizes run a scanned decoder (`scans`, for warm-up order);
+- what a weight update from disk must agree on (`config_fields`).
+
+Module-level imports here are plain data (no jax), so the loaders stay jax-free.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from multiserve.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class HfTensorSpec:
+    """Where one HF tensor lives in our params: params[key] (layer None), or
+    params[group][key][layer] (a leaf stacked over its layers), or
+    params[group][key][layer, expert] (a leaf stacked over layers and experts);
+    `hf_shape` is the shape under its HF name; `transposed`: ours is its transpose."""
+
+    key: str
+    layer: int | None
+    hf_shape: tuple[int, ...]
+    transposed: bool
+    group: str = "layers"
+    expert: int | None = None
+
+    @property
+    def path(self) -> tuple[str, ...]:
+        """The leaf's path in the params pytree."""
+        return (self.key,) if self.layer is None else (self.group, self.key)
+
+    @property
+    def index(self) -> tuple[int, ...]:
+        """Where this tensor sits in its leaf (() for a whole leaf)."""
+        if self.layer is None:
+            return ()
+        return (self.layer,) if self.expert is None else (self.layer, self.expert)
+
+
+@dataclass(frozen=True)
+class ProductShape:
+    """One contraction x[M, K] @ W[K, N] the model runs: `k`, `n` global; `split` says which
+    side a tensor-parallel group splits ("in", "out" or "" for replicated); `rows`: "tokens"
+    (runs at every token bucket) or "rows" (the head: every logits-row bucket)."""
+
+    name: str
+    k: int
+    n: int
+    split: str = ""
+    rows: str = "tokens"
+
+
+class ModelFamily(Protocol):
+    """One model family (see module docstring)."""
+
+    name: str
+    architectures: dict[str, str]  # HF class name -> our ModelConfig.architecture
+    model_types: tuple[str, ...]  # HF model_type values (a config without architectures)
+
+    def config_from_hf(self, raw: dict[str, Any], arch: str, source: Path,
+                       common: dict[str, Any]) -> ModelConfig: ...
+
+    def config_to_hf(self, cfg: ModelConfig) -> dict[str, Any]: ...
+
+    def param_shapes(self, cfg: ModelConfig) -> dict[str, Any]: ...
+
+    def hf_tensor_specs(self, cfg: ModelConfig) -> dict[str, HfTensorSpec]: ...
+
+    def param_specs(self, cfg: ModelConfig, mesh: Any, moe_sharding: str) -> dict[str, Any]: ...
+
+    def product_shapes(self, cfg: ModelConfig, tp: int, moe_sharding: str
+                       ) -> list[ProductShape]: ...
+
+    def grouped_shapes(self, cfg: ModelConfig, tp: int, moe_sharding: str
+                       ) -> list[ProductShape]: ...
+
+    def compute_params(self, params: dict[str, Any], cfg: ModelConfig, plan: Any,
+                       token_sizes: tuple[int, ...]) -> dict[str, Any]: ...
+
+    def forward_hidden(self, params: dict[str, Any], kv_pool: Any, batch: Any,
+                       cfg: ModelConfig, *, page_size: int, attn_block_size: int,
+                       plan: Any) -> tuple[Any, Any]: ...
+
+    def lm_head(self, params: dict[str, Any], h: Any, plan: Any) -> Any: ...
+
+    def scans(self, plan: Any, num_tokens: int) -> bool: ...
+
+    config_fields: tuple[str, ...]  # ModelConfig fields a disk update must match
+
+
+def tp_splits(cfg: ModelConfig, n: int) -> dict[str, bool]:
+    """Which dimensions a tensor-parallel group of `n` devices splits (a dimension is split
+    only where it divides by n): attention heads (both head counts must divide), the dense
+    MLP's intermediate dim, the vocabulary."""
+    return {"attention": n > 1 and cfg.num_heads % n == 0 and cfg.num_kv_heads % n == 0,
+            "mlp": n > 1 and cfg.intermediate_size % n == 0,
+            "vocab": n > 1 and cfg.vocab_size % n == 0}

@@ -1,0 +1,27 @@
+"""The whole forward of any model family (model/families): its decoder to the final-normed
+hidden states, then the output head, logits in float32. For code that runs a model outside
+an engine (simple_generate, tests); the engine runs the two halves as separate programs
+(engine/device/model_runner.py). jit with cfg/page_size/attn_block_size/plan static."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from multiserve.config import ModelConfig
+from multiserve.model.families import family_for
+from multiserve.model.forward_batch import ForwardBatch
+from multiserve.model.invariance_plan import InvariancePlan
+from multiserve.model.kv_pool import KVPool
+
+
+def forward(params: dict[str, Any], kv_pool: KVPool, batch: ForwardBatch, cfg: ModelConfig,
+            *, page_size: int, attn_block_size: int,
+            plan: InvariancePlan) -> tuple[jax.Array, KVPool]:
+    """(logits f32 [R, V], new kv_pool) of `batch` on the family's compute params."""
+    family = family_for(cfg)
+    h, kv_pool = family.forward_hidden(params, kv_pool, batch, cfg, page_size=page_size,
+                                       attn_block_size=attn_block_size, plan=plan)
+    return family.lm_head(params, h, plan).astype(jnp.float32), kv_pool

@@ -1,0 +1,163 @@
+"""The decoder of the mixture-of-experts families (Qwen3-MoE, Qwen2-MoE): the dense
+families' attention (llama.attention_block) then, per layer, either the sparse MLP
+(moe.py) or the dense SwiGLU MLP (`mlp_only_layers` / `decoder_sparse_step`).
+
+Canonical params (families/qwen_moe.py): "layers" (attention + norms, stacked over L),
+"dense_mlp" (w_gate, w_up, w_down stacked over the dense layers), "moe" (router, the
+experts we_* [Lm, E, in, out], the shared expert ws_*, stacked over the MoE layers).
+
+Compute params (`compute_params`): the attention part as `row_invariant.with_transposed`
+makes it for the dense families (per-layer dicts + stacks + head layouts), and for the
+MLP groups the layouts the plan's kernels read: per layer `<name>` (plain) / `<name>_t`
+(nt) in `mlp` (a tuple over the L layers) and the stacked panels `<name>_p` (native) in
+`mlp_stacked`; the experts as the per-layer stack we_* [E, in, out] ("gather") and their
+panels we_*_p [Lm*E, P, in, 64] (native grouped kernel, indexed by moe layer x E + expert).
+
+The layers are always unrolled (a Python loop): the layers are not all alike (dense and
+sparse MLPs), and each reads its own arrays in place. Every product is row-invariant as
+the plan says; the step's own shapes are static (T tokens, T*k routed pairs).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from multiserve.config import ModelConfig
+from multiserve.model.forward_batch import ForwardBatch
+from multiserve.model.invariance_plan import InvariancePlan
+from multiserve.model.kv_pool import KVPool
+from multiserve.model.llama import (
+    attention_block,
+    layer_projection,
+    rms_norm,
+    rope_inv_freq,
+)
+from multiserve.model.moe import EXPERT_MATRICES, SHARED_MATRICES, moe_mlp
+from multiserve.model.native_kernels import pack_panels
+from multiserve.model.row_invariant import (
+    LAYOUT_SUFFIX,
+    is_compute_params,
+    pack_tree,
+    split_layers,
+    transpose_tree,
+    with_transposed,
+)
+
+ATTENTION_MATRICES = ("wq", "wk", "wv", "wo")
+DENSE_MLP_MATRICES = ("w_gate", "w_up", "w_down")
+
+
+def moe_dense_matrices(cfg: ModelConfig) -> tuple[str, ...]:
+    """The dense (row-invariant `dense`) matrices of a MoE layer: router, shared expert."""
+    return ("router",) + (SHARED_MATRICES if cfg.shared_expert_intermediate_size else ())
+
+
+@jax.jit
+def _pack_experts(stacks: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """[Lm, E, K, N] expert stacks -> panels [Lm*E, P, K, 64] (group = layer * E + e)."""
+    return {f"{k}_p": pack_panels(v.reshape(-1, *v.shape[2:])) for k, v in stacks.items()}
+
+
+
+def _group_layouts(group: dict[str, jax.Array], matrices: tuple[str, ...],
+                   kernels: frozenset[str]) -> tuple[tuple[dict[str, jax.Array], ...],
+                                                     dict[str, jax.Array]]:
+    """(per-layer dicts of `group`'s leaves, plain/nt layouts of its matrices; the stacked
+    native panels of its matrices)."""
+    per = {k: v for k, v in group.items() if k not in matrices or "plain" in kernels}
+    if "nt" in kernels:
+        per.update({f"{k}_t": v for k, v in
+                    transpose_tree({k: group[k] for k in matrices}).items()})
+    stacked = pack_tree({f"{k}_p": group[k] for k in matrices}) if "native" in kernels else {}
+    return (split_layers(per) if per else ()), stacked
+
+
+def compute_params(params: dict[str, Any], cfg: ModelConfig,
+                   kernels: frozenset[str]) -> dict[str, Any]:
+    """The compute params (module docstring) holding the layouts of `kernels` (the plan's
+    kernels anywhere, `llama.plan_kernels`)."""
+    attention = {k: v for k, v in params.items() if k not in ("dense_mlp", "moe")}
+    out = with_transposed(attention, cfg, kernels=kernels, matrices=ATTENTION_MATRICES)
+    mlp: list[dict[str, jax.Array]] = [{} for _ in range(cfg.num_layers)]
+    mlp_stacked: dict[str, Any] = {}
+    if cfg.dense_mlp_layers:
+        per, stacked = _group_layouts(params["dense_mlp"], DENSE_MLP_MATRICES, kernels)
+        for j, i in enumerate(cfg.dense_mlp_layers):
+            mlp[i] = dict(per[j]) if per else {}
+        mlp_stacked["dense_mlp"] = stacked
+    if cfg.moe_layers:
+        moe = params["moe"]
+        dense_names = moe_dense_matrices(cfg)
+        per, stacked = _group_layouts({k: moe[k] for k in dense_names}, dense_names, kernels)
+        experts = {k: moe[k] for k in EXPERT_MATRICES}
+        per_experts = split_layers(experts) if "gather" in kernels else ()
+        for j, i in enumerate(cfg.moe_layers):
+            mlp[i] = {**(per[j] if per else {}), **(per_experts[j] if per_experts else {})}
+        if "native" in kernels:
+            stacked.update(_pack_experts(experts))
+        mlp_stacked["moe"] = stacked
+    out["mlp"] = tuple(mlp)
+    out["mlp_stacked"] = mlp_stacked
+    return out
+
+
+def _select(per_layer: dict[str, jax.Array], stacked: dict[str, jax.Array],
+            matrices: tuple[str, ...], num_rows: int, plan: InvariancePlan
+            ) -> dict[str, jax.Array | None]:
+    """One layer's weights for a step: of each matrix only the layout the plan's kernel
+    uses at `num_rows` rows (`<name>`/`<name>_t` from `per_layer`, `<name>_p` from the
+    stack), the others None; other leaves as they are."""
+    out: dict[str, jax.Array | None] = {
+        k: v for k, v in per_layer.items()
+        if not any(k == m + sfx for m in matrices for sfx in LAYOUT_SUFFIX.values())}
+    for m in matrices:
+        kernel = plan.product(m).formulation(num_rows).kernel
+        used = m + ("" if kernel == "gather" else LAYOUT_SUFFIX[kernel])
+        source = stacked if kernel == "native" else per_layer
+        assert used in source, f"the plan's {used} layout is missing from the compute params"
+        for sfx in LAYOUT_SUFFIX.values():
+            out[m + sfx] = source[used] if m + sfx == used else None
+    return out
+
+
+def forward_hidden(params: dict[str, Any], kv_pool: KVPool, batch: ForwardBatch,
+                   cfg: ModelConfig, *, page_size: int, attn_block_size: int,
+                   plan: InvariancePlan) -> tuple[jax.Array, KVPool]:
+    """As llama.forward_hidden, for a MoE family: (final-normed hidden states of the
+    `batch.logit_rows` rows [R, D], new kv_pool)."""
+    assert is_compute_params(params) and "mlp" in params, "needs moe_decoder.compute_params"
+    x = params["embed"][batch.input_ids]
+    freqs = batch.positions.astype(jnp.float32)[:, None] * jnp.asarray(rope_inv_freq(cfg))
+    cos, sin = jnp.cos(freqs)[:, None, :], jnp.sin(freqs)[:, None, :]
+    t = x.shape[0]
+    pairs = t * max(cfg.num_experts_per_tok, 1)
+    norm = plan.row_sum(cfg.hidden_size)
+    dense_index = {i: j for j, i in enumerate(cfg.dense_mlp_layers)}
+    moe_index = {i: j for j, i in enumerate(cfg.moe_layers)}
+    expert_plans = {m: plan.product(m) for m in EXPERT_MATRICES} if cfg.moe_layers else {}
+    for i, layer in enumerate(params["layers"]):
+        w = _select(layer, params["stacked_layers"], ATTENTION_MATRICES, t, plan)
+        x, kv_pool = attention_block(x, kv_pool, i, w, layer_projection(w, i, plan), batch,
+                                     cos, sin, cfg, page_size=page_size,
+                                     attn_block_size=attn_block_size, plan=plan)
+        h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps, norm)
+        if i in moe_index:
+            j = moe_index[i]
+            stacked = params["mlp_stacked"]["moe"]
+            mw = _select(params["mlp"][i], stacked, moe_dense_matrices(cfg), t, plan)
+            for m in EXPERT_MATRICES:
+                native = expert_plans[m].formulation(pairs).kernel == "native"
+                mw[m] = None if native else params["mlp"][i][m]
+                mw[f"{m}_p"] = stacked[f"{m}_p"] if native else None
+            x = x + moe_mlp(h, mw, j, layer_projection(mw, j, plan), cfg, expert_plans)
+        else:
+            j = dense_index[i]
+            mw = _select(params["mlp"][i], params["mlp_stacked"]["dense_mlp"],
+                         DENSE_MLP_MATRICES, t, plan)
+            proj = layer_projection(mw, j, plan)
+            x = x + proj(jax.nn.silu(proj(h, "w_gate")) * proj(h, "w_up"), "w_down")
+    return rms_norm(x[batch.logit_rows], params["final_norm"], cfg.rms_norm_eps,
+                    norm), kv_pool

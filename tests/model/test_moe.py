@@ -1,0 +1,205 @@
+"""Qwen3-MoE and Qwen2-MoE (shared expert) from checkpoints transformers itself wrote
+(tests/moe_checkpoints.py): config and tensors read through our loader (single file and
+sharded), logits of ragged paged batches and greedy ids equal to transformers', and the
+determinism promise: a token's output bits do not depend on its batch, nor on how many
+other tokens chose the same experts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from model_helpers import PagedSim
+from moe_checkpoints import ARCHS, make_model, save
+
+from multiserve.model.calibration import default_plan
+from multiserve.model.families import family_for
+from multiserve.model.hf_names import params_to_hf
+from multiserve.model.loader import load_model
+from multiserve.model.safetensors_io import load_file
+from multiserve.model.simple_generate import greedy_token_ids
+
+torch.set_num_threads(1)  # several busy threads on 2 shared cores slow torch 10x
+_MODELS: dict[str, tuple[Any, Path, Path]] = {}
+
+
+def checkpoint(arch: str, factory: pytest.TempPathFactory) -> tuple[Any, Path, Path]:
+    """(transformers model, its single-file dir, its sharded dir), built once per arch."""
+    if arch not in _MODELS:
+        model = make_model(arch, seed=len(arch))
+        single = save(model, factory.mktemp(f"{arch}-single"))
+        sharded = save(model, factory.mktemp(f"{arch}-sharded"), sharded=True)
+        _MODELS[arch] = (model, single, sharded)
+    return _MODELS[arch]
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_moe_checkpoint_loads_single_and_sharded(arch: str, tmp_path_factory) -> None:
+    model, single, sharded = checkpoint(arch, tmp_path_factory)
+    assert (sharded / "model.safetensors.index.json").exists()
+    a, b = load_model(str(single)), load_model(str(sharded))
+    cfg = a.config
+    assert b.config == cfg and cfg.architecture == arch
+    hf = ARCHS[arch]
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (
+        hf["num_experts"], 2, hf["moe_intermediate_size"])
+    assert cfg.norm_topk_prob == hf["norm_topk_prob"]
+    assert cfg.moe_layers == ((0, 2) if arch == "qwen3_moe" else (0, 1))
+    assert cfg.shared_expert_intermediate_size == hf.get("shared_expert_intermediate_size", 0)
+    # every tensor round-trips by name, bit for bit, from either layout of the files
+    on_disk = load_file(single / "model.safetensors")
+    for params in (a.params, b.params):
+        ours = params_to_hf(params, cfg)
+        assert set(ours) | ({"lm_head.weight"} if cfg.tie_word_embeddings else set()) \
+            >= set(on_disk)
+        for name, arr in ours.items():
+            assert np.array_equal(arr, on_disk[name]), name
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_moe_ragged_paged_batches_match_transformers(arch: str, tmp_path_factory) -> None:
+    model, path, _ = checkpoint(arch, tmp_path_factory)
+    loaded = load_model(str(path), "float32")
+    cfg = loaded.config
+    rng = np.random.default_rng(1)
+    lens = {"a": 37, "b": 9, "c": 26}
+    toks = {k: [int(t) for t in rng.integers(3, cfg.vocab_size, n)] for k, n in lens.items()}
+    with torch.no_grad():
+        ref = {k: model(torch.tensor([v])).logits[0].numpy() for k, v in toks.items()}
+    sim = PagedSim(jax.device_put(loaded.params), cfg, page_size=4, block_size=8)
+    for k, v in toks.items():
+        sim.add(k, v)
+    everything = {k: list(range(n)) for k, n in lens.items()}
+    got: dict = {}
+    schedule = [[("a", 30), ("b", 6)], [("a", 1), ("b", 1), ("c", 11)],
+                [("a", 1), ("c", 13), ("b", 1)], [("c", 1), ("b", 1), ("a", 1)],
+                [("a", 1), ("c", 1)], [("a", 1)], [("a", 1)], [("a", 1)]]
+    for i, work in enumerate(schedule):
+        got.update(sim.step(work, T=64, B=64, R=64, rows=np.random.default_rng(i),
+                            logits_for=everything))
+    assert set(got) == {(k, p) for k, n in lens.items() for p in range(n)}
+    diff = max(float(np.max(np.abs(got[(k, p)] - ref[k][p]))) for k, p in got)
+    scale = max(float(np.max(np.abs(r))) for r in ref.values())
+    print(f"{arch}: max|diff|={diff:.2e} (max|logit|={scale:.2f})")
+    assert scale > 1.0
+    assert diff <= 1e-3
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_moe_greedy_ids_match_transformers_generate(arch: str, tmp_path_factory) -> None:
+    model, path, _ = checkpoint(arch, tmp_path_factory)
+    loaded = load_model(str(path), "float32")
+    prompt = [int(t) for t in np.random.default_rng(2).integers(3, 500, 12)]
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
+    want = out[0, len(prompt):].tolist()
+    got = greedy_token_ids(jax.device_put(loaded.params), loaded.config, prompt, 24)
+    assert got == want
+    assert len(set(got)) > 3  # a varied continuation, not one repeated token
+
+
+def gather_plan(plan: Any) -> Any:
+    """`plan` with every grouped expert product on the "gather" formulation (XLA: each row
+    against its gathered expert matrix), the one used where the native kernel is not."""
+    from dataclasses import replace
+
+    from multiserve.model.invariance_plan import Formulation
+
+    return replace(plan, products=tuple(
+        replace(p, by_rows=tuple((m, Formulation("gather", m)) for m, _ in p.by_rows))
+        if p.name.startswith("we_") else p for p in plan.products))
+
+
+@pytest.mark.parametrize("kind", ["calibrated", "gather"])
+def test_expert_rows_do_not_depend_on_who_else_chose_the_expert(kind: str,
+                                                               tmp_path_factory) -> None:
+    """One MoE layer's output for a fixed token, computed beside 0..255 other tokens that
+    (by construction of the batch) crowd its experts or avoid them: bitwise the same; with
+    the calibrated plan (here: the native grouped kernel) and with "gather"."""
+    from multiserve.model.llama import layer_projection
+    from multiserve.model.moe import moe_mlp
+    from multiserve.model.moe_decoder import _select, moe_dense_matrices
+
+    _, path, _ = checkpoint("qwen2_moe", tmp_path_factory)
+    loaded = load_model(str(path), "float32")
+    cfg = loaded.config
+    plan = default_plan(cfg, np.float32)
+    if kind == "gather":
+        plan = gather_plan(plan)
+    kernels = {plan.product(m).formulation(t).kernel for m in ("we_gate", "we_down")
+               for t in (2, 128, 512)}
+    print(f"{kind}: grouped kernels {kernels}")
+    assert kernels == {"gather"} or kind == "calibrated"
+    params = family_for(cfg).compute_params(jax.device_put(loaded.params), cfg, plan, ())
+    rng = np.random.default_rng(0)
+    probe = rng.standard_normal((1, cfg.hidden_size)).astype(np.float32)
+
+    @jax.jit
+    def layer0(h: jax.Array) -> jax.Array:
+        w = _select(params["mlp"][0], params["mlp_stacked"]["moe"], moe_dense_matrices(cfg),
+                    h.shape[0], plan)
+        for m in ("we_gate", "we_up", "we_down"):
+            native = plan.product(m).formulation(h.shape[0] * 2).kernel == "native"
+            w[m] = None if native else params["mlp"][0][m]
+            w[f"{m}_p"] = params["mlp_stacked"]["moe"][f"{m}_p"] if native else None
+        return moe_mlp(h, w, 0, layer_projection(w, 0, plan), cfg,
+                       {m: plan.product(m) for m in ("we_gate", "we_up", "we_down")})
+
+    alone = np.asarray(layer0(jnp.asarray(probe)))
+    # candidates: many random tokens; keep the ones routed like the probe (same experts)
+    pool = rng.standard_normal((4096, cfg.hidden_size)).astype(np.float32)
+    router = np.asarray(loaded.params["moe"]["router"][0])
+    top = np.argsort(-(pool @ router), axis=1)[:, :2]
+    mine = set(np.argsort(-(probe @ router), axis=1)[0, :2])
+    same = pool[[set(t) == mine for t in top]]
+    other = pool[[not (set(t) & mine) for t in top]]
+    assert len(same) >= 40 and len(other) >= 40
+    for t in (2, 8, 64, 256):
+        for crowd in (same, other, pool):
+            batch = crowd[rng.permutation(len(crowd))[:t - 1]]
+            for where in (0, len(batch) // 2, len(batch)):
+                h = np.insert(batch, where, probe[0], axis=0)
+                got = np.asarray(layer0(jnp.asarray(h)))[where]
+                assert np.array_equal(got, alone[0]), (t, where)
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_moe_logits_are_bitwise_batch_invariant(arch: str, tmp_path_factory) -> None:
+    """test_batch_invariance's batchings (full prefill, mixed T=256 batch, chunked prefill,
+    decode beside others at T = 64/128, lone T = 1 decode, small T = 2..8 steps) on the
+    MoE model: the routed groups differ in every batching, the logits bits do not."""
+    from test_batch_invariance import assert_bitwise_equal, run_modes
+
+    _, path, _ = checkpoint(arch, tmp_path_factory)
+    loaded = load_model(str(path), "float32")
+    cfg = loaded.config
+    rng = np.random.default_rng(5)
+    target = [int(t) for t in rng.integers(3, cfg.vocab_size, 70)]
+    probe = sorted({0, 1, 15, 16, 17, 40, 63, 64, 65, 69} | set(range(50, 55)))
+    out = run_modes(jax.device_put(loaded.params), cfg, target, probe, page_size=4, block=16)
+    assert_bitwise_equal(out, probe)
+    assert not np.array_equal(out["prefill_T128"][0], out["prefill_T128"][69])
+
+
+def test_calibration_checks_grouped_products_and_falls_back_to_gather() -> None:
+    """The probe of a grouped product (rows at several positions inside groups of changing
+    size): here the native grouped kernel wins where it builds; a backend whose native
+    rows differ (distorted) gets "gather", still verified."""
+    from multiserve.model import native_kernels
+    from multiserve.model.calibration import GroupedUse, _probe_grouped, select
+
+    use = GroupedUse("we_gate", 64, 32, 64, 32, experts=8, sizes=(2, 8, 32, 128))
+    device = jax.devices()[0]
+    native = native_kernels.unavailable_reason() is None
+    for distort in (None, lambda prim, desc: prim == "grouped" and desc["kernel"] == "native"):
+        cands = _probe_grouped(use, jnp.float32, device, distort, np.random.default_rng(0))
+        sel = select(cands, use.sizes)
+        assert sel.verified
+        kernels = {c.desc["kernel"] for c in sel.choice.values()}
+        assert kernels == ({"native"} if native and distort is None else {"gather"}), kernels
