@@ -52,32 +52,29 @@ def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(_SessionFixtureNotes(), "multiserve-session-fixture-notes")
 
 
-# Directories whose session-scoped fixtures (engines, servers, a fleet) many files share:
-# their tests run as one group (one process under `-n 2`), so each fixture is built once.
-# Every other test file is a group of its own.
-_SHARED_DIRS = ("engine", "server")
-# The longest groups start first (measured with --durations=0 on 2 cores): under `-n 2`
-# a long group started last would leave the other core idle at the end.
-_LONG_FIRST = ("engine", "chaos/test_chaos.py", "fleet/test_fleet_four.py", "server",
-               "fleet/test_fleet_tp.py", "plugins/test_rollout.py",
+# Under `-n 2 --dist loadfile --no-loadscope-reorder` (scripts/test.sh) each test file runs
+# whole in one process, in this order: the longest files start first (measured with
+# --durations=0 on 2 cores), so that no long file starting last leaves a core idle at the
+# end; tests/engine/ and tests/server/ come early and together, so their shared session
+# fixtures (engines, servers) are built early, in each process that runs them (the second
+# build loads its programs and plans from the caches). The order is also the order of a
+# plain one-process run.
+_LONG_FIRST = ("chaos/test_chaos.py", "fleet/test_fleet_four.py", "engine",
+               "fleet/test_fleet_tp.py", "plugins/test_rollout.py", "server",
                "model/test_row_invariance.py", "model/test_hf_parity.py",
                "fleet/test_fleet_validate.py", "model/test_native_kernels.py",
                "model/test_calibration.py", "bench/test_bench_fleet.py")
 
 
-def _group_of(item: pytest.Item) -> str:
-    """The xdist group of a test (`--dist loadgroup`): its directory's, or its file's."""
+def _rank_key(item: pytest.Item) -> str:
     rel = Path(item.path).resolve().relative_to(_TESTS)
-    return rel.parts[0] if rel.parts[0] in _SHARED_DIRS else rel.as_posix()
+    return rel.parts[0] if rel.parts[0] in ("engine", "server") else rel.as_posix()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Group tests (see `_group_of`) and run the longest groups first; a group's tests
-    keep their order."""
-    rank = {g: i for i, g in enumerate(_LONG_FIRST)}
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(_group_of(item)))
-    items.sort(key=lambda it: rank.get(_group_of(it), len(rank)))
+    """The longest files first (see _LONG_FIRST); a file's tests keep their order."""
+    rank = {name: i for i, name in enumerate(_LONG_FIRST)}
+    items.sort(key=lambda it: rank.get(_rank_key(it), len(rank)))
 
 
 def _finish_session_fixtures_of(item: pytest.Item, top: str) -> None:
@@ -114,3 +111,4 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):  #
         from multiserve.host_heap import release_free_heap
 
         release_free_heap()
+
