@@ -53,6 +53,7 @@ from multiserve.engine.device.batch_arrays import StepArrays, empty_step_arrays
 from multiserve.engine.device.model_runner import ARRAY_FIELDS, sampler_rows
 from multiserve.engine.sampling import host as sampling_host
 from multiserve.engine.sampling import sampler as sampling
+from multiserve.engine.state_report import internal_state
 from multiserve.model.attention import paged_attention
 from multiserve.model.forward_batch import ForwardBatch
 from multiserve.model.llama import layer_weights, lm_head
@@ -190,7 +191,7 @@ def _sampler_batch(runner: Any, shape: StepShape, output_len: int, temperature: 
 def measure(core: Any, prompt_lens: Sequence[int], output_len: int, temperature: float,
             seed: int) -> dict[str, Any]:
     """Device figures (ms) of the run's typical decode step; runs on the engine thread."""
-    state = core.internal_state()
+    state = internal_state(core)
     if (state["running_batch_size"] or state["waiting_queue_size"]
             or state["available_kv_tokens"] != state["initial_available_kv_tokens"]):
         raise RuntimeError("bench breakdown: the engine is not idle")
