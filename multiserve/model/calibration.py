@@ -47,6 +47,7 @@ import logging
 import os
 import threading
 import time
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from functools import partial
@@ -72,7 +73,7 @@ from multiserve.model.row_invariant import product, row_sum_rows
 
 log = logging.getLogger("multiserve.calibration")
 
-PROBE_VERSION = 3  # bump when a probe or the selection changes: old cache entries are ignored
+PROBE_VERSION = 4  # bump when a probe or the selection changes: old cache entries are ignored
 PAD_SIZES = (2, 4, 8, 16, 32, 64)  # extra row counts a small step may be padded to
 TIMING_RUNS = 3
 # (primitive, candidate description) -> treat this candidate's rows as different
@@ -533,20 +534,46 @@ def _table_rows(primitive: str, what: dict[str, Any], candidates: list[Candidate
             for c in candidates]
 
 
-def _choose(workload: Workload, device: Any, distort: Distort | None
+def _rng(*what: Any) -> np.random.Generator:
+    """The probe's own random stream, seeded by what it probes: a probe's data (hence its
+    result) does not depend on which probes ran before it, so results can be reused."""
+    return np.random.default_rng(zlib.crc32(repr(("multiserve-probe", *what)).encode()))
+
+
+# Product and row-sum probes of this process, reused by later workloads with the same
+# shapes (the tiny models of a test run, the engines of a fleet with other page sizes).
+# A probe's result depends only on its key: backend, dtype, shape, sizes, sharding.
+_PROBES: dict[tuple[Any, ...], tuple[list[Candidate], Selection]] = {}
+
+
+def _probe_once(key: tuple[Any, ...], store: dict[tuple[Any, ...], Any],
+                probe: Callable[[np.random.Generator], list[Candidate]],
+                sizes: Sequence[int]) -> tuple[list[Candidate], Selection]:
+    """probe(rng) -> its candidates and their selection over `sizes`, kept in `store` by
+    `key` (the process's _PROBES, or one calibration's own dict when it must not reuse
+    other calibrations' probes: a distorted probe, use_cache=False)."""
+    if key not in store:
+        cands = probe(_rng(*key))
+        store[key] = (cands, select(cands, sizes))
+    return store[key]
+
+
+def _choose(workload: Workload, device: Any, distort: Distort | None, memo: bool = False
             ) -> tuple[InvariancePlan, list[dict[str, Any]]]:
-    rng = np.random.default_rng(20261124)
     dtype = jnp.dtype(workload.dtype)
+    # what a probe's result depends on besides its shape (the kernels' build among them)
+    backend = (device.platform, getattr(device, "device_kind", ""), str(dtype),
+               native_kernels.build_id() if device.platform == "cpu" else None)
+    store = _PROBES if memo and distort is None else {}
     table: list[dict[str, Any]] = []
     problems: list[str] = []
     products = []
-    probed: dict[tuple[int, int, tuple[int, ...], str], tuple[list[Candidate], Selection]] = {}
     for use in workload.products:
-        key = (use.local_k, use.local_n, use.sizes, use.sharded, use.name if distort else "")
-        if key not in probed:
-            cands = _probe_product(use, dtype, device, distort, rng)
-            probed[key] = (cands, select(cands, use.sizes))
-        cands, sel = probed[key]
+        key = (*backend, "product", use.local_k, use.local_n, use.sizes, use.sharded,
+               use.name if distort else "")
+        cands, sel = _probe_once(
+            key, store, lambda rng, use=use: _probe_product(use, dtype, device, distort, rng),
+            use.sizes)
         if not sel.verified:
             problems.append(f"product {use.name} ({use.local_k}x{use.local_n}): no "
                             f"formulation gives position-invariant rows")
@@ -555,7 +582,8 @@ def _choose(workload: Workload, device: Any, distort: Distort | None
         products.append(ProductPlan(use.name, use.k, use.n, tuple(
             (m, Formulation(c.desc["kernel"], c.rows)) for m, c in sorted(sel.choice.items()))))
     for guse in workload.grouped:
-        cands = _probe_grouped(guse, dtype, device, distort, rng)
+        cands = _probe_grouped(guse, dtype, device, distort,
+                               _rng(*backend, "grouped", repr(guse)))
         sel = select(cands, guse.sizes)
         if not sel.verified:
             problems.append(f"grouped product {guse.name} ({guse.local_k}x{guse.local_n}): "
@@ -566,15 +594,18 @@ def _choose(workload: Workload, device: Any, distort: Distort | None
             (m, Formulation(c.desc["kernel"], c.rows)) for m, c in sorted(sel.choice.items()))))
     row_sums = []
     for width, counts in workload.row_sums:
-        cands = _probe_row_sum(width, counts, device, distort, rng)
-        sel = select(cands, counts)
+        cands, sel = _probe_once(
+            (*backend, "row_sum", width, counts), store,
+            lambda rng, width=width, counts=counts: _probe_row_sum(width, counts, device,
+                                                                   distort, rng), counts)
         if not sel.verified:
             problems.append(f"row sums of width {width}: not position-invariant")
         table += _table_rows("row_sum", {"width": width}, cands, sel)
         row_sums.append(RowSumPlan(width, tuple((m, c.rows)
                                                 for m, c in sorted(sel.choice.items()))))
-    sel, shared, kernel, cands = _choose_attention(workload.attention, dtype, device, distort,
-                                                   rng)
+    sel, shared, kernel, cands = _choose_attention(
+        workload.attention, dtype, device, distort,
+        _rng(*backend, "attention", repr(workload.attention)))
     if not sel.verified:
         problems.append("attention: no query chunking gives position-invariant rows")
     table += _table_rows("attention", {}, cands, sel)
@@ -644,7 +675,7 @@ def calibrate(workload: Workload, device: Any, *, distort: Distort | None = None
             except (OSError, ValueError, KeyError, TypeError) as exc:
                 log.warning("ignoring the unreadable invariance cache %s: %s", path, exc)
         t0 = time.monotonic()
-        plan, table = _choose(workload, device, distort)
+        plan, table = _choose(workload, device, distort, memo=use_cache)
         seconds = time.monotonic() - t0
         cal = Calibration(plan, key, key_hash, seconds, False, tuple(table))
         if not plan.verified:

@@ -90,3 +90,35 @@ def test_second_start_reads_the_cache(tmp_path, monkeypatch: pytest.MonkeyPatch)
     second = calibrate(wl, jax.devices()[0])
     assert second.cached and second.plan == first.plan and second.key_hash == first.key_hash
     assert second.key["jax"] == jax.__version__ and "workload" in second.key
+
+
+def test_products_probed_once_per_process_across_workloads(monkeypatch: pytest.MonkeyPatch,
+                                                            tmp_path) -> None:
+    """Two workloads of one model that differ only in their KV page size (two engines with
+    other pages, or two tests): the second probes its attention but not the products the
+    first probed already, and its product plans are the first's. A distorted or uncached
+    calibration never reuses a probe."""
+    import multiserve.model.calibration as cal
+
+    monkeypatch.setenv("MULTISERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cal, "_MEMO", {})
+    monkeypatch.setattr(cal, "_PROBES", {})
+    calls: list[str] = []
+    real = cal._probe_product
+
+    def counting(use, *args, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
+        calls.append(use.name)
+        return real(use, *args, **kw)
+
+    monkeypatch.setattr(cal, "_probe_product", counting)
+    first = calibrate(workload_for(TINY_LLAMA, (1, 4), (1,), 1, 16, 16, np.float32),
+                      jax.devices()[0])
+    probed = len(calls)
+    assert probed > 0
+    second = calibrate(workload_for(TINY_LLAMA, (1, 4), (1,), 1, 8, 16, np.float32),
+                       jax.devices()[0])
+    assert len(calls) == probed and second.key_hash != first.key_hash
+    assert second.plan.products == first.plan.products
+    calibrate(workload_for(TINY_LLAMA, (1, 4), (1,), 1, 4, 16, np.float32), jax.devices()[0],
+              use_cache=False)
+    assert len(calls) == 2 * probed  # probed again, each distinct shape once
