@@ -582,9 +582,10 @@ def _choose(workload: Workload, device: Any, distort: Distort | None, memo: bool
         products.append(ProductPlan(use.name, use.k, use.n, tuple(
             (m, Formulation(c.desc["kernel"], c.rows)) for m, c in sorted(sel.choice.items()))))
     for guse in workload.grouped:
-        cands = _probe_grouped(guse, dtype, device, distort,
-                               _rng(*backend, "grouped", repr(guse)))
-        sel = select(cands, guse.sizes)
+        cands, sel = _probe_once(
+            (*backend, "grouped", repr(guse)), store,
+            lambda rng, guse=guse: _probe_grouped(guse, dtype, device, distort, rng),
+            guse.sizes)
         if not sel.verified:
             problems.append(f"grouped product {guse.name} ({guse.local_k}x{guse.local_n}): "
                             "no formulation gives position-invariant rows")
