@@ -163,15 +163,22 @@ class Operator:
         return cards
 
     async def run(self, deadline: float, max_ops: int, mean_gap_s: float) -> None:
+        """Operations at random gaps until `deadline`, from shuffled decks of every kind;
+        the first deck is always played out (past the deadline if need be), so every run
+        covers every operation at least once, however short."""
         n, cards = 0, self.deck()
-        while time.monotonic() < deadline and n < max_ops:
+        first_deck = True
+        while (time.monotonic() < deadline or first_deck) and n < max_ops:
             await asyncio.sleep(self.rng.expovariate(1.0 / mean_gap_s))
-            if time.monotonic() >= deadline:
+            if time.monotonic() >= deadline and not first_deck:
                 break
             if not cards:
-                cards = self.deck()
+                cards, first_deck = self.deck(), False
+                if time.monotonic() >= deadline:
+                    break
             await cards.pop()()
             n += 1
+            first_deck = first_deck and bool(cards)
 
     async def heal(self) -> None:
         """Leave the fleet generating on the base weights (end of the chaos phase)."""

@@ -7,9 +7,11 @@ fault and a restart). Then: one final outcome per request and none hung/lost/dro
 greedy answers equal the reference for their weight version, every engine healthy and
 KV-whole, no thread leak (RSS reported).
 
-The issue asks for a 2-minute profile; the suite's 15-minute budget on 2 cores buys 60 s
-of load here (about 2 minutes of wall time with start-up, warm-up and the reference
-run). Longer: `multiserve chaos --minutes 10` (README, "Reliability runs").
+The suite's 12-minute budget on 2 cores buys CHAOS_SECONDS of load here: at least that
+long, and until every kind of operation has fired once (the operator plays its first
+shuffled deck out), with operations every ~0.5 s; about a minute and a half of wall time
+with start-up, warm-up and the reference run. Longer: `multiserve chaos --minutes 10`
+(README, "Reliability runs").
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from collections import Counter
 
 import pytest
 
-CHAOS_SECONDS = 60.0
+CHAOS_SECONDS = 30.0
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -26,7 +28,7 @@ pytestmark = pytest.mark.timeout(900)
 def test_chaos_run_loses_nothing() -> None:
     from multiserve.reliability.chaos_run import ChaosConfig, run_chaos
 
-    report = run_chaos(ChaosConfig(seconds=CHAOS_SECONDS, clients=16, seed=0))
+    report = run_chaos(ChaosConfig(seconds=CHAOS_SECONDS, clients=16, seed=0, op_gap_s=0.5))
     print("\n".join(report.lines()))
     kinds = Counter(o.kind for o in report.outcomes)
     assert not report.violations, report.lines()
