@@ -132,7 +132,8 @@ class Workload:
 
 def workload_for(cfg: Any, token_sizes: Sequence[int], row_sizes: Sequence[int],
                  max_rows: int, page_size: int, block_size: int, dtype: Any,
-                 tp: int = 1, moe_sharding: str = "tensor") -> Workload:
+                 tp: int = 1, moe_sharding: str = "tensor",
+                 engine_defaults: bool = True) -> Workload:
     """The workload of an engine: model config `cfg` (ModelConfig), its step buckets and
     its tensor-parallel degree (the family's rules, model/families, decide which side of
     each matrix a device holds, and which products it runs: `product_shapes`, and for a
@@ -140,14 +141,18 @@ def workload_for(cfg: Any, token_sizes: Sequence[int], row_sizes: Sequence[int],
 
     The sizes always include the default EngineConfig's buckets: engines of one model with
     other buckets (a fleet's per-engine overrides, tests, reference loops) then calibrate
-    the same workload and share one plan, hence one reference and the same bits."""
+    the same workload and share one plan, hence one reference and the same bits.
+    `engine_defaults=False` leaves them out (a probe of exactly the given sizes: tests of
+    the calibration itself)."""
     from multiserve.config import EngineConfig
     from multiserve.model.families import family_for
     from multiserve.model.families.base import tp_splits
 
     default = EngineConfig()
-    tokens = tuple(sorted(set(token_sizes) | set(default.precompile_token_paddings)))
-    rows = tuple(sorted(set(row_sizes) | set(default.precompile_bs_paddings) | {max_rows}))
+    extra_tokens = default.precompile_token_paddings if engine_defaults else ()
+    extra_rows = default.precompile_bs_paddings if engine_defaults else ()
+    tokens = tuple(sorted(set(token_sizes) | set(extra_tokens)))
+    rows = tuple(sorted(set(row_sizes) | set(extra_rows) | {max_rows}))
     attn = tp_splits(cfg, tp)["attention"]
     family = family_for(cfg)
 

@@ -17,7 +17,7 @@ ROWS = (1, 2, 4, 8)
 
 
 def _workload():
-    return workload_for(TINY_LLAMA, TOKENS, ROWS, 8, 16, 16, np.float32)
+    return workload_for(TINY_LLAMA, TOKENS, ROWS, 8, 16, 16, np.float32, engine_defaults=False)
 
 
 def alien(primitive: str, c: dict) -> bool:
@@ -49,20 +49,13 @@ def test_alien_backend_gets_the_fallback_plan() -> None:
 def test_only_padding_works_pads_every_step_to_the_largest() -> None:
     """Every candidate below the largest size differs: the last resort, every step padded
     to the reference's shape, is what remains (and it is still verified)."""
-    top = max(EngineDefaults.tokens)
+    top = max(TOKENS)
     plan = calibrate(_workload(), jax.devices()[0],
                      distort=lambda prim, c: (c.get("tokens", c.get("rows")) or 0) < top).plan
     assert plan.verified
     for p in plan.products:
-        want = max(EngineDefaults.rows if p.name == "head" else EngineDefaults.tokens)
+        want = max(ROWS if p.name == "head" else TOKENS)
         assert {form.rows for _, form in p.by_rows} == {want}, p
-
-
-class EngineDefaults:
-    from multiserve.config import EngineConfig as _EC
-
-    tokens = _EC().precompile_token_paddings
-    rows = tuple(sorted(set(_EC().precompile_bs_paddings) | {8}))
 
 
 def test_no_position_invariant_reference_is_not_verified() -> None:
@@ -82,7 +75,8 @@ def test_second_start_reads_the_cache(tmp_path, monkeypatch: pytest.MonkeyPatch)
 
     monkeypatch.setenv("MULTISERVE_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(cal, "_MEMO", {})
-    wl = workload_for(TINY_LLAMA, (1, 4), (1,), 1, 16, 16, np.float32)
+    wl = workload_for(TINY_LLAMA, (1, 4), (1,), 1, 16, 16, np.float32,
+                                   engine_defaults=False)
     first = calibrate(wl, jax.devices()[0])
     assert not first.cached and first.probe_seconds > 0
     assert list((tmp_path / "invariance").glob("*.json"))
@@ -111,14 +105,17 @@ def test_products_probed_once_per_process_across_workloads(monkeypatch: pytest.M
         return real(use, *args, **kw)
 
     monkeypatch.setattr(cal, "_probe_product", counting)
-    first = calibrate(workload_for(TINY_LLAMA, (1, 4), (1,), 1, 16, 16, np.float32),
+    first = calibrate(workload_for(TINY_LLAMA, (1, 4), (1,), 1, 16, 16, np.float32,
+                                   engine_defaults=False),
                       jax.devices()[0])
     probed = len(calls)
     assert probed > 0
-    second = calibrate(workload_for(TINY_LLAMA, (1, 4), (1,), 1, 8, 16, np.float32),
+    second = calibrate(workload_for(TINY_LLAMA, (1, 4), (1,), 1, 8, 16, np.float32,
+                                   engine_defaults=False),
                        jax.devices()[0])
     assert len(calls) == probed and second.key_hash != first.key_hash
     assert second.plan.products == first.plan.products
-    calibrate(workload_for(TINY_LLAMA, (1, 4), (1,), 1, 4, 16, np.float32), jax.devices()[0],
+    calibrate(workload_for(TINY_LLAMA, (1, 4), (1,), 1, 4, 16, np.float32,
+                                   engine_defaults=False), jax.devices()[0],
               use_cache=False)
     assert len(calls) == 2 * probed  # probed again, each distinct shape once

@@ -111,7 +111,8 @@ def test_row_gemm_equals_the_product_and_is_row_invariant(k, n) -> None:
 
 
 def test_calibration_chooses_native_where_it_runs_and_xla_where_it_cannot(monkeypatch) -> None:
-    workload = workload_for(TINY_LLAMA, (1, 4, 16), (1, 4), 4, 16, 16, np.float32)
+    workload = workload_for(TINY_LLAMA, (1, 4, 16), (1, 4), 4, 16, 16, np.float32,
+                            engine_defaults=False)
     device = jax.devices()[0]
 
     def kernels(plan) -> set[str]:
@@ -130,6 +131,7 @@ def test_calibration_chooses_native_where_it_runs_and_xla_where_it_cannot(monkey
     assert plan.verified and plan.attention.kernel == "xla" and "native" not in kernels(plan)
     # operands split over a tensor-parallel group: never a native kernel
     monkeypatch.setitem(native_kernels._STATE, "error", None)
-    sharded = workload_for(TINY_LLAMA, (1, 4, 16), (1, 4), 4, 16, 16, np.float32, tp=2)
+    sharded = workload_for(TINY_LLAMA, (1, 4, 16), (1, 4), 4, 16, 16, np.float32, tp=2,
+                           engine_defaults=False)
     plan = calibrate(sharded, device, use_cache=False).plan
     assert plan.attention.kernel == "xla" and "native" not in kernels(plan)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-CASES_PER_APP = 200
+CASES_PER_APP = 150
 
 
 @pytest.fixture(scope="module")

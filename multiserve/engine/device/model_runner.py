@@ -178,7 +178,11 @@ class Runner:
             logits = jnp.pad(logits, ((0, rows - num_rows), (0, 0)))
         # Penalties count output tokens; the host does not know the ids still on device:
         # add them here for rows whose input came from the previous step.
-        sb = _add_inflight_tokens(sb, row_tok[:rows], row_prev[:rows])
+        tok, prev = row_tok[:rows], row_prev[:rows]
+        if tok.shape[0] < rows:  # max_rows below the sampler's row chunk: padding rows
+            tok = jnp.pad(tok, (0, rows - tok.shape[0]))  # (their mask is False)
+            prev = jnp.pad(prev, (0, rows - prev.shape[0]))
+        sb = _add_inflight_tokens(sb, tok, prev)
         out = sampling.sample(logits, sb)
         next_ids = jnp.zeros(self.max_rows, jnp.int32).at[:num_rows].set(
             out.next_ids[:num_rows])
