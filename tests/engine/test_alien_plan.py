@@ -45,7 +45,8 @@ def alien_engine(tiny_model_dir: Path) -> Iterator[Any]:
 
     cfg = load_model(str(tiny_model_dir), np.float32).config
     workload = workload_for(cfg, ENGINE["precompile_token_paddings"],
-                            ENGINE["precompile_bs_paddings"], 16, 8, 128, np.float32)
+                            ENGINE["precompile_bs_paddings"], 16, 8, 128, np.float32,
+                            engine_defaults=False)  # the engine's own sizes: all it runs
     plan = calibrate(workload, jax.devices()[0], distort=alien).plan
     assert plan.verified
     assert all(f.rows >= 16 for p in plan.products for _, f in p.by_rows)
