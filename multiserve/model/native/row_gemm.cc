@@ -71,20 +71,39 @@ struct Problem {
   int64_t m, k, panels;
 };
 
+// Rows m0 .. m0 + r - 1 (1 <= r <= MR) of one panel: the register block of r rows.
+void block_rows(int64_t r, const float* x, int64_t k_dim, const float* panel, float* y,
+                int64_t ldy, int64_t m0) {
+  switch (r) {
+    case 6: block<6>(x, k_dim, panel, y, ldy, m0); break;
+    case 5: block<5>(x, k_dim, panel, y, ldy, m0); break;
+    case 4: block<4>(x, k_dim, panel, y, ldy, m0); break;
+    case 3: block<3>(x, k_dim, panel, y, ldy, m0); break;
+    case 2: block<2>(x, k_dim, panel, y, ldy, m0); break;
+    default: block<1>(x, k_dim, panel, y, ldy, m0); break;
+  }
+}
+
+// Runs run(p) for every panel p over the pool: ~4 grabs per thread; a small product
+// (fewer than 2^16 multiply-adds per row of panels) stays on the caller.
+template <typename Run>
+void for_each_panel(ffi::ThreadPool& pool, int64_t panels, int64_t m, int64_t k, Run run) {
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t work_units = panels * std::max<int64_t>(1, m) * k;
+  const int64_t helpers = work_units < (1 << 16) ? 0 : std::min(threads, panels) - 1;
+  const int64_t chunk = std::max<int64_t>(1, panels / ((helpers + 1) * 4));
+  multiserve::parallel_for(pool, panels, chunk, helpers, [run](int64_t b, int64_t e) {
+    for (int64_t p = b; p < e; ++p) run(p);
+  });
+}
+
 void run_panel(const Problem& pr, int64_t p) {
   const float* panel = pr.wp + p * pr.k * PANEL;
   float* y = pr.y + p * PANEL;
   const int64_t ldy = pr.panels * PANEL;
   int64_t m0 = 0;
   for (; m0 + MR <= pr.m; m0 += MR) block<MR>(pr.x, pr.k, panel, y, ldy, m0);
-  switch (pr.m - m0) {
-    case 5: block<5>(pr.x, pr.k, panel, y, ldy, m0); break;
-    case 4: block<4>(pr.x, pr.k, panel, y, ldy, m0); break;
-    case 3: block<3>(pr.x, pr.k, panel, y, ldy, m0); break;
-    case 2: block<2>(pr.x, pr.k, panel, y, ldy, m0); break;
-    case 1: block<1>(pr.x, pr.k, panel, y, ldy, m0); break;
-    default: break;
-  }
+  if (m0 < pr.m) block_rows(pr.m - m0, pr.x, pr.k, panel, y, ldy, m0);
 }
 
 ffi::Error RowGemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
@@ -99,14 +118,7 @@ ffi::Error RowGemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   if (l < 0 || l >= wd[0]) return ffi::Error::InvalidArgument("row_gemm: layer out of range");
   const Problem pr{x.typed_data(), wp.typed_data() + l * wd[1] * wd[2] * PANEL,
                    y->typed_data(), xd[0], xd[1], wd[1]};
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  // panels per grab: ~4 grabs per thread; a small product stays on the caller
-  const int64_t work_units = pr.panels * std::max<int64_t>(1, pr.m) * pr.k;
-  const int64_t helpers = work_units < (1 << 16) ? 0 : std::min(threads, pr.panels) - 1;
-  const int64_t chunk = std::max<int64_t>(1, pr.panels / ((helpers + 1) * 4));
-  multiserve::parallel_for(pool, pr.panels, chunk, helpers, [pr](int64_t b, int64_t e) {
-    for (int64_t p = b; p < e; ++p) run_panel(pr, p);
-  });
+  for_each_panel(pool, pr.panels, pr.m, pr.k, [pr](int64_t p) { run_panel(pr, p); });
   return ffi::Error::Success();
 }
 
@@ -127,14 +139,7 @@ void run_grouped_panel(const GroupedProblem& pr, int64_t p) {
     int r = 1;
     while (r < MR && m0 + r < pr.m && pr.groups[m0 + r] == g) ++r;
     const float* panel = pr.wp + (g * pr.panels + p) * pr.k * PANEL;
-    switch (r) {
-      case 6: block<6>(pr.x, pr.k, panel, y, ldy, m0); break;
-      case 5: block<5>(pr.x, pr.k, panel, y, ldy, m0); break;
-      case 4: block<4>(pr.x, pr.k, panel, y, ldy, m0); break;
-      case 3: block<3>(pr.x, pr.k, panel, y, ldy, m0); break;
-      case 2: block<2>(pr.x, pr.k, panel, y, ldy, m0); break;
-      default: block<1>(pr.x, pr.k, panel, y, ldy, m0); break;
-    }
+    block_rows(r, pr.x, pr.k, panel, y, ldy, m0);
     m0 += r;
   }
 }
@@ -155,13 +160,7 @@ ffi::Error GroupedRowGemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
       return ffi::Error::InvalidArgument("grouped_row_gemm: group out of range");
   const GroupedProblem pr{x.typed_data(), wp.typed_data(), g, y->typed_data(), xd[0], xd[1],
                           wd[1]};
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t work_units = pr.panels * std::max<int64_t>(1, pr.m) * pr.k;
-  const int64_t helpers = work_units < (1 << 16) ? 0 : std::min(threads, pr.panels) - 1;
-  const int64_t chunk = std::max<int64_t>(1, pr.panels / ((helpers + 1) * 4));
-  multiserve::parallel_for(pool, pr.panels, chunk, helpers, [pr](int64_t b, int64_t e) {
-    for (int64_t p = b; p < e; ++p) run_grouped_panel(pr, p);
-  });
+  for_each_panel(pool, pr.panels, pr.m, pr.k, [pr](int64_t p) { run_grouped_panel(pr, p); });
   return ffi::Error::Success();
 }
 
