@@ -14,7 +14,7 @@ Two parts:
   asked for it (its own `deserialize_executable(bytes, devices, compile_options)` path).
   Measured on CPU: the loaded program runs on the asking devices and gives bitwise the
   compiling engine's results (1 and 2-device meshes).
-- **Single flight** (`compile_once`): while one engine compiles a program, the others
+- **Single flight** (`ProgramShare.compile`): while one engine compiles a program, the others
   that need the same program (same HLO text, platform, device kind and group size) wait
   for it, then compile it too, which is a cache hit (milliseconds).
 
@@ -89,7 +89,6 @@ class ProgramShare:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._in_flight: dict[tuple[Any, ...], threading.Event] = {}
-        self.waited = 0  # compiles that waited for another engine's (introspection, tests)
 
     def compile(self, lowered: Any, devices: Sequence[Any]) -> Any:
         """The executable of `lowered` for `devices` (its mesh's devices, in order)."""
@@ -102,8 +101,6 @@ class ProgramShare:
             running = self._in_flight.get(key)
             if running is None:
                 mine = self._in_flight[key] = threading.Event()
-            else:
-                self.waited += 1
         if running is not None:
             running.wait()  # another engine compiles it: ours is then a cache hit
             return lowered.compile()
