@@ -58,6 +58,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from multiserve.cache_files import cache_root, exclusive
 from multiserve.model import native_kernels
 from multiserve.model.attention import QUERY_CHUNKS, paged_attention
 from multiserve.model.forward_batch import ForwardBatch
@@ -650,9 +651,7 @@ def _hash_key(key: dict[str, Any]) -> str:
 
 
 def cache_dir() -> Path:
-    base = os.environ.get("MULTISERVE_CACHE_DIR")
-    root = Path(base) if base else Path.home() / ".cache" / "multiserve"
-    return root / "invariance"
+    return cache_root() / "invariance"
 
 
 _MEMO: dict[str, Calibration] = {}
@@ -662,7 +661,9 @@ _LOCK = threading.Lock()  # one probe at a time per process (a fleet's engines s
 def calibrate(workload: Workload, device: Any, *, distort: Distort | None = None,
               use_cache: bool = True) -> Calibration:
     """The invariance plan for `workload` on `device`'s backend: from this process's memo,
-    else the cache file, else probed now (and cached). A distorted probe is never cached."""
+    else the cache file, else probed now (and cached). A distorted probe is never cached.
+    One process probes a key at a time (a lock file beside the cache file): another process
+    wanting the same plan meanwhile waits and reads the file."""
     key = backend_key(device, workload)
     key_hash = _hash_key(key)
     cacheable = use_cache and distort is None
@@ -670,33 +671,51 @@ def calibrate(workload: Workload, device: Any, *, distort: Distort | None = None
         if cacheable and key_hash in _MEMO:
             return _MEMO[key_hash]
         path = cache_dir() / f"{key_hash}.json"
-        if cacheable and path.exists():
-            try:
-                d = json.loads(path.read_text())
-                if d.get("key") == json.loads(json.dumps(key)):
-                    cal = Calibration(InvariancePlan.from_json(d["plan"]), key, key_hash,
-                                      float(d["probe_seconds"]), True, tuple(d["table"]))
-                    _MEMO[key_hash] = cal
-                    return cal
-            except (OSError, ValueError, KeyError, TypeError) as exc:
-                log.warning("ignoring the unreadable invariance cache %s: %s", path, exc)
-        t0 = time.monotonic()
-        plan, table = _choose(workload, device, distort, memo=use_cache)
-        seconds = time.monotonic() - t0
-        cal = Calibration(plan, key, key_hash, seconds, False, tuple(table))
-        if not plan.verified:
-            log.error("DETERMINISM NOT VERIFIED on this backend: %s", "; ".join(plan.problems))
-        if cacheable:
-            _MEMO[key_hash] = cal
-            try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                tmp = path.with_suffix(f".tmp{os.getpid()}")
-                tmp.write_text(json.dumps({"key": key, "plan": plan.to_json(),
-                                           "probe_seconds": seconds, "table": table}))
-                tmp.replace(path)
-            except OSError as exc:
-                log.warning("could not cache the invariance plan in %s: %s", path, exc)
+        if not cacheable:
+            return _probe(workload, device, distort, key, key_hash, use_cache)
+        cal = _read_cached(path, key, key_hash)
+        if cal is None:
+            with exclusive(path.with_suffix(".lock")):
+                cal = _read_cached(path, key, key_hash)  # probed while we waited?
+                if cal is None:
+                    cal = _probe(workload, device, distort, key, key_hash, use_cache)
+                    _write_cached(path, key, cal)
+        _MEMO[key_hash] = cal
         return cal
+
+
+def _probe(workload: Workload, device: Any, distort: Distort | None, key: dict[str, Any],
+           key_hash: str, use_cache: bool) -> Calibration:
+    t0 = time.monotonic()
+    plan, table = _choose(workload, device, distort, memo=use_cache)
+    cal = Calibration(plan, key, key_hash, time.monotonic() - t0, False, tuple(table))
+    if not plan.verified:
+        log.error("DETERMINISM NOT VERIFIED on this backend: %s", "; ".join(plan.problems))
+    return cal
+
+
+def _read_cached(path: Path, key: dict[str, Any], key_hash: str) -> Calibration | None:
+    if not path.exists():
+        return None
+    try:
+        d = json.loads(path.read_text())
+        if d.get("key") == json.loads(json.dumps(key)):
+            return Calibration(InvariancePlan.from_json(d["plan"]), key, key_hash,
+                               float(d["probe_seconds"]), True, tuple(d["table"]))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        log.warning("ignoring the unreadable invariance cache %s: %s", path, exc)
+    return None
+
+
+def _write_cached(path: Path, key: dict[str, Any], cal: Calibration) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps({"key": key, "plan": cal.plan.to_json(),
+                                   "probe_seconds": cal.probe_seconds, "table": cal.table}))
+        tmp.replace(path)
+    except OSError as exc:
+        log.warning("could not cache the invariance plan in %s: %s", path, exc)
 
 
 def default_workload(cfg: Any, dtype: Any = np.float32, *, page_size: int | None = None,

@@ -46,6 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from multiserve.cache_files import cache_root, exclusive
 from multiserve.model.forward_batch import ForwardBatch
 
 log = logging.getLogger("multiserve.native_kernels")
@@ -99,12 +100,17 @@ def _build(cxx: str) -> Path:
     inputs = [*(src.read_text() for src in SOURCES + HEADERS), cxx, version, " ".join(FLAGS),
               jaxlib.__version__, json.dumps(cpu_facts(), sort_keys=True)]
     digest = hashlib.sha256("\n".join(inputs).encode()).hexdigest()
-    base = os.environ.get("MULTISERVE_CACHE_DIR")
-    root = (Path(base) if base else Path.home() / ".cache" / "multiserve") / "kernels"
+    root = cache_root() / "kernels"
     path = root / f"multiserve-kernels-{digest[:20]}.so"
     if path.exists():
         return path
-    root.mkdir(parents=True, exist_ok=True)
+    with exclusive(root / ".build.lock"):  # one build; the others wait for it
+        if path.exists():
+            return path
+        return _compile_to(cxx, path)
+
+
+def _compile_to(cxx: str, path: Path) -> Path:
     tmp = path.with_suffix(f".tmp{os.getpid()}.so")
     cmd = [cxx, *FLAGS, "-I", jax.ffi.include_dir(), *map(str, SOURCES), "-o", str(tmp)]
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)

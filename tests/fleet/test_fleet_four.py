@@ -29,10 +29,14 @@ from multiserve.fleet.launch import Fleet, launch_fleet
 pytestmark = pytest.mark.slow
 
 CPU4 = Path(__file__).resolve().parents[2] / "configs" / "cpu-4.toml"
-# Shared with test_fleet_validate.py / test_fleet_tp.py so compiled shapes are reused
-# from the persistent compilation cache.
+# One small bucket pair, the one test_fleet_tp.py's one-device fleet runs (so its programs
+# come from the persistent compilation cache): what is tested here is the fleet (ports,
+# devices, supervisor, faults), not the buckets; the shipped buckets run in
+# test_fleet_validate.py (configs/cpu-4.toml as it is) and scripts/fleet.sh.
 TEST_OVERRIDES = {"fleet.base_port": 0, "fleet.supervisor_port": 0, "fleet.warmup": "parallel",
-                  "engine.max_total_tokens": 4096, "engine.show_progress": False}
+                  "engine.max_total_tokens": 4096, "engine.show_progress": False,
+                  "engine.precompile_token_paddings": [64], "engine.precompile_bs_paddings": [8],
+                  "engine.chunked_prefill_size": 64, "engine.max_running_requests": 8}
 PROMPT = "What is the capital of France?"
 STREAM_TOKENS = 12
 
@@ -41,7 +45,7 @@ STREAM_TOKENS = 12
 def fleet() -> Iterator[Fleet]:
     f = launch_fleet(load_fleet_config(CPU4, TEST_OVERRIDES), announce=False)
     # The pause tests stop 4 short streams mid-way: they need the 4 engines at the same
-    # speed, i.e. every engine's small buckets compiled (READY comes before that).
+    # speed, i.e. every program compiled (with one bucket pair, READY already means that).
     for w in f.workers:
         assert w.wait_compiled(600)
     yield f

@@ -138,3 +138,33 @@ def test_gguf_missing_and_misshaped_tensor_and_unknown_architecture(tmp_path: Pa
         load_model(str(unknown), "float32")
     with pytest.raises(ModelLoadError, match="nope.gguf.*not found"):
         load_model(str(tmp_path / "nope.gguf"), "float32")
+
+
+def test_concurrent_loads_convert_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Four threads (a fleet's engines) loading one GGUF with no cache yet: one converts,
+    the others wait for it and read its result."""
+    import threading
+
+    from multiserve.model import model_cache
+
+    cfg = CONFIGS["llama"]
+    gguf_path = write_gguf(tmp_path / "m.gguf", cfg, init_random_params(cfg, seed=3),
+                           half_for_mlp)
+    conversions: list[str] = []
+    convert = model_cache.convert_gguf
+
+    def counted(src: Path, out: Path) -> None:
+        conversions.append(threading.current_thread().name)
+        convert(src, out)
+
+    monkeypatch.setattr(model_cache, "convert_gguf", counted)
+    dirs: list[Path] = []
+    threads = [threading.Thread(target=lambda: dirs.append(model_cache.cached_gguf_dir(
+        gguf_path)), name=f"engine-{i}") for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(conversions) == 1, conversions
+    assert len(dirs) == 4 and len(set(dirs)) == 1
+    assert load_model(str(dirs[0]), "float32").config == cfg
