@@ -1,5 +1,6 @@
 """Tensor parallel in the fleet: configs/cpu-2x2.toml (2 engines x 2 virtual devices)
-against a one-engine, one-device fleet with the same engine settings, real servers.
+against a one-engine, one-device fleet with the same engine settings, real servers, on
+the tiny random model (reliability/tiny_model.py).
 
 What is checked: every TP engine's params and KV are spread over exactly its own two
 devices, and both TP engines give the same greedy answers as the single device.
@@ -23,15 +24,25 @@ from multiserve.fleet.launch import Fleet, launch_fleet
 pytestmark = pytest.mark.slow
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
-# One small bucket pair for both fleets (3 short chats): the answers do not depend on the
-# buckets (row invariance), and the TP engines' sharded programs compile in seconds.
+# The tiny random model (full tokenizer vocabulary) and one small bucket pair for both
+# fleets (3 short chats): what is compared is sharded vs unsharded arithmetic on the same
+# weights, which needs no real model (nor other buckets: row invariance); the TP engines'
+# sharded programs then compile in seconds.
 SMALL = {"fleet.supervisor_port": 0, "engine.max_total_tokens": 4096,
          "engine.show_progress": False, "engine.precompile_token_paddings": [64],
          "engine.precompile_bs_paddings": [8], "engine.chunked_prefill_size": 64,
-         "engine.max_running_requests": 8}
+         "engine.max_running_requests": 8, "engine.max_context_len": 2048}
 PROMPTS = ["What is the capital of France?", "Name three primary colors.",
            "Write one sentence about the sea."]
 MAX_TOKENS = 20
+DRAIN_TOKENS = 1500  # a stream long enough (seconds) to still run when the drain begins
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    from multiserve.reliability.tiny_model import write_tiny_model
+
+    return {**SMALL, "model.path": str(write_tiny_model(tmp_path_factory.mktemp("tiny-tp")))}
 
 
 async def answers(fleet: Fleet, i: int) -> list[str]:
@@ -45,8 +56,8 @@ async def answers(fleet: Fleet, i: int) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def single() -> Iterator[Fleet]:
-    cfg = load_fleet_config(CONFIGS / "cpu-4.toml", {**SMALL, "fleet.base_port": 0,
+def single(tiny: dict[str, str]) -> Iterator[Fleet]:
+    cfg = load_fleet_config(CONFIGS / "cpu-4.toml", {**tiny, "fleet.base_port": 0,
                                                      "engines": [{"device_indexes": [0]}]})
     fleet = launch_fleet(cfg, announce=False)
     yield fleet
@@ -58,10 +69,11 @@ def single_device_answers(single: Fleet) -> list[str]:
     return asyncio.run(answers(single, 0))
 
 
-def test_two_engines_of_two_devices_match_one_device(single_device_answers: list[str]) -> None:
+def test_two_engines_of_two_devices_match_one_device(single_device_answers: list[str],
+                                                    tiny: dict[str, str]) -> None:
     import jax
 
-    cfg = load_fleet_config(CONFIGS / "cpu-2x2.toml", {**SMALL, "fleet.ports": [0, 0]})
+    cfg = load_fleet_config(CONFIGS / "cpu-2x2.toml", {**tiny, "fleet.ports": [0, 0]})
     fleet = launch_fleet(cfg, announce=False)
     try:
         assert fleet.device_groups == [[0, 1], [2, 3]]
@@ -91,9 +103,12 @@ async def test_drain_shutdown_finishes_in_flight_requests_and_refuses_new_ones(
     url, model = single.urls[0], single.workers[0].model_name
     async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0,
                                   timeout=120) as c:
+        whole = await c.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": PROMPTS[0]}], temperature=0,
+            max_tokens=DRAIN_TOKENS, extra_body={"ignore_eos": True})
         stream = await c.chat.completions.create(
             model=model, messages=[{"role": "user", "content": PROMPTS[0]}], temperature=0,
-            max_tokens=MAX_TOKENS, stream=True, extra_body={"ignore_eos": True})
+            max_tokens=DRAIN_TOKENS, stream=True, extra_body={"ignore_eos": True})
         chunks = aiter(stream)
         first = await anext(chunks)
         stopper = threading.Thread(target=single.stop, args=("drain", 60.0))
@@ -113,6 +128,6 @@ async def test_drain_shutdown_finishes_in_flight_requests_and_refuses_new_ones(
                 finish = ch.choices[0].finish_reason or finish
     await asyncio.to_thread(stopper.join, 120)
     assert not stopper.is_alive()
-    assert finish == "length" and text == single_device_answers[0]
+    assert finish == "length" and text == whole.choices[0].message.content
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{url}/health")

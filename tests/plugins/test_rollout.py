@@ -1,7 +1,8 @@
 """The rollout client (plugins/rollout) driving a toy RL loop on real engines (issue 7).
 
-Two engines on separate virtual devices (0 and 1), the embedded SmolLM2 model with the
-fleet test's small CPU buckets (so compiled shapes come from the persistent cache). The
+Two engines on separate virtual devices (0 and 1), the tiny random model
+(reliability/tiny_model.py: what is tested is the loop's mechanics, not the model's text)
+with small CPU buckets. The
 test plays the trainer: it holds the weights as a numpy pytree, perturbs them, and pushes
 them through the client while a rollout is in flight (pause retract -> fleet-wide update
 -> continue), for 3 iterations; then the same over HTTP (per-engine ports + supervisor).
@@ -21,34 +22,42 @@ from plugins.rollout import RolloutClient, RolloutError, RolloutResult
 pytestmark = pytest.mark.slow
 
 ENGINE_KW: dict[str, Any] = dict(
-    page_size=16, max_total_tokens=4096, max_running_requests=64, max_context_len=4096,
+    page_size=16, max_total_tokens=4096, max_running_requests=64, max_context_len=2048,
     chunked_prefill_size=256, precompile_bs_paddings=(64,), precompile_token_paddings=(64, 256),
     show_progress=False)
 QUESTIONS = ["What is the capital of France?", "Name three primary colours.",
              "Write a haiku about the sea.", "What is 12 times 7?",
              "Who wrote Hamlet?", "Give me a synonym for happy."]
 GEN = dict(temperature=0.0, ignore_eos=True)
-N = 6  # tokens per reference rollout (SmolLM2 decode is ~0.4 s of CPU per step here)
+N = 6  # tokens per reference rollout
 MIXED = 10  # tokens of the rollout that spans an update
 
 
 @pytest.fixture(scope="module")
-def engines() -> Iterator[list[Any]]:
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from multiserve.reliability.tiny_model import write_tiny_model
+
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-rollout"))
+
+
+@pytest.fixture(scope="module")
+def engines(model_dir: Path) -> Iterator[list[Any]]:
     from multiserve import Engine
     from multiserve.config import EngineConfig
 
-    built = [Engine(EngineConfig(device_indexes=(d,), **ENGINE_KW)) for d in (0, 1)]
+    built = [Engine(EngineConfig(model_path=str(model_dir), device_indexes=(d,), **ENGINE_KW))
+             for d in (0, 1)]
     yield built
     for e in built:
         e.shutdown()
 
 
 @pytest.fixture(scope="module")
-def trainer_params() -> dict:
+def trainer_params(model_dir: Path) -> dict:
     """What the trainer holds: the model's params as a numpy pytree."""
     from multiserve.model.loader import load_model
 
-    return load_model(None, np.float32).params
+    return load_model(model_dir, np.float32).params
 
 
 @pytest.fixture(scope="module")
