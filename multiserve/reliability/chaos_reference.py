@@ -4,8 +4,10 @@ Owns `check_against_reference(fleet, operator, outcomes, report)`. A greedy requ
 comparable when it completed or was aborted and its lifetime overlaps no weight-change
 window (so its weight version is known: the fleet's version after the last window that
 ended before it started). For each version and each distinct (api, prompt, max_tokens,
-stop), one undisturbed non-streaming request is sent to engine 0 with the fleet set to
-that version; every choice of every comparable request must equal it (text; token ids
+stop), one undisturbed non-streaming request is sent with the fleet set to that version
+(the references of a version run concurrently, REFERENCES_IN_FLIGHT at a time over every
+engine: greedy answers are batch- and engine-invariant, which this also checks); every
+choice of every comparable request must equal it (text; token ids
 too for the native API), and an aborted native choice must be a prefix of its ids.
 Afterwards the fleet is left on the base weights.
 
@@ -14,12 +16,16 @@ Invariant: runs on an idle fleet (after the chaos phase); loopback only.
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 from typing import Any
 
 import httpx
 
 from multiserve.reliability.chaos_ops import BASE_VERSION, Operator
 from multiserve.reliability.chaos_workload import Outcome, Spec, send
+
+REFERENCES_IN_FLIGHT = 16
 
 
 def _version_at(op: Operator, t: float) -> str:
@@ -54,6 +60,7 @@ async def check_against_reference(fleet: Any, op: Operator, outcomes: list[Outco
     for o in outcomes:
         if _comparable(o, op):
             groups.setdefault(_version_at(op, o.started), {}).setdefault(o.spec.key, []).append(o)
+    gate = asyncio.Semaphore(REFERENCES_IN_FLIGHT)
     async with httpx.AsyncClient() as http:
         for version in sorted(groups, key=lambda v: v != BASE_VERSION):
             r = await http.post(f"{fleet.supervisor_url}/update_weights_from_disk", timeout=300,
@@ -61,11 +68,18 @@ async def check_against_reference(fleet: Any, op: Operator, outcomes: list[Outco
             if r.status_code != 200:
                 report.problems.append(f"reference: cannot set weights {version}: {r.text}")
                 continue
-            for key, group in groups[version].items():
-                s0 = group[0].spec
-                spec = Spec(f"ref-{version}-{len(report.mismatches)}-{report.compared}", s0.kind,
-                            s0.prompt, s0.max_tokens, False, True, None, 1, s0.stop, None)
-                ref = await send(http, fleet.urls[0], model, spec, 120.0)
+            urls = itertools.cycle(fleet.urls)
+
+            async def reference(i: int, s0: Spec, url: str, version: str = version) -> Outcome:
+                spec = Spec(f"ref-{version}-{i}", s0.kind, s0.prompt, s0.max_tokens, False,
+                            True, None, 1, s0.stop, None)
+                async with gate:
+                    return await send(http, url, model, spec, 120.0)
+
+            keyed = list(groups[version].items())
+            refs = await asyncio.gather(*(reference(i, group[0].spec, next(urls))
+                                          for i, (_, group) in enumerate(keyed)))
+            for (key, group), ref in zip(keyed, refs, strict=True):
                 if ref.kind != "completed":
                     report.problems.append(f"reference {key}: {ref.kind} {ref.error}")
                     continue
