@@ -30,9 +30,11 @@ position-invariant the primitive has no invariant plan and the plan says so
 
 The result is cached as JSON, keyed by what decides kernels (platform, device kind, CPU
 model and flags, whether the native kernel builds, jax/jaxlib, XLA_FLAGS, dtype, every
-shape and size): a second start with
-the same key probes nothing. `$MULTISERVE_CACHE_DIR/invariance/` (default
-~/.cache/multiserve/invariance).
+shape and size): a second start with the same key probes nothing. Each product, grouped
+and row-sum probe is also stored on its own (invariance/probes/): a workload that differs
+only elsewhere (another page size, other buckets of the same shapes) re-probes only what
+differs, in any process. `$MULTISERVE_CACHE_DIR/invariance/` (default
+~/.cache/multiserve/invariance); one process probes a key at a time (a lock file).
 
 `distort` (tests and `multiserve doctor --alien`): a predicate over (primitive, candidate)
 naming candidates whose rows should be treated as computed differently (their hashes are
@@ -74,7 +76,7 @@ from multiserve.model.row_invariant import product, row_sum_rows
 
 log = logging.getLogger("multiserve.calibration")
 
-PROBE_VERSION = 4  # bump when a probe or the selection changes: old cache entries are ignored
+PROBE_VERSION = 5  # bump when a probe or the selection changes: old cache entries are ignored
 PAD_SIZES = (2, 4, 8, 16, 32, 64)  # extra row counts a small step may be padded to
 TIMING_RUNS = 3
 # (primitive, candidate description) -> treat this candidate's rows as different
@@ -199,7 +201,12 @@ class Candidate:
 def _row_hashes(out: np.ndarray, placement: np.ndarray, flip: int) -> dict[int, int]:
     """Probe row index -> hash of its output row (XOR `flip`: a distorted candidate)."""
     flat = np.ascontiguousarray(out.reshape(out.shape[0], -1))
-    return {int(i): hash(flat[r].tobytes()) ^ flip for r, i in enumerate(placement)}
+    return {int(i): _digest(flat[r].tobytes()) ^ flip for r, i in enumerate(placement)}
+
+
+def _digest(data: bytes) -> int:
+    """A row's fingerprint, the same in every process (a stored probe is compared later)."""
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
 
 
 def _flip(distort: Distort | None, primitive: str, desc: dict[str, Any]) -> int:
@@ -546,9 +553,11 @@ def _rng(*what: Any) -> np.random.Generator:
     return np.random.default_rng(zlib.crc32(repr(("multiserve-probe", *what)).encode()))
 
 
-# Product and row-sum probes of this process, reused by later workloads with the same
-# shapes (the tiny models of a test run, the engines of a fleet with other page sizes).
-# A probe's result depends only on its key: backend, dtype, shape, sizes, sharding.
+# Product, grouped and row-sum probes of this process, reused by later workloads with the
+# same shapes (the tiny models of a test run, the engines of a fleet with other page sizes),
+# and stored in the cache folder's probes/ for other processes (a restart with other
+# buckets, a test run's second worker). A probe's result depends only on its key
+# (backend, dtype, shape, sizes, sharding) and the software and CPU (_probe_file_key).
 _PROBES: dict[tuple[Any, ...], tuple[list[Candidate], Selection]] = {}
 
 
@@ -559,9 +568,56 @@ def _probe_once(key: tuple[Any, ...], store: dict[tuple[Any, ...], Any],
     `key` (the process's _PROBES, or one calibration's own dict when it must not reuse
     other calibrations' probes: a distorted probe, use_cache=False)."""
     if key not in store:
-        cands = probe(_rng(*key))
+        if store is _PROBES:  # reusable: also through the disk, between processes
+            path = cache_dir() / "probes" / f"{_hash_key(_probe_file_key(key))}.json"
+            cands = _read_probe(path, key)
+            if cands is None:
+                with exclusive(path.with_suffix(".lock")):
+                    cands = _read_probe(path, key)  # probed while we waited?
+                    if cands is None:
+                        cands = probe(_rng(*key))
+                        _write_probe(path, key, cands)
+        else:
+            cands = probe(_rng(*key))
         store[key] = (cands, select(cands, sizes))
     return store[key]
+
+
+def _probe_file_key(key: tuple[Any, ...]) -> dict[str, Any]:
+    """What a stored probe's result depends on: the probe's key (backend, dtype, shape,
+    sizes, sharding) and the software and CPU it ran on."""
+    import jaxlib
+
+    return {"probe_version": PROBE_VERSION, "probe": repr(key), "jax": jax.__version__,
+            "jaxlib": jaxlib.__version__, "xla_flags": os.environ.get("XLA_FLAGS", ""),
+            "cpu": native_kernels.cpu_facts()}
+
+
+def _read_probe(path: Path, key: tuple[Any, ...]) -> list[Candidate] | None:
+    try:
+        d = json.loads(path.read_text())
+        if d.get("key") != json.loads(json.dumps(_probe_file_key(key))):
+            return None
+        return [Candidate(c["desc"], int(c["rows"]),
+                          [{int(i): int(h) for i, h in run.items()} for run in c["runs"]],
+                          float(c["seconds"])) for c in d["candidates"]]
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        log.warning("ignoring the unreadable probe cache %s: %s", path, exc)
+        return None
+
+
+def _write_probe(path: Path, key: tuple[Any, ...], cands: list[Candidate]) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps({"key": _probe_file_key(key), "candidates": [
+            {"desc": c.desc, "rows": c.rows, "runs": c.runs, "seconds": c.seconds}
+            for c in cands]}))
+        tmp.replace(path)
+    except OSError as exc:
+        log.warning("could not cache the probe in %s: %s", path, exc)
 
 
 def _choose(workload: Workload, device: Any, distort: Distort | None, memo: bool = False

@@ -90,8 +90,8 @@ def test_products_probed_once_per_process_across_workloads(monkeypatch: pytest.M
                                                             tmp_path) -> None:
     """Two workloads of one model that differ only in their KV page size (two engines with
     other pages, or two tests): the second probes its attention but not the products the
-    first probed already, and its product plans are the first's. A distorted or uncached
-    calibration never reuses a probe."""
+    first probed already, and its product plans are the first's; nor does another process
+    (the probes are stored). A distorted or uncached calibration never reuses a probe."""
     import multiserve.model.calibration as cal
 
     monkeypatch.setenv("MULTISERVE_CACHE_DIR", str(tmp_path))
@@ -119,3 +119,10 @@ def test_products_probed_once_per_process_across_workloads(monkeypatch: pytest.M
                                    engine_defaults=False), jax.devices()[0],
               use_cache=False)
     assert len(calls) == 2 * probed  # probed again, each distinct shape once
+    # another process (empty memos, the same cache folder) reads the stored probes
+    monkeypatch.setattr(cal, "_MEMO", {})
+    monkeypatch.setattr(cal, "_PROBES", {})
+    third = calibrate(workload_for(TINY_LLAMA, (1, 4), (1,), 1, 4, 16, np.float32,
+                                   engine_defaults=False), jax.devices()[0])
+    assert len(calls) == 2 * probed and not third.cached
+    assert third.plan.products == first.plan.products
