@@ -14,13 +14,18 @@ plus half the output). Components, each timed alone:
 - attention: `attention.paged_attention` for every layer with the plan's attention entry;
 - sampler: `sampling.sampler.sample` on R rows (padded to its chunk) with the run's
   sampling (greedy, or temperature and per-request seeds);
+- device step: the engine's own two programs of the step (the T-token forward, then the
+  R-row head + sampler program) run back to back on the step's arrays, as `Runner.run`
+  launches them;
 - wall step: the measured run's wall time / its decode steps;
 and derived: other device work = forward - products - attention (norms, RoPE, KV writes,
-gathers, the embedding), host = wall step - forward - sampler (the wall time of a step
-not spent in device compute: with overlap scheduling, host work hidden behind the device
-does not appear). The run's wall includes its prefill, which a short run spreads over
-few decode steps: the steady decode step (the run's ITL p50, the time between a
-request's consecutive tokens) and the host time beyond forward + sampler at that step
+gathers, the embedding), step glue = device step - forward - sampler (what the parts
+timed alone miss: the two programs' boundaries, the in-flight token handling, the head's
+rows gathered inside the R program), host = wall step - device step (the wall time of a
+step not spent in its device programs: with overlap scheduling, host work hidden behind
+the device does not appear). The run's wall includes its prefill, which a short run
+spreads over few decode steps: the steady decode step (the run's ITL p50, the time between a
+request's consecutive tokens) and the host time beyond the device step at that step
 are reported beside it (`steady`).
 
 Invariants:
@@ -231,6 +236,13 @@ def measure(core: Any, prompt_lens: Sequence[int], output_len: int, temperature:
     logits = put((sampler_rows(shape.logit_rows), mcfg.vocab_size), np.float32)
     sb = _sampler_batch(runner, shape, output_len, temperature, seed)
     sample = jax.jit(sampling.sample)
+    head_program = runner.programs.get("R", shape.logit_rows)
+    if head_program is None:
+        raise RuntimeError(f"bench breakdown: no compiled head for R={shape.logit_rows}")
+
+    def step() -> Any:  # the step's two programs, chained as Runner.run chains them
+        hidden_, tok, prev, runner.kv = program(params, runner.kv, prev_ids, device)
+        return head_program(params, hidden_, tok, prev, sb)
     ms, rounds = best_ms({
         "decoder": decoder,
         "head": lambda: head(params["head_w"], params["head_wt"], params.get("head_wp"),
@@ -239,6 +251,7 @@ def measure(core: Any, prompt_lens: Sequence[int], output_len: int, temperature:
                                                  x),
         "attention": lambda: attention(q, runner.kv.k, runner.kv.v, batch),
         "sampler": lambda: sample(logits, sb),
+        "step": step,
     })
     return {"rows": shape.rows, "tokens": shape.tokens, "logit_rows": shape.logit_rows,
             "context_mean": float(np.mean(shape.positions)) + 1.0,
@@ -249,15 +262,15 @@ def measure(core: Any, prompt_lens: Sequence[int], output_len: int, temperature:
 def summarize(device: dict[str, Any], wall_s: float, decode_steps: int,
               itl_p50_s: float = math.nan) -> dict[str, Any]:
     """The JSON "breakdown": components in ms and as shares of the wall step, and the
-    steady decode step (ITL p50) with the host time beyond forward + sampler there."""
+    steady decode step (ITL p50) with the host time beyond the device step there."""
     d = device["device_ms"]
     forward = d["decoder"] + d["head"]
     products = d["layer_products"] + d["head"]
     wall_step = 1000.0 * wall_s / decode_steps if decode_steps else math.nan
     ms = {"forward": forward, "products": products, "attention": d["attention"],
           "other_device": forward - products - d["attention"],
-          "sampler": d["sampler"], "host": wall_step - forward - d["sampler"],
-          "wall_step": wall_step}
+          "sampler": d["sampler"], "step_glue": d["step"] - forward - d["sampler"],
+          "device_step": d["step"], "host": wall_step - d["step"], "wall_step": wall_step}
     share = {k: v / wall_step if wall_step and not math.isnan(wall_step) else None
              for k, v in ms.items()}
     out = {k: v for k, v in device.items() if k != "device_ms"}
@@ -265,7 +278,7 @@ def summarize(device: dict[str, Any], wall_s: float, decode_steps: int,
     out.update({"ms": ms, "share_of_wall_step": share, "decode_steps": decode_steps,
                 "parts_ms": {"decoder": d["decoder"], "head": d["head"],
                              "layer_products": d["layer_products"]},
-                "steady": {"decode_step_ms": itl, "host_ms": itl - forward - d["sampler"]}})
+                "steady": {"decode_step_ms": itl, "host_ms": itl - d["step"]}})
     return out
 
 

@@ -117,7 +117,9 @@ BREAKDOWN_ROWS = (  # (key, label); indented rows are parts of the forward
     ("attention", "  attention (all layers)"),
     ("other_device", "  other device work"),
     ("sampler", "sampler"),
-    ("host", "host (wall - forward - sampler)"),
+    ("step_glue", "step glue (device step - forward - sampler)"),
+    ("device_step", "device step (its programs back to back)"),
+    ("host", "host (wall - device step)"),
     ("wall_step", "wall step (run wall / decode steps)"),
 )
 
@@ -131,17 +133,17 @@ def breakdown_table(bd: dict[str, Any]) -> list[str]:
            f"mean context {bd['context_mean']:.0f} tokens, {bd['num_layers']} layers, "
            f"attention kernel {bd['attention_kernel']}; each the best of {bd['rounds']} "
            "interleaved runs",
-           f"{'component':<40}{'ms':>9}{'of wall step':>14}"]
+           f"{'component':<46}{'ms':>9}{'of wall step':>14}"]
     for key, label in BREAKDOWN_ROWS:
         share = bd["share_of_wall_step"].get(key)
-        out.append(f"{label:<40}{_num(bd['ms'][key], 1, 9, 2)}"
+        out.append(f"{label:<46}{_num(bd['ms'][key], 1, 9, 2)}"
                    f"{'-' if share is None else f'{share:.0%}':>14}")
     steady = bd["steady"]
     out.append(f"(wall step: the run's wall over its {bd['decode_steps']} decode steps, its "
                "prefill included; other device work = forward - products - attention: "
                "norms, RoPE, KV writes, gathers)")
     out.append(f"steady decode step (ITL p50): {_num(steady['decode_step_ms'], 1, 0, 2)} ms, "
-               f"host beyond forward + sampler there: {_num(steady['host_ms'], 1, 0, 2)} ms")
+               f"host beyond the device step there: {_num(steady['host_ms'], 1, 0, 2)} ms")
     return out
 
 

@@ -217,7 +217,9 @@ def _check_breakdown(bd: dict[str, Any]) -> None:
     assert ms["products"] + ms["attention"] <= ms["forward"], ms
     assert ms["other_device"] == pytest.approx(ms["forward"] - ms["products"]
                                                - ms["attention"])
-    assert ms["host"] == pytest.approx(ms["wall_step"] - ms["forward"] - ms["sampler"])
+    assert ms["device_step"] > 0
+    assert ms["step_glue"] == pytest.approx(ms["device_step"] - ms["forward"] - ms["sampler"])
+    assert ms["host"] == pytest.approx(ms["wall_step"] - ms["device_step"])
     assert bd["share_of_wall_step"]["wall_step"] == pytest.approx(1.0)
     parts = bd["parts_ms"]
     assert parts["decoder"] + parts["head"] == pytest.approx(ms["forward"])
@@ -245,8 +247,8 @@ def test_batch_sampled_with_peer_and_breakdown(tiny_dir: Path, stub_peer: list[d
     assert bd["decode_steps"] == res["ours"]["decode_steps"] > 0
     _check_breakdown(bd)
     assert "step-time breakdown" in text
-    for label in ("forward", "products", "attention", "other device work", "sampler", "host",
-                  "wall step"):
+    for label in ("forward", "products", "attention", "other device work", "sampler",
+                  "step glue", "device step", "host", "wall step"):
         assert any(ln.strip().startswith(label) for ln in text.splitlines()), label
 
 

@@ -95,18 +95,20 @@ def test_breakdown_arithmetic_table_and_batch() -> None:
     device = {"rows": 3, "tokens": 4, "logit_rows": 8, "context_mean": 50.0,
               "attention_kernel": "xla", "num_layers": 2, "rounds": 5,
               "device_ms": {"decoder": 60.0, "head": 20.0, "layer_products": 40.0,
-                            "attention": 10.0, "sampler": 5.0}}
+                            "attention": 10.0, "sampler": 5.0, "step": 88.0}}
     bd = summarize(device, wall_s=1.0, decode_steps=10, itl_p50_s=0.09)
     assert bd["ms"] == {"forward": 80.0, "products": 60.0, "attention": 10.0,
-                        "other_device": 10.0, "sampler": 5.0, "host": 15.0,
-                        "wall_step": 100.0}
+                        "other_device": 10.0, "sampler": 5.0, "step_glue": 3.0,
+                        "device_step": 88.0, "host": 12.0, "wall_step": 100.0}
     assert bd["share_of_wall_step"]["forward"] == pytest.approx(0.8)
     assert bd["steady"] == {"decode_step_ms": pytest.approx(90.0),
-                            "host_ms": pytest.approx(5.0)}
-    rows = {ln[:40].strip(): ln[40:].split() for ln in breakdown_table(bd)[2:9]}
+                            "host_ms": pytest.approx(2.0)}
+    rows = {ln[:46].strip(): ln[46:].split() for ln in breakdown_table(bd)[2:11]}
     assert rows["forward (decoder program + head)"] == ["80.00", "80%"]
     assert rows["other device work"] == ["10.00", "10%"]
-    assert rows["host (wall - forward - sampler)"] == ["15.00", "15%"]
+    assert rows["step glue (device step - forward - sampler)"] == ["3.00", "3%"]
+    assert rows["device step (its programs back to back)"] == ["88.00", "88%"]
+    assert rows["host (wall - device step)"] == ["12.00", "12%"]
     assert rows["wall step (run wall / decode steps)"] == ["100.00", "100%"]
     assert summarize(device, 1.0, 0)["share_of_wall_step"]["forward"] is None  # no steps
 
