@@ -61,7 +61,7 @@ from multiserve.engine.sampling import sampler as sampling
 from multiserve.engine.state_report import internal_state
 from multiserve.model.attention import paged_attention
 from multiserve.model.forward_batch import ForwardBatch
-from multiserve.model.llama import layer_weights, lm_head
+from multiserve.model.llama import layer_weights, lm_head, project_together
 from multiserve.model.row_invariant import dense
 
 MAX_ROUNDS = 50  # timed rounds (each program once per round)
@@ -155,9 +155,14 @@ def _layer_products_fn(plan: Any, cfg: Any) -> Callable[..., Any]:
         for index, layer in enumerate(layers):
             w: dict[str, Any] = {**layer_weights(layer, x.shape[0], plan, cfg, stacked),
                                  "layer": index}
-            q, k, v = proj(h, w, "wq"), proj(h, w, "wk"), proj(h, w, "wv")
-            out = proj(q, w, "wo") + proj(proj(h, w, "w_gate") * proj(h, w, "w_up"), w,
-                                          "w_down")
+
+            def by_name(h_: jax.Array, name: str, w: dict[str, Any] = w) -> jax.Array:
+                return proj(h_, w, name)
+
+            # the groups the decoder computes as one product, computed as it does
+            q, k, v = project_together(h, w, index, plan, by_name, "wqkv")
+            gate, up = project_together(h, w, index, plan, by_name, "w_gateup")
+            out = proj(q, w, "wo") + proj(gate * up, w, "w_down")
             kv = kv + k + v
             h = x + 1e-3 * out
         return kv, h

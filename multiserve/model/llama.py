@@ -26,9 +26,11 @@ import numpy as np
 from multiserve.config import ModelConfig
 from multiserve.model.attention import paged_attention
 from multiserve.model.forward_batch import ForwardBatch
-from multiserve.model.invariance_plan import InvariancePlan, RowSumPlan
+from multiserve.model.invariance_plan import InvariancePlan, ProductPlan, RowSumPlan
 from multiserve.model.kv_pool import KVPool
+from multiserve.model.native_kernels import PANEL
 from multiserve.model.row_invariant import (
+    FUSED_GROUPS,
     LAYER_MATRICES,
     LAYOUT_SUFFIX,
     dense,
@@ -69,6 +71,36 @@ def plan_kernels(plan: InvariancePlan) -> frozenset[str]:
     """The product kernels the plan uses anywhere: the weight layouts the compute params
     must hold (`row_invariant.with_transposed(..., kernels=)`)."""
     return frozenset(f.kernel for p in plan.products for _, f in p.by_rows)
+
+
+def fused_groups(plan: InvariancePlan, token_sizes: tuple[int, ...]) -> tuple[str, ...]:
+    """The FUSED_GROUPS whose members the plan runs with the same native formulation at
+    every step size (`token_sizes`, the forward's buckets): those run as one product of
+    their panels side by side (`row_invariant.with_transposed(fused=)`), bitwise the same."""
+    def alike(members: tuple[str, ...], t: int) -> bool:
+        forms = {plan.product(m).formulation(t) for m in members}
+        return len(forms) == 1 and next(iter(forms)).kernel == "native"
+
+    return tuple(g for g, members in FUSED_GROUPS.items()
+                 if token_sizes and all(alike(members, t) for t in token_sizes))
+
+
+def project_together(h: jax.Array, w: dict[str, jax.Array | None],
+                     layer: int | jax.Array, plan: InvariancePlan, proj: Any,
+                     group: str) -> tuple[jax.Array, ...]:
+    """h times each member of `group` (FUSED_GROUPS): one native product of the group's
+    panels `<group>_p` where `w` holds them (then sliced per member: each member's columns
+    start at a panel boundary), else one product per member through `proj`."""
+    members = FUSED_GROUPS[group]
+    panels = w.get(f"{group}_p")
+    if panels is None:
+        return tuple(proj(h, m) for m in members)
+    first = plan.product(members[0])
+    widths = [plan.product(m).n for m in members]
+    starts = np.cumsum([0] + [-(-n // PANEL) * PANEL for n in widths])
+    together = ProductPlan(group, first.k, int(starts[-1]), first.by_rows)
+    out = dense(h, None, None, together, w_p=panels, layer=layer)
+    return tuple(out[:, int(a):int(a) + n] for a, n in zip(starts, widths, strict=False))
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float, plan: RowSumPlan) -> jax.Array:
@@ -118,7 +150,8 @@ def _layer(x: jax.Array, kv: KVPool, layer: int | jax.Array, w: dict[str, jax.Ar
     x, kv = attention_block(x, kv, layer, w, proj, batch, cos, sin, cfg, page_size=page_size,
                             attn_block_size=attn_block_size, plan=plan)
     h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps, plan.row_sum(cfg.hidden_size))
-    x = x + proj(jax.nn.silu(proj(h, "w_gate")) * proj(h, "w_up"), "w_down")
+    gate, up = project_together(h, w, layer, plan, proj, "w_gateup")
+    x = x + proj(jax.nn.silu(gate) * up, "w_down")
     return x, kv
 
 
@@ -148,7 +181,7 @@ def attention_block(x: jax.Array, kv: KVPool, layer: int | jax.Array,
     t, hd = x.shape[0], cfg.head_dim
     norm = plan.row_sum(cfg.hidden_size)
     h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps, norm)
-    q, k, v = proj(h, "wq"), proj(h, "wk"), proj(h, "wv")
+    q, k, v = project_together(h, w, layer, plan, proj, "wqkv")
     if cfg.attention_bias:
         q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
     q = q.reshape(t, cfg.num_heads, hd)
@@ -177,7 +210,14 @@ def layer_weights(layer: dict[str, jax.Array], num_tokens: int, plan: Invariance
     out: dict[str, jax.Array | None] = {k: v for k, v in layer.items()
                                         if not any(k == base + sfx for base in LAYER_MATRICES
                                                    for sfx in LAYOUT_SUFFIX.values())}
+    for group in FUSED_GROUPS:
+        out[f"{group}_p"] = stacked.get(f"{group}_p")  # whole stack; None: not fused
+    together = {m for g, ms in FUSED_GROUPS.items() if out[f"{g}_p"] is not None for m in ms}
     for base in LAYER_MATRICES:
+        if base in together:  # computed with its group's panels (project_together)
+            for sfx in LAYOUT_SUFFIX.values():
+                out[base + sfx] = None
+            continue
         kernel = plan.product(base).formulation(num_tokens).kernel
         used = base + LAYOUT_SUFFIX[kernel]
         source = stacked if kernel == "native" else layer

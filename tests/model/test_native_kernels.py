@@ -135,3 +135,53 @@ def test_calibration_chooses_native_where_it_runs_and_xla_where_it_cannot(monkey
                            engine_defaults=False)
     plan = calibrate(sharded, device, use_cache=False).plan
     assert plan.attention.kernel == "xla" and "native" not in kernels(plan)
+
+
+@pytest.mark.parametrize("qwen2", [False, True])
+def test_fused_layer_products_give_the_separate_products_bits(qwen2: bool) -> None:
+    """Where the plan runs q/k/v (gate/up) natively alike at every step size, the compute
+    params hold one panel stack per group and the decoder makes one product of it: hidden
+    states and K/V bitwise those of the separate products, at every size, with widths that
+    are no multiple of the 64-column panel (the members' columns start at panel bounds) and
+    with biases (qwen2)."""
+    import dataclasses
+
+    from multiserve.config import ModelConfig
+    from multiserve.model.invariance_plan import Formulation, ProductPlan
+    from multiserve.model.kv_pool import make_kv_pool
+    from multiserve.model.llama import forward_hidden, fused_groups, plan_kernels
+    from multiserve.model.param_layout import init_random_params
+    from multiserve.model.row_invariant import with_transposed
+
+    cfg = ModelConfig(architecture="qwen2" if qwen2 else "llama", vocab_size=300,
+                      hidden_size=80, intermediate_size=100, num_layers=2, num_heads=5,
+                      num_kv_heads=1, head_dim=16, attention_bias=qwen2,
+                      tie_word_embeddings=False, bos_token_id=1, eos_token_ids=(2,))
+    sizes = (1, 8, 64)
+    calibrated = calibrate(workload_for(cfg, sizes, (1,), 1, 16, 32, np.float32,
+                                        engine_defaults=False), jax.devices()[0]).plan
+    native = dataclasses.replace(calibrated, products=tuple(
+        ProductPlan(p.name, p.k, p.n, tuple((m, Formulation("native", m)) for m, _ in p.by_rows))
+        for p in calibrated.products))
+    assert fused_groups(native, sizes) == ("wqkv", "w_gateup")
+    params = jax.device_put(init_random_params(cfg, seed=5))
+    fused = with_transposed(params, cfg, kernels=plan_kernels(native),
+                            fused=fused_groups(native, sizes))
+    apart = with_transposed(params, cfg, kernels=plan_kernels(native))
+    assert {"wqkv_p", "w_gateup_p"} <= set(fused["stacked_layers"])
+    assert not {"wq_p", "wk_p", "wv_p", "w_gate_p", "w_up_p"} & set(fused["stacked_layers"])
+    run = jax.jit(lambda p, kv, b: forward_hidden(p, kv, b, cfg, page_size=16,
+                                                  attn_block_size=32, plan=native))
+    for t in sizes:
+        rng = np.random.default_rng(t)
+        batch = ForwardBatch(
+            input_ids=jnp.asarray(rng.integers(0, cfg.vocab_size, t), jnp.int32),
+            positions=jnp.arange(t, dtype=jnp.int32), token_seq=jnp.zeros(t, jnp.int32),
+            out_slots=jnp.arange(16, 16 + t, dtype=jnp.int32),
+            page_table=jnp.arange(1, 9, dtype=jnp.int32)[None], seq_lens=jnp.full(1, t, jnp.int32),
+            logit_rows=jnp.full(1, t - 1, jnp.int32))
+        (h1, kv1), (h2, kv2) = (run(p, make_kv_pool(cfg, 16, 16, jnp.float32), batch)
+                                for p in (fused, apart))
+        assert np.array_equal(np.asarray(h1), np.asarray(h2)), t
+        assert np.array_equal(np.asarray(kv1.k), np.asarray(kv2.k)), t
+        assert np.array_equal(np.asarray(kv1.v), np.asarray(kv2.v)), t

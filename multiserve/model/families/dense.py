@@ -207,15 +207,17 @@ class DenseFamily:
     def compute_params(self, params: dict[str, Any], cfg: ModelConfig, plan: Any,
                        token_sizes: tuple[int, ...]) -> dict[str, Any]:
         """`row_invariant.with_transposed` for `plan` (None: every layout, stacked
-        transposes too: for code that runs several plans)."""
-        from multiserve.model.llama import plan_kernels, scan_needs_transposes
+        transposes too: for code that runs several plans), the layer matrices the plan runs
+        natively alike at every step size fused (`llama.fused_groups`)."""
+        from multiserve.model.llama import fused_groups, plan_kernels, scan_needs_transposes
         from multiserve.model.row_invariant import with_transposed
 
         if plan is None:
             return with_transposed(params, cfg, stacked_t=True)
         return with_transposed(params, cfg,
                                stacked_t=scan_needs_transposes(plan, cfg, token_sizes),
-                               kernels=plan_kernels(plan))
+                               kernels=plan_kernels(plan),
+                               fused=fused_groups(plan, tuple(token_sizes)))
 
     def forward_hidden(self, params: dict[str, Any], kv_pool: Any, batch: Any,
                        cfg: ModelConfig, *, page_size: int, attn_block_size: int,
