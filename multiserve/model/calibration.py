@@ -569,14 +569,16 @@ def _probe_once(key: tuple[Any, ...], store: dict[tuple[Any, ...], Any],
     other calibrations' probes: a distorted probe, use_cache=False)."""
     if key not in store:
         if store is _PROBES:  # reusable: also through the disk, between processes
-            path = cache_dir() / "probes" / f"{_hash_key(_probe_file_key(key))}.json"
-            cands = _read_probe(path, key)
-            if cands is None:
-                with exclusive(path.with_suffix(".lock")):
-                    cands = _read_probe(path, key)  # probed while we waited?
-                    if cands is None:
-                        cands = probe(_rng(*key))
-                        _write_probe(path, key, cands)
+            file_key = _probe_file_key(key)
+            cands = _filled_once(
+                cache_dir() / "probes" / f"{_hash_key(file_key)}.json", file_key,
+                lambda d: [Candidate(c["desc"], int(c["rows"]),
+                                     [{int(i): int(h) for i, h in run.items()}
+                                      for run in c["runs"]], float(c["seconds"]))
+                           for c in d["candidates"]],
+                lambda: probe(_rng(*key)),
+                lambda cands: {"candidates": [{"desc": c.desc, "rows": c.rows, "runs": c.runs,
+                                               "seconds": c.seconds} for c in cands]})
         else:
             cands = probe(_rng(*key))
         store[key] = (cands, select(cands, sizes))
@@ -593,31 +595,44 @@ def _probe_file_key(key: tuple[Any, ...]) -> dict[str, Any]:
             "cpu": native_kernels.cpu_facts()}
 
 
-def _read_probe(path: Path, key: tuple[Any, ...]) -> list[Candidate] | None:
+# ---- cache files: a plan per workload, a probe per shape ----------------------------------
+def _filled_once(path: Path, key: dict[str, Any], decode: Callable[[dict[str, Any]], Any],
+                 make: Callable[[], Any], encode: Callable[[Any], dict[str, Any]]) -> Any:
+    """decode(the entry of `path`) if the file holds one written for `key`; else make() it
+    (one process at a time: a lock file beside it; a process that waited reads the first
+    one's result) and store encode(value) there."""
+    value = _read_entry(path, key, decode)
+    if value is None:
+        with exclusive(path.with_suffix(".lock")):
+            value = _read_entry(path, key, decode)  # made while we waited?
+            if value is None:
+                value = make()
+                _write_entry(path, key, encode(value))
+    return value
+
+
+def _read_entry(path: Path, key: dict[str, Any], decode: Callable[[dict[str, Any]], Any]
+                ) -> Any:
+    """decode(the file's entry), or None: no file, another key's, or unreadable (warned)."""
     try:
         d = json.loads(path.read_text())
-        if d.get("key") != json.loads(json.dumps(_probe_file_key(key))):
-            return None
-        return [Candidate(c["desc"], int(c["rows"]),
-                          [{int(i): int(h) for i, h in run.items()} for run in c["runs"]],
-                          float(c["seconds"])) for c in d["candidates"]]
+        return decode(d) if d.get("key") == json.loads(json.dumps(key)) else None
     except FileNotFoundError:
         return None
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        log.warning("ignoring the unreadable probe cache %s: %s", path, exc)
+        log.warning("ignoring the unreadable invariance cache %s: %s", path, exc)
         return None
 
 
-def _write_probe(path: Path, key: tuple[Any, ...], cands: list[Candidate]) -> None:
+def _write_entry(path: Path, key: dict[str, Any], body: dict[str, Any]) -> None:
+    """{"key": key, **body} into `path`, atomically (a temporary file renamed)."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps({"key": _probe_file_key(key), "candidates": [
-            {"desc": c.desc, "rows": c.rows, "runs": c.runs, "seconds": c.seconds}
-            for c in cands]}))
+        tmp.write_text(json.dumps({"key": key, **body}))
         tmp.replace(path)
     except OSError as exc:
-        log.warning("could not cache the probe in %s: %s", path, exc)
+        log.warning("could not write the invariance cache %s: %s", path, exc)
 
 
 def _choose(workload: Workload, device: Any, distort: Distort | None, memo: bool = False
@@ -726,16 +741,15 @@ def calibrate(workload: Workload, device: Any, *, distort: Distort | None = None
     with _LOCK:
         if cacheable and key_hash in _MEMO:
             return _MEMO[key_hash]
-        path = cache_dir() / f"{key_hash}.json"
         if not cacheable:
             return _probe(workload, device, distort, key, key_hash, use_cache)
-        cal = _read_cached(path, key, key_hash)
-        if cal is None:
-            with exclusive(path.with_suffix(".lock")):
-                cal = _read_cached(path, key, key_hash)  # probed while we waited?
-                if cal is None:
-                    cal = _probe(workload, device, distort, key, key_hash, use_cache)
-                    _write_cached(path, key, cal)
+        cal = _filled_once(
+            cache_dir() / f"{key_hash}.json", key,
+            lambda d: Calibration(InvariancePlan.from_json(d["plan"]), key, key_hash,
+                                  float(d["probe_seconds"]), True, tuple(d["table"])),
+            lambda: _probe(workload, device, distort, key, key_hash, use_cache),
+            lambda c: {"plan": c.plan.to_json(), "probe_seconds": c.probe_seconds,
+                       "table": c.table})
         _MEMO[key_hash] = cal
         return cal
 
@@ -748,30 +762,6 @@ def _probe(workload: Workload, device: Any, distort: Distort | None, key: dict[s
     if not plan.verified:
         log.error("DETERMINISM NOT VERIFIED on this backend: %s", "; ".join(plan.problems))
     return cal
-
-
-def _read_cached(path: Path, key: dict[str, Any], key_hash: str) -> Calibration | None:
-    if not path.exists():
-        return None
-    try:
-        d = json.loads(path.read_text())
-        if d.get("key") == json.loads(json.dumps(key)):
-            return Calibration(InvariancePlan.from_json(d["plan"]), key, key_hash,
-                               float(d["probe_seconds"]), True, tuple(d["table"]))
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        log.warning("ignoring the unreadable invariance cache %s: %s", path, exc)
-    return None
-
-
-def _write_cached(path: Path, key: dict[str, Any], cal: Calibration) -> None:
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps({"key": key, "plan": cal.plan.to_json(),
-                                   "probe_seconds": cal.probe_seconds, "table": cal.table}))
-        tmp.replace(path)
-    except OSError as exc:
-        log.warning("could not cache the invariance plan in %s: %s", path, exc)
 
 
 def default_workload(cfg: Any, dtype: Any = np.float32, *, page_size: int | None = None,
