@@ -166,19 +166,21 @@ class Operator:
         """Operations at random gaps until `deadline`, from shuffled decks of every kind;
         the first deck is always played out (past the deadline if need be), so every run
         covers every operation at least once, however short."""
-        n, cards = 0, self.deck()
-        first_deck = True
-        while (time.monotonic() < deadline or first_deck) and n < max_ops:
+        cards = self.deck()
+        first_deck = len(cards)
+
+        def over(n: int) -> bool:  # past the deadline, the first deck played out
+            return time.monotonic() >= deadline and n >= first_deck
+
+        for n in range(max_ops):
+            if over(n):
+                break
             await asyncio.sleep(self.rng.expovariate(1.0 / mean_gap_s))
-            if time.monotonic() >= deadline and not first_deck:
+            if over(n):
                 break
             if not cards:
-                cards, first_deck = self.deck(), False
-                if time.monotonic() >= deadline:
-                    break
+                cards = self.deck()
             await cards.pop()()
-            n += 1
-            first_deck = first_deck and bool(cards)
 
     async def heal(self) -> None:
         """Leave the fleet generating on the base weights (end of the chaos phase)."""
