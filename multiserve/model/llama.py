@@ -100,7 +100,7 @@ def project_together(h: jax.Array, w: dict[str, jax.Array | None],
     starts = np.cumsum([0] + [-(-n // PANEL) * PANEL for n in widths])
     together = ProductPlan(group, first.k, int(starts[-1]), first.by_rows)
     out = dense(h, None, None, together, w_p=panels, layer=layer)
-    return tuple(out[:, int(a):int(a) + n] for a, n in zip(starts, widths, strict=False))
+    return tuple(out[:, int(a):int(a) + n] for a, n in zip(starts[:-1], widths, strict=True))
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float, plan: RowSumPlan) -> jax.Array:

@@ -173,8 +173,7 @@ def with_transposed(params: dict[str, Any], cfg: ModelConfig, stacked_t: bool = 
         if stacked_t:
             stacked.update(transposed)
     if "native" in kernels:  # stacked only: the kernel reads its layer in place
-        members = {m: g for g in fused for m in FUSED_GROUPS[g]}
-        assert all(m in matrices for m in members), (fused, matrices)
+        assert all(m in matrices for g in fused for m in FUSED_GROUPS[g]), (fused, matrices)
         packed = pack_tree({f"{name}_p": layers[name] for name in matrices})
         for group in fused:
             parts = [packed.pop(f"{m}_p") for m in FUSED_GROUPS[group]]

@@ -75,8 +75,7 @@ def test_second_start_reads_the_cache(tmp_path, monkeypatch: pytest.MonkeyPatch)
 
     monkeypatch.setenv("MULTISERVE_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(cal, "_MEMO", {})
-    wl = workload_for(TINY_LLAMA, (1, 4), (1,), 1, 16, 16, np.float32,
-                                   engine_defaults=False)
+    wl = workload_for(TINY_LLAMA, (1, 4), (1,), 1, 16, 16, np.float32, engine_defaults=False)
     first = calibrate(wl, jax.devices()[0])
     assert not first.cached and first.probe_seconds > 0
     assert list((tmp_path / "invariance").glob("*.json"))
@@ -111,13 +110,11 @@ def test_products_probed_once_per_process_across_workloads(monkeypatch: pytest.M
     probed = len(calls)
     assert probed > 0
     second = calibrate(workload_for(TINY_LLAMA, (1, 4), (1,), 1, 8, 16, np.float32,
-                                   engine_defaults=False),
-                       jax.devices()[0])
+                                    engine_defaults=False), jax.devices()[0])
     assert len(calls) == probed and second.key_hash != first.key_hash
     assert second.plan.products == first.plan.products
     calibrate(workload_for(TINY_LLAMA, (1, 4), (1,), 1, 4, 16, np.float32,
-                                   engine_defaults=False), jax.devices()[0],
-              use_cache=False)
+                           engine_defaults=False), jax.devices()[0], use_cache=False)
     assert len(calls) == 2 * probed  # probed again, each distinct shape once
     # another process (empty memos, the same cache folder) reads the stored probes
     monkeypatch.setattr(cal, "_MEMO", {})
