@@ -177,12 +177,13 @@ class Runner:
         if rows > num_rows:
             logits = jnp.pad(logits, ((0, rows - num_rows), (0, 0)))
         # Penalties count output tokens; the host does not know the ids still on device:
-        # add them here for rows whose input came from the previous step.
+        # the sampler counts them for rows whose input came from the previous step (only
+        # when some row has a penalty: no [R, V] array is touched otherwise).
         tok, prev = row_tok[:rows], row_prev[:rows]
         if tok.shape[0] < rows:  # max_rows below the sampler's row chunk: padding rows
             tok = jnp.pad(tok, (0, rows - tok.shape[0]))  # (their mask is False)
             prev = jnp.pad(prev, (0, rows - prev.shape[0]))
-        sb = _add_inflight_tokens(sb, tok, prev)
+        sb = sb.replace(unread_token=tok, has_unread=prev)
         out = sampling.sample(logits, sb)
         next_ids = jnp.zeros(self.max_rows, jnp.int32).at[:num_rows].set(
             out.next_ids[:num_rows])
@@ -353,18 +354,6 @@ class Runner:
                                                   self.model_cfg.vocab_size,
                                                   zeros=self._zero_cache[rows_padded])
 
-
-def _add_inflight_tokens(sb: sampling.SamplingBatch, tokens: jax.Array,
-                         mask: jax.Array) -> sampling.SamplingBatch:
-    """Count, for penalties, the output token each row got from the previous step but
-    the host has not read yet (its id only exists on device)."""
-
-    def add(counts: jax.Array) -> jax.Array:
-        rows = jnp.arange(counts.shape[0])
-        return counts.at[rows, tokens].add(mask.astype(counts.dtype))
-
-    counts = jax.lax.cond(sb.any_penalty, add, lambda c: c, sb.output_counts)
-    return sb.replace(output_counts=counts)
 
 
 def _abstract(tree: Any) -> Any:

@@ -77,6 +77,11 @@ class SamplingBatch:
     sample_index: jax.Array  # i32[R]
     position: jax.Array  # i32[R]; sequence position of the token being sampled
     output_counts: jax.Array  # i32[R, V]; occurrences of each token in the output so far
+    # The row's last output token when the host has not read it yet (overlap scheduling:
+    # its id only exists on device): counted with output_counts by the penalties, which
+    # are the only readers of the counts. Set on device by the runner; the host leaves 0.
+    unread_token: jax.Array  # i32[R]
+    has_unread: jax.Array  # bool[R]
     prompt_mask: jax.Array  # bool[R, V]; token occurs in the prompt
     banned_ids: jax.Array  # i32[R, S]; forbidden this step, -1 = none
     top_logprobs_num: jax.Array  # i32[R]; 0..MAX_TOP_LOGPROBS
@@ -134,7 +139,9 @@ def _first_max_index(y: jax.Array) -> jax.Array:
 
 
 def _apply_penalties(x: jax.Array, sb: SamplingBatch) -> jax.Array:
-    counts = sb.output_counts
+    ids = lax.broadcasted_iota(jnp.int32, x.shape, 1)
+    unread = sb.has_unread[:, None] & (ids == sb.unread_token[:, None])
+    counts = sb.output_counts + unread.astype(sb.output_counts.dtype)
     in_output = counts > 0
     rp = sb.repetition_penalty[:, None]
     x = jnp.where(sb.prompt_mask | in_output, jnp.where(x > 0, x / rp, x * rp), x)
