@@ -14,6 +14,9 @@ plus half the output). Components, each timed alone:
 - attention: `attention.paged_attention` for every layer with the plan's attention entry;
 - sampler: `sampling.sampler.sample` on R rows (padded to its chunk) with the run's
   sampling (greedy, or temperature and per-request seeds);
+- head program: the engine's own R-row program alone (head, in-flight ids, sampler): what
+  it costs beyond head + sampler is glue inside it, the rest of the glue lies between
+  the two programs;
 - device step: the engine's own two programs of the step (the T-token forward, then the
   R-row head + sampler program) run back to back on the step's arrays, as `Runner.run`
   launches them;
@@ -245,6 +248,9 @@ def measure(core: Any, prompt_lens: Sequence[int], output_len: int, temperature:
     if head_program is None:
         raise RuntimeError(f"bench breakdown: no compiled head for R={shape.logit_rows}")
 
+    # the R program's own inputs, made once by the forward (it reads, never donates them)
+    hidden_t, tok_t, prev_t, runner.kv = program(params, runner.kv, prev_ids, device)
+
     def step() -> Any:  # the step's two programs, chained as Runner.run chains them
         hidden_, tok, prev, runner.kv = program(params, runner.kv, prev_ids, device)
         return head_program(params, hidden_, tok, prev, sb)
@@ -257,6 +263,7 @@ def measure(core: Any, prompt_lens: Sequence[int], output_len: int, temperature:
         "attention": lambda: attention(q, runner.kv.k, runner.kv.v, batch),
         "sampler": lambda: sample(logits, sb),
         "step": step,
+        "head_program": lambda: head_program(params, hidden_t, tok_t, prev_t, sb),
     })
     return {"rows": shape.rows, "tokens": shape.tokens, "logit_rows": shape.logit_rows,
             "context_mean": float(np.mean(shape.positions)) + 1.0,
@@ -267,7 +274,10 @@ def measure(core: Any, prompt_lens: Sequence[int], output_len: int, temperature:
 def summarize(device: dict[str, Any], wall_s: float, decode_steps: int,
               itl_p50_s: float = math.nan) -> dict[str, Any]:
     """The JSON "breakdown": components in ms and as shares of the wall step, and the
-    steady decode step (ITL p50) with the host time beyond the device step there."""
+    steady decode step (ITL p50) with the host time beyond the device step there.
+    `parts_within_forward` is False when the products and the attention, each timed
+    alone, add up to more than the forward that contains them: the host's load moved
+    between the timed runs, and the derived "other device work" is not to be trusted."""
     d = device["device_ms"]
     forward = d["decoder"] + d["head"]
     products = d["layer_products"] + d["head"]
@@ -282,7 +292,9 @@ def summarize(device: dict[str, Any], wall_s: float, decode_steps: int,
     itl = 1000.0 * itl_p50_s
     out.update({"ms": ms, "share_of_wall_step": share, "decode_steps": decode_steps,
                 "parts_ms": {"decoder": d["decoder"], "head": d["head"],
-                             "layer_products": d["layer_products"]},
+                             "layer_products": d["layer_products"],
+                             "head_program": d["head_program"]},
+                "parts_within_forward": products + d["attention"] <= forward,
                 "steady": {"decode_step_ms": itl, "host_ms": itl - d["step"]}})
     return out
 

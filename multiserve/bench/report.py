@@ -144,6 +144,11 @@ def breakdown_table(bd: dict[str, Any]) -> list[str]:
                "norms, RoPE, KV writes, gathers)")
     out.append(f"steady decode step (ITL p50): {_num(steady['decode_step_ms'], 1, 0, 2)} ms, "
                f"host beyond the device step there: {_num(steady['host_ms'], 1, 0, 2)} ms")
+    out.append(f"R program alone (head, in-flight ids, sampler): "
+               f"{_num(bd['parts_ms']['head_program'], 1, 0, 2)} ms")
+    if not bd["parts_within_forward"]:
+        out.append("WARNING: products + attention, timed alone, exceed the forward: the "
+                   "host's load changed during the measurement (other device work < 0)")
     return out
 
 

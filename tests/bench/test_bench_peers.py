@@ -209,12 +209,13 @@ def test_llamacpp_peer_needs_a_gguf(tiny_dir: Path, stub_peer: list[dict[str, An
 
 
 def _check_breakdown(bd: dict[str, Any]) -> None:
-    """The breakdown's figures: every measured component positive, the products and the
-    attention inside the forward, the derived figures consistent."""
+    """The breakdown's figures: every measured component positive, the derived figures
+    consistent (whether the parts fit in the forward is a timing fact, only reported)."""
     ms = bd["ms"]
     for key in ("forward", "products", "attention", "sampler", "wall_step"):
         assert ms[key] > 0, (key, ms)
-    assert ms["products"] + ms["attention"] <= ms["forward"], ms
+    assert bd["parts_within_forward"] == (ms["products"] + ms["attention"] <= ms["forward"])
+    assert bd["parts_ms"]["head_program"] > 0
     assert ms["other_device"] == pytest.approx(ms["forward"] - ms["products"]
                                                - ms["attention"])
     assert ms["device_step"] > 0

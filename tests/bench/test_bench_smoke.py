@@ -81,9 +81,11 @@ def test_bench_smoke_json_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert (bd["rows"], bd["tokens"], bd["logit_rows"], bd["num_layers"]) == (4, 64, 64, 30)
     ms = bd["ms"]
     assert all(ms[k] > 0 for k in ("forward", "products", "attention", "sampler", "wall_step"))
-    # timed separately: on a shared host, load that shifts between the programs' runs
-    # can move each figure by a few % (the margin here, other device work, is 5-10 %)
-    assert ms["products"] + ms["attention"] <= 1.05 * ms["forward"], bd
+    # whether products + attention (each timed alone) fit in the forward is a timing
+    # fact: the report states it (test_breakdown_arithmetic_table_and_batch), and the
+    # benchmark's quiet runs show it (0.957 of the forward here); no bound on it here
+    assert isinstance(bd["parts_within_forward"], bool)
+    assert bd["parts_ms"]["head_program"] > 0
     assert bd["decode_steps"] == res["ours"]["decode_steps"]
     assert "step-time breakdown" in "\n".join(lines)
 
@@ -95,7 +97,8 @@ def test_breakdown_arithmetic_table_and_batch() -> None:
     device = {"rows": 3, "tokens": 4, "logit_rows": 8, "context_mean": 50.0,
               "attention_kernel": "xla", "num_layers": 2, "rounds": 5,
               "device_ms": {"decoder": 60.0, "head": 20.0, "layer_products": 40.0,
-                            "attention": 10.0, "sampler": 5.0, "step": 88.0}}
+                            "attention": 10.0, "sampler": 5.0, "step": 88.0,
+                            "head_program": 26.0}}
     bd = summarize(device, wall_s=1.0, decode_steps=10, itl_p50_s=0.09)
     assert bd["ms"] == {"forward": 80.0, "products": 60.0, "attention": 10.0,
                         "other_device": 10.0, "sampler": 5.0, "step_glue": 3.0,
@@ -111,6 +114,15 @@ def test_breakdown_arithmetic_table_and_batch() -> None:
     assert rows["host (wall - device step)"] == ["12.00", "12%"]
     assert rows["wall step (run wall / decode steps)"] == ["100.00", "100%"]
     assert summarize(device, 1.0, 0)["share_of_wall_step"]["forward"] is None  # no steps
+    assert bd["parts_within_forward"] and bd["parts_ms"]["head_program"] == 26.0
+    table = "\n".join(breakdown_table(bd))
+    assert "R program alone (head, in-flight ids, sampler): 26.00 ms" in table
+    assert "WARNING" not in table
+    over = summarize({**device, "device_ms": {**device["device_ms"], "attention": 25.0}},
+                     wall_s=1.0, decode_steps=10)
+    assert not over["parts_within_forward"] and over["ms"]["other_device"] < 0
+    assert "WARNING: products + attention, timed alone, exceed the forward" in "\n".join(
+        breakdown_table(over))
 
     # 3 decode rows in a 4-token step: row b's token at its position, its pages in order;
     # the padding token writes into page 0 and reads sequence row 0
