@@ -75,12 +75,14 @@ BUDGET_S = 6.0  # stop starting rounds once the timed runs took this long in all
 @dataclass(frozen=True)
 class StepShape:
     """The decode step measured: `rows` real decode rows at `positions`, run at `tokens`
-    (forward bucket T) and `logit_rows` (head / sampler bucket R)."""
+    (forward bucket T) and `logit_rows` (head / sampler bucket R); row b's prompt was
+    `prompt_lens[b]` tokens (empty: the whole context counts as prompt)."""
 
     rows: int
     tokens: int
     logit_rows: int
     positions: tuple[int, ...]
+    prompt_lens: tuple[int, ...] = ()
 
 
 def step_shape(core: Any, prompt_lens: Sequence[int], output_len: int) -> StepShape:
@@ -90,22 +92,47 @@ def step_shape(core: Any, prompt_lens: Sequence[int], output_len: int) -> StepSh
     t, r = runner.bucket_for(n, n)
     last = core.max_context - 1
     positions = tuple(min(int(p) + output_len // 2, last) for p in prompt_lens[:n])
-    return StepShape(rows=n, tokens=t, logit_rows=r, positions=positions)
+    prompts = tuple(min(int(p), pos + 1) for p, pos in zip(prompt_lens, positions, strict=False))
+    return StepShape(rows=n, tokens=t, logit_rows=r, positions=positions, prompt_lens=prompts)
+
+
+def page_lists(shape: StepShape, page_size: int, num_pages: int) -> list[list[int]]:
+    """Each row's pages as the engine allocates them to rows admitted together: a prompt's
+    pages consecutive (prefill, row after row), then, decode step by decode step, a fresh
+    page for each row crossing a page boundary, so the rows' later pages interleave (the
+    attention kernel reads them scattered, as in a run). Ids from 1 on, wrapping past the
+    pool's last page (rows may share pages in a small pool: the cost is the same, the
+    values junk)."""
+    taken = 0
+
+    def take() -> int:
+        nonlocal taken
+        taken += 1
+        return 1 + (taken - 1) % (num_pages - 1)
+
+    prompts = shape.prompt_lens or tuple(p + 1 for p in shape.positions)
+    pages = [[take() for _ in range(-(-n // page_size))] for n in prompts]
+    rows = list(zip(shape.positions, prompts, strict=True))
+    for k in range(max(pos - n for pos, n in rows) + 1):
+        for b, (pos, n) in enumerate(rows):
+            if n + k <= pos and (n + k) % page_size == 0:
+                pages[b].append(take())
+    return pages
 
 
 def decode_arrays(shape: StepShape, page_rows: int, max_rows: int, max_pages: int,
                   page_size: int, num_pages: int, vocab: int) -> StepArrays:
     """Host arrays of a decode step as the engine builds them (batch_arrays.py): token b
-    is row b's one new token; padding tokens write into page 0 and read sequence row 0.
-    Row b's pages are consecutive ids from 1 on (wrapping past the pool's last page, so
-    rows may share pages in a small pool: the cost is the same, the values junk)."""
+    is row b's one new token, its pages `page_lists`; padding tokens write into page 0
+    and read sequence row 0."""
     a = empty_step_arrays(shape.tokens, page_rows, max_rows, max_pages)
     rng = np.random.default_rng(0)
-    next_page = 0
-    for b, pos in enumerate(shape.positions):
+    for b, (pos, row_pages) in enumerate(zip(shape.positions,
+                                             page_lists(shape, page_size, num_pages),
+                                             strict=True)):
         count = pos // page_size + 1
-        pages = 1 + (next_page + np.arange(count)) % (num_pages - 1)
-        next_page += count
+        assert len(row_pages) == count, (b, pos, len(row_pages))
+        pages = np.asarray(row_pages)
         a.input_ids[b] = rng.integers(0, vocab)
         a.positions[b] = pos
         a.token_seq[b] = b

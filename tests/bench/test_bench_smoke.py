@@ -91,7 +91,7 @@ def test_bench_smoke_json_line(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_breakdown_arithmetic_table_and_batch() -> None:
-    from multiserve.bench.breakdown import StepShape, decode_arrays, summarize
+    from multiserve.bench.breakdown import StepShape, decode_arrays, page_lists, summarize
     from multiserve.bench.report import breakdown_table
 
     device = {"rows": 3, "tokens": 4, "logit_rows": 8, "context_mean": 50.0,
@@ -134,6 +134,14 @@ def test_breakdown_arithmetic_table_and_batch() -> None:
     assert a.page_table.tolist() == [[1, 0, 0], [2, 3, 0], [1, 2, 0], [0, 0, 0]]  # wraps
     assert a.out_slots.tolist() == [1 * 16 + 5, 3 * 16 + 4, 2 * 16 + 1, 0]
     assert a.logit_rows.tolist()[:3] == [0, 1, 2] and (a.from_prev == -1).all()
+    # with prompts: a prompt's pages consecutive, then decode pages in the order the rows
+    # cross page boundaries (row 1 at position 32 two steps in, row 0 twelve steps in)
+    grown = StepShape(rows=2, tokens=2, logit_rows=8, positions=(40, 35), prompt_lens=(20, 30))
+    assert page_lists(grown, page_size=16, num_pages=100) == [[1, 2, 6], [3, 4, 5]]
+    a = decode_arrays(grown, page_rows=2, max_rows=8, max_pages=3, page_size=16,
+                      num_pages=100, vocab=100)
+    assert a.page_table.tolist() == [[1, 2, 6], [3, 4, 5]]
+    assert a.out_slots.tolist() == [6 * 16 + 8, 5 * 16 + 3]
 
 
 TINY = dict(architecture="llama", vocab_size=512, hidden_size=64, intermediate_size=128,
