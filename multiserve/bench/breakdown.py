@@ -220,12 +220,12 @@ def _attention_fn(plan: Any, num_layers: int, page_size: int, block_size: int
 
 def _sampler_batch(runner: Any, shape: StepShape, output_len: int, temperature: float,
                    seed: int) -> Any:
-    """The device SamplingBatch of the step: row b samples like bench request b."""
+    """The host SamplingBatch of the step: row b samples like bench request b."""
     specs = [sampling_host.RowSpec(params=request_params(output_len, temperature, seed, b),
                                    seed=seed + b, sample_index=0, position=pos,
                                    output_ids=(), prompt_ids=())
              for b, pos in enumerate(shape.positions)]
-    return jax.device_put(runner.sampling_batch(specs, shape.logit_rows), runner.replicated)
+    return runner.sampling_batch(specs, shape.logit_rows)
 
 
 def measure(core: Any, prompt_lens: Sequence[int], output_len: int, temperature: float,
@@ -247,6 +247,7 @@ def measure(core: Any, prompt_lens: Sequence[int], output_len: int, temperature:
     arrays = decode_arrays(shape, runner.page_table_rows(shape.tokens), runner.max_rows,
                            core.max_pages, core.page_size, runner.num_pages, mcfg.vocab_size)
     device = jax.device_put({k: getattr(arrays, k) for k in ARRAY_FIELDS}, runner.replicated)
+    step_inputs = runner.device_step_inputs(arrays)  # what the T program reads
     batch = ForwardBatch(**{k: v for k, v in device.items() if k != "from_prev"})
     params = runner.compute_params
     rng = np.random.default_rng(1)
@@ -257,7 +258,7 @@ def measure(core: Any, prompt_lens: Sequence[int], output_len: int, temperature:
     prev_ids = jax.device_put(np.zeros(runner.max_rows, np.int32), runner.replicated)
 
     def decoder() -> Any:  # the engine's own program; the donated pool goes straight back
-        hidden, tok, prev, runner.kv = program(params, runner.kv, prev_ids, device)
+        hidden, tok, prev, runner.kv = program(params, runner.kv, prev_ids, step_inputs)
         return hidden, tok, prev, runner.kv
 
     hidden = put((shape.logit_rows, mcfg.hidden_size))
@@ -269,18 +270,20 @@ def measure(core: Any, prompt_lens: Sequence[int], output_len: int, temperature:
     x = put((shape.tokens, mcfg.hidden_size))
     q = put((shape.tokens, mcfg.num_heads, mcfg.head_dim))
     logits = put((sampler_rows(shape.logit_rows), mcfg.vocab_size), np.float32)
-    sb = _sampler_batch(runner, shape, output_len, temperature, seed)
+    sb_host = _sampler_batch(runner, shape, output_len, temperature, seed)
+    sb = jax.device_put(sb_host, runner.replicated)  # for the sampler timed alone
+    sb_inputs = runner.device_sampling_inputs(sb_host)  # what the R program reads
     sample = jax.jit(sampling.sample)
     head_program = runner.programs.get("R", shape.logit_rows)
     if head_program is None:
         raise RuntimeError(f"bench breakdown: no compiled head for R={shape.logit_rows}")
 
     # the R program's own inputs, made once by the forward (it reads, never donates them)
-    hidden_t, tok_t, prev_t, runner.kv = program(params, runner.kv, prev_ids, device)
+    hidden_t, tok_t, prev_t, runner.kv = program(params, runner.kv, prev_ids, step_inputs)
 
     def step() -> Any:  # the step's two programs, chained as Runner.run chains them
-        hidden_, tok, prev, runner.kv = program(params, runner.kv, prev_ids, device)
-        return head_program(params, hidden_, tok, prev, sb)
+        hidden_, tok, prev, runner.kv = program(params, runner.kv, prev_ids, step_inputs)
+        return head_program(params, hidden_, tok, prev, *sb_inputs)
     ms, rounds = best_ms({
         "decoder": decoder,
         "head": lambda: head(params["head_w"], params["head_wt"], params.get("head_wp"),
@@ -290,7 +293,7 @@ def measure(core: Any, prompt_lens: Sequence[int], output_len: int, temperature:
         "attention": lambda: attention(q, runner.kv.k, runner.kv.v, batch),
         "sampler": lambda: sample(logits, sb),
         "step": step,
-        "head_program": lambda: head_program(params, hidden_t, tok_t, prev_t, sb),
+        "head_program": lambda: head_program(params, hidden_t, tok_t, prev_t, *sb_inputs),
     })
     return {"rows": shape.rows, "tokens": shape.tokens, "logit_rows": shape.logit_rows,
             "context_mean": float(np.mean(shape.positions)) + 1.0,

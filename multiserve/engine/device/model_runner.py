@@ -20,6 +20,10 @@ Invariants:
   trace or compile. `warmup()` compiles the covering buckets, then the rest (optionally in
   the background while serving); `bucket_for` picks only compiled buckets, so
   `cache_miss_count` (programs compiled on the step path) stays 0 after warm-up.
+- A program's small host inputs travel as ONE packed int32 array (packed_inputs.py: the
+  step arrays of a T program, the SamplingBatch fields of an R program except its two
+  [R, V] penalty arrays, which are passed as device arrays); each program is lowered
+  with the static layout of its bucket's inputs (`_layout`).
 - `run()` never waits for the device: it returns device arrays. The next step reads
   the previous step's sampled ids from `self._prev_ids` on device (overlap scheduling:
   no host round trip between consecutive decode steps).
@@ -44,6 +48,7 @@ from jax.sharding import PartitionSpec as P
 
 from multiserve.config import EngineConfig, ModelConfig
 from multiserve.engine.device.batch_arrays import StepArrays, empty_step_arrays
+from multiserve.engine.device.packed_inputs import Layout, layout_of, pack, unpack
 from multiserve.engine.device.program_share import SHARE
 from multiserve.engine.device.programs import Plan, ProgramSet, plan, smallest_fit
 from multiserve.engine.sampling import host as sampling_host
@@ -116,9 +121,11 @@ class Runner:
         # must match what a forward really returns
         self._forward_fn = jax.jit(
             self._forward_impl, donate_argnums=(1,),
+            static_argnames=("layout",),
             out_shardings=(self.replicated, self.replicated, self.replicated,
                            KVPool(k=self._kv_sharding, v=self._kv_sharding)))
-        self._head_fn = jax.jit(self._head_impl, static_argnames=("num_rows",))
+        self._head_fn = jax.jit(self._head_impl, static_argnames=("num_rows", "layout"))
+        self._layouts: dict[tuple[str, int], Layout] = {}
 
     # ---- params ---------------------------------------------------------------------
     @property
@@ -154,8 +161,9 @@ class Runner:
         return calibrate(workload, self.devices[0])
 
     # ---- the traced step -----------------------------------------------------------
-    def _forward_impl(self, params: Any, kv: KVPool, prev_ids: jax.Array, arrays: dict
-                      ) -> tuple[jax.Array, jax.Array, jax.Array, KVPool]:
+    def _forward_impl(self, params: Any, kv: KVPool, prev_ids: jax.Array, packed: jax.Array,
+                      *, layout: Layout) -> tuple[jax.Array, jax.Array, jax.Array, KVPool]:
+        arrays = unpack(packed, layout)
         from_prev = arrays["from_prev"]
         ids = jnp.where(from_prev >= 0, prev_ids[jnp.maximum(from_prev, 0)],
                         arrays["input_ids"])
@@ -171,7 +179,11 @@ class Runner:
         return hidden, ids[rows], from_prev[rows] >= 0, kv
 
     def _head_impl(self, params: Any, hidden: jax.Array, row_tok: jax.Array,
-                   row_prev: jax.Array, sb: Any, *, num_rows: int) -> tuple[jax.Array, Any]:
+                   row_prev: jax.Array, packed: jax.Array, output_counts: jax.Array,
+                   prompt_mask: jax.Array, *, num_rows: int, layout: Layout
+                   ) -> tuple[jax.Array, Any]:
+        sb = unpack(packed, layout).replace(output_counts=output_counts,
+                                            prompt_mask=prompt_mask)
         logits = self.family.lm_head(params, hidden[:num_rows], self.plan)
         rows = sb.temperature.shape[0]  # sampler_rows(num_rows)
         if rows > num_rows:
@@ -236,20 +248,35 @@ class Runner:
             if kind == "T":
                 arrays = empty_step_arrays(size, self.page_table_rows(size), self.max_rows,
                                            max_pages)
-                out[(kind, size)] = (params, kv, prev, spec(self._device_arrays(arrays)))
+                out[(kind, size)] = (params, kv, prev, spec(self.device_step_inputs(arrays)))
             else:
-                sb = spec(jax.device_put(self.sampling_batch([], size), self.replicated))
-                out[(kind, size)] = (params, hidden, row_ids, row_prev, sb)
+                sb = spec(self.device_sampling_inputs(self.sampling_batch([], size)))
+                out[(kind, size)] = (params, hidden, row_ids, row_prev, *sb)
         return out
 
-    def _compile(self, inputs: tuple[Any, ...], kind: str, size: int) -> Any:
+    def _layout(self, kind: str, size: int) -> Layout:
+        """The packed-input layout of bucket (kind, size): that of its padding inputs (every
+        step of the bucket has their structure, shapes and dtypes)."""
+        key = (kind, size)
+        if key not in self._layouts:  # any thread; a race computes the same value twice
+            if kind == "T":
+                tree = _step_tree(empty_step_arrays(size, self.page_table_rows(size),
+                                                    self.max_rows, self._prime_pages))
+            else:
+                tree = _small_sampling_fields(self.sampling_batch([], size))
+            self._layouts[key] = layout_of(tree)
+        return self._layouts[key]
+
+    def _compile(self, inputs: tuple[Any, ...], kind: str, size: int,
+                 layout: Layout | None = None) -> Any:
         """Lower and compile one program (any thread). The one place programs are made:
         compiled here, or loaded from another engine's compile of the same program
         (program_share.py: a fleet compiles each program once, not once per engine)."""
+        layout = layout or self._layout(kind, size)
         if kind == "T":
-            lowered = self._forward_fn.lower(*inputs)
+            lowered = self._forward_fn.lower(*inputs, layout=layout)
         else:
-            lowered = self._head_fn.lower(*inputs, num_rows=size)
+            lowered = self._head_fn.lower(*inputs, num_rows=size, layout=layout)
         return SHARE.compile(lowered, list(self.mesh.devices.flat))
 
     def warmup(self, max_pages: int, progress: Any = None, background: bool = False,
@@ -282,14 +309,14 @@ class Runner:
             arrays = empty_step_arrays(size, self.page_table_rows(size), self.max_rows,
                                        self._prime_pages)
             hidden, _, _, self.kv = program(self._compute, self.kv, self._prev_ids,
-                                            self._device_arrays(arrays))
+                                            self.device_step_inputs(arrays))
             jax.block_until_ready(hidden)
             return
         hidden = jnp.zeros((self.max_rows, self.model_cfg.hidden_size), self.dtype,
                            device=self.replicated)
         rows = jnp.zeros((self.max_rows,), jnp.int32, device=self.replicated)
-        sb = jax.device_put(self.sampling_batch([], size), self.replicated)
-        next_ids, _ = program(self._compute, hidden, rows, rows > 0, sb)
+        sb = self.device_sampling_inputs(self.sampling_batch([], size))
+        next_ids, _ = program(self._compute, hidden, rows, rows > 0, *sb)
         jax.block_until_ready(next_ids)
 
     @property
@@ -298,31 +325,45 @@ class Runner:
         only picks compiled buckets)."""
         return self._step_compiles if self._warm_started else 0
 
-    def _program(self, kind: str, size: int, inputs: tuple[Any, ...]) -> Any:
+    def _program(self, kind: str, size: int, inputs: tuple[Any, ...], host_tree: Any) -> Any:
+        """The compiled program of a bucket; `host_tree` is what its packed input holds."""
         program = self.programs.get(kind, size)
         if program is None:  # warm-up off, or a caller forced an uncompiled bucket
             self._step_compiles += 1
-            program = self._compile(_abstract(inputs), kind, size)
+            program = self._compile(_abstract(inputs), kind, size, layout_of(host_tree))
             self.programs.add_ready(kind, size, program)
         return program
 
     # ---- running -------------------------------------------------------------------
-    def _device_arrays(self, arrays: StepArrays) -> dict[str, jax.Array]:
-        return jax.device_put({k: getattr(arrays, k) for k in ARRAY_FIELDS}, self.replicated)
+    def device_step_inputs(self, arrays: StepArrays) -> jax.Array:
+        """A T program's step arrays on the device: one packed int32 array."""
+        return jax.device_put(pack(_step_tree(arrays)), self.replicated)
+
+    def device_sampling_inputs(self, sb_host: sampling.SamplingBatch
+                               ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """An R program's sampling inputs on the device: the small fields packed into one
+        int32 array, then output_counts and prompt_mask (the engine's cached device zeros
+        while no row has a penalty: passed as they are)."""
+        big = tuple(a if isinstance(a, jax.Array) else jax.device_put(a, self.replicated)
+                    for a in (sb_host.output_counts, sb_host.prompt_mask))
+        return (jax.device_put(pack(_small_sampling_fields(sb_host)), self.replicated),
+                *big)
 
     def _forward(self, arrays: StepArrays) -> tuple[jax.Array, jax.Array, jax.Array, KVPool]:
         assert self.kv is not None, "KV pool released: resume memory before running"
-        inputs = (self._compute, self.kv, self._prev_ids, self._device_arrays(arrays))
-        return self._program("T", arrays.input_ids.shape[0], inputs)(*inputs)
+        inputs = (self._compute, self.kv, self._prev_ids, self.device_step_inputs(arrays))
+        return self._program("T", arrays.input_ids.shape[0], inputs,
+                             _step_tree(arrays))(*inputs)
 
     def run(self, arrays: StepArrays, sb_host: Any, wants_logprobs: bool,
             num_rows: int) -> StepOutput:
         """Launch one step: `num_rows` (a row bucket) logits rows, sampled with `sb_host`
         (built by `sampling_batch(specs, num_rows)`)."""
         hidden, row_tok, row_prev, self.kv = self._forward(arrays)
-        sb = jax.device_put(sb_host, self.replicated)
-        inputs = (self._compute, hidden, row_tok, row_prev, sb)
-        next_ids, out = self._program("R", num_rows, inputs)(*inputs)
+        inputs = (self._compute, hidden, row_tok, row_prev,
+                  *self.device_sampling_inputs(sb_host))
+        next_ids, out = self._program("R", num_rows, inputs,
+                                      _small_sampling_fields(sb_host))(*inputs)
         self._prev_ids = next_ids
         return StepOutput(next_ids=next_ids, sample=out, num_rows=num_rows,
                           wants_logprobs=wants_logprobs)
@@ -354,6 +395,16 @@ class Runner:
                                                   self.model_cfg.vocab_size,
                                                   zeros=self._zero_cache[rows_padded])
 
+
+
+def _step_tree(arrays: StepArrays) -> dict[str, np.ndarray]:
+    """The step arrays a T program reads, by name."""
+    return {k: getattr(arrays, k) for k in ARRAY_FIELDS}
+
+
+def _small_sampling_fields(sb: sampling.SamplingBatch) -> sampling.SamplingBatch:
+    """`sb` without its [R, V] arrays (None: no leaves), the part an R program gets packed."""
+    return sb.replace(output_counts=None, prompt_mask=None)
 
 
 def _abstract(tree: Any) -> Any:
