@@ -185,3 +185,17 @@ def test_fused_layer_products_give_the_separate_products_bits(qwen2: bool) -> No
         assert np.array_equal(np.asarray(h1), np.asarray(h2)), t
         assert np.array_equal(np.asarray(kv1.k), np.asarray(kv2.k)), t
         assert np.array_equal(np.asarray(kv1.v), np.asarray(kv2.v)), t
+
+
+def test_a_failed_build_says_why_and_leaves_no_files(tmp_path, monkeypatch) -> None:
+    cxx = native_kernels._compiler()  # noqa: SLF001 - the build itself is under test
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    broken = tmp_path / "broken.cc"
+    broken.write_text("int f() { return undeclared_name; }\n")
+    monkeypatch.setattr(native_kernels, "SOURCES", (*native_kernels.SOURCES, broken))
+    out = tmp_path / "kernels" / "k.so"
+    out.parent.mkdir()
+    with pytest.raises(RuntimeError, match="undeclared_name"):
+        native_kernels._compile_to(cxx, out)  # noqa: SLF001
+    assert list(out.parent.iterdir()) == []  # no .so, no objects, no temporaries
