@@ -23,7 +23,8 @@ Invariants:
 - A program's small host inputs travel as ONE packed int32 array (packed_inputs.py: the
   step arrays of a T program, the SamplingBatch fields of an R program except its two
   [R, V] penalty arrays, which are passed as device arrays); each program is lowered
-  with the static layout of its bucket's inputs (`_layout`).
+  with the static layout of its bucket's inputs (`_abstract_inputs`; on demand, of the
+  step's own).
 - `run()` never waits for the device: it returns device arrays. The next step reads
   the previous step's sampled ids from `self._prev_ids` on device (overlap scheduling:
   no host round trip between consecutive decode steps).
@@ -125,7 +126,6 @@ class Runner:
             out_shardings=(self.replicated, self.replicated, self.replicated,
                            KVPool(k=self._kv_sharding, v=self._kv_sharding)))
         self._head_fn = jax.jit(self._head_impl, static_argnames=("num_rows", "layout"))
-        self._layouts: dict[tuple[str, int], Layout] = {}
 
     # ---- params ---------------------------------------------------------------------
     @property
@@ -233,46 +233,37 @@ class Runner:
         return plan(tokens, self.cfg.precompile_bs_paddings,
                     max(tokens) if all_scan else UNROLL_MAX_TOKENS, background)
 
-    def _abstract_inputs(self, max_pages: int) -> dict[tuple[str, int], tuple[Any, ...]]:
-        """The arguments of every program as abstract shapes (shape, dtype, sharding),
-        captured now so that compiling later never reads live arrays (the engine thread
-        donates the KV pool and replaces params)."""
+    def _abstract_inputs(self, max_pages: int
+                         ) -> dict[tuple[str, int], tuple[tuple[Any, ...], Layout]]:
+        """The arguments of every program as abstract shapes (shape, dtype, sharding), and
+        the layout of its packed input (that of the bucket's padding inputs: every step of
+        the bucket has their structure, shapes and dtypes), captured now so that compiling
+        later never reads live arrays (the engine thread donates the KV pool and replaces
+        params)."""
         spec = _abstract
         params, kv, prev = spec(self._compute), spec(self.kv), spec(self._prev_ids)
         hidden = jax.ShapeDtypeStruct((self.max_rows, self.model_cfg.hidden_size), self.dtype,
                                       sharding=self.replicated)
         row_ids = jax.ShapeDtypeStruct((self.max_rows,), jnp.int32, sharding=self.replicated)
         row_prev = jax.ShapeDtypeStruct((self.max_rows,), jnp.bool_, sharding=self.replicated)
-        out: dict[tuple[str, int], tuple[Any, ...]] = {}
+        out: dict[tuple[str, int], tuple[tuple[Any, ...], Layout]] = {}
         for kind, size in self.buckets():
             if kind == "T":
                 arrays = empty_step_arrays(size, self.page_table_rows(size), self.max_rows,
                                            max_pages)
-                out[(kind, size)] = (params, kv, prev, spec(self.device_step_inputs(arrays)))
+                out[(kind, size)] = ((params, kv, prev, spec(self.device_step_inputs(arrays))),
+                                     layout_of(_step_tree(arrays)))
             else:
-                sb = spec(self.device_sampling_inputs(self.sampling_batch([], size)))
-                out[(kind, size)] = (params, hidden, row_ids, row_prev, *sb)
+                sb_host = self.sampling_batch([], size)
+                sb = spec(self.device_sampling_inputs(sb_host))
+                out[(kind, size)] = ((params, hidden, row_ids, row_prev, *sb),
+                                     layout_of(_small_sampling_fields(sb_host)))
         return out
 
-    def _layout(self, kind: str, size: int) -> Layout:
-        """The packed-input layout of bucket (kind, size): that of its padding inputs (every
-        step of the bucket has their structure, shapes and dtypes)."""
-        key = (kind, size)
-        if key not in self._layouts:  # any thread; a race computes the same value twice
-            if kind == "T":
-                tree = _step_tree(empty_step_arrays(size, self.page_table_rows(size),
-                                                    self.max_rows, self._prime_pages))
-            else:
-                tree = _small_sampling_fields(self.sampling_batch([], size))
-            self._layouts[key] = layout_of(tree)
-        return self._layouts[key]
-
-    def _compile(self, inputs: tuple[Any, ...], kind: str, size: int,
-                 layout: Layout | None = None) -> Any:
+    def _compile(self, inputs: tuple[Any, ...], layout: Layout, kind: str, size: int) -> Any:
         """Lower and compile one program (any thread). The one place programs are made:
         compiled here, or loaded from another engine's compile of the same program
         (program_share.py: a fleet compiles each program once, not once per engine)."""
-        layout = layout or self._layout(kind, size)
         if kind == "T":
             lowered = self._forward_fn.lower(*inputs, layout=layout)
         else:
@@ -291,7 +282,7 @@ class Runner:
         self._warm_started = True
         self._prime_pages = max_pages
         self.programs = ProgramSet(
-            lambda kind, size: self._compile(inputs[(kind, size)], kind, size), self._prime)
+            lambda kind, size: self._compile(*inputs[(kind, size)], kind, size), self._prime)
         self.programs.compile_first(order.first, self.compile_threads, progress)
         if on_first is not None:
             on_first()
@@ -330,7 +321,7 @@ class Runner:
         program = self.programs.get(kind, size)
         if program is None:  # warm-up off, or a caller forced an uncompiled bucket
             self._step_compiles += 1
-            program = self._compile(_abstract(inputs), kind, size, layout_of(host_tree))
+            program = self._compile(_abstract(inputs), layout_of(host_tree), kind, size)
             self.programs.add_ready(kind, size, program)
         return program
 
