@@ -92,7 +92,7 @@ def step_shape(core: Any, prompt_lens: Sequence[int], output_len: int) -> StepSh
     t, r = runner.bucket_for(n, n)
     last = core.max_context - 1
     positions = tuple(min(int(p) + output_len // 2, last) for p in prompt_lens[:n])
-    prompts = tuple(min(int(p), pos + 1) for p, pos in zip(prompt_lens, positions, strict=False))
+    prompts = tuple(min(int(p), pos + 1) for p, pos in zip(prompt_lens[:n], positions, strict=True))
     return StepShape(rows=n, tokens=t, logit_rows=r, positions=positions, prompt_lens=prompts)
 
 
