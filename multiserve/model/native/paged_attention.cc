@@ -97,6 +97,62 @@ struct Problem {
   float scale;
 };
 
+// What an item warms while it runs: the K and/or V rows, at the keys it visits, of the
+// (token, KV head) the NEXT group of items reads. An item of a KV head's group after the
+// first finds its rows in its core's L2 (the first one brought them in), so its pass is
+// compute only; without this its core's memory traffic stops for that long, and the next
+// group's first item then waits on DRAM for every block. Items 1 and 2 of a group warm the
+// next group's K and V, a group of two warms both in its second item, and without GQA each
+// item warms the next one's rows. Prefetches change no arithmetic: the bits are unchanged.
+struct Warm {
+  const float* k = nullptr;  // rows to warm: the next group's K ... (nullptr: none)
+  const float* v = nullptr;  // ... and V, at the same slots
+  const int32_t* pages = nullptr;
+  int64_t last = -1;         // the next group's own last key position
+};
+
+Warm warm_for(const Problem& pr, int64_t t, int64_t head) {
+  Warm w;
+  const int64_t g = head % pr.group;
+  const bool k = pr.group == 1 || g == 1;
+  const bool v = pr.group <= 2 ? k : g == 2;
+  if (!k && !v) return w;
+  int64_t nt = t, nh = head / pr.group + 1;
+  if (nh == pr.kv_heads) {
+    nt = t + 1;
+    nh = 0;
+  }
+  if (nt >= pr.tokens) return w;
+  const int64_t base = (pr.layer * pr.kv_heads + nh) * pr.slots * pr.head_dim;
+  w.k = k ? pr.k + base : nullptr;
+  w.v = v ? pr.v + base : nullptr;
+  w.pages = pr.table + std::clamp<int64_t>(pr.seq[nt], 0, pr.batch - 1) * pr.max_pages;
+  w.last = std::clamp<int64_t>(pr.pos[nt], 0, pr.max_pages * pr.page_size - 1);
+  return w;
+}
+
+// Prefetch into L2 (locality 2: not L1, which the item's own rows need) the warmed rows of
+// keys [b0, b0 + KEY_BLOCK). Always inlined: GCC's pure-function analysis sees a call that
+// only reads memory and returns nothing, and deletes it (prefetches included) if it stays a
+// call.
+template <int HD>
+__attribute__((always_inline)) inline void warm_block(const Problem& pr, const Warm& w, int64_t b0) {
+  const int64_t end = std::min<int64_t>(b0 + KEY_BLOCK, w.last + 1);
+  for (int64_t key = b0; key < end; ++key) {
+    const int64_t slot = int64_t{w.pages[key / pr.page_size]} * pr.page_size
+                         + key % pr.page_size;
+    if (slot < 0 || slot >= pr.slots) continue;
+    if (w.k != nullptr) {
+      const char* row = reinterpret_cast<const char*>(w.k + slot * HD);
+      for (int c = 0; c < HD * 4; c += 64) __builtin_prefetch(row + c, 0, 2);
+    }
+    if (w.v != nullptr) {
+      const char* row = reinterpret_cast<const char*>(w.v + slot * HD);
+      for (int c = 0; c < HD * 4; c += 64) __builtin_prefetch(row + c, 0, 2);
+    }
+  }
+}
+
 // One (token, query head) item: the query against its sequence's keys at positions <= p.
 // Everything it computes lives in registers; the order of every sum is fixed above.
 template <int HD>
@@ -116,8 +172,10 @@ void attend_item(const Problem& pr, int64_t t, int64_t head) {
   }
   float m = MASK, l = 0.0f;
   const float* vrow[KEY_BLOCK];
+  const Warm warm = warm_for(pr, t, head);
   for (int64_t b0 = 0; b0 <= p; b0 += KEY_BLOCK) {
     const int n = static_cast<int>(std::min<int64_t>(KEY_BLOCK, p + 1 - b0));
+    if (b0 <= warm.last) warm_block<HD>(pr, warm, b0);
     vf sc = vf{} + MASK;
     for (int j = 0; j < n; ++j) {
       const int64_t key = b0 + j;
