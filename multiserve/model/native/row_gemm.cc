@@ -43,16 +43,27 @@ inline vf load(const float* p) {
   return v;
 }
 
+// Rows of the NEXT panel to prefetch into L2 while a block runs: at every `every`-th k step
+// the next of `count` panel rows from `rows` (one 256-byte panel row, 4 cache lines).
+struct WarmRows {
+  const float* rows = nullptr;  // nullptr: none
+  int64_t every = 1, count = 0;
+};
+
 // rows [m0, m0 + R) of one panel: R x 64 accumulators in registers, k in order
 template <int R>
 inline void block(const float* x, int64_t k_dim, const float* panel, float* y, int64_t ldy,
-                  int64_t m0) {
+                  int64_t m0, WarmRows warm = {}) {
   vf acc[R][NV];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < NV; ++j) acc[r][j] = vf{};
   const float* xr[R];
   for (int r = 0; r < R; ++r) xr[r] = x + (m0 + r) * k_dim;
   for (int64_t k = 0; k < k_dim; ++k) {
+    if (warm.rows != nullptr && k % warm.every == 0 && k / warm.every < warm.count) {
+      const char* row = reinterpret_cast<const char*>(warm.rows + (k / warm.every) * PANEL);
+      for (int c = 0; c < PANEL * 4; c += 64) __builtin_prefetch(row + c, 0, 2);
+    }
     vf b[NV];
     for (int j = 0; j < NV; ++j) b[j] = load(panel + k * PANEL + 16 * j);
     for (int r = 0; r < R; ++r) {
@@ -73,40 +84,59 @@ struct Problem {
 
 // Rows m0 .. m0 + r - 1 (1 <= r <= MR) of one panel: the register block of r rows.
 void block_rows(int64_t r, const float* x, int64_t k_dim, const float* panel, float* y,
-                int64_t ldy, int64_t m0) {
+                int64_t ldy, int64_t m0, WarmRows warm = {}) {
   switch (r) {
-    case 6: block<6>(x, k_dim, panel, y, ldy, m0); break;
-    case 5: block<5>(x, k_dim, panel, y, ldy, m0); break;
-    case 4: block<4>(x, k_dim, panel, y, ldy, m0); break;
-    case 3: block<3>(x, k_dim, panel, y, ldy, m0); break;
-    case 2: block<2>(x, k_dim, panel, y, ldy, m0); break;
-    default: block<1>(x, k_dim, panel, y, ldy, m0); break;
+    case 6: block<6>(x, k_dim, panel, y, ldy, m0, warm); break;
+    case 5: block<5>(x, k_dim, panel, y, ldy, m0, warm); break;
+    case 4: block<4>(x, k_dim, panel, y, ldy, m0, warm); break;
+    case 3: block<3>(x, k_dim, panel, y, ldy, m0, warm); break;
+    case 2: block<2>(x, k_dim, panel, y, ldy, m0, warm); break;
+    default: block<1>(x, k_dim, panel, y, ldy, m0, warm); break;
   }
 }
 
-// Runs run(p) for every panel p over the pool: ~4 grabs per thread; a small product
-// (fewer than 2^12 units of 64 multiply-adds, i.e. under ~1 MB of weights at one row)
-// stays on the caller. A 1-row product is a stream of its weights from memory: one core
-// streams ~24 GB/s here, two ~32 (AVX-512 EPYC), so even a 576 x 576 layer matrix at one
-// row (~40 us) gains from a helper despite the pool's hand-off.
+// Runs run(p) for every panel p over the pool, each thread one contiguous run of panels (a
+// thread that finishes early takes a run not yet started), so the panel a thread warms
+// while it works (run_panel) is the one it runs next; a small product (fewer than 2^12
+// units of 64 multiply-adds, i.e. under ~1 MB of weights at one row) stays on the caller.
+// A 1-row product is a stream of its weights from memory: one core streams ~24 GB/s here,
+// two ~32 (AVX-512 EPYC), so even a 576 x 576 layer matrix at one row (~40 us) gains from
+// a helper despite the pool's hand-off.
 template <typename Run>
 void for_each_panel(ffi::ThreadPool& pool, int64_t panels, int64_t m, int64_t k, Run run) {
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   const int64_t work_units = panels * std::max<int64_t>(1, m) * k;
   const int64_t helpers = work_units < (1 << 12) ? 0 : std::min(threads, panels) - 1;
-  const int64_t chunk = std::max<int64_t>(1, panels / ((helpers + 1) * 4));
+  const int64_t chunk = std::max<int64_t>(1, (panels + helpers) / (helpers + 1));
   multiserve::parallel_for(pool, panels, chunk, helpers, [run](int64_t b, int64_t e) {
     for (int64_t p = b; p < e; ++p) run(p);
   });
 }
 
+// One panel, its rows in register blocks of MR: the first block reads the panel from
+// memory, the others from the core's caches. Every block prefetches its share of the NEXT
+// panel (block i of n: panel rows [i K/n, (i+1) K/n), one every n k steps), so the core's
+// memory stream runs at an even rate through all of them instead of only during the first;
+// at 12-16 rows this is the difference between the memory's time plus the cache passes'
+// compute and their maximum. Prefetches change no arithmetic.
 void run_panel(const Problem& pr, int64_t p) {
   const float* panel = pr.wp + p * pr.k * PANEL;
   float* y = pr.y + p * PANEL;
   const int64_t ldy = pr.panels * PANEL;
-  int64_t m0 = 0;
-  for (; m0 + MR <= pr.m; m0 += MR) block<MR>(pr.x, pr.k, panel, y, ldy, m0);
-  if (m0 < pr.m) block_rows(pr.m - m0, pr.x, pr.k, panel, y, ldy, m0);
+  const int64_t blocks = (pr.m + MR - 1) / MR;
+  const int64_t share = (pr.k + blocks - 1) / blocks;  // next-panel rows per block
+  auto warm = [&](int64_t i) {
+    WarmRows w;
+    if (p + 1 < pr.panels && i * share < pr.k) {
+      w.rows = panel + (pr.k + i * share) * PANEL;
+      w.every = blocks;
+      w.count = std::min(share, pr.k - i * share);
+    }
+    return w;
+  };
+  int64_t m0 = 0, i = 0;
+  for (; m0 + MR <= pr.m; m0 += MR, ++i) block<MR>(pr.x, pr.k, panel, y, ldy, m0, warm(i));
+  if (m0 < pr.m) block_rows(pr.m - m0, pr.x, pr.k, panel, y, ldy, m0, warm(i));
 }
 
 ffi::Error RowGemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
