@@ -136,7 +136,8 @@ Warm warm_for(const Problem& pr, int64_t t, int64_t head) {
 // only reads memory and returns nothing, and deletes it (prefetches included) if it stays a
 // call.
 template <int HD>
-__attribute__((always_inline)) inline void warm_block(const Problem& pr, const Warm& w, int64_t b0) {
+__attribute__((always_inline)) inline void warm_block(const Problem& pr, const Warm& w,
+                                                      int64_t b0) {
   const int64_t end = std::min<int64_t>(b0 + KEY_BLOCK, w.last + 1);
   for (int64_t key = b0; key < end; ++key) {
     const int64_t slot = int64_t{w.pages[key / pr.page_size]} * pr.page_size

@@ -51,7 +51,7 @@ struct WarmRows {
 };
 
 // rows [m0, m0 + R) of one panel: R x 64 accumulators in registers, k in order
-template <int R>
+template <int R, bool WARM = false>
 inline void block(const float* x, int64_t k_dim, const float* panel, float* y, int64_t ldy,
                   int64_t m0, WarmRows warm = {}) {
   vf acc[R][NV];
@@ -60,7 +60,7 @@ inline void block(const float* x, int64_t k_dim, const float* panel, float* y, i
   const float* xr[R];
   for (int r = 0; r < R; ++r) xr[r] = x + (m0 + r) * k_dim;
   for (int64_t k = 0; k < k_dim; ++k) {
-    if (warm.rows != nullptr && k % warm.every == 0 && k / warm.every < warm.count) {
+    if (WARM && k % warm.every == 0 && k / warm.every < warm.count) {
       const char* row = reinterpret_cast<const char*>(warm.rows + (k / warm.every) * PANEL);
       for (int c = 0; c < PANEL * 4; c += 64) __builtin_prefetch(row + c, 0, 2);
     }
@@ -82,32 +82,46 @@ struct Problem {
   int64_t m, k, panels;
 };
 
-// Rows m0 .. m0 + r - 1 (1 <= r <= MR) of one panel: the register block of r rows.
-void block_rows(int64_t r, const float* x, int64_t k_dim, const float* panel, float* y,
-                int64_t ldy, int64_t m0, WarmRows warm = {}) {
+// Rows m0 .. m0 + r - 1 (1 <= r <= MR) of one panel: the register block of r rows. The
+// blocks that warm nothing are the plain ones (no prefetch test in their k loop).
+template <bool WARM>
+void block_rows_of(int64_t r, const float* x, int64_t k_dim, const float* panel, float* y,
+                   int64_t ldy, int64_t m0, WarmRows warm) {
   switch (r) {
-    case 6: block<6>(x, k_dim, panel, y, ldy, m0, warm); break;
-    case 5: block<5>(x, k_dim, panel, y, ldy, m0, warm); break;
-    case 4: block<4>(x, k_dim, panel, y, ldy, m0, warm); break;
-    case 3: block<3>(x, k_dim, panel, y, ldy, m0, warm); break;
-    case 2: block<2>(x, k_dim, panel, y, ldy, m0, warm); break;
-    default: block<1>(x, k_dim, panel, y, ldy, m0, warm); break;
+    case 6: block<6, WARM>(x, k_dim, panel, y, ldy, m0, warm); break;
+    case 5: block<5, WARM>(x, k_dim, panel, y, ldy, m0, warm); break;
+    case 4: block<4, WARM>(x, k_dim, panel, y, ldy, m0, warm); break;
+    case 3: block<3, WARM>(x, k_dim, panel, y, ldy, m0, warm); break;
+    case 2: block<2, WARM>(x, k_dim, panel, y, ldy, m0, warm); break;
+    default: block<1, WARM>(x, k_dim, panel, y, ldy, m0, warm); break;
   }
 }
 
-// Runs run(p) for every panel p over the pool, each thread one contiguous run of panels (a
-// thread that finishes early takes a run not yet started), so the panel a thread warms
-// while it works (run_panel) is the one it runs next; a small product (fewer than 2^12
-// units of 64 multiply-adds, i.e. under ~1 MB of weights at one row) stays on the caller.
-// A 1-row product is a stream of its weights from memory: one core streams ~24 GB/s here,
-// two ~32 (AVX-512 EPYC), so even a 576 x 576 layer matrix at one row (~40 us) gains from
-// a helper despite the pool's hand-off.
+void block_rows(int64_t r, const float* x, int64_t k_dim, const float* panel, float* y,
+                int64_t ldy, int64_t m0, WarmRows warm = {}) {
+  if (warm.rows != nullptr)
+    block_rows_of<true>(r, x, k_dim, panel, y, ldy, m0, warm);
+  else
+    block_rows_of<false>(r, x, k_dim, panel, y, ldy, m0, warm);
+}
+
+// Runs run(p) for every panel p over the pool. `contiguous`: each thread one contiguous
+// run of panels (a thread that finishes early takes a run not yet started), so the panel
+// a thread warms while it works (run_panel) is the one it runs next; otherwise ~4 grabs
+// per thread, which evens out a thread that starts late or is preempted (the host's own
+// work shares these cores). A small product (fewer than 2^12 units of 64 multiply-adds,
+// i.e. under ~1 MB of weights at one row) stays on the caller. A 1-row product is a
+// stream of its weights from memory: one core streams ~24 GB/s here, two ~32 (AVX-512
+// EPYC), so even a 576 x 576 layer matrix at one row (~40 us) gains from a helper despite
+// the pool's hand-off.
 template <typename Run>
-void for_each_panel(ffi::ThreadPool& pool, int64_t panels, int64_t m, int64_t k, Run run) {
+void for_each_panel(ffi::ThreadPool& pool, int64_t panels, int64_t m, int64_t k,
+                    bool contiguous, Run run) {
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   const int64_t work_units = panels * std::max<int64_t>(1, m) * k;
   const int64_t helpers = work_units < (1 << 12) ? 0 : std::min(threads, panels) - 1;
-  const int64_t chunk = std::max<int64_t>(1, (panels + helpers) / (helpers + 1));
+  const int64_t chunk = contiguous ? std::max<int64_t>(1, (panels + helpers) / (helpers + 1))
+                                   : std::max<int64_t>(1, panels / ((helpers + 1) * 4));
   multiserve::parallel_for(pool, panels, chunk, helpers, [run](int64_t b, int64_t e) {
     for (int64_t p = b; p < e; ++p) run(p);
   });
@@ -137,7 +151,7 @@ void run_panel(const Problem& pr, int64_t p) {
     return w;
   };
   int64_t m0 = 0, i = 0;
-  for (; m0 + MR <= pr.m; m0 += MR, ++i) block<MR>(pr.x, pr.k, panel, y, ldy, m0, warm(i));
+  for (; m0 + MR <= pr.m; m0 += MR, ++i) block_rows(MR, pr.x, pr.k, panel, y, ldy, m0, warm(i));
   if (m0 < pr.m) block_rows(pr.m - m0, pr.x, pr.k, panel, y, ldy, m0, warm(i));
 }
 
@@ -153,7 +167,8 @@ ffi::Error RowGemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   if (l < 0 || l >= wd[0]) return ffi::Error::InvalidArgument("row_gemm: layer out of range");
   const Problem pr{x.typed_data(), wp.typed_data() + l * wd[1] * wd[2] * PANEL,
                    y->typed_data(), xd[0], xd[1], wd[1]};
-  for_each_panel(pool, pr.panels, pr.m, pr.k, [pr](int64_t p) { run_panel(pr, p); });
+  const bool warms = pr.m > MR;  // run_panel warms the next panel from two blocks up
+  for_each_panel(pool, pr.panels, pr.m, pr.k, warms, [pr](int64_t p) { run_panel(pr, p); });
   return ffi::Error::Success();
 }
 
@@ -195,7 +210,8 @@ ffi::Error GroupedRowGemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
       return ffi::Error::InvalidArgument("grouped_row_gemm: group out of range");
   const GroupedProblem pr{x.typed_data(), wp.typed_data(), g, y->typed_data(), xd[0], xd[1],
                           wd[1]};
-  for_each_panel(pool, pr.panels, pr.m, pr.k, [pr](int64_t p) { run_grouped_panel(pr, p); });
+  for_each_panel(pool, pr.panels, pr.m, pr.k, false,
+                 [pr](int64_t p) { run_grouped_panel(pr, p); });
   return ffi::Error::Success();
 }
 
