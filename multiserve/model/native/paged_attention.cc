@@ -97,6 +97,11 @@ struct Problem {
   float scale;
 };
 
+// The pool slot of key position `key` of a sequence whose page table row is `pages`.
+inline int64_t slot_of(const int32_t* pages, int64_t key, int64_t page_size) {
+  return int64_t{pages[key / page_size]} * page_size + key % page_size;
+}
+
 // What an item warms while it runs: the K and/or V rows, at the keys it visits, of the
 // (token, KV head) the NEXT group of items reads. An item of a KV head's group after the
 // first finds its rows in its core's L2 (the first one brought them in), so its pass is
@@ -140,15 +145,11 @@ __attribute__((always_inline)) inline void warm_block(const Problem& pr, const W
                                                       int64_t b0) {
   const int64_t end = std::min<int64_t>(b0 + KEY_BLOCK, w.last + 1);
   for (int64_t key = b0; key < end; ++key) {
-    const int64_t slot = int64_t{w.pages[key / pr.page_size]} * pr.page_size
-                         + key % pr.page_size;
+    const int64_t slot = slot_of(w.pages, key, pr.page_size);
     if (slot < 0 || slot >= pr.slots) continue;
-    if (w.k != nullptr) {
-      const char* row = reinterpret_cast<const char*>(w.k + slot * HD);
-      for (int c = 0; c < HD * 4; c += 64) __builtin_prefetch(row + c, 0, 2);
-    }
-    if (w.v != nullptr) {
-      const char* row = reinterpret_cast<const char*>(w.v + slot * HD);
+    for (const float* pool : {w.k, w.v}) {
+      if (pool == nullptr) continue;
+      const char* row = reinterpret_cast<const char*>(pool + slot * HD);
       for (int c = 0; c < HD * 4; c += 64) __builtin_prefetch(row + c, 0, 2);
     }
   }
@@ -180,8 +181,7 @@ void attend_item(const Problem& pr, int64_t t, int64_t head) {
     vf sc = vf{} + MASK;
     for (int j = 0; j < n; ++j) {
       const int64_t key = b0 + j;
-      const int64_t slot = int64_t{pages[key / pr.page_size]} * pr.page_size
-                           + key % pr.page_size;
+      const int64_t slot = slot_of(pages, key, pr.page_size);
       const float* kr = kh + slot * HD;
       vrow[j] = vh + slot * HD;
       vf d = q[0] * load(kr);

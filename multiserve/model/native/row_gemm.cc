@@ -135,6 +135,9 @@ void for_each_panel(ffi::ThreadPool& pool, int64_t panels, int64_t m, int64_t k,
 // memory's time plus the cache passes' compute and their maximum. One block (up to MR rows)
 // is a stream the hardware prefetcher keeps up with alone (warming there measured 5% slower
 // at 2 rows). Prefetches change no arithmetic.
+// Whether run_panel warms the next panel: with two register blocks or more.
+inline bool warms_next_panel(int64_t m) { return m > MR; }
+
 void run_panel(const Problem& pr, int64_t p) {
   const float* panel = pr.wp + p * pr.k * PANEL;
   float* y = pr.y + p * PANEL;
@@ -143,7 +146,7 @@ void run_panel(const Problem& pr, int64_t p) {
   const int64_t share = (pr.k + blocks - 1) / blocks;  // next-panel rows per block
   auto warm = [&](int64_t i) {
     WarmRows w;
-    if (blocks > 1 && p + 1 < pr.panels && i * share < pr.k) {
+    if (warms_next_panel(pr.m) && p + 1 < pr.panels && i * share < pr.k) {
       w.rows = panel + (pr.k + i * share) * PANEL;
       w.every = blocks;
       w.count = std::min(share, pr.k - i * share);
@@ -167,8 +170,8 @@ ffi::Error RowGemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   if (l < 0 || l >= wd[0]) return ffi::Error::InvalidArgument("row_gemm: layer out of range");
   const Problem pr{x.typed_data(), wp.typed_data() + l * wd[1] * wd[2] * PANEL,
                    y->typed_data(), xd[0], xd[1], wd[1]};
-  const bool warms = pr.m > MR;  // run_panel warms the next panel from two blocks up
-  for_each_panel(pool, pr.panels, pr.m, pr.k, warms, [pr](int64_t p) { run_panel(pr, p); });
+  for_each_panel(pool, pr.panels, pr.m, pr.k, warms_next_panel(pr.m),
+                 [pr](int64_t p) { run_panel(pr, p); });
   return ffi::Error::Success();
 }
 
