@@ -58,7 +58,7 @@ import numpy as np
 from multiserve.bench.ours import request_params
 from multiserve.engine.commands import Call
 from multiserve.engine.device.batch_arrays import StepArrays, empty_step_arrays
-from multiserve.engine.device.model_runner import ARRAY_FIELDS, sampler_rows
+from multiserve.engine.device.model_runner import sampler_rows, step_tree
 from multiserve.engine.sampling import host as sampling_host
 from multiserve.engine.sampling import sampler as sampling
 from multiserve.engine.state_report import internal_state
@@ -246,7 +246,7 @@ def measure(core: Any, prompt_lens: Sequence[int], output_len: int, temperature:
         raise RuntimeError(f"bench breakdown: no compiled forward for T={shape.tokens}")
     arrays = decode_arrays(shape, runner.page_table_rows(shape.tokens), runner.max_rows,
                            core.max_pages, core.page_size, runner.num_pages, mcfg.vocab_size)
-    device = jax.device_put({k: getattr(arrays, k) for k in ARRAY_FIELDS}, runner.replicated)
+    device = jax.device_put(step_tree(arrays), runner.replicated)
     step_inputs = runner.device_step_inputs(arrays)  # what the T program reads
     batch = ForwardBatch(**{k: v for k, v in device.items() if k != "from_prev"})
     params = runner.compute_params

@@ -252,7 +252,7 @@ class Runner:
                 arrays = empty_step_arrays(size, self.page_table_rows(size), self.max_rows,
                                            max_pages)
                 out[(kind, size)] = ((params, kv, prev, spec(self.device_step_inputs(arrays))),
-                                     layout_of(_step_tree(arrays)))
+                                     layout_of(step_tree(arrays)))
             else:
                 sb_host = self.sampling_batch([], size)
                 sb = spec(self.device_sampling_inputs(sb_host))
@@ -328,7 +328,7 @@ class Runner:
     # ---- running -------------------------------------------------------------------
     def device_step_inputs(self, arrays: StepArrays) -> jax.Array:
         """A T program's step arrays on the device: one packed int32 array."""
-        return jax.device_put(pack(_step_tree(arrays)), self.replicated)
+        return jax.device_put(pack(step_tree(arrays)), self.replicated)
 
     def device_sampling_inputs(self, sb_host: sampling.SamplingBatch
                                ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -344,7 +344,7 @@ class Runner:
         assert self.kv is not None, "KV pool released: resume memory before running"
         inputs = (self._compute, self.kv, self._prev_ids, self.device_step_inputs(arrays))
         return self._program("T", arrays.input_ids.shape[0], inputs,
-                             _step_tree(arrays))(*inputs)
+                             step_tree(arrays))(*inputs)
 
     def run(self, arrays: StepArrays, sb_host: Any, wants_logprobs: bool,
             num_rows: int) -> StepOutput:
@@ -387,8 +387,7 @@ class Runner:
                                                   zeros=self._zero_cache[rows_padded])
 
 
-
-def _step_tree(arrays: StepArrays) -> dict[str, np.ndarray]:
+def step_tree(arrays: StepArrays) -> dict[str, np.ndarray]:
     """The step arrays a T program reads, by name."""
     return {k: getattr(arrays, k) for k in ARRAY_FIELDS}
 
