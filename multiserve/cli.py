@@ -127,6 +127,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the fleet (--config, default configs/cpu-4.toml), one streaming "
                         "HTTP client per engine port, vs one engine with the same requests")
     b.add_argument("--config", default=None, help="with --fleet: the fleet config TOML")
+    b.add_argument("--duration", type=float, default=None,
+                   help="with --fleet: a sustained chat load for this many seconds on each "
+                        "side (closed-loop OpenAI chat clients, max_tokens 16/64/128, greedy "
+                        "or sampled, half streamed) instead of one wave of streams")
     b.add_argument("--clients-per-port", type=int, default=1,
                    help="with --fleet: concurrent clients on each engine's port (e.g. 2 for "
                         "8 clients on the 4-engine fleet)")

@@ -1,4 +1,4 @@
-"""`multiserve bench --fleet`: the fleet under light load, against one engine.
+"""`multiserve bench --fleet`: the fleet under load, against one engine.
 
 The fleet (configs/cpu-4.toml unless --config; on CPU its engines share the same cores
 through virtual devices) starts in this process on ephemeral loopback ports. Then, with
@@ -11,6 +11,11 @@ t0; aggregate tok/s = all output tokens / (last token - t0). The goal (issue 11)
 fleet / one engine >= 0.9: several engines on shared cores must not cost much more than
 one engine batching the same requests. Greedy outputs must be identical across the two
 runs (a request's output depends neither on the engine nor on the batch).
+
+With `--duration S` the load is sustained instead (chat_load.py): K closed-loop OpenAI
+chat clients (mixed max_tokens, greedy or seeded, half streamed) for S seconds on the
+fleet, then the same K clients for S seconds on engine 0 alone; the outputs of the
+requests both runs finished must be identical.
 """
 
 from __future__ import annotations
@@ -76,9 +81,7 @@ def _forward_counts(fleet: Any) -> list[int]:
 def measure(fleet: Any, jobs: Sequence[tuple[str, Sequence[int]]], output_len: int
             ) -> dict[str, Any]:
     """One cold run of `jobs` (engine URL, prompt ids), all started together."""
-    for w in fleet.workers:
-        flushed = w.engine.flush_cache()
-        assert flushed.ok, f"bench: cannot flush engine {w.index}: {flushed.message}"
+    _flush(fleet)
     before = _forward_counts(fleet)
     timelines, t0 = asyncio.run(_run_clients(jobs, output_len))
     after = _forward_counts(fleet)
@@ -93,50 +96,105 @@ def measure(fleet: Any, jobs: Sequence[tuple[str, Sequence[int]]], output_len: i
     return figures
 
 
-def run_fleet_bench(cfg: Any, output_len: int, log: Any = None,
-                    clients_per_port: int = 1) -> dict[str, Any]:
-    """Start the fleet `cfg`, run both measurements with `clients_per_port` clients on each
-    engine's port, stop it; the JSON-ready result."""
+def _start(cfg: Any, log: Any) -> tuple[Any, float, float]:
+    """The fleet `cfg` started, every engine's buckets compiled (measured with every bucket,
+    as a long-running fleet has): (fleet, seconds to READY, seconds to all compiled)."""
     from multiserve.fleet.launch import launch_fleet
 
     t_start = time.perf_counter()
     fleet = launch_fleet(cfg, announce=False, log=log or sys.stderr)
     startup_s = time.perf_counter() - t_start  # to READY
     try:
-        for w in fleet.workers:  # measure with every bucket, as a long-running fleet has
+        for w in fleet.workers:
             w.wait_compiled()
-        all_compiled_s = time.perf_counter() - t_start
-        urls = fleet.urls
-        engine0 = fleet.workers[0].engine
-        prompts = [engine0.chat_ids([{"role": "user", "content": text}])
-                   for text in bench_prompts(len(urls) * clients_per_port)]
-        spread_jobs = [(urls[i % len(urls)], p) for i, p in enumerate(prompts)]
-        measure(fleet, spread_jobs, WARMUP_LEN)  # warm the HTTP path on every port
-        spread = measure(fleet, spread_jobs, output_len)
-        one = measure(fleet, [(urls[0], p) for p in prompts], output_len)
+    except BaseException:
+        fleet.stop("abort")
+        raise
+    return fleet, startup_s, time.perf_counter() - t_start
+
+
+def _flush(fleet: Any) -> None:
+    for w in fleet.workers:
+        flushed = w.engine.flush_cache()
+        assert flushed.ok, f"bench: cannot flush engine {w.index}: {flushed.message}"
+
+
+def run_fleet_bench(cfg: Any, output_len: int, log: Any = None,
+                    clients_per_port: int = 1, duration_s: float | None = None
+                    ) -> dict[str, Any]:
+    """Start the fleet `cfg`, run both measurements with `clients_per_port` clients on each
+    engine's port, stop it; the JSON-ready result. `duration_s`: the sustained chat load
+    (chat_load.py) for that long on each side instead of one wave of `output_len`-token
+    streams."""
+    fleet, startup_s, all_compiled_s = _start(cfg, log)
+    try:
+        if duration_s is not None:
+            body = _sustained(fleet, clients_per_port, duration_s)
+        else:
+            body = _one_wave(fleet, clients_per_port, output_len)
         misses = [int(w.get_internal_state()["cache_miss_count"]) for w in fleet.workers]
         model_name = fleet.workers[0].model_name
         groups = fleet.device_groups
     finally:
         fleet.stop("abort")
-    r = ratio(spread["tokens_per_s"], one["tokens_per_s"])
-    lens = [len(p) for p in prompts]
+    r = ratio(body["fleet"]["tokens_per_s"], body["one_engine"]["tokens_per_s"])
     return {
         "bench": "multiserve", "mode": "fleet", "model": model_name,
-        "num_engines": len(groups), "device_groups": groups, "num_clients": len(prompts),
-        "clients_per_port": clients_per_port,
-        "output_len": output_len, "startup_s": startup_s, "all_compiled_s": all_compiled_s,
-        "prompt_tokens": {"total": sum(lens), "min": min(lens), "max": max(lens),
-                          "mean": sum(lens) / len(lens)},
-        "fleet": {k: v for k, v in spread.items() if k != "output_ids"},
-        "one_engine": {k: v for k, v in one.items() if k != "output_ids"},
-        "tokens_per_s": spread["tokens_per_s"], "ratio": r, "target": TARGET_FLEET_VS_ONE,
-        "outputs_identical": spread["output_ids"] == one["output_ids"],
-        "cache_miss_count": misses,
+        "num_engines": len(groups), "device_groups": groups,
+        "num_clients": len(groups) * clients_per_port, "clients_per_port": clients_per_port,
+        "output_len": output_len, "duration_s": duration_s, "startup_s": startup_s,
+        "all_compiled_s": all_compiled_s, **body,
+        "tokens_per_s": body["fleet"]["tokens_per_s"], "ratio": r,
+        "target": TARGET_FLEET_VS_ONE, "cache_miss_count": misses,
         "targets": {"fleet_vs_one": TARGET_FLEET_VS_ONE,
                     "fleet_vs_one_met": None if r is None else r >= TARGET_FLEET_VS_ONE,
                     "zero_recompiles_met": not any(misses)},
     }
+
+
+def _one_wave(fleet: Any, clients_per_port: int, output_len: int) -> dict[str, Any]:
+    """Every client sends one greedy `output_len`-token stream at the same time."""
+    urls = fleet.urls
+    engine0 = fleet.workers[0].engine
+    prompts = [engine0.chat_ids([{"role": "user", "content": text}])
+               for text in bench_prompts(len(urls) * clients_per_port)]
+    spread_jobs = [(urls[i % len(urls)], p) for i, p in enumerate(prompts)]
+    measure(fleet, spread_jobs, WARMUP_LEN)  # warm the HTTP path on every port
+    spread = measure(fleet, spread_jobs, output_len)
+    one = measure(fleet, [(urls[0], p) for p in prompts], output_len)
+    lens = [len(p) for p in prompts]
+    return {"prompt_tokens": {"total": sum(lens), "min": min(lens), "max": max(lens),
+                              "mean": sum(lens) / len(lens)},
+            "fleet": {k: v for k, v in spread.items() if k != "output_ids"},
+            "one_engine": {k: v for k, v in one.items() if k != "output_ids"},
+            "outputs_identical": spread["output_ids"] == one["output_ids"]}
+
+
+def _sustained(fleet: Any, clients_per_port: int, duration_s: float) -> dict[str, Any]:
+    """The sustained chat load on the fleet (client i on port i mod E), then the same
+    clients all on engine 0; each side cold (caches flushed). Outputs of the requests
+    both sides finished must be identical (greedy, or seeded)."""
+    from multiserve.bench.chat_load import run_chat_load
+
+    urls = fleet.urls
+    model = fleet.workers[0].model_name
+    n = len(urls) * clients_per_port
+    prompts = bench_prompts(72)
+    run_chat_load(urls, model, prompts, 0.0)  # warm the HTTP and chat path on every port
+    sides: dict[str, Any] = {}
+    texts: dict[str, dict[tuple[int, int], str]] = {}
+    for side, side_urls in (("fleet", [urls[i % len(urls)] for i in range(n)]),
+                            ("one_engine", [urls[0]] * n)):
+        _flush(fleet)
+        before = _forward_counts(fleet)
+        sides[side], texts[side] = run_chat_load(side_urls, model, prompts, duration_s)
+        after = _forward_counts(fleet)
+        sides[side]["steps_per_engine"] = [b - a for a, b in zip(before, after, strict=True)]
+        sides[side]["clients"] = side_urls
+    both = sorted(set(texts["fleet"]) & set(texts["one_engine"]))
+    return {**sides, "compared_requests": len(both),
+            "outputs_identical": all(texts["fleet"][k] == texts["one_engine"][k]
+                                     for k in both)}
 
 
 def fleet_main(args: argparse.Namespace) -> int:
@@ -148,7 +206,11 @@ def fleet_main(args: argparse.Namespace) -> int:
     per_port = int(getattr(args, "clients_per_port", 1) or 1)
     if per_port < 1:
         raise SystemExit("bench: --clients-per-port must be >= 1")
-    result = run_fleet_bench(fleet_config(args), m, clients_per_port=per_port)
+    duration = getattr(args, "duration", None)
+    if duration is not None and duration <= 0:
+        raise SystemExit("bench: --duration must be > 0 seconds")
+    result = run_fleet_bench(fleet_config(args), m, clients_per_port=per_port,
+                             duration_s=duration)
     print("\n".join(["", *fleet_table(result)]), file=sys.stdout)
     print(json.dumps(result), flush=True)
     return 0

@@ -79,22 +79,42 @@ def comparison_table(ours: dict[str, Any], peer: dict[str, Any], peer_name: str,
     return out
 
 
+LOAD_HEADER = (f"{'':<22}{'tok/s':>9}{'requests':>9}{'wall s':>9}{'TTFT p50':>10}"
+               f"{'TTFT p99':>10}{'lat p50':>9}{'lat p99':>9}   (latencies in ms)")
+
+
+def load_row(name: str, r: dict[str, Any]) -> str:
+    """One line of a sustained chat load run (chat_load.py)."""
+    return (f"{name:<22}{_num(r['tokens_per_s'], 1, 9, 1)}{r['requests']:>9}"
+            f"{_num(r['wall_s'], 1, 9, 1)}{_num(r['ttft_p50_s'], MS, 10, 0)}"
+            f"{_num(r['ttft_p99_s'], MS, 10, 0)}{_num(r['latency_p50_s'], MS, 9, 0)}"
+            f"{_num(r['latency_p99_s'], MS, 9, 0)}")
+
+
 def fleet_table(res: dict[str, Any]) -> list[str]:
     """The fleet run (`clients_per_port` clients on each engine's port) against one engine
-    with the same requests, and the ratio of aggregate tok/s."""
+    with the same clients, and the ratio of aggregate tok/s."""
     spread, single = res["fleet"], res["one_engine"]
     n = res["num_clients"]
-    out = [f"fleet benchmark: {n} concurrent streaming clients x {res['output_len']} tokens "
-           f"(greedy, ignore_eos), HTTP /generate on loopback",
+    sustained = res.get("duration_s") is not None
+    if sustained:
+        what = (f"fleet benchmark: {n} closed-loop chat clients for {res['duration_s']:g} s "
+                f"per side (max_tokens 16/64/128, greedy or seeded T=0.8, half streamed)")
+        header, row = LOAD_HEADER, load_row
+    else:
+        what = (f"fleet benchmark: {n} concurrent streaming clients x {res['output_len']} "
+                f"tokens (greedy, ignore_eos), HTTP /generate on loopback")
+        header, row = HEADER, run_row
+    out = [what,
            f"start-up: READY after {res['startup_s']:.1f} s, every engine's buckets compiled "
-           f"after {res['all_compiled_s']:.1f} s (measured from there)", HEADER,
-           run_row(f"{res['num_engines']} engines, {res.get('clients_per_port', 1)} each",
-                   spread),
-           run_row(f"1 engine, all {n}", single)]
+           f"after {res['all_compiled_s']:.1f} s (measured from there)", header,
+           row(f"{res['num_engines']} engines, {res.get('clients_per_port', 1)} each", spread),
+           row(f"1 engine, all {n}", single)]
     r = res["ratio"]
+    same = (f"outputs identical across the two: {res['outputs_identical']}"
+            + (f" ({res['compared_requests']} requests finished in both)" if sustained else ""))
     out.append(f"aggregate tok/s, fleet / one engine: "
-               f"{'-' if r is None else f'{r:.2f}x'} (target >= {res['target']}x); "
-               f"outputs identical across the two: {res['outputs_identical']}")
+               f"{'-' if r is None else f'{r:.2f}x'} (target >= {res['target']}x); {same}")
     return out
 
 

@@ -11,8 +11,9 @@ Modes:
   `--no-breakdown` skips it);
 - `--single-stream` (1 x 64): one prompt streamed through Engine.stream_sync, TTFT and
   tok/s (single.py);
-- `--fleet`: the 4-engine fleet with one streaming client per port vs one engine with the
-  same requests (fleet_bench.py).
+- `--fleet`: the 4-engine fleet with `--clients-per-port` streaming clients per port vs
+  one engine with the same requests (fleet_bench.py); with `--duration S`, closed-loop
+  chat clients for S seconds per side instead (chat_load.py).
 Sampling: greedy by default; `--temperature T` samples every request at T (top_p / top_k
 / min_p off) with request i seeded `--seed S` + i, ours and the peer's alike (where the
 peer allows a seed per request; its JSON says how it seeded). Sampled outputs of two
@@ -180,6 +181,8 @@ def bench_main(args: argparse.Namespace) -> int:
             raise SystemExit("bench: --temperature applies to the batch and single-stream "
                              "modes; --fleet compares greedy outputs")
         return fleet_main(args)
+    if getattr(args, "duration", None) is not None:
+        raise SystemExit("bench: --duration is the sustained load of --fleet")
     single = bool(getattr(args, "single_stream", False))
     if args.output_len is None:
         args.output_len = SINGLE_STREAM_LEN if single else BATCH_LEN
