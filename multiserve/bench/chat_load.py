@@ -19,12 +19,12 @@ Every request must answer 200 with usage; anything else is an error of the run.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from multiserve.bench.http_stream import raise_unless_ok, sse_events
 from multiserve.bench.stats import percentile
 
 MAX_TOKENS = (16, 64, 128)
@@ -81,8 +81,7 @@ async def _one(client: Any, url: str, model: str, req: ChatRequest) -> ChatResul
     endpoint = f"{url}/v1/chat/completions"
     if not req.stream:
         resp = await client.post(endpoint, json=req.body(model))
-        if resp.status_code != 200:
-            raise ChatLoadError(f"{endpoint}: HTTP {resp.status_code}: {resp.text[:300]}")
+        await raise_unless_ok(resp, endpoint, ChatLoadError)
         data = resp.json()
         return ChatResult(req, data["choices"][0]["message"]["content"] or "",
                           int(data["usage"]["completion_tokens"]), sent, None,
@@ -91,18 +90,8 @@ async def _one(client: Any, url: str, model: str, req: ChatRequest) -> ChatResul
     first: float | None = None
     usage: dict[str, Any] | None = None
     async with client.stream("POST", endpoint, json=req.body(model)) as resp:
-        if resp.status_code != 200:
-            text = (await resp.aread()).decode(errors="replace")[:300]
-            raise ChatLoadError(f"{endpoint}: HTTP {resp.status_code}: {text}")
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: "):
-                continue
-            payload = line[len("data: "):].strip()
-            if payload == "[DONE]":
-                break
-            event = json.loads(payload)
-            if "error" in event:
-                raise ChatLoadError(f"{endpoint}: error event: {event['error']}")
+        await raise_unless_ok(resp, endpoint, ChatLoadError)
+        async for event in sse_events(resp, endpoint, ChatLoadError):
             for choice in event.get("choices") or []:
                 piece = (choice.get("delta") or {}).get("content")
                 if piece:

@@ -1,5 +1,6 @@
 """One streaming benchmark client: POST /generate (sglang-native) with token ids and
-`stream: true`, timing each server-sent event as it arrives (jax-free).
+`stream: true`, timing each server-sent event as it arrives (jax-free); and the event
+stream reading it shares with the chat load (chat_load.py): status check, SSE events.
 
 Every event carries the output ids so far (cumulative), so the token count is the
 length of the last event's `output_ids`; a `meta_info.finish_reason` marks the end. An
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from multiserve.bench.stats import Timeline
@@ -27,6 +28,30 @@ def generate_body(ids: Sequence[int], output_len: int) -> dict[str, Any]:
                                 "ignore_eos": True}}
 
 
+async def raise_unless_ok(resp: Any, where: str, error: type[Exception]) -> None:
+    """Raise `error` (naming `where`, the status and the body's start) unless `resp` (an
+    httpx streaming response) answered 200."""
+    if resp.status_code != 200:
+        text = (await resp.aread()).decode(errors="replace")[:300]
+        raise error(f"{where}: HTTP {resp.status_code}: {text}")
+
+
+async def sse_events(resp: Any, where: str, error: type[Exception]
+                     ) -> AsyncIterator[dict[str, Any]]:
+    """The JSON events of the server-sent event stream `resp` up to `data: [DONE]`; an
+    error event raises `error` naming `where`."""
+    async for line in resp.aiter_lines():
+        if not line.startswith("data: "):
+            continue
+        data = line[len("data: "):].strip()
+        if data == "[DONE]":
+            return
+        event = json.loads(data)
+        if "error" in event:
+            raise error(f"{where}: error event: {event['error']}")
+        yield event
+
+
 async def stream_generate(client: Any, url: str, ids: Sequence[int], output_len: int
                           ) -> Timeline:
     """Stream one request to `url` (an engine's base URL) with `client` (an
@@ -34,18 +59,8 @@ async def stream_generate(client: Any, url: str, ids: Sequence[int], output_len:
     tl = Timeline()
     async with client.stream("POST", f"{url}/generate",
                              json=generate_body(ids, output_len)) as resp:
-        if resp.status_code != 200:
-            text = (await resp.aread()).decode(errors="replace")[:300]
-            raise StreamError(f"{url}/generate: HTTP {resp.status_code}: {text}")
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: "):
-                continue
-            data = line[len("data: "):].strip()
-            if data == "[DONE]":
-                break
-            event = json.loads(data)
-            if "error" in event:
-                raise StreamError(f"{url}/generate: error event: {event['error']}")
+        await raise_unless_ok(resp, f"{url}/generate", StreamError)
+        async for event in sse_events(resp, f"{url}/generate", StreamError):
             now = time.perf_counter()
             out = event.get("output_ids") or []
             tl.record(now, len(out))
