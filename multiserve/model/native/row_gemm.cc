@@ -59,10 +59,17 @@ inline void block(const float* x, int64_t k_dim, const float* panel, float* y, i
     for (int j = 0; j < NV; ++j) acc[r][j] = vf{};
   const float* xr[R];
   for (int r = 0; r < R; ++r) xr[r] = x + (m0 + r) * k_dim;
+  // the warming's schedule by counters (a division per k step measured ~3% of a block)
+  const char* next_row = reinterpret_cast<const char*>(warm.rows);
+  int64_t countdown = 1, left = warm.count;
   for (int64_t k = 0; k < k_dim; ++k) {
-    if (WARM && k % warm.every == 0 && k / warm.every < warm.count) {
-      const char* row = reinterpret_cast<const char*>(warm.rows + (k / warm.every) * PANEL);
-      for (int c = 0; c < PANEL * 4; c += 64) __builtin_prefetch(row + c, 0, 2);
+    if (WARM && --countdown == 0) {
+      countdown = warm.every;
+      if (left > 0) {
+        for (int c = 0; c < PANEL * 4; c += 64) __builtin_prefetch(next_row + c, 0, 2);
+        next_row += PANEL * sizeof(float);
+        --left;
+      }
     }
     vf b[NV];
     for (int j = 0; j < NV; ++j) b[j] = load(panel + k * PANEL + 16 * j);
@@ -105,26 +112,23 @@ void block_rows(int64_t r, const float* x, int64_t k_dim, const float* panel, fl
     block_rows_of<false>(r, x, k_dim, panel, y, ldy, m0, warm);
 }
 
-// Runs run(p) for every panel p over the pool. `contiguous`: each thread one contiguous
-// run of panels (a thread that finishes early takes a run not yet started), so the panel
-// a thread warms while it works (run_panel) is the one it runs next; otherwise ~4 grabs
-// per thread, which evens out a thread that starts late or is preempted (the host's own
-// work shares these cores). A small product (fewer than 2^12 units of 64 multiply-adds,
-// i.e. under ~1 MB of weights at one row) stays on the caller. A 1-row product is a
-// stream of its weights from memory: one core streams ~24 GB/s here, two ~32 (AVX-512
-// EPYC), so even a 576 x 576 layer matrix at one row (~40 us) gains from a helper despite
-// the pool's hand-off.
+// Runs run(b, e) over the work items [0, items) on the pool. `contiguous`: each thread one
+// contiguous run of items (a thread that finishes early takes a run not yet started), so
+// the panel a block warms while it works (run_block) is the one its thread runs next;
+// otherwise ~4 grabs per thread, which evens out a thread that starts late or is preempted
+// (the host's own work shares these cores). `work_units`: the product's size in units of
+// 64 multiply-adds; a small product (fewer than 2^12, i.e. under ~1 MB of weights at one
+// row) stays on the caller. A 1-row product is a stream of its weights from memory: one
+// core streams ~24 GB/s here, two ~32 (AVX-512 EPYC), so even a 576 x 576 layer matrix at
+// one row (~40 us) gains from a helper despite the pool's hand-off.
 template <typename Run>
-void for_each_panel(ffi::ThreadPool& pool, int64_t panels, int64_t m, int64_t k,
-                    bool contiguous, Run run) {
+void for_each_item(ffi::ThreadPool& pool, int64_t items, int64_t work_units, bool contiguous,
+                   Run run) {
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t work_units = panels * std::max<int64_t>(1, m) * k;
-  const int64_t helpers = work_units < (1 << 12) ? 0 : std::min(threads, panels) - 1;
-  const int64_t chunk = contiguous ? std::max<int64_t>(1, (panels + helpers) / (helpers + 1))
-                                   : std::max<int64_t>(1, panels / ((helpers + 1) * 4));
-  multiserve::parallel_for(pool, panels, chunk, helpers, [run](int64_t b, int64_t e) {
-    for (int64_t p = b; p < e; ++p) run(p);
-  });
+  const int64_t helpers = work_units < (1 << 12) ? 0 : std::min(threads, items) - 1;
+  const int64_t chunk = contiguous ? std::max<int64_t>(1, (items + helpers) / (helpers + 1))
+                                   : std::max<int64_t>(1, items / ((helpers + 1) * 4));
+  multiserve::parallel_for(pool, items, chunk, helpers, run);
 }
 
 // One panel, its rows in register blocks of MR: the first block reads the panel from
@@ -135,27 +139,25 @@ void for_each_panel(ffi::ThreadPool& pool, int64_t panels, int64_t m, int64_t k,
 // memory's time plus the cache passes' compute and their maximum. One block (up to MR rows)
 // is a stream the hardware prefetcher keeps up with alone (warming there measured 5% slower
 // at 2 rows). Prefetches change no arithmetic.
-// Whether run_panel warms the next panel: with two register blocks or more.
+// Whether run_block warms the next panel: with two register blocks or more.
 inline bool warms_next_panel(int64_t m) { return m > MR; }
 
-void run_panel(const Problem& pr, int64_t p) {
+inline int64_t blocks_of(int64_t m) { return (m + MR - 1) / MR; }
+
+// Register block i of panel p: rows [i MR, min((i + 1) MR, m)).
+void run_block(const Problem& pr, int64_t p, int64_t i) {
   const float* panel = pr.wp + p * pr.k * PANEL;
-  float* y = pr.y + p * PANEL;
-  const int64_t ldy = pr.panels * PANEL;
-  const int64_t blocks = (pr.m + MR - 1) / MR;
+  const int64_t blocks = blocks_of(pr.m);
   const int64_t share = (pr.k + blocks - 1) / blocks;  // next-panel rows per block
-  auto warm = [&](int64_t i) {
-    WarmRows w;
-    if (warms_next_panel(pr.m) && p + 1 < pr.panels && i * share < pr.k) {
-      w.rows = panel + (pr.k + i * share) * PANEL;
-      w.every = blocks;
-      w.count = std::min(share, pr.k - i * share);
-    }
-    return w;
-  };
-  int64_t m0 = 0, i = 0;
-  for (; m0 + MR <= pr.m; m0 += MR, ++i) block_rows(MR, pr.x, pr.k, panel, y, ldy, m0, warm(i));
-  if (m0 < pr.m) block_rows(pr.m - m0, pr.x, pr.k, panel, y, ldy, m0, warm(i));
+  WarmRows warm;
+  if (warms_next_panel(pr.m) && p + 1 < pr.panels && i * share < pr.k) {
+    warm.rows = panel + (pr.k + i * share) * PANEL;
+    warm.every = blocks;
+    warm.count = std::min(share, pr.k - i * share);
+  }
+  const int64_t m0 = i * MR;
+  block_rows(std::min<int64_t>(MR, pr.m - m0), pr.x, pr.k, panel, pr.y + p * PANEL,
+             pr.panels * PANEL, m0, warm);
 }
 
 ffi::Error RowGemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
@@ -170,8 +172,23 @@ ffi::Error RowGemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   if (l < 0 || l >= wd[0]) return ffi::Error::InvalidArgument("row_gemm: layer out of range");
   const Problem pr{x.typed_data(), wp.typed_data() + l * wd[1] * wd[2] * PANEL,
                    y->typed_data(), xd[0], xd[1], wd[1]};
-  for_each_panel(pool, pr.panels, pr.m, pr.k, warms_next_panel(pr.m),
-                 [pr](int64_t p) { run_panel(pr, p); });
+  const int64_t work_units = pr.panels * std::max<int64_t>(1, pr.m) * pr.k;
+  const int64_t blocks = blocks_of(pr.m);
+  if (warms_next_panel(pr.m)) {
+    // Items are (panel, block) pairs in panel order, one contiguous run per thread: the
+    // threads' shares differ by one block at most (whole panels left 5-11% of a layer's
+    // products to one thread at SmolLM2's 9- and 15-panel matrices); the panel where two
+    // runs meet is read by both.
+    for_each_item(pool, pr.panels * blocks, work_units, true, [pr, blocks](int64_t b,
+                                                                           int64_t e) {
+      for (int64_t u = b; u < e; ++u) run_block(pr, u / blocks, u % blocks);
+    });
+  } else {
+    for_each_item(pool, pr.panels, work_units, false, [pr, blocks](int64_t b, int64_t e) {
+      for (int64_t p = b; p < e; ++p)
+        for (int64_t i = 0; i < blocks; ++i) run_block(pr, p, i);
+    });
+  }
   return ffi::Error::Success();
 }
 
@@ -213,8 +230,10 @@ ffi::Error GroupedRowGemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
       return ffi::Error::InvalidArgument("grouped_row_gemm: group out of range");
   const GroupedProblem pr{x.typed_data(), wp.typed_data(), g, y->typed_data(), xd[0], xd[1],
                           wd[1]};
-  for_each_panel(pool, pr.panels, pr.m, pr.k, false,
-                 [pr](int64_t p) { run_grouped_panel(pr, p); });
+  for_each_item(pool, pr.panels, pr.panels * std::max<int64_t>(1, pr.m) * pr.k, false,
+                [pr](int64_t b, int64_t e) {
+                  for (int64_t p = b; p < e; ++p) run_grouped_panel(pr, p);
+                });
   return ffi::Error::Success();
 }
 
