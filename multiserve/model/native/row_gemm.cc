@@ -112,20 +112,25 @@ void block_rows(int64_t r, const float* x, int64_t k_dim, const float* panel, fl
     block_rows_of<false>(r, x, k_dim, panel, y, ldy, m0, warm);
 }
 
+// A product's size in units of 64 multiply-adds (a panel row times a row of x).
+inline int64_t work_units(int64_t panels, int64_t m, int64_t k) {
+  return panels * std::max<int64_t>(1, m) * k;
+}
+
 // Runs run(b, e) over the work items [0, items) on the pool. `contiguous`: each thread one
 // contiguous run of items (a thread that finishes early takes a run not yet started), so
 // the panel a block warms while it works (run_block) is the one its thread runs next;
 // otherwise ~4 grabs per thread, which evens out a thread that starts late or is preempted
-// (the host's own work shares these cores). `work_units`: the product's size in units of
-// 64 multiply-adds; a small product (fewer than 2^12, i.e. under ~1 MB of weights at one
-// row) stays on the caller. A 1-row product is a stream of its weights from memory: one
-// core streams ~24 GB/s here, two ~32 (AVX-512 EPYC), so even a 576 x 576 layer matrix at
-// one row (~40 us) gains from a helper despite the pool's hand-off.
+// (the host's own work shares these cores). A small product (`units`, its work_units, under
+// 2^12: ~1 MB of weights at one row) stays on the caller. A 1-row product is a stream of
+// its weights from memory: one core streams ~24 GB/s here, two ~32 (AVX-512 EPYC), so even
+// a 576 x 576 layer matrix at one row (~40 us) gains from a helper despite the pool's
+// hand-off.
 template <typename Run>
-void for_each_item(ffi::ThreadPool& pool, int64_t items, int64_t work_units, bool contiguous,
+void for_each_item(ffi::ThreadPool& pool, int64_t items, int64_t units, bool contiguous,
                    Run run) {
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t helpers = work_units < (1 << 12) ? 0 : std::min(threads, items) - 1;
+  const int64_t helpers = units < (1 << 12) ? 0 : std::min(threads, items) - 1;
   const int64_t chunk = contiguous ? std::max<int64_t>(1, (items + helpers) / (helpers + 1))
                                    : std::max<int64_t>(1, items / ((helpers + 1) * 4));
   multiserve::parallel_for(pool, items, chunk, helpers, run);
@@ -172,23 +177,16 @@ ffi::Error RowGemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   if (l < 0 || l >= wd[0]) return ffi::Error::InvalidArgument("row_gemm: layer out of range");
   const Problem pr{x.typed_data(), wp.typed_data() + l * wd[1] * wd[2] * PANEL,
                    y->typed_data(), xd[0], xd[1], wd[1]};
-  const int64_t work_units = pr.panels * std::max<int64_t>(1, pr.m) * pr.k;
+  // Items are (panel, block) pairs in panel order. With warming (more than one block):
+  // one contiguous run per thread, so the threads' shares differ by one block at most
+  // (whole panels left 5-11% of a layer's products to one thread at SmolLM2's 9- and
+  // 15-panel matrices; the panel where two runs meet is read by both). One block: an item
+  // is a panel, ~4 grabs per thread.
   const int64_t blocks = blocks_of(pr.m);
-  if (warms_next_panel(pr.m)) {
-    // Items are (panel, block) pairs in panel order, one contiguous run per thread: the
-    // threads' shares differ by one block at most (whole panels left 5-11% of a layer's
-    // products to one thread at SmolLM2's 9- and 15-panel matrices); the panel where two
-    // runs meet is read by both.
-    for_each_item(pool, pr.panels * blocks, work_units, true, [pr, blocks](int64_t b,
-                                                                           int64_t e) {
-      for (int64_t u = b; u < e; ++u) run_block(pr, u / blocks, u % blocks);
-    });
-  } else {
-    for_each_item(pool, pr.panels, work_units, false, [pr, blocks](int64_t b, int64_t e) {
-      for (int64_t p = b; p < e; ++p)
-        for (int64_t i = 0; i < blocks; ++i) run_block(pr, p, i);
-    });
-  }
+  for_each_item(pool, pr.panels * blocks, work_units(pr.panels, pr.m, pr.k),
+                warms_next_panel(pr.m), [pr, blocks](int64_t b, int64_t e) {
+                  for (int64_t u = b; u < e; ++u) run_block(pr, u / blocks, u % blocks);
+                });
   return ffi::Error::Success();
 }
 
@@ -230,7 +228,7 @@ ffi::Error GroupedRowGemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
       return ffi::Error::InvalidArgument("grouped_row_gemm: group out of range");
   const GroupedProblem pr{x.typed_data(), wp.typed_data(), g, y->typed_data(), xd[0], xd[1],
                           wd[1]};
-  for_each_item(pool, pr.panels, pr.panels * std::max<int64_t>(1, pr.m) * pr.k, false,
+  for_each_item(pool, pr.panels, work_units(pr.panels, pr.m, pr.k), false,
                 [pr](int64_t b, int64_t e) {
                   for (int64_t p = b; p < e; ++p) run_grouped_panel(pr, p);
                 });
