@@ -69,6 +69,12 @@ def pages_needed(num_tokens: int, page_size: int) -> int:
     return -(-num_tokens // page_size)
 
 
+def slot_for(pages: Sequence[int], pos: int, page_size: int) -> int:
+    """The flat KV slot (page * page_size + offset) of position `pos` (one of slots_for's)."""
+    page, offset = divmod(pos, page_size)
+    return pages[page] * page_size + offset
+
+
 def slots_for(pages: Sequence[int], start: int, end: int, page_size: int) -> np.ndarray:
     """Flat KV slots (page * page_size + offset) of positions [start, end)."""
     pos = np.arange(start, end)
