@@ -25,14 +25,15 @@ import asyncio
 import json
 import sys
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 from multiserve.bench.http_stream import stream_generate
-from multiserve.bench.prompts import bench_prompts
+from multiserve.bench.prompts import NUM_BENCH_PROMPTS, bench_prompts
 from multiserve.bench.report import fleet_table, ratio
 from multiserve.bench.stats import Timeline, summarize
 
+T = TypeVar("T")
 FLEET_LEN = 64
 TARGET_FLEET_VS_ONE = 0.9
 WARMUP_LEN = 2
@@ -78,17 +79,26 @@ def _forward_counts(fleet: Any) -> list[int]:
     return [int(w.get_internal_state()["forward_ct"]) for w in fleet.workers]
 
 
+def _cold(fleet: Any, run: Callable[[], T]) -> tuple[T, list[int]]:
+    """run() on the fleet with every prefix cache flushed first: its value, and how many
+    steps each engine ran meanwhile."""
+    for w in fleet.workers:
+        flushed = w.engine.flush_cache()
+        assert flushed.ok, f"bench: cannot flush engine {w.index}: {flushed.message}"
+    before = _forward_counts(fleet)
+    value = run()
+    after = _forward_counts(fleet)
+    return value, [b - a for a, b in zip(before, after, strict=True)]
+
+
 def measure(fleet: Any, jobs: Sequence[tuple[str, Sequence[int]]], output_len: int
             ) -> dict[str, Any]:
     """One cold run of `jobs` (engine URL, prompt ids), all started together."""
-    _flush(fleet)
-    before = _forward_counts(fleet)
-    timelines, t0 = asyncio.run(_run_clients(jobs, output_len))
-    after = _forward_counts(fleet)
+    (timelines, t0), steps = _cold(fleet, lambda: asyncio.run(_run_clients(jobs, output_len)))
     figures: dict[str, Any] = dict(summarize(timelines, t0))
     figures.update({
         "clients": [url for url, _ in jobs],
-        "steps_per_engine": [b - a for a, b in zip(before, after, strict=True)],
+        "steps_per_engine": steps,
         "finish_reasons": sorted({str(t.finish_reason) for t in timelines}),
         "exact_length": all(len(t.output_ids) == output_len for t in timelines),
         "output_ids": [list(t.output_ids) for t in timelines],
@@ -111,12 +121,6 @@ def _start(cfg: Any, log: Any) -> tuple[Any, float, float]:
         fleet.stop("abort")
         raise
     return fleet, startup_s, time.perf_counter() - t_start
-
-
-def _flush(fleet: Any) -> None:
-    for w in fleet.workers:
-        flushed = w.engine.flush_cache()
-        assert flushed.ok, f"bench: cannot flush engine {w.index}: {flushed.message}"
 
 
 def run_fleet_bench(cfg: Any, output_len: int, log: Any = None,
@@ -179,18 +183,15 @@ def _sustained(fleet: Any, clients_per_port: int, duration_s: float) -> dict[str
     urls = fleet.urls
     model = fleet.workers[0].model_name
     n = len(urls) * clients_per_port
-    prompts = bench_prompts(72)
+    prompts = bench_prompts(NUM_BENCH_PROMPTS)  # every prompt once per cycle
     run_chat_load(urls, model, prompts, 0.0)  # warm the HTTP and chat path on every port
     sides: dict[str, Any] = {}
     texts: dict[str, dict[tuple[int, int], str]] = {}
     for side, side_urls in (("fleet", [urls[i % len(urls)] for i in range(n)]),
                             ("one_engine", [urls[0]] * n)):
-        _flush(fleet)
-        before = _forward_counts(fleet)
-        sides[side], texts[side] = run_chat_load(side_urls, model, prompts, duration_s)
-        after = _forward_counts(fleet)
-        sides[side]["steps_per_engine"] = [b - a for a, b in zip(before, after, strict=True)]
-        sides[side]["clients"] = side_urls
+        (sides[side], texts[side]), steps = _cold(
+            fleet, lambda urls=side_urls: run_chat_load(urls, model, prompts, duration_s))
+        sides[side].update({"steps_per_engine": steps, "clients": side_urls})
     both = sorted(set(texts["fleet"]) & set(texts["one_engine"]))
     return {**sides, "compared_requests": len(both),
             "outputs_identical": all(texts["fleet"][k] == texts["one_engine"][k]

@@ -156,4 +156,8 @@ def bench_prompts(n: int) -> list[str]:
     assert n >= 1
     groups = (_SHORT, _MEDIUM, _long_prompts())
     mixed = [g[i] for i in range(len(_SHORT)) for g in groups]
+    assert len(mixed) == NUM_BENCH_PROMPTS
     return [mixed[i % len(mixed)] for i in range(n)]
+
+
+NUM_BENCH_PROMPTS = 3 * len(_SHORT)  # the list's length: 24 short, 24 medium, 24 long
