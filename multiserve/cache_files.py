@@ -2,7 +2,7 @@
 
 `cache_root()` is `$MULTISERVE_CACHE_DIR`, else `~/.cache/multiserve`; its users keep
 their own subfolders (invariance plans, native kernels; converted models: see
-model/model_cache.py). `exclusive(path)` is a lock file held by one thread of one process
+model/loading/model_cache.py). `exclusive(path)` is a lock file held by one thread of one process
 at a time: a cache filled by whoever comes first (a fleet's engines are threads, a test
 run's workers are processes) is then filled once, the others wait and read it.
 

@@ -115,7 +115,7 @@ class EngineConfig:
     Shape buckets: every step pads its token count to one of
     `precompile_token_paddings` (one compiled forward each) and its logits-row count to
     one of `precompile_bs_paddings` (one compiled lm_head + sampler each). The model is
-    row-invariant at every size (model/row_invariant.py, model/attention.py), so small buckets
+    row-invariant at every size (model/invariance/primitives.py, model/layers/attention.py), so small buckets
     cost no determinism: a lone decode runs a 1-token, 1-row step.
     """
 
@@ -157,7 +157,7 @@ class EngineConfig:
     show_progress: bool = True
     # How each row-invariant primitive computes each step size (a
     # model.invariance_plan.InvariancePlan). None: calibrated on the machine at start-up
-    # (model/calibration.py, cached per backend); a plan given here is used as is.
+    # (model/invariance/calibration.py, cached per backend); a plan given here is used as is.
     invariance_plan: Any = None
 
     def __post_init__(self) -> None:

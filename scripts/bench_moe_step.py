@@ -19,12 +19,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from multiserve.config import ModelConfig
-from multiserve.model.calibration import default_plan
+from multiserve.model.invariance.calibration import default_plan
 from multiserve.model.families import family_for
-from multiserve.model.family_forward import forward
-from multiserve.model.forward_batch import ForwardBatch
-from multiserve.model.kv_pool import make_kv_pool
-from multiserve.model.param_layout import init_random_params
+from multiserve.model.families.forward import forward
+from multiserve.model.layers.forward_batch import ForwardBatch
+from multiserve.model.layers.kv_pool import make_kv_pool
+from multiserve.model.loading.param_layout import init_random_params
 
 SIZES = {  # name -> (hidden, layers, heads, kv heads, experts, top-k, expert intermediate)
     "tiny": (64, 3, 4, 2, 8, 2, 32),

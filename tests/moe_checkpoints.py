@@ -62,8 +62,8 @@ def make_model(arch: str, seed: int = 0) -> Any:
 def save(model: Any, path: Path, *, sharded: bool = False) -> Path:
     """save_pretrained (fp32 safetensors; `sharded`: several files + an index) plus the
     SmolLM2 tokenizer files (an engine loads them)."""
-    from multiserve.model.default_model import default_model_path
-    from multiserve.model.hf_loader import TOKENIZER_FILES
+    from multiserve.model.loading.default_model import default_model_path
+    from multiserve.model.loading.hf import TOKENIZER_FILES
 
     kw = {"max_shard_size": "100KB"} if sharded else {}
     model.save_pretrained(path, safe_serialization=True, **kw)

@@ -62,10 +62,10 @@ from multiserve.engine.device.model_runner import sampler_rows, step_tree
 from multiserve.engine.sampling import host as sampling_host
 from multiserve.engine.sampling import sampler as sampling
 from multiserve.engine.state_report import internal_state
-from multiserve.model.attention import paged_attention
-from multiserve.model.forward_batch import ForwardBatch
-from multiserve.model.llama import layer_weights, lm_head, project_together
-from multiserve.model.row_invariant import dense
+from multiserve.model.layers.attention import paged_attention
+from multiserve.model.layers.forward_batch import ForwardBatch
+from multiserve.model.families.llama import layer_weights, lm_head, project_together
+from multiserve.model.invariance.primitives import dense
 
 MAX_ROUNDS = 50  # timed rounds (each program once per round)
 MIN_ROUNDS = 5  # at least this many, even past the budget

@@ -24,7 +24,7 @@ _WRITER_KEYS = frozenset({"GGUF.version", "GGUF.tensor_count", "GGUF.kv_count",
 
 def f32_path(src: Path) -> Path:
     """Where the F32 copy of `src` lives (whether or not it is written yet)."""
-    from multiserve.model.model_cache import cache_root
+    from multiserve.model.loading.model_cache import cache_root
 
     st = src.stat()
     return cache_root() / "f32-gguf" / f"{src.stem}.{st.st_size}-{st.st_mtime_ns}.F32.gguf"

@@ -87,7 +87,7 @@ def _peer_model(args: argparse.Namespace) -> str:
         return str(args.peer_model)
     gguf = args.peer == "llamacpp"
     if args.model is None:
-        from multiserve.model.default_model import default_model_path, find_default_gguf
+        from multiserve.model.loading.default_model import default_model_path, find_default_gguf
 
         return str(_f32(find_default_gguf()) if gguf else default_model_path())
     if gguf and str(args.model).endswith(".gguf"):

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from multiserve.config import ModelConfig
     from multiserve.engine.core import EngineCore
     from multiserve.engine.device.model_runner import Runner
-    from multiserve.model.kv_pool import KVPool
+    from multiserve.model.layers.kv_pool import KVPool
 
 
 @dataclass(frozen=True)

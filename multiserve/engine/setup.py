@@ -23,8 +23,8 @@ from multiserve.engine.core import EngineCore
 from multiserve.engine.device.model_runner import Runner
 from multiserve.engine.stop_strings import StopStringChecker
 from multiserve.host_heap import release_free_heap
-from multiserve.model.kv_pool import kv_bytes_per_token
-from multiserve.model.loader import load_model
+from multiserve.model.layers.kv_pool import kv_bytes_per_token
+from multiserve.model.loading.loader import load_model
 
 
 @dataclass

@@ -1,10 +1,21 @@
-"""The model package: the model families behind one interface (`families/`: dense Llama /
-Qwen2 / Qwen3 in `llama.py`, Qwen3-MoE / Qwen2-MoE in `moe_decoder.py` + `moe.py`), over a
-paged KV pool; weight loaders (HF safetensors dir, GGUF file), sharding helpers and the
-embedded default model's locator.
+"""The model package, in five rooms (import the submodules directly):
 
-Invariant: importing this package (or `default_model`, `errors`, the loaders, `families`)
-does not import jax; the forward modules (`llama`, `moe_decoder`, `moe`, `attention`,
-`kv_pool`, `sharding`, `forward_batch`, `family_forward`, `simple_generate`) do. Import the
-submodules directly (`from multiserve.model.families import family_for`).
+- `families/`: the model interface (base.py), its registry (__init__), the families (dense:
+  Llama / SmolLM2 / Qwen2 / Qwen3; qwen_moe: Qwen3-MoE / Qwen2-MoE) and their forwards
+  (llama.py, moe_decoder.py, moe.py, forward.py);
+- `layers/`: what every family's forward is made of: paged attention, the KV pool, the
+  ForwardBatch contract;
+- `invariance/`: the invariance plan (what each row-invariant primitive computes at each
+  size), the primitives that follow it, and the calibration that measures it on this machine
+  (workload, probes, choice, on-disk store, driver), plus `multiserve doctor`;
+- `kernels/`: the native CPU kernels (sources in src/, their build and XLA FFI bindings);
+- `loading/`: every model source (HF safetensors dirs, GGUF files, the embedded default
+  model), tensor names, the params layout, the conversion cache.
+
+Beside them: `errors` (ModelLoadError), `sharding` (placement on a device group),
+`simple_generate` (an unbatched greedy loop), `testing` (random models for tests).
+
+Invariant: importing this package, `errors`, `families` (the registry and interface),
+`loading` or `testing` does not import jax; the forwards, `layers`, `invariance`, `kernels`,
+`sharding` and `simple_generate` do.
 """

@@ -18,13 +18,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from multiserve.config import ModelConfig
-from multiserve.model.calibration import default_plan
+from multiserve.model.invariance.calibration import default_plan
 from multiserve.model.families import family_for
-from multiserve.model.family_forward import forward
-from multiserve.model.forward_batch import ForwardBatch
-from multiserve.model.invariance_plan import InvariancePlan
-from multiserve.model.kv_pool import make_kv_pool
-from multiserve.model.row_invariant import is_compute_params
+from multiserve.model.families.forward import forward
+from multiserve.model.layers.forward_batch import ForwardBatch
+from multiserve.model.invariance.plan import InvariancePlan
+from multiserve.model.layers.kv_pool import make_kv_pool
+from multiserve.model.invariance.primitives import is_compute_params
 
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 ROWS = 1  # B == R
@@ -103,7 +103,7 @@ def greedy_generate(model_path: str | None, prompt: str, max_new_tokens: int = 6
     """The greedy answer of a model (None: the default model) to `prompt`."""
     from transformers import PreTrainedTokenizerFast  # tokenizers-backed: no torch
 
-    from multiserve.model.loader import load_model
+    from multiserve.model.loading.loader import load_model
 
     model = load_model(model_path, "float32")
     tok = PreTrainedTokenizerFast.from_pretrained(str(model.tokenizer_dir))

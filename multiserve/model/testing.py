@@ -3,7 +3,7 @@ Numpy only (no jax, no torch)."""
 
 from __future__ import annotations
 
-from multiserve.model.hf_loader import config_to_hf, save_hf_dir
-from multiserve.model.param_layout import init_random_params, param_shapes
+from multiserve.model.loading.hf import config_to_hf, save_hf_dir
+from multiserve.model.loading.param_layout import init_random_params, param_shapes
 
 __all__ = ["config_to_hf", "init_random_params", "param_shapes", "save_hf_dir"]

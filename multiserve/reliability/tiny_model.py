@@ -29,7 +29,7 @@ TINY_RELIABILITY_MODEL = ModelConfig(
 def tiny_params(cfg: ModelConfig, seed: int, perturb: float = 0.0) -> dict[str, Any]:
     """Unit-variance embeddings and 1/sqrt(fan_in) projections (varied greedy output);
     `perturb` > 0 multiplies every weight by (1 + perturb * N(0, 1)), from another stream."""
-    from multiserve.model.param_layout import param_shapes
+    from multiserve.model.loading.param_layout import param_shapes
 
     rng = np.random.default_rng(seed)
     noise = np.random.default_rng(seed + 1_000_003)
@@ -52,8 +52,8 @@ def tiny_params(cfg: ModelConfig, seed: int, perturb: float = 0.0) -> dict[str, 
 
 def write_tiny_model(path: Path | str, seed: int = 0, perturb: float = 0.0) -> Path:
     """Write the tiny model (with the default model's tokenizer) to `path`; returns it."""
-    from multiserve.model.default_model import default_model_path
-    from multiserve.model.hf_loader import save_hf_dir
+    from multiserve.model.loading.default_model import default_model_path
+    from multiserve.model.loading.hf import save_hf_dir
 
     return save_hf_dir(Path(path), TINY_RELIABILITY_MODEL,
                        tiny_params(TINY_RELIABILITY_MODEL, seed, perturb),

@@ -159,7 +159,7 @@ def test_hf_peer_matches_engine_greedy_on_tiny_model(tmp_path) -> None:  # noqa:
     from multiserve.bench.peer import run_peer
     from multiserve.config import EngineConfig, ModelConfig
     from multiserve.engine.engine import Engine
-    from multiserve.model.default_model import default_model_path
+    from multiserve.model.loading.default_model import default_model_path
     from multiserve.model.testing import init_random_params, save_hf_dir
     from multiserve.types import SamplingParams
 

@@ -38,7 +38,7 @@ def quantized(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 def test_f32_copy_is_the_same_model(quantized: Path) -> None:
     from multiserve.bench.gguf_f32 import f32_copy
-    from multiserve.model.gguf_loader import read_gguf
+    from multiserve.model.loading.gguf import read_gguf
 
     copy = f32_copy(quantized)
     assert copy != quantized and copy.is_file()

@@ -16,7 +16,7 @@ ENGINE_FLAGS = ["--token-paddings", "64", "256", "--bs-paddings", "64",
 
 def save_tiny_model(path: Path) -> Path:
     from multiserve.config import ModelConfig
-    from multiserve.model.default_model import default_model_path
+    from multiserve.model.loading.default_model import default_model_path
     from multiserve.model.testing import init_random_params, save_hf_dir
 
     cfg = ModelConfig(**TINY)

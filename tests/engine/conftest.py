@@ -36,7 +36,7 @@ _USED: list[Any] = []  # engines handed to the current test
 def tiny_params(cfg: ModelConfig, seed: int = 0) -> dict[str, Any]:
     """Random weights scaled so the model's greedy output is varied and depends on its
     whole context (unit-variance residual stream, 1/sqrt(fan_in) projections)."""
-    from multiserve.model.param_layout import param_shapes
+    from multiserve.model.loading.param_layout import param_shapes
 
     rng = np.random.default_rng(seed)
 
@@ -56,8 +56,8 @@ def tiny_params(cfg: ModelConfig, seed: int = 0) -> dict[str, Any]:
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A Hugging Face style dir of TINY_MODEL with the SmolLM2 tokenizer: its first
     TINY_VOCAB ids (specials, bytes, early merges) decode normally; prompts are ids."""
-    from multiserve.model.default_model import default_model_path
-    from multiserve.model.loader import save_hf_dir
+    from multiserve.model.loading.default_model import default_model_path
+    from multiserve.model.loading.loader import save_hf_dir
 
     path = tmp_path_factory.mktemp("tiny-llama")
     save_hf_dir(path, TINY_MODEL, tiny_params(TINY_MODEL), tokenizer_dir=default_model_path())

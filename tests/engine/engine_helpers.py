@@ -217,10 +217,10 @@ class ReferenceModel:
         import jax
         import numpy as np
 
-        from multiserve.model.calibration import default_plan
-        from multiserve.model.llama import forward
-        from multiserve.model.loader import load_model
-        from multiserve.model.row_invariant import with_transposed
+        from multiserve.model.invariance.calibration import default_plan
+        from multiserve.model.families.llama import forward
+        from multiserve.model.loading.loader import load_model
+        from multiserve.model.invariance.primitives import with_transposed
 
         loaded = load_model(model_path, np.float32)
         self.cfg = loaded.config
@@ -245,7 +245,7 @@ class ReferenceModel:
         per-step raw log-softmax rows)."""
         import numpy as np
 
-        from multiserve.model.kv_pool import make_kv_pool
+        from multiserve.model.layers.kv_pool import make_kv_pool
         from multiserve.model.simple_generate import single_sequence_batch
 
         ps = self.PAGE_SIZE

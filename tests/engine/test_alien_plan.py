@@ -21,7 +21,7 @@ import pytest
 from engine_helpers import AtTokens, Collector, Trigger
 
 from multiserve.config import EngineConfig
-from multiserve.model.calibration import calibrate, workload_for
+from multiserve.model.invariance.calibration import calibrate, workload_for
 from multiserve.types import SamplingParams
 
 ENGINE = dict(precompile_token_paddings=(1, 4, 16, 64), precompile_bs_paddings=(1, 4, 16),
@@ -41,7 +41,7 @@ def alien(primitive: str, c: dict) -> bool:
 @pytest.fixture(scope="module")
 def alien_engine(tiny_model_dir: Path) -> Iterator[Any]:
     from multiserve.engine.engine import Engine
-    from multiserve.model.loader import load_model
+    from multiserve.model.loading.loader import load_model
 
     cfg = load_model(str(tiny_model_dir), np.float32).config
     workload = workload_for(cfg, ENGINE["precompile_token_paddings"],

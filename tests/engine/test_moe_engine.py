@@ -105,8 +105,8 @@ def test_moe_engine_batch_equals_alone_and_survives_pauses(moe_engine: Any, refe
 
 def test_moe_weight_updates_change_outputs_and_restore_bitwise(
         moe_engine: Any, moe_dir: Path, reference: dict, tmp_path: Path) -> None:
-    from multiserve.model.hf_loader import save_hf_dir
-    from multiserve.model.loader import load_model
+    from multiserve.model.loading.hf import save_hf_dir
+    from multiserve.model.loading.loader import load_model
 
     loaded = load_model(str(moe_dir))
     misses = moe_engine.get_internal_state()["cache_miss_count"]

@@ -278,7 +278,7 @@ def original_norm(tiny_model_dir: Path) -> Any:
     output."""
     import numpy as np
 
-    from multiserve.model.loader import load_model
+    from multiserve.model.loading.loader import load_model
 
     return np.asarray(load_model(str(tiny_model_dir), np.float32).params["final_norm"])
 

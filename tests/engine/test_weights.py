@@ -49,7 +49,7 @@ def _ids(outs: dict) -> dict:
 @pytest.fixture(scope="module")
 def original(tiny_model_dir: Path) -> tuple[Any, dict]:
     """(model config, the original params as numpy): what a trainer would hold."""
-    from multiserve.model.loader import load_model
+    from multiserve.model.loading.loader import load_model
 
     loaded = load_model(str(tiny_model_dir), np.float32)
     return loaded.config, loaded.params
@@ -115,8 +115,8 @@ def test_update_changes_outputs_without_recompiling_and_restores_exactly(
 
 def test_invalid_update_changes_nothing_and_names_the_tensor(
         engine: Any, original: tuple, before: dict, tmp_path: Path) -> None:
-    from multiserve.model.hf_names import params_to_hf
-    from multiserve.model.loader import save_hf_dir
+    from multiserve.model.loading.hf_names import params_to_hf
+    from multiserve.model.loading.loader import save_hf_dir
 
     cfg, params = original
     good = params_to_hf(perturbed(params, 2), cfg)
@@ -136,7 +136,7 @@ def test_invalid_update_changes_nothing_and_names_the_tensor(
         assert st["weight_version"] == "default" and not st["engine_paused"], name
     bad_dir = tmp_path / "bad"
     save_hf_dir(bad_dir, cfg, perturbed(params, 3))
-    from multiserve.model import safetensors_io
+    from multiserve.model.loading import safetensors_io
     named = safetensors_io.load_file(bad_dir / "model.safetensors")
     named = {k: np.array(v) for k, v in named.items()}
     named[Q0] = named[Q0][:, :5]
@@ -212,7 +212,7 @@ def test_update_while_paused_records_segments(engine: Any, trigger: Trigger, ori
 
 
 def test_partial_update_and_two_phase(engine: Any, original: tuple, tmp_path: Path) -> None:
-    from multiserve.model.loader import save_hf_dir
+    from multiserve.model.loading.loader import save_hf_dir
 
     cfg, params = original
     new_q0 = (params["layers"]["wq"][0].T * 2).astype(np.float32)
@@ -247,7 +247,7 @@ def test_partial_update_and_two_phase(engine: Any, original: tuple, tmp_path: Pa
 
 async def test_http_update_and_read_routes(engine: Any, original: tuple, tmp_path: Path,
                                            tiny_model_dir: Path) -> None:
-    from multiserve.model.loader import save_hf_dir
+    from multiserve.model.loading.loader import save_hf_dir
     from multiserve.server.app import build_app
     from multiserve.server.rl_routes import add_rl_routes
     from multiserve.server.tokenizer import TokenizerManager
@@ -303,7 +303,7 @@ async def test_supervisor_fleet_update_is_all_or_nothing(
         tiny_model_dir: Path) -> None:
     from multiserve.fleet.supervisor import build_supervisor_app
     from multiserve.fleet.supervisor_rl import add_rl_supervisor_routes
-    from multiserve.model.loader import save_hf_dir
+    from multiserve.model.loading.loader import save_hf_dir
 
     cfg, params = original
     engines: list[Any] = [engine, tiny_engine_no_overlap]

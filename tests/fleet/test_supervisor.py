@@ -40,7 +40,7 @@ TINY_ENGINE = dict(
 def make_engine(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], Any]:
     """Builds a real Engine on one device: tiny random Llama, small CPU buckets."""
     from multiserve.engine.engine import Engine
-    from multiserve.model.default_model import default_model_path
+    from multiserve.model.loading.default_model import default_model_path
     from multiserve.model.testing import init_random_params, save_hf_dir
 
     model_dir = save_hf_dir(tmp_path_factory.mktemp("tiny-supervisor"), TINY_MODEL,

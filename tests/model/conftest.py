@@ -9,6 +9,6 @@ import pytest
 
 @pytest.fixture(scope="session")
 def default_model():
-    from multiserve.model.loader import load_model
+    from multiserve.model.loading.loader import load_model
 
     return load_model(None, "float32")

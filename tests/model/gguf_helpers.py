@@ -12,8 +12,8 @@ import gguf
 import numpy as np
 
 from multiserve.config import ModelConfig
-from multiserve.model.gguf_loader import gguf_name, llama_permute
-from multiserve.model.hf_names import params_to_hf
+from multiserve.model.loading.gguf import gguf_name, llama_permute
+from multiserve.model.loading.hf_names import params_to_hf
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 MERGES = ["Ġ t", "h e", "Ġt he", "i n", "Ġ a", "a t", "e r"]

@@ -13,12 +13,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from multiserve.config import ModelConfig
-from multiserve.model.calibration import default_plan
+from multiserve.model.invariance.calibration import default_plan
 from multiserve.model.families import family_for
-from multiserve.model.family_forward import forward
-from multiserve.model.forward_batch import ForwardBatch
-from multiserve.model.kv_pool import make_kv_pool
-from multiserve.model.row_invariant import is_compute_params
+from multiserve.model.families.forward import forward
+from multiserve.model.layers.forward_batch import ForwardBatch
+from multiserve.model.layers.kv_pool import make_kv_pool
+from multiserve.model.invariance.primitives import is_compute_params
 
 # one jitted forward for all simulators (any family): its compile cache is shared
 FORWARD = jax.jit(forward, static_argnames=("cfg", "page_size", "attn_block_size", "plan"),

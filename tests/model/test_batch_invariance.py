@@ -11,7 +11,7 @@ import pytest
 from model_helpers import TINY_LLAMA, PagedSim
 
 from multiserve.config import ModelConfig
-from multiserve.model.param_layout import init_random_params
+from multiserve.model.loading.param_layout import init_random_params
 
 
 def run_modes(params, cfg: ModelConfig, target: list[int], probe: list[int], *,

@@ -9,7 +9,7 @@ import ml_dtypes
 import numpy as np
 from model_helpers import TINY_LLAMA, PagedSim
 
-from multiserve.model.param_layout import init_random_params
+from multiserve.model.loading.param_layout import init_random_params
 
 
 def test_bf16_forward_is_close_to_f32() -> None:

@@ -1,4 +1,4 @@
-"""The calibration (model/calibration.py) on an alien backend: the probe is made to see
+"""The calibration (model/invariance/calibration.py) on an alien backend: the probe is made to see
 candidates that sum differently (their rows' hashes changed), and must then choose the
 fallback formulations, and say so in its table; the cache serves a second start."""
 
@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from model_helpers import TINY_LLAMA
 
-from multiserve.model.calibration import Candidate, calibrate, select, workload_for
-from multiserve.model.invariance_plan import InvariancePlan
+from multiserve.model.invariance.calibration import Candidate, calibrate, select, workload_for
+from multiserve.model.invariance.plan import InvariancePlan
 
 TOKENS = (1, 2, 4, 8, 16, 32, 64)
 ROWS = (1, 2, 4, 8)
@@ -71,7 +71,7 @@ def test_no_position_invariant_reference_is_not_verified() -> None:
 
 
 def test_second_start_reads_the_cache(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import multiserve.model.calibration as cal
+    import multiserve.model.invariance.calibration as cal
 
     monkeypatch.setenv("MULTISERVE_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(cal, "_MEMO", {})
@@ -91,7 +91,7 @@ def test_products_probed_once_per_process_across_workloads(monkeypatch: pytest.M
     other pages, or two tests): the second probes its attention but not the products the
     first probed already, and its product plans are the first's; nor does another process
     (the probes are stored). A distorted or uncached calibration never reuses a probe."""
-    import multiserve.model.calibration as cal
+    import multiserve.model.invariance.calibration as cal
 
     monkeypatch.setenv("MULTISERVE_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(cal, "_MEMO", {})

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from model_helpers import PagedSim
 
-from multiserve.model.default_model import default_model_path, find_default_gguf
+from multiserve.model.loading.default_model import default_model_path, find_default_gguf
 from multiserve.model.simple_generate import greedy_token_ids
 
 PROMPTS = [
@@ -41,7 +41,7 @@ def test_default_model_is_found_and_cached() -> None:
 
 
 def test_default_model_module_imports_without_jax() -> None:
-    code = ("import sys, multiserve.model.default_model as d; d.find_default_gguf(); "
+    code = ("import sys, multiserve.model.loading.default_model as d; d.find_default_gguf(); "
             "assert 'jax' not in sys.modules, 'jax imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
 

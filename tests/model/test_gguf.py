@@ -15,11 +15,11 @@ from transformers import AutoTokenizer
 
 from multiserve.config import ModelConfig
 from multiserve.model.errors import ModelLoadError
-from multiserve.model.gguf_loader import gguf_name, llama_unpermute
-from multiserve.model.hf_loader import save_hf_dir
-from multiserve.model.hf_names import params_to_hf
-from multiserve.model.loader import load_model
-from multiserve.model.param_layout import init_random_params
+from multiserve.model.loading.gguf import gguf_name, llama_unpermute
+from multiserve.model.loading.hf import save_hf_dir
+from multiserve.model.loading.hf_names import params_to_hf
+from multiserve.model.loading.loader import load_model
+from multiserve.model.loading.param_layout import init_random_params
 
 Q = gguf.GGMLQuantizationType
 BASE = dict(vocab_size=272, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
@@ -108,7 +108,7 @@ def test_unsupported_tensor_type_names_file_and_tensor(tmp_path: Path) -> None:
     cfg = CONFIGS["llama"]
     path = write_gguf(tmp_path / "iq.gguf", cfg, init_random_params(cfg, seed=2),
                       lambda n: Q.Q5_1 if n == "blk.1.ffn_gate.weight" else Q.F32)
-    from multiserve.model import gguf_loader
+    from multiserve.model.loading import gguf as gguf_loader
 
     supported = tuple(t for t in gguf_loader.SUPPORTED_TYPES if t != "Q5_1")
     mp = pytest.MonkeyPatch()
@@ -145,7 +145,7 @@ def test_concurrent_loads_convert_once(tmp_path: Path, monkeypatch: pytest.Monke
     the others wait for it and read its result."""
     import threading
 
-    from multiserve.model import model_cache
+    from multiserve.model.loading import model_cache
 
     cfg = CONFIGS["llama"]
     gguf_path = write_gguf(tmp_path / "m.gguf", cfg, init_random_params(cfg, seed=3),

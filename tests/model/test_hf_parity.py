@@ -15,10 +15,10 @@ import transformers
 from model_helpers import PagedSim
 
 from multiserve.config import ModelConfig, RopeScaling
-from multiserve.model.hf_loader import rope_scaling_to_hf
-from multiserve.model.hf_names import params_to_hf
-from multiserve.model.loader import load_model
-from multiserve.model.param_layout import init_random_params
+from multiserve.model.loading.hf import rope_scaling_to_hf
+from multiserve.model.loading.hf_names import params_to_hf
+from multiserve.model.loading.loader import load_model
+from multiserve.model.loading.param_layout import init_random_params
 
 BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
             num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, bos_token_id=1, eos_token_ids=(2,))

@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 from model_helpers import TINY_LLAMA, PagedSim
 
-from multiserve.model.kv_pool import kv_bytes_per_token, make_kv_pool
-from multiserve.model.param_layout import init_random_params
+from multiserve.model.layers.kv_pool import kv_bytes_per_token, make_kv_pool
+from multiserve.model.loading.param_layout import init_random_params
 
 
 def test_pool_layout_and_bytes() -> None:

@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 from model_helpers import TINY_LLAMA
 
-from multiserve.model import safetensors_io
+from multiserve.model.loading import safetensors_io
 from multiserve.model.errors import ModelLoadError
-from multiserve.model.hf_loader import save_hf_dir
-from multiserve.model.hf_names import params_from_hf, params_to_hf
-from multiserve.model.loader import load_model
-from multiserve.model.param_layout import init_random_params
+from multiserve.model.loading.hf import save_hf_dir
+from multiserve.model.loading.hf_names import params_from_hf, params_to_hf
+from multiserve.model.loading.loader import load_model
+from multiserve.model.loading.param_layout import init_random_params
 
 
 @pytest.fixture()

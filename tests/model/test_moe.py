@@ -17,11 +17,11 @@ import torch
 from model_helpers import PagedSim
 from moe_checkpoints import ARCHS, make_model, save
 
-from multiserve.model.calibration import default_plan
+from multiserve.model.invariance.calibration import default_plan
 from multiserve.model.families import family_for
-from multiserve.model.hf_names import params_to_hf
-from multiserve.model.loader import load_model
-from multiserve.model.safetensors_io import load_file
+from multiserve.model.loading.hf_names import params_to_hf
+from multiserve.model.loading.loader import load_model
+from multiserve.model.loading.safetensors_io import load_file
 from multiserve.model.simple_generate import greedy_token_ids
 
 torch.set_num_threads(1)  # several busy threads on 2 shared cores slow torch 10x
@@ -109,7 +109,7 @@ def gather_plan(plan: Any) -> Any:
     against its gathered expert matrix), the one used where the native kernel is not."""
     from dataclasses import replace
 
-    from multiserve.model.invariance_plan import Formulation
+    from multiserve.model.invariance.plan import Formulation
 
     return replace(plan, products=tuple(
         replace(p, by_rows=tuple((m, Formulation("gather", m)) for m, _ in p.by_rows))
@@ -122,9 +122,9 @@ def test_expert_rows_do_not_depend_on_who_else_chose_the_expert(kind: str,
     """One MoE layer's output for a fixed token, computed beside 0..255 other tokens that
     (by construction of the batch) crowd its experts or avoid them: bitwise the same; with
     the calibrated plan (here: the native grouped kernel) and with "gather"."""
-    from multiserve.model.llama import layer_projection
-    from multiserve.model.moe import moe_mlp
-    from multiserve.model.moe_decoder import _select, moe_dense_matrices
+    from multiserve.model.families.llama import layer_projection
+    from multiserve.model.families.moe import moe_mlp
+    from multiserve.model.families.moe_decoder import _select, moe_dense_matrices
 
     _, path, _ = checkpoint("qwen2_moe", tmp_path_factory)
     loaded = load_model(str(path), "float32")
@@ -193,8 +193,8 @@ def test_calibration_checks_grouped_products_and_falls_back_to_gather() -> None:
     rows differ from size to size (distorted), native can serve a verified plan only as one
     size every step is padded to (the largest), never two native sizes nor native beside
     gather: which of that and "gather" wins is a matter of timing."""
-    from multiserve.model import native_kernels
-    from multiserve.model.calibration import GroupedUse, _probe_grouped, select
+    from multiserve.model.kernels import native as native_kernels
+    from multiserve.model.invariance.calibration import GroupedUse, _probe_grouped, select
 
     use = GroupedUse("we_gate", 64, 32, 64, 32, experts=8, sizes=(2, 8, 32, 128))
     device = jax.devices()[0]

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 from model_helpers import TINY_LLAMA
 
-from multiserve.model import native_kernels
-from multiserve.model.attention import paged_attention
-from multiserve.model.calibration import calibrate, workload_for
-from multiserve.model.forward_batch import ForwardBatch
-from multiserve.model.invariance_plan import AttentionPlan
+from multiserve.model.kernels import native as native_kernels
+from multiserve.model.layers.attention import paged_attention
+from multiserve.model.invariance.calibration import calibrate, workload_for
+from multiserve.model.layers.forward_batch import ForwardBatch
+from multiserve.model.invariance.plan import AttentionPlan
 
 XLA = AttentionPlan(((1 << 20, (4, 4)),), False)  # chunks of 4 rows, any T
 NATIVE = AttentionPlan(((1 << 20, (1, 1)),), False, "native")
@@ -147,11 +147,11 @@ def test_fused_layer_products_give_the_separate_products_bits(qwen2: bool) -> No
     import dataclasses
 
     from multiserve.config import ModelConfig
-    from multiserve.model.invariance_plan import Formulation, ProductPlan
-    from multiserve.model.kv_pool import make_kv_pool
-    from multiserve.model.llama import forward_hidden, fused_groups, plan_kernels
-    from multiserve.model.param_layout import init_random_params
-    from multiserve.model.row_invariant import with_transposed
+    from multiserve.model.invariance.plan import Formulation, ProductPlan
+    from multiserve.model.layers.kv_pool import make_kv_pool
+    from multiserve.model.families.llama import forward_hidden, fused_groups, plan_kernels
+    from multiserve.model.loading.param_layout import init_random_params
+    from multiserve.model.invariance.primitives import with_transposed
 
     cfg = ModelConfig(architecture="qwen2" if qwen2 else "llama", vocab_size=300,
                       hidden_size=80, intermediate_size=100, num_layers=2, num_heads=5,

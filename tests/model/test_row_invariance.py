@@ -1,4 +1,4 @@
-"""The invariance plan the engine calibrates (model/calibration.py) is bitwise invariant on
+"""The invariance plan the engine calibrates (model/invariance/calibration.py) is bitwise invariant on
 the machine running these tests.
 
 Nothing here hard-codes a backend fact: each test takes the plan that an engine would
@@ -20,13 +20,14 @@ import pytest
 from model_helpers import TINY_LLAMA
 
 from multiserve.config import EngineConfig
-from multiserve.model.attention import paged_attention
-from multiserve.model.calibration import default_plan
-from multiserve.model.forward_batch import ForwardBatch
-from multiserve.model.invariance_plan import InvariancePlan
-from multiserve.model.llama import head_shape, layer_matrix_shapes, plan_kernels, rms_norm
-from multiserve.model.native_kernels import pack_panels
-from multiserve.model.row_invariant import dense, row_sum
+from multiserve.model.layers.attention import paged_attention
+from multiserve.model.invariance.calibration import default_plan
+from multiserve.model.layers.forward_batch import ForwardBatch
+from multiserve.model.invariance.plan import InvariancePlan
+from multiserve.model.families.llama import head_shape, layer_matrix_shapes, plan_kernels
+from multiserve.model.layers.norm import rms_norm
+from multiserve.model.kernels.native import pack_panels
+from multiserve.model.invariance.primitives import dense, row_sum
 
 TOKENS = EngineConfig().precompile_token_paddings
 ROWS = EngineConfig().precompile_bs_paddings
@@ -36,7 +37,7 @@ ROWS = EngineConfig().precompile_bs_paddings
 def model(request: pytest.FixtureRequest) -> tuple[object, InvariancePlan]:
     if request.param == "tiny":
         return TINY_LLAMA, default_plan(TINY_LLAMA)
-    from multiserve.model.loader import load_model
+    from multiserve.model.loading.loader import load_model
 
     cfg = load_model(None, np.float32).config
     return cfg, default_plan(cfg)

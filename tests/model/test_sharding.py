@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 from model_helpers import PagedSim
 
 from multiserve.config import ModelConfig
-from multiserve.model.param_layout import init_random_params
+from multiserve.model.loading.param_layout import init_random_params
 from multiserve.model.sharding import kv_pool_sharding, make_mesh, param_specs, shard_params
 
 BASE = dict(vocab_size=256, intermediate_size=128, num_layers=2, rms_norm_eps=1e-5)

@@ -55,7 +55,7 @@ def engines(model_dir: Path) -> Iterator[list[Any]]:
 @pytest.fixture(scope="module")
 def trainer_params(model_dir: Path) -> dict:
     """What the trainer holds: the model's params as a numpy pytree."""
-    from multiserve.model.loader import load_model
+    from multiserve.model.loading.loader import load_model
 
     return load_model(model_dir, np.float32).params
 
@@ -152,7 +152,7 @@ def test_over_http_with_supervisor(engines: list[Any], prompts: list[list[int]],
                                    tmp_path: Path) -> None:
     from multiserve.fleet.supervisor import build_supervisor_app
     from multiserve.fleet.supervisor_rl import add_rl_supervisor_routes
-    from multiserve.model.hf_names import params_to_hf
+    from multiserve.model.loading.hf_names import params_to_hf
     from multiserve.server.app import build_app
     from multiserve.server.rl_routes import add_rl_routes
     from multiserve.server.server_thread import ServerThread

@@ -30,7 +30,7 @@ ENGINE_KW: dict[str, Any] = dict(
 @pytest.fixture(scope="session")
 def tokenizer_dir() -> Path:
     """The default model's HF-format directory (jax-free to locate)."""
-    from multiserve.model.default_model import default_model_path
+    from multiserve.model.loading.default_model import default_model_path
 
     return Path(default_model_path())
 

@@ -54,12 +54,12 @@ from multiserve.engine.device.program_share import SHARE
 from multiserve.engine.device.programs import Plan, ProgramSet, plan, smallest_fit
 from multiserve.engine.sampling import host as sampling_host
 from multiserve.engine.sampling import sampler as sampling
-from multiserve.model.calibration import calibrate, workload_for
+from multiserve.model.invariance.calibration import calibrate, workload_for
 from multiserve.model.families import family_for
-from multiserve.model.forward_batch import ForwardBatch
-from multiserve.model.invariance_plan import Calibration, InvariancePlan
-from multiserve.model.kv_pool import KVPool, make_kv_pool
-from multiserve.model.llama import UNROLL_MAX_TOKENS
+from multiserve.model.layers.forward_batch import ForwardBatch
+from multiserve.model.invariance.plan import Calibration, InvariancePlan
+from multiserve.model.layers.kv_pool import KVPool, make_kv_pool
+from multiserve.model.families.llama import UNROLL_MAX_TOKENS
 from multiserve.model.sharding import kv_pool_sharding, make_mesh, shard_params
 
 ARRAY_FIELDS = ("input_ids", "from_prev", "positions", "token_seq", "out_slots", "page_table",
@@ -149,7 +149,7 @@ class Runner:
 
     def _calibrate(self) -> Calibration:
         """This engine's invariance plan: pinned by the config, else measured on its first
-        device's backend for exactly its shapes and buckets (model/calibration.py; cached,
+        device's backend for exactly its shapes and buckets (model/invariance/calibration.py; cached,
         so a second start, or a second engine of the same kind, probes nothing)."""
         cfg = self.cfg
         if cfg.invariance_plan is not None:

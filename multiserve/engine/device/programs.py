@@ -6,7 +6,7 @@ of time (`jax.jit(...).lower(...).compile()`) and the step calls the compiled ex
 directly, so a step never traces or compiles: a shape without a program is never chosen.
 
 Serving before every program is compiled. The model is row-invariant at every bucket
-(model/row_invariant.py, model/attention.py): a step padded to a larger bucket gives every
+(model/invariance/primitives.py, model/layers/attention.py): a step padded to a larger bucket gives every
 real row bitwise the same result. So an engine needs only a *covering* set to serve every
 step shape: the largest token bucket and the largest row bucket (plus the scanned token
 buckets, T > llama.UNROLL_MAX_TOKENS, which compile in ~2 s and keep a lone decode off the

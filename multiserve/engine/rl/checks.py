@@ -26,11 +26,11 @@ import ml_dtypes
 import numpy as np
 
 from multiserve.config import ModelConfig
-from multiserve.model import safetensors_io
+from multiserve.model.loading import safetensors_io
 from multiserve.model.errors import ModelLoadError
 from multiserve.model.families import family_for
-from multiserve.model.hf_names import HfTensorSpec, hf_tensor_specs
-from multiserve.model.param_layout import param_shapes
+from multiserve.model.loading.hf_names import HfTensorSpec, hf_tensor_specs
+from multiserve.model.loading.param_layout import param_shapes
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -228,7 +228,7 @@ class ParamLayout:
         cfg_file = model_dir / "config.json"
         if not cfg_file.exists():
             return
-        from multiserve.model.hf_loader import load_hf_config
+        from multiserve.model.loading.hf import load_hf_config
 
         try:
             theirs = load_hf_config(model_dir)

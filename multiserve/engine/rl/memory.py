@@ -41,7 +41,7 @@ import jax
 import numpy as np
 
 from multiserve.engine.rl.weights import WeightManager
-from multiserve.model.kv_pool import KVPool, make_kv_pool
+from multiserve.model.layers.kv_pool import KVPool, make_kv_pool
 from multiserve.model.sharding import kv_pool_sharding
 from multiserve.types import MEMORY_TAGS, ControlResult, MemoryTag
 

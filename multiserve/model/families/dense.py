@@ -7,7 +7,7 @@ Params layout (plain dict; "layers" leaves stacked over L layers; matmul weights
           bq [L, H*hd], bk, bv [L, KV*hd]   (only when cfg.attention_bias)
           q_norm, k_norm [L, hd]            (only when cfg.qk_norm)
           mlp_norm [L, D]; w_gate, w_up [L, D, F]; w_down [L, F, D]
-The forward is model/llama.py. Shared with the MoE families: the attention half of the
+The forward is model/families/llama.py. Shared with the MoE families: the attention half of the
 layout and its HF names (`attention_layer_shapes`, `ATTENTION_HF_NAMES`), the top-level
 tensors (`top_level`), the attention sharding rules (`attention_specs`).
 """
@@ -209,8 +209,8 @@ class DenseFamily:
         """`row_invariant.with_transposed` for `plan` (None: every layout, stacked
         transposes too: for code that runs several plans), the layer matrices the plan runs
         natively alike at every step size fused (`llama.fused_groups`)."""
-        from multiserve.model.llama import fused_groups, plan_kernels, scan_needs_transposes
-        from multiserve.model.row_invariant import with_transposed
+        from multiserve.model.families.llama import fused_groups, plan_kernels, scan_needs_transposes
+        from multiserve.model.invariance.primitives import with_transposed
 
         if plan is None:
             return with_transposed(params, cfg, stacked_t=True)
@@ -222,17 +222,17 @@ class DenseFamily:
     def forward_hidden(self, params: dict[str, Any], kv_pool: Any, batch: Any,
                        cfg: ModelConfig, *, page_size: int, attn_block_size: int,
                        plan: Any) -> tuple[Any, Any]:
-        from multiserve.model.llama import forward_hidden
+        from multiserve.model.families.llama import forward_hidden
 
         return forward_hidden(params, kv_pool, batch, cfg, page_size=page_size,
                               attn_block_size=attn_block_size, plan=plan)
 
     def lm_head(self, params: dict[str, Any], h: Any, plan: Any) -> Any:
-        from multiserve.model.llama import lm_head
+        from multiserve.model.families.llama import lm_head
 
         return lm_head(params, h, plan)
 
     def scans(self, plan: Any, num_tokens: int) -> bool:
-        from multiserve.model.llama import scans
+        from multiserve.model.families.llama import scans
 
         return scans(plan, num_tokens)

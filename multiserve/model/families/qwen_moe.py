@@ -13,7 +13,7 @@ Params layout (plain dict; matmul weights [in, out]):
   moe (stacked over the Lm sparse layers): router [Lm, D, E];
           we_gate, we_up [Lm, E, D, Fe]; we_down [Lm, E, Fe, D];
           qwen2_moe: ws_gate, ws_up [Lm, D, Fs], ws_down [Lm, Fs, D], ws_router [Lm, D, 1]
-The forward is model/moe_decoder.py (the expert block: model/moe.py).
+The forward is model/families/moe_decoder.py (the expert block: model/families/moe.py).
 
 Sharding over an engine's device group (`moe_sharding`, EngineConfig): "tensor" splits
 each expert's intermediate dim Fe (we_gate/we_up columns, we_down rows) like the dense
@@ -235,9 +235,9 @@ class QwenMoeFamily:
     def compute_params(self, params: dict[str, Any], cfg: ModelConfig, plan: Any,
                        token_sizes: tuple[int, ...]) -> dict[str, Any]:
         """moe_decoder.compute_params with the layouts of the plan's kernels (None: all)."""
-        from multiserve.model.invariance_plan import KERNELS
-        from multiserve.model.llama import plan_kernels
-        from multiserve.model.moe_decoder import compute_params
+        from multiserve.model.invariance.plan import KERNELS
+        from multiserve.model.families.llama import plan_kernels
+        from multiserve.model.families.moe_decoder import compute_params
 
         kernels = frozenset(KERNELS) if plan is None else plan_kernels(plan)
         return compute_params(params, cfg, kernels)
@@ -245,13 +245,13 @@ class QwenMoeFamily:
     def forward_hidden(self, params: dict[str, Any], kv_pool: Any, batch: Any,
                        cfg: ModelConfig, *, page_size: int, attn_block_size: int,
                        plan: Any) -> tuple[Any, Any]:
-        from multiserve.model.moe_decoder import forward_hidden
+        from multiserve.model.families.moe_decoder import forward_hidden
 
         return forward_hidden(params, kv_pool, batch, cfg, page_size=page_size,
                               attn_block_size=attn_block_size, plan=plan)
 
     def lm_head(self, params: dict[str, Any], h: Any, plan: Any) -> Any:
-        from multiserve.model.llama import lm_head
+        from multiserve.model.families.llama import lm_head
 
         return lm_head(params, h, plan)
 

@@ -36,6 +36,6 @@ def find_default_gguf() -> Path:
 
 def default_model_path() -> Path:
     """The default model as an HF-format directory (converted once, then cached)."""
-    from multiserve.model.model_cache import cached_gguf_dir
+    from multiserve.model.loading.model_cache import cached_gguf_dir
 
     return cached_gguf_dir(find_default_gguf(), name=DEFAULT_MODEL_NAME)

@@ -26,18 +26,18 @@ import jax
 import jax.numpy as jnp
 
 from multiserve.config import ModelConfig
-from multiserve.model.forward_batch import ForwardBatch
-from multiserve.model.invariance_plan import InvariancePlan
-from multiserve.model.kv_pool import KVPool
-from multiserve.model.llama import (
+from multiserve.model.layers.forward_batch import ForwardBatch
+from multiserve.model.invariance.plan import InvariancePlan
+from multiserve.model.layers.kv_pool import KVPool
+from multiserve.model.families.llama import (
     attention_block,
     layer_projection,
-    rms_norm,
-    rope_inv_freq,
 )
-from multiserve.model.moe import EXPERT_MATRICES, SHARED_MATRICES, moe_mlp
-from multiserve.model.native_kernels import pack_panels
-from multiserve.model.row_invariant import (
+from multiserve.model.layers.norm import rms_norm
+from multiserve.model.layers.rope import rope_inv_freq
+from multiserve.model.families.moe import EXPERT_MATRICES, SHARED_MATRICES, moe_mlp
+from multiserve.model.kernels.native import pack_panels
+from multiserve.model.invariance.primitives import (
     LAYOUT_SUFFIX,
     is_compute_params,
     pack_tree,

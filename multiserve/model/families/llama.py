@@ -16,7 +16,6 @@ fp32. The layers are unrolled over that tuple (see `forward_hidden`).
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import jax
@@ -24,18 +23,19 @@ import jax.numpy as jnp
 import numpy as np
 
 from multiserve.config import ModelConfig
-from multiserve.model.attention import paged_attention
-from multiserve.model.forward_batch import ForwardBatch
-from multiserve.model.invariance_plan import InvariancePlan, ProductPlan, RowSumPlan
-from multiserve.model.kv_pool import KVPool
-from multiserve.model.native_kernels import PANEL
-from multiserve.model.row_invariant import (
+from multiserve.model.layers.attention import paged_attention
+from multiserve.model.layers.forward_batch import ForwardBatch
+from multiserve.model.invariance.plan import InvariancePlan, ProductPlan
+from multiserve.model.layers.kv_pool import KVPool
+from multiserve.model.layers.norm import rms_norm
+from multiserve.model.layers.rope import apply_rope, rope_inv_freq
+from multiserve.model.kernels.native import PANEL
+from multiserve.model.invariance.primitives import (
     FUSED_GROUPS,
     LAYER_MATRICES,
     LAYOUT_SUFFIX,
     dense,
     is_compute_params,
-    row_sum,
 )
 
 Params = dict[str, Any]
@@ -101,41 +101,6 @@ def project_together(h: jax.Array, w: dict[str, jax.Array | None],
     together = ProductPlan(group, first.k, int(starts[-1]), first.by_rows)
     out = dense(h, None, None, together, w_p=panels, layer=layer)
     return tuple(out[:, int(a):int(a) + n] for a, n in zip(starts[:-1], widths, strict=True))
-
-
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float, plan: RowSumPlan) -> jax.Array:
-    """RMSNorm over the last axis; each row's result is independent of the row count
-    (`row_sum` by the plan: XLA's own mean changes order with the operand's size)."""
-    xf = x.astype(jnp.float32)
-    var = row_sum(xf * xf, plan)[..., None] / x.shape[-1]
-    return (xf * jax.lax.rsqrt(var + eps)).astype(x.dtype) * weight
-
-
-def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
-    """Per-pair inverse frequencies [hd/2] (float32), llama3 rope scaling applied."""
-    hd = cfg.head_dim
-    inv = (1.0 / (cfg.rope_theta ** (np.arange(0, hd, 2, dtype=np.float32) / hd))).astype(
-        np.float32)
-    rs = cfg.rope_scaling
-    if rs is None:
-        return inv
-    low_wl = rs.original_max_position_embeddings / rs.low_freq_factor
-    high_wl = rs.original_max_position_embeddings / rs.high_freq_factor
-    wavelen = 2 * math.pi / inv
-    scaled = np.where(wavelen > low_wl, inv / rs.factor, inv)
-    smooth = ((rs.original_max_position_embeddings / wavelen - rs.low_freq_factor)
-              / (rs.high_freq_factor - rs.low_freq_factor))
-    smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
-    medium = (wavelen >= high_wl) & (wavelen <= low_wl)
-    return np.where(medium, smoothed, scaled).astype(np.float32)
-
-
-def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotate-half RoPE. x [T, heads, hd]; cos/sin [T, 1, hd/2] float32."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x.dtype)
 
 
 def _layer(x: jax.Array, kv: KVPool, layer: int | jax.Array, w: dict[str, jax.Array | None],

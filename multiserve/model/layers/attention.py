@@ -1,6 +1,6 @@
 """Paged, batch-invariant causal attention: the ONE function a device kernel may replace.
 
-Two kernels, chosen by the engine's `AttentionPlan` (calibrated, model/calibration.py):
+Two kernels, chosen by the engine's `AttentionPlan` (calibrated, model/invariance/calibration.py):
 "native", the CPU kernel of native_kernels.py (reads K/V in place, invariant by
 construction), and "xla", the pure-JAX formulation below (every platform).
 
@@ -18,7 +18,7 @@ Batch invariance (the engine's greedy determinism rests on it), by construction:
   Which (T, C) give every row the same bits is a backend fact that differs between
   machines (measured: on an AVX2 Zen3 CPU C = 1, 2, 8, 16 agreed and C = 4 did not; on an
   AVX-512 EPYC C >= 4 agree and C = 1, 2 do not once a step has more than one chunk), so
-  the plan is calibrated on the machine that runs the engine (model/calibration.py).
+  the plan is calibrated on the machine that runs the engine (model/invariance/calibration.py).
   Every contraction is batched over (head, token) and contracts only head_dim or the key
   block, so a token's result is independent of the other tokens in its chunk.
 - Keys are visited in blocks of `block_size` consecutive positions aligned to position 0
@@ -35,13 +35,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from multiserve.model.forward_batch import ForwardBatch
-from multiserve.model.invariance_plan import AttentionPlan
-from multiserve.model.native_kernels import paged_attention_native
-from multiserve.model.row_invariant import row_sum_rows
+from multiserve.model.layers.forward_batch import ForwardBatch
+from multiserve.model.invariance.plan import AttentionPlan
+from multiserve.model.kernels.native import paged_attention_native
+from multiserve.model.invariance.primitives import row_sum_rows
 
 MASK_VALUE = -1e30  # finite: exp(MASK_VALUE - m) == 0 exactly, never inf - inf
-# Query chunk sizes the calibration tries (model/calibration.py).
+# Query chunk sizes the calibration tries (model/invariance/calibration.py).
 QUERY_CHUNKS = (1, 2, 4, 8, 16)
 # dot_general dims, batch (KV, C): [KV,C,G,hd] x [KV,C,bs,hd] -> [KV,C,G,bs], and back
 _SCORES = (((3,), (3,)), ((0, 1), (0, 1)))

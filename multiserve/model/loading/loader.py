@@ -17,8 +17,8 @@ import numpy as np
 
 from multiserve.config import ModelConfig
 from multiserve.model.errors import ModelLoadError
-from multiserve.model.hf_loader import load_hf_dir, save_hf_dir  # noqa: F401 (re-export)
-from multiserve.model.param_layout import init_random_params  # noqa: F401 (re-export)
+from multiserve.model.loading.hf import load_hf_dir, save_hf_dir  # noqa: F401 (re-export)
+from multiserve.model.loading.param_layout import init_random_params  # noqa: F401 (re-export)
 
 
 @dataclass(frozen=True)
@@ -43,14 +43,14 @@ def numpy_dtype(dtype: Any) -> np.dtype:
 def resolve_model_dir(path: str | Path | None) -> Path:
     """The HF-format directory for a model source (converting a GGUF if needed)."""
     if path is None:
-        from multiserve.model.default_model import default_model_path
+        from multiserve.model.loading.default_model import default_model_path
 
         return default_model_path()
     p = Path(path).expanduser()
     if p.is_dir():
         return p
     if p.is_file() and p.suffix == ".gguf":
-        from multiserve.model.model_cache import cached_gguf_dir
+        from multiserve.model.loading.model_cache import cached_gguf_dir
 
         return cached_gguf_dir(p)
     if p.is_file():

@@ -18,10 +18,10 @@ from typing import Any
 import numpy as np
 
 from multiserve.config import ConfigError, ModelConfig, RopeScaling
-from multiserve.model import safetensors_io
+from multiserve.model.loading import safetensors_io
 from multiserve.model.errors import ModelLoadError
 from multiserve.model.families import HF_ARCHITECTURES, architecture_of_hf, family_for
-from multiserve.model.hf_names import params_from_hf, params_to_hf
+from multiserve.model.loading.hf_names import params_from_hf, params_to_hf
 
 ARCHITECTURES = HF_ARCHITECTURES  # HF class name -> our architecture (every family's)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",

@@ -1,5 +1,5 @@
 // multiserve's CPU paged attention, an XLA FFI custom call (built and loaded by
-// multiserve/model/native_kernels.py; the pure-JAX paged_attention is the reference
+// multiserve/model/kernels/native.py; the pure-JAX paged_attention is the reference
 // formulation everywhere else).
 //
 // out[t, h*G + g, :] = softmax(q[t, h*G + g, :] . K_s[0..p] * scale) V_s[0..p] for every

@@ -3,7 +3,7 @@
 A token's numerics must not depend on how many other tokens share its step. Which
 formulation of a primitive gives every row the same bits at every size is a fact of the
 backend (CPU model and ISA, GPU/TPU kind, XLA version), so it is measured on the machine
-that runs the engine (`model/calibration.py`) and written down here, as data:
+that runs the engine (`model/invariance/calibration.py`) and written down here, as data:
 
 - `ProductPlan`, per contraction x[M, K] @ W[K, N]: for each row count M the engine runs,
   a `Formulation` (kernel "plain" = x @ W, "nt" = dot_general against W^T stored [N, K],

@@ -12,9 +12,9 @@ import jax.numpy as jnp
 
 from multiserve.config import ModelConfig
 from multiserve.model.families import family_for
-from multiserve.model.forward_batch import ForwardBatch
-from multiserve.model.invariance_plan import InvariancePlan
-from multiserve.model.kv_pool import KVPool
+from multiserve.model.layers.forward_batch import ForwardBatch
+from multiserve.model.invariance.plan import InvariancePlan
+from multiserve.model.layers.kv_pool import KVPool
 
 
 def forward(params: dict[str, Any], kv_pool: KVPool, batch: ForwardBatch, cfg: ModelConfig,

@@ -34,8 +34,8 @@ import jax
 import jax.numpy as jnp
 
 from multiserve.config import ModelConfig
-from multiserve.model.invariance_plan import ProductPlan
-from multiserve.model.native_kernels import grouped_row_gemm
+from multiserve.model.invariance.plan import ProductPlan
+from multiserve.model.kernels.native import grouped_row_gemm
 
 EXPERT_MATRICES = ("we_gate", "we_up", "we_down")  # [E, in, out] per MoE layer
 SHARED_MATRICES = ("ws_gate", "ws_up", "ws_down", "ws_router")  # qwen2_moe's shared expert

@@ -56,11 +56,11 @@ def _is_valid(out_dir: Path, record: dict) -> bool:
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     """Write the HF-format directory for `gguf_path` into `out_dir` (not atomic)."""
-    from multiserve.model.gguf_loader import read_gguf
-    from multiserve.model.gguf_tokenizer import write_tokenizer_files
-    from multiserve.model.hf_loader import config_to_hf
-    from multiserve.model.hf_names import params_from_hf
-    from multiserve.model.safetensors_io import save_file
+    from multiserve.model.loading.gguf import read_gguf
+    from multiserve.model.loading.gguf_tokenizer import write_tokenizer_files
+    from multiserve.model.loading.hf import config_to_hf
+    from multiserve.model.loading.hf_names import params_from_hf
+    from multiserve.model.loading.safetensors_io import save_file
 
     cfg, named, meta = read_gguf(gguf_path)
     params_from_hf(named, cfg, source=str(gguf_path))  # validates names and shapes

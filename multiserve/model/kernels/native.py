@@ -16,7 +16,7 @@
   doctor`).
 
 Both are row-invariant by construction (see the .cc files), which the calibration still
-verifies bitwise like any other candidate (model/calibration.py); they run only where the
+verifies bitwise like any other candidate (model/invariance/calibration.py); they run only where the
 calibration chose them (`Formulation.kernel == "native"`, `AttentionPlan.kernel ==
 "native"`): never on another platform, never for float types other than float32, never
 for operands split over a tensor-parallel group.
@@ -47,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from multiserve.cache_files import cache_root, exclusive
-from multiserve.model.forward_batch import ForwardBatch
+from multiserve.model.layers.forward_batch import ForwardBatch
 
 log = logging.getLogger("multiserve.native_kernels")
 
@@ -56,9 +56,9 @@ ROW_GEMM = "multiserve_row_gemm"
 GROUPED_ROW_GEMM = "multiserve_grouped_row_gemm"
 HEAD_DIMS = (16, 32, 48, 64, 80, 96, 128, 256)  # the head sizes the kernel is instantiated for
 PANEL = 64  # columns per packed weight panel (row_gemm.cc)
-SOURCES = tuple(Path(__file__).parent / "native" / name
+SOURCES = tuple(Path(__file__).parent / "src" / name
                 for name in ("paged_attention.cc", "row_gemm.cc"))
-HEADERS = (Path(__file__).parent / "native" / "parallel_for.h",)  # hashed, not compiled
+HEADERS = (Path(__file__).parent / "src" / "parallel_for.h",)  # hashed, not compiled
 FLAGS = ("-std=c++20", "-O3", "-march=native", "-ffp-contract=fast", "-fPIC", "-shared", "-w")
 
 _LOCK = threading.Lock()

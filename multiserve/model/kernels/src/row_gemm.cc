@@ -1,5 +1,5 @@
 // multiserve's CPU row-invariant matrix product, an XLA FFI custom call (built and loaded
-// by multiserve/model/native_kernels.py).
+// by multiserve/model/kernels/native.py).
 //
 // y[M, N] = x[M, K] @ W, W given PACKED as panels wp[L, N / 64, K, 64] (panel p of layer l
 // holds columns 64p .. 64p+63 of layer l's W, row k contiguous: `pack_panels`), the layer

@@ -8,8 +8,8 @@ Which formulation does that is a backend fact (which kernel XLA picks for which 
 it splits the contraction), and it differs between machines: on an AVX2 Zen3 CPU the M = 1
 plain product (a GEMV) agreed with the NT product at M >= 2; on an AVX-512 EPYC it does
 not. So nothing here hard-codes it: `dense` and `row_sum` compute what the engine's
-`InvariancePlan` says (model/invariance_plan.py), and the plan is measured on the machine
-that runs the engine (model/calibration.py), checked bitwise against one reference.
+`InvariancePlan` says (model/invariance/plan.py), and the plan is measured on the machine
+that runs the engine (model/invariance/calibration.py), checked bitwise against one reference.
 
 Formulations (`Formulation.kernel`):
 - "plain": `x @ W` against W stored [K, N];
@@ -34,8 +34,8 @@ import jax
 import jax.numpy as jnp
 
 from multiserve.config import ModelConfig
-from multiserve.model.invariance_plan import ProductPlan, RowSumPlan
-from multiserve.model.native_kernels import pack_panels, row_gemm
+from multiserve.model.invariance.plan import ProductPlan, RowSumPlan
+from multiserve.model.kernels.native import pack_panels, row_gemm
 
 # the matrices of one layer that get a transposed copy ("<name>_t", [L, out, in])
 LAYER_MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")

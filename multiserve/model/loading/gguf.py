@@ -174,7 +174,7 @@ def read_gguf(path: Path) -> tuple[ModelConfig, dict[str, np.ndarray], dict[str,
 
 def _validate(named: dict[str, np.ndarray], cfg: ModelConfig, path: Path) -> None:
     """Every tensor the config needs is present with its shape; errors use GGUF names."""
-    from multiserve.model.hf_names import hf_tensor_specs
+    from multiserve.model.loading.hf_names import hf_tensor_specs
 
     for name, spec in hf_tensor_specs(cfg).items():
         if name not in named:

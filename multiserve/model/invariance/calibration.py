@@ -61,10 +61,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from multiserve.cache_files import cache_root, exclusive
-from multiserve.model import native_kernels
-from multiserve.model.attention import QUERY_CHUNKS, paged_attention
-from multiserve.model.forward_batch import ForwardBatch
-from multiserve.model.invariance_plan import (
+from multiserve.model.kernels import native as native_kernels
+from multiserve.model.layers.attention import QUERY_CHUNKS, paged_attention
+from multiserve.model.layers.forward_batch import ForwardBatch
+from multiserve.model.invariance.plan import (
     AttentionPlan,
     Calibration,
     Formulation,
@@ -72,7 +72,7 @@ from multiserve.model.invariance_plan import (
     ProductPlan,
     RowSumPlan,
 )
-from multiserve.model.row_invariant import product, row_sum_rows
+from multiserve.model.invariance.primitives import product, row_sum_rows
 
 log = logging.getLogger("multiserve.calibration")
 
@@ -298,7 +298,7 @@ def _probe_grouped(use: GroupedUse, dtype: Any, device: Any, distort: Distort | 
     does) and computes each row against its expert's matrix. So a row is checked at
     several positions inside groups of several sizes (which rows share its expert changes
     with the placement); its bits must not move."""
-    from multiserve.model.moe import grouped
+    from multiserve.model.families.moe import grouped
 
     sizes = use.sizes
     top = max(sizes)
