@@ -87,6 +87,10 @@ class EngineCore:
         self.weight_version = cfg.weight_version
         self.forward_ct = 0
         self.forward_ct_decode = 0
+        # the engine loop's passes (one per wake-up), and those that ran neither a command
+        # nor a step (0 while the loop blocks whenever idle or paused: no busy-wait)
+        self.loop_passes = 0
+        self.empty_passes = 0
         self.overlap = not cfg.disable_overlap
         self.initial_available = self.scheduler.available_kv_tokens()
         self.admission = AdmissionLimits.from_config(cfg, self.initial_available)

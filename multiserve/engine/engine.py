@@ -145,6 +145,7 @@ class Engine:
         while True:
             try:
                 block = not self._healthy or not core.has_work()
+                ran_command = False
                 while True:
                     try:
                         cmd, future = self._commands.get(block=block)
@@ -156,13 +157,16 @@ class Engine:
                         future.set_result(ControlResult(True, "stopped"))
                         return
                     self._run_command(cmd, future)
-                    block = False
+                    ran_command, block = True, False
+                core.loop_passes += 1
                 if not self._healthy:
                     continue
                 if core.has_work() and not core.pause_state.paused:
                     core.step()
                 elif core.in_flight is not None:
                     core.drain()
+                elif not ran_command:
+                    core.empty_passes += 1  # a wake-up with nothing to do: a busy-wait
             except Exception as exc:  # noqa: BLE001 - any step failure isolates the engine
                 self._mark_unhealthy(f"{type(exc).__name__}: {exc}")
 

@@ -42,6 +42,8 @@ def internal_state(core: EngineCore) -> dict[str, Any]:
         "req_to_token_pool_used": sum(1 for r in s.running if r.pages),
         "forward_ct_decode": core.forward_ct_decode,
         "forward_ct": core.forward_ct,
+        "loop_passes": core.loop_passes,
+        "empty_passes": core.empty_passes,
         "new_token_ratio": s.new_token_ratio,
         "cur_batch": core.in_flight is not None,
         "last_batch": core.last_batch is not None,

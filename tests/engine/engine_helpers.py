@@ -178,6 +178,18 @@ class AtTokens:
         return [f.result(timeout=timeout) for f in self.results]
 
 
+def passes_settled(engine: Any, passes: int = 2) -> dict[str, Any]:
+    """Wait (by round trips, not by time) until the engine loop has completed `passes` more
+    passes, each of which decides whether to step; returns the last internal state. Every
+    GetState runs on the loop between two such decisions, so once the count has moved by
+    `passes`, a step the loop was going to take (wrongly, when paused) has been taken."""
+    start = engine.get_internal_state()["loop_passes"]
+    while True:
+        state = engine.get_internal_state()
+        if state["loop_passes"] >= start + passes:
+            return state
+
+
 def assert_idle_and_clean(engine: Any) -> None:
     """The engine holds no request and no KV beyond an unreferenced prefix cache; after a
     flush every KV token is available again (the memory-integrity contract)."""

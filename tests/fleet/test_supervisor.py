@@ -111,6 +111,16 @@ async def state(engine: EngineClient) -> dict[str, Any]:
     return await engine.async_get_internal_state()
 
 
+async def passes_settled(engine: EngineClient, passes: int = 2) -> dict[str, Any]:
+    """The engine's state once its loop has completed `passes` more passes (each decides
+    whether to step): by round trips, not by time."""
+    start = (await state(engine))["loop_passes"]
+    while True:
+        now = await state(engine)
+        if now["loop_passes"] >= start + passes:
+            return now
+
+
 # --- tests -----------------------------------------------------------------------------------
 
 async def test_idle_fleet_health_info_models_metrics(client: httpx.AsyncClient,
@@ -168,9 +178,9 @@ async def test_pause_is_a_fleet_barrier_and_continue_resumes(
     # every engine is quiescent once the supervisor answered: no step runs
     before = [await state(e) for e in engines]
     assert all(s["engine_paused"] for s in before)
-    await asyncio.sleep(0.3)
-    after = [await state(e) for e in engines]
+    after = [await passes_settled(e) for e in engines]  # each loop decided not to step
     assert [s["forward_ct_decode"] for s in after] == [s["forward_ct_decode"] for s in before]
+    assert all(s["empty_passes"] == 0 for s in after)  # and never spun
     if mode == "retract":
         assert all(s["running_batch_size"] == 0 and s["waiting_queue_size"] == len(PROMPTS)
                    for s in after)

@@ -1,9 +1,8 @@
 """The KV pool: zero-initialised, written exactly at the batch's out_slots (nothing else
-changes), and updated in place: a decode step's time does not grow with the pool size."""
+changes), and updated in place: the donated pool's buffers are the step's output buffers
+(no copy of the pool, whatever its size)."""
 
 from __future__ import annotations
-
-import time
 
 import jax
 import jax.numpy as jnp
@@ -39,21 +38,15 @@ def test_forward_writes_only_its_slots() -> None:
     assert np.all(np.isfinite(after_k)) and np.all(np.isfinite(after_v))
 
 
-def test_decode_step_time_does_not_grow_with_pool_size() -> None:
+def test_decode_step_updates_the_pool_in_place() -> None:
     params = jax.device_put(init_random_params(TINY_LLAMA, seed=1))
-    sims = {n: PagedSim(params, TINY_LLAMA, page_size=16, block_size=16, num_pages=n)
-            for n in (64, 32768)}  # 1 MiB vs 512 MiB of KV
-    for sim in sims.values():
-        sim.add("a", list(range(3, 200)))
-        sim.step([("a", 100)], T=128)
-        sim.step([("a", 1)], T=64)  # compile
-    best = {n: float("inf") for n in sims}
-    for _ in range(30):
-        for n, sim in sims.items():
-            sim.seqs["a"].kv_len -= 1  # re-run the same decode step
-            t0 = time.perf_counter()
-            sim.step([("a", 1)], T=64)
-            best[n] = min(best[n], time.perf_counter() - t0)
-    print({n: f"{t * 1e3:.2f}ms" for n, t in best.items()})
-    # a copy of the 512 MiB pool would cost >= 40 ms per step
-    assert best[32768] < 3 * best[64] + 0.01
+    sim = PagedSim(params, TINY_LLAMA, page_size=16, block_size=16, num_pages=4096)
+    sim.add("a", list(range(3, 200)))
+    sim.step([("a", 100)], T=128)
+    for _ in range(2):
+        k, v = sim.kv.k, sim.kv.v
+        where = (k.unsafe_buffer_pointer(), v.unsafe_buffer_pointer())
+        sim.step([("a", 1)], T=64)
+        # donated: the input pool is consumed and its buffers hold the output pool
+        assert k.is_deleted() and v.is_deleted()
+        assert (sim.kv.k.unsafe_buffer_pointer(), sim.kv.v.unsafe_buffer_pointer()) == where

@@ -189,23 +189,32 @@ def test_moe_logits_are_bitwise_batch_invariant(arch: str, tmp_path_factory) -> 
 
 def test_calibration_checks_grouped_products_and_falls_back_to_gather() -> None:
     """The probe of a grouped product (rows at several positions inside groups of changing
-    size): here the native grouped kernel wins where it builds; on a backend whose native
-    rows differ from size to size (distorted), native can serve a verified plan only as one
-    size every step is padded to (the largest), never two native sizes nor native beside
-    gather: which of that and "gather" wins is a matter of timing."""
-    from multiserve.model.kernels import native as native_kernels
+    size): the native grouped kernel, where it builds, gives every row the same bits at
+    every size (invariant by construction), and whatever wins the timing, the plan is
+    verified: every size is served by a member of the anchor's class. On a backend whose
+    native rows differ from size to size (distorted), native can serve a verified plan only
+    as one size every step is padded to (the largest), never two native sizes nor native
+    beside gather. Which kernel is faster is a timing fact (multiserve doctor shows it),
+    not asserted here."""
     from multiserve.model.invariance.calibration import GroupedUse, _probe_grouped, select
+    from multiserve.model.kernels import native as native_kernels
 
     use = GroupedUse("we_gate", 64, 32, 64, 32, experts=8, sizes=(2, 8, 32, 128))
     device = jax.devices()[0]
     native = native_kernels.unavailable_reason() is None
     for distort in (None, lambda prim, desc: prim == "grouped" and desc["kernel"] == "native"):
         cands = _probe_grouped(use, jnp.float32, device, distort, np.random.default_rng(0))
+        assert {c.desc["kernel"] for c in cands} == ({"native", "gather"} if native
+                                                     else {"gather"})
         sel = select(cands, use.sizes)
-        assert sel.verified
+        assert sel.verified and sel.anchor is not None
+        ref = sel.anchor.runs[0]
+        assert all(c.agrees(ref) and c.rows >= m for m, c in sel.choice.items()), sel.choice
         kernels = {c.desc["kernel"] for c in sel.choice.values()}
         if distort is None:
-            assert kernels == ({"native"} if native else {"gather"}), kernels
+            natives = [c for c in cands if c.desc["kernel"] == "native"]
+            top = max(natives, key=lambda c: c.rows) if natives else None
+            assert all(c.agrees(top.runs[0]) for c in natives)  # one class at every size
         elif kernels != {"gather"}:
             assert native and kernels == {"native"}, kernels
             assert {c.rows for c in sel.choice.values()} == {max(use.sizes)}, sel.choice
