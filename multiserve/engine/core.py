@@ -18,9 +18,11 @@ Invariants:
   before step N's results are read. `drain()` reads the step in flight, after which no
   device work of this engine is pending: every control operation that needs
   quiescence (pause, flush, weight updates, memory release) drains first.
-- Every Req reaches exactly one final output (finished=True) through its sink: every
-  end goes through `finish` (stop, length, abort, a fault, shutdown), every output
-  through `_deliver`. Request state itself changes only in the Scheduler.
+- Every Req reaches exactly one final output (finished=True) through its sink, every
+  output through `_deliver`. Every end is recorded by `Scheduler.finish`: stop/length
+  endings inside `Scheduler.postprocess` (delivered with the step's outputs), the rest
+  (abort, a fault, shutdown) through `finish` here; a sink that raises ends its request
+  without a further delivery. Request state itself changes only in the Scheduler.
 - The engine is paused iff its PauseState has a reason; while it has, `step()` is never
   called (the loop sleeps on its queue). "user" is set and cleared only by `pause()` /
   `resume()`; every other reason only by the subsystem that holds the engine (`hold()`,

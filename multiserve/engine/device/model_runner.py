@@ -363,7 +363,7 @@ class Runner:
         self._prev_ids = jax.device_put(np.zeros(self.max_rows, np.int32), self.replicated)
 
     def drop_step_buffers(self) -> None:
-        """Free the small per-step device buffers (memory release; see memory_release.py).
+        """Free the small per-step device buffers (memory release: engine/rl/memory.py).
         `reset_prev_ids()` brings back the only one a step needs; zeros are re-made lazily."""
         buffers = [self._prev_ids, *(a for z in self._zero_cache.values() for a in z)]
         self._zero_cache.clear()
