@@ -19,6 +19,7 @@ Architecture = Literal["llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe"]
 # the model families behind multiserve/model/families (one module each; the registry there
 # maps HF `architectures` / `model_type` to them)
 ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe")
+SPECULATIVE_ALGORITHMS: tuple[str | None, ...] = (None, "ngram")
 MOE_SHARDING = ("tensor", "expert")  # how an engine's device group splits the experts
 
 
@@ -159,6 +160,15 @@ class EngineConfig:
     # model.invariance_plan.InvariancePlan). None: calibrated on the machine at start-up
     # (model/invariance/calibration.py, cached per backend); a plan given here is used as is.
     invariance_plan: Any = None
+    # Speculative decoding (engine/spec/): "ngram" drafts from the request's own prompt and
+    # output and from earlier outputs of the same prompt; every draft token is checked
+    # against the token the request's own sampler draws at its position, so outputs are
+    # those without speculation, bit for bit. None: off. `speculative_num_draft_tokens`:
+    # the most draft tokens of one request in one step; `speculative_max_step_tokens`: a
+    # step carries draft tokens only while its tokens (drafts included) stay within it.
+    speculative_algorithm: str | None = None
+    speculative_num_draft_tokens: int = 4
+    speculative_max_step_tokens: int = 16
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "device_indexes", tuple(self.device_indexes))
@@ -201,6 +211,12 @@ class EngineConfig:
                  "init_new_token_ratio", "need 0 <= min_new_token_ratio <= it <= 1")
         _require(self.moe_sharding in MOE_SHARDING, "moe_sharding",
                  f"must be one of {MOE_SHARDING}, got {self.moe_sharding!r}")
+        _require(self.speculative_algorithm in SPECULATIVE_ALGORITHMS, "speculative_algorithm",
+                 f"must be one of {SPECULATIVE_ALGORITHMS}, got {self.speculative_algorithm!r}")
+        _require(1 <= self.speculative_num_draft_tokens <= 16, "speculative_num_draft_tokens",
+                 f"must be in [1, 16], got {self.speculative_num_draft_tokens}")
+        _require(2 <= self.speculative_max_step_tokens <= max(self.precompile_token_paddings),
+                 "speculative_max_step_tokens", "must be in [2, the largest token padding]")
 
     def with_updates(self, **changes: Any) -> EngineConfig:
         return replace(self, **changes)

@@ -243,6 +243,9 @@ class RequestOutput:
     weight_segments: tuple[WeightSegment, ...] = ()
     matched_stop: int | str | None = None
     error: str | None = None
+    # speculative decoding: verify steps of this sample, draft tokens they accepted
+    spec_verify_ct: int = 0
+    spec_accepted_tokens: int = 0
 
     @property
     def completion_tokens(self) -> int:
@@ -276,6 +279,8 @@ class OutputDelta:
     weight_segments: tuple[WeightSegment, ...] = ()
     matched_stop: int | str | None = None
     error: str | None = None
+    spec_verify_ct: int = 0  # as of this delta (speculative decoding's verify steps)
+    spec_accepted_tokens: int = 0  # draft tokens those accepted
 
 
 @dataclass(frozen=True)

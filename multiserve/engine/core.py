@@ -54,6 +54,7 @@ from multiserve.engine.sched.prefix_cache import PrefixCache
 from multiserve.engine.sched.request import Req
 from multiserve.engine.sched.scheduler import ScheduledBatch, Scheduler
 from multiserve.engine.sched.stop_rules import StopRules
+from multiserve.engine.spec.drafter import Drafter
 from multiserve.types import (
     ControlResult,
     FinishReason,
@@ -82,7 +83,8 @@ class EngineCore:
                                  enabled=not cfg.disable_prefix_cache)
         self.scheduler = Scheduler(cfg, self.allocator, self.cache, max_context,
                                    max(cfg.precompile_token_paddings),
-                                   max(cfg.precompile_bs_paddings))
+                                   max(cfg.precompile_bs_paddings),
+                                   drafter=Drafter() if cfg.speculative_algorithm else None)
         self.in_flight: tuple[ScheduledBatch, StepOutput] | None = None
         self.last_batch: ScheduledBatch | None = None
         self.pause_state = PauseState()
@@ -126,6 +128,11 @@ class EngineCore:
         if self._fault is not None:
             msg, self._fault = self._fault, None
             raise RuntimeError(msg)
+        if self.in_flight is not None and (self.in_flight[0].speculative
+                                           or self.scheduler.wants_drafts()):
+            # a draft needs every token of its request known, and a verify row's accepted
+            # length decides the next positions: read the step in flight first
+            self.drain()
         batch = self.scheduler.schedule()
         launched = self._launch(batch) if batch is not None else None
         if self.in_flight is not None:
@@ -147,9 +154,10 @@ class EngineCore:
         arrays = build_step_arrays(batch, t_pad, runner.page_table_rows(t_pad), runner.max_rows,
                                    self.max_pages, self.page_size)
         batch.prompt_rows = arrays.prompt_rows
+        batch.verify_rows = arrays.verify_rows
         specs, wants_lp = step_rows(batch, arrays.prompt_rows, self.stop_rules)
         out = runner.run(arrays, runner.sampling_batch(specs, r_pad), wants_lp, r_pad)
-        decodes = any(not r.req.in_prefill and r.samples and r.end - r.start == 1
+        decodes = any(not r.req.in_prefill and r.samples and (r.end - r.start == 1 or r.draft)
                       for r in batch.rows)
         self.scheduler.launch(batch)
         self.forward_ct += 1

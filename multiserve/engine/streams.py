@@ -65,7 +65,8 @@ class OutputAssembler:
             cached_tokens=d.cached_tokens, weight_version=d.weight_version,
             logprobs=None if s.logprobs is None else tuple(s.logprobs),
             prompt_logprobs=s.prompt_logprobs, weight_segments=d.weight_segments,
-            matched_stop=d.matched_stop, error=d.error)
+            matched_stop=d.matched_stop, error=d.error, spec_verify_ct=d.spec_verify_ct,
+            spec_accepted_tokens=d.spec_accepted_tokens)
 
 
 def assembling(sink: Callable[[RequestOutput], None]) -> Callable[[OutputDelta], None]:

@@ -3,7 +3,10 @@
 Rows 0..len(batch.rows)-1 are the batch's sequences (None for a prefill chunk that samples
 nothing); after them one row per prompt token scored (`prompt_rows`, prompt logprobs):
 such a row is greedy and asks for the logprob of the prompt token it scores, its sampled
-id is ignored (`prompt_row_params`).
+id is ignored (`prompt_row_params`); then one row per draft token of each verify row
+(speculative decoding, batch_arrays.py's `verify_rows` order), sampled exactly as decoding
+would sample that position: the same params, seed, position, output so far (penalties)
+and bans.
 
 Invariant: read only (Reqs, params); the specs carry everything the sampler needs.
 """
@@ -37,11 +40,22 @@ def step_rows(batch: ScheduledBatch, prompt_rows: Sequence[tuple[Req, int]],
             specs.append(None)
             continue
         req = row.req
+        k = len(row.draft)
         specs.append(RowSpec(params=req.params, seed=req.seed, sample_index=req.index,
-                             position=row.end, output_ids=req.output_ids,
-                             prompt_ids=req.prompt_ids, ban_ids=rules.ban_ids(req)))
+                             position=row.end,
+                             output_ids=[*req.output_ids, *row.draft] if k else req.output_ids,
+                             prompt_ids=req.prompt_ids, ban_ids=rules.ban_ids(req, k)))
         wants_lp = wants_lp or req.params.wants_logprobs
     for req, j in prompt_rows:
         specs.append(RowSpec(params=prompt_row_params(req, j), seed=0, sample_index=0,
                              position=j, output_ids=(), prompt_ids=()))
+    # a verify row's draft positions (after the prompt rows, in batch order): position
+    # start + j + 1 is sampled as decoding would sample it, after draft[:j] was emitted
+    for row in batch.rows:
+        req = row.req
+        for j in range(len(row.draft)):
+            specs.append(RowSpec(params=req.params, seed=req.seed, sample_index=req.index,
+                                 position=row.start + j + 1,
+                                 output_ids=[*req.output_ids, *row.draft[:j]],
+                                 prompt_ids=req.prompt_ids, ban_ids=rules.ban_ids(req, j)))
     return specs, wants_lp

@@ -74,6 +74,9 @@ class Req:
     # whether the prompt logprobs went out (see next_delta)
     sent: int = 0
     prompt_logprobs_sent: bool = False
+    # speculative decoding (engine/spec/): verify steps run, draft tokens accepted
+    spec_verify_ct: int = 0
+    spec_accepted_tokens: int = 0
 
     @classmethod
     def samples_of(cls, request: GenerateRequest, seed: int, sink: OutputSink) -> list[Req]:
@@ -153,4 +156,6 @@ class Req:
             weight_segments=tuple(self.weight_segments),
             matched_stop=self.matched_stop,
             error=error,
+            spec_verify_ct=self.spec_verify_ct,
+            spec_accepted_tokens=self.spec_accepted_tokens,
         )

@@ -39,6 +39,7 @@ from multiserve.engine.sched.page_allocator import PageAllocator, pages_needed
 from multiserve.engine.sched.prefix_cache import PrefixCache
 from multiserve.engine.sched.request import Req
 from multiserve.engine.sched.stop_rules import StopRules
+from multiserve.engine.spec.drafter import DraftSource
 from multiserve.types import (
     FinishReason,
     RequestStatus,
@@ -63,11 +64,15 @@ class BatchRow:
     end: int  # one past the last position computed
     samples: bool  # this row's last token produces a sampled token
     from_prev: bool  # the (single) input token is the previous step's device output
+    # a verify row (speculative decoding): the newest token at `start` then these draft
+    # tokens; every one of its end - start positions is sampled (`end = start + 1 + k`)
+    draft: tuple[int, ...] = ()
 
     @property
     def extra_rows(self) -> int:
-        """Logits rows beyond the sequence's own: one per prompt logprob computed."""
-        return len(self.req.prompt_logprob_targets(self.start, self.end))
+        """Logits rows beyond the sequence's own: one per prompt logprob computed, one
+        per draft token verified."""
+        return len(self.req.prompt_logprob_targets(self.start, self.end)) + len(self.draft)
 
 
 @dataclass
@@ -76,15 +81,22 @@ class ScheduledBatch:
     num_tokens: int
     # set at launch: (request, prompt index) scored by each logits row after the rows
     prompt_rows: list[tuple[Req, int]] = field(default_factory=list)
+    # set at launch: the logits row of each draft token j of batch row b, {(b, j): row}
+    verify_rows: dict[tuple[int, int], int] = field(default_factory=dict)
 
     @property
     def num_logit_rows(self) -> int:
         return len(self.rows) + sum(r.extra_rows for r in self.rows)
 
+    @property
+    def speculative(self) -> bool:
+        return any(r.draft for r in self.rows)
+
 
 class Scheduler:
     def __init__(self, cfg: EngineConfig, allocator: PageAllocator, cache: PrefixCache,
-                 max_context: int, max_tokens_per_step: int, max_rows: int) -> None:
+                 max_context: int, max_tokens_per_step: int, max_rows: int,
+                 drafter: DraftSource | None = None) -> None:
         self.cfg = cfg
         self.allocator = allocator
         self.cache = cache
@@ -98,6 +110,10 @@ class Scheduler:
         self.new_token_ratio = cfg.init_new_token_ratio
         self.num_retractions = 0
         self._stale_kv: set[Req] = set()  # hold K/V computed with replaced weights
+        self.drafter = drafter  # speculative decoding (engine/spec/); None: off
+        self.spec_verify_ct = 0  # verify rows run, draft tokens proposed / accepted
+        self.spec_proposed_tokens = 0
+        self.spec_accepted_tokens = 0
 
     # ---- queries -------------------------------------------------------------------
     def has_work(self) -> bool:
@@ -193,6 +209,8 @@ class Scheduler:
         req.finish_reason = reason
         self.reqs.pop(req.key, None)
         self.remove(req)
+        if self.drafter is not None:
+            self.drafter.finished(req)
 
     def remove(self, req: Req) -> None:
         """Drop a Req from whichever queue holds it and release its KV."""
@@ -216,11 +234,56 @@ class Scheduler:
     # ---- scheduling ----------------------------------------------------------------
     def schedule(self) -> ScheduledBatch | None:
         rows = self._decode_rows()
-        budget = min(self.cfg.chunked_prefill_size, self.max_tokens_per_step - len(rows))
-        rows += self._prefill_rows(budget, self.max_rows - len(rows))
+        if self.drafter is not None:
+            self._add_drafts(rows)
+        tokens = sum(r.end - r.start for r in rows)
+        logit_rows = len(rows) + sum(r.extra_rows for r in rows)
+        budget = min(self.cfg.chunked_prefill_size, self.max_tokens_per_step - tokens)
+        rows += self._prefill_rows(budget, self.max_rows - logit_rows)
         if not rows:
             return None
         return ScheduledBatch(rows, sum(r.end - r.start for r in rows))
+
+    def wants_drafts(self) -> bool:
+        """Whether a decoding Req would draft at its next decode: then the step in flight
+        is read before the next is scheduled (a draft needs every token known)."""
+        return self.drafter is not None and any(
+            not r.in_prefill and r.wants_more() and self.drafter.wants(r)
+            for r in self.running)
+
+    def _add_drafts(self, rows: list[BatchRow]) -> None:
+        """Turn decode rows whose tokens are all known into verify rows, while the step's
+        tokens stay within `speculative_max_step_tokens` and its logits rows within the
+        largest row bucket. A draft never runs past max_new_tokens or the context."""
+        assert self.drafter is not None
+        cap = self.cfg.speculative_max_step_tokens
+        tokens = len(rows)
+        logit_rows = len(rows)
+        for row in rows:
+            req = row.req
+            room = min(self.cfg.speculative_num_draft_tokens, cap - tokens,
+                       self.max_rows - logit_rows,
+                       req.params.max_new_tokens - req.num_generated - 1,
+                       self.max_context - row.end - 1)
+            if room <= 0 or row.from_prev or req.pending > 0:
+                continue
+            draft = self.drafter.propose(req, room)[:room]
+            if not draft:
+                continue
+            have = len(req.pages) * self.page_size
+            need = pages_needed(row.end + len(draft), self.page_size) - len(req.pages)
+            if need > 0:
+                got = self._obtain_pages(need)
+                if got is None:  # verify what the pages held already cover
+                    draft = draft[:max(0, have - row.end)]
+                else:
+                    req.pages.extend(got)
+            if not draft:
+                continue
+            row.draft = tuple(draft)
+            row.end += len(draft)
+            tokens += len(draft)
+            logit_rows += len(draft)
 
     def _decode_rows(self) -> list[BatchRow]:
         ps = self.page_size
@@ -378,6 +441,10 @@ class Scheduler:
             req = row.req
             if not row.samples or req.finished:
                 continue
+            if row.draft:
+                if self._verify(batch, b, next_ids, logprobs, weight_version, rules):
+                    deliver.append(req)
+                continue
             req.pending -= 1
             if req.params.max_new_tokens == 0:  # scoring: the prompt is done, no token
                 self.finish(req, "length")
@@ -399,3 +466,61 @@ class Scheduler:
             elif req.stream:
                 deliver.append(req)
         return deliver
+
+    def _record_token(self, req: Req, tok: int, logprobs: StepLogprobSource | None,
+                      logits_row: int, weight_version: str) -> None:
+        req.output_ids.append(tok)
+        if not req.weight_segments or \
+                req.weight_segments[-1].weight_version != weight_version:
+            req.weight_segments.append(WeightSegment(len(req.output_ids) - 1, weight_version))
+        if logprobs is not None and req.params.wants_logprobs:
+            req.output_logprobs.append(logprobs.token(logits_row, tok, req.params))
+
+    def _verify(self, batch: ScheduledBatch, b: int, next_ids: Sequence[int],
+                logprobs: StepLogprobSource | None, weight_version: str,
+                rules: StopRules) -> bool:
+        """Record verify row b: the samples at its positions in order, each one emitted,
+        until one differs from its draft token (emitted in its place) or ends the sample;
+        all drafts accepted: the sample after the last one too. K/V of the positions not
+        kept (rejected drafts) is dropped: kv_len moves back and pages past it are freed,
+        so nothing rejected reaches the prefix cache. Returns whether to deliver now."""
+        row = batch.rows[b]
+        req, draft = row.req, row.draft
+        k = len(draft)
+        req.pending -= 1
+        holds_kv = req.status is RequestStatus.RUNNING  # not retracted meanwhile
+        if holds_kv:
+            req.kv_len = row.start  # then one more per emitted token
+        accepted = 0
+        ended = False
+        for j in range(k + 1):
+            logits_row = batch.verify_rows[(b, j)] if j < k else b
+            tok = int(next_ids[logits_row])
+            if holds_kv:
+                req.kv_len += 1
+            self._record_token(req, tok, logprobs, logits_row, weight_version)
+            reason, matched = rules.verdict(req, tok)
+            if reason is not None:
+                req.matched_stop = matched
+                if j < k and tok == draft[j]:
+                    accepted += 1
+                self.finish(req, reason)
+                ended = True
+                break
+            if j == k or tok != draft[j]:
+                break
+            accepted += 1
+        req.spec_verify_ct += 1
+        req.spec_accepted_tokens += accepted
+        self.spec_verify_ct += 1
+        self.spec_proposed_tokens += k
+        self.spec_accepted_tokens += accepted
+        if self.drafter is not None:
+            self.drafter.record(req, k, accepted)
+        if holds_kv and not ended:
+            keep = pages_needed(req.kv_len, self.page_size)
+            if len(req.pages) > keep:
+                assert keep >= req.num_cached_pages
+                self.allocator.free(req.pages[keep:])
+                del req.pages[keep:]
+        return ended or req.stream

@@ -45,9 +45,10 @@ class StopRules:
             return "length", None
         return None, None
 
-    def ban_ids(self, req: Req) -> tuple[int, ...]:
+    def ban_ids(self, req: Req, ahead: int = 0) -> tuple[int, ...]:
         """Token ids the next sample of `req` may not be (EOS and stop ids before
-        min_new_tokens), sorted."""
-        if req.num_generated >= req.params.min_new_tokens:
+        min_new_tokens), sorted; `ahead`: the sample that many tokens later (a verify
+        row's draft positions)."""
+        if req.num_generated + ahead >= req.params.min_new_tokens:
             return ()
         return tuple(sorted(self.eos_ids | set(req.params.stop_token_ids)))

@@ -1,0 +1,101 @@
+"""Drafter: proposes each decoding request's draft tokens and learns where drafting pays.
+
+Two sources, both n-gram lookups (ngram_index.py): the request's own prompt + output
+("prompt lookup") and the finished outputs of earlier requests with the same prompt
+(group_store.py: GRPO siblings, earlier epochs). The longer match wins (then the longer
+draft, then the group). A request whose drafts keep missing backs off: after a verify
+that accepted nothing it skips 2^streak of its next chances to draft (up to MAX_BACKOFF).
+
+The `DraftSource` protocol is what the scheduler calls; tests plug in other sources (an
+oracle, an adversary): the accept rule makes the output independent of the drafts.
+Owned by the engine thread (the scheduler calls it while scheduling and recording).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from multiserve.engine.sched.request import Req
+from multiserve.engine.spec.group_store import GroupStore
+from multiserve.engine.spec.ngram_index import NgramIndex
+
+MAX_BACKOFF = 32
+
+
+class DraftSource(Protocol):
+    def wants(self, req: Req) -> bool:
+        """Whether `req` may draft at its next decode (cheap: no lookup)."""
+        ...
+
+    def propose(self, req: Req, k: int) -> tuple[int, ...]:
+        """Up to k draft tokens to follow `req.fill_ids` (all known: nothing pending)."""
+        ...
+
+    def record(self, req: Req, proposed: int, accepted: int) -> None:
+        """A verify of `proposed` draft tokens of `req` accepted the first `accepted`."""
+        ...
+
+    def finished(self, req: Req) -> None:
+        """`req` ended: its output may serve later requests of the same prompt."""
+        ...
+
+
+@dataclass
+class _ReqState:
+    index: NgramIndex
+    indexed: int = 0  # fill_ids[:indexed] are in `index`
+    streak: int = 0  # verifies in a row that accepted nothing
+    skip: int = 0  # chances to draft still skipped
+    proposed: int = 0
+    accepted: int = 0
+
+
+class Drafter:
+    def __init__(self, store: GroupStore | None = None, min_n: int = 2, max_n: int = 4) -> None:
+        self.store = store if store is not None else GroupStore(min_n=min_n, max_n=max_n)
+        self.min_n, self.max_n = min_n, max_n
+        self._reqs: dict[tuple[str, int], _ReqState] = {}
+
+    def _state(self, req: Req) -> _ReqState:
+        st = self._reqs.get(req.key)
+        if st is None:
+            st = self._reqs[req.key] = _ReqState(NgramIndex(self.min_n, self.max_n))
+        return st
+
+    def wants(self, req: Req) -> bool:
+        st = self._reqs.get(req.key)
+        return st is None or st.skip == 0
+
+    def propose(self, req: Req, k: int) -> tuple[int, ...]:
+        st = self._state(req)
+        if st.skip > 0:
+            st.skip -= 1
+            return ()
+        fill = req.fill_ids
+        if len(fill) < st.indexed:  # cannot shrink while live; be safe after a reset
+            st.index, st.indexed = NgramIndex(self.min_n, self.max_n), 0
+        st.index.extend(fill[st.indexed:])
+        st.indexed = len(fill)
+        context = fill[-self.max_n:]
+        own_n, own = st.index.propose(context, k)
+        group = self.store.index_for(req.prompt_ids)
+        grp_n, grp = group.propose(context, k) if group is not None else (0, ())
+        if (grp_n, len(grp)) >= (own_n, len(own)) and grp:
+            return grp
+        return own
+
+    def record(self, req: Req, proposed: int, accepted: int) -> None:
+        st = self._state(req)
+        st.proposed += proposed
+        st.accepted += accepted
+        if accepted == 0:
+            st.streak += 1
+            st.skip = min(2 ** st.streak, MAX_BACKOFF)
+        else:
+            st.streak = 0
+
+    def finished(self, req: Req) -> None:
+        self._reqs.pop(req.key, None)
+        if req.output_ids:
+            self.store.add(req.prompt_ids, req.output_ids)

@@ -1,0 +1,304 @@
+"""Speculative decoding cannot change an output: with n-gram drafts, an oracle's (always
+right), an adversary's (always wrong) or none, every sample's ids AND logprobs are bitwise
+those of the engine without speculation: greedy and seeded, top-k/top-p/min-p, all three
+penalties, n > 1, stop ids / stop strings / EOS / max_new_tokens falling inside a draft,
+min_new_tokens bans, each pause mode and abort + resubmit in the middle of a draft. After
+each test the autouse fixture checks the page accounting (`check_integrity`) and that a
+flush gives every KV token back."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from engine_helpers import TINY_ENGINE, TINY_VOCAB, AtTokens, Collector, Trigger
+
+from multiserve.engine.commands import Call
+from multiserve.engine.spec.drafter import Drafter
+from multiserve.engine.spec.group_store import GroupStore
+from multiserve.engine.spec.ngram_index import SEPARATOR, NgramIndex
+from multiserve.types import SamplingParams
+
+MAX_NEW = 24
+Key = tuple[str, int]
+
+
+# ---- the drafters alone (no device) -------------------------------------------------------
+
+def test_ngram_index_proposes_what_followed_the_latest_earlier_match() -> None:
+    idx = NgramIndex(2, 4)
+    idx.extend([1, 2, 3, 4, 9, 1, 2, 3, 5, 6, 1, 2, 3])
+    # the longest suffix n-gram (4: [6, 1, 2, 3]) never occurred before; [1, 2, 3] did,
+    # latest at 5..8, followed by 5, 6
+    assert idx.propose([6, 1, 2, 3], 2) == (3, (5, 6))
+    assert idx.propose([6, 1, 2, 3], 9) == (3, (5, 6, 1, 2, 3))
+    assert idx.propose([7, 8], 3) == (0, ())
+    assert idx.propose([1, 2], 0) == (0, ())
+    # the sequence's own final n-gram is never its own match
+    solo = NgramIndex(2, 2)
+    solo.extend([4, 5])
+    assert solo.propose([4, 5], 3) == (0, ())
+    # no match or continuation crosses a separator
+    seg = NgramIndex(2, 3)
+    seg.extend([1, 2, 3, SEPARATOR, 7, 1, 2])
+    assert seg.propose([7, 1, 2], 4) == (2, (3,))
+    seg.extend([SEPARATOR, 2])
+    assert seg.propose([SEPARATOR, 2], 4) == (0, ())
+
+
+def test_group_store_is_bounded_and_least_recently_used_goes_first() -> None:
+    store = GroupStore(max_bytes=20_000, min_n=2, max_n=3)
+    for p in range(6):
+        store.add([100 + p, 1, 2], list(range(10, 40)))
+    assert store.approx_bytes <= 20_000 and 0 < len(store) < 6
+    assert store.index_for([100, 1, 2]) is None  # the oldest prompt was dropped
+    newest = store.index_for([105, 1, 2])
+    assert newest is not None and newest.propose([1, 2, 10, 11], 3) == (3, (12, 13, 14))
+    # a sample's first tokens match through the prompt's tail
+    assert newest.propose([1, 2], 2) == (2, (10, 11))
+
+
+class _FakeReq:
+    def __init__(self, prompt: list[int], output: list[int]) -> None:
+        self.prompt_ids, self.output_ids = prompt, output
+        self.key = ("r", 0)
+
+    @property
+    def fill_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+
+def test_drafter_prefers_the_group_then_backs_off_where_drafts_miss() -> None:
+    d = Drafter()
+    earlier = _FakeReq([5, 6, 7], [8, 9, 10, 11, 12])
+    d.finished(earlier)  # type: ignore[arg-type]
+    req = _FakeReq([5, 6, 7], [8, 9])
+    assert d.propose(req, 3) == (10, 11, 12)  # type: ignore[arg-type]
+    d.record(req, 3, 0)  # type: ignore[arg-type]
+    assert not d.wants(req)  # type: ignore[arg-type]
+    assert d.propose(req, 3) == () and d.propose(req, 3) == ()  # 2 chances skipped
+    assert d.wants(req)  # type: ignore[arg-type]
+    d.record(req, 2, 0)  # type: ignore[arg-type]
+    assert [d.propose(req, 3) for _ in range(4)] == [()] * 4  # type: ignore[arg-type]
+    d.record(req, 3, 2)  # type: ignore[arg-type]
+    assert d.wants(req)  # type: ignore[arg-type]
+
+
+# ---- the engine ----------------------------------------------------------------------------
+
+class Oracle:
+    """Drafts the true continuation (from a run without speculation); `wrong`: each draft
+    token replaced by another id, so every draft is rejected at its first token."""
+
+    def __init__(self, truth: dict[Key, tuple[int, ...]], wrong: bool = False) -> None:
+        self.truth, self.wrong = truth, wrong
+        self.proposed = 0
+
+    def wants(self, req: Any) -> bool:
+        return req.key in self.truth
+
+    def propose(self, req: Any, k: int) -> tuple[int, ...]:
+        out = self.truth.get(req.key, ())
+        n = len(req.output_ids)
+        draft = tuple(out[n:n + k])
+        self.proposed += len(draft)
+        return tuple((t + 1) % TINY_VOCAB for t in draft) if self.wrong else draft
+
+    def record(self, req: Any, proposed: int, accepted: int) -> None:
+        pass
+
+    def finished(self, req: Any) -> None:
+        pass
+
+
+def _engine(path: Path, **kw: Any) -> Iterator[Any]:
+    from multiserve.config import EngineConfig
+    from multiserve.engine.engine import Engine
+
+    eng = Engine(EngineConfig(model_path=str(path), **{**TINY_ENGINE, **kw}))
+    try:
+        yield eng
+    finally:
+        eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def _spec_engine(tiny_model_dir: Path) -> Iterator[Any]:
+    yield from _engine(tiny_model_dir, speculative_algorithm="ngram",
+                       speculative_num_draft_tokens=4, speculative_max_step_tokens=64)
+
+
+@pytest.fixture
+def spec_engine(_spec_engine: Any, request: pytest.FixtureRequest) -> Iterator[Any]:
+    from conftest import _used
+
+    _used(_spec_engine)
+    drafter = _spec_engine.call(Call(lambda core: core.scheduler.drafter)).result()
+    yield _spec_engine
+    _spec_engine.call(Call(lambda core: setattr(core.scheduler, "drafter", drafter))).result()
+
+
+def _set_drafter(engine: Any, drafter: Any) -> None:
+    engine.call(Call(lambda core: setattr(core.scheduler, "drafter", drafter))).result()
+
+
+def _work(seed: int, n: int = 6) -> list[tuple[list[int], SamplingParams]]:
+    """Repetitive prompts (n-gram drafts find matches) with every sampler feature."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        unit = [rng.randrange(3, TINY_VOCAB) for _ in range(rng.randrange(2, 6))]
+        prompt = (unit * 12)[:rng.randrange(12, 48)]
+        kinds = [
+            SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW, ignore_eos=True,
+                           return_logprob=True, top_logprobs_num=2),
+            SamplingParams(temperature=0.9, top_p=0.9, top_k=20, min_p=0.02, seed=7 + i,
+                           max_new_tokens=MAX_NEW, ignore_eos=True, return_logprob=True,
+                           frequency_penalty=0.3, presence_penalty=0.2,
+                           repetition_penalty=1.1),
+            SamplingParams(temperature=0.7, seed=11 + i, n=3, max_new_tokens=MAX_NEW - 5,
+                           ignore_eos=True, return_logprob=True),
+            SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW, min_new_tokens=6,
+                           return_logprob=True, stop_token_ids=(unit[0],)),
+        ]
+        out.append((prompt, kinds[i % len(kinds)]))
+    return out
+
+
+def _run(engine: Any, work: list[tuple[list[int], SamplingParams]], prefix: str = "r",
+         hook: Any = None) -> dict[Key, tuple]:
+    col = Collector(engine, on_output=hook)
+    col.submit_all([p for p, _ in work], [s for _, s in work], prefix=prefix)
+    return {k: (o.output_ids, tuple(o.logprobs or ()), o.finish_reason, o.matched_stop)
+            for k, o in col.wait().items()}
+
+
+def _spec_counts(engine: Any) -> tuple[int, int, int]:
+    s = engine.get_internal_state()
+    return s["spec_verify_ct"], s["spec_proposed_tokens"], s["spec_accepted_tokens"]
+
+
+@pytest.fixture(scope="module")
+def reference(_tiny_engine: Any) -> dict[int, dict[Key, tuple]]:
+    return {}
+
+
+def _want(engine: Any, cache: dict, seed: int) -> dict[Key, tuple]:
+    if seed not in cache:
+        cache[seed] = _run(engine, _work(seed))
+    return cache[seed]
+
+
+def test_ngram_speculation_gives_the_outputs_without_it(
+        tiny_engine: Any, spec_engine: Any, reference: dict) -> None:
+    for seed in (0, 1):
+        want = _want(tiny_engine, reference, seed)
+        before = _spec_counts(spec_engine)
+        got = _run(spec_engine, _work(seed))
+        assert got == want
+        after = _spec_counts(spec_engine)
+        assert after[0] > before[0] and after[1] > before[1]  # it did speculate
+
+
+@pytest.mark.parametrize("wrong", [False, True])
+def test_oracle_and_adversary_drafts_give_the_outputs_without_them(
+        tiny_engine: Any, spec_engine: Any, reference: dict, wrong: bool) -> None:
+    want = _want(tiny_engine, reference, 2)
+    oracle = Oracle({k: v[0] for k, v in want.items()}, wrong=wrong)
+    _set_drafter(spec_engine, oracle)
+    before = _spec_counts(spec_engine)
+    assert _run(spec_engine, _work(2)) == want
+    verify, proposed, accepted = (a - b for a, b in zip(_spec_counts(spec_engine), before,
+                                                        strict=True))
+    assert verify > 0 and proposed == oracle.proposed > 0
+    if wrong:
+        assert accepted == 0
+    else:  # all accepted but where a stop ended the sample inside the draft
+        assert accepted >= proposed * 0.8, (accepted, proposed)
+
+
+@pytest.mark.parametrize("min_new", [0, 12])
+def test_stop_id_inside_a_draft_and_min_new_tokens_bans(tiny_engine: Any, spec_engine: Any,
+                                                         min_new: int) -> None:
+    """The stop id is the free run's 9th token (it recurs later); the oracle drafts
+    through it. With min_new_tokens 12 the sampler bans it at the draft positions before
+    the 12th token, as decoding would, so the sample goes on past it."""
+    prompt = [9, 4, 17, 4] * 6
+    base = SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW, ignore_eos=True,
+                          return_logprob=True)
+    free = _run(tiny_engine, [(prompt, base)], prefix="s")[("s0", 0)][0]
+    params = base.with_updates(stop_token_ids=(free[8],), min_new_tokens=min_new)
+    want = _run(tiny_engine, [(prompt, params)], prefix="s")
+    _set_drafter(spec_engine, Oracle({("s0", 0): free}))
+    assert _run(spec_engine, [(prompt, params)], prefix="s") == want
+    ids = want[("s0", 0)][0]
+    if min_new == 0:
+        assert want[("s0", 0)][2] == "stop" and len(ids) == 9
+    else:
+        assert len(ids) >= 12
+
+
+def test_stop_string_inside_a_draft(tiny_engine: Any, spec_engine: Any) -> None:
+    prompt = [5, 6, 7, 8] * 6
+    base = SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW, ignore_eos=True,
+                          return_logprob=True)
+    free = _run(tiny_engine, [(prompt, base)], prefix="s")[("s0", 0)][0]
+    text = tiny_engine.decode(free[5:7], skip_special_tokens=False)
+    assert text.strip(), text
+    params = base.with_updates(stop=[text])
+    want = _run(tiny_engine, [(prompt, params)], prefix="s")
+    _set_drafter(spec_engine, Oracle({("s0", 0): free}))
+    assert _run(spec_engine, [(prompt, params)], prefix="s") == want
+    assert want[("s0", 0)][2] == "stop" and len(want[("s0", 0)][0]) < len(free)
+
+
+@pytest.mark.parametrize("mode", ["retract", "in_place", "abort"])
+def test_pause_mid_draft(tiny_engine: Any, spec_engine: Any, reference: dict, trigger: Trigger,
+                         mode: str) -> None:
+    want = _want(tiny_engine, reference, 0)
+    _set_drafter(spec_engine, Oracle({k: v[0] for k, v in want.items()}))
+    hook = AtTokens(trigger, "r0", 9,
+                    lambda: spec_engine.async_pause_generation(mode))
+    col = Collector(spec_engine, on_output=hook)
+    work = _work(0)
+    col.submit_all([p for p, _ in work], [s for _, s in work])
+    (res,) = hook.wait()
+    assert res.ok
+    assert spec_engine.continue_generation().ok
+    got = col.wait()
+    for key, out in got.items():
+        ids, lps = want[key][0], want[key][1]
+        if mode == "abort" and out.finish_reason == "abort":
+            n = len(out.output_ids)
+            assert (out.output_ids, tuple(out.logprobs or ())) == (ids[:n], lps[:n])
+        else:
+            assert (out.output_ids, tuple(out.logprobs or ()), out.finish_reason) == \
+                (ids, lps, want[key][2])
+
+
+def test_abort_and_resubmit_mid_draft(tiny_engine: Any, spec_engine: Any, reference: dict,
+                                      trigger: Trigger) -> None:
+    """A sample aborted in the middle of a speculated step and resubmitted with its output
+    so far appended to the prompt continues exactly as it would have."""
+    want = _want(tiny_engine, reference, 1)
+    _set_drafter(spec_engine, Oracle({k: v[0] for k, v in want.items()}))
+    work = _work(1)
+    greedy = next(i for i, (_, p) in enumerate(work) if p.temperature == 0 and p.n == 1
+                  and not p.stop_token_ids)
+    key = (f"r{greedy}", 0)
+    hook = AtTokens(trigger, key[0], 7,
+                    lambda: spec_engine.async_abort_request(key[0]))
+    col = Collector(spec_engine, on_output=hook)
+    col.submit_all([p for p, _ in work], [s for _, s in work])
+    hook.wait()
+    got = col.wait()
+    part = got[key].output_ids
+    assert got[key].finish_reason == "abort" and 7 <= len(part) < MAX_NEW
+    prompt, params = work[greedy]
+    rest = _run(spec_engine, [(prompt + list(part),
+                               params.with_updates(max_new_tokens=MAX_NEW - len(part)))],
+                prefix="again")[("again0", 0)]
+    assert part + rest[0] == want[key][0]
