@@ -7,8 +7,9 @@
 // the paged pool [L, KV, slots, HD] through the page table (no gathered copy). The pool is
 // float32 (MultiservePagedAttention) or bfloat16 (MultiservePagedAttentionBf16: each K/V
 // element widened to float32 in registers, exactly; q, out, the softmax and every sum stay
-// float32), one code for both: the bfloat16 kernel's bits are the float32 kernel's on the
-// widened pool.
+// float32), one code for both, in the same order (the compiler's FMA contractions may still
+// differ between the two instantiations, so their bits may differ by an ulp; each is
+// row-invariant by the construction below).
 //
 // Row invariance BY CONSTRUCTION (the engine's determinism rests on it): one work item is
 // one (token, query head) pair, computed by the same code in the same order whatever else
