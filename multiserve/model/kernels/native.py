@@ -21,6 +21,15 @@ calibration chose them (`Formulation.kernel == "native"`, `AttentionPlan.kernel 
 "native"`): never on another platform, never for float types other than float32, never
 for operands split over a tensor-parallel group.
 
+bfloat16 forms (not yet chosen by the calibration: `supports_products` and
+`supports_attention` still name float32 only): `pack_panels` of a bfloat16 W packs k-pair
+panels that `row_gemm` / `grouped_row_gemm` read at half the bytes (native/row_gemm_bf16.cc,
+float32 accumulation, x and y float32 or bfloat16), and `paged_attention_native` reads a
+bfloat16 K/V pool (widened in registers; softmax and sums float32). The bfloat16 product has
+two instruction paths with different bits (`BF16_PATHS`); `bf16_product_path()` is the one
+this process uses for every bfloat16 x bfloat16 product at every row count, so rows stay
+invariant; a float32 x against bfloat16 panels always widens.
+
 The shared object is compiled on first use with the system's C++ compiler (`$CXX`, else
 c++ or g++; `-march=native`, so the file is specific to this CPU) and cached under
 `$MULTISERVE_CACHE_DIR/kernels` (default ~/.cache/multiserve/kernels), named by a hash of
@@ -52,17 +61,30 @@ from multiserve.model.layers.forward_batch import ForwardBatch
 log = logging.getLogger("multiserve.native_kernels")
 
 ATTENTION = "multiserve_paged_attention"
+ATTENTION_BF16 = "multiserve_paged_attention_bf16"
 ROW_GEMM = "multiserve_row_gemm"
+ROW_GEMM_BF16 = "multiserve_row_gemm_bf16"
 GROUPED_ROW_GEMM = "multiserve_grouped_row_gemm"
+GROUPED_ROW_GEMM_BF16 = "multiserve_grouped_row_gemm_bf16"
+# The bfloat16 product's instruction paths (row_gemm_bf16.cc), in the kernel's numbering:
+# "avx512_bf16" one VDPBF16PS per pair of k (bfloat16 x only, a CPU with AVX512_BF16);
+# "widen" bfloat16 -> float32 in registers, one FMA per k in order (any CPU; its bits are
+# the float32 kernel's on the widened operands).
+BF16_PATHS = ("avx512_bf16", "widen")
+BF16_PATH_ENV = "MULTISERVE_BF16_PATH"  # "widen" forces the widening path in this process
+DTYPES = ("float32", "bfloat16")  # the operand types the kernels take
 HEAD_DIMS = (16, 32, 48, 64, 80, 96, 128, 256)  # the head sizes the kernel is instantiated for
 PANEL = 64  # columns per packed weight panel (row_gemm.cc)
 SOURCES = tuple(Path(__file__).parent / "src" / name
-                for name in ("paged_attention.cc", "row_gemm.cc"))
-HEADERS = (Path(__file__).parent / "src" / "parallel_for.h",)  # hashed, not compiled
+                for name in ("paged_attention.cc", "row_gemm.cc", "row_gemm_bf16.cc"))
+HEADERS = tuple(Path(__file__).parent / "src" / name  # hashed, not compiled
+                for name in ("parallel_for.h", "product_split.h"))
 FLAGS = ("-std=c++20", "-O3", "-march=native", "-ffp-contract=fast", "-fPIC", "-shared", "-w")
 
 _LOCK = threading.Lock()
-_STATE: dict[str, str | None] = {}  # "error": None once registered, else why not; "so": file
+# "error": None once registered, else why not; "so": the file; "bf16_path": this process's
+# bfloat16 product path (a BF16_PATHS name), fixed at load
+_STATE: dict[str, str | None] = {}
 
 
 def _compiler() -> str | None:
@@ -137,9 +159,12 @@ def _compile_to(cxx: str, path: Path) -> Path:
     return path
 
 
-def unavailable_reason() -> str | None:
-    """None when the kernels are built and registered with XLA:CPU in this process; else
-    why they are not (the first call builds and registers them)."""
+def unavailable_reason(dtype: str = "float32") -> str | None:
+    """None when the kernels for operands of `dtype` (a DTYPES name) are built and
+    registered with XLA:CPU in this process; else why they are not (the first call builds
+    and registers them)."""
+    if dtype not in DTYPES:
+        return f"no native kernels for {dtype} (only {', '.join(DTYPES)})"
     with _LOCK:
         if "error" not in _STATE:
             _STATE["error"] = _load()
@@ -166,10 +191,33 @@ def _load() -> str | None:
         jax.ffi.register_ffi_target(GROUPED_ROW_GEMM,
                                     jax.ffi.pycapsule(lib.MultiserveGroupedRowGemm),
                                     platform="cpu")
+        for name, symbol in ((ATTENTION_BF16, lib.MultiservePagedAttentionBf16),
+                             (ROW_GEMM_BF16, lib.MultiserveRowGemmBf16),
+                             (GROUPED_ROW_GEMM_BF16, lib.MultiserveGroupedRowGemmBf16)):
+            jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(symbol), platform="cpu")
+        dot = bool(lib.MultiserveBf16DotAvailable())
     except (OSError, RuntimeError, AttributeError, ValueError) as exc:
         return f"build or load failed: {exc}"
     _STATE["so"] = path.name
+    forced = os.environ.get(BF16_PATH_ENV, "")
+    _STATE["bf16_path"] = "widen" if forced == "widen" or not dot else "avx512_bf16"
+    _STATE["bf16_dot"] = "yes" if dot else None
     return None
+
+
+def bf16_product_path() -> str | None:
+    """The instruction path (a BF16_PATHS name) of every bfloat16 x bfloat16 product in this
+    process: "avx512_bf16" where this CPU and build have it, unless MULTISERVE_BF16_PATH=widen
+    (read once, when the kernels load); None when the kernels are unavailable. What
+    `multiserve doctor` reports."""
+    return _STATE.get("bf16_path") if unavailable_reason() is None else None
+
+
+def bf16_paths_available() -> tuple[str, ...]:
+    """The bfloat16 product paths this CPU and build can run (none when unavailable)."""
+    if unavailable_reason() is not None:
+        return ()
+    return BF16_PATHS if _STATE.get("bf16_dot") else ("widen",)
 
 
 def build_id() -> str | None:
@@ -197,28 +245,66 @@ def _require() -> None:
 
 
 def pack_panels(w: jax.Array) -> jax.Array:
-    """W [..., K, N] -> panels [..., ceil(N / 64), K, 64] (panel p = columns 64p..64p+63,
-    row k contiguous; columns past N are zeros): the layout `row_gemm` reads."""
+    """W [..., K, N] -> the panels `row_gemm` reads (columns past N are zeros):
+    - float32: [..., ceil(N / 64), K, 64], panel p = columns 64p..64p+63, row k contiguous;
+    - bfloat16: k-pair panels [..., ceil(N / 64), ceil(K / 2), 128], element (p, j, 2c + e)
+      = W[2j + e, 64p + c] (an odd K's last pair padded with a zero row): row_gemm_bf16.cc.
+    Packing moves values and never rounds: the bits of W are kept."""
     k, n = w.shape[-2:]
     pad = -n % PANEL
+    lead = w.shape[:-2]
+    if w.dtype == jnp.bfloat16:
+        w = jnp.pad(w, [(0, 0)] * len(lead) + [(0, k % 2), (0, pad)])
+        pairs = (k + 1) // 2
+        w = w.reshape(*lead, pairs, 2, (n + pad) // PANEL, PANEL)  # [.., j, e, p, c]
+        w = jnp.moveaxis(w, -2, -4)  # [.., p, j, e, c]
+        return jnp.swapaxes(w, -1, -2).reshape(*lead, (n + pad) // PANEL, pairs, 2 * PANEL)
     if pad:
         w = jnp.pad(w, [(0, 0)] * (w.ndim - 1) + [(0, pad)])
-    lead = w.shape[:-2]
     w = w.reshape(*lead, k, (n + pad) // PANEL, PANEL)
     return jnp.moveaxis(w, -2, -3)
 
 
-def row_gemm(x: jax.Array, panels: jax.Array, n: int,
-             layer: int | jax.Array | None = None) -> jax.Array:
-    """x [M, K] @ W -> [M, n] float32, W given as `pack_panels(W)` [P, K, 64] or, with
-    `layer` (an int or traced scalar), as a stack of layers [L, P, K, 64] read in place
-    (float32): every element summed over k in order, so each row's bits are independent
-    of M."""
-    assert x.dtype == jnp.float32 and panels.dtype == jnp.float32, (x.dtype, panels.dtype)
+def _bf16_product(target: str, x: jax.Array, panels: jax.Array, index: jax.Array,
+                  n: int, out_dtype: jnp.dtype | None, path: str | None) -> jax.Array:
+    """The bfloat16-panel product `target` (dense: index = the layer; grouped: the groups)."""
+    assert x.dtype in (jnp.float32, jnp.bfloat16), x.dtype
+    assert panels.ndim == 4 and panels.shape[2] == (x.shape[1] + 1) // 2, (x.shape,
+                                                                           panels.shape)
     _require()
+    path = path or bf16_product_path()
+    if x.dtype == jnp.float32:
+        path = "widen"  # no bfloat16 instruction takes float32 operands
+    if path not in bf16_paths_available():
+        raise RuntimeError(f"bfloat16 product path {path!r} does not run here (available: "
+                           f"{', '.join(bf16_paths_available())})")
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    assert out_dtype in (jnp.float32, jnp.bfloat16), out_dtype
+    m = x.shape[0]
+    out = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((m, panels.shape[1] * PANEL),
+                                                        out_dtype))(
+        x, panels, index, path=np.int64(BF16_PATHS.index(path)))
+    return out if out.shape[1] == n else out[:, :n]
+
+
+def row_gemm(x: jax.Array, panels: jax.Array, n: int,
+             layer: int | jax.Array | None = None, *, out_dtype: jnp.dtype | None = None,
+             path: str | None = None) -> jax.Array:
+    """x [M, K] @ W -> [M, n], W given as `pack_panels(W)` [P, K, 64] or, with `layer` (an
+    int or traced scalar), as a stack of layers [L, P, K, 64] read in place: every element
+    summed over k in one fixed order, so each row's bits are independent of M.
+    float32 panels: x float32, y float32. bfloat16 panels ([.., P, ceil(K / 2), 128]): x
+    float32 or bfloat16, y `out_dtype` (default x's; float32 or bfloat16, rounded once from
+    the float32 sum), `path` a BF16_PATHS name (default `bf16_product_path()`; a float32 x
+    always widens)."""
     if layer is None:
         assert panels.ndim == 3, panels.shape
         panels, layer = panels[None], 0
+    if panels.dtype == jnp.bfloat16:
+        return _bf16_product(ROW_GEMM_BF16, x, panels, jnp.asarray(layer, jnp.int32), n,
+                             out_dtype, path)
+    assert x.dtype == jnp.float32 and panels.dtype == jnp.float32, (x.dtype, panels.dtype)
+    _require()
     m = x.shape[0]
     out = jax.ffi.ffi_call(ROW_GEMM, jax.ShapeDtypeStruct((m, panels.shape[1] * PANEL),
                                                           jnp.float32))(
@@ -226,11 +312,16 @@ def row_gemm(x: jax.Array, panels: jax.Array, n: int,
     return out if out.shape[1] == n else out[:, :n]
 
 
-def grouped_row_gemm(x: jax.Array, panels: jax.Array, groups: jax.Array, n: int
+def grouped_row_gemm(x: jax.Array, panels: jax.Array, groups: jax.Array, n: int, *,
+                     out_dtype: jnp.dtype | None = None, path: str | None = None
                      ) -> jax.Array:
-    """y[m] = x[m] @ W[groups[m]] -> [M, n] float32: x [M, K] (rows best sorted by group),
-    W given as panels [G, P, K, 64] (`pack_panels` of a [G, K, N] stack), groups [M] int32
-    in [0, G). Each row's bits depend only on its x row and its group's W (row_gemm.cc)."""
+    """y[m] = x[m] @ W[groups[m]] -> [M, n]: x [M, K] (rows best sorted by group), W given
+    as panels [G, P, K, 64] (`pack_panels` of a [G, K, N] stack), groups [M] int32 in
+    [0, G). Each row's bits depend only on its x row and its group's W (row_gemm.cc).
+    bfloat16 panels: dtypes and `path` as in `row_gemm`."""
+    if panels.dtype == jnp.bfloat16:
+        return _bf16_product(GROUPED_ROW_GEMM_BF16, x, panels, groups.astype(jnp.int32), n,
+                             out_dtype, path)
     assert x.dtype == jnp.float32 and panels.dtype == jnp.float32, (x.dtype, panels.dtype)
     _require()
     m = x.shape[0]
@@ -243,11 +334,14 @@ def paged_attention_native(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
                            layer: int | jax.Array, batch: ForwardBatch, *,
                            page_size: int) -> jax.Array:
     """q [T, H, hd] (rotated, not scaled) -> attention output [T, H, hd] in q's dtype,
-    K/V read from the pools [L, KV, slots, hd] (float32) through `batch.page_table`."""
-    assert k_pool.dtype == jnp.float32 and v_pool.dtype == jnp.float32, k_pool.dtype
+    K/V read from the pools [L, KV, slots, hd] (both float32 or both bfloat16) through
+    `batch.page_table`; q, the softmax and every sum in float32 (paged_attention.cc)."""
+    assert k_pool.dtype == v_pool.dtype and k_pool.dtype in (jnp.float32, jnp.bfloat16), (
+        k_pool.dtype, v_pool.dtype)
     _require()
     head_dim = q.shape[-1]
-    call = jax.ffi.ffi_call(ATTENTION, jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    target = ATTENTION if k_pool.dtype == jnp.float32 else ATTENTION_BF16
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, jnp.float32))
     out = call(q.astype(jnp.float32), k_pool, v_pool, jnp.asarray(layer, jnp.int32),
                batch.positions, batch.token_seq, batch.page_table,
                page_size=np.int64(page_size), scale=np.float32(1.0 / float(head_dim) ** 0.5))

@@ -4,7 +4,12 @@
 //
 // out[t, h*G + g, :] = softmax(q[t, h*G + g, :] . K_s[0..p] * scale) V_s[0..p] for every
 // token t of sequence s = token_seq[t] at position p = positions[t], K/V read in place from
-// the paged pool [L, KV, slots, HD] through the page table (no gathered copy).
+// the paged pool [L, KV, slots, HD] through the page table (no gathered copy). The pool is
+// float32 (MultiservePagedAttention) or bfloat16 (MultiservePagedAttentionBf16: each K/V
+// element widened to float32 in registers, exactly; q, out, the softmax and every sum stay
+// float32), one code for both, in the same order (the compiler's FMA contractions may still
+// differ between the two instantiations, so their bits may differ by an ulp; each is
+// row-invariant by the construction below).
 //
 // Row invariance BY CONSTRUCTION (the engine's determinism rests on it): one work item is
 // one (token, query head) pair, computed by the same code in the same order whatever else
@@ -22,6 +27,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "parallel_for.h"
 #include "xla/ffi/api/ffi.h"
@@ -84,10 +90,24 @@ inline vf load(const float* p) {
   return v;
 }
 
+// 16 bfloat16 widened to float32 (exact: the bits become a float's high half)
+inline vf load(const uint16_t* p) {
+  typedef uint16_t vh __attribute__((vector_size(32)));
+  typedef uint32_t vu __attribute__((vector_size(64)));
+  vh h;
+  std::memcpy(&h, p, sizeof h);
+  const vu u = __builtin_convertvector(h, vu) << 16;
+  vf v;
+  std::memcpy(&v, &u, sizeof v);
+  return v;
+}
+
+// KV: the pool's element, float (float32) or uint16_t (bfloat16 bits)
+template <typename KV>
 struct Problem {
   const float* q;       // [T, H, HD]
-  const float* k;       // [L, KV, S, HD]
-  const float* v;
+  const KV* k;          // [L, KV, S, HD]
+  const KV* v;
   float* out;           // [T, H, HD]
   const int32_t* pos;   // [T]
   const int32_t* seq;   // [T]
@@ -109,15 +129,17 @@ inline int64_t slot_of(const int32_t* pages, int64_t key, int64_t page_size) {
 // group's first item then waits on DRAM for every block. Items 1 and 2 of a group warm the
 // next group's K and V, a group of two warms both in its second item, and without GQA each
 // item warms the next one's rows. Prefetches change no arithmetic: the bits are unchanged.
+template <typename KV>
 struct Warm {
-  const float* k = nullptr;  // rows to warm: the next group's K ... (nullptr: none)
-  const float* v = nullptr;  // ... and V, at the same slots
+  const KV* k = nullptr;  // rows to warm: the next group's K ... (nullptr: none)
+  const KV* v = nullptr;  // ... and V, at the same slots
   const int32_t* pages = nullptr;
   int64_t last = -1;         // the next group's own last key position
 };
 
-Warm warm_for(const Problem& pr, int64_t t, int64_t head) {
-  Warm w;
+template <typename KV>
+Warm<KV> warm_for(const Problem<KV>& pr, int64_t t, int64_t head) {
+  Warm<KV> w;
   const int64_t g = head % pr.group;
   const bool k = pr.group == 1 || g == 1;
   const bool v = pr.group <= 2 ? k : g == 2;
@@ -140,32 +162,32 @@ Warm warm_for(const Problem& pr, int64_t t, int64_t head) {
 // keys [b0, b0 + KEY_BLOCK). Always inlined: GCC's pure-function analysis sees a call that
 // only reads memory and returns nothing, and deletes it (prefetches included) if it stays a
 // call.
-template <int HD>
-__attribute__((always_inline)) inline void warm_block(const Problem& pr, const Warm& w,
-                                                      int64_t b0) {
+template <int HD, typename KV>
+__attribute__((always_inline)) inline void warm_block(const Problem<KV>& pr,
+                                                      const Warm<KV>& w, int64_t b0) {
   const int64_t end = std::min<int64_t>(b0 + KEY_BLOCK, w.last + 1);
   for (int64_t key = b0; key < end; ++key) {
     const int64_t slot = slot_of(w.pages, key, pr.page_size);
     if (slot < 0 || slot >= pr.slots) continue;
-    for (const float* pool : {w.k, w.v}) {
+    for (const KV* pool : {w.k, w.v}) {
       if (pool == nullptr) continue;
       const char* row = reinterpret_cast<const char*>(pool + slot * HD);
-      for (int c = 0; c < HD * 4; c += 64) __builtin_prefetch(row + c, 0, 2);
+      for (int c = 0; c < HD * int{sizeof(KV)}; c += 64) __builtin_prefetch(row + c, 0, 2);
     }
   }
 }
 
 // One (token, query head) item: the query against its sequence's keys at positions <= p.
 // Everything it computes lives in registers; the order of every sum is fixed above.
-template <int HD>
-void attend_item(const Problem& pr, int64_t t, int64_t head) {
+template <int HD, typename KV>
+void attend_item(const Problem<KV>& pr, int64_t t, int64_t head) {
   constexpr int V = HD / 16;
   const int64_t s = std::clamp<int64_t>(pr.seq[t], 0, pr.batch - 1);
   const int64_t p = std::clamp<int64_t>(pr.pos[t], 0, pr.max_pages * pr.page_size - 1);
   const int32_t* pages = pr.table + s * pr.max_pages;
   const int64_t base = (pr.layer * pr.kv_heads + head / pr.group) * pr.slots;
-  const float* kh = pr.k + base * HD;
-  const float* vh = pr.v + base * HD;
+  const KV* kh = pr.k + base * HD;
+  const KV* vh = pr.v + base * HD;
   const float* src = pr.q + (t * pr.heads + head) * HD;
   vf q[V], acc[V];
   for (int i = 0; i < V; ++i) {
@@ -173,8 +195,8 @@ void attend_item(const Problem& pr, int64_t t, int64_t head) {
     acc[i] = vf{};
   }
   float m = MASK, l = 0.0f;
-  const float* vrow[KEY_BLOCK];
-  const Warm warm = warm_for(pr, t, head);
+  const KV* vrow[KEY_BLOCK];
+  const Warm<KV> warm = warm_for(pr, t, head);
   for (int64_t b0 = 0; b0 <= p; b0 += KEY_BLOCK) {
     const int n = static_cast<int>(std::min<int64_t>(KEY_BLOCK, p + 1 - b0));
     if (b0 <= warm.last) warm_block<HD>(pr, warm, b0);
@@ -182,7 +204,7 @@ void attend_item(const Problem& pr, int64_t t, int64_t head) {
     for (int j = 0; j < n; ++j) {
       const int64_t key = b0 + j;
       const int64_t slot = slot_of(pages, key, pr.page_size);
-      const float* kr = kh + slot * HD;
+      const KV* kr = kh + slot * HD;
       vrow[j] = vh + slot * HD;
       vf d = q[0] * load(kr);
       for (int i = 1; i < V; ++i) d += q[i] * load(kr + 16 * i);
@@ -196,7 +218,7 @@ void attend_item(const Problem& pr, int64_t t, int64_t head) {
     m = mx;
     for (int i = 0; i < V; ++i) acc[i] *= alpha;
     for (int j = 0; j < n; ++j) {
-      const float* vr = vrow[j];
+      const KV* vr = vrow[j];
       for (int i = 0; i < V; ++i) acc[i] += w[j] * load(vr + 16 * i);
     }
   }
@@ -208,21 +230,24 @@ void attend_item(const Problem& pr, int64_t t, int64_t head) {
   }
 }
 
-using ItemFn = void (*)(const Problem&, int64_t, int64_t);
+template <typename KV>
+using ItemFn = void (*)(const Problem<KV>&, int64_t, int64_t);
 
+template <ffi::DataType POOL>
 ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
-                              ffi::Buffer<ffi::F32> k_pool, ffi::Buffer<ffi::F32> v_pool,
+                              ffi::Buffer<POOL> k_pool, ffi::Buffer<POOL> v_pool,
                               ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> positions,
                               ffi::Buffer<ffi::S32> token_seq,
                               ffi::Buffer<ffi::S32> page_table, int64_t page_size, float scale,
                               ffi::ResultBuffer<ffi::F32> out) {
+  using KV = std::remove_cv_t<std::remove_pointer_t<decltype(k_pool.typed_data())>>;
   const auto qd = q.dimensions();
   const auto kd = k_pool.dimensions();
   const auto td = page_table.dimensions();
   if (qd.size() != 3 || kd.size() != 4 || td.size() != 2)
     return ffi::Error::InvalidArgument("paged_attention: q [T,H,HD], pools [L,KV,S,HD], "
                                        "page table [B,P] expected");
-  Problem pr;
+  Problem<KV> pr;
   pr.q = q.typed_data();
   pr.k = k_pool.typed_data();
   pr.v = v_pool.typed_data();
@@ -243,16 +268,16 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   if (pr.kv_heads < 1 || pr.heads % pr.kv_heads != 0 || kd[3] != pr.head_dim)
     return ffi::Error::InvalidArgument("paged_attention: unsupported head layout");
   pr.group = pr.heads / pr.kv_heads;
-  ItemFn item = nullptr;
+  ItemFn<KV> item = nullptr;
   switch (pr.head_dim) {
-    case 16: item = attend_item<16>; break;
-    case 32: item = attend_item<32>; break;
-    case 48: item = attend_item<48>; break;
-    case 64: item = attend_item<64>; break;
-    case 80: item = attend_item<80>; break;
-    case 96: item = attend_item<96>; break;
-    case 128: item = attend_item<128>; break;
-    case 256: item = attend_item<256>; break;
+    case 16: item = attend_item<16, KV>; break;
+    case 32: item = attend_item<32, KV>; break;
+    case 48: item = attend_item<48, KV>; break;
+    case 64: item = attend_item<64, KV>; break;
+    case 80: item = attend_item<80, KV>; break;
+    case 96: item = attend_item<96, KV>; break;
+    case 128: item = attend_item<128, KV>; break;
+    case 256: item = attend_item<256, KV>; break;
     default: return ffi::Error::InvalidArgument("paged_attention: unsupported head_dim");
   }
   if (pr.layer < 0 || pr.layer >= kd[0])
@@ -269,12 +294,26 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MultiservePagedAttention, PagedAttentionImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MultiservePagedAttention, PagedAttentionImpl<ffi::F32>,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int64_t>("page_size")
+                                  .Attr<float>("scale")
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MultiservePagedAttentionBf16, PagedAttentionImpl<ffi::BF16>,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()

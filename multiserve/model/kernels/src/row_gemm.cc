@@ -25,10 +25,12 @@
 #include <cstdint>
 #include <cstring>
 
-#include "parallel_for.h"
+#include "product_split.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
+using multiserve::for_each_item;
+using multiserve::work_units;
 
 namespace {
 
@@ -110,30 +112,6 @@ void block_rows(int64_t r, const float* x, int64_t k_dim, const float* panel, fl
     block_rows_of<true>(r, x, k_dim, panel, y, ldy, m0, warm);
   else
     block_rows_of<false>(r, x, k_dim, panel, y, ldy, m0, warm);
-}
-
-// A product's size in units of 64 multiply-adds (a panel row times a row of x).
-inline int64_t work_units(int64_t panels, int64_t m, int64_t k) {
-  return panels * std::max<int64_t>(1, m) * k;
-}
-
-// Runs run(b, e) over the work items [0, items) on the pool. `contiguous`: each thread one
-// contiguous run of items (a thread that finishes early takes a run not yet started), so
-// the panel a block warms while it works (run_block) is the one its thread runs next;
-// otherwise ~4 grabs per thread, which evens out a thread that starts late or is preempted
-// (the host's own work shares these cores). A small product (`units`, its work_units, under
-// 2^12: ~1 MB of weights at one row) stays on the caller. A 1-row product is a stream of
-// its weights from memory: one core streams ~24 GB/s here, two ~32 (AVX-512 EPYC), so even
-// a 576 x 576 layer matrix at one row (~40 us) gains from a helper despite the pool's
-// hand-off.
-template <typename Run>
-void for_each_item(ffi::ThreadPool& pool, int64_t items, int64_t units, bool contiguous,
-                   Run run) {
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t helpers = units < (1 << 12) ? 0 : std::min(threads, items) - 1;
-  const int64_t chunk = contiguous ? std::max<int64_t>(1, (items + helpers) / (helpers + 1))
-                                   : std::max<int64_t>(1, items / ((helpers + 1) * 4));
-  multiserve::parallel_for(pool, items, chunk, helpers, run);
 }
 
 // One panel, its rows in register blocks of MR: the first block reads the panel from
