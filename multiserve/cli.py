@@ -73,6 +73,11 @@ def _fleet_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-memory-saver", action="store_true",
                    help="report sglang's enable_memory_saver=true in /get_server_info (slime "
                         "checks it equals offload_rollout); memory release works either way")
+    p.add_argument("--speculative-algorithm", choices=["ngram"], default=None,
+                   help="speculative decoding (outputs unchanged, bit for bit): n-gram drafts "
+                        "from the request's prompt and output and earlier outputs of its prompt")
+    p.add_argument("--speculative-num-draft-tokens", type=int, default=None,
+                   help="the most draft tokens of one request in one step (default 4)")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every engine and supervisor "
                         "endpoint (default: $MULTISERVE_API_KEY; none: open, loopback only)")

@@ -43,6 +43,11 @@ def internal_state(core: EngineCore) -> dict[str, Any]:
         "forward_ct_decode": core.forward_ct_decode,
         "forward_ct": core.forward_ct,
         "loop_passes": core.loop_passes,
+        # speculative decoding: sglang's server-args names, then the running totals
+        "speculative_algorithm": (core.cfg.speculative_algorithm.upper()
+                                  if core.cfg.speculative_algorithm else None),
+        "speculative_num_draft_tokens": core.cfg.speculative_num_draft_tokens,
+        "speculative_max_step_tokens": core.cfg.speculative_max_step_tokens,
         "spec_verify_ct": s.spec_verify_ct,
         "spec_proposed_tokens": s.spec_proposed_tokens,
         "spec_accepted_tokens": s.spec_accepted_tokens,

@@ -76,7 +76,8 @@ def fleet_config_from_args(args: argparse.Namespace) -> FleetConfig:
     """`--config` (or, without it, `--engines N`: N engines x 1 device, default engine
     settings; with neither, configs/cpu-4.toml). `--port` (first engine port, 0 for
     ephemeral), `--supervisor-port`, `--host`, `--model`, `--max-request-bytes` and
-    `--enable-memory-saver` (sets it; absent, the file decides) override the file;
+    `--enable-memory-saver` (sets it; absent, the file decides), and the engine keys
+    `--speculative-algorithm` / `--speculative-num-draft-tokens` override the file;
     `--engines N` with `--config` keeps the file's first N engines. `--api-key` (else
     $MULTISERVE_API_KEY) protects every endpoint."""
     engines = getattr(args, "engines", None)
@@ -111,6 +112,13 @@ def fleet_config_from_args(args: argparse.Namespace) -> FleetConfig:
     if getattr(args, "enable_memory_saver", False):
         fleet["enable_memory_saver"] = True
     data["fleet"] = fleet
+    engine = dict(data.get("engine") or {})
+    if getattr(args, "speculative_algorithm", None) is not None:
+        engine["speculative_algorithm"] = args.speculative_algorithm
+    if getattr(args, "speculative_num_draft_tokens", None) is not None:
+        engine["speculative_num_draft_tokens"] = args.speculative_num_draft_tokens
+    if engine:
+        data["engine"] = engine
     if getattr(args, "model", None) is not None:
         data["model"] = {**(data.get("model") or {}), "path": args.model}
         base_dir = Path.cwd()

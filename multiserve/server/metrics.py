@@ -57,6 +57,14 @@ class ServerMetrics:
                                   registry=r)
         self.paused = Gauge(f"{p}_engine_paused", "1 while generation is paused", registry=r)
         self.healthy = Gauge(f"{p}_engine_healthy", "1 while the engine is healthy", registry=r)
+        # speculative decoding, the engine's running totals (gauges set at scrape time)
+        self.spec_verify = Gauge(f"{p}_spec_verify_steps",
+                                 "Verify rows run (speculative decoding)", registry=r)
+        self.spec_proposed = Gauge(f"{p}_spec_draft_tokens",
+                                   "Draft tokens proposed for verification", registry=r)
+        self.spec_accepted = Gauge(f"{p}_spec_accepted_tokens",
+                                   "Draft tokens accepted (equal to the sampled token)",
+                                   registry=r)
 
     def observe_run(self, run: RequestRun) -> None:
         """Record a finished (or abandoned) engine request."""
@@ -75,6 +83,9 @@ class ServerMetrics:
         self.running.set(float(state.get("running_batch_size", 0) or 0))
         self.waiting.set(float(state.get("waiting_queue_size", 0) or 0))
         self.paused.set(1.0 if state.get("engine_paused") else 0.0)
+        self.spec_verify.set(float(state.get("spec_verify_ct", 0) or 0))
+        self.spec_proposed.set(float(state.get("spec_proposed_tokens", 0) or 0))
+        self.spec_accepted.set(float(state.get("spec_accepted_tokens", 0) or 0))
         avail = state.get("available_kv_tokens")
         if avail is not None:
             self.kv_available.set(float(avail))

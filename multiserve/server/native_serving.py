@@ -127,7 +127,8 @@ class NativeServing:
             "id": run.rid, "finish_reason": _finish_reason(s),
             "prompt_tokens": run.prompt_tokens, "completion_tokens": len(s.token_ids),
             "cached_tokens": run.cached_tokens, "weight_version": run.weight_version,
-            "e2e_latency": run.e2e_latency}
+            "e2e_latency": run.e2e_latency,
+            "spec_verify_ct": s.spec_verify_ct, "spec_accepted_tokens": s.spec_accepted_tokens}
         if s.done and s.matched_stop is not None:
             meta["matched_stop"] = s.matched_stop
         if run.weight_segments:

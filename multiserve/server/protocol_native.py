@@ -116,6 +116,8 @@ class GenerateMetaInfo(BaseModel):
     cached_tokens: int
     weight_version: str
     e2e_latency: float | None = None
+    spec_verify_ct: int = 0
+    spec_accepted_tokens: int = 0
     matched_stop: int | str | None = None
     output_token_logprobs: list[list[Any]] | None = None
     output_top_logprobs: list[list[list[Any]] | None] | None = None

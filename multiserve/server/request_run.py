@@ -50,6 +50,8 @@ class SampleState:
     matched_stop: int | str | None = None
     error: str | None = None
     done: bool = False
+    spec_verify_ct: int = 0  # speculative decoding: verify steps, accepted draft tokens
+    spec_accepted_tokens: int = 0
 
     @property
     def text(self) -> str:
@@ -172,6 +174,7 @@ class RequestRun:
         trim = self._trims_stop_token(out) and bool(new_ids)
         pieces.append(st.detok.add_tokens(new_ids[:-1] if trim else new_ids))
         st.token_ids.extend(new_ids)
+        st.spec_verify_ct, st.spec_accepted_tokens = out.spec_verify_ct, out.spec_accepted_tokens
         new_lps = list(out.new_logprobs or ())
         st.logprobs.extend(new_lps)
         if new_ids and self.first_token_at is None:
