@@ -194,7 +194,9 @@ def test_calibration_checks_grouped_products_and_falls_back_to_gather() -> None:
     size every step is padded to (the largest), never two native sizes nor native beside
     gather: which of that and "gather" wins is a matter of timing."""
     from multiserve.model.kernels import native as native_kernels
-    from multiserve.model.invariance.calibration import GroupedUse, _probe_grouped, select
+    from multiserve.model.invariance.choice import select
+    from multiserve.model.invariance.probes import probe_grouped as _probe_grouped
+    from multiserve.model.invariance.workload import GroupedUse
 
     use = GroupedUse("we_gate", 64, 32, 64, 32, experts=8, sizes=(2, 8, 32, 128))
     device = jax.devices()[0]

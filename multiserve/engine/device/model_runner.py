@@ -54,7 +54,8 @@ from multiserve.engine.device.program_share import SHARE
 from multiserve.engine.device.programs import Plan, ProgramSet, plan, smallest_fit
 from multiserve.engine.sampling import host as sampling_host
 from multiserve.engine.sampling import sampler as sampling
-from multiserve.model.invariance.calibration import calibrate, workload_for
+from multiserve.model.invariance.calibration import calibrate
+from multiserve.model.invariance.workload import workload_for
 from multiserve.model.families import family_for
 from multiserve.model.layers.forward_batch import ForwardBatch
 from multiserve.model.invariance.plan import Calibration, InvariancePlan
