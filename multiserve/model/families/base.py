@@ -12,7 +12,7 @@ interface (`families.family_for(cfg)`), never to a family's forward directly:
   attention's split is the same for every family: `tp_splits`, sharding.py);
 - what the invariance calibration must probe: every dense product (`product_shapes`) and
   grouped expert product (`grouped_shapes`); the row sums (RMSNorm widths) follow from the
-  config for every family (calibration.workload_for);
+  config for every family (invariance/workload.py, `workload_for`);
 - the compute params a step runs on (`compute_params`: the layouts the plan's kernels read),
   the decoder up to the final-normed hidden states (`forward_hidden`), the output head
   (`lm_head`), and which step sizes run a scanned decoder (`scans`) and up to which size
