@@ -203,8 +203,8 @@ def _layer_products_fn(plan: Any, cfg: Any) -> Callable[..., Any]:
 def _attention_fn(plan: Any, num_layers: int, page_size: int, block_size: int
                   ) -> Callable[..., Any]:
     """paged_attention for every layer (unrolled over the layers, as the decoder of a
-    step of up to llama.UNROLL_MAX_TOKENS tokens is), the outputs summed so none is dead
-    code."""
+    step of up to the family's `unroll_max_tokens` tokens is), the outputs summed so none
+    is dead code."""
 
     def run(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, batch: ForwardBatch
             ) -> jax.Array:

@@ -21,7 +21,8 @@ import pytest
 from engine_helpers import AtTokens, Collector, Trigger
 
 from multiserve.config import EngineConfig
-from multiserve.model.invariance.calibration import calibrate, workload_for
+from multiserve.model.invariance.calibration import calibrate
+from multiserve.model.invariance.workload import workload_for
 from multiserve.types import SamplingParams
 
 ENGINE = dict(precompile_token_paddings=(1, 4, 16, 64), precompile_bs_paddings=(1, 4, 16),

@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 from model_helpers import TINY_LLAMA
 
-from multiserve.model.invariance.calibration import Candidate, calibrate, select, workload_for
+from multiserve.model.invariance.calibration import calibrate
+from multiserve.model.invariance.choice import Candidate, select
+from multiserve.model.invariance.workload import workload_for
 from multiserve.model.invariance.plan import InvariancePlan
 
 TOKENS = (1, 2, 4, 8, 16, 32, 64)
@@ -92,18 +94,19 @@ def test_products_probed_once_per_process_across_workloads(monkeypatch: pytest.M
     first probed already, and its product plans are the first's; nor does another process
     (the probes are stored). A distorted or uncached calibration never reuses a probe."""
     import multiserve.model.invariance.calibration as cal
+    from multiserve.model.invariance import probes
 
     monkeypatch.setenv("MULTISERVE_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(cal, "_MEMO", {})
     monkeypatch.setattr(cal, "_PROBES", {})
     calls: list[str] = []
-    real = cal._probe_product
+    real = probes.probe_product
 
     def counting(use, *args, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
         calls.append(use.name)
         return real(use, *args, **kw)
 
-    monkeypatch.setattr(cal, "_probe_product", counting)
+    monkeypatch.setattr(probes, "probe_product", counting)
     first = calibrate(workload_for(TINY_LLAMA, (1, 4), (1,), 1, 16, 16, np.float32,
                                    engine_defaults=False),
                       jax.devices()[0])

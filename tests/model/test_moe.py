@@ -196,7 +196,9 @@ def test_calibration_checks_grouped_products_and_falls_back_to_gather() -> None:
     as one size every step is padded to (the largest), never two native sizes nor native
     beside gather. Which kernel is faster is a timing fact (multiserve doctor shows it),
     not asserted here."""
-    from multiserve.model.invariance.calibration import GroupedUse, _probe_grouped, select
+    from multiserve.model.invariance.choice import select
+    from multiserve.model.invariance.probes import probe_grouped as _probe_grouped
+    from multiserve.model.invariance.workload import GroupedUse
     from multiserve.model.kernels import native as native_kernels
 
     use = GroupedUse("we_gate", 64, 32, 64, 32, experts=8, sizes=(2, 8, 32, 128))

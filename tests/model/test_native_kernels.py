@@ -15,7 +15,8 @@ from model_helpers import TINY_LLAMA
 
 from multiserve.model.kernels import native as native_kernels
 from multiserve.model.layers.attention import paged_attention
-from multiserve.model.invariance.calibration import calibrate, workload_for
+from multiserve.model.invariance.calibration import calibrate
+from multiserve.model.invariance.workload import workload_for
 from multiserve.model.layers.forward_batch import ForwardBatch
 from multiserve.model.invariance.plan import AttentionPlan
 

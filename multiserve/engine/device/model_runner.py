@@ -54,12 +54,12 @@ from multiserve.engine.device.program_share import SHARE
 from multiserve.engine.device.programs import Plan, ProgramSet, plan, smallest_fit
 from multiserve.engine.sampling import host as sampling_host
 from multiserve.engine.sampling import sampler as sampling
-from multiserve.model.invariance.calibration import calibrate, workload_for
+from multiserve.model.invariance.calibration import calibrate
+from multiserve.model.invariance.workload import workload_for
 from multiserve.model.families import family_for
 from multiserve.model.layers.forward_batch import ForwardBatch
 from multiserve.model.invariance.plan import Calibration, InvariancePlan
 from multiserve.model.layers.kv_pool import KVPool, make_kv_pool
-from multiserve.model.families.llama import UNROLL_MAX_TOKENS
 from multiserve.model.sharding import kv_pool_sharding, make_mesh, shard_params
 
 ARRAY_FIELDS = ("input_ids", "from_prev", "positions", "token_seq", "out_slots", "page_table",
@@ -231,7 +231,7 @@ class Runner:
         tokens = self.cfg.precompile_token_paddings
         all_scan = all(self.family.scans(self.plan, t) for t in tokens)
         return plan(tokens, self.cfg.precompile_bs_paddings,
-                    max(tokens) if all_scan else UNROLL_MAX_TOKENS, background)
+                    max(tokens) if all_scan else self.family.unroll_max_tokens, background)
 
     def _abstract_inputs(self, max_pages: int
                          ) -> dict[tuple[str, int], tuple[tuple[Any, ...], Layout]]:

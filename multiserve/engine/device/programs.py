@@ -9,8 +9,8 @@ Serving before every program is compiled. The model is row-invariant at every bu
 (model/invariance/primitives.py, model/layers/attention.py): a step padded to a larger bucket gives every
 real row bitwise the same result. So an engine needs only a *covering* set to serve every
 step shape: the largest token bucket and the largest row bucket (plus the scanned token
-buckets, T > llama.UNROLL_MAX_TOKENS, which compile in ~2 s and keep a lone decode off the
-largest bucket). `plan()` splits the buckets into that first phase and the rest; with
+buckets, T > the family's `unroll_max_tokens`, which compile in ~2 s and keep a lone decode
+off the largest bucket). `plan()` splits the buckets into that first phase and the rest; with
 `background` the rest compile on a background thread per engine while the engine serves,
 smallest first (a lone decode's T = 1, R = 1 first). Each compiled program is then primed
 (run once) on the engine thread between steps and only then joins the ready set; the step

@@ -12,10 +12,11 @@ interface (`families.family_for(cfg)`), never to a family's forward directly:
   attention's split is the same for every family: `tp_splits`, sharding.py);
 - what the invariance calibration must probe: every dense product (`product_shapes`) and
   grouped expert product (`grouped_shapes`); the row sums (RMSNorm widths) follow from the
-  config for every family (calibration.workload_for);
+  config for every family (invariance/workload.py, `workload_for`);
 - the compute params a step runs on (`compute_params`: the layouts the plan's kernels read),
   the decoder up to the final-normed hidden states (`forward_hidden`), the output head
-  (`lm_head`), and which step sizes run a scanned decoder (`scans`, for warm-up order);
+  (`lm_head`), and which step sizes run a scanned decoder (`scans`) and up to which size
+  the decoder runs unrolled (`unroll_max_tokens`), for the warm-up's order;
 - what a weight update from disk must agree on (`config_fields`).
 
 Module-level imports here are plain data (no jax), so the loaders stay jax-free.
@@ -104,6 +105,13 @@ class ModelFamily(Protocol):
     def lm_head(self, params: dict[str, Any], h: Any, plan: Any) -> Any: ...
 
     def scans(self, plan: Any, num_tokens: int) -> bool: ...
+
+    @property
+    def unroll_max_tokens(self) -> int:
+        """Token buckets above this compile in the warm-up's first phase (the scanned
+        decoder's fast compile); those at or below it are unrolled (slower compiles, last)
+        unless the plan makes every size scan."""
+        ...
 
     config_fields: tuple[str, ...]  # ModelConfig fields a disk update must match
 

@@ -236,3 +236,9 @@ class DenseFamily:
         from multiserve.model.families.llama import scans
 
         return scans(plan, num_tokens)
+
+    @property
+    def unroll_max_tokens(self) -> int:
+        from multiserve.model.families.llama import UNROLL_MAX_TOKENS
+
+        return UNROLL_MAX_TOKENS

@@ -11,7 +11,8 @@ For T tokens and top-k routing, one step computes:
    fixed-order sum over k when `norm_topk_prob`;
 3. the T*k (token, expert) pairs sorted by expert (a stable sort: a permutation, exact),
    so each expert's tokens are one contiguous group; every expert matrix product runs
-   over the sorted rows with each row against ITS expert's matrix (`grouped`): the grouped
+   over the sorted rows with each row against ITS expert's matrix (`grouped`,
+   invariance/primitives.py): the grouped
    native kernel (row_gemm.cc: a row's bits depend only on its x row and its expert's W)
    or each row against its gathered expert matrix ("gather", XLA) - whichever the
    invariance plan chose after checking its rows bitwise at every row count (products
@@ -35,7 +36,7 @@ import jax.numpy as jnp
 
 from multiserve.config import ModelConfig
 from multiserve.model.invariance.plan import ProductPlan
-from multiserve.model.kernels.native import grouped_row_gemm
+from multiserve.model.invariance.primitives import grouped
 
 EXPERT_MATRICES = ("we_gate", "we_up", "we_down")  # [E, in, out] per MoE layer
 SHARED_MATRICES = ("ws_gate", "ws_up", "ws_down", "ws_router")  # qwen2_moe's shared expert
@@ -60,28 +61,6 @@ def route(logits: jax.Array, cfg: ModelConfig, dtype: Any) -> tuple[jax.Array, j
     if cfg.norm_topk_prob:
         top = top / fixed_order_sum(top)[:, None]
     return top.astype(dtype), experts.astype(jnp.int32)
-
-
-def grouped(x: jax.Array, groups: jax.Array, w: jax.Array | None, w_p: jax.Array | None,
-            plan: ProductPlan, first_group: int | jax.Array) -> jax.Array:
-    """y[m] = x[m] @ W[groups[m]] [M, N] by the plan's formulation for M rows (computed at
-    its `rows`, zero rows of expert 0 appended; the calibration chooses rows = M unless a
-    formulation is only invariant at a larger size): "native" reads
-    the panels of every layer's experts `w_p` [L*E, P, K, 64] at group first_group +
-    groups[m] (this layer's experts start at first_group); "gather" gathers this layer's
-    expert matrices `w` [E, K, N] per row (float32 accumulation)."""
-    m = x.shape[0]
-    form = plan.formulation(m)
-    if form.rows > m:  # the checked computation is at form.rows rows: pad (expert 0) to it
-        x = jnp.pad(x, ((0, form.rows - m), (0, 0)))
-        groups = jnp.pad(groups, (0, form.rows - m))
-    if form.kernel == "native":
-        assert w_p is not None, "the native grouped product needs the experts' panels"
-        out = grouped_row_gemm(x, w_p, groups + first_group, plan.n)
-    else:
-        assert form.kernel == "gather" and w is not None, (form.kernel, "needs W [E, K, N]")
-        out = jnp.einsum("mk,mkn->mn", x, w[groups], preferred_element_type=jnp.float32)
-    return out[:m].astype(x.dtype)
 
 
 def moe_mlp(h: jax.Array, w: dict[str, jax.Array | None], moe_index: int,

@@ -257,3 +257,11 @@ class QwenMoeFamily:
 
     def scans(self, plan: Any, num_tokens: int) -> bool:
         return False  # always unrolled (moe_decoder.py)
+
+    @property
+    def unroll_max_tokens(self) -> int:
+        """The dense decoder's bound (llama.UNROLL_MAX_TOKENS): the warm-up splits a MoE
+        model's buckets as a dense model's, though every MoE step is unrolled."""
+        from multiserve.model.families.llama import UNROLL_MAX_TOKENS
+
+        return UNROLL_MAX_TOKENS

@@ -19,7 +19,8 @@ def doctor_main(args: argparse.Namespace) -> int:
     import jax
     import numpy as np
 
-    from multiserve.model.invariance.calibration import calibrate, default_workload
+    from multiserve.model.invariance.calibration import calibrate
+    from multiserve.model.invariance.workload import default_workload
     from multiserve.model.loading.loader import load_model
 
     cfg = load_model(args.model, np.float32).config

@@ -1,4 +1,5 @@
-"""Row-invariant primitives: dense products (and the weight layouts they need) and row sums.
+"""Row-invariant primitives: dense and grouped (expert) products, the weight layouts they
+need, and row sums.
 
 A token's numerics must not depend on how many other tokens share its step (the engine's
 determinism rests on it), so every product x[M, K] @ W[K, N] and every sum over a row in
@@ -35,7 +36,7 @@ import jax.numpy as jnp
 
 from multiserve.config import ModelConfig
 from multiserve.model.invariance.plan import ProductPlan, RowSumPlan
-from multiserve.model.kernels.native import pack_panels, row_gemm
+from multiserve.model.kernels.native import grouped_row_gemm, pack_panels, row_gemm
 
 # the matrices of one layer that get a transposed copy ("<name>_t", [L, out, in])
 LAYER_MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
@@ -89,6 +90,28 @@ def dense(x: jax.Array, w: jax.Array | None, w_t: jax.Array | None, plan: Produc
     form = plan.formulation(x.shape[0])
     return _in_pieces(lambda part: product(part, w, w_t, form.kernel, form.rows, preferred,
                                            w_p, plan.n, layer), x, form.rows)
+
+
+def grouped(x: jax.Array, groups: jax.Array, w: jax.Array | None, w_p: jax.Array | None,
+            plan: ProductPlan, first_group: int | jax.Array) -> jax.Array:
+    """y[m] = x[m] @ W[groups[m]] [M, N] by the plan's formulation for M rows (computed at
+    its `rows`, zero rows of expert 0 appended; the calibration chooses rows = M unless a
+    formulation is only invariant at a larger size): "native" reads
+    the panels of every layer's experts `w_p` [L*E, P, K, 64] at group first_group +
+    groups[m] (this layer's experts start at first_group); "gather" gathers this layer's
+    expert matrices `w` [E, K, N] per row (float32 accumulation)."""
+    m = x.shape[0]
+    form = plan.formulation(m)
+    if form.rows > m:  # the checked computation is at form.rows rows: pad (expert 0) to it
+        x = jnp.pad(x, ((0, form.rows - m), (0, 0)))
+        groups = jnp.pad(groups, (0, form.rows - m))
+    if form.kernel == "native":
+        assert w_p is not None, "the native grouped product needs the experts' panels"
+        out = grouped_row_gemm(x, w_p, groups + first_group, plan.n)
+    else:
+        assert form.kernel == "gather" and w is not None, (form.kernel, "needs W [E, K, N]")
+        out = jnp.einsum("mk,mkn->mn", x, w[groups], preferred_element_type=jnp.float32)
+    return out[:m].astype(x.dtype)
 
 
 def row_sum_rows(flat: jax.Array, rows: int) -> jax.Array:

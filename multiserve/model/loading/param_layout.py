@@ -12,14 +12,9 @@ from typing import Any
 import numpy as np
 
 from multiserve.config import ModelConfig
-from multiserve.model.families import dense, family_for
+from multiserve.model.families import family_for
 
 NORM_KEYS = ("attn_norm", "mlp_norm", "q_norm", "k_norm", "final_norm")
-
-
-def layer_param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Shapes of one dense-family layer's params (without the leading L axis)."""
-    return dense.layer_param_shapes(cfg)
 
 
 def param_shapes(cfg: ModelConfig) -> dict[str, Any]:

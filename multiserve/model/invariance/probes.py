@@ -1,0 +1,306 @@
+"""The probes: candidate formulations of each primitive run on random data, every probe row
+placed at several positions, each run's output rows hashed (`Candidate.runs`) and the
+candidate timed. What to choose from them is choice.py's job; this file only measures.
+
+- products (`probe_product`): kernel "plain" (x @ W) and "nt" (x . W^T), each at every
+  engine size and at PAD_SIZES rows (a smaller M can be zero-padded up to any of them); and
+  where it builds (CPU, float32, one device) the native kernel (model/kernels/native.py) at
+  every engine size (invariant by construction: one class, no padding);
+- grouped expert products (`probe_grouped`): "gather" and, where it builds, "native", at
+  every routed-pair count, the rows sorted by expert as the MoE layer sorts them;
+- row sums (`probe_row_sum`): the ones-product padded to every count used and to PAD_SIZES;
+- attention (`AttentionProbe`): paged attention on fixed probe rows, candidates (the
+  native CPU kernel, the XLA formulation's query chunkings with and without shared keys)
+  made on demand.
+
+A probe's random data comes from its own stream (`probe_rng`), seeded by what it probes,
+so its result does not depend on which probes ran before it and can be stored and reused.
+
+`Distort` (tests and `multiserve doctor --alien`): a predicate over (primitive, candidate)
+naming candidates whose rows should be treated as computed differently (their hashes are
+changed), so a test can make the probe see an alien backend.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+import zlib
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from multiserve.model.invariance.choice import Candidate
+from multiserve.model.invariance.plan import AttentionPlan, Formulation, ProductPlan
+from multiserve.model.invariance.primitives import grouped, product, row_sum_rows
+from multiserve.model.invariance.workload import AttentionUse, GroupedUse, ProductUse
+from multiserve.model.kernels import native as native_kernels
+from multiserve.model.layers.attention import paged_attention
+from multiserve.model.layers.forward_batch import ForwardBatch
+
+PAD_SIZES = (2, 4, 8, 16, 32, 64)  # extra row counts a small step may be padded to
+TIMING_RUNS = 3
+MIN_PROBED_ROWS = 96  # row results a candidate is checked on, at least (small sizes: more runs)
+# (primitive, candidate description) -> treat this candidate's rows as different
+Distort = Callable[[str, dict[str, Any]], bool]
+
+
+# ---- rows, placements, timing --------------------------------------------------------------
+def row_hashes(out: np.ndarray, placement: np.ndarray, flip: int) -> dict[int, int]:
+    """Probe row index -> hash of its output row (XOR `flip`: a distorted candidate)."""
+    flat = np.ascontiguousarray(out.reshape(out.shape[0], -1))
+    return {int(i): digest(flat[r].tobytes()) ^ flip for r, i in enumerate(placement)}
+
+
+def digest(data: bytes) -> int:
+    """A row's fingerprint, the same in every process (a stored probe is compared later)."""
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+
+def distortion(distort: Distort | None, primitive: str, desc: dict[str, Any]) -> int:
+    """0, or (a distorted candidate) a value unique to the candidate, XORed into its row
+    hashes: its rows then agree with no other candidate's, as a kernel that sums in its own
+    order."""
+    if distort is None or not distort(primitive, desc):
+        return 0
+    return hash((primitive, *sorted(desc.items()))) | 1
+
+
+def placements(size: int, total: int, rng: np.random.Generator) -> list[np.ndarray]:
+    """Which probe rows sit where in the runs of one candidate: the first `size` rows, the
+    last `size` rows, then random choices in random order until at least MIN_PROBED_ROWS
+    results are checked (each row at several positions; a difference that shows only for
+    some data, e.g. an FMA contracted in one kernel and not in another, needs many rows)."""
+    if size >= total:
+        return [np.arange(total), np.arange(total)[::-1].copy(), rng.permutation(total)]
+    out = [np.arange(size), np.arange(total - size, total)]
+    while len(out) * size < MIN_PROBED_ROWS or len(out) < 3:
+        out.append(rng.permutation(total)[:size])
+    return out
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    """Seconds per call: the best of TIMING_RUNS means over >= 2 ms of back-to-back calls
+    (one call of a small product is mostly dispatch noise)."""
+    jax.block_until_ready(fn())
+    best = float("inf")
+    for _ in range(TIMING_RUNS):
+        calls, t0 = 0, time.perf_counter()
+        while True:
+            jax.block_until_ready(fn())
+            calls += 1
+            elapsed = time.perf_counter() - t0
+            if elapsed >= 2e-3 or calls >= 64:
+                break
+        best = min(best, elapsed / calls)
+    return best
+
+
+def host(a: np.ndarray, dtype: Any) -> np.ndarray:
+    """`a` in `dtype` on the host, converted as jnp.asarray converts it (so the probe inputs'
+    bits, and the stored probes' hashes, are what they were when rows were gathered on the
+    device). Runs gather their rows from it with numpy and put them on the device: an eager
+    device gather per run cost ~2 ms of dispatch (and a compile per shape), two thirds of a
+    calibration's time (measured: 7.0 of 11.3 s of a small model's product probes)."""
+    return np.asarray(jnp.asarray(a, dtype))
+
+
+def probe_rng(*what: Any) -> np.random.Generator:
+    """The probe's own random stream, seeded by what it probes: a probe's data (hence its
+    result) does not depend on which probes ran before it, so results can be reused."""
+    return np.random.default_rng(zlib.crc32(repr(("multiserve-probe", *what)).encode()))
+
+
+def native_products_usable(dtype: Any, device: Any) -> bool:
+    """Whether the native product kernels may be candidates here (and are built)."""
+    return (native_kernels.supports_products(device.platform, str(jnp.dtype(dtype)))
+            and native_kernels.unavailable_reason() is None)
+
+
+def native_attention_usable(use: AttentionUse, dtype: Any, device: Any) -> bool:
+    """Whether the native CPU attention kernel may be a candidate here (and is built)."""
+    return (not use.sharded
+            and native_kernels.supports_attention(device.platform, str(jnp.dtype(dtype)),
+                                                  use.head_dim)
+            and native_kernels.unavailable_reason() is None)
+
+
+# ---- the probes ----------------------------------------------------------------------------
+def probe_product(use: ProductUse, dtype: Any, device: Any, distort: Distort | None,
+                  rng: np.random.Generator) -> list[Candidate]:
+    """Every formulation of one dense product at every row count it may run at."""
+    sizes = use.sizes
+    top = max(sizes)
+    all_rows = sorted(set(sizes) | {p for p in PAD_SIZES if p < top})
+    x = host(rng.standard_normal((top, use.local_k)), dtype)
+    w_host = rng.standard_normal((use.local_k, use.local_n)) / np.sqrt(use.local_k)
+    w = jax.device_put(jnp.asarray(w_host, dtype), device)
+    w_t = jax.device_put(jnp.asarray(np.ascontiguousarray(w_host.T), dtype), device)
+    kernels = [("plain", all_rows), ("nt", all_rows)]
+    w_p = None
+    if not use.sharded and native_products_usable(dtype, device):
+        # invariant by construction: no padding to try, each size at its own rows
+        kernels.append(("native", sorted(set(sizes))))
+        w_p = jax.jit(native_kernels.pack_panels)(w)
+    out: list[Candidate] = []
+    for kernel, row_counts in kernels:
+        fn = jax.jit(lambda a, b, bt, bp, kernel=kernel: product(
+            a, b if kernel == "plain" else None, bt if kernel == "nt" else None, kernel,
+            a.shape[0], jnp.float32, bp if kernel == "native" else None, use.local_n))
+        for rows in row_counts:
+            desc = {"kernel": kernel, "rows": rows}
+            flip = distortion(distort, "product", {"name": use.name, **desc})
+            runs = []
+            for placement in placements(rows, top, rng):
+                res = np.asarray(fn(jax.device_put(x[placement], device), w, w_t, w_p))
+                runs.append(row_hashes(res, placement, flip))
+            xs = jax.device_put(x[:rows], device)
+            out.append(Candidate(desc, rows, runs, timed(partial(fn, xs, w, w_t, w_p))))
+    return out
+
+
+def probe_grouped(use: GroupedUse, dtype: Any, device: Any, distort: Distort | None,
+                  rng: np.random.Generator) -> list[Candidate]:
+    """A grouped product as the MoE layer runs it (model/families/moe.py): every probe row
+    has a fixed expert; each run takes a placement of probe rows, sorts them by expert
+    (stably, as the layer does) and computes each row against its expert's matrix
+    (`primitives.grouped`). So a row is checked at several positions inside groups of
+    several sizes (which rows share its expert changes with the placement); its bits must
+    not move."""
+    sizes = use.sizes
+    top = max(sizes)
+    x = host(rng.standard_normal((top, use.local_k)), dtype)
+    experts = host(rng.integers(0, use.experts, top), jnp.int32)
+    w_host = rng.standard_normal((use.experts, use.local_k, use.local_n)) / np.sqrt(use.local_k)
+    w = jax.device_put(jnp.asarray(w_host, dtype), device)
+    kernels = ["gather"]
+    w_p = None
+    if not use.sharded and native_products_usable(dtype, device):
+        kernels.insert(0, "native")
+        w_p = jax.jit(native_kernels.pack_panels)(w)
+    out: list[Candidate] = []
+    for kernel in kernels:
+        for rows in sorted(set(sizes)):
+            plan = ProductPlan(use.name, use.local_k, use.local_n,
+                               ((rows, Formulation(kernel, rows)),))
+
+            @jax.jit
+            def fn(a: jax.Array, g: jax.Array, b: jax.Array, bp: Any, plan: Any = plan
+                   ) -> jax.Array:
+                order = jnp.argsort(g, stable=True)
+                ys = grouped(a[order], g[order], b, bp, plan, 0)
+                return jnp.zeros_like(ys).at[order].set(ys)
+
+            desc = {"kernel": kernel, "rows": rows}
+            flip = distortion(distort, "grouped", {"name": use.name, **desc})
+            runs = []
+            for placement in placements(rows, top, rng):
+                res = np.asarray(fn(jax.device_put(x[placement], device),
+                                    jnp.asarray(experts[placement]), w, w_p))
+                runs.append(row_hashes(res, placement, flip))
+            xs, gs = jax.device_put(x[:rows], device), jnp.asarray(experts[:rows])
+            out.append(Candidate(desc, rows, runs, timed(partial(fn, xs, gs, w, w_p))))
+    return out
+
+
+def probe_row_sum(width: int, counts: tuple[int, ...], device: Any,
+                  distort: Distort | None, rng: np.random.Generator) -> list[Candidate]:
+    """The row sums of one width (RMSNorm) padded to every row count they may run at."""
+    top = max(counts)
+    all_rows = sorted(set(counts) | {p for p in PAD_SIZES if p < top})
+    x = host(rng.standard_normal((top, width)), jnp.float32)
+    fn = jax.jit(lambda a: row_sum_rows(a, a.shape[0]))
+    out = []
+    for rows in all_rows:
+        desc = {"rows": rows}
+        flip = distortion(distort, "row_sum", {"width": width, **desc})
+        runs = [row_hashes(np.asarray(fn(jax.device_put(x[p], device))), p, flip)
+                for p in placements(rows, top, rng)]
+        xs = jax.device_put(x[:rows], device)
+        out.append(Candidate(desc, rows, runs, timed(partial(fn, xs))))
+    return out
+
+
+class AttentionProbe:
+    """Paged attention on fixed probe rows: the first half decode-like (each its own
+    sequence, random positions over several key blocks), the second half prefill-like
+    (runs of consecutive positions of a few sequences), so chunks of one sequence (shared
+    keys) occur at the larger sizes. Candidates are made on demand and remembered
+    (`done`, in the order they were made)."""
+
+    def __init__(self, use: AttentionUse, dtype: Any, device: Any, distort: Distort | None,
+                 rng: np.random.Generator) -> None:
+        self.use, self.distort, self.rng = use, distort, rng
+        self.top = top = max(use.sizes)
+        self.num_seqs = num_seqs = 16
+        max_pos = 2 * use.block_size + use.block_size // 2
+        pages = -(-(max_pos + 1) // use.page_size)
+        slots = (1 + num_seqs * pages) * use.page_size
+        self.table = jnp.asarray((1 + np.arange(num_seqs * pages, dtype=np.int32))
+                                 .reshape(num_seqs, -1))
+        pool_shape = (1, use.kv_heads, slots, use.head_dim)
+        self.k_pool = jax.device_put(jnp.asarray(rng.standard_normal(pool_shape), dtype), device)
+        self.v_pool = jax.device_put(jnp.asarray(rng.standard_normal(pool_shape), dtype), device)
+        half = max(1, top // 2)
+        seq = np.zeros(top, np.int32)
+        pos = np.zeros(top, np.int32)
+        seq[:half] = np.arange(half) % (num_seqs // 2)
+        pos[:half] = rng.integers(0, max_pos, half)
+        rest = top - half
+        if rest:
+            per_seq = -(-rest // (num_seqs // 2))
+            seq[half:] = num_seqs // 2 + np.arange(rest) // per_seq
+            for s in np.unique(seq[half:]):
+                idx = np.nonzero(seq[half:] == s)[0] + half
+                start = int(rng.integers(0, max(1, max_pos - len(idx))))
+                pos[idx] = np.minimum(start + np.arange(len(idx)), max_pos)
+        heads = use.kv_heads * use.group
+        self.device = device
+        self.q = host(rng.standard_normal((top, heads, use.head_dim)), dtype)
+        self.seq, self.pos = seq, pos
+        self.done: dict[tuple[int, int, int, bool, str], Candidate] = {}
+
+    def candidate(self, tokens: int, chunk: int, padded: int, shared: bool,
+                  kernel: str = "xla") -> Candidate:
+        """The formulation `kernel` at T tokens (query chunk, padded count, shared keys)."""
+        key = (tokens, chunk, padded, shared, kernel)
+        if key not in self.done:
+            self.done[key] = self._run(*key)
+        return self.done[key]
+
+    def native(self, tokens: int) -> Candidate:
+        """The native kernel at T tokens (it has no chunking: every row alone)."""
+        return self.candidate(tokens, 1, tokens, False, "native")
+
+    def _run(self, tokens: int, chunk: int, padded: int, shared: bool,
+             kernel: str) -> Candidate:
+        use = self.use
+        plan = AttentionPlan(((tokens, (chunk, padded)),), shared, kernel)
+        table, k_pool, v_pool, num_seqs = self.table, self.k_pool, self.v_pool, self.num_seqs
+
+        @jax.jit
+        def attend(qs: jax.Array, ps: jax.Array, ss: jax.Array) -> jax.Array:
+            n = qs.shape[0]
+            batch = ForwardBatch(input_ids=jnp.zeros(n, jnp.int32), positions=ps,
+                                 token_seq=ss, out_slots=jnp.zeros(n, jnp.int32),
+                                 page_table=table, seq_lens=jnp.zeros(num_seqs, jnp.int32),
+                                 logit_rows=jnp.zeros(1, jnp.int32))
+            return paged_attention(qs, k_pool, v_pool, 0, batch, page_size=use.page_size,
+                                   block_size=use.block_size, plan=plan)
+
+        desc = {"kernel": kernel, "tokens": tokens, "chunk": chunk, "padded": padded,
+                "shared_keys": shared}
+        flip = distortion(self.distort, "attention", desc)
+        runs = []
+        t0 = time.perf_counter()
+        for p in placements(tokens, self.top, self.rng):
+            res = np.asarray(attend(jax.device_put(self.q[p], self.device),
+                                    jnp.asarray(self.pos[p]), jnp.asarray(self.seq[p])))
+            runs.append(row_hashes(res, p, flip))
+        # the cost model is static (padded rows, then chunk iterations): timing these tiny
+        # probe steps measures dispatch noise, not the step's attention
+        return Candidate(desc, tokens, runs, time.perf_counter() - t0)

@@ -1,0 +1,205 @@
+"""The choice among probed candidates (model/invariance/choice.py), on fabricated probe
+results: candidates whose row hashes say which rows agree, with times chosen by the test.
+No device, no kernel: the rules themselves (verified, one class per plan, fastest within
+the tie rule, the fallbacks), never a claim about which real kernel is faster."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+
+import pytest
+
+from multiserve.model.invariance.choice import (
+    TIE,
+    Candidate,
+    attention_preference,
+    choose_attention,
+    fastest,
+    select,
+    table_rows,
+)
+
+TOP = 8  # probe rows
+
+
+def cand(rows: int, bits: str, seconds: float, kernel: str = "plain",
+         moves: bool = False) -> Candidate:
+    """A candidate over `rows` rows, run at two placements (the first and the last `rows`
+    probe rows, as the probe places them). Rows computed alike (the same `bits`) hash alike;
+    `moves`: row 0's bits change with its position (not position-invariant)."""
+    def h(i: int, run: int) -> int:
+        return hash((bits, i, run if moves and i == 0 else 0))
+
+    runs = [{i: h(i, 0) for i in range(rows)},
+            {i: h(i, 1) for i in range(TOP - rows, TOP)}]
+    return Candidate({"kernel": kernel, "rows": rows}, rows, runs, seconds)
+
+
+def one_class(sel) -> bool:  # noqa: ANN001
+    """Every chosen candidate agrees with the anchor."""
+    ref = sel.anchor.runs[0]
+    return all(c.agrees(ref) for c in sel.choice.values())
+
+
+def test_choice_module_needs_no_device() -> None:
+    code = ("import sys, multiserve.model.invariance.choice; "
+            "assert 'jax' not in sys.modules, 'choice imports jax'")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_every_size_is_served_by_a_verified_member_able_to_hold_it() -> None:
+    cands = [cand(1, "a", 1.0), cand(2, "a", 1.0), cand(4, "a", 1.0), cand(8, "a", 1.0)]
+    sel = select(cands, [1, 3, 8])
+    assert sel.verified and sel.anchor is cands[3]
+    assert {m: c.rows for m, c in sel.choice.items()} == {1: 1, 3: 4, 8: 8}
+
+
+def test_a_faster_member_wins_beyond_the_tie_and_the_smaller_within_it() -> None:
+    small, big = cand(4, "a", 1.0), cand(8, "a", 1.0 / (TIE * 1.5))
+    assert select([small, big], [4, 8]).choice[4] is big  # clearly faster: padded to 8
+    small, big = cand(4, "a", 1.0), cand(8, "a", 1.0 / (TIE * 0.9))
+    assert select([small, big], [4, 8]).choice[4] is small  # within the tie: less padding
+
+
+def test_within_the_tie_plain_is_preferred_to_nt() -> None:
+    nt, plain = cand(4, "a", 1.0, "nt"), cand(4, "a", 1.0 * TIE * 0.99, "plain")
+    assert fastest([nt, plain]) is plain
+    assert fastest([nt, cand(4, "a", TIE * 1.5, "plain")]) is nt
+
+
+def test_sizes_never_mix_formulations_whose_rows_differ() -> None:
+    """Per size the fastest candidate would come from two classes (b fast at 1 row, a fast
+    at 8 rows): a plan takes every size from one anchor's class."""
+    a1, a8 = cand(1, "a", 5.0), cand(8, "a", 1.0)
+    b1, b8 = cand(1, "b", 1.0), cand(8, "b", 5.0)
+    cands = [a1, a8, b1, b8]
+    sel = select(cands, [1, 8])
+    assert sel.verified and one_class(sel)
+    assert sel.choice[1] is a8 and sel.choice[8] is a8  # b1, as fast, is of the other class
+
+
+def test_the_cheapest_class_wins() -> None:
+    a = [cand(1, "a", 3.0), cand(8, "a", 3.0)]
+    b = [cand(1, "b", 1.0), cand(8, "b", 1.0)]
+    sel = select(a + b, [1, 8])
+    assert sel.anchor is b[1] and sel.choice == {1: b[0], 8: b[1]}
+
+
+def test_a_candidate_disagreeing_with_the_reference_is_never_chosen() -> None:
+    """Every smaller candidate sums in its own order (distorted): the last resort, every
+    step padded to the reference's size, is what remains, and it is verified."""
+    cands = [cand(1, "x1", 0.1), cand(2, "x2", 0.1), cand(4, "x4", 0.1), cand(8, "a", 9.0)]
+    sel = select(cands, [1, 2, 4, 8])
+    assert sel.verified and all(c is cands[3] for c in sel.choice.values())
+
+
+def test_a_reference_whose_rows_move_is_no_reference() -> None:
+    moving, steady = cand(8, "a", 0.1, moves=True), cand(8, "b", 9.0)
+    sel = select([cand(1, "a", 0.1), moving, cand(1, "b", 1.0), steady], [1, 8])
+    assert sel.verified and sel.anchor is steady
+
+
+def test_nothing_position_invariant_falls_back_to_the_fastest_unverified() -> None:
+    cands = [cand(1, "a", 2.0), cand(2, "b", 1.0), cand(8, "c", 3.0, moves=True)]
+    sel = select(cands, [1, 2, 8])
+    assert not sel.verified and sel.anchor is None
+    assert {m: c.rows for m, c in sel.choice.items()} == {1: 2, 2: 2, 8: 8}
+
+
+def test_attention_preference_orders_by_padding_then_chunk() -> None:
+    assert attention_preference(5, 16, (1, 2, 4, 8, 16)) == [
+        (1, 5), (2, 6), (4, 8), (8, 8), (16, 16)]
+    assert attention_preference(16, 16, (1, 2, 4, 8, 16)) == [
+        (16, 16), (8, 16), (4, 16), (2, 16), (1, 16)]
+    assert attention_preference(3, 4, (1, 2, 4, 8)) == [(1, 3), (2, 4), (4, 4)]
+
+
+class FakeAttention:
+    """Attention candidates made on demand, each once: `bits(tokens, chunk, padded, shared,
+    kernel)` names how a candidate computes its rows; `asked` records what was made."""
+
+    def __init__(self, bits, moves=lambda *k: False) -> None:  # noqa: ANN001
+        self.bits, self.moves, self.asked = bits, moves, []
+        self.made: dict = {}
+
+    def xla(self, tokens: int, chunk: int, padded: int, shared: bool) -> Candidate:
+        return self._make(tokens, chunk, padded, shared, "xla")
+
+    def native(self, tokens: int) -> Candidate:
+        return self._make(tokens, 1, tokens, False, "native")
+
+    def _make(self, *key) -> Candidate:  # noqa: ANN002
+        if key not in self.made:  # made once, as the probe makes them
+            self.asked.append(key)
+            c = cand(key[0], self.bits(*key), 1.0, moves=self.moves(*key))
+            c.desc = {"kernel": key[4], "tokens": key[0], "chunk": key[1], "padded": key[2],
+                      "shared_keys": key[3]}
+            self.made[key] = c
+        return self.made[key]
+
+
+CHUNKS = (1, 2, 4, 8)
+
+
+def test_attention_takes_the_native_kernel_when_its_rows_agree_at_every_size() -> None:
+    fake = FakeAttention(lambda *k: "native" if k[4] == "native" else "xla")
+    sel, shared, kernel = choose_attention((1, 4, 8), CHUNKS, fake.native, fake.xla)
+    assert kernel == "native" and sel.verified and not shared
+    assert {t: c.desc["kernel"] for t, c in sel.choice.items()} == dict.fromkeys((1, 4, 8),
+                                                                                 "native")
+    assert all(k[4] == "native" for k in fake.asked)  # no XLA candidate probed
+
+
+def test_attention_leaves_a_native_kernel_whose_rows_differ_by_size(
+        caplog: pytest.LogCaptureFixture) -> None:
+    fake = FakeAttention(lambda *k: f"native{k[0]}" if k[4] == "native" else "xla")
+    with caplog.at_level(logging.WARNING, "multiserve.calibration"):
+        sel, shared, kernel = choose_attention((1, 4, 8), CHUNKS, fake.native, fake.xla)
+    assert kernel == "xla" and sel.verified and "not invariant" in caplog.text
+    # the first reference in preference order: the largest chunk, shared keys first
+    assert sel.anchor.desc == {"kernel": "xla", "tokens": 8, "chunk": 8, "padded": 8,
+                               "shared_keys": True} and shared
+    assert {t: c.desc["chunk"] for t, c in sel.choice.items()} == {1: 1, 4: 4, 8: 8}
+
+
+def test_attention_sizes_whose_chunks_differ_take_the_first_agreeing_chunk() -> None:
+    """Chunks of 1 and 2 rows compute differently (an alien backend): every size takes
+    the first candidate in its preference order whose rows agree (a 1-token step: a chunk
+    of 4, the token padded to 4)."""
+    fake = FakeAttention(lambda *k: f"c{k[1]}" if k[1] <= 2 else "xla")
+    sel, _, kernel = choose_attention((1, 2, 4, 8), CHUNKS, None, fake.xla)
+    assert kernel == "xla" and sel.verified
+    assert {t: (c.desc["chunk"], c.desc["padded"]) for t, c in sel.choice.items()} == {
+        1: (4, 4), 2: (4, 4), 4: (4, 4), 8: (8, 8)}
+    assert all(c.agrees(sel.anchor.runs[0]) for c in sel.choice.values())
+
+
+def test_attention_sizes_with_no_agreeing_candidate_are_padded_to_the_reference() -> None:
+    fake = FakeAttention(lambda *k: "xla" if k[0] == 8 else f"t{k[0]}c{k[1]}")
+    sel, _, _ = choose_attention((1, 4, 8), CHUNKS, None, fake.xla)
+    assert sel.verified and all(c is sel.anchor for c in sel.choice.values())
+
+
+def test_attention_without_shared_keys_when_shared_keys_move_rows() -> None:
+    fake = FakeAttention(lambda *k: "xla", moves=lambda *k: k[3])
+    sel, shared, _ = choose_attention((1, 8), CHUNKS, None, fake.xla)
+    assert sel.verified and not shared
+    assert not any(c.desc["shared_keys"] for c in sel.choice.values())
+
+
+def test_attention_with_no_invariant_reference_is_not_verified() -> None:
+    fake = FakeAttention(lambda *k: "xla", moves=lambda *k: True)
+    sel, shared, kernel = choose_attention((1, 8), CHUNKS, None, fake.xla)
+    assert not sel.verified and sel.anchor is None and kernel == "xla" and not shared
+
+
+def test_the_table_marks_reference_members_and_sizes() -> None:
+    cands = [cand(1, "a", 1.0), cand(1, "x", 0.5), cand(8, "a", 1.0)]
+    sel = select(cands, [1, 8])
+    rows = table_rows("product", {"name": "wq"}, cands, sel)
+    assert [r["reference"] for r in rows] == [False, False, True]
+    assert [r["matches_reference"] for r in rows] == [True, False, True]
+    assert [r["chosen_for"] for r in rows] == [[1], [], [8]]
+    assert all(r["position_invariant"] and r["name"] == "wq" for r in rows)
