@@ -215,7 +215,8 @@ class EngineConfig:
                  f"must be one of {SPECULATIVE_ALGORITHMS}, got {self.speculative_algorithm!r}")
         _require(1 <= self.speculative_num_draft_tokens <= 16, "speculative_num_draft_tokens",
                  f"must be in [1, 16], got {self.speculative_num_draft_tokens}")
-        _require(2 <= self.speculative_max_step_tokens <= max(self.precompile_token_paddings),
+        _require(self.speculative_algorithm is None or
+                 2 <= self.speculative_max_step_tokens <= max(self.precompile_token_paddings),
                  "speculative_max_step_tokens", "must be in [2, the largest token padding]")
 
     def with_updates(self, **changes: Any) -> EngineConfig:

@@ -43,8 +43,8 @@ class DraftSource(Protocol):
 
 @dataclass
 class _ReqState:
-    index: NgramIndex
-    indexed: int = 0  # fill_ids[:indexed] are in `index`
+    ngrams: NgramIndex
+    indexed: int = 0  # fill_ids[:indexed] are in `ngrams`
     streak: int = 0  # verifies in a row that accepted nothing
     skip: int = 0  # chances to draft still skipped
     proposed: int = 0
@@ -74,11 +74,11 @@ class Drafter:
             return ()
         fill = req.fill_ids
         if len(fill) < st.indexed:  # cannot shrink while live; be safe after a reset
-            st.index, st.indexed = NgramIndex(self.min_n, self.max_n), 0
-        st.index.extend(fill[st.indexed:])
+            st.ngrams, st.indexed = NgramIndex(self.min_n, self.max_n), 0
+        st.ngrams.extend(fill[st.indexed:])
         st.indexed = len(fill)
         context = fill[-self.max_n:]
-        own_n, own = st.index.propose(context, k)
+        own_n, own = st.ngrams.propose(context, k)
         group = self.store.index_for(req.prompt_ids)
         grp_n, grp = group.propose(context, k) if group is not None else (0, ())
         if (grp_n, len(grp)) >= (own_n, len(own)) and grp:
