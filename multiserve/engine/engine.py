@@ -56,6 +56,7 @@ from multiserve.engine.sched.request import Req
 from multiserve.engine.setup import EngineParts, build_engine_parts
 from multiserve.engine.state_report import internal_state, step_info
 from multiserve.engine.streams import OutputAssembler, OutputStream
+from multiserve.sampling_policy import to_sampling_params
 from multiserve.types import (
     MEMORY_TAGS,
     ControlResult,
@@ -280,8 +281,6 @@ class Engine:
                  stream: bool) -> GenerateRequest:
         if isinstance(sampling_params, dict):
             # an sglang sampling dict (its key policy: honoured, no-op or refused by name)
-            from multiserve.server.sglang_params import to_sampling_params
-
             sampling_params = to_sampling_params(sampling_params)
         params = sampling_params or SamplingParams()
         if input_ids is None:
@@ -380,7 +379,7 @@ class Engine:
         admitted atomically (one engine command: a pause or abort issued once they are
         submitted sees every one). `sampling_params` is one for all prompts or, as sglang
         (and tunix) call it, a list with one per prompt; a dict is sglang's
-        `sampling_params` (sglang_params.py)."""
+        `sampling_params` (multiserve/sampling_policy.py)."""
         batch = (isinstance(prompt, (list, tuple)) or
                  (input_ids is not None and len(input_ids) > 0
                   and isinstance(input_ids[0], (list, tuple))))

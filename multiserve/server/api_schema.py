@@ -19,15 +19,15 @@ from pydantic import BaseModel
 from multiserve.server import protocol as P
 from multiserve.server import protocol_native as N
 from multiserve.server import rl_routes as R
-from multiserve.server import sglang_params as S
+from multiserve import sampling_policy as S
 from multiserve.server.openapi_docs import Answer, ControlAnswer, Key, document
 from multiserve.types import MAX_TOP_LOGPROBS, MEMORY_TAGS, PAUSE_REASONS
 
 GEN_ERRORS = ("400", "401", "404", "429", "503")
 INT, NUM, BOOL = {"type": "integer"}, {"type": "number"}, {"type": "boolean"}
 NULL = {"type": "null"}
-# sglang's sampling_params keys (sglang_params.py): honoured ones with their types, no-op
-# ones, and refused ones (null only: a value is refused with a 400 naming the key).
+# sglang's sampling_params keys (multiserve/sampling_policy.py): honoured ones with their
+# types, no-op ones, and refused ones (null only: a value is refused with a 400 naming the key).
 # Any other key is refused too, hence additionalProperties false.
 SAMPLING_PARAMS_SCHEMA: dict[str, Any] = {
     "type": "object", "additionalProperties": False,

@@ -5,8 +5,8 @@ bodies of /pause_generation and /abort_request.
 
 Invariants: strict JSON parsing; unknown top-level fields ignored (sglang clients and
 routers send many that change nothing here), but set features we cannot honour are refused
-(`REFUSED_FEATURES`); the `sampling_params` key policy is in `sglang_params.py`; range
-checks stay in `SamplingParams`.
+(`REFUSED_FEATURES`); the `sampling_params` key policy is in
+`multiserve/sampling_policy.py`; range checks stay in `SamplingParams`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from multiserve.server.sglang_params import to_sampling_params
+from multiserve.sampling_policy import to_sampling_params
 from multiserve.types import PauseMode, SamplingParams
 
 

@@ -6,7 +6,7 @@ import pytest
 
 from multiserve.server import protocol as P
 from multiserve.server import protocol_native as N
-from multiserve.server import sglang_params as S
+from multiserve import sampling_policy as S
 from multiserve.server.errors import ApiError
 from multiserve.server.http_utils import parse_body
 from multiserve.types import SamplingParamsError
