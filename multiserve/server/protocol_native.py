@@ -1,7 +1,7 @@
 """Pydantic models of the native (sglang-compatible) and control endpoints.
 
-Owns: the /generate request and response, /v1/score request and response, and the
-bodies of /pause_generation and /abort_request.
+Owns: the /generate request and response, /v1/score request and response (the control
+routes' bodies are server/control_bodies.py's).
 
 Invariants: strict JSON parsing; unknown top-level fields ignored (sglang clients and
 routers send many that change nothing here), but set features we cannot honour are refused
@@ -16,7 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from multiserve.sampling_policy import to_sampling_params
-from multiserve.types import PauseMode, SamplingParams
+from multiserve.types import SamplingParams
 
 
 class _Request(BaseModel):
@@ -145,14 +145,3 @@ class ScoreResponse(BaseModel):
     model: str
     object: Literal["scoring"] = "scoring"
     usage: dict[str, int] = Field(default_factory=dict)
-
-
-# The control bodies of /pause_generation and /abort_request: the engine's and (stricter
-# about unknown keys, same fields and defaults) the supervisor's (fleet/supervisor_bodies.py).
-class PauseBody(_Request):
-    mode: PauseMode = "abort"  # sglang's default for a pause (a release: "retract")
-
-
-class AbortBody(_Request):
-    rid: str | None = None
-    abort_all: bool = False
