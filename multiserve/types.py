@@ -2,7 +2,8 @@
 
 Owns: `SamplingParams` (validated on construction), the request and output records,
 control results, the `EngineClient` protocol the HTTP server talks to (its control
-operations are control_ops.py's), and the control vocabulary (pause modes and reasons, memory tags, the "asleep" health status).
+operations are control_ops.py's), and the control vocabulary (pause modes and reasons,
+memory tags, the "asleep" health status).
 
 Invariants:
 - Nothing here imports jax, numpy-on-device code or anything under `engine/`/`model/`:
