@@ -1,8 +1,9 @@
 """Jax-free records shared by the engine, the HTTP side and the fleet.
 
 Owns: `SamplingParams` (validated on construction), the request and output records,
-control results, the `EngineClient` protocol the HTTP server talks to, and the control
-vocabulary (pause modes and reasons, memory tags, the "asleep" health status).
+control results, the `EngineClient` protocol the HTTP server talks to (its control
+operations are control_ops.py's), and the control vocabulary (pause modes and reasons,
+memory tags, the "asleep" health status).
 
 Invariants:
 - Nothing here imports jax, numpy-on-device code or anything under `engine/`/`model/`:
@@ -35,7 +36,7 @@ PauseReason = Literal["user", "weights_staged", "memory_released"]
 PAUSE_REASONS: tuple[PauseReason, ...] = get_args(PauseReason)
 # Device memory a release frees and a resume restores (sglang's tag names), in resume
 # order: weights before K/V (engine/rl/memory.py). sglang's "cuda_graph" is not one: the
-# HTTP side accepts it as a no-op (server/rl_routes.py NOOP_TAGS).
+# HTTP side accepts it as a no-op (server/control_bodies.py NOOP_TAGS).
 MemoryTag = Literal["weights", "kv_cache"]
 MEMORY_TAGS: tuple[MemoryTag, ...] = get_args(MemoryTag)
 # /health's status (and the prefix of the health reason) of a healthy engine whose memory
@@ -327,11 +328,9 @@ class EngineOverloaded(RuntimeError):
 
 @runtime_checkable
 class EngineClient(Protocol):
-    """What one HTTP app needs from one engine. Implemented by `multiserve.Engine`
-    itself and by the fleet's worker handle. The `async_*` methods and `stream` are
-    called from the server's event loop (any thread) and never block that loop; the
-    Engine also offers the same controls synchronously under the plain names
-    (`pause_generation`, ...) for Python callers."""
+    """What one HTTP app (and the supervisor) needs from one engine. Implemented by
+    `multiserve.Engine` itself and by the fleet's worker handle. `acontrol` and `stream`
+    are called from the server's event loop (any thread) and never block that loop."""
 
     model_name: str
     context_len: int
@@ -350,49 +349,13 @@ class EngineClient(Protocol):
         sample has `finished=True`); `aclose()` on one aborts its request."""
         ...
 
-    async def async_pause_generation(self, mode: str = "abort") -> ControlResult: ...
-
-    async def async_continue_generation(self) -> ControlResult: ...
-
-    async def async_abort_request(self, rid: str | None = None,
-                                  abort_all: bool = False) -> ControlResult: ...
-
-    async def async_flush_cache(self) -> ControlResult: ...
-
-    async def async_get_internal_state(self) -> dict[str, Any]: ...
+    async def acontrol(self, name: str, /, **args: Any) -> Any:
+        """Run control operation `name` of multiserve/control_ops.py (pause_generation,
+        flush_cache, release_memory_occupation, ...) with its arguments: a ControlResult
+        (get_internal_state: a dict). ValueError for a bad argument, EngineUnavailable
+        when the engine cannot take it."""
+        ...
 
     def health(self) -> tuple[bool, str]:
         """(healthy, reason). Unhealthy engines answer 503 with the reason."""
         ...
-
-
-@runtime_checkable
-class RLClient(Protocol):
-    """The RL controls an HTTP app (engine or supervisor) calls: memory release/resume and
-    weight updates. Implemented by `multiserve.Engine` (through its RLControl) and by the
-    fleet's worker handle, which forwards to the engine in its slot; the HTTP side never
-    reaches past this interface (no `worker.engine`)."""
-
-    async def async_release_memory_occupation(self, tags: Any = ..., mode: str = "retract",
-                                              preserve_state: bool = False
-                                              ) -> ControlResult: ...
-
-    async def async_resume_memory_occupation(self, tags: Any = ...) -> ControlResult: ...
-
-    async def async_update_weights_from_disk(self, path: str, weight_version: str,
-                                             abort_running: bool = False
-                                             ) -> ControlResult: ...
-
-    async def async_stage_weights_from_disk(self, path: str, weight_version: str,
-                                            abort_running: bool = False
-                                            ) -> ControlResult: ...
-
-    async def async_publish_staged_weights(self, token: str,
-                                           abort_running: bool = False
-                                           ) -> ControlResult: ...
-
-    async def async_discard_staged_weights(self, token: str | None = None
-                                           ) -> ControlResult: ...
-
-    async def async_get_weights_by_name(self, name: str, truncate_size: int = 100
-                                        ) -> ControlResult: ...

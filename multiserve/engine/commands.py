@@ -3,8 +3,10 @@
 Every call into an engine from another thread is one of these, put on the engine's queue
 with a future (`Engine.call(cmd) -> Future`, `await Engine.acall(cmd)`); the engine thread
 runs them between two steps, in order, through one `match` (`Engine._dispatch`). The
-public methods (`pause_generation`, `async_flush_cache`, the RL ones, ...) are thin
-wrappers that build a command and wait for it.
+control operations' one-step records (multiserve/control_ops.py: PauseGeneration,
+FlushCache, ReleaseMemoryOccupation, ...) are commands as they are; `Engine.control(name,
+**args)` builds one and waits for it. The rest are the engine's own: admission, stop,
+upkeep, and the steps of a staged weight update.
 
 Invariant: a command's fields are everything it needs; the engine thread is the only
 reader of the state it touches.
@@ -16,6 +18,19 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from multiserve.control_ops import (
+    AbortRequest,
+    ContinueGeneration,
+    DiscardStagedWeights,
+    FlushCache,
+    GetInternalState,
+    GetWeightsByName,
+    PauseGeneration,
+    PublishStagedWeights,
+    ReleaseMemoryOccupation,
+    ResumeMemoryOccupation,
+)
+
 if TYPE_CHECKING:
     from multiserve.engine.sched.request import Req
 
@@ -24,34 +39,6 @@ if TYPE_CHECKING:
 class Add:
     """Admit the Reqs of one request (its n samples); refused if the engine is unhealthy."""
     reqs: list[Req]
-
-
-@dataclass(frozen=True)
-class Abort:
-    """End one request (`rid`) or every live one (`abort_all`) with finish_reason abort."""
-    rid: str | None = None
-    abort_all: bool = False
-
-
-@dataclass(frozen=True)
-class Pause:
-    """The user's pause (mode abort / retract / in_place; validated by the caller)."""
-    mode: str
-
-
-@dataclass(frozen=True)
-class Continue:
-    """Clear the user's pause (holds stay)."""
-
-
-@dataclass(frozen=True)
-class Flush:
-    """Reset the prefix cache and the allocator when nothing is live."""
-
-
-@dataclass(frozen=True)
-class GetState:
-    """The engine's internal state (engine/state_report.internal_state)."""
 
 
 @dataclass(frozen=True)
@@ -97,7 +84,8 @@ class Call:
     fn: Callable[[Any], Any]
 
 
-# ---- RL (engine/rl/): run by RLControl.execute on the engine thread ----------------------
+# ---- RL (engine/rl/): run by RLControl.execute on the engine thread (with the RL group's
+# one-step records of control_ops.py) --------------------------------------------------------
 @dataclass(frozen=True)
 class BeginStaging:
     """Hold the engine for a weight staging (refused while requests run, unless
@@ -111,44 +99,11 @@ class EndStaging:
     token: str
 
 
-@dataclass(frozen=True)
-class Publish:
-    """Swap staged weights `token` in, set their version, invalidate the prefix cache."""
-    token: str
-    abort_running: bool = False
+RLCommand = (BeginStaging | EndStaging | PublishStagedWeights | DiscardStagedWeights
+             | GetWeightsByName | ReleaseMemoryOccupation | ResumeMemoryOccupation)
+RL_COMMANDS = (BeginStaging, EndStaging, PublishStagedWeights, DiscardStagedWeights,
+               GetWeightsByName, ReleaseMemoryOccupation, ResumeMemoryOccupation)
 
-
-@dataclass(frozen=True)
-class Discard:
-    """Drop staged weights (`token`, or whichever are staged) and end their hold."""
-    token: str | None = None
-
-
-@dataclass(frozen=True)
-class ReadWeights:
-    """One tensor's first `truncate_size` rows (HF name and orientation)."""
-    name: str
-    truncate_size: int = 100
-
-
-@dataclass(frozen=True)
-class ReleaseMemory:
-    """Hold the engine (applying `mode` if it runs), then free the tagged device buffers."""
-    tags: tuple[str, ...]
-    mode: str = "retract"
-    preserve_state: bool = False
-
-
-@dataclass(frozen=True)
-class ResumeMemory:
-    """Bring the tagged device buffers back; the hold ends once all are resident."""
-    tags: tuple[str, ...]
-
-
-RLCommand = (BeginStaging | EndStaging | Publish | Discard | ReadWeights | ReleaseMemory
-             | ResumeMemory)
-RL_COMMANDS = (BeginStaging, EndStaging, Publish, Discard, ReadWeights, ReleaseMemory,
-               ResumeMemory)
-
-Command = (Add | Abort | Pause | Continue | Flush | GetState | Stop | Prime | CheckIntegrity
-           | InjectFault | SetOverlap | StepInfo | Call | RLCommand)
+Command = (Add | AbortRequest | PauseGeneration | ContinueGeneration | FlushCache
+           | GetInternalState | Stop | Prime | CheckIntegrity | InjectFault | SetOverlap
+           | StepInfo | Call | RLCommand)

@@ -4,7 +4,10 @@ Owns one thread that owns one EngineCore (docs/architecture.md §3). Every publi
 called from any thread: work goes to the engine thread as a typed command
 (engine/commands.py) through `call(cmd) -> Future` / `await acall(cmd)`; the thread runs
 each through one `match` (`_dispatch`). Results come back through those futures (control)
-and per-request sinks (outputs).
+and per-request sinks (outputs). Every control operation (multiserve/control_ops.py: OPS)
+runs through `control(name, **args)` / `await acontrol(name, **args)`; the few users call
+by name (pause_generation, flush_cache, update_weights_from_disk, ...) are one-line
+spellings of it.
 
 Invariants:
 - Only the engine thread touches the EngineCore, the runner and device state.
@@ -33,18 +36,21 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
 from multiserve.config import EngineConfig
+from multiserve.control_ops import (
+    AbortRequest,
+    ContinueGeneration,
+    FlushCache,
+    GetInternalState,
+    PauseGeneration,
+    control_request,
+)
 from multiserve.engine.commands import (
     RL_COMMANDS,
-    Abort,
     Add,
     Call,
     CheckIntegrity,
     Command,
-    Continue,
-    Flush,
-    GetState,
     InjectFault,
-    Pause,
     Prime,
     SetOverlap,
     StepInfo,
@@ -56,6 +62,7 @@ from multiserve.engine.sched.request import Req
 from multiserve.engine.setup import EngineParts, build_engine_parts
 from multiserve.engine.state_report import internal_state, step_info
 from multiserve.engine.streams import OutputAssembler, OutputStream
+from multiserve.sampling_policy import to_sampling_params
 from multiserve.types import (
     MEMORY_TAGS,
     ControlResult,
@@ -66,7 +73,6 @@ from multiserve.types import (
     RequestOutput,
     SamplingParams,
     asleep_reason,
-    check_pause_mode,
 )
 
 _Queued = tuple[Command, concurrent.futures.Future]
@@ -104,7 +110,7 @@ def _register_exit_hook() -> None:
 
 class Engine:
     """One inference engine. `Engine(EngineConfig(...))`; see README for examples.
-    Memory release/resume and weight updates are forwarded to its RLControl
+    Control operations run through `control` / `acontrol`, driven by its RLControl
     (engine/rl/control.py)."""
 
     def __init__(self, config: EngineConfig | None = None, **overrides: Any) -> None:
@@ -202,15 +208,15 @@ class Engine:
             case Add(reqs):
                 self._require_healthy()
                 return core.add(reqs)
-            case Abort(rid, abort_all):
+            case AbortRequest(rid, abort_all):
                 return core.abort(rid, abort_all)
-            case Pause(mode):
+            case PauseGeneration(mode):
                 return core.pause(mode)
-            case Continue():
+            case ContinueGeneration():
                 return core.resume()
-            case Flush():
+            case FlushCache():
                 return core.flush()
-            case GetState():
+            case GetInternalState():
                 return {**internal_state(core), "tp_size": len(self.devices)}
             case Prime(kind, size):
                 return core.runner.programs.prime(kind, size)
@@ -284,8 +290,6 @@ class Engine:
                  stream: bool) -> GenerateRequest:
         if isinstance(sampling_params, dict):
             # an sglang sampling dict (its key policy: honoured, no-op or refused by name)
-            from multiserve.server.sglang_params import to_sampling_params
-
             sampling_params = to_sampling_params(sampling_params)
         params = sampling_params or SamplingParams()
         if input_ids is None:
@@ -363,7 +367,7 @@ class Engine:
         return streams
 
     def _abort_later(self, rid: str) -> None:
-        self.call(Abort(rid))
+        self.call(AbortRequest(rid))
 
     async def stream(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
         (st,) = await self.open_streams([request])
@@ -384,7 +388,7 @@ class Engine:
         admitted atomically (one engine command: a pause or abort issued once they are
         submitted sees every one). `sampling_params` is one for all prompts or, as sglang
         (and tunix) call it, a list with one per prompt; a dict is sglang's
-        `sampling_params` (sglang_params.py)."""
+        `sampling_params` (multiserve/sampling_policy.py)."""
         batch = (isinstance(prompt, (list, tuple)) or
                  (input_ids is not None and len(input_ids) > 0
                   and isinstance(input_ids[0], (list, tuple))))
@@ -429,40 +433,44 @@ class Engine:
         outs = [finals[i] for i in range(req.sampling.n)]
         return outs[0] if req.sampling.n == 1 else outs
 
-    # ---- control: sync -------------------------------------------------------------
+    # ---- control: every operation of control_ops.OPS ------------------------------------
+    def control(self, name: str, /, **args: Any) -> Any:
+        """Run control operation `name` (multiserve/control_ops.py) with its arguments and
+        wait for its answer (a ControlResult; get_internal_state: a dict). A bad argument
+        raises ValueError here, before anything runs."""
+        return self._rl.run(self._rl.operation(control_request(name, **args)))
+
+    async def acontrol(self, name: str, /, **args: Any) -> Any:
+        """`control(name, **args)`, awaited (a staging's reads run in a worker thread)."""
+        return await self._rl.arun(self._rl.operation(control_request(name, **args)))
+
+    # the operations Python callers name (sglang's Engine methods), as one-line spellings
     def pause_generation(self, mode: str = "abort") -> ControlResult:
-        check_pause_mode(mode)
-        return self.call(Pause(mode)).result()
+        return self.control("pause_generation", mode=mode)
 
     def continue_generation(self) -> ControlResult:
-        return self.call(Continue()).result()
+        return self.control("continue_generation")
 
     def abort_request(self, rid: str | None = None, abort_all: bool = False) -> ControlResult:
-        return self.call(Abort(rid, abort_all)).result()
+        return self.control("abort_request", rid=rid, abort_all=abort_all)
 
     def flush_cache(self) -> ControlResult:
-        return self.call(Flush()).result()
+        return self.control("flush_cache")
 
     def get_internal_state(self) -> dict[str, Any]:
-        return self.call(GetState()).result()
+        return self.control("get_internal_state")
 
-    # ---- control: async ------------------------------------------------------------
+    # awaited spellings kept for tests/engine/test_pause.py's hooks (another change edits that
+    # file); everything else awaits `acontrol`
     async def async_pause_generation(self, mode: str = "abort") -> ControlResult:
-        check_pause_mode(mode)
-        return await self.acall(Pause(mode))
-
-    async def async_continue_generation(self) -> ControlResult:
-        return await self.acall(Continue())
+        return await self.acontrol("pause_generation", mode=mode)
 
     async def async_abort_request(self, rid: str | None = None,
                                   abort_all: bool = False) -> ControlResult:
-        return await self.acall(Abort(rid, abort_all))
-
-    async def async_flush_cache(self) -> ControlResult:
-        return await self.acall(Flush())
+        return await self.acontrol("abort_request", rid=rid, abort_all=abort_all)
 
     async def async_get_internal_state(self) -> dict[str, Any]:
-        return await self.acall(GetState())
+        return await self.acontrol("get_internal_state")
 
     # ---- health / lifecycle --------------------------------------------------------
     def health(self) -> tuple[bool, str]:
@@ -510,104 +518,58 @@ class Engine:
         if not self._healthy:
             raise EngineUnavailable(self._reason)
 
-    # ---- RL: weight updates and memory release --------------------------------------
-    # Each operation is written once (engine/rl/control.py); these are its sync and async
-    # entry points, by the names sglang clients call.
+    # ---- RL: weight updates and memory release (control_ops.py's records say more) ------
     def stage_weights_from_tensor(self, params: Any, weight_version: str,
                                   abort_running: bool = False) -> ControlResult:
         """Validate + copy `params` (flat {HF name: array}, (name, array) pairs, or the
         params pytree; a subset updates only those tensors) onto the engine's devices.
         details["token"] publishes it. Refused if requests run and the engine is not
         paused (unless abort_running). The engine is held paused until publish/discard."""
-        return self._rl.run(self._rl.stage_from_tensor(params, weight_version, abort_running))
-
-    async def async_stage_weights_from_tensor(self, params: Any, weight_version: str,
-                                              abort_running: bool = False) -> ControlResult:
-        """stage_weights_from_tensor, awaited (staging runs in a worker thread)."""
-        return await self._rl.arun(self._rl.stage_from_tensor(params, weight_version,
-                                                              abort_running))
+        return self.control("stage_weights_from_tensor", params=params,
+                            weight_version=weight_version, abort_running=abort_running)
 
     def stage_weights_from_disk(self, path: str, weight_version: str,
                                 abort_running: bool = False) -> ControlResult:
         """Like stage_weights_from_tensor, from an HF safetensors dir (every tensor)."""
-        return self._rl.run(self._rl.stage_from_disk(path, weight_version, abort_running))
-
-    async def async_stage_weights_from_disk(self, path: str, weight_version: str,
-                                            abort_running: bool = False) -> ControlResult:
-        """stage_weights_from_disk, awaited (staging runs in a worker thread)."""
-        return await self._rl.arun(self._rl.stage_from_disk(path, weight_version,
-                                                            abort_running))
+        return self.control("stage_weights_from_disk", path=path,
+                            weight_version=weight_version, abort_running=abort_running)
 
     def publish_staged_weights(self, token: str, abort_running: bool = False) -> ControlResult:
         """Swap the staged weights in (between two steps), set the version, invalidate
         the prefix cache; abort_running aborts every live request first."""
-        return self._rl.run(self._rl.publish(token, abort_running))
-
-    async def async_publish_staged_weights(self, token: str,
-                                           abort_running: bool = False) -> ControlResult:
-        """publish_staged_weights, awaited."""
-        return await self._rl.arun(self._rl.publish(token, abort_running))
+        return self.control("publish_staged_weights", token=token, abort_running=abort_running)
 
     def discard_staged_weights(self, token: str | None = None) -> ControlResult:
         """Drop the staged weights (`token`, or whichever are staged); the engine runs
         again unless another reason holds it."""
-        return self._rl.run(self._rl.discard(token))
-
-    async def async_discard_staged_weights(self, token: str | None = None) -> ControlResult:
-        """discard_staged_weights, awaited."""
-        return await self._rl.arun(self._rl.discard(token))
+        return self.control("discard_staged_weights", token=token)
 
     def update_weights_from_tensor(self, params: Any, weight_version: str,
                                    abort_running: bool = False) -> ControlResult:
         """stage_weights_from_tensor, then publish_staged_weights."""
-        return self._rl.run(self._rl.update_from_tensor(params, weight_version, abort_running))
-
-    async def async_update_weights_from_tensor(self, params: Any, weight_version: str,
-                                               abort_running: bool = False) -> ControlResult:
-        """update_weights_from_tensor, awaited."""
-        return await self._rl.arun(self._rl.update_from_tensor(params, weight_version,
-                                                               abort_running))
+        return self.control("update_weights_from_tensor", params=params,
+                            weight_version=weight_version, abort_running=abort_running)
 
     def update_weights_from_disk(self, path: str, weight_version: str,
                                  abort_running: bool = False) -> ControlResult:
         """stage_weights_from_disk, then publish_staged_weights."""
-        return self._rl.run(self._rl.update_from_disk(path, weight_version, abort_running))
-
-    async def async_update_weights_from_disk(self, path: str, weight_version: str,
-                                             abort_running: bool = False) -> ControlResult:
-        """update_weights_from_disk, awaited."""
-        return await self._rl.arun(self._rl.update_from_disk(path, weight_version,
-                                                             abort_running))
+        return self.control("update_weights_from_disk", path=path,
+                            weight_version=weight_version, abort_running=abort_running)
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> ControlResult:
         """details: name, shape (HF orientation), dtype, values = the first
         `truncate_size` rows as nested lists, weight_version."""
-        return self._rl.run(self._rl.read(name, truncate_size))
-
-    async def async_get_weights_by_name(self, name: str,
-                                        truncate_size: int = 100) -> ControlResult:
-        """get_weights_by_name, awaited."""
-        return await self._rl.arun(self._rl.read(name, truncate_size))
+        return self.control("get_weights_by_name", name=name, truncate_size=truncate_size)
 
     def release_memory_occupation(self, tags: Any = MEMORY_TAGS, mode: str = "retract",
                                   preserve_state: bool = False) -> ControlResult:
         """Hold the engine (applying `mode` if it runs), then free the tagged device
         buffers; new requests wait until resume. preserve_state keeps in-place paused
         requests' K/V on the host and restores it exactly."""
-        return self._rl.run(self._rl.release(tags, mode, preserve_state))
-
-    async def async_release_memory_occupation(self, tags: Any = MEMORY_TAGS,
-                                              mode: str = "retract",
-                                              preserve_state: bool = False) -> ControlResult:
-        """release_memory_occupation, awaited."""
-        return await self._rl.arun(self._rl.release(tags, mode, preserve_state))
+        return self.control("release_memory_occupation", tags=tags, mode=mode,
+                            preserve_state=preserve_state)
 
     def resume_memory_occupation(self, tags: Any = MEMORY_TAGS) -> ControlResult:
         """Bring the tagged device buffers back; generation starts again once everything
         is resident and nothing else holds the engine."""
-        return self._rl.run(self._rl.resume(tags))
-
-    async def async_resume_memory_occupation(self, tags: Any = MEMORY_TAGS
-                                             ) -> ControlResult:
-        """resume_memory_occupation, awaited."""
-        return await self._rl.arun(self._rl.resume(tags))
+        return self.control("resume_memory_occupation", tags=tags)

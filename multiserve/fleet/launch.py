@@ -237,7 +237,7 @@ def _start_servers(fleet: Fleet) -> None:
     from multiserve.fleet.supervisor_rl import add_rl_supervisor_routes
     from multiserve.server import ServerThread, TokenizerManager, build_app
     from multiserve.server.auth import protect
-    from multiserve.server.rl_routes import add_rl_routes
+    from multiserve.server.control_routes import add_rl_routes
 
     cfg = fleet.config
     for w, scfg in zip(fleet.workers, cfg.servers, strict=True):

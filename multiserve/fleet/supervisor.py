@@ -1,13 +1,14 @@
 """The supervisor: one HTTP app that drives every engine of the fleet at once.
 
-Owns: broadcasting control calls (pause / continue / abort / flush, and any later
-`add_control_route` such as weight updates) to all engines concurrently, aggregating
-their answers, fleet health, server info, /v1/models, Prometheus metrics, and
+Owns: broadcasting control operations to all engines concurrently and aggregating their
+answers (a route per operation of multiserve/control_ops.py whose row names a `fleet`
+merge: `add_fleet_control_routes`; the core group here, the RL group from
+supervisor_rl.py), fleet health, server info, /v1/models, Prometheus metrics, and
 restarting one engine through the launcher's `restart` callback.
 
 Invariants:
-- Jax-free: talks to engines only through `EngineClient` (multiserve.types); never
-  imports `engine/` or `model/`.
+- Jax-free: talks to engines only through `EngineClient` (multiserve.types:
+  `acontrol`); never imports `engine/` or `model/`.
 - A broadcast answers only after every engine answered (or timed out): a fleet pause is
   a barrier because each engine's pause is one. HTTP 200 only if every engine
   succeeded; otherwise an error status and the per-engine detail (no silent partial
@@ -23,24 +24,24 @@ import asyncio
 import json
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
-from pydantic import BaseModel
 
 from multiserve.config import DEFAULT_MAX_REQUEST_BYTES
-from multiserve.fleet.supervisor_bodies import AbortBody, EmptyBody, PauseBody, RestartBody
+from multiserve.control_ops import OPS, ControlOp, Group
+from multiserve.fleet.supervisor_bodies import RestartBody, fleet_body_for
 from multiserve.fleet.supervisor_metrics import render_metrics
 from multiserve.fleet.supervisor_openapi import document_supervisor_app
 from multiserve.server.body_limit import limit_body
+from multiserve.server.control_routes import read_body
 from multiserve.server.errors import ApiError, bad_request, with_error
 from multiserve.server.http_utils import error_json, parse_body
 from multiserve.types import ControlResult, EngineClient, EngineUnavailable
 
 RestartFn = Callable[[int], Awaitable[ControlResult]]
 EngineCall = Callable[[EngineClient], Awaitable[ControlResult]]
-B = TypeVar("B", bound=BaseModel)
 
 # Failure kinds, most severe first, and their HTTP status; a response takes the status of
 # the worst failure present.
@@ -117,8 +118,8 @@ class Supervisor:
             entry: dict[str, Any] = {"engine": i, "port": self.port(i), "healthy": healthy,
                                      "reason": reason, "model": engine.model_name}
             try:
-                entry["state"] = await asyncio.wait_for(engine.async_get_internal_state(),
-                                                        self.state_timeout)
+                entry["state"] = await asyncio.wait_for(
+                    engine.acontrol("get_internal_state"), self.state_timeout)
             except Exception as e:  # noqa: BLE001 - reported per engine
                 entry["state"], entry["state_error"] = None, f"{type(e).__name__}: {e}"
             return entry
@@ -159,26 +160,7 @@ def build_supervisor_app(engines: Sequence[EngineClient], *, restart: RestartFn 
     async def _api_error(_: Request, exc: ApiError) -> Response:
         return error_json(exc)
 
-    add_control_route(app, "/pause_generation", PauseBody,
-                      lambda e, b: e.async_pause_generation(b.mode))
-    add_control_route(app, "/continue_generation", EmptyBody,
-                      lambda e, b: e.async_continue_generation())
-    add_control_route(app, "/flush_cache", EmptyBody, lambda e, b: e.async_flush_cache(),
-                      methods=("GET", "POST"))
-
-    @app.post("/abort_request")
-    async def abort_request(request: Request) -> Response:
-        body = parse_body(AbortBody, await request.body(), allow_empty=True)
-        rid = body.rid or None
-        if (rid is None) == (not body.abort_all):
-            raise bad_request("give exactly one of rid or abort_all=true", "rid")
-        status, out = await sup.broadcast(
-            "abort_request", lambda e: e.async_abort_request(rid=rid, abort_all=body.abort_all))
-        # A rid lives on (at most) one engine; the others answer "not here" and succeed.
-        out["aborted"] = sum(int(r.get("aborted") or 0) for r in out["engines"])
-        if status == 200 and rid is not None and out["aborted"] == 0:
-            out["message"] = f"abort_request: no engine has a live request with rid {rid!r}"
-        return json_response(status, out)
+    add_fleet_control_routes(app, "core")  # pause, continue, abort, flush
 
     @app.post("/restart_engine")
     async def restart_engine(request: Request) -> Response:
@@ -237,22 +219,59 @@ def build_supervisor_app(engines: Sequence[EngineClient], *, restart: RestartFn 
     return app
 
 
-def add_control_route(app: FastAPI, path: str, body_model: type[B],
-                      call: Callable[[EngineClient, B], Awaitable[ControlResult]], *,
-                      methods: Sequence[str] = ("POST",)) -> None:
-    """Hook for fleet-wide control calls: parse the body as `body_model` (400 on a bad
-    body), broadcast `call(engine, body)` to every engine, answer with the aggregate.
-    E.g. `add_control_route(app, "/update_weights_from_disk", UpdateBody,
-    lambda e, b: e.async_update_weights_from_disk(b.model_path))`."""
+def fleet_ops(group: Group) -> list[ControlOp]:
+    """The operations of `group` the supervisor broadcasts (merge "each" or "sum_aborted";
+    the two-phase update is supervisor_rl.py's), in table order."""
+    return [op for op in OPS.values() if op.group == group and op.route is not None
+            and op.fleet in ("each", "sum_aborted")]
+
+
+def _sum_aborted(status: int, out: dict[str, Any], args: dict[str, Any]) -> dict[str, Any]:
+    """A rid lives on (at most) one engine; the others answer "not here" and succeed."""
+    out["aborted"] = sum(int(r.get("aborted") or 0) for r in out["engines"])
+    rid = args.get("rid")
+    if status == 200 and rid is not None and out["aborted"] == 0:
+        out["message"] = f"abort_request: no engine has a live request with rid {rid!r}"
+    return out
+
+
+MERGES: dict[str, Callable[[int, dict[str, Any], dict[str, Any]], dict[str, Any]]] = {
+    "each": lambda status, out, args: out,
+    "sum_aborted": _sum_aborted,
+}
+
+
+def add_fleet_control_routes(app: FastAPI, group: Group) -> None:
+    """One broadcast route per operation of `group` in `fleet_ops`: parse the body (the
+    supervisor's spelling, supervisor_bodies.py; 400 on a bad body, before any engine is
+    asked), run the operation on every engine concurrently, answer the aggregate merged
+    as the row says."""
     sup: Supervisor = app.state.supervisor
-    name = path.strip("/")
+    for op in fleet_ops(group):
+        assert op.route is not None and op.fleet is not None
+        app.add_api_route(op.route.path, _fleet_route(sup, op, fleet_body_for(op)),
+                          methods=list(op.route.methods), name=op.name)
+
+
+def _fleet_route(sup: Supervisor, op: ControlOp, model: type[Any]
+                 ) -> Callable[[Request], Awaitable[Response]]:
+    merge = MERGES[op.fleet or "each"]
 
     async def route(request: Request) -> Response:
-        body = parse_body(body_model, await request.body(), allow_empty=True)
-        status, out = await sup.broadcast(name, lambda e: call(e, body))
-        return json_response(status, out)
+        body = await read_body(model, request, allow_empty=True)
+        assert body is not None
+        ready = body.ready_answer()
+        args = body.op_args() if ready is None else {}
 
-    app.add_api_route(path, route, methods=list(methods), name=name)
+        async def call(e: EngineClient) -> ControlResult:
+            if ready is not None:
+                return ready
+            return body.answer(op.name, await e.acontrol(op.name, **args))
+
+        status, out = await sup.broadcast(op.name, call)
+        return json_response(status, merge(status, out, args))
+
+    return route
 
 
 def json_response(status: int, content: Any) -> Response:

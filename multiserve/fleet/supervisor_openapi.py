@@ -13,9 +13,10 @@ from typing import Any
 from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict
 
+from multiserve.control_ops import OPS
 from multiserve.fleet import supervisor_bodies as S
-from multiserve.server import rl_routes as R
 from multiserve.server.api_schema import ENGINE_STATE_SCHEMA
+from multiserve.server.control_bodies import query_parameters
 from multiserve.server.openapi_docs import Answer, Key, document
 
 
@@ -50,24 +51,23 @@ class FleetWeightVersion(BaseModel):
     engines: list[dict[str, Any]]
 
 
+# every operation the supervisor offers (a row of control_ops.OPS with a `fleet` merge)
+FLEET_OPS = [op for op in OPS.values() if op.fleet is not None and op.route is not None]
 BODIES: dict[Key, Any] = {
-    ("POST", "/pause_generation"): S.PauseBody,
-    ("POST", "/continue_generation"): S.EmptyBody,
-    ("POST", "/flush_cache"): S.EmptyBody,
-    ("POST", "/abort_request"): S.AbortBody,
+    **{(m, op.route.path): S.fleet_body_for(op) for op in FLEET_OPS if op.route is not None
+       for m in op.route.methods if m != "GET"},
     ("POST", "/restart_engine"): S.RestartBody,
-    ("POST", "/release_memory_occupation"): R.ReleaseBody,
-    ("POST", "/resume_memory_occupation"): R.ResumeBody,
-    ("POST", "/get_weights_by_name"): R.WeightsByNameBody,
-    ("POST", "/update_weights_from_disk"): R.DiskBody,
 }
-OPTIONAL = frozenset(k for k in BODIES if k[1] in (
-    "/pause_generation", "/continue_generation", "/flush_cache",
-    "/release_memory_occupation", "/resume_memory_occupation"))
+OPTIONAL = frozenset(k for k, m in BODIES.items() if m.optional_body)
+# a GET spelling reads the query string where its body says so (get_weights_by_name)
+QUERY: dict[Key, list[dict[str, Any]]] = {
+    ("GET", op.route.path): query_parameters(S.fleet_body_for(op))
+    for op in FLEET_OPS if op.route is not None and "GET" in op.route.methods
+    and S.fleet_body_for(op).reads_query}
 FLEET_ERRORS = ("400", "401", "503")
 ANSWERS: dict[Key, Answer] = {
-    **{k: Answer(FleetAnswer, errors=FLEET_ERRORS) for k in BODIES},
-    ("GET", "/flush_cache"): Answer(FleetAnswer, errors=FLEET_ERRORS),
+    **{(m, op.route.path): Answer(FleetAnswer, errors=FLEET_ERRORS) for op in FLEET_OPS
+       if op.route is not None for m in op.route.methods},
     ("POST", "/restart_engine"): Answer(FleetAnswer, errors=("400", "401", "409", "503")),
     ("GET", "/health"): Answer(errors=("401", "503")),
     ("GET", "/get_server_info"): Answer(FLEET_INFO_SCHEMA, errors=("401", "503")),
@@ -78,4 +78,4 @@ ANSWERS: dict[Key, Answer] = {
 
 
 def document_supervisor_app(app: FastAPI) -> None:
-    document(app, BODIES, ANSWERS, optional_bodies=OPTIONAL)
+    document(app, BODIES, ANSWERS, optional_bodies=OPTIONAL, query=QUERY)

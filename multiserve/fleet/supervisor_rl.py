@@ -3,7 +3,7 @@ updates.
 
 Owns `add_rl_supervisor_routes(app, engines=None)` for an app built by
 `build_supervisor_app`:
-  POST /update_weights_from_disk   sglang's body (see rl_routes.DiskBody: "model_path",
+  POST /update_weights_from_disk   sglang's body (see control_bodies.DiskBody: "model_path",
       "weight_version"? -- made once for all engines when absent --, "abort_all_requests"?,
       ...) or {"path", "abort_running"?}.
       Phase 1 stages the checkpoint on every engine (concurrently: read, validate, copy to
@@ -11,12 +11,12 @@ Owns `add_rl_supervisor_routes(app, engines=None)` for an app built by
       If any engine fails to stage, every staged copy is discarded, no engine changes
       weights, and the answer names each failing engine and its reason.
   GET  /get_weight_version         {"weight_version", "agree", "engines": [...]}
-  POST /release_memory_occupation  {"tags"?, "mode"?, "preserve_state"?}   (broadcast)
-  POST /resume_memory_occupation   {"tags"?}                               (broadcast)
-  POST /get_weights_by_name        {"name", "truncate_size"?}             (broadcast)
+  and a broadcast route per RL operation whose row in multiserve/control_ops.py names the
+  "each" merge (supervisor.add_fleet_control_routes): /release_memory_occupation,
+  /resume_memory_occupation, /get_weights_by_name.
 
-Invariants: jax-free (the `async_*` calls of types.EngineClient and types.RLClient
-only, which the fleet's workers implement); answers come after every engine answered;
+Invariants: jax-free (`EngineClient.acontrol` only, which the fleet's workers implement);
+answers come after every engine answered;
 HTTP 200 only if every engine succeeded. A publish is refused by an engine only if its
 state changed between the phases (staging holds an idle engine paused so that requests
 arriving meanwhile cannot make it refuse); the answer then lists the engines on each
@@ -31,17 +31,9 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from multiserve.fleet.supervisor import Supervisor, add_control_route, json_response
+from multiserve.fleet.supervisor import Supervisor, add_fleet_control_routes, json_response
+from multiserve.server.control_bodies import DiskBody
 from multiserve.server.http_utils import parse_body
-from multiserve.server.rl_routes import (
-    DiskBody,
-    ReleaseBody,
-    ResumeBody,
-    WeightsByNameBody,
-    noop_tags_result,
-    rl_client,
-    with_noop_tags,
-)
 from multiserve.types import ControlResult, EngineClient
 
 
@@ -53,24 +45,7 @@ def add_rl_supervisor_routes(app: FastAPI, engines: Sequence[EngineClient] | Non
     sup = base if engines is None or engines is base.engines else Supervisor(
         engines, engine_ports=base.engine_ports, control_timeout=base.control_timeout)
 
-    async def release(e: EngineClient, b: ReleaseBody) -> ControlResult:
-        tags, noop = b.split_tags()
-        if tags == ():
-            return noop_tags_result("release", noop)
-        return with_noop_tags(await rl_client(e).async_release_memory_occupation(
-            tags, b.mode, b.preserve_state), noop)
-
-    async def resume(e: EngineClient, b: ResumeBody) -> ControlResult:
-        tags, noop = b.split_tags()
-        if tags == ():
-            return noop_tags_result("resume", noop)
-        return with_noop_tags(await rl_client(e).async_resume_memory_occupation(tags), noop)
-
-    add_control_route(app, "/release_memory_occupation", ReleaseBody, release)
-    add_control_route(app, "/resume_memory_occupation", ResumeBody, resume)
-    add_control_route(app, "/get_weights_by_name", WeightsByNameBody,
-                      lambda e, b: rl_client(e).async_get_weights_by_name(
-                          b.name, b.truncate_size))
+    add_fleet_control_routes(app, "rl")
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(request: Request) -> Response:
@@ -101,7 +76,8 @@ async def two_phase_update(sup: Supervisor, path: str, version: str,
     tokens: dict[int, str] = {}  # id(engine client) -> staged token
 
     async def stage(e: Any) -> Any:
-        res = await rl_client(e).async_stage_weights_from_disk(path, version, abort_running)
+        res = await e.acontrol("stage_weights_from_disk", path=path, weight_version=version,
+                               abort_running=abort_running)
         if res.ok:
             tokens[id(e)] = res.details["token"]
         return res
@@ -109,7 +85,7 @@ async def two_phase_update(sup: Supervisor, path: str, version: str,
     status, staged = await sup.broadcast("stage_weights_from_disk", stage)
     if status != 200:
         async def discard(e: Any) -> Any:
-            return await rl_client(e).async_discard_staged_weights(tokens.get(id(e)))
+            return await e.acontrol("discard_staged_weights", token=tokens.get(id(e)))
 
         _, discarded = await sup.broadcast("discard_staged_weights", discard)
         bad = [f"engine {r['engine']}: {r['message']}" for r in staged["engines"]
@@ -123,7 +99,8 @@ async def two_phase_update(sup: Supervisor, path: str, version: str,
             "engines": staged["engines"], "discard": discarded["engines"]}
 
     async def publish(e: Any) -> Any:
-        return await rl_client(e).async_publish_staged_weights(tokens[id(e)], abort_running)
+        return await e.acontrol("publish_staged_weights", token=tokens[id(e)],
+                               abort_running=abort_running)
 
     status, published = await sup.broadcast("publish_staged_weights", publish)
     if status == 200:
@@ -134,7 +111,7 @@ async def two_phase_update(sup: Supervisor, path: str, version: str,
     ok = [r["engine"] for r in published["engines"] if r["success"]]
 
     async def discard_left(e: Any) -> Any:  # no-op on the engines that published
-        return await rl_client(e).async_discard_staged_weights(tokens.get(id(e)))
+        return await e.acontrol("discard_staged_weights", token=tokens.get(id(e)))
 
     await sup.broadcast("discard_staged_weights", discard_left)
     bad = [f"engine {r['engine']}: {r['message']}" for r in published["engines"]

@@ -230,54 +230,11 @@ class EngineWorker:
             self._active_streams -= 1
             self._idle.notify_all()
 
-    async def async_pause_generation(self, mode: str = "abort") -> ControlResult:
-        return await self._engine_for_control().async_pause_generation(mode)
-
-    async def async_continue_generation(self) -> ControlResult:
-        return await self._engine_for_control().async_continue_generation()
-
-    async def async_abort_request(self, rid: str | None = None,
-                                  abort_all: bool = False) -> ControlResult:
-        return await self._engine_for_control().async_abort_request(rid, abort_all=abort_all)
-
-    async def async_flush_cache(self) -> ControlResult:
-        return await self._engine_for_control().async_flush_cache()
-
-    async def async_get_internal_state(self) -> dict[str, Any]:
-        state = await self._engine_for_control().async_get_internal_state()
-        return {**state, **self.identity()}
-
-    # ---- RL controls (types.RLClient): forwarded to the engine in the slot -----------
-    async def async_release_memory_occupation(self, tags: Any = None, mode: str = "retract",
-                                              preserve_state: bool = False) -> ControlResult:
-        """tags None = every tag (the engine's normalize_tags)."""
-        return await self._engine_for_control().async_release_memory_occupation(
-            tags, mode, preserve_state)
-
-    async def async_resume_memory_occupation(self, tags: Any = None) -> ControlResult:
-        return await self._engine_for_control().async_resume_memory_occupation(tags)
-
-    async def async_update_weights_from_disk(self, path: str, weight_version: str,
-                                             abort_running: bool = False) -> ControlResult:
-        return await self._engine_for_control().async_update_weights_from_disk(
-            path, weight_version, abort_running)
-
-    async def async_stage_weights_from_disk(self, path: str, weight_version: str,
-                                            abort_running: bool = False) -> ControlResult:
-        return await self._engine_for_control().async_stage_weights_from_disk(
-            path, weight_version, abort_running)
-
-    async def async_publish_staged_weights(self, token: str,
-                                           abort_running: bool = False) -> ControlResult:
-        return await self._engine_for_control().async_publish_staged_weights(
-            token, abort_running)
-
-    async def async_discard_staged_weights(self, token: str | None = None) -> ControlResult:
-        return await self._engine_for_control().async_discard_staged_weights(token)
-
-    async def async_get_weights_by_name(self, name: str,
-                                        truncate_size: int = 100) -> ControlResult:
-        return await self._engine_for_control().async_get_weights_by_name(name, truncate_size)
+    async def acontrol(self, name: str, /, **args: Any) -> Any:
+        """Every control operation (control_ops.py), forwarded to the engine in the slot;
+        get_internal_state adds the slot's identity."""
+        result = await self._engine_for_control().acontrol(name, **args)
+        return {**result, **self.identity()} if name == "get_internal_state" else result
 
     # ---- sync helpers (launcher, tests) ----------------------------------------------
     def abort_all(self) -> ControlResult | None:

@@ -5,8 +5,9 @@ handler parses, and what it answers (openapi_docs.py does the patching). Also re
 `/generate`'s free-form `sampling_params` into the keys the engine reads, with their
 types, so a schema fuzzer exercises them.
 
-Invariants: documentation only; the RL routes (rl_routes.py) are documented here too,
-and appear once `add_rl_routes` added them (the document is built at first request).
+Invariants: documentation only; the control routes' entries are derived from the table of
+operations (control_routes.py, control_bodies.py), the RL ones appearing once
+`add_rl_routes` added them (the document is built at first request).
 """
 
 from __future__ import annotations
@@ -16,18 +17,19 @@ from typing import Any
 from fastapi import FastAPI
 from pydantic import BaseModel
 
+from multiserve import sampling_policy as S
 from multiserve.server import protocol as P
 from multiserve.server import protocol_native as N
-from multiserve.server import rl_routes as R
-from multiserve.server import sglang_params as S
+from multiserve.server.control_bodies import ControlBody, body_for, query_parameters
+from multiserve.server.control_routes import routed_ops
 from multiserve.server.openapi_docs import Answer, ControlAnswer, Key, document
 from multiserve.types import MAX_TOP_LOGPROBS, MEMORY_TAGS, PAUSE_REASONS
 
 GEN_ERRORS = ("400", "401", "404", "429", "503")
 INT, NUM, BOOL = {"type": "integer"}, {"type": "number"}, {"type": "boolean"}
 NULL = {"type": "null"}
-# sglang's sampling_params keys (sglang_params.py): honoured ones with their types, no-op
-# ones, and refused ones (null only: a value is refused with a 400 naming the key).
+# sglang's sampling_params keys (multiserve/sampling_policy.py): honoured ones with their
+# types, no-op ones, and refused ones (null only: a value is refused with a 400 naming the key).
 # Any other key is refused too, hence additionalProperties false.
 SAMPLING_PARAMS_SCHEMA: dict[str, Any] = {
     "type": "object", "additionalProperties": False,
@@ -84,28 +86,36 @@ SERVER_INFO_SCHEMA: dict[str, Any] = {
     "required": [*ENGINE_STATE_SCHEMA["required"], "enable_memory_saver", "max_request_bytes",
                  "max_prompt_chars", "internal_states"]}
 
+
+def control_bodies() -> tuple[dict[Key, type[ControlBody]], frozenset[Key],
+                              dict[Key, list[dict[str, Any]]]]:
+    """The control routes' documented bodies, the optional ones among them, and the query
+    parameters of their GET spellings (from each body's fields)."""
+    bodies: dict[Key, type[ControlBody]] = {}
+    query: dict[Key, list[dict[str, Any]]] = {}
+    for op in (*routed_ops("core"), *routed_ops("rl")):
+        model = body_for(op)
+        assert op.route is not None
+        if model is None:
+            continue
+        for method in op.route.methods:
+            if method == "GET":
+                if model.reads_query:
+                    query[(method, op.route.path)] = query_parameters(model)
+            else:
+                bodies[(method, op.route.path)] = model
+    optional = frozenset(k for k, m in bodies.items() if m.optional_body)
+    return bodies, optional, query
+
+
+CONTROL_BODIES, OPTIONAL_BODIES, QUERY = control_bodies()
 BODIES: dict[Key, Any] = {
     ("POST", "/v1/chat/completions"): P.ChatCompletionRequest,
     ("POST", "/v1/completions"): P.CompletionRequest,
     ("POST", "/generate"): N.GenerateRequestBody,
     ("POST", "/v1/score"): N.ScoreRequest,
-    ("POST", "/pause_generation"): N.PauseBody,
-    ("POST", "/abort_request"): N.AbortBody,
-    ("POST", "/release_memory_occupation"): R.ReleaseBody,
-    ("POST", "/resume_memory_occupation"): R.ResumeBody,
-    ("POST", "/update_weights_from_disk"): R.DiskBody,
-    ("POST", "/stage_weights_from_disk"): R.DiskBody,
-    ("POST", "/publish_staged_weights"): R.TokenBody,
-    ("POST", "/discard_staged_weights"): R.DiscardBody,
-    ("POST", "/get_weights_by_name"): R.WeightsByNameBody,
+    **CONTROL_BODIES,
 }
-OPTIONAL_BODIES = frozenset({("POST", "/pause_generation"),
-                             ("POST", "/release_memory_occupation"),
-                             ("POST", "/resume_memory_occupation"),
-                             ("POST", "/discard_staged_weights")})
-QUERY = {("GET", "/get_weights_by_name"): [
-    {"name": "name", "in": "query", "required": True, "schema": {"type": "string"}},
-    {"name": "truncate_size", "in": "query", "required": False, "schema": INT}]}
 
 CONTROL = Answer(ControlAnswer)
 ANSWERS: dict[Key, Answer] = {
@@ -128,11 +138,8 @@ ANSWERS: dict[Key, Answer] = {
     ("GET", "/get_weight_version"): Answer(WeightVersion, errors=("401", "503")),
     ("GET", "/v1/loads"): Answer(errors=("401", "503")),
     ("GET", "/metrics"): Answer(text=True, errors=("401",)),
-    ("GET", "/flush_cache"): CONTROL, ("POST", "/flush_cache"): CONTROL,
-    ("GET", "/get_weights_by_name"): CONTROL,
-    **{k: CONTROL for k in BODIES if k[1] not in
-       ("/v1/chat/completions", "/v1/completions", "/generate", "/v1/score")},
-    ("POST", "/continue_generation"): CONTROL,
+    **{(m, op.route.path): CONTROL for op in (*routed_ops("core"), *routed_ops("rl"))
+       if op.route is not None for m in op.route.methods},
 }
 
 

@@ -3,11 +3,11 @@
 Owns: `build_app(engine, tokenizer, ...)`, the routing table, and the mapping of every
 error to an OpenAI-shaped body (400 invalid input, 404 unknown model/route, 429/503
 queue full with Retry-After, 503 engine unavailable, 500 unexpected). The endpoint
-logic lives in `openai_serving.py` and `native_serving.py`; control endpoints are thin
-calls into the `EngineClient`.
+logic lives in `openai_serving.py` and `native_serving.py`; the control routes are derived
+from the table of operations (`control_routes.py`).
 
 Invariants: the app holds no engine state of its own (everything introspective is
-read from `async_get_internal_state()` at request time); an error in one request never
+read from `acontrol("get_internal_state")` at request time); an error in one request never
 affects another; nothing here imports jax.
 """
 
@@ -25,11 +25,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from multiserve.config import DEFAULT_MAX_REQUEST_BYTES
-from multiserve.server import protocol_native as N
 from multiserve.server.api_schema import document_engine_app
 from multiserve.server.body_limit import limit_body
-from multiserve.server.errors import ApiError, bad_request, overloaded, with_error
-from multiserve.server.http_utils import api_error_from, error_json, json_model, parse_body
+from multiserve.server.control_routes import add_control_routes
+from multiserve.server.errors import ApiError, bad_request, overloaded
+from multiserve.server.http_utils import api_error_from, error_json, json_model
 from multiserve.server.metrics import CONTENT_TYPE, MetricsMiddleware, ServerMetrics
 from multiserve.server.native_serving import NativeServing
 from multiserve.server.openai_serving import OpenAIServing
@@ -94,7 +94,7 @@ def build_app(engine: EngineClient, tokenizer: TokenizerManager, *,
         ok, reason = engine.health()
         if not ok:
             raise ApiError(503, f"engine unavailable: {reason}", code="engine_unavailable")
-        state = await engine.async_get_internal_state()
+        state = await engine.acontrol("get_internal_state")
         if state.get("engine_paused"):
             raise ApiError(503, "engine is paused: a health generation cannot run now",
                            code="engine_paused")
@@ -114,7 +114,7 @@ def build_app(engine: EngineClient, tokenizer: TokenizerManager, *,
                              "latency": run.e2e_latency})
 
     async def get_model_info() -> Response:
-        state = await engine.async_get_internal_state()
+        state = await engine.acontrol("get_internal_state")
         return JSONResponse({"model_path": info.get("model_path"),
                              "tokenizer_path": info.get("tokenizer_path"),
                              "served_model_name": engine.model_name, "is_generation": True,
@@ -126,7 +126,7 @@ def build_app(engine: EngineClient, tokenizer: TokenizerManager, *,
     app.add_api_route("/model_info", get_model_info, methods=["GET"])
 
     async def get_server_info() -> Response:
-        state = await engine.async_get_internal_state()
+        state = await engine.acontrol("get_internal_state")
         return JSONResponse(_jsonable({**server_args(info, state), **info, **state,
                                        "internal_states": [state]}))
 
@@ -136,49 +136,28 @@ def build_app(engine: EngineClient, tokenizer: TokenizerManager, *,
 
     @app.get("/get_weight_version")
     async def get_weight_version() -> Response:
-        state = await engine.async_get_internal_state()
+        state = await engine.acontrol("get_internal_state")
         return JSONResponse({"weight_version": state.get("weight_version")})
 
     @app.get("/v1/loads")
     async def loads() -> Response:
         """sglang's load report (slime polls it after /abort_request until the server is
         idle): one data-parallel rank, its request samples running and waiting."""
-        state = await engine.async_get_internal_state()
+        state = await engine.acontrol("get_internal_state")
         return JSONResponse(load_report(state))
 
     @app.get("/metrics")
     async def metrics_endpoint() -> Response:
         ok, _ = engine.health()
         try:
-            state = await engine.async_get_internal_state()
+            state = await engine.acontrol("get_internal_state")
         except Exception:  # an unhealthy engine still gets its counters scraped
             state, ok = {}, False
         metrics.refresh(state, ok)
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
-    # ---- control ------------------------------------------------------------------------
-    @app.post("/pause_generation")
-    async def pause_generation(request: Request) -> Response:
-        body = parse_body(N.PauseBody, await request.body(), allow_empty=True)
-        return JSONResponse((await engine.async_pause_generation(body.mode)).to_dict())
-
-    @app.post("/continue_generation")
-    async def continue_generation() -> Response:
-        return JSONResponse((await engine.async_continue_generation()).to_dict())
-
-    @app.post("/abort_request")
-    async def abort_request(request: Request) -> Response:
-        body = parse_body(N.AbortBody, await request.body())
-        if body.rid is None and not body.abort_all:
-            raise bad_request("give 'rid' or 'abort_all': true", param="rid")
-        result = await engine.async_abort_request(body.rid, abort_all=body.abort_all)
-        return JSONResponse(result.to_dict())
-
-    @app.api_route("/flush_cache", methods=["GET", "POST"])
-    async def flush_cache() -> Response:
-        result = await engine.async_flush_cache()
-        status = 200 if result.ok else 400
-        return JSONResponse(with_error(result.to_dict(), status), status_code=status)
+    # ---- control: the core operations of control_ops.OPS (pause, continue, abort, flush) ---
+    add_control_routes(app, engine, "core")
 
     _install_error_handlers(app)
     # the OpenAPI document declares every body and answer

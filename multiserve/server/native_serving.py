@@ -20,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from multiserve.server import protocol_native as N
-from multiserve.server import sglang_params as S
+from multiserve import sampling_policy as S
 from multiserve.server.errors import ApiError, bad_request, from_sampling_error
 from multiserve.server.http_utils import (
     SSE_DONE,

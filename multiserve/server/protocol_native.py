@@ -1,12 +1,12 @@
 """Pydantic models of the native (sglang-compatible) and control endpoints.
 
-Owns: the /generate request and response, /v1/score request and response, and the
-bodies of /pause_generation and /abort_request.
+Owns: the /generate request and response, /v1/score request and response (the control
+routes' bodies are server/control_bodies.py's).
 
 Invariants: strict JSON parsing; unknown top-level fields ignored (sglang clients and
 routers send many that change nothing here), but set features we cannot honour are refused
-(`REFUSED_FEATURES`); the `sampling_params` key policy is in `sglang_params.py`; range
-checks stay in `SamplingParams`.
+(`REFUSED_FEATURES`); the `sampling_params` key policy is in
+`multiserve/sampling_policy.py`; range checks stay in `SamplingParams`.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from multiserve.server.sglang_params import to_sampling_params
-from multiserve.types import PauseMode, SamplingParams
+from multiserve.sampling_policy import to_sampling_params
+from multiserve.types import SamplingParams
 
 
 class _Request(BaseModel):
@@ -147,14 +147,3 @@ class ScoreResponse(BaseModel):
     model: str
     object: Literal["scoring"] = "scoring"
     usage: dict[str, int] = Field(default_factory=dict)
-
-
-# The control bodies of /pause_generation and /abort_request: the engine's and (stricter
-# about unknown keys, same fields and defaults) the supervisor's (fleet/supervisor_bodies.py).
-class PauseBody(_Request):
-    mode: PauseMode = "abort"  # sglang's default for a pause (a release: "retract")
-
-
-class AbortBody(_Request):
-    rid: str | None = None
-    abort_all: bool = False

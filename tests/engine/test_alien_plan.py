@@ -91,7 +91,7 @@ def test_the_engine_reports_the_pinned_plan(alien_engine: Any) -> None:
 def test_pause_proof_identity_on_the_alien_plan(alien_engine: Any, trigger: Trigger,
                                                 mode: str, i: int) -> None:
     want = _alone(alien_engine, i)
-    hook = AtTokens(trigger, "r0", 5, lambda: alien_engine.async_pause_generation(mode))
+    hook = AtTokens(trigger, "r0", 5, lambda: alien_engine.acontrol("pause_generation", mode=mode))
     col = Collector(alien_engine, on_output=hook)
     col.submit_all([PROMPTS[i]], [_params(i)])
     (res,) = hook.wait()

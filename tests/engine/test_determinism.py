@@ -77,7 +77,8 @@ def test_pause_and_continue_equals_uninterrupted(default_engine: Any, prompts: l
                                                  trigger: Trigger, case: str,
                                                  mode: str) -> None:
     want = _baseline(default_engine, prompts, case)
-    hook = AtTokens(trigger, "r0", 6, lambda: default_engine.async_pause_generation(mode))
+    hook = AtTokens(trigger, "r0", 6,
+                    lambda: default_engine.acontrol("pause_generation", mode=mode))
     col = Collector(default_engine, on_output=hook)
     _submit(col, prompts, case)
     (res,) = hook.wait()
@@ -96,7 +97,8 @@ def test_pause_and_continue_equals_uninterrupted(default_engine: Any, prompts: l
 def test_abort_then_regenerate_equals_uninterrupted(default_engine: Any, prompts: list,
                                                     trigger: Trigger, case: str) -> None:
     want = _baseline(default_engine, prompts, case)
-    hook = AtTokens(trigger, "r0", 6, lambda: default_engine.async_pause_generation("abort"))
+    hook = AtTokens(trigger, "r0", 6, lambda: default_engine.acontrol("pause_generation",
+                                                                  mode="abort"))
     col = Collector(default_engine, on_output=hook)
     _submit(col, prompts, case)
     hook.wait()

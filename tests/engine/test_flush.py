@@ -69,8 +69,8 @@ def test_flush_refused_while_busy_names_the_blocker(tiny_engine: Any,
     rng = random.Random(3)
     short = [rng.randrange(3, TINY_VOCAB) for _ in range(4)]
     long = [rng.randrange(3, TINY_VOCAB) for _ in range(400)]  # 13 chunks of <= 32 tokens
-    hook = AtTokens(trigger, "decoding", 2, lambda: tiny_engine.async_pause_generation(
-        "in_place"))
+    hook = AtTokens(trigger, "decoding", 2, lambda: tiny_engine.acontrol(
+        "pause_generation", mode="in_place"))
     col = Collector(tiny_engine, on_output=hook)
     with held(tiny_engine):
         col.submit("decoding", short, GREEDY.with_updates(max_new_tokens=64))
@@ -85,8 +85,8 @@ def test_flush_refused_while_busy_names_the_blocker(tiny_engine: Any,
     res = tiny_engine.flush_cache()
     assert not res.ok and "chunked" in res.message and "running" not in res.message
 
-    retract = AtTokens(trigger, "chunked", 2, lambda: tiny_engine.async_pause_generation(
-        "retract"))
+    retract = AtTokens(trigger, "chunked", 2, lambda: tiny_engine.acontrol(
+        "pause_generation", mode="retract"))
     col.on_output = retract
     assert tiny_engine.continue_generation().ok
     retract.wait()  # the long request is back in the waiting queue

@@ -137,7 +137,7 @@ def test_request_sent_while_released_waits_then_completes(engine: Any, reference
 def test_release_with_requests_in_flight_loses_nothing(engine: Any, trigger: Trigger,
                                                        reference: dict, mode: str) -> None:
     col, hook = _run_with_hook(engine, trigger, 6,
-                               lambda: engine.async_release_memory_occupation(mode=mode))
+                               lambda: engine.acontrol("release_memory_occupation", mode=mode))
     (res,) = hook.wait()
     assert res.ok and res.details["pause"]["mode"] == mode, res
     assert _live_on(engine.devices, engine.foreign_arrays) == []
@@ -162,7 +162,8 @@ def test_preserve_state_resumes_bit_identically(engine: Any, trigger: Trigger,
     retractions = engine.get_internal_state()["num_retractions"]
     col, hook = _run_with_hook(
         engine, trigger, 7,
-        lambda: engine.async_release_memory_occupation(mode="in_place", preserve_state=True))
+        lambda: engine.acontrol("release_memory_occupation", mode="in_place",
+                               preserve_state=True))
     (res,) = hook.wait()
     assert res.ok and res.details["preserved_requests"] > 0, res
     assert _live_on(engine.devices, engine.foreign_arrays) == []
@@ -219,7 +220,7 @@ def test_release_drops_a_staged_update_and_its_hold(engine: Any, tiny_model_dir:
 
 async def test_http_release_resume_routes(engine: Any, tokenizer_dir_tiny: Path) -> None:
     from multiserve.server.app import build_app
-    from multiserve.server.rl_routes import add_rl_routes
+    from multiserve.server.control_routes import add_rl_routes
     from multiserve.server.tokenizer import TokenizerManager
 
     app = build_app(engine, TokenizerManager(tokenizer_dir_tiny, context_len=1024,

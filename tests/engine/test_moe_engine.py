@@ -92,7 +92,8 @@ def test_moe_engine_batch_equals_alone_and_survives_pauses(moe_engine: Any, refe
         col.submit(f"r{i}", p, _params(len(prompts))[i])
         assert _tokens(col.wait())[(f"r{i}", 0)] == reference[(f"r{i}", 0)], i
     for mode in ("retract", "in_place"):
-        hook = AtTokens(trigger, "r0", 5, lambda m=mode: moe_engine.async_pause_generation(m))
+        hook = AtTokens(trigger, "r0", 5, lambda m=mode: moe_engine.acontrol("pause_generation",
+                                                                             mode=m))
         col = Collector(moe_engine, on_output=hook)
         col.submit_all(prompts, _params(len(prompts)))
         (res,) = hook.wait()

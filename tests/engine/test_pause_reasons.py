@@ -58,8 +58,8 @@ def test_user_retract_during_release_retracts_and_survives_resume(
     col0 = Collector(tiny_engine)
     col0.submit_all(_prompts(), GREEDY)
     want = {k: (o.output_ids, o.logprobs) for k, o in col0.wait().items()}
-    hook = AtTokens(trigger, "r0", 4, lambda: tiny_engine.async_release_memory_occupation(
-        mode="in_place", preserve_state=True))
+    hook = AtTokens(trigger, "r0", 4, lambda: tiny_engine.acontrol(
+        "release_memory_occupation", mode="in_place", preserve_state=True))
     col = Collector(tiny_engine, on_output=hook)
     col.submit_all(_prompts(), GREEDY)
     (rel,) = hook.wait()
@@ -111,20 +111,18 @@ class _Hold:
 
     def astart(self) -> Any:
         """The start as a coroutine (for a sink hook)."""
-        return self._start("async_")
+        return self._start(self.engine.acontrol)
 
     def start(self) -> Any:
-        return self._start("")
+        return self._start(self.engine.control)
 
-    def _start(self, prefix: str) -> Any:
-        e = self.engine
+    def _start(self, run: Any) -> Any:
         if self.kind in ("publish", "discard"):  # the same weights: outputs stay exact
-            return getattr(e, f"{prefix}stage_weights_from_disk")(
-                str(self.model_dir), "default", abort_running=self.abort_running)
+            return run("stage_weights_from_disk", path=str(self.model_dir),
+                       weight_version="default", abort_running=self.abort_running)
         if self.kind == "release_in_place":
-            return getattr(e, f"{prefix}release_memory_occupation")(mode="in_place",
-                                                                     preserve_state=True)
-        return getattr(e, f"{prefix}release_memory_occupation")()
+            return run("release_memory_occupation", mode="in_place", preserve_state=True)
+        return run("release_memory_occupation")
 
     def started(self, res: Any) -> None:
         assert res.ok, res
@@ -162,9 +160,9 @@ def test_user_pause_and_hold_in_any_order(tiny_engine: Any, trigger: Trigger,
     h = _Hold(tiny_engine, hold, tiny_model_dir, abort_running=first == "H")
     reason = HOLD_REASON[hold]
     aborted_by_hold = first == "H" and reason == "weights_staged"
-    hook = AtTokens(trigger, "r0", 4, lambda: tiny_engine.async_get_internal_state(),
+    hook = AtTokens(trigger, "r0", 4, lambda: tiny_engine.acontrol("get_internal_state"),
                     h.astart if first == "H" else
-                    (lambda: tiny_engine.async_pause_generation(mode)))
+                    (lambda: tiny_engine.acontrol("pause_generation", mode=mode)))
     col = Collector(tiny_engine, on_output=hook)
     col.submit_all(_prompts(), GREEDY)
     state_before, res = hook.wait()
@@ -291,7 +289,8 @@ async def test_server_info_shows_the_reasons(tiny_engine: Any, tiny_model_dir: P
 
     app = build_app(tiny_engine, TokenizerManager(tiny_model_dir, context_len=1024,
                                                   model_name="tiny"))
-    staged = await tiny_engine.async_stage_weights_from_disk(str(tiny_model_dir), "default")
+    staged = await tiny_engine.acontrol("stage_weights_from_disk", path=str(tiny_model_dir),
+                                       weight_version="default")
     assert staged.ok, staged
     try:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
@@ -308,6 +307,6 @@ async def test_server_info_shows_the_reasons(tiny_engine: Any, tiny_model_dir: P
             assert props["pause_reasons"]["items"]["enum"] == [
                 "user", "weights_staged", "memory_released"]
     finally:
-        await tiny_engine.async_discard_staged_weights()
-        await tiny_engine.async_continue_generation()
+        await tiny_engine.acontrol("discard_staged_weights")
+        await tiny_engine.acontrol("continue_generation")
     assert tiny_engine.get_internal_state()["pause_reasons"] == []

@@ -37,7 +37,8 @@ def test_abort_then_resubmit_equals_uninterrupted(tiny_engine: Any, trigger: Tri
     full.submit_all(prompts, params)
     want = full.wait()
 
-    hook = AtTokens(trigger, "r0", 7, lambda: tiny_engine.async_abort_request(abort_all=True))
+    hook = AtTokens(trigger, "r0", 7, lambda: tiny_engine.acontrol("abort_request",
+                                                                   abort_all=True))
     col = Collector(tiny_engine, on_output=hook)
     col.submit_all(prompts, params)
     hook.wait()

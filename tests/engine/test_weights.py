@@ -157,7 +157,8 @@ def test_update_refused_while_running_unless_aborted(engine: Any, trigger: Trigg
                                                      original: tuple, before: dict) -> None:
     p1 = perturbed(original[1], 1)
     hook = AtTokens(trigger, "r0", 4,
-                    lambda: engine.async_update_weights_from_tensor(p1, "v1"))
+                    lambda: engine.acontrol("update_weights_from_tensor", params=p1,
+                                           weight_version="v1"))
     col = Collector(engine, on_output=hook)
     col.submit_all(_prompts(), GREEDY)
     (res,) = hook.wait()
@@ -165,8 +166,8 @@ def test_update_refused_while_running_unless_aborted(engine: Any, trigger: Trigg
     assert "pause_generation" in res.message and "abort_running" in res.message
     assert _ids(col.wait()) == _ids(before)  # the refused update touched nothing
 
-    hook = AtTokens(trigger, "r0", 4, lambda: engine.async_update_weights_from_tensor(
-        p1, "v1", abort_running=True))
+    hook = AtTokens(trigger, "r0", 4, lambda: engine.acontrol(
+        "update_weights_from_tensor", params=p1, weight_version="v1", abort_running=True))
     col = Collector(engine, on_output=hook)
     col.submit_all(_prompts(), GREEDY)
     (res,) = hook.wait()
@@ -181,7 +182,7 @@ def test_update_refused_while_running_unless_aborted(engine: Any, trigger: Trigg
 def test_update_while_paused_records_segments(engine: Any, trigger: Trigger, original: tuple,
                                               before: dict, mode: str) -> None:
     p1 = perturbed(original[1], 1)
-    hook = AtTokens(trigger, "r0", 5, lambda: engine.async_pause_generation(mode))
+    hook = AtTokens(trigger, "r0", 5, lambda: engine.acontrol("pause_generation", mode=mode))
     col = Collector(engine, on_output=hook)
     col.submit_all(_prompts(), GREEDY)
     hook.wait()
@@ -249,7 +250,7 @@ async def test_http_update_and_read_routes(engine: Any, original: tuple, tmp_pat
                                            tiny_model_dir: Path) -> None:
     from multiserve.model.loading.loader import save_hf_dir
     from multiserve.server.app import build_app
-    from multiserve.server.rl_routes import add_rl_routes
+    from multiserve.server.control_routes import add_rl_routes
     from multiserve.server.tokenizer import TokenizerManager
 
     cfg, params = original
@@ -293,9 +294,10 @@ class _FailsToStage:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
 
-    async def async_stage_weights_from_disk(self, path: str, version: str,
-                                            abort_running: bool = False) -> ControlResult:
-        return ControlResult(False, "injected failure: no space left on device")
+    async def acontrol(self, name: str, /, **args: Any) -> Any:
+        if name == "stage_weights_from_disk":
+            return ControlResult(False, "injected failure: no space left on device")
+        return await self._engine.acontrol(name, **args)
 
 
 async def test_supervisor_fleet_update_is_all_or_nothing(

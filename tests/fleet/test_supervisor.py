@@ -67,8 +67,8 @@ def engines(make_engine: Callable[[int], Any]) -> Iterator[list[Any]]:
 async def leave_engines_running_and_empty(engines: list[Any]) -> AsyncIterator[None]:
     yield
     for e in engines:  # the engines are shared by the whole module
-        await e.async_continue_generation()
-        await e.async_abort_request(abort_all=True)
+        await e.acontrol("continue_generation")
+        await e.acontrol("abort_request", abort_all=True)
 
 
 @pytest.fixture
@@ -108,7 +108,7 @@ async def reference(engine: EngineClient) -> list[tuple[int, ...]]:
 
 
 async def state(engine: EngineClient) -> dict[str, Any]:
-    return await engine.async_get_internal_state()
+    return await engine.acontrol("get_internal_state")
 
 
 async def passes_settled(engine: EngineClient, passes: int = 2) -> dict[str, Any]:
@@ -254,14 +254,12 @@ class _Hooked:
         self.model_name, self.context_len = inner.model_name, inner.context_len
 
     def __getattr__(self, name: str) -> Any:
-        target = getattr(self.inner, name)
-        if not name.startswith("async_") or name == "async_get_internal_state":
-            return target
+        return getattr(self.inner, name)
 
-        async def hooked(*args: Any, **kwargs: Any) -> ControlResult:
+    async def acontrol(self, name: str, /, **args: Any) -> Any:
+        if name != "get_internal_state":
             await self.hook()
-            return await target(*args, **kwargs)
-        return hooked
+        return await self.inner.acontrol(name, **args)
 
 
 def supervisor_client(fleet: list[Any], **kwargs: Any) -> httpx.AsyncClient:

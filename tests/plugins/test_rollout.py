@@ -154,7 +154,7 @@ def test_over_http_with_supervisor(engines: list[Any], prompts: list[list[int]],
     from multiserve.fleet.supervisor_rl import add_rl_supervisor_routes
     from multiserve.model.loading.hf_names import params_to_hf
     from multiserve.server.app import build_app
-    from multiserve.server.rl_routes import add_rl_routes
+    from multiserve.server.control_routes import add_rl_routes
     from multiserve.server.server_thread import ServerThread
     from multiserve.server.tokenizer import TokenizerManager
 

@@ -20,31 +20,18 @@ class StagingEngine:
     def health(self) -> tuple[bool, str]:
         return True, "ok"
 
-    async def async_stage_weights_from_disk(self, path: Any, version: str,
-                                            abort_running: bool = False) -> ControlResult:
-        self.paths.append(path)
-        if not isinstance(path, str):
-            raise TypeError(f"expected a path string, got {path!r}")
-        return ControlResult(False, f"{path or '.'}: no *.safetensors file")
-
-    async def async_discard_staged_weights(self, token: Any = None) -> ControlResult:
-        return ControlResult(True, "nothing staged")
-
-    async def async_publish_staged_weights(self, token: str, abort: bool = False
-                                           ) -> ControlResult:
-        raise AssertionError("never reached: staging failed")
-
-    async def async_release_memory_occupation(self, *a: Any) -> ControlResult:
-        raise NotImplementedError
-
-    async def async_resume_memory_occupation(self, *a: Any) -> ControlResult:
-        raise NotImplementedError
-
-    async def async_update_weights_from_disk(self, *a: Any) -> ControlResult:
-        raise NotImplementedError
-
-    async def async_get_weights_by_name(self, *a: Any) -> ControlResult:
-        raise NotImplementedError
+    async def acontrol(self, name: str, /, **args: Any) -> ControlResult:
+        if name == "stage_weights_from_disk":
+            path = args["path"]
+            self.paths.append(path)
+            if not isinstance(path, str):
+                raise TypeError(f"expected a path string, got {path!r}")
+            return ControlResult(False, f"{path or '.'}: no *.safetensors file")
+        if name == "discard_staged_weights":
+            return ControlResult(True, "nothing staged")
+        if name == "publish_staged_weights":
+            raise AssertionError("never reached: staging failed")
+        raise NotImplementedError(name)
 
 
 async def test_empty_weight_path_is_a_400_not_a_500() -> None:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from multiserve.server import protocol as P
+from multiserve.server import control_bodies as C
 from multiserve.server import protocol_native as N
-from multiserve.server import sglang_params as S
+from multiserve import sampling_policy as S
 from multiserve.server.errors import ApiError
 from multiserve.server.http_utils import parse_body
 from multiserve.types import SamplingParamsError
@@ -94,11 +95,11 @@ def test_generate_prompt_forms():
 
 
 def test_control_bodies():
-    assert parse_body(N.PauseBody, b"", allow_empty=True).mode == "abort"
-    assert parse_body(N.PauseBody, b'{"mode": "retract"}').mode == "retract"
+    assert parse_body(C.PauseBody, b"", allow_empty=True).mode == "abort"
+    assert parse_body(C.PauseBody, b'{"mode": "retract"}').mode == "retract"
     with pytest.raises(ApiError):
-        parse_body(N.PauseBody, b'{"mode": "later"}')
-    ab = parse_body(N.AbortBody, b'{"abort_all": true}')
+        parse_body(C.PauseBody, b'{"mode": "later"}')
+    ab = parse_body(C.AbortBody, b'{"abort_all": true}')
     assert ab.abort_all and ab.rid is None
 
 

@@ -17,8 +17,8 @@ from multiserve.server import api_schema
 from multiserve.types import ASLEEP, PAUSE_MODES, PauseMode, asleep_reason, is_asleep
 
 # Each route's default mode is sglang's, and differs on purpose.
-DEFAULTS = {"server.protocol_native.PauseBody": "abort",
-            "server.rl_routes.ReleaseBody": "retract",
+DEFAULTS = {"server.control_bodies.PauseBody": "abort",
+            "server.control_bodies.ReleaseBody": "retract",
             "fleet.supervisor_bodies.PauseBody": "abort"}
 
 

@@ -1,13 +1,14 @@
-"""RLControl: weight updates and memory release of one engine, behind one object.
+"""RLControl: drives an engine's control operations; runs weight updates and memory release.
 
-Each RL operation is written once here, as an *operation* (`Op`): a typed command for the
-engine thread (engine/commands.py: BeginStaging, Publish, ReleaseMemory, ...), or, for
-the operations that also work on the caller's side (staging: read and copy tensors), a
-generator that yields commands and `OffThread` work and returns the ControlResult.
-`run(op)` drives an operation synchronously, `await arun(op)` asynchronously: the sync and
-async public methods of Engine (and the fleet's EngineWorker) are one-line wrappers over
-the same operation. On the engine thread, `execute(cmd)` runs the RL commands with the
-managers: `weights.py` (WeightManager) and `memory.py` (MemoryManager).
+A control operation (multiserve/control_ops.py) becomes an *operation* (`Op`,
+`operation(record)`): a one-step record is a command for the engine thread as it is
+(PauseGeneration, PublishStagedWeights, ReleaseMemoryOccupation, ...); a staged one
+(StageWeightsFromDisk, UpdateWeightsFromTensor, ...), which also works on the caller's side
+(read and copy tensors), becomes a generator that yields commands and `OffThread` work and
+returns the ControlResult. `run(op)` drives an operation synchronously, `await arun(op)`
+asynchronously: `Engine.control` and `Engine.acontrol` are these two over the same
+operation. On the engine thread, `execute(cmd)` runs the RL commands with the managers:
+`weights.py` (WeightManager) and `memory.py` (MemoryManager).
 
 Invariants:
 - Everything that touches engine state runs on the engine thread, as a typed command.
@@ -15,9 +16,9 @@ Invariants:
   caller's thread (a worker thread for `arun`), so generation is not blocked by disk
   reads; the engine is held meanwhile (pause reason "weights_staged").
 - A staging that fails or is interrupted ends its own hold (never another staging's).
-- Every operation returns a ControlResult. Invalid tensors/checkpoints give ok=False with
-  a message naming the tensor; invalid arguments (unknown tag or mode, truncate_size < 1)
-  raise ValueError when the operation is built, i.e. at the call.
+- Every RL operation returns a ControlResult. Invalid tensors/checkpoints give ok=False
+  with a message naming the tensor; invalid arguments (unknown tag or mode,
+  truncate_size < 1) raise ValueError when the record is built, i.e. at the call.
 """
 
 from __future__ import annotations
@@ -28,22 +29,23 @@ from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from multiserve.engine.commands import (
-    BeginStaging,
-    Command,
-    Discard,
-    EndStaging,
-    Publish,
-    ReadWeights,
-    ReleaseMemory,
-    ResumeMemory,
-    RLCommand,
+from multiserve.control_ops import (
+    DiscardStagedWeights,
+    GetWeightsByName,
+    PublishStagedWeights,
+    ReleaseMemoryOccupation,
+    ResumeMemoryOccupation,
+    StageWeightsFromDisk,
+    StageWeightsFromTensor,
+    UpdateWeightsFromDisk,
+    UpdateWeightsFromTensor,
 )
+from multiserve.engine.commands import BeginStaging, Command, EndStaging, RLCommand
 from multiserve.engine.rl.checks import WeightUpdateError
-from multiserve.engine.rl.memory import MemoryManager, normalize_tags
+from multiserve.engine.rl.memory import MemoryManager
 from multiserve.engine.rl.weights import WeightManager
 from multiserve.model.errors import ModelLoadError
-from multiserve.types import MEMORY_TAGS, ControlResult, check_pause_mode
+from multiserve.types import ControlResult
 
 if TYPE_CHECKING:
     from multiserve.engine.rl_interface import RLInterface
@@ -59,7 +61,7 @@ class OffThread:
     fn: Callable[[], ControlResult]
 
 
-Op = RLCommand | Generator[Command | OffThread, Any, ControlResult]
+Op = Command | Generator[Command | OffThread, Any, ControlResult]
 Outcome = tuple[Any, BaseException | None]  # a step's (result, None) or (None, exception)
 
 
@@ -134,15 +136,15 @@ class RLControl:
             case EndStaging(token):
                 self.weights.release_hold_if(token)
                 return None
-            case Publish(token, abort_running):
+            case PublishStagedWeights(token, abort_running):
                 return self.weights.publish(token, abort_running)
-            case Discard(token):
+            case DiscardStagedWeights(token):
                 return self.weights.discard(token)
-            case ReadWeights(name, truncate_size):
+            case GetWeightsByName(name, truncate_size):
                 return self._read(name, truncate_size)
-            case ReleaseMemory(tags, mode, preserve_state):
+            case ReleaseMemoryOccupation(tags, mode, preserve_state):
                 return self.memory.release(tags, mode, preserve_state)
-            case ResumeMemory(tags):
+            case ResumeMemoryOccupation(tags):
                 return self.memory.resume(tags)
         raise TypeError(f"not an RL command: {cmd!r}")
 
@@ -155,61 +157,28 @@ class RLControl:
         return ControlResult(True, f"{name}: shape {out['shape']}", {
             **out, "weight_version": self.weights.core.weight_version, "from": source})
 
-    # ---- the operations (each written once) ------------------------------------------------
-    def stage_from_tensor(self, params: Any, weight_version: str,
-                          abort_running: bool = False) -> Op:
-        """Engine.stage_weights_from_tensor."""
-        return self._stage(lambda: (params, "<tensors>", False), weight_version,
-                           abort_running)
+    # ---- the operations ----------------------------------------------------------------------
+    def operation(self, record: Any) -> Op:
+        """The operation of a control record (control_ops.py): a staged record's generator,
+        or a one-step record, which is a command as it is."""
+        match record:
+            case StageWeightsFromTensor(params, version, abort_running):
+                return self._stage(lambda: (params, "<tensors>", False), version, abort_running)
+            case StageWeightsFromDisk(path, version, abort_running):
+                return self._stage(self._disk_loader(path), version, abort_running)
+            case UpdateWeightsFromTensor(params, version, abort_running):
+                return self._update(self._stage(lambda: (params, "<tensors>", False), version,
+                                                abort_running), abort_running)
+            case UpdateWeightsFromDisk(path, version, abort_running):
+                return self._update(self._stage(self._disk_loader(path), version,
+                                                abort_running), abort_running)
+        return record
 
-    def stage_from_disk(self, path: str, weight_version: str,
-                        abort_running: bool = False) -> Op:
-        """Engine.stage_weights_from_disk."""
+    def _disk_loader(self, path: str) -> Loader:
         def load() -> tuple[Any, str, bool]:
             named, source = self.weights.layout.read_disk(path)
             return named, source, True
-        return self._stage(load, weight_version, abort_running)
-
-    def update_from_tensor(self, params: Any, weight_version: str,
-                           abort_running: bool = False) -> Op:
-        """Engine.update_weights_from_tensor: stage, then publish."""
-        return self._update(self.stage_from_tensor(params, weight_version, abort_running),
-                            abort_running)
-
-    def update_from_disk(self, path: str, weight_version: str,
-                         abort_running: bool = False) -> Op:
-        """Engine.update_weights_from_disk: stage, then publish."""
-        return self._update(self.stage_from_disk(path, weight_version, abort_running),
-                            abort_running)
-
-    @staticmethod
-    def publish(token: str, abort_running: bool = False) -> Op:
-        """Engine.publish_staged_weights."""
-        return Publish(token, abort_running)
-
-    @staticmethod
-    def discard(token: str | None = None) -> Op:
-        """Engine.discard_staged_weights."""
-        return Discard(token)
-
-    @staticmethod
-    def read(name: str, truncate_size: int = 100) -> Op:
-        """Engine.get_weights_by_name."""
-        if truncate_size < 1:
-            raise ValueError("truncate_size: must be >= 1")
-        return ReadWeights(name, truncate_size)
-
-    @staticmethod
-    def release(tags: Any = MEMORY_TAGS, mode: str = "retract",
-                preserve_state: bool = False) -> Op:
-        """Engine.release_memory_occupation."""
-        check_pause_mode(mode)
-        return ReleaseMemory(normalize_tags(tags), mode, bool(preserve_state))
-
-    @staticmethod
-    def resume(tags: Any = MEMORY_TAGS) -> Op:
-        """Engine.resume_memory_occupation."""
-        return ResumeMemory(normalize_tags(tags))
+        return load
 
     def _stage(self, load: Loader, weight_version: str, abort_running: bool
                ) -> Generator[Command | OffThread, Any, ControlResult]:
@@ -245,7 +214,7 @@ class RLControl:
         staged = yield from stage
         if not staged.ok:
             return staged
-        published = yield Publish(staged.details["token"], abort_running)
+        published = yield PublishStagedWeights(staged.details["token"], abort_running)
         return _aborted_total(staged, published)
 
 

@@ -43,24 +43,10 @@ import numpy as np
 from multiserve.engine.rl.weights import WeightManager
 from multiserve.model.layers.kv_pool import KVPool, make_kv_pool
 from multiserve.model.sharding import kv_pool_sharding
-from multiserve.types import MEMORY_TAGS, ControlResult, MemoryTag
+from multiserve.types import MEMORY_TAGS, ControlResult
 
 if TYPE_CHECKING:
     from multiserve.engine.rl_interface import RLInterface
-
-
-def normalize_tags(tags: Any) -> tuple[MemoryTag, ...]:
-    """Validated tags in MEMORY_TAGS order, the resume order (ValueError names the bad
-    one). None/empty: all."""
-    if tags is None:
-        return MEMORY_TAGS
-    if isinstance(tags, str):
-        tags = (tags,)
-    tags = tuple(tags)
-    bad = [t for t in tags if t not in MEMORY_TAGS]
-    if bad:
-        raise ValueError(f"tags: unknown tag {bad[0]!r}; known tags: {list(MEMORY_TAGS)}")
-    return tuple(t for t in MEMORY_TAGS if t in tags) or MEMORY_TAGS
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""sglang's `sampling_params` dict (native /generate) -> `SamplingParams`.
+"""sglang's `sampling_params` dict -> `SamplingParams`: the one key policy, shared by the
+HTTP side (native /generate) and the Python API (`Engine.generate(sampling_params={...})`).
 
 Owns the key policy: every key sglang's SamplingParams accepts is either honoured, or
 accepted as a no-op because it cannot change our output (the reason is written next to
@@ -6,7 +7,9 @@ it), or refused with a 400 that names it when it is set. A key sglang does not k
 refused too (sglang itself rejects unknown keys). `null` means "the default", as in
 sglang. Nothing is ever silently ignored.
 
-Invariants: jax-free; range checks stay in `SamplingParams` (errors name the client's key).
+Invariants: jax-free and below both sides: it imports only `multiserve.types`, so the
+engine can use it without knowing the HTTP side (tests/test_import_layers.py); range
+checks stay in `SamplingParams` (errors name the client's key).
 """
 
 from __future__ import annotations

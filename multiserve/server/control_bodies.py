@@ -1,6 +1,14 @@
-"""RL control endpoints of one engine's HTTP app: memory release/resume and weight updates.
+"""The request bodies of the control routes: one pydantic model per operation's body.
 
-Owns `add_rl_routes(app, engine)`, which adds to an app built by `build_app`:
+Every control route (server/control_routes.py, and the supervisor's broadcast routes) parses
+its body as the model `body_for(op)` names and turns it into the operation's keyword
+arguments (`ControlBody.op_args`). A body is written here only where sglang's differs from
+the operation's record (multiserve/control_ops.py): a different key (`model_path`,
+`abort_all_requests`), a no-op value (the `cuda_graph` tag), an answer note; any other
+operation's body is derived from its record (`derived_body`).
+
+  POST /pause_generation           {"mode"?: "abort"}
+  POST /abort_request              {"rid"} or {"abort_all": true}
   POST /release_memory_occupation  {"tags"?: [...], "mode"?: "retract", "preserve_state"?}
   POST /resume_memory_occupation   {"tags"?: [...]}
       tags: sglang's "weights", "kv_cache", "cuda_graph" (the last is a no-op here)
@@ -11,48 +19,79 @@ Owns `add_rl_routes(app, engine)`, which adds to an app built by `build_app`:
   POST /publish_staged_weights     {"token", "abort_running"?}
   POST /discard_staged_weights     {"token"?}
   GET|POST /get_weights_by_name    {"name", "truncate_size"?: 100} (GET: query params)
-Answers: the engine's ControlResult as JSON (`success`, `message`, details), 200 when it
-succeeded, 400 when it was refused or invalid (the message says why and names the
-tensor), 503 when the engine is unavailable.
 
-Invariants: jax-free (talks to the engine only through its `async_*` methods); the app
-keeps no state of its own.
+Invariants: jax-free; a body's fields, types and defaults are defined once (the supervisor's
+stricter spellings subclass these: fleet/supervisor_bodies.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import typing
 import uuid
-from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
-from fastapi import FastAPI
-from pydantic import BaseModel, ConfigDict, field_validator
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, create_model, field_validator
 
-from multiserve.server.errors import ApiError, bad_request, with_error
+from multiserve.control_ops import ControlOp
+from multiserve.server.errors import bad_request
 from multiserve.server.http_utils import parse_body
-from multiserve.types import MEMORY_TAGS, ControlResult, EngineUnavailable, PauseMode, RLClient
+from multiserve.types import MEMORY_TAGS, ControlResult, PauseMode
 
 
-def rl_client(client: Any) -> RLClient:
-    """`client` as an RLClient (types.py): an Engine or a fleet worker handle. A client
-    without the RL controls answers 503 (never reached past: no `client.engine`)."""
-    if not isinstance(client, RLClient):
-        raise EngineUnavailable("this engine has no RL control API")
-    return client
+class ControlBody(BaseModel):
+    """A control route's body: strict types, unknown keys refused (400 naming the key).
 
+    `optional_body`: an empty body means `{}` (else 400 "request body is empty").
+    `op_args()`: the operation's keyword arguments (a bad combination raises the ApiError).
+    `ready_answer()`: an answer given without the engine (nothing to do), or None.
+    `answer(name, result)`: the engine's answer as the client gets it."""
 
-class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
+    optional_body: ClassVar[bool] = False
+    reads_query: ClassVar[bool] = False  # a GET spelling reads the fields from the query
+
+    def op_args(self) -> dict[str, Any]:
+        return self.model_dump()
+
+    def ready_answer(self) -> ControlResult | None:
+        return None
+
+    def answer(self, name: str, result: ControlResult) -> ControlResult:
+        return result
+
+    @classmethod
+    def from_query(cls, query: typing.Mapping[str, str]) -> ControlBody:
+        """The body of a GET spelling of the route: empty, unless the body reads its query
+        parameters (`reads_query`, overriding this; 400 on a bad one)."""
+        return parse_body(cls, b"", allow_empty=True)
 
 
-class _SglangBody(BaseModel):
+_Body = ControlBody
+
+
+class _SglangBody(ControlBody):
     """A body sglang also accepts: keys we do not know are ignored, as sglang's own request
     structs ignore them (e.g. `rid`); keys we know are type-checked."""
 
     model_config = ConfigDict(extra="ignore", strict=True)
+
+
+# ---- /pause_generation and /abort_request (the supervisor's: fleet/supervisor_bodies.py) ---
+class PauseBody(_SglangBody):
+    optional_body: ClassVar[bool] = True
+    mode: PauseMode = "abort"  # sglang's default for a pause (a release: "retract")
+
+
+class AbortBody(_SglangBody):
+    rid: str | None = None
+    abort_all: bool = False
+
+    def op_args(self) -> dict[str, Any]:
+        if self.rid is None and not self.abort_all:
+            raise bad_request("give 'rid' or 'abort_all': true", param="rid")
+        return {"rid": self.rid, "abort_all": self.abort_all}
 
 
 # sglang's memory tags: the engine's (types.MEMORY_TAGS) plus "cuda_graph", memory this
@@ -62,6 +101,8 @@ NOOP_TAGS = ("cuda_graph",)
 
 
 class _TagsBody(_SglangBody):
+    optional_body: ClassVar[bool] = True
+    verb: ClassVar[str]
     tags: list[str] | None = None
 
     @field_validator("tags")
@@ -80,14 +121,25 @@ class _TagsBody(_SglangBody):
         return (tuple(t for t in self.tags if t in MEMORY_TAGS),
                 [t for t in self.tags if t in NOOP_TAGS])
 
+    def op_args(self) -> dict[str, Any]:
+        return {**self.model_dump(), "tags": self.split_tags()[0]}
+
+    def ready_answer(self) -> ControlResult | None:
+        tags, noop = self.split_tags()
+        return noop_tags_result(self.verb, noop) if tags == () else None
+
+    def answer(self, name: str, result: ControlResult) -> ControlResult:
+        return with_noop_tags(result, self.split_tags()[1])
+
 
 class ReleaseBody(_TagsBody):
+    verb: ClassVar[str] = "release"
     mode: PauseMode = "retract"  # sglang's default for a release (a pause: "abort")
     preserve_state: bool = False
 
 
 class ResumeBody(_TagsBody):
-    pass
+    verb: ClassVar[str] = "resume"
 
 
 def noop_tags_result(verb: str, noop: list[str]) -> ControlResult:
@@ -154,6 +206,14 @@ class DiskBody(_SglangBody):
     def version(self) -> str:
         return self.weight_version or new_version(self.dir())
 
+    def op_args(self) -> dict[str, Any]:
+        return {"path": self.dir(), "weight_version": self.version(),
+                "abort_running": self.abort}
+
+    def answer(self, name: str, result: ControlResult) -> ControlResult:
+        # only an update changes the weights (and so the prefix cache); a staging does not
+        return self.note(result) if name == "update_weights_from_disk" else result
+
     def note(self, result: ControlResult) -> ControlResult:
         """The answer, saying when flush_cache=false could not be followed."""
         if self.flush_cache or not result.ok:
@@ -177,98 +237,66 @@ class TokenBody(_Body):
 
 
 class DiscardBody(_Body):
+    optional_body: ClassVar[bool] = True
     token: str | None = None
 
 
 class WeightsByNameBody(_Body):
+    reads_query: ClassVar[bool] = True
     name: str
     truncate_size: int = 100
 
-
-def control_response(result: ControlResult) -> Response:
-    status = 200 if result.ok else 400
-    return JSONResponse(with_error(result.to_dict(), status), status_code=status)
-
-
-async def run_control(call: Callable[[], Awaitable[ControlResult]],
-                      noop_tags: list[str] | None = None,
-                      note: Callable[[ControlResult], ControlResult] | None = None) -> Response:
-    try:
-        result = await call()
-    except EngineUnavailable as e:
-        raise ApiError(503, f"engine unavailable: {e}", code="engine_unavailable") from None
-    except ValueError as e:
-        raise bad_request(str(e)) from None
-    result = with_noop_tags(result, noop_tags or [])
-    return control_response(note(result) if note is not None else result)
+    @classmethod
+    def from_query(cls, query: typing.Mapping[str, str]) -> ControlBody:
+        if "name" not in query:
+            raise bad_request("name: required", param="name")
+        try:
+            return cls(name=query["name"], truncate_size=int(query.get("truncate_size", 100)))
+        except ValueError:
+            raise bad_request("truncate_size: must be an integer",
+                              param="truncate_size") from None
 
 
-def add_rl_routes(app: FastAPI, engine: Any) -> None:
-    """Add the RL endpoints above to `app` (one engine's app), calling `engine`."""
+# ---- which body each operation's route parses ---------------------------------------------
+# None: the route reads no body (sglang's /continue_generation and /flush_cache take none).
+# An operation with a route that is not listed takes the body derived from its record.
+BODIES: dict[str, type[ControlBody] | None] = {
+    "pause_generation": PauseBody,
+    "continue_generation": None,
+    "abort_request": AbortBody,
+    "flush_cache": None,
+    "release_memory_occupation": ReleaseBody,
+    "resume_memory_occupation": ResumeBody,
+    "update_weights_from_disk": DiskBody,
+    "stage_weights_from_disk": DiskBody,
+    "publish_staged_weights": TokenBody,
+    "discard_staged_weights": DiscardBody,
+    "get_weights_by_name": WeightsByNameBody,
+}
 
-    def eng() -> RLClient:
-        return rl_client(engine)
 
-    async def release(request: Request) -> Response:
-        b = parse_body(ReleaseBody, await request.body(), allow_empty=True)
-        tags, noop = b.split_tags()
-        if tags == ():
-            return control_response(noop_tags_result("release", noop))
-        return await run_control(lambda: eng().async_release_memory_occupation(
-            tags, b.mode, b.preserve_state), noop)
+def derived_body(op: ControlOp) -> type[ControlBody]:
+    """The body of an operation whose record's fields are its JSON keys: each field with its
+    type and default (required without one); optional when every field has a default."""
+    hints = typing.get_type_hints(op.request)
+    fields: dict[str, Any] = {}
+    for f in dataclasses.fields(op.request):
+        default = f.default if f.default is not dataclasses.MISSING else ...
+        fields[f.name] = (hints[f.name], default)
+    model = create_model(f"{op.request.__name__}Body", __base__=ControlBody, **fields)
+    model.optional_body = all(v[1] is not ... for v in fields.values())
+    return model
 
-    async def resume(request: Request) -> Response:
-        b = parse_body(ResumeBody, await request.body(), allow_empty=True)
-        tags, noop = b.split_tags()
-        if tags == ():
-            return control_response(noop_tags_result("resume", noop))
-        return await run_control(lambda: eng().async_resume_memory_occupation(tags), noop)
 
-    async def update_from_disk(request: Request) -> Response:
-        b = parse_body(DiskBody, await request.body())
-        path, version = b.dir(), b.version()
-        return await run_control(lambda: eng().async_update_weights_from_disk(
-            path, version, b.abort), note=b.note)
+def query_parameters(model: type[ControlBody]) -> list[dict[str, Any]]:
+    """The OpenAPI query parameters of a GET spelling that reads its body's fields."""
+    props = model.model_json_schema()["properties"]
+    return [{"name": k, "in": "query", "required": f.is_required(),
+             "schema": {"type": props[k].get("type", "string")}}
+            for k, f in model.model_fields.items()]
 
-    async def stage_from_disk(request: Request) -> Response:
-        b = parse_body(DiskBody, await request.body())
-        path, version = b.dir(), b.version()
-        return await run_control(lambda: eng().async_stage_weights_from_disk(
-            path, version, b.abort))
 
-    async def publish(request: Request) -> Response:
-        b = parse_body(TokenBody, await request.body())
-        return await run_control(lambda: eng().async_publish_staged_weights(
-            b.token, b.abort_running))
+def body_for(op: ControlOp) -> type[ControlBody] | None:
+    return BODIES[op.name] if op.name in BODIES else derived_body(op)
 
-    async def discard(request: Request) -> Response:
-        b = parse_body(DiscardBody, await request.body(), allow_empty=True)
-        return await run_control(lambda: eng().async_discard_staged_weights(b.token))
 
-    async def weights_by_name(request: Request) -> Response:
-        if request.method == "GET":
-            q = request.query_params
-            if "name" not in q:
-                raise bad_request("name: required", param="name")
-            try:
-                b = WeightsByNameBody(name=q["name"],
-                                      truncate_size=int(q.get("truncate_size", 100)))
-            except ValueError:
-                raise bad_request("truncate_size: must be an integer",
-                                  param="truncate_size") from None
-        else:
-            b = parse_body(WeightsByNameBody, await request.body())
-        return await run_control(lambda: eng().async_get_weights_by_name(
-            b.name, b.truncate_size))
-
-    routes: list[tuple[str, Callable[[Request], Awaitable[Response]], list[str]]] = [
-        ("/release_memory_occupation", release, ["POST"]),
-        ("/resume_memory_occupation", resume, ["POST"]),
-        ("/update_weights_from_disk", update_from_disk, ["POST"]),
-        ("/stage_weights_from_disk", stage_from_disk, ["POST"]),
-        ("/publish_staged_weights", publish, ["POST"]),
-        ("/discard_staged_weights", discard, ["POST"]),
-        ("/get_weights_by_name", weights_by_name, ["GET", "POST"]),
-    ]
-    for path, fn, methods in routes:
-        app.add_api_route(path, fn, methods=methods, name=path.strip("/"))

@@ -1,0 +1,233 @@
+"""The control operations of an engine, each written once: the table every surface derives from.
+
+One `ControlOp` row per operation names it, gives the record its arguments form (checked on
+construction, so a bad argument is a ValueError at the call, on the caller's thread), how it
+runs, its HTTP route and whether the fleet's supervisor broadcasts it. From the table:
+- `Engine.control(name, **args)` / `await Engine.acontrol(name, **args)` (engine/engine.py)
+  build the record and run it; the engine thread runs a one-step record through the one
+  `match` of `Engine._dispatch` (or `RLControl.execute` for the RL group), and `RLControl`
+  drives a staged one (weights read and copied off the engine thread, then commands);
+- `EngineClient.acontrol` (types.py) is the whole control interface of the HTTP side, and
+  the fleet's `EngineWorker.acontrol` its one forward (fleet/worker.py);
+- each engine app's control routes (server/control_routes.py, bodies in
+  server/control_bodies.py) and the supervisor's broadcast routes (fleet/supervisor.py),
+  with their OpenAPI entries.
+Adding an operation: its record and row here, and its case where the state it changes is
+owned (docs/architecture.md §9).
+
+Invariants: jax-free and below every side (imports only `multiserve.types`); a record holds
+everything its operation needs; every operation answers a `ControlResult`, except
+`get_internal_state` (a dict).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, Literal
+
+from multiserve.types import (
+    MEMORY_TAGS,
+    MemoryTag,
+    PauseMode,
+    check_pause_mode,
+)
+
+
+def normalize_tags(tags: Any) -> tuple[MemoryTag, ...]:
+    """Validated tags in MEMORY_TAGS order, the resume order (ValueError names the bad
+    one). None/empty: all."""
+    if tags is None:
+        return MEMORY_TAGS
+    if isinstance(tags, str):
+        tags = (tags,)
+    tags = tuple(tags)
+    bad = [t for t in tags if t not in MEMORY_TAGS]
+    if bad:
+        raise ValueError(f"tags: unknown tag {bad[0]!r}; known tags: {list(MEMORY_TAGS)}")
+    return tuple(t for t in MEMORY_TAGS if t in tags) or MEMORY_TAGS
+
+
+# ---- the records: one per operation (one-step ones are the engine thread's commands) -------
+@dataclass(frozen=True)
+class PauseGeneration:
+    """The user's pause: drain, then abort / retract / keep (in_place) running requests."""
+    mode: PauseMode = "abort"
+
+    def __post_init__(self) -> None:
+        check_pause_mode(self.mode)
+
+
+@dataclass(frozen=True)
+class ContinueGeneration:
+    """Clear the user's pause (holds stay)."""
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    """End one request (`rid`) or every live one (`abort_all`) with finish_reason abort."""
+    rid: str | None = None
+    abort_all: bool = False
+
+
+@dataclass(frozen=True)
+class FlushCache:
+    """Reset the prefix cache and the allocator when nothing is live."""
+
+
+@dataclass(frozen=True)
+class GetInternalState:
+    """The engine's internal state (engine/state_report.internal_state)."""
+
+
+@dataclass(frozen=True)
+class PublishStagedWeights:
+    """Swap staged weights `token` in, set their version, invalidate the prefix cache."""
+    token: str
+    abort_running: bool = False
+
+
+@dataclass(frozen=True)
+class DiscardStagedWeights:
+    """Drop staged weights (`token`, or whichever are staged) and end their hold."""
+    token: str | None = None
+
+
+@dataclass(frozen=True)
+class GetWeightsByName:
+    """One tensor's first `truncate_size` rows (HF name and orientation)."""
+    name: str
+    truncate_size: int = 100
+
+    def __post_init__(self) -> None:
+        if self.truncate_size < 1:
+            raise ValueError("truncate_size: must be >= 1")
+
+
+@dataclass(frozen=True)
+class ReleaseMemoryOccupation:
+    """Hold the engine (applying `mode` if it runs), then free the tagged device buffers."""
+    tags: Any = MEMORY_TAGS  # normalized on construction: a tuple of MemoryTag
+    mode: PauseMode = "retract"
+    preserve_state: bool = False
+
+    def __post_init__(self) -> None:
+        check_pause_mode(self.mode)
+        object.__setattr__(self, "tags", normalize_tags(self.tags))
+        object.__setattr__(self, "preserve_state", bool(self.preserve_state))
+
+
+@dataclass(frozen=True)
+class ResumeMemoryOccupation:
+    """Bring the tagged device buffers back; the hold ends once all are resident."""
+    tags: Any = MEMORY_TAGS  # normalized on construction
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tags", normalize_tags(self.tags))
+
+
+@dataclass(frozen=True, eq=False)
+class StageWeightsFromTensor:
+    """Validate + copy `params` (flat {HF name: array}, (name, array) pairs, or the params
+    pytree; a subset updates only those tensors) onto the devices; held until publish."""
+    params: Any
+    weight_version: str
+    abort_running: bool = False
+
+
+@dataclass(frozen=True)
+class StageWeightsFromDisk:
+    """Like StageWeightsFromTensor, every tensor of an HF safetensors directory."""
+    path: str
+    weight_version: str
+    abort_running: bool = False
+
+
+@dataclass(frozen=True, eq=False)
+class UpdateWeightsFromTensor:
+    """StageWeightsFromTensor, then PublishStagedWeights."""
+    params: Any
+    weight_version: str
+    abort_running: bool = False
+
+
+@dataclass(frozen=True)
+class UpdateWeightsFromDisk:
+    """StageWeightsFromDisk, then PublishStagedWeights."""
+    path: str
+    weight_version: str
+    abort_running: bool = False
+
+
+# ---- the table ----------------------------------------------------------------------------
+# How the supervisor answers a broadcast: "each" (every engine's answer, 200 iff all
+# succeeded), "sum_aborted" (that, plus the engines' `aborted` summed), "two_phase" (stage
+# on all, then publish on all or discard on all: fleet/supervisor_rl.py).
+FleetMerge = Literal["each", "sum_aborted", "two_phase"]
+Group = Literal["core", "rl"]  # core: build_app / build_supervisor_app; rl: add_rl_*routes
+
+
+@dataclass(frozen=True)
+class Route:
+    path: str
+    methods: tuple[str, ...] = ("POST",)
+
+
+@dataclass(frozen=True)
+class ControlOp:
+    name: str  # Engine.control's name, the route's name (its path without "/")
+    request: type  # the record its arguments form
+    group: Group
+    # one_step: the record is one command for the engine thread; staged: RLControl reads and
+    # copies weights off the engine thread between the commands it sends
+    runs: Literal["one_step", "staged"] = "one_step"
+    route: Route | None = None  # None: Python API only
+    # HTTP status of an answer with success false: 400 (with the error object), or 200 where
+    # sglang reports the outcome in the body only (pause, continue, abort)
+    refused_status: int = 400
+    fleet: FleetMerge | None = None  # None: the supervisor does not offer it
+
+    def arguments(self) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(self.request))
+
+
+def _post(path: str, *methods: str) -> Route:
+    return Route(path, methods or ("POST",))
+
+
+OPS: dict[str, ControlOp] = {op.name: op for op in (
+    ControlOp("pause_generation", PauseGeneration, "core", route=_post("/pause_generation"),
+              refused_status=200, fleet="each"),
+    ControlOp("continue_generation", ContinueGeneration, "core",
+              route=_post("/continue_generation"), refused_status=200, fleet="each"),
+    ControlOp("abort_request", AbortRequest, "core", route=_post("/abort_request"),
+              refused_status=200, fleet="sum_aborted"),
+    ControlOp("flush_cache", FlushCache, "core", route=_post("/flush_cache", "GET", "POST"),
+              fleet="each"),
+    ControlOp("get_internal_state", GetInternalState, "core"),  # read by the info routes
+    ControlOp("release_memory_occupation", ReleaseMemoryOccupation, "rl",
+              route=_post("/release_memory_occupation"), fleet="each"),
+    ControlOp("resume_memory_occupation", ResumeMemoryOccupation, "rl",
+              route=_post("/resume_memory_occupation"), fleet="each"),
+    ControlOp("update_weights_from_disk", UpdateWeightsFromDisk, "rl", runs="staged",
+              route=_post("/update_weights_from_disk"), fleet="two_phase"),
+    ControlOp("stage_weights_from_disk", StageWeightsFromDisk, "rl", runs="staged",
+              route=_post("/stage_weights_from_disk")),
+    ControlOp("publish_staged_weights", PublishStagedWeights, "rl",
+              route=_post("/publish_staged_weights")),
+    ControlOp("discard_staged_weights", DiscardStagedWeights, "rl",
+              route=_post("/discard_staged_weights")),
+    ControlOp("get_weights_by_name", GetWeightsByName, "rl",
+              route=_post("/get_weights_by_name", "GET", "POST"), fleet="each"),
+    ControlOp("update_weights_from_tensor", UpdateWeightsFromTensor, "rl", runs="staged"),
+    ControlOp("stage_weights_from_tensor", StageWeightsFromTensor, "rl", runs="staged"),
+)}
+STAGED = tuple(op.request for op in OPS.values() if op.runs == "staged")
+
+
+def control_request(name: str, /, **args: Any) -> Any:
+    """The record of operation `name` with `args` (ValueError: unknown operation or a bad
+    argument; TypeError: an argument the operation does not take)."""
+    op = OPS.get(name)
+    if op is None:
+        raise ValueError(f"unknown control operation {name!r}; known: {sorted(OPS)}")
+    return op.request(**args)
