@@ -165,10 +165,11 @@ class EngineConfig:
     # against the token the request's own sampler draws at its position, so outputs are
     # those without speculation, bit for bit. None: off. `speculative_num_draft_tokens`:
     # the most draft tokens of one request in one step; `speculative_max_step_tokens`: a
-    # step carries draft tokens only while its tokens (drafts included) stay within it.
+    # step carries draft tokens only while its tokens (drafts included) stay within it;
+    # within that, the measured cost of each token bucket decides (engine/spec/step_costs).
     speculative_algorithm: str | None = None
     speculative_num_draft_tokens: int = 4
-    speculative_max_step_tokens: int = 16
+    speculative_max_step_tokens: int = 64
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "device_indexes", tuple(self.device_indexes))

@@ -37,6 +37,7 @@ Invariants:
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -95,6 +96,7 @@ class EngineCore:
         # nor a step (0 while the loop blocks whenever idle or paused: no busy-wait)
         self.loop_passes = 0
         self.empty_passes = 0
+        self._last_read_at = 0.0  # when the last step's results were read (perf_counter)
         self.overlap = not cfg.disable_overlap
         self.initial_available = self.scheduler.available_kv_tokens()
         self.admission = AdmissionLimits.from_config(cfg, self.initial_available)
@@ -155,6 +157,8 @@ class EngineCore:
                                    self.max_pages, self.page_size)
         batch.prompt_rows = arrays.prompt_rows
         batch.verify_rows = arrays.verify_rows
+        batch.padded_tokens = t_pad
+        batch.launched_at = time.perf_counter()
         specs, wants_lp = step_rows(batch, arrays.prompt_rows, self.stop_rules)
         out = runner.run(arrays, runner.sampling_batch(specs, r_pad), wants_lp, r_pad)
         decodes = any(not r.req.in_prefill and r.samples and (r.end - r.start == 1 or r.draft)
@@ -169,6 +173,12 @@ class EngineCore:
         """Read step `batch`'s results (blocks on the device), let the scheduler record
         them, and deliver what they completed."""
         next_ids = np.asarray(out.next_ids)
+        # the step's cost: from when the device could start it (its launch, or the read
+        # of the step before it) to its results read
+        now = time.perf_counter()
+        self.scheduler.step_costs.observe(batch.padded_tokens,
+                                          now - max(batch.launched_at, self._last_read_at))
+        self._last_read_at = now
         lp = StepLogprobs(out.sample) if out.wants_logprobs else None
         self.last_batch = batch
         for req in self.scheduler.postprocess(batch, next_ids.tolist(), lp,

@@ -460,18 +460,6 @@ class Engine:
     def get_internal_state(self) -> dict[str, Any]:
         return self.control("get_internal_state")
 
-    # awaited spellings kept for tests/engine/test_pause.py's hooks (another change edits that
-    # file); everything else awaits `acontrol`
-    async def async_pause_generation(self, mode: str = "abort") -> ControlResult:
-        return await self.acontrol("pause_generation", mode=mode)
-
-    async def async_abort_request(self, rid: str | None = None,
-                                  abort_all: bool = False) -> ControlResult:
-        return await self.acontrol("abort_request", rid=rid, abort_all=abort_all)
-
-    async def async_get_internal_state(self) -> dict[str, Any]:
-        return await self.acontrol("get_internal_state")
-
     # ---- health / lifecycle --------------------------------------------------------
     def health(self) -> tuple[bool, str]:
         if self._stopped:

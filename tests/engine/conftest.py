@@ -2,7 +2,7 @@
 
 Engines: `tiny_engine` (tiny random Llama, small buckets, chunked prefill forced small,
 overlap on), `tiny_engine_no_overlap` (same, overlap off), `tiny_engine_pressure` (a KV
-pool so small that decode must retract), and `default_engine` (the embedded SmolLM2 model
+pool so small that decode must retract), `tiny_engine_spec` (n-gram speculation on), and `default_engine` (the embedded SmolLM2 model
 with the DEFAULT EngineConfig; only max_total_tokens is lowered to save memory).
 
 After every test, each engine the test used must be idle with all its KV back: the
@@ -91,6 +91,12 @@ def _tiny_engine_pressure(tiny_model_dir: Path) -> Iterator[Any]:
 
 
 @pytest.fixture(scope="session")
+def _tiny_engine_spec(tiny_model_dir: Path) -> Iterator[Any]:
+    yield from _engine(model_path=str(tiny_model_dir), **TINY_ENGINE,
+                       speculative_algorithm="ngram", speculative_num_draft_tokens=4)
+
+
+@pytest.fixture(scope="session")
 def _default_engine() -> Iterator[Any]:
     yield from _engine(**DEFAULT_ENGINE)
 
@@ -113,6 +119,25 @@ def tiny_engine_no_overlap(_tiny_engine_no_overlap: Any) -> Any:
 @pytest.fixture
 def tiny_engine_pressure(_tiny_engine_pressure: Any) -> Any:
     return _used(_tiny_engine_pressure)
+
+
+@pytest.fixture
+def tiny_engine_spec(_tiny_engine_spec: Any) -> Iterator[Any]:
+    """The tiny engine with n-gram speculation; a test may swap its draft source (the
+    scheduler's `drafter`): the n-gram drafter is put back afterwards."""
+    from multiserve.engine.commands import Call
+
+    def drafter(value: Any = None) -> Any:
+        def swap(core: Any) -> Any:
+            old = core.scheduler.drafter
+            if value is not None:
+                core.scheduler.drafter = value
+            return old
+        return _tiny_engine_spec.call(Call(swap)).result()
+
+    own = drafter()
+    yield _used(_tiny_engine_spec)
+    drafter(own)
 
 
 @pytest.fixture

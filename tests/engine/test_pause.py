@@ -64,11 +64,11 @@ def _reference(engine: Any, cache: dict, seed: int) -> dict:
 
 
 def _state(engine: Any):  # noqa: ANN202 - a factory for Trigger
-    return lambda: engine.async_get_internal_state()
+    return lambda: engine.acontrol("get_internal_state")
 
 
 def _pause(engine: Any, mode: str):  # noqa: ANN202
-    return lambda: engine.async_pause_generation(mode)
+    return lambda: engine.acontrol("pause_generation", mode=mode)
 
 
 def test_pause_retract(tiny_engine: Any, trigger: Trigger, uninterrupted: dict) -> None:
@@ -180,7 +180,7 @@ def test_pause_and_continue_twice_are_noops(tiny_engine: Any) -> None:
 def test_abort_request_one_and_unknown(tiny_engine: Any, trigger: Trigger,
                                       uninterrupted: dict) -> None:
     want = _reference(tiny_engine, uninterrupted, 0)
-    hook = AtTokens(trigger, "r0", 6, lambda: tiny_engine.async_abort_request("r3"))
+    hook = AtTokens(trigger, "r0", 6, lambda: tiny_engine.acontrol("abort_request", rid="r3"))
     col = Collector(tiny_engine, on_output=hook)
     _submit(col, _work(0))
     (res,) = hook.wait()

@@ -9,17 +9,16 @@ flush gives every KV token back."""
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
-from engine_helpers import TINY_ENGINE, TINY_VOCAB, AtTokens, Collector, Trigger
+from engine_helpers import TINY_VOCAB, AtTokens, Collector, Trigger
 
 from multiserve.engine.commands import Call
 from multiserve.engine.spec.drafter import Drafter
 from multiserve.engine.spec.group_store import GroupStore
 from multiserve.engine.spec.ngram_index import SEPARATOR, NgramIndex
+from multiserve.engine.spec.step_costs import StepCosts
 from multiserve.types import SamplingParams
 
 MAX_NEW = 24
@@ -87,6 +86,22 @@ def test_drafter_prefers_the_group_then_backs_off_where_drafts_miss() -> None:
     assert d.wants(req)  # type: ignore[arg-type]
 
 
+def test_step_costs_choose_drafts_by_the_measured_bucket_costs() -> None:
+    costs = StepCosts((1, 2, 4, 8, 16, 32, 64))
+    assert costs.best_draft_count(2, 2, [0.9, 0.8]) == 0  # nothing measured: no drafts
+    costs.observe(2, 0.020)
+    # unseen larger buckets are assumed nearly as cheap: tried
+    assert costs.best_draft_count(2, 2, [0.9, 0.81, 0.73]) == 3
+    costs.observe(4, 0.021)
+    costs.observe(8, 0.060)  # compute-bound from 8 tokens on
+    # 2 rows + 2 drafts fit bucket 4 (cheap); more would need bucket 8 at 3x the cost
+    assert costs.best_draft_count(2, 2, [0.9, 0.81, 0.73, 0.66, 0.59, 0.53]) == 2
+    assert costs.best_draft_count(3, 3, [0.01, 0.001]) == 1  # within its bucket: free
+    costs.observe(4, 0.5)  # the moving average follows a slower bucket 4
+    assert costs.cost(4) > 0.021 and costs.best_draft_count(2, 2, [0.9, 0.81]) == 0
+    assert costs.bucket(65) is None and costs.best_draft_count(63, 63, [1.0, 1.0]) == 1
+
+
 # ---- the engine ----------------------------------------------------------------------------
 
 class Oracle:
@@ -107,6 +122,9 @@ class Oracle:
         self.proposed += len(draft)
         return tuple((t + 1) % TINY_VOCAB for t in draft) if self.wrong else draft
 
+    def acceptance(self, req: Any) -> float:
+        return 1.0  # both claim certainty: every draft token is worth a verify row
+
     def record(self, req: Any, proposed: int, accepted: int) -> None:
         pass
 
@@ -114,31 +132,9 @@ class Oracle:
         pass
 
 
-def _engine(path: Path, **kw: Any) -> Iterator[Any]:
-    from multiserve.config import EngineConfig
-    from multiserve.engine.engine import Engine
-
-    eng = Engine(EngineConfig(model_path=str(path), **{**TINY_ENGINE, **kw}))
-    try:
-        yield eng
-    finally:
-        eng.shutdown()
-
-
-@pytest.fixture(scope="module")
-def _spec_engine(tiny_model_dir: Path) -> Iterator[Any]:
-    yield from _engine(tiny_model_dir, speculative_algorithm="ngram",
-                       speculative_num_draft_tokens=4, speculative_max_step_tokens=64)
-
-
 @pytest.fixture
-def spec_engine(_spec_engine: Any, request: pytest.FixtureRequest) -> Iterator[Any]:
-    from conftest import _used
-
-    _used(_spec_engine)
-    drafter = _spec_engine.call(Call(lambda core: core.scheduler.drafter)).result()
-    yield _spec_engine
-    _spec_engine.call(Call(lambda core: setattr(core.scheduler, "drafter", drafter))).result()
+def spec_engine(tiny_engine_spec: Any) -> Any:
+    return tiny_engine_spec
 
 
 def _set_drafter(engine: Any, drafter: Any) -> None:
@@ -261,7 +257,7 @@ def test_pause_mid_draft(tiny_engine: Any, spec_engine: Any, reference: dict, tr
     want = _want(tiny_engine, reference, 0)
     _set_drafter(spec_engine, Oracle({k: v[0] for k, v in want.items()}))
     hook = AtTokens(trigger, "r0", 9,
-                    lambda: spec_engine.async_pause_generation(mode))
+                    lambda: spec_engine.acontrol("pause_generation", mode=mode))
     col = Collector(spec_engine, on_output=hook)
     work = _work(0)
     col.submit_all([p for p, _ in work], [s for _, s in work])
@@ -290,7 +286,7 @@ def test_abort_and_resubmit_mid_draft(tiny_engine: Any, spec_engine: Any, refere
                   and not p.stop_token_ids)
     key = (f"r{greedy}", 0)
     hook = AtTokens(trigger, key[0], 7,
-                    lambda: spec_engine.async_abort_request(key[0]))
+                    lambda: spec_engine.acontrol("abort_request", rid=key[0]))
     col = Collector(spec_engine, on_output=hook)
     col.submit_all([p for p, _ in work], [s for _, s in work])
     hook.wait()

@@ -40,6 +40,7 @@ from multiserve.engine.sched.prefix_cache import PrefixCache
 from multiserve.engine.sched.request import Req
 from multiserve.engine.sched.stop_rules import StopRules
 from multiserve.engine.spec.drafter import DraftSource
+from multiserve.engine.spec.step_costs import StepCosts
 from multiserve.types import (
     FinishReason,
     RequestStatus,
@@ -83,6 +84,9 @@ class ScheduledBatch:
     prompt_rows: list[tuple[Req, int]] = field(default_factory=list)
     # set at launch: the logits row of each draft token j of batch row b, {(b, j): row}
     verify_rows: dict[tuple[int, int], int] = field(default_factory=dict)
+    # set at launch: the token bucket it ran in, and when it was launched (perf_counter)
+    padded_tokens: int = 0
+    launched_at: float = 0.0
 
     @property
     def num_logit_rows(self) -> int:
@@ -111,6 +115,8 @@ class Scheduler:
         self.num_retractions = 0
         self._stale_kv: set[Req] = set()  # hold K/V computed with replaced weights
         self.drafter = drafter  # speculative decoding (engine/spec/); None: off
+        # measured step costs by token bucket (the engine thread records every step read)
+        self.step_costs = StepCosts(cfg.precompile_token_paddings)
         self.spec_verify_ct = 0  # verify rows run, draft tokens proposed / accepted
         self.spec_proposed_tokens = 0
         self.spec_accepted_tokens = 0
@@ -252,38 +258,60 @@ class Scheduler:
             for r in self.running)
 
     def _add_drafts(self, rows: list[BatchRow]) -> None:
-        """Turn decode rows whose tokens are all known into verify rows, while the step's
-        tokens stay within `speculative_max_step_tokens` and its logits rows within the
-        largest row bucket. A draft never runs past max_new_tokens or the context."""
+        """Turn decode rows whose tokens are all known into verify rows: each request's
+        draft (at most speculative_num_draft_tokens, never past max_new_tokens or the
+        context), then as many draft tokens, most promising first (the request's
+        acceptance ** position), as maximise the expected tokens per second of the step
+        by its bucket's measured cost (`StepCosts`), within speculative_max_step_tokens
+        and the largest row bucket."""
         assert self.drafter is not None
-        cap = self.cfg.speculative_max_step_tokens
-        tokens = len(rows)
-        logit_rows = len(rows)
+        base = len(rows)
+        room_total = min(self.cfg.speculative_max_step_tokens, self.max_rows) - base
+        if room_total <= 0:
+            return
+        cands: list[tuple[BatchRow, tuple[int, ...]]] = []
         for row in rows:
             req = row.req
-            room = min(self.cfg.speculative_num_draft_tokens, cap - tokens,
-                       self.max_rows - logit_rows,
+            room = min(self.cfg.speculative_num_draft_tokens, room_total,
                        req.params.max_new_tokens - req.num_generated - 1,
                        self.max_context - row.end - 1)
-            if room <= 0 or row.from_prev or req.pending > 0:
+            if room <= 0 or row.from_prev or req.pending > 0 or not self.drafter.wants(req):
                 continue
-            draft = self.drafter.propose(req, room)[:room]
-            if not draft:
-                continue
-            have = len(req.pages) * self.page_size
-            need = pages_needed(row.end + len(draft), self.page_size) - len(req.pages)
-            if need > 0:
-                got = self._obtain_pages(need)
-                if got is None:  # verify what the pages held already cover
-                    draft = draft[:max(0, have - row.end)]
-                else:
-                    req.pages.extend(got)
-            if not draft:
-                continue
-            row.draft = tuple(draft)
+            draft = tuple(self.drafter.propose(req, room))[:room]
+            if draft:
+                cands.append((row, draft))
+        if not cands:
+            return
+        gains = []
+        for c, (row, draft) in enumerate(cands):
+            a = min(max(self.drafter.acceptance(row.req), 0.0), 1.0)
+            gains += [(a ** (j + 1), -j, c) for j in range(len(draft))]
+        gains.sort(reverse=True)
+        take = min(room_total, self.step_costs.best_draft_count(
+            base, base, [g for g, _, _ in gains]))
+        counts = [0] * len(cands)
+        for _, _, c in gains[:take]:
+            counts[c] += 1
+        for (row, draft), k in zip(cands, counts, strict=True):
+            self._set_draft(row, draft[:k])
+
+    def _set_draft(self, row: BatchRow, draft: tuple[int, ...]) -> None:
+        """Make `row` verify `draft` (pages for its positions obtained: where they cannot
+        be, only what the pages held already cover)."""
+        req = row.req
+        if not draft:
+            return
+        have = len(req.pages) * self.page_size
+        need = pages_needed(row.end + len(draft), self.page_size) - len(req.pages)
+        if need > 0:
+            got = self._obtain_pages(need)
+            if got is None:
+                draft = draft[:max(0, have - row.end)]
+            else:
+                req.pages.extend(got)
+        if draft:
+            row.draft = draft
             row.end += len(draft)
-            tokens += len(draft)
-            logit_rows += len(draft)
 
     def _decode_rows(self) -> list[BatchRow]:
         ps = self.page_size

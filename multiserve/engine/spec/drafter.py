@@ -21,6 +21,8 @@ from multiserve.engine.spec.group_store import GroupStore
 from multiserve.engine.spec.ngram_index import NgramIndex
 
 MAX_BACKOFF = 32
+PRIOR_ACCEPTANCE = 0.5  # a request's per-token acceptance before its first verify
+RATE_EWMA = 0.3
 
 
 class DraftSource(Protocol):
@@ -30,6 +32,11 @@ class DraftSource(Protocol):
 
     def propose(self, req: Req, k: int) -> tuple[int, ...]:
         """Up to k draft tokens to follow `req.fill_ids` (all known: nothing pending)."""
+        ...
+
+    def acceptance(self, req: Req) -> float:
+        """The estimated chance that `req`'s next draft token is accepted, given the ones
+        before it were."""
         ...
 
     def record(self, req: Req, proposed: int, accepted: int) -> None:
@@ -45,6 +52,7 @@ class DraftSource(Protocol):
 class _ReqState:
     ngrams: NgramIndex
     indexed: int = 0  # fill_ids[:indexed] are in `ngrams`
+    rate: float = PRIOR_ACCEPTANCE  # per-token acceptance, a moving average
     streak: int = 0  # verifies in a row that accepted nothing
     skip: int = 0  # chances to draft still skipped
     proposed: int = 0
@@ -85,10 +93,18 @@ class Drafter:
             return grp
         return own
 
+    def acceptance(self, req: Req) -> float:
+        st = self._reqs.get(req.key)
+        return PRIOR_ACCEPTANCE if st is None else st.rate
+
     def record(self, req: Req, proposed: int, accepted: int) -> None:
         st = self._state(req)
         st.proposed += proposed
         st.accepted += accepted
+        # tokens checked: the accepted ones and the first rejected one (if any)
+        checked = accepted + (1 if accepted < proposed else 0)
+        if checked:
+            st.rate = (1 - RATE_EWMA) * st.rate + RATE_EWMA * (accepted / checked)
         if accepted == 0:
             st.streak += 1
             st.skip = min(2 ** st.streak, MAX_BACKOFF)
