@@ -144,6 +144,14 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--peer-model", default=None,
                    help="the peer's model (HF dir; .gguf for llamacpp); default: ours (for "
                         "llamacpp an F32 copy of our GGUF: the weights we compute with)")
+    b.add_argument("--workload", choices=["chat", "grounded", "grpo"], default="chat",
+                   help="with --ab-speculation: chat prompts, grounded tasks (copy/rewrite/"
+                        "extract from the prompt, code edits), or GRPO-like groups in 2 epochs")
+    b.add_argument("--ab-speculation", action="store_true",
+                   help="n-gram speculative decoding off and on in one run (same engine)")
+    b.add_argument("--speculative-num-draft-tokens", type=int, default=None)
+    b.add_argument("--group-size", type=int, default=8,
+                   help="--workload grpo: samples per prompt")
     b.add_argument("--no-overlap", action="store_true")
     b.add_argument("--ab-overlap", action="store_true", help="run overlap on AND off")
     b.add_argument("--model", default=None)

@@ -31,6 +31,18 @@ def set_overlap(engine: Any, on: bool) -> None:
     engine.call(SetOverlap(on)).result()
 
 
+def spec_counts(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """A run's speculative decoding: verify rows, draft tokens proposed and accepted, the
+    acceptance rate and the tokens each verify row emitted on average (1 + accepted)."""
+    verify = after["spec_verify_ct"] - before["spec_verify_ct"]
+    proposed = after["spec_proposed_tokens"] - before["spec_proposed_tokens"]
+    accepted = after["spec_accepted_tokens"] - before["spec_accepted_tokens"]
+    return {"spec_verify_ct": verify, "spec_proposed_tokens": proposed,
+            "spec_accepted_tokens": accepted,
+            "spec_acceptance": accepted / proposed if proposed else None,
+            "spec_accept_length": 1.0 + accepted / verify if verify else None}
+
+
 def request_params(output_len: int, temperature: float, seed: int, index: int
                    ) -> SamplingParams:
     """The sampling of bench request `index`: exactly `output_len` tokens (ignore_eos),
@@ -98,6 +110,7 @@ def run_once(engine: Any, prompts: Sequence[Sequence[int]], output_len: int, *,
         "exact_length": all(len(t.output_ids) == output_len for t in ordered),
         "cache_miss_count": after["cache_miss_count"],
         "retractions": after["num_retractions"] - before["num_retractions"],
+        **spec_counts(before, after),
     })
     flushed = engine.flush_cache()
     state = engine.get_internal_state()

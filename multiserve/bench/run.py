@@ -66,6 +66,10 @@ def _engine_config(args: argparse.Namespace) -> Any:
         value = getattr(args, flag, None)
         if value is not None:
             changes[name] = tuple(value) if isinstance(value, list) else value
+    if getattr(args, "ab_speculation", False):
+        changes["speculative_algorithm"] = "ngram"
+        if getattr(args, "speculative_num_draft_tokens", None) is not None:
+            changes["speculative_num_draft_tokens"] = args.speculative_num_draft_tokens
     bs = changes.get("precompile_bs_paddings", base.precompile_bs_paddings)
     if args.max_running is not None:
         changes["max_running_requests"] = args.max_running
@@ -195,6 +199,14 @@ def bench_main(args: argparse.Namespace) -> int:
     if args.peer != "none":  # fail before compiling
         peer_model = _peer_model(args)
         _check_peer_env(args)
+    if getattr(args, "ab_speculation", False):
+        from multiserve.bench.spec_bench import spec_main
+
+        if args.peer != "none" and not single:
+            raise SystemExit("bench: --ab-speculation compares with a peer in --single-stream")
+        return spec_main(args, cfg)
+    if getattr(args, "workload", "chat") != "chat":
+        raise SystemExit("bench: --workload grounded|grpo is a workload of --ab-speculation")
     if single:
         return _single_main(args, cfg, peer_model)
     return _batch_main(args, cfg, peer_model)

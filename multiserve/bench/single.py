@@ -15,7 +15,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from multiserve.bench.ours import request_params
+from multiserve.bench.ours import request_params, spec_counts
 from multiserve.bench.stats import Timeline, summarize
 from multiserve.types import GenerateRequest
 
@@ -53,6 +53,7 @@ def stream_once(engine: Any, ids: Sequence[int], output_len: int, rid: str,
         "exact_length": len(tl.output_ids) == output_len,
         "cache_miss_count": after["cache_miss_count"],
         "output_ids": [list(tl.output_ids)],
+        **spec_counts(before, after),
     })
     return figures
 

@@ -180,3 +180,31 @@ def test_hf_peer_matches_engine_greedy_on_tiny_model(tmp_path) -> None:  # noqa:
     finally:
         eng.shutdown()
     assert [list(o.output_ids) for o in outs] == peer["output_ids"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workload", ["grounded", "grpo"])
+def test_bench_speculation_ab_json_line(capsys: pytest.CaptureFixture[str],
+                                        workload: str) -> None:
+    """--ab-speculation on the default model, tiny: speculation off and on in one run give
+    the same outputs, and the report carries the acceptance figures."""
+    from multiserve.bench.run import bench_main
+
+    small = ["--no-progress", "--token-paddings", "64", "512", "--bs-paddings", "64",
+             "--max-total-tokens", "8192", "--ab-speculation", "--workload", workload]
+    shape = (["--single-stream", "--output-len", "24"] if workload == "grounded" else
+             ["--num-prompts", "1", "--group-size", "2", "--output-len", "8"])
+    assert bench_main(build_parser().parse_args(["bench", *shape, *small])) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    res = json.loads(lines[-1])
+    assert res["mode"] == "speculation" and res["workload"] == workload
+    assert res["outputs_identical"] is True and res["cache_miss_count"] == 0
+    assert "outputs identical with and without speculation: True" in "\n".join(lines)
+    if workload == "grounded":
+        assert res["off"]["spec_verify_ct"] == 0 and res["on"]["spec_verify_ct"] > 0
+        assert res["on"]["spec_acceptance"] is not None and res["ratio"] > 0
+    else:
+        for side in ("off", "on"):
+            assert res[side]["epoch1"]["output_tokens"] == res[side]["epoch2"]["output_tokens"]
+            assert res[side]["epoch2_vs_epoch1"] > 0
+        assert res["off"]["epoch2"]["spec_verify_ct"] == 0
