@@ -73,6 +73,15 @@ def _fleet_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-memory-saver", action="store_true",
                    help="report sglang's enable_memory_saver=true in /get_server_info (slime "
                         "checks it equals offload_rollout); memory release works either way")
+    p.add_argument("--tool-call-parser", default=None,
+                   help="tool-call format read from chat replies: hermes (qwen25), qwen3_coder, "
+                        "llama3, mistral, pythonic, deepseekv3 (default: chosen from the chat "
+                        "template, else hermes)")
+    p.add_argument("--reasoning-parser", default=None,
+                   help="split <think> reasoning into reasoning_content: qwen3, deepseek-r1 "
+                        "(default: none)")
+    p.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template file replacing the model's own")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every engine and supervisor "
                         "endpoint (default: $MULTISERVE_API_KEY; none: open, loopback only)")

@@ -10,7 +10,8 @@ from multiserve.parsing.base import RawCall
 
 
 def calls_from_json(value: Any) -> list[RawCall] | None:
-    """One object or a list of them -> calls; None if any is not a call object."""
+    """One object or a list of them -> calls (an empty list: no calls); None if any is
+    not a call object."""
     items = value if isinstance(value, list) else [value]
     out: list[RawCall] = []
     for item in items:
@@ -18,7 +19,7 @@ def calls_from_json(value: Any) -> list[RawCall] | None:
             return None
         args = item.get("arguments", item.get("parameters", {}))
         out.append((item["name"], args))
-    return out or None
+    return out
 
 
 def loads_calls(text: str) -> list[RawCall] | None:

@@ -17,6 +17,7 @@ from fastapi import FastAPI
 from pydantic import BaseModel
 
 from multiserve.server import protocol as P
+from multiserve.server import parse_routes as PR
 from multiserve.server import protocol_native as N
 from multiserve.server import rl_routes as R
 from multiserve.server import sglang_params as S
@@ -89,6 +90,8 @@ BODIES: dict[Key, Any] = {
     ("POST", "/v1/completions"): P.CompletionRequest,
     ("POST", "/generate"): N.GenerateRequestBody,
     ("POST", "/v1/score"): N.ScoreRequest,
+    ("POST", "/parse_function_call"): PR.ParseFunctionCallBody,
+    ("POST", "/separate_reasoning"): PR.SeparateReasoningBody,
     ("POST", "/pause_generation"): N.PauseBody,
     ("POST", "/abort_request"): N.AbortBody,
     ("POST", "/release_memory_occupation"): R.ReleaseBody,
@@ -119,6 +122,8 @@ ANSWERS: dict[Key, Answer] = {
     ("POST", "/generate"): Answer(N.GenerateResponse, stream=N.GenerateResponse,
                                   one_or_list=True, errors=GEN_ERRORS),
     ("POST", "/v1/score"): Answer(N.ScoreResponse, errors=GEN_ERRORS),
+    ("POST", "/parse_function_call"): Answer(PR.ParseFunctionCallAnswer, errors=("400", "401")),
+    ("POST", "/separate_reasoning"): Answer(PR.SeparateReasoningAnswer, errors=("400", "401")),
     ("GET", "/health"): Answer(errors=("401", "503")),
     ("GET", "/health_generate"): Answer(errors=("401", "503")),
     ("GET", "/get_model_info"): Answer(errors=("401", "503")),
