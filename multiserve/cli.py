@@ -78,6 +78,15 @@ def _fleet_args(p: argparse.ArgumentParser) -> None:
                         "from the request's prompt and output and earlier outputs of its prompt")
     p.add_argument("--speculative-num-draft-tokens", type=int, default=None,
                    help="the most draft tokens of one request in one step (default 4)")
+    p.add_argument("--tool-call-parser", default=None,
+                   help="tool-call format read from chat replies: hermes (qwen25), qwen3_coder, "
+                        "llama3, mistral, pythonic, deepseekv3 (default: chosen from the chat "
+                        "template, else hermes)")
+    p.add_argument("--reasoning-parser", default=None,
+                   help="split <think> reasoning into reasoning_content: qwen3, deepseek-r1 "
+                        "(default: none)")
+    p.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template file replacing the model's own")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every engine and supervisor "
                         "endpoint (default: $MULTISERVE_API_KEY; none: open, loopback only)")

@@ -241,8 +241,26 @@ class ServerConfig:
     # check compares it with its offload_rollout). Memory release and resume
     # (/release_memory_occupation) work either way.
     enable_memory_saver: bool = False
+    # Engine servers: the tool-call format read from replies (a multiserve.parsing
+    # TOOL_PARSERS name; None: chosen from the chat template), the reasoning split
+    # (REASONING_PARSERS name; None: none), and a Jinja chat template file that replaces
+    # the model's own (None: the model's).
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+    chat_template: str | None = None
 
     def __post_init__(self) -> None:
+        from multiserve.parsing import REASONING_PARSERS, TOOL_PARSERS  # plain Python
+
+        _require(self.tool_call_parser is None or self.tool_call_parser in TOOL_PARSERS,
+                 "tool_call_parser", f"must be one of {sorted(TOOL_PARSERS)}, got "
+                 f"{self.tool_call_parser!r}")
+        _require(self.reasoning_parser is None or self.reasoning_parser in REASONING_PARSERS,
+                 "reasoning_parser", f"must be one of {sorted(REASONING_PARSERS)}, got "
+                 f"{self.reasoning_parser!r}")
+        _require(self.chat_template is None or (isinstance(self.chat_template, str)
+                                                and self.chat_template != ""),
+                 "chat_template", f"must be a file path, got {self.chat_template!r}")
         _require(isinstance(self.port, int) and 0 <= self.port < 65536, "port",
                  f"must be in [0, 65535], got {self.port!r}")
         _require(isinstance(self.max_request_bytes, int)

@@ -23,6 +23,11 @@ Schema (every table and key is optional unless marked; unknown keys are errors):
                               # is refused with 413 before it is parsed (default 8 MiB)
     enable_memory_saver = false  # sglang's server argument, reported by every
                               # /get_server_info as set (memory release works either way)
+    tool_call_parser = "hermes"  # engine servers: the tool-call format (default: chosen
+                              # from the chat template, else hermes)
+    reasoning_parser = "qwen3"   # engine servers: split <think> reasoning (default: none)
+    chat_template = "t.jinja"    # engine servers: a chat template file replacing the
+                              # model's (relative to the config file)
 
     [engine]                  # any EngineConfig field, shared by every engine
     page_size = 16            # (not model_path / served_model_name: see [model];
@@ -56,7 +61,8 @@ DEFAULT_SUPERVISOR_PORT = 31100
 _TOP_KEYS = ("model", "fleet", "engine", "engines")
 _MODEL_KEYS = ("path", "served_model_name")
 _FLEET_KEYS = ("platform", "host", "base_port", "ports", "supervisor_port", "warmup",
-               "max_request_bytes", "enable_memory_saver")
+               "max_request_bytes", "enable_memory_saver", "tool_call_parser",
+               "reasoning_parser", "chat_template")
 # EngineConfig fields that are set elsewhere in the file, never in [engine]/[[engines]].
 _ENGINE_FIELDS_ELSEWHERE = {
     "model_path": "set it as [model] path",
@@ -141,9 +147,11 @@ def fleet_config_from_dict(data: Mapping[str, Any], base_dir: Path | None = None
                           f"port {sup_port} is also engines[{ports.index(sup_port)}]'s port "
                           f"(from {port_field})")
     options = _server_options(fleet)
+    engine_options = _engine_server_options(fleet, base_dir)
     return FleetConfig(
         engines=engines,
-        servers=tuple(ServerConfig(host=host, port=p, **options) for p in ports),
+        servers=tuple(ServerConfig(host=host, port=p, **options, **engine_options)
+                      for p in ports),
         supervisor=ServerConfig(host=host, port=sup_port, **options),
         platform=platform,
         warmup_parallel=warmup == "parallel",
@@ -162,6 +170,24 @@ def _server_options(fleet: Mapping[str, Any]) -> dict[str, Any]:
         value = fleet["enable_memory_saver"]
         _expect(isinstance(value, bool), "fleet.enable_memory_saver", "true or false", value)
         out["enable_memory_saver"] = value
+    return out
+
+
+def _engine_server_options(fleet: Mapping[str, Any], base_dir: Path | None) -> dict[str, Any]:
+    """The [fleet] keys only engine servers use (parsers, chat template), type-checked;
+    a relative chat_template path is relative to `base_dir`."""
+    out: dict[str, Any] = {}
+    for key in ("tool_call_parser", "reasoning_parser", "chat_template"):
+        if key in fleet:
+            value = fleet[key]
+            _expect(isinstance(value, str) and value != "", f"fleet.{key}", "a non-empty string",
+                    value)
+            out[key] = value
+    if "chat_template" in out:
+        p = Path(out["chat_template"]).expanduser()
+        if not p.is_absolute() and base_dir is not None:
+            p = base_dir / p
+        out["chat_template"] = str(p)
     return out
 
 

@@ -30,6 +30,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TextIO
 
 from multiserve.config import ConfigError, FleetConfig
@@ -243,12 +244,15 @@ def _start_servers(fleet: Fleet) -> None:
     for w, scfg in zip(fleet.workers, cfg.servers, strict=True):
         # the engine's own tokenizer instance (one per engine), not a second load
         tm = TokenizerManager(w.tokenizer_dir, w.context_len, w.model_name,
-                              tokenizer=w.tokenizer)
+                              tokenizer=w.tokenizer,
+                              chat_template=read_chat_template(scfg.chat_template))
         info = {"engine_index": w.index, "device_indexes": list(w.device_indexes),
                 "model_path": str(w.model_path),
                 "tokenizer_path": str(w.tokenizer_dir)}
         app = build_app(w, tm, server_info=info, max_request_bytes=scfg.max_request_bytes,
-                        enable_memory_saver=scfg.enable_memory_saver)
+                        enable_memory_saver=scfg.enable_memory_saver,
+                        tool_call_parser=scfg.tool_call_parser,
+                        reasoning_parser=scfg.reasoning_parser)
         add_rl_routes(app, w)  # release/resume memory, weight updates (per engine)
         protect(app, cfg.api_key)  # every route, when a key is set
         server = ServerThread(app, scfg.host, scfg.port, name=f"engine-{w.index}-http")
@@ -263,6 +267,16 @@ def _start_servers(fleet: Fleet) -> None:
     protect(sup_app, cfg.api_key)
     fleet.supervisor = ServerThread(sup_app, cfg.supervisor.host, cfg.supervisor.port,
                                     name="supervisor-http").start()
+
+
+def read_chat_template(path: str | None) -> str | None:
+    """The text of a --chat-template file (ConfigError naming the option if unreadable)."""
+    if path is None:
+        return None
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise ConfigError("fleet.chat_template", f"cannot read {path}: {e}") from None
 
 
 def _wait_healthy(urls: list[str], timeout: float, api_key: str | None = None) -> None:

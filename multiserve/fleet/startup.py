@@ -111,6 +111,11 @@ def fleet_config_from_args(args: argparse.Namespace) -> FleetConfig:
         fleet["max_request_bytes"] = args.max_request_bytes
     if getattr(args, "enable_memory_saver", False):
         fleet["enable_memory_saver"] = True
+    for key in ("tool_call_parser", "reasoning_parser"):
+        if getattr(args, key, None) is not None:
+            fleet[key] = getattr(args, key)
+    if getattr(args, "chat_template", None) is not None:  # relative to the cwd
+        fleet["chat_template"] = str(Path(args.chat_template).expanduser().absolute())
     data["fleet"] = fleet
     engine = dict(data.get("engine") or {})
     if getattr(args, "speculative_algorithm", None) is not None:

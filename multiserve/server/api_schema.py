@@ -19,6 +19,7 @@ from pydantic import BaseModel
 
 from multiserve import sampling_policy as S
 from multiserve.server import protocol as P
+from multiserve.server import parse_routes as PR
 from multiserve.server import protocol_native as N
 from multiserve.server.control_bodies import ControlBody, body_for, query_parameters
 from multiserve.server.control_routes import routed_ops
@@ -115,6 +116,8 @@ BODIES: dict[Key, Any] = {
     ("POST", "/generate"): N.GenerateRequestBody,
     ("POST", "/v1/score"): N.ScoreRequest,
     **CONTROL_BODIES,
+    ("POST", "/parse_function_call"): PR.ParseFunctionCallBody,
+    ("POST", "/separate_reasoning"): PR.SeparateReasoningBody,
 }
 
 CONTROL = Answer(ControlAnswer)
@@ -129,6 +132,8 @@ ANSWERS: dict[Key, Answer] = {
     ("POST", "/generate"): Answer(N.GenerateResponse, stream=N.GenerateResponse,
                                   one_or_list=True, errors=GEN_ERRORS),
     ("POST", "/v1/score"): Answer(N.ScoreResponse, errors=GEN_ERRORS),
+    ("POST", "/parse_function_call"): Answer(PR.ParseFunctionCallAnswer, errors=("400", "401")),
+    ("POST", "/separate_reasoning"): Answer(PR.SeparateReasoningAnswer, errors=("400", "401")),
     ("GET", "/health"): Answer(errors=("401", "503")),
     ("GET", "/health_generate"): Answer(errors=("401", "503")),
     ("GET", "/get_model_info"): Answer(errors=("401", "503")),

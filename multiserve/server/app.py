@@ -25,6 +25,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from multiserve.config import DEFAULT_MAX_REQUEST_BYTES
+from multiserve.parsing import REASONING_PARSERS, TOOL_PARSERS, detect_tool_call_parser
 from multiserve.server.api_schema import document_engine_app
 from multiserve.server.body_limit import limit_body
 from multiserve.server.control_routes import add_control_routes
@@ -33,6 +34,7 @@ from multiserve.server.http_utils import api_error_from, error_json, json_model
 from multiserve.server.metrics import CONTENT_TYPE, MetricsMiddleware, ServerMetrics
 from multiserve.server.native_serving import NativeServing
 from multiserve.server.openai_serving import OpenAIServing
+from multiserve.server.parse_routes import add_parse_routes
 from multiserve.server.request_run import ClientDisconnected, RequestRun, drain
 from multiserve.server.tokenizer import TokenizerManager
 from multiserve.types import (
@@ -53,16 +55,26 @@ def build_app(engine: EngineClient, tokenizer: TokenizerManager, *,
               metrics: ServerMetrics | None = None,
               server_info: dict[str, Any] | None = None,
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-              enable_memory_saver: bool = False) -> FastAPI:
+              enable_memory_saver: bool = False, tool_call_parser: str | None = None,
+              reasoning_parser: str | None = None) -> FastAPI:
     """One app in front of one engine. `server_info` is merged into /get_server_info;
     `max_request_bytes` bounds a request body (413 beyond, server/body_limit.py);
     `enable_memory_saver` is the sglang server argument /get_server_info reports (memory
-    release works either way). Both are `ServerConfig` fields."""
+    release works either way); `tool_call_parser` (None: chosen from the chat template,
+    `resolve_tool_call_parser`) and `reasoning_parser` (None: no reasoning split) name
+    parsers of multiserve.parsing. All are `ServerConfig` fields."""
     metrics = metrics or ServerMetrics()
+    tool_call_parser = resolve_tool_call_parser(tool_call_parser, tokenizer)
+    if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
+        raise ValueError(f"reasoning_parser: unknown {reasoning_parser!r}; known: "
+                         f"{', '.join(sorted(REASONING_PARSERS))}")
     info = {"served_model_name": engine.model_name, "context_len": engine.context_len,
             "enable_memory_saver": enable_memory_saver, "max_request_bytes": max_request_bytes,
-            "max_prompt_chars": tokenizer.max_prompt_chars, **(server_info or {})}
-    oai = OpenAIServing(engine, tokenizer, on_done=metrics.observe_run)
+            "max_prompt_chars": tokenizer.max_prompt_chars,
+            "tool_call_parser": tool_call_parser, "reasoning_parser": reasoning_parser,
+            **(server_info or {})}
+    oai = OpenAIServing(engine, tokenizer, on_done=metrics.observe_run,
+                        tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser)
     native = NativeServing(engine, tokenizer, on_done=metrics.observe_run)
     app = FastAPI(title="multiserve", docs_url=None, redoc_url=None)
     app.state.engine, app.state.tokenizer, app.state.metrics = engine, tokenizer, metrics
@@ -77,6 +89,7 @@ def build_app(engine: EngineClient, tokenizer: TokenizerManager, *,
     app.add_api_route("/v1/completions", oai.completions, methods=["POST"])
     app.add_api_route("/generate", native.generate, methods=["POST"])
     app.add_api_route("/v1/score", native.score, methods=["POST"])
+    add_parse_routes(app, tool_call_parser, reasoning_parser)
 
     # ---- health + introspection -------------------------------------------------------
     @app.get("/health")
@@ -201,6 +214,18 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def on_unexpected(_: Request, exc: Exception) -> Response:
         log.exception("unexpected error while serving a request")
         return error_json(ApiError(500, f"internal error: {type(exc).__name__}: {exc}"))
+
+
+def resolve_tool_call_parser(name: str | None, tokenizer: TokenizerManager) -> str:
+    """The tool-call parser of this server: as configured (ValueError if unknown), else
+    the one the chat template's tool-call format calls for, else `hermes` (what the
+    generic tool prompt asks a template that ignores tools for: server/tool_prompt.py)."""
+    if name is not None:
+        if name not in TOOL_PARSERS:
+            raise ValueError(f"tool_call_parser: unknown {name!r}; known: "
+                             f"{', '.join(sorted(TOOL_PARSERS))}")
+        return name
+    return detect_tool_call_parser(tokenizer.chat_template) or "hermes"
 
 
 def server_args(info: dict[str, Any], state: dict[str, Any]) -> dict[str, Any]:

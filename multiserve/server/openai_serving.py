@@ -11,6 +11,7 @@ choice index = prompt index * n + sample index.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -19,6 +20,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from multiserve.server import protocol as P
+from multiserve.server.chat_output import ChatOutputParser, ChatPiece
 from multiserve.server.errors import bad_request, from_sampling_error
 from multiserve.server.http_utils import (
     SSE_DONE,
@@ -41,12 +43,22 @@ from multiserve.server.tokenizer import TokenizerManager
 from multiserve.types import EngineClient, GenerateRequest, SamplingParamsError, TokenLogprob
 
 
+# OpenAI's rule for a function name (dots allowed too, as SGLang and vLLM accept them).
+_TOOL_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
+
+
 class OpenAIServing:
     def __init__(self, engine: EngineClient, tm: TokenizerManager,
-                 on_done: Callable[[RequestRun], None] | None = None) -> None:
+                 on_done: Callable[[RequestRun], None] | None = None, *,
+                 tool_call_parser: str | None = None,
+                 reasoning_parser: str | None = None) -> None:
+        """`tool_call_parser`: the format tool calls are read in (a parsing.TOOL_PARSERS
+        name); `reasoning_parser`: a parsing.REASONING_PARSERS name, or None (no split)."""
         self.engine = engine
         self.tm = tm
         self.on_done = on_done
+        self.tool_call_parser = tool_call_parser
+        self.reasoning_parser = reasoning_parser
 
     # ---- /v1/models ---------------------------------------------------------------------
     def models(self) -> P.ModelList:
@@ -93,22 +105,79 @@ class OpenAIServing:
         req = parse_body(P.ChatCompletionRequest, await request.body())
         if req.top_logprobs is not None and not req.logprobs and req.top_logprobs > 0:
             raise bad_request("top_logprobs: requires logprobs=true", param="top_logprobs")
+        tools = self._chat_tools(req)
         add_generation_prompt, template_kwargs = req.template_args()
-        ids = self.tm.apply_chat_template(req.messages, add_generation_prompt,
+        ids = self.tm.apply_chat_template(req.messages, add_generation_prompt, tools,
                                           **template_kwargs)
+        if tools:  # tool tags may be special tokens: the parser must see them
+            req = req.model_copy(update={"skip_special_tokens": False})
         runs = self._runs(req, [ids])
         if req.stream:
             await start_runs(runs)  # refusals become HTTP errors, not mid-stream events
-            return sse_response(self._chat_stream(req, runs[0]))
+            return sse_response(self._chat_stream(req, runs[0], tools))
         await self._finish(request, runs)
         run = runs[0]
-        choices = [P.ChatChoice(index=s.index, message=P.ChatResponseMessage(content=s.text),
-                                logprobs=self._chat_logprobs(s.token_ids, s.logprobs, req)
-                                if req.logprobs else None,
-                                finish_reason=s.finish_reason, matched_stop=s.matched_stop)
-                   for s in run.samples]
+        choices = []
+        for s in run.samples:
+            message, finish = P.ChatResponseMessage(content=s.text), s.finish_reason
+            parser = self._output_parser(req, tools)
+            if parser is not None:
+                piece = parser.feed(s.text)
+                piece += parser.flush()
+                message = P.ChatResponseMessage(
+                    content=piece.content if piece.content or not parser.has_calls else None,
+                    reasoning_content=piece.reasoning or None,
+                    tool_calls=[P.ToolCallOut(id=parser.ids[d.index], function=P.FunctionCallOut(
+                        name=d.name, arguments=_arguments(piece, d.index)))
+                        for d in piece.calls if d.name is not None] or None)
+                finish = _finish_reason(finish, parser)
+            choices.append(P.ChatChoice(
+                index=s.index, message=message,
+                logprobs=self._chat_logprobs(s.token_ids, s.logprobs, req)
+                if req.logprobs else None, finish_reason=finish, matched_stop=s.matched_stop))
         return json_model(P.ChatCompletionResponse(id=run.rid, model=self.engine.model_name,
                                                    choices=choices, usage=self._usage(runs)))
+
+    def _chat_tools(self, req: P.ChatCompletionRequest) -> list[dict[str, Any]] | None:
+        """The tools to render and parse for (None: no tool calling), after checking
+        them and tool_choice (400s). required / named choices need constrained decoding,
+        which is not done yet: refused rather than answered unenforced."""
+        choice = req.tool_choice
+        if not req.tools:
+            if choice is not None and choice != "none":
+                raise bad_request("tool_choice: only allowed when tools are given",
+                                  param="tool_choice")
+            return None
+        seen: set[str] = set()
+        for i, tool in enumerate(req.tools):
+            name = tool.function.name
+            if not _TOOL_NAME.fullmatch(name):
+                raise bad_request(f"tools[{i}].function.name: must be 1-64 letters, digits, "
+                                  f"'_', '.' or '-'; got {name[:80]!r}",
+                                  param=f"tools[{i}].function.name")
+            if name in seen:
+                raise bad_request(f"tools[{i}].function.name: {name!r} is given twice",
+                                  param=f"tools[{i}].function.name")
+            seen.add(name)
+        if choice == "none":
+            return None
+        if isinstance(choice, P.NamedToolChoice) and choice.function.name not in seen:
+            raise bad_request(f"tool_choice: no tool named {choice.function.name[:80]!r} in "
+                              f"tools", param="tool_choice")
+        if choice == "required" or isinstance(choice, P.NamedToolChoice):
+            raise bad_request("tool_choice: 'required' and a named function need constrained "
+                              "decoding, which this server does not do yet; use 'auto'",
+                              param="tool_choice", code="constrained_decoding_unsupported")
+        return [t.model_dump(exclude_none=True) for t in req.tools]
+
+    def _output_parser(self, req: P.ChatCompletionRequest,
+                       tools: list[dict[str, Any]] | None) -> ChatOutputParser | None:
+        reasoning = self.reasoning_parser if req.separate_reasoning else None
+        tool_parser = self.tool_call_parser if tools else None
+        if reasoning is None and tool_parser is None:
+            return None
+        return ChatOutputParser(reasoning, tool_parser, tools, req.parallel_tool_calls,
+                                req.stream_reasoning)
 
     def _chat_logprobs(self, ids: list[int], lps: list[TokenLogprob],
                        req: P.ChatCompletionRequest) -> P.ChatLogprobs:
@@ -123,9 +192,10 @@ class OpenAIServing:
                                               top_logprobs=top))
         return P.ChatLogprobs(content=content)
 
-    async def _chat_stream(self, req: P.ChatCompletionRequest,
-                           run: RequestRun) -> AsyncIterator[str]:
+    async def _chat_stream(self, req: P.ChatCompletionRequest, run: RequestRun,
+                           tools: list[dict[str, Any]] | None) -> AsyncIterator[str]:
         created, model = int(time.time()), self.engine.model_name
+        parsers = {i: self._output_parser(req, tools) for i in range(req.n)}
 
         def chunk(choice: P.ChatChunkChoice) -> str:
             return sse_data(P.ChatCompletionChunk(id=run.rid, created=created, model=model,
@@ -138,10 +208,20 @@ class OpenAIServing:
             async for _, ev in merge_runs([run]):
                 logprobs = (self._chat_logprobs(ev.token_ids, ev.logprobs, req)
                             if req.logprobs and ev.token_ids else None)
-                delta = P.DeltaMessage(content=ev.text) if ev.text else P.DeltaMessage()
-                if ev.text or logprobs is not None or ev.finished:
+                parser, finish = parsers.get(ev.index), ev.finish_reason
+                if parser is None:
+                    delta = P.DeltaMessage(content=ev.text) if ev.text else P.DeltaMessage()
+                    payload = bool(ev.text)
+                else:
+                    piece = parser.feed(ev.text) if ev.text else ChatPiece()
+                    if ev.finished:
+                        piece += parser.flush()
+                        finish = _finish_reason(finish, parser)
+                    delta = _delta(piece, parser)
+                    payload = bool(piece.content or piece.reasoning or delta.tool_calls)
+                if payload or logprobs is not None or ev.finished:
                     yield chunk(P.ChatChunkChoice(index=ev.index, delta=delta, logprobs=logprobs,
-                                                  finish_reason=ev.finish_reason,
+                                                  finish_reason=finish,
                                                   matched_stop=ev.matched_stop))
         except Exception as exc:  # noqa: BLE001 - headers are sent: report in-band
             yield sse_error(exc)
@@ -246,3 +326,25 @@ class OpenAIServing:
             yield sse_data(P.CompletionResponse(id=rid, created=created, model=model, choices=[],
                                                 usage=self._usage(runs)))
         yield SSE_DONE
+
+
+def _arguments(piece: ChatPiece, index: int) -> str:
+    return "".join(d.arguments for d in piece.calls if d.index == index)
+
+
+def _finish_reason(reason: str | None, parser: ChatOutputParser) -> Any:
+    """"tool_calls" for a reply that ended normally with calls in it."""
+    return "tool_calls" if parser.has_calls and reason == "stop" else reason
+
+
+def _delta(piece: ChatPiece, parser: ChatOutputParser) -> P.DeltaMessage:
+    calls = []
+    for d in piece.calls:
+        if d.name is not None:  # a call's first delta: index, id, type, name
+            calls.append(P.DeltaToolCall(index=d.index, id=parser.ids[d.index], type="function",
+                                         function=P.FunctionCallOut(name=d.name, arguments="")))
+        else:
+            calls.append(P.DeltaToolCall(index=d.index,
+                                         function=P.FunctionCallOut(arguments=d.arguments)))
+    return P.DeltaMessage(content=piece.content or None,
+                          reasoning_content=piece.reasoning or None, tool_calls=calls or None)

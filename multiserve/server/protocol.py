@@ -13,13 +13,15 @@ client's parameter names by `OPENAI_PARAM_NAMES`.
 from __future__ import annotations
 
 import time
-from typing import Any, Literal, get_args
+from typing import Any, ClassVar, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from multiserve.types import SamplingParams
 
 FinishReasonStr = Literal["stop", "length", "abort"]
+# A chat choice also ends with "tool_calls" when its reply holds tool calls.
+ChatFinishReasonStr = Literal["stop", "length", "abort", "tool_calls"]
 
 
 class _Request(BaseModel):
@@ -47,10 +49,51 @@ ChatRole = Literal["system", "developer", "user", "assistant", "tool", "function
 CHAT_ROLES: tuple[str, ...] = get_args(ChatRole)
 
 
+class FunctionCallIn(_Request):
+    """A history call's function: `arguments` is JSON text (OpenAI) or an object."""
+
+    name: str
+    arguments: str | dict[str, Any] | None = None
+
+
+class ToolCallIn(_Request):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessage(_Request):
     role: ChatRole
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    # an assistant turn's calls, and a tool turn's answer to one (rendered by the template)
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+
+
+class FunctionDef(_Request):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(_Request):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
 class _SamplingRequest(_Request):
@@ -95,6 +138,8 @@ class _SamplingRequest(_Request):
     custom_logit_processor: Any = None
     session_params: Any = None
 
+    serves_tools: ClassVar[bool] = False
+
     def refused(self) -> tuple[str, str] | None:
         """(param, why) of the first set option that would change the output and that we
         cannot honour."""
@@ -112,8 +157,8 @@ class _SamplingRequest(_Request):
             return "logit_bias", "logit_bias is not supported"
         if self.response_format and self.response_format.get("type", "text") != "text":
             return "response_format", "only response_format type 'text' is supported"
-        if self.tools:
-            return "tools", "tool calling is not supported"
+        if self.tools and not self.serves_tools:
+            return "tools", "tool calling is only served by /v1/chat/completions"
         for name in ("regex", "json_schema", "ebnf", "structural_tag"):
             if getattr(self, name) is not None:
                 return name, f"constrained decoding ({name}) is not supported"
@@ -132,7 +177,12 @@ class _SamplingRequest(_Request):
 
 
 class ChatCompletionRequest(_SamplingRequest):
+    serves_tools: ClassVar[bool] = True
     messages: list[ChatMessage]
+    tools: list[ToolDef] | None = None  # type: ignore[assignment]
+    # default: "auto" with tools, "none" without (as SGLang)
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
@@ -142,9 +192,9 @@ class ChatCompletionRequest(_SamplingRequest):
     continue_final_message: bool = False
     # sglang: extra variables for the chat template (e.g. {"enable_thinking": false})
     chat_template_kwargs: dict[str, Any] | None = None
-    # Sent by sglang-router (sglang's defaults); they act only with a reasoning parser,
-    # which this server does not run, so the output is the same either way (as sglang's
-    # without --reasoning-parser).
+    # With a reasoning parser (--reasoning-parser): the reasoning goes to
+    # `reasoning_content` (false: it stays in `content`); stream_reasoning=false sends it
+    # in one delta once it is complete. Without a parser both have no effect (as sglang).
     separate_reasoning: bool = True
     stream_reasoning: bool = True
     # sglang: pre-tokenized prompt ids that replace the rendered messages. Not done here:
@@ -255,16 +305,39 @@ class ChatLogprobs(_Response):
     content: list[ChatTokenLogprob] = Field(default_factory=list)
 
 
+class FunctionCallOut(_Response):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallOut(_Response):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
+class DeltaToolCall(_Response):
+    """A streamed call piece: the first carries index, id, type and the name (with empty
+    arguments); the later ones index and argument text."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallOut
+
+
 class ChatResponseMessage(_Response):
     role: str = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(_Response):
     index: int
     message: ChatResponseMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: FinishReasonStr | None = None
+    finish_reason: ChatFinishReasonStr | None = None
     matched_stop: int | str | None = None
 
 
@@ -280,13 +353,15 @@ class ChatCompletionResponse(_Response):
 class DeltaMessage(_Response):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(_Response):
     index: int
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: FinishReasonStr | None = None
+    finish_reason: ChatFinishReasonStr | None = None
     matched_stop: int | str | None = None
 
 

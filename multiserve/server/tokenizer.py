@@ -12,6 +12,7 @@ that names the offending parameter.
 
 from __future__ import annotations
 
+import json
 import re
 import uuid
 from collections.abc import Sequence
@@ -24,6 +25,7 @@ import numpy as np
 from multiserve.server.detokenizer import IncrementalDetokenizer
 from multiserve.server.errors import bad_request
 from multiserve.server.protocol import CHAT_ROLES
+from multiserve.server.tool_prompt import tools_as_text
 
 _BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 # Margin on the characters one token can stand for (`chars_per_token_bound`): normalizers
@@ -58,11 +60,14 @@ class TokenizerManager:
     """Tokenizer, chat template and request-length rules for one served model."""
 
     def __init__(self, tokenizer_dir: str | Path, context_len: int, model_name: str, *,
-                 default_max_tokens: int | None = None, tokenizer: Any = None) -> None:
+                 default_max_tokens: int | None = None, tokenizer: Any = None,
+                 chat_template: str | None = None) -> None:
         """`tokenizer`: an already loaded instance to share (the engine's own: one
         tokenizer per engine; the fast tokenizer's encode/decode are safe from several
         threads as long as nobody changes its truncation/padding settings, which nothing
-        here does); else it is loaded from `tokenizer_dir`."""
+        here does); else it is loaded from `tokenizer_dir`. `chat_template`: a Jinja
+        template (text) that replaces the model's own (the shared tokenizer is not
+        changed: the template is passed to every render)."""
         path = Path(tokenizer_dir)
         if tokenizer is None:
             from transformers import PreTrainedTokenizerFast  # tokenizers-backed: no torch
@@ -77,7 +82,11 @@ class TokenizerManager:
         self.context_len = int(context_len)
         self.model_name = model_name
         self.default_max_tokens = default_max_tokens
-        self.has_chat_template = bool(getattr(self.tokenizer, "chat_template", None))
+        own = getattr(self.tokenizer, "chat_template", None)
+        self.chat_template: str | None = chat_template or (own if isinstance(own, str) else None)
+        self.has_chat_template = bool(self.chat_template)
+        # A template that never reads `tools` gets the generic tool prompt (tool_prompt.py).
+        self.template_reads_tools = bool(self.chat_template) and "tools" in self.chat_template
         eos = self.tokenizer.eos_token_id
         self.eos_token_ids: tuple[int, ...] = () if eos is None else (int(eos),)
         self.special_ids: frozenset[int] = frozenset(self.tokenizer.all_special_ids)
@@ -109,27 +118,38 @@ class TokenizerManager:
                                      clean_up_tokenization_spaces=False)
 
     def render_chat(self, messages: Sequence[Any], add_generation_prompt: bool = True,
+                    tools: Sequence[dict[str, Any]] | None = None,
                     **template_kwargs: Any) -> str:
-        """Validate OpenAI-style messages and render them with the chat template."""
+        """Validate OpenAI-style messages and render them with the chat template. `tools`
+        (OpenAI tool objects) go to the template's `tools`; a template that does not read
+        them gets them as the generic tool prompt, and history calls and tool results as
+        text (tool_prompt.py)."""
         if not isinstance(messages, (list, tuple)) or not messages:
             raise bad_request("messages: must be a non-empty list", param="messages")
         plain = [_plain_message(m, i) for i, m in enumerate(messages)]
-        self.check_prompt_chars(sum(len(m["content"]) for m in plain), "messages")
+        self.check_prompt_chars(sum(_message_chars(m) for m in plain)
+                                + len(json.dumps(list(tools or ()))), "messages")
         if not self.has_chat_template:
             raise bad_request("this model has no chat template; use /v1/completions",
                               param="messages")
+        if self.template_reads_tools:
+            if tools:
+                template_kwargs["tools"] = list(tools)
+        else:
+            plain = tools_as_text(plain, list(tools or ()))
         try:
             return self.tokenizer.apply_chat_template(
                 plain, add_generation_prompt=add_generation_prompt, tokenize=False,
-                **template_kwargs)
+                chat_template=self.chat_template, **template_kwargs)
         except Exception as exc:  # template errors (e.g. role order rules) are client errors
             raise bad_request(f"messages: chat template failed: {exc}",
                               param="messages") from None
 
     def apply_chat_template(self, messages: Sequence[Any], add_generation_prompt: bool = True,
+                            tools: Sequence[dict[str, Any]] | None = None,
                             **template_kwargs: Any) -> list[int]:
         # The template already writes any BOS it wants: add no special tokens again.
-        return self.encode(self.render_chat(messages, add_generation_prompt,
+        return self.encode(self.render_chat(messages, add_generation_prompt, tools,
                                             **template_kwargs), add_special_tokens=False)
 
     # ---- budgets ----------------------------------------------------------------------
@@ -190,8 +210,14 @@ class TokenizerManager:
         return self.token_info(token_id)[0]
 
 
-def _plain_message(m: Any, i: int) -> dict[str, str]:
-    """One message as {"role", "content"} with content flattened to a string."""
+def _message_chars(m: dict[str, Any]) -> int:
+    return len(m["content"]) + sum(len(json.dumps(c)) for c in m.get("tool_calls", ()))
+
+
+def _plain_message(m: Any, i: int) -> dict[str, Any]:
+    """One message as {"role", "content"} with content flattened to a string, plus its
+    `tool_calls` (arguments as objects: templates iterate them), `tool_call_id`, `name`
+    and `reasoning_content` when given."""
     if hasattr(m, "model_dump"):
         m = m.model_dump(exclude_none=True)
     if not isinstance(m, dict):
@@ -217,7 +243,36 @@ def _plain_message(m: Any, i: int) -> dict[str, str]:
     if not isinstance(content, str):
         raise bad_request(f"messages[{i}].content: must be a string or a list of text parts",
                           param=f"messages[{i}].content")
-    return {"role": role, "content": content}
+    out: dict[str, Any] = {"role": role, "content": content}
+    for key in ("name", "tool_call_id", "reasoning_content"):
+        if isinstance(m.get(key), str):
+            out[key] = m[key]
+    if m.get("tool_calls"):
+        out["tool_calls"] = [_history_call(c, i, j) for j, c in enumerate(m["tool_calls"])]
+    return out
+
+
+def _history_call(call: Any, i: int, j: int) -> dict[str, Any]:
+    """A history tool call with its arguments parsed from JSON text to an object."""
+    param = f"messages[{i}].tool_calls[{j}].function.arguments"
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise bad_request(f"messages[{i}].tool_calls[{j}]: needs function.name",
+                          param=f"messages[{i}].tool_calls[{j}]")
+    args = fn.get("arguments")
+    if args is None or args == "":
+        args = {}
+    elif isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            raise bad_request(f"{param}: not valid JSON", param=param) from None
+    if not isinstance(args, dict):
+        raise bad_request(f"{param}: must be a JSON object", param=param)
+    out = {"type": "function", "function": {"name": fn["name"], "arguments": args}}
+    if isinstance(call.get("id"), str):
+        out["id"] = call["id"]
+    return out
 
 
 def score_softmax(logprobs: Sequence[float], apply_softmax: bool) -> list[float]:

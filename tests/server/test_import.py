@@ -1,4 +1,5 @@
-"""`multiserve.server` is device-agnostic: importing (and using) it never imports jax."""
+"""`multiserve.server` and `multiserve.parsing` are device-agnostic: importing (and using)
+them never imports jax."""
 
 from __future__ import annotations
 
@@ -16,6 +17,9 @@ def test_server_package_never_imports_jax(tokenizer_dir):
         import multiserve.server as server
         for mod in pkgutil.iter_modules(server.__path__):
             importlib.import_module("multiserve.server." + mod.name)
+        import multiserve.parsing as parsing  # the parsers, a library for RL callers
+        for mod in pkgutil.iter_modules(parsing.__path__):
+            importlib.import_module("multiserve.parsing." + mod.name)
         from multiserve.server import TokenizerManager, build_app, ServerMetrics
         tm = TokenizerManager({str(tokenizer_dir)!r}, 512, "m")
         tm.apply_chat_template([{{"role": "user", "content": "hi"}}])

@@ -1,0 +1,23 @@
+"""Tool-call and reasoning parsers for model outputs, on text; plain Python (no jax, no
+torch), usable as a library by RL callers and by the server.
+
+    from multiserve.parsing import tool_call_parser, reasoning_parser
+    normal, calls = tool_call_parser("hermes", tools).parse(text)
+    reasoning, answer = reasoning_parser("qwen3").parse(text)
+
+Streaming: `p = tool_call_parser(name, tools)`; `p.feed(delta)` for each text delta and
+`p.flush()` at the end, each returning normal text and `ToolCallDelta`s.
+"""
+
+from multiserve.parsing.base import ToolCallParser
+from multiserve.parsing.reasoning import REASONING_PARSERS, ReasoningParser, reasoning_parser
+from multiserve.parsing.registry import (
+    TOOL_PARSERS,
+    detect_tool_call_parser,
+    tool_call_parser,
+)
+from multiserve.parsing.types import ToolCall, ToolCallDelta, ToolStreamResult
+
+__all__ = ["REASONING_PARSERS", "TOOL_PARSERS", "ReasoningParser", "ToolCall", "ToolCallDelta",
+           "ToolCallParser", "ToolStreamResult", "detect_tool_call_parser", "reasoning_parser",
+           "tool_call_parser"]

@@ -1,0 +1,119 @@
+"""The official openai client with `tools` against a real server on the default model
+(SmolLM2-135M-Instruct, whose template ignores tools: the generic tool prompt,
+server/tool_prompt.py, and the hermes parser). Greedy, so the replies are fixed; the
+assertions hold for any reply of the right shape except where a call is expected: after a
+few-shot history of calls the model writes one (without grammar enforcement a 135M model
+rarely calls a tool on a first turn)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import openai
+import pytest
+
+pytestmark = pytest.mark.slow
+
+KW: dict[str, Any] = dict(
+    max_running_requests=8, precompile_bs_paddings=(8,), precompile_token_paddings=(512,),
+    chunked_prefill_size=512, max_total_tokens=8192, max_context_len=2048, show_progress=False)
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}
+
+
+def _call(cid: str, city: str) -> dict[str, Any]:
+    return {"id": cid, "type": "function",
+            "function": {"name": "get_weather", "arguments": json.dumps({"city": city})}}
+
+
+# A few-shot history: a call answered by a tool turn and the model's answer, then two
+# more questions answered with calls, then a new city.
+HISTORY = [
+    {"role": "user", "content": "What is the weather in Paris?"},
+    {"role": "assistant", "content": None, "tool_calls": [_call("call_1", "Paris")]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "22 C, sunny"},
+    {"role": "assistant", "content": "It is 22 C and sunny in Paris."},
+    {"role": "user", "content": "What is the weather in Rome?"},
+    {"role": "assistant", "content": None, "tool_calls": [_call("call_2", "Rome")]},
+    {"role": "user", "content": "What is the weather in Berlin?"},
+    {"role": "assistant", "content": None, "tool_calls": [_call("call_3", "Berlin")]},
+    {"role": "user", "content": "What is the weather in London?"},
+]
+
+
+@pytest.fixture(scope="module")
+def default_server() -> Iterator[str]:
+    from multiserve.config import EngineConfig
+    from multiserve.engine.engine import Engine
+    from multiserve.server import ServerThread, TokenizerManager, build_app
+
+    eng = Engine(EngineConfig(**KW))
+    tm = TokenizerManager(eng.tokenizer_dir, eng.context_len, eng.model_name,
+                          tokenizer=eng.tokenizer)
+    thread = ServerThread(build_app(eng, tm)).start()
+    yield thread.url
+    thread.stop()
+    eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(default_server: str) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=default_server + "/v1", api_key="none", max_retries=0) as c:
+        yield c
+
+
+def _stream(client: openai.OpenAI, **kw: Any) -> tuple[str, dict[int, dict[str, str]], str]:
+    content, calls, finish = "", {}, ""
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        for ch in chunk.choices:
+            content += ch.delta.content or ""
+            for d in ch.delta.tool_calls or ():
+                if d.id is not None:  # a call's first delta: id and name
+                    assert d.index not in calls and d.function.name
+                    calls[d.index] = {"id": d.id, "name": d.function.name, "arguments": ""}
+                calls[d.index]["arguments"] += d.function.arguments or ""
+            finish = ch.finish_reason or finish
+    return content, calls, finish
+
+
+def test_tool_call_after_a_tool_result_turn(client):
+    kw = dict(model="m", messages=HISTORY, tools=[WEATHER], max_tokens=48, temperature=0)
+    r = client.chat.completions.create(**kw)
+    ch = r.choices[0]
+    assert ch.finish_reason == "tool_calls", ch
+    (call,) = ch.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_")
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "London"}
+    assert "<tool_call>" not in (ch.message.content or "")
+    # streamed: the same calls and text, nothing of the call in the content
+    content, calls, finish = _stream(client, **kw)
+    assert finish == "tool_calls" and content == (ch.message.content or "")
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == \
+        [(call.function.name, call.function.arguments)]
+
+
+def test_auto_first_turn_and_parallel_false(client):
+    """Whatever the model answers on a first turn, the reply is well formed, and the
+    stream gives what the non-streamed reply gives."""
+    kw = dict(model="m", messages=[{"role": "user", "content": "What is the weather in Oslo?"}],
+              tools=[WEATHER], tool_choice="auto", parallel_tool_calls=False, max_tokens=32,
+              temperature=0)
+    r = client.chat.completions.create(**kw)
+    ch = r.choices[0]
+    calls = ch.message.tool_calls or []
+    assert len(calls) <= 1
+    assert (ch.finish_reason == "tool_calls") == bool(calls)
+    content, streamed, _ = _stream(client, **kw)
+    assert content == (ch.message.content or "")
+    assert [c["name"] for c in streamed.values()] == [c.function.name for c in calls]
+
+
+def test_required_is_refused_until_grammars_exist(client):
+    with pytest.raises(openai.BadRequestError, match="constrained decoding"):
+        client.chat.completions.create(model="m", messages=HISTORY, tools=[WEATHER],
+                                       tool_choice="required", max_tokens=8)
