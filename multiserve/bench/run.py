@@ -204,7 +204,12 @@ def bench_main(args: argparse.Namespace) -> int:
 
         if args.peer != "none" and not single:
             raise SystemExit("bench: --ab-speculation compares with a peer in --single-stream")
-        return spec_main(args, cfg)
+        run_peer = None
+        if peer_model is not None:
+            def run_peer(ids: list[int]) -> dict[str, Any]:
+                return _run_peer(args, peer_model, [ids], int(args.output_len), stream=True,
+                                 show=not getattr(args, "no_progress", False))
+        return spec_main(args, cfg, _start, run_peer)
     if getattr(args, "workload", "chat") != "chat":
         raise SystemExit("bench: --workload grounded|grpo is a workload of --ab-speculation")
     if single:

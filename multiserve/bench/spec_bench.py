@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from typing import Any
 
 from multiserve.bench.grounded_prompts import grounded_prompts
@@ -48,10 +49,12 @@ def _strip(run: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in run.items() if k != "output_ids"}
 
 
-def spec_main(args: argparse.Namespace, cfg: Any) -> int:
-    from multiserve.bench.run import _start
-
-    engine, startup_s, info = _start(cfg)
+def spec_main(args: argparse.Namespace, cfg: Any,
+              start: Callable[[Any], tuple[Any, float, dict[str, Any]]],
+              run_peer: Callable[[list[int]], dict[str, Any]] | None) -> int:
+    """The run: `start(cfg)` builds the engine with every program compiled (bench/run.py's);
+    `run_peer(ids)`, when a peer is asked for, streams the same prompt through it."""
+    engine, startup_s, info = start(cfg)
     try:
         base = {"bench": "multiserve", "mode": "speculation", "workload": args.workload,
                 "model": engine.model_name, "dtype": info["dtype"], "startup_s": startup_s,
@@ -68,11 +71,8 @@ def spec_main(args: argparse.Namespace, cfg: Any) -> int:
         result["cache_miss_count"] = state["cache_miss_count"]
     finally:
         engine.shutdown()
-    if args.single_stream and args.peer != "none":
-        from multiserve.bench.run import _peer_model, _run_peer
-
-        peer = _run_peer(args, _peer_model(args), [ids], int(args.output_len), stream=True,
-                         show=not args.no_progress)
+    if args.single_stream and run_peer is not None:
+        peer = run_peer(ids)
         result["peer"] = {k: v for k, v in peer.items() if k != "output_ids"}
         result["peer_identical"] = peer["output_ids"] == [result.pop("_on_ids")]
         on = result["on"]["tokens_per_s"]
