@@ -178,6 +178,35 @@ class AtTokens:
         return [f.result(timeout=timeout) for f in self.results]
 
 
+class Oracle:
+    """Drafts the true continuation (from a run without speculation); `wrong`: each draft
+    token replaced by another id, so every draft is rejected at its first token."""
+
+    def __init__(self, truth: dict[Key, tuple[int, ...]], wrong: bool = False,
+                 vocab: int = TINY_VOCAB) -> None:
+        self.truth, self.wrong, self.vocab = truth, wrong, vocab
+        self.proposed = 0
+
+    def wants(self, req: Any) -> bool:
+        return req.key in self.truth
+
+    def propose(self, req: Any, k: int) -> tuple[int, ...]:
+        out = self.truth.get(req.key, ())
+        n = len(req.output_ids)
+        draft = tuple(out[n:n + k])
+        self.proposed += len(draft)
+        return tuple((t + 1) % self.vocab for t in draft) if self.wrong else draft
+
+    def acceptance(self, req: Any) -> float:
+        return 1.0  # both claim certainty: every draft token is worth a verify row
+
+    def record(self, req: Any, proposed: int, accepted: int) -> None:
+        pass
+
+    def finished(self, req: Any) -> None:
+        pass
+
+
 def passes_settled(engine: Any, passes: int = 2) -> dict[str, Any]:
     """Wait (by round trips, not by time) until the engine loop has completed `passes` more
     passes, each of which decides whether to step; returns the last internal state. Every

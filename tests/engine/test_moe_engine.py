@@ -15,7 +15,14 @@ from typing import Any
 import jax
 import numpy as np
 import pytest
-from engine_helpers import TINY_ENGINE, AtTokens, Collector, Trigger, assert_idle_and_clean
+from engine_helpers import (
+    TINY_ENGINE,
+    AtTokens,
+    Collector,
+    Oracle,
+    Trigger,
+    assert_idle_and_clean,
+)
 from moe_checkpoints import make_model, save
 
 from multiserve.config import EngineConfig
@@ -101,6 +108,29 @@ def test_moe_engine_batch_equals_alone_and_survives_pauses(moe_engine: Any, refe
         assert moe_engine.continue_generation().ok
         assert _tokens(col.wait()) == reference, mode
     assert moe_engine.get_internal_state()["determinism"]["verified"]
+    assert_idle_and_clean(moe_engine)
+
+
+@pytest.mark.parametrize("wrong", [False, True])
+def test_moe_speculation_gives_the_outputs_without_it(moe_engine: Any, reference: dict,
+                                                      wrong: bool) -> None:
+    """Verify rows through the routed experts: drafts always right or always wrong, the
+    same ids and logprobs as without speculation."""
+    from multiserve.engine.commands import Call
+
+    oracle = Oracle({k: ids for k, (ids, _) in reference.items()}, wrong=wrong, vocab=500)
+
+    def swap(drafter: Any) -> None:
+        moe_engine.call(Call(lambda core: setattr(core.scheduler, "drafter", drafter))
+                        ).result()
+
+    swap(oracle)
+    try:
+        assert _run(moe_engine) == reference
+    finally:
+        swap(None)
+    state = moe_engine.get_internal_state()
+    assert state["spec_verify_ct"] > 0 and oracle.proposed > 0
     assert_idle_and_clean(moe_engine)
 
 

@@ -12,7 +12,7 @@ import random
 from typing import Any
 
 import pytest
-from engine_helpers import TINY_VOCAB, AtTokens, Collector, Trigger
+from engine_helpers import TINY_VOCAB, AtTokens, Collector, Oracle, Trigger
 
 from multiserve.engine.commands import Call
 from multiserve.engine.spec.drafter import Drafter
@@ -103,34 +103,6 @@ def test_step_costs_choose_drafts_by_the_measured_bucket_costs() -> None:
 
 
 # ---- the engine ----------------------------------------------------------------------------
-
-class Oracle:
-    """Drafts the true continuation (from a run without speculation); `wrong`: each draft
-    token replaced by another id, so every draft is rejected at its first token."""
-
-    def __init__(self, truth: dict[Key, tuple[int, ...]], wrong: bool = False) -> None:
-        self.truth, self.wrong = truth, wrong
-        self.proposed = 0
-
-    def wants(self, req: Any) -> bool:
-        return req.key in self.truth
-
-    def propose(self, req: Any, k: int) -> tuple[int, ...]:
-        out = self.truth.get(req.key, ())
-        n = len(req.output_ids)
-        draft = tuple(out[n:n + k])
-        self.proposed += len(draft)
-        return tuple((t + 1) % TINY_VOCAB for t in draft) if self.wrong else draft
-
-    def acceptance(self, req: Any) -> float:
-        return 1.0  # both claim certainty: every draft token is worth a verify row
-
-    def record(self, req: Any, proposed: int, accepted: int) -> None:
-        pass
-
-    def finished(self, req: Any) -> None:
-        pass
-
 
 @pytest.fixture
 def spec_engine(tiny_engine_spec: Any) -> Any:
