@@ -75,7 +75,13 @@ def _rank_key(item: pytest.Item) -> str:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The longest files first (see _LONG_FIRST); a file's tests keep their order."""
+    """The longest files first (see _LONG_FIRST); a file's tests keep their order. Marks
+    the tests that run on any accelerator `device_generic` (tests/device_generic.py)."""
+    from device_generic import is_device_generic
+
+    for item in items:
+        if is_device_generic(Path(item.path).resolve().relative_to(_TESTS).as_posix(), item):
+            item.add_marker(pytest.mark.device_generic)
     rank = {name: i for i, name in enumerate(_LONG_FIRST)}
     items.sort(key=lambda it: rank.get(_rank_key(it), len(rank)))
 
