@@ -98,11 +98,22 @@ import jaxlib
 work, report, status, sizes = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4:]
 
 def last_json(path):
+    """The file's JSON document (doctor --json), or its last one-line JSON (bench)."""
     try:
-        lines = [l for l in path.read_text().splitlines() if l.startswith("{")]
-        return json.loads(lines[-1]) if lines else json.loads(path.read_text())
-    except (OSError, ValueError):
+        text = path.read_text()
+    except OSError:
         return None
+    try:
+        return json.loads(text)
+    except ValueError:
+        pass
+    for line in reversed(text.splitlines()):
+        if line.startswith("{"):
+            try:
+                return json.loads(line)
+            except ValueError:
+                return None
+    return None
 
 tests = None
 try:
@@ -117,8 +128,13 @@ try:
 except (OSError, ET.ParseError, AttributeError):
     pass
 doctor = last_json(work / "doctor.json")
-if doctor is not None:
-    doctor = {k: v for k, v in doctor.items() if k != "table"}
+if doctor is not None:  # the plan in short: which kernel each primitive got
+    plan = doctor.get("plan", {})
+    doctor = {k: doctor.get(k) for k in ("verified", "problems", "program_sharing_hook",
+                                         "cached", "probe_seconds", "key_hash")}
+    doctor["product_kernels"] = sorted({r[1] for p in plan.get("products", [])
+                                        for r in p.get("by_rows", [])})
+    doctor["attention_kernel"] = plan.get("attention", {}).get("kernel")
 bench = {}
 for size in sizes:
     b = last_json(work / f"bench-{size}.out")

@@ -2,9 +2,9 @@
 device_generic`, what scripts/device-check.sh runs on a GPU or TPU).
 
 tests/conftest.py marks a test `device_generic` when its file is in DEVICE_GENERIC_FILES
-and it needs neither the embedded default model (the `slow` marker, or a `default_engine`
-fixture: the embedded GGUF does not travel to a device image) nor anything in
-CPU_ONLY_TESTS. Such a test needs one device of any kind (device 0), JAX, the default
+and it needs neither the embedded default model (the `slow` marker, a `default_engine`
+fixture or a "default" parameter: the embedded GGUF does not travel to a device image) nor
+anything in CPU_ONLY_TESTS. Such a test needs one device of any kind (device 0), JAX, the default
 tokenizer's files (`$MULTISERVE_TOKENIZER_DIR` where the embedded model is absent) and
 the packages of scripts/device-wheels.sh; it asserts what the code guarantees on every
 backend (bitwise invariance, pause/resume identity, accounting), never a CPU kernel name.
@@ -68,5 +68,8 @@ def is_device_generic(rel_path: str, item: Any) -> bool:
     if rel_path not in DEVICE_GENERIC_FILES or item.get_closest_marker("slow") is not None:
         return False
     if any(f in getattr(item, "fixturenames", ()) for f in _DEFAULT_MODEL_FIXTURES):
+        return False
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    if "default" in params.values():  # parametrized on the embedded model's shapes/weights
         return False
     return f"{rel_path}::{item.name.split('[')[0]}" not in CPU_ONLY_TESTS
