@@ -15,7 +15,10 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 
 import gc  # noqa: E402
+import inspect  # noqa: E402
 import sys  # noqa: E402
+import warnings  # noqa: E402
+from collections.abc import Callable  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -72,9 +75,35 @@ def _rank_key(item: pytest.Item) -> str:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The longest files first (see _LONG_FIRST); a file's tests keep their order."""
+    """The longest files first (see _LONG_FIRST); a file's tests keep their order. Marks
+    the tests that run on any accelerator `device_generic` (tests/device_generic.py)."""
+    from device_generic import is_device_generic
+
+    for item in items:
+        if is_device_generic(Path(item.path).resolve().relative_to(_TESTS).as_posix(), item):
+            item.add_marker(pytest.mark.device_generic)
     rank = {name: i for i, name in enumerate(_LONG_FIRST)}
     items.sort(key=lambda it: rank.get(_rank_key(it), len(rank)))
+
+
+def fixture_finisher(fixturedef: Any, item: Any) -> Callable[[], None] | None:
+    """A call that tears down `fixturedef` now, or None where this pytest lacks what it
+    uses: `FixtureDef.finish(request)` and `Item._request` are pytest internals (no public
+    API tears down one session fixture early). Without them the fixtures simply live to
+    the end of the session (more memory, same results)."""
+    finish = getattr(fixturedef, "finish", None)
+    request = getattr(item, "_request", None)
+    if not callable(finish) or request is None:
+        return None
+    try:
+        if "request" not in inspect.signature(finish).parameters:
+            return None
+    except (TypeError, ValueError):
+        return None
+    return lambda: finish(request)
+
+
+_EARLY_TEARDOWN_WARNED: list[bool] = []
 
 
 def _finish_session_fixtures_of(item: pytest.Item, top: str) -> None:
@@ -86,8 +115,15 @@ def _finish_session_fixtures_of(item: pytest.Item, top: str) -> None:
         where, fixturedef = _SESSION_FIXTURES[i]
         if where == top:
             del _SESSION_FIXTURES[i]
-            if fixturedef.cached_result is not None:
-                fixturedef.finish(item._request)  # noqa: SLF001 - the item's own request
+            if fixturedef.cached_result is None:
+                continue
+            finish = fixture_finisher(fixturedef, item)
+            if finish is not None:
+                finish()
+            elif not _EARLY_TEARDOWN_WARNED:
+                _EARLY_TEARDOWN_WARNED.append(True)
+                warnings.warn(f"pytest {pytest.__version__}: no FixtureDef.finish(request); "
+                              "session fixtures live to the end of the session", stacklevel=1)
 
 
 @pytest.hookimpl(hookwrapper=True)

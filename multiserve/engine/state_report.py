@@ -13,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
+from multiserve.engine.device.program_share import sharing_status
+
 if TYPE_CHECKING:
     from multiserve.engine.core import EngineCore
     from multiserve.engine.device.model_runner import Runner
@@ -59,6 +61,8 @@ def internal_state(core: EngineCore) -> dict[str, Any]:
         "cache_miss_count": core.runner.cache_miss_count,
         "compile": dataclasses.asdict(core.runner.programs.status()),
         "determinism": core.runner.determinism,
+        "program_sharing": dataclasses.asdict(
+            sharing_status(core.runner.devices[0].platform)),
         "weight_version": core.weight_version,
         "memory_released": sorted(core.released_tags),
         "num_retractions": s.num_retractions,

@@ -52,12 +52,12 @@ def tiny_params(cfg: ModelConfig, seed: int, perturb: float = 0.0) -> dict[str, 
 
 def write_tiny_model(path: Path | str, seed: int = 0, perturb: float = 0.0) -> Path:
     """Write the tiny model (with the default model's tokenizer) to `path`; returns it."""
-    from multiserve.model.loading.default_model import default_model_path
+    from multiserve.model.loading.default_model import default_tokenizer_dir
     from multiserve.model.loading.hf import save_hf_dir
 
     return save_hf_dir(Path(path), TINY_RELIABILITY_MODEL,
                        tiny_params(TINY_RELIABILITY_MODEL, seed, perturb),
-                       tokenizer_dir=default_model_path())
+                       tokenizer_dir=default_tokenizer_dir())
 
 
 def tiny_engine_fields(**overrides: Any) -> dict[str, Any]:

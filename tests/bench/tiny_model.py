@@ -16,9 +16,9 @@ ENGINE_FLAGS = ["--token-paddings", "64", "256", "--bs-paddings", "64",
 
 def save_tiny_model(path: Path) -> Path:
     from multiserve.config import ModelConfig
-    from multiserve.model.loading.default_model import default_model_path
+    from multiserve.model.loading.default_model import default_tokenizer_dir
     from multiserve.model.testing import init_random_params, save_hf_dir
 
     cfg = ModelConfig(**TINY)
     return save_hf_dir(path, cfg, init_random_params(cfg, seed=5, scale=0.3),
-                       tokenizer_dir=default_model_path())
+                       tokenizer_dir=default_tokenizer_dir())

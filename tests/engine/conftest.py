@@ -56,11 +56,11 @@ def tiny_params(cfg: ModelConfig, seed: int = 0) -> dict[str, Any]:
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A Hugging Face style dir of TINY_MODEL with the SmolLM2 tokenizer: its first
     TINY_VOCAB ids (specials, bytes, early merges) decode normally; prompts are ids."""
-    from multiserve.model.loading.default_model import default_model_path
+    from multiserve.model.loading.default_model import default_tokenizer_dir
     from multiserve.model.loading.loader import save_hf_dir
 
     path = tmp_path_factory.mktemp("tiny-llama")
-    save_hf_dir(path, TINY_MODEL, tiny_params(TINY_MODEL), tokenizer_dir=default_model_path())
+    save_hf_dir(path, TINY_MODEL, tiny_params(TINY_MODEL), tokenizer_dir=default_tokenizer_dir())
     return path
 
 

