@@ -248,3 +248,41 @@ def test_refused_streaming_request_gets_an_http_error_not_a_broken_stream(served
             assert live.result(timeout=120).status_code == 200
     finally:
         served.engine.continue_generation()
+
+
+class _WrongDrafts:
+    """Drafts that are always wrong (token 0, k of them): every decode verifies a draft."""
+
+    def wants(self, req): return True  # noqa: ANN001, ANN201, E704
+    def propose(self, req, k): return (0,) * k  # noqa: ANN001, ANN201, E704
+    def acceptance(self, req): return 1.0  # noqa: ANN001, ANN201, E704
+    def record(self, req, proposed, accepted): pass  # noqa: ANN001, ANN201, E704
+    def finished(self, req): pass  # noqa: ANN001, ANN201, E704
+
+
+def test_speculation_counts_in_meta_info_metrics_and_server_info(served, idle_engine):
+    """With a draft source, /generate's meta_info counts its verify rows and accepted
+    tokens (sglang's spec_verify_ct), /metrics the engine's totals, and the text is the
+    text without speculation."""
+    from multiserve.engine.commands import Call
+
+    def drafts(source):  # noqa: ANN001, ANN202
+        served.engine.call(Call(lambda core: setattr(core.scheduler, "drafter", source))
+                           ).result()
+
+    body = {"text": "The sky is", "sampling_params": {"max_new_tokens": 12, "temperature": 0,
+                                                      "ignore_eos": True}}
+    plain = served.http.post("/generate", json=body).json()
+    assert plain["meta_info"]["spec_verify_ct"] == 0
+    drafts(_WrongDrafts())
+    try:
+        spec = served.http.post("/generate", json=body).json()
+    finally:
+        drafts(None)
+    assert spec["output_ids"] == plain["output_ids"] and spec["text"] == plain["text"]
+    assert spec["meta_info"]["spec_verify_ct"] > 0
+    assert 0 <= spec["meta_info"]["spec_accepted_tokens"] < 12
+    metrics = served.http.get("/metrics").text
+    assert "multiserve_spec_verify_steps" in metrics
+    info = served.state()
+    assert info["speculative_algorithm"] is None and info["spec_verify_ct"] > 0
