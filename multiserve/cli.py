@@ -158,6 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "extract from the prompt, code edits), or GRPO-like groups in 2 epochs")
     b.add_argument("--ab-speculation", action="store_true",
                    help="n-gram speculative decoding off and on in one run (same engine)")
+    b.add_argument("--speculative", action="store_true",
+                   help="n-gram speculative decoding on (every mode, --fleet included)")
     b.add_argument("--speculative-num-draft-tokens", type=int, default=None)
     b.add_argument("--group-size", type=int, default=8,
                    help="--workload grpo: samples per prompt")

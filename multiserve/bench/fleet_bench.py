@@ -58,6 +58,10 @@ def fleet_config(args: argparse.Namespace) -> Any:
             overrides[f"engine.{key}"] = list(value) if isinstance(value, list) else value
     if getattr(args, "no_overlap", False):
         overrides["engine.disable_overlap"] = True
+    if getattr(args, "speculative", False):
+        overrides["engine.speculative_algorithm"] = "ngram"
+        if getattr(args, "speculative_num_draft_tokens", None) is not None:
+            overrides["engine.speculative_num_draft_tokens"] = args.speculative_num_draft_tokens
     if getattr(args, "no_progress", False):
         overrides["engine.show_progress"] = False
     return load_fleet_config(getattr(args, "config", None) or DEFAULT_CONFIG, overrides)

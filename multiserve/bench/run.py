@@ -66,7 +66,7 @@ def _engine_config(args: argparse.Namespace) -> Any:
         value = getattr(args, flag, None)
         if value is not None:
             changes[name] = tuple(value) if isinstance(value, list) else value
-    if getattr(args, "ab_speculation", False):
+    if getattr(args, "ab_speculation", False) or getattr(args, "speculative", False):
         changes["speculative_algorithm"] = "ngram"
         if getattr(args, "speculative_num_draft_tokens", None) is not None:
             changes["speculative_num_draft_tokens"] = args.speculative_num_draft_tokens
