@@ -231,3 +231,25 @@ def test_server_options_apply_to_every_server(tmp_path: Path) -> None:
         assert server.max_request_bytes == 65536 and server.enable_memory_saver is True
     cfg = load_fleet_config(write(tmp_path, MINIMAL), {"fleet.enable_memory_saver": True})
     assert all(s.enable_memory_saver for s in (*cfg.servers, cfg.supervisor))
+
+
+def test_speculation_from_the_file_and_the_command_line(tmp_path: Path) -> None:
+    from multiserve.cli import build_parser
+    from multiserve.fleet.startup import fleet_config_from_args
+
+    text = MINIMAL.replace("[[engines]]", '[engine]\nspeculative_algorithm = "ngram"\n'
+                           "speculative_num_draft_tokens = 6\n\n[[engines]]", 1)
+    cfg = load_fleet_config(write(tmp_path, text))
+    assert all(e.speculative_algorithm == "ngram" and e.speculative_num_draft_tokens == 6
+               for e in cfg.engines)
+    err = error_of(tmp_path, text.replace('"ngram"', '"eagle"'))
+    assert err.field == "engines[0].speculative_algorithm" and "ngram" in str(err)
+    args = build_parser().parse_args(["serve", "--config", str(CONFIGS / "cpu-4.toml"),
+                                      "--speculative-algorithm", "ngram",
+                                      "--speculative-num-draft-tokens", "3"])
+    cfg = fleet_config_from_args(args)
+    assert {(e.speculative_algorithm, e.speculative_num_draft_tokens)
+            for e in cfg.engines} == {("ngram", 3)}
+    plain = fleet_config_from_args(build_parser().parse_args(
+        ["serve", "--config", str(CONFIGS / "cpu-4.toml")]))
+    assert {e.speculative_algorithm for e in plain.engines} == {None}
