@@ -66,6 +66,10 @@ class _FakeReq:
         self.key = ("r", 0)
 
     @property
+    def num_generated(self) -> int:
+        return len(self.output_ids)
+
+    @property
     def fill_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
@@ -77,13 +81,30 @@ def test_drafter_prefers_the_group_then_backs_off_where_drafts_miss() -> None:
     req = _FakeReq([5, 6, 7], [8, 9])
     assert d.propose(req, 3) == (10, 11, 12)  # type: ignore[arg-type]
     d.record(req, 3, 0)  # type: ignore[arg-type]
+    # a verify that accepted nothing: no draft for the next 2 tokens
+    assert not d.wants(req) and d.propose(req, 3) == ()  # type: ignore[arg-type]
+    req.output_ids.append(10)
     assert not d.wants(req)  # type: ignore[arg-type]
-    assert d.propose(req, 3) == () and d.propose(req, 3) == ()  # 2 chances skipped
+    req.output_ids.append(11)
     assert d.wants(req)  # type: ignore[arg-type]
     d.record(req, 2, 0)  # type: ignore[arg-type]
-    assert [d.propose(req, 3) for _ in range(4)] == [()] * 4  # type: ignore[arg-type]
-    d.record(req, 3, 2)  # type: ignore[arg-type]
+    req.output_ids += [1, 2, 3]
+    assert not d.wants(req)  # 4 tokens after a second miss  # type: ignore[arg-type]
+    req.output_ids.append(4)
     assert d.wants(req)  # type: ignore[arg-type]
+    d.record(req, 3, 2)  # type: ignore[arg-type]
+    assert d.wants(req) and 0 < d.acceptance(req) < 1  # type: ignore[arg-type]
+    # a lookup that finds nothing looks again after 1, then 2, 4, ... tokens
+    lone = _FakeReq([40, 41], [42])
+    lone.key = ("lone", 0)
+    assert d.propose(lone, 3) == () and not d.wants(lone)  # type: ignore[arg-type]
+    lone.output_ids.append(43)
+    assert d.wants(lone) and d.propose(lone, 3) == ()  # type: ignore[arg-type]
+    lone.output_ids.append(44)
+    assert not d.wants(lone)  # type: ignore[arg-type]
+    for i in range(8):  # never more than MAX_DRY tokens between lookups
+        lone.output_ids += [100 + 4 * i + j for j in range(4)]
+        assert d.wants(lone) and d.propose(lone, 3) == ()  # type: ignore[arg-type]
 
 
 def test_step_costs_choose_drafts_by_the_measured_bucket_costs() -> None:
@@ -162,13 +183,12 @@ def _want(engine: Any, cache: dict, seed: int) -> dict[Key, tuple]:
 
 def test_ngram_speculation_gives_the_outputs_without_it(
         tiny_engine: Any, spec_engine: Any, reference: dict) -> None:
+    before = _spec_counts(spec_engine)
     for seed in (0, 1):
         want = _want(tiny_engine, reference, seed)
-        before = _spec_counts(spec_engine)
-        got = _run(spec_engine, _work(seed))
-        assert got == want
-        after = _spec_counts(spec_engine)
-        assert after[0] > before[0] and after[1] > before[1]  # it did speculate
+        assert _run(spec_engine, _work(seed)) == want
+    after = _spec_counts(spec_engine)
+    assert after[0] > before[0] and after[1] > before[1]  # it did speculate
 
 
 @pytest.mark.parametrize("wrong", [False, True])

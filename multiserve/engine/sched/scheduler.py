@@ -251,11 +251,21 @@ class Scheduler:
         return ScheduledBatch(rows, sum(r.end - r.start for r in rows))
 
     def wants_drafts(self) -> bool:
-        """Whether a decoding Req would draft at its next decode: then the step in flight
-        is read before the next is scheduled (a draft needs every token known)."""
-        return self.drafter is not None and any(
-            not r.in_prefill and r.wants_more() and self.drafter.wants(r)
-            for r in self.running)
+        """Whether the next step could verify drafts: a decoding Req may draft (not backed
+        off), the step has room, and by the measured bucket costs some draft token would
+        pay at the Reqs' acceptance. Then the step in flight is read before the next is
+        scheduled (a draft needs every token known); otherwise overlap goes on."""
+        if self.drafter is None:
+            return False
+        decoding = [r for r in self.running if not r.in_prefill and r.wants_more()]
+        room = min(self.cfg.speculative_max_step_tokens, self.max_rows) - len(decoding)
+        if not decoding or room <= 0:
+            return False
+        k = self.cfg.speculative_num_draft_tokens
+        gains = sorted((self.drafter.acceptance(r) ** (j + 1) for r in decoding
+                        if self.drafter.wants(r) for j in range(k)), reverse=True)
+        return bool(gains) and self.step_costs.best_draft_count(
+            len(decoding), len(decoding), gains[:room]) > 0
 
     def _add_drafts(self, rows: list[BatchRow]) -> None:
         """Turn decode rows whose tokens are all known into verify rows: each request's

@@ -3,8 +3,10 @@
 Two sources, both n-gram lookups (ngram_index.py): the request's own prompt + output
 ("prompt lookup") and the finished outputs of earlier requests with the same prompt
 (group_store.py: GRPO siblings, earlier epochs). The longer match wins (then the longer
-draft, then the group). A request whose drafts keep missing backs off: after a verify
-that accepted nothing it skips 2^streak of its next chances to draft (up to MAX_BACKOFF).
+draft, then the group). A request whose drafts keep missing backs off, counted in its own
+generated tokens (so no call has to tick it): after a verify that accepted nothing it
+drafts again only 2^misses tokens later, after a lookup that found nothing 2^(dry-1)
+tokens later (up to MAX_BACKOFF and MAX_DRY).
 
 The `DraftSource` protocol is what the scheduler calls; tests plug in other sources (an
 oracle, an adversary): the accept rule makes the output independent of the drafts.
@@ -20,7 +22,8 @@ from multiserve.engine.sched.request import Req
 from multiserve.engine.spec.group_store import GroupStore
 from multiserve.engine.spec.ngram_index import NgramIndex
 
-MAX_BACKOFF = 32
+MAX_BACKOFF = 32  # tokens without drafts after repeated misses, at most
+MAX_DRY = 4  # tokens between lookups after repeated lookups that found nothing, at most
 PRIOR_ACCEPTANCE = 0.5  # a request's per-token acceptance before its first verify
 RATE_EWMA = 0.3
 
@@ -53,8 +56,9 @@ class _ReqState:
     ngrams: NgramIndex
     indexed: int = 0  # fill_ids[:indexed] are in `ngrams`
     rate: float = PRIOR_ACCEPTANCE  # per-token acceptance, a moving average
-    streak: int = 0  # verifies in a row that accepted nothing
-    skip: int = 0  # chances to draft still skipped
+    misses: int = 0  # verifies in a row that accepted nothing
+    dry: int = 0  # lookups in a row that found no draft
+    resume_at: int = 0  # no draft until the request has generated this many tokens
     proposed: int = 0
     accepted: int = 0
 
@@ -73,12 +77,11 @@ class Drafter:
 
     def wants(self, req: Req) -> bool:
         st = self._reqs.get(req.key)
-        return st is None or st.skip == 0
+        return st is None or req.num_generated >= st.resume_at
 
     def propose(self, req: Req, k: int) -> tuple[int, ...]:
         st = self._state(req)
-        if st.skip > 0:
-            st.skip -= 1
+        if req.num_generated < st.resume_at:
             return ()
         fill = req.fill_ids
         if len(fill) < st.indexed:  # cannot shrink while live; be safe after a reset
@@ -89,9 +92,13 @@ class Drafter:
         own_n, own = st.ngrams.propose(context, k)
         group = self.store.index_for(req.prompt_ids)
         grp_n, grp = group.propose(context, k) if group is not None else (0, ())
-        if (grp_n, len(grp)) >= (own_n, len(own)) and grp:
-            return grp
-        return own
+        draft = grp if grp and (grp_n, len(grp)) >= (own_n, len(own)) else own
+        if draft:
+            st.dry = 0
+        else:  # nothing matches now: look again after a few tokens, then fewer often
+            st.dry += 1
+            st.resume_at = req.num_generated + min(2 ** (st.dry - 1), MAX_DRY)
+        return draft
 
     def acceptance(self, req: Req) -> float:
         st = self._reqs.get(req.key)
@@ -105,11 +112,11 @@ class Drafter:
         checked = accepted + (1 if accepted < proposed else 0)
         if checked:
             st.rate = (1 - RATE_EWMA) * st.rate + RATE_EWMA * (accepted / checked)
-        if accepted == 0:
-            st.streak += 1
-            st.skip = min(2 ** st.streak, MAX_BACKOFF)
+        if accepted == 0:  # skip the next 2^misses tokens' chances to draft
+            st.misses += 1
+            st.resume_at = req.num_generated + min(2 ** st.misses, MAX_BACKOFF)
         else:
-            st.streak = 0
+            st.misses = 0
 
     def finished(self, req: Req) -> None:
         self._reqs.pop(req.key, None)
