@@ -59,6 +59,8 @@ def internal_state(core: EngineCore) -> dict[str, Any]:
         "cache_miss_count": core.runner.cache_miss_count,
         "compile": dataclasses.asdict(core.runner.programs.status()),
         "determinism": core.runner.determinism,
+        "dtype": str(core.runner.dtype),  # sglang's server-args name
+        "dtype_choice": core.runner.dtype_choice.summary(),
         "weight_version": core.weight_version,
         "memory_released": sorted(core.released_tags),
         "num_retractions": s.num_retractions,
