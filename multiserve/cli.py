@@ -125,7 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("doctor", help="this machine's invariance plan (the determinism "
                        "probe table) for a model; exit 1 if not verified")
     d.add_argument("--model", default=None, help="HF dir or GGUF (default: embedded model)")
-    d.add_argument("--dtype", default="float32")
+    d.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                   help="the engine dtype to calibrate (auto: as an engine resolves it)")
     d.add_argument("--tp", type=int, default=1, help="devices per engine")
     d.add_argument("--reprobe", action="store_true", help="probe again, ignore the cache")
     d.add_argument("--json", action="store_true", help="the plan and table as JSON")
@@ -137,6 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "or --fleet)")
     b.add_argument("--single-stream", action="store_true",
                    help="one prompt streamed: TTFT and tok/s (1 x --output-len)")
+    b.add_argument("--dtype", default=None, choices=("auto", "float32", "bfloat16"),
+                   help="the engine's dtype (default: EngineConfig's, auto); the peer "
+                        "computes in the dtype the engine resolves it to")
     b.add_argument("--fleet", action="store_true",
                    help="the fleet (--config, default configs/cpu-4.toml), one streaming "
                         "HTTP client per engine port, vs one engine with the same requests")

@@ -109,9 +109,11 @@ class EngineConfig:
     """One engine on one device group.
 
     `model_path=None` means the embedded default model (SmolLM2-135M-Instruct).
-    `dtype="auto"` is float32 on CPU (faster there) and bfloat16 on accelerators.
+    `dtype="auto"`: bfloat16 on accelerators; on a CPU the checkpoint's dtype where the
+    native bfloat16 kernels run, else float32 (engine/dtype_choice.py says which and why).
     KV pool size: `max_total_tokens` if given, else `mem_fraction_static` of the
-    device memory where the device reports it, else `default_cpu_kv_tokens`.
+    device memory where the device reports it, else the bytes of `default_cpu_kv_tokens`
+    float32 tokens (a bfloat16 pool holds twice as many tokens).
 
     Shape buckets: every step pads its token count to one of
     `precompile_token_paddings` (one compiled forward each) and its logits-row count to
@@ -126,7 +128,9 @@ class EngineConfig:
     page_size: int = 16
     max_total_tokens: int | None = None
     mem_fraction_static: float = 0.6
-    default_cpu_kv_tokens: int = 32768  # ~1.5 GB of fp32 KV for SmolLM2-135M
+    # the CPU pool's byte budget, in float32 tokens (~1.5 GB for SmolLM2-135M): 32768
+    # float32 tokens, 65536 bfloat16 tokens
+    default_cpu_kv_tokens: int = 32768
     max_running_requests: int = 128
     # Admission bounds of the waiting queue (engine/sched/admission.py): samples, and KV tokens
     # the waiting samples will need (None: 32 x the KV pool). Beyond them: 429 / 503.

@@ -1,10 +1,15 @@
-"""The llama.cpp peer's model: an F32 copy of a GGUF file.
+"""The llama.cpp peer's model: an F32 (or BF16) copy of a GGUF file.
 
 The engine de-quantizes a quantized GGUF once and computes in float32, so the fair
 llama.cpp figure is llama.cpp on the same de-quantized weights in F32, not on the
 quantized file (which reads 6-8x fewer weight bytes per token). `f32_copy(src)` writes
 that copy: every metadata key of `src` unchanged except `general.file_type`, every tensor
 de-quantized with the `gguf` package's reference de-quantizers (already F32 ones copied).
+
+A BF16 engine is compared with llama.cpp on a BF16 copy (`dtype_copy(src, "BF16")`): the
+matrices de-quantized then rounded to bfloat16 (round to nearest even, the gguf package's
+BF16 quantizer, as llama.cpp's MOSTLY_BF16 writes them), 1-D tensors (norms) kept F32 as
+llama.cpp's own converter keeps them; the engine's bfloat16 load rounds the same way.
 
 Cached next to the engine's own GGUF conversions (`model_cache.cache_root()`), named by the
 source's name, size and mtime: a changed source gets a new copy; deleting it is safe.
@@ -22,33 +27,43 @@ _WRITER_KEYS = frozenset({"GGUF.version", "GGUF.tensor_count", "GGUF.kv_count",
                           "general.architecture", "general.file_type"})
 
 
-def f32_path(src: Path) -> Path:
-    """Where the F32 copy of `src` lives (whether or not it is written yet)."""
+KINDS = ("F32", "BF16")
+
+
+def f32_path(src: Path, kind: str = "F32") -> Path:
+    """Where the F32 (BF16) copy of `src` lives (whether or not it is written yet)."""
     from multiserve.model.loading.model_cache import cache_root
 
     st = src.stat()
-    return cache_root() / "f32-gguf" / f"{src.stem}.{st.st_size}-{st.st_mtime_ns}.F32.gguf"
+    return (cache_root() / "f32-gguf" /
+            f"{src.stem}.{st.st_size}-{st.st_mtime_ns}.{kind}.gguf")
 
 
 def f32_copy(src: Path | str) -> Path:
     """The F32 copy of GGUF `src`, written on first use (atomically: a crash leaves none)."""
+    return dtype_copy(src, "F32")
+
+
+def dtype_copy(src: Path | str, kind: str) -> Path:
+    """The `kind` (KINDS) copy of GGUF `src`, written on first use (atomically)."""
+    assert kind in KINDS, kind
     src = Path(src)
-    out = f32_path(src)
+    out = f32_path(src, kind)
     if out.is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     try:
-        _write_f32(src, tmp)
+        _write_copy(src, tmp, kind)
         os.replace(tmp, out)
     finally:
         tmp.unlink(missing_ok=True)
     return out
 
 
-def _write_f32(src: Path, dst: Path) -> None:
+def _write_copy(src: Path, dst: Path, kind: str) -> None:
     import gguf
-    from gguf.quants import dequantize
+    from gguf.quants import dequantize, quantize
 
     reader = gguf.GGUFReader(src)
     writer = gguf.GGUFWriter(str(dst), reader.fields["general.architecture"].contents())
@@ -58,10 +73,16 @@ def _write_f32(src: Path, dst: Path) -> None:
         vtype = field.types[0]
         sub = field.types[1] if vtype == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(key, field.contents(), vtype, sub_type=sub)
-    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    bf16 = kind == "BF16"
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_BF16 if bf16 else gguf.LlamaFileType.ALL_F32)
     for t in reader.tensors:
-        writer.add_tensor(t.name, np.ascontiguousarray(
-            dequantize(t.data, t.tensor_type), dtype=np.float32))
+        values = np.ascontiguousarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        if bf16 and values.ndim > 1:
+            qtype = gguf.GGMLQuantizationType.BF16
+            writer.add_tensor(t.name, quantize(values, qtype), raw_shape=values.shape,
+                              raw_dtype=qtype)
+        else:
+            writer.add_tensor(t.name, values)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

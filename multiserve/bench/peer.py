@@ -77,11 +77,12 @@ def peer_environ(name: str, base: dict[str, str] | None = None) -> dict[str, str
 def run_peer(name: str, prompts: Sequence[Sequence[int]], output_len: int, model: str,
              batch_size: int = 0, threads: int | None = None, stream: bool = False,
              show_progress: bool = True, temperature: float = 0.0,
-             seed: int = 0) -> dict[str, Any]:
+             seed: int = 0, dtype: str = "float32") -> dict[str, Any]:
     """Run peer `name` on `prompts` (token ids) for exactly `output_len` tokens each,
     greedy (`temperature` 0) or sampled with prompt i seeded `seed + i` where the peer
     can (its result's `seeding` says how it did); returns its JSON result. `stream`: time
-    every token (single stream)."""
+    every token (single stream). `dtype`: the peer computes in it (the engine's dtype;
+    llama.cpp reads it from the GGUF it is given: bench/gguf_f32.py)."""
     script = peer_script(name)
     python = peer_python(name)
     with tempfile.TemporaryDirectory(prefix="multiserve-bench-") as tmp:
@@ -91,7 +92,8 @@ def run_peer(name: str, prompts: Sequence[Sequence[int]], output_len: int, model
                "--output-len", str(output_len), "--model", str(model),
                "--batch-size", str(batch_size),
                "--threads", str(threads or os.cpu_count() or 1),
-               "--temperature", repr(float(temperature)), "--seed", str(int(seed))]
+               "--temperature", repr(float(temperature)), "--seed", str(int(seed)),
+               "--dtype", dtype]
         if stream:
             cmd.append("--stream")
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True,

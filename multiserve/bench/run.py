@@ -59,6 +59,8 @@ def _engine_config(args: argparse.Namespace) -> Any:
     changes: dict[str, Any] = {"model_path": args.model,
                                "disable_overlap": bool(args.no_overlap),
                                "show_progress": not getattr(args, "no_progress", False)}
+    if getattr(args, "dtype", None) is not None:
+        changes["dtype"] = args.dtype
     for flag, name in (("token_paddings", "precompile_token_paddings"),
                        ("bs_paddings", "precompile_bs_paddings"),
                        ("chunked_prefill_size", "chunked_prefill_size"),
@@ -83,6 +85,18 @@ def _engine_config(args: argparse.Namespace) -> Any:
     return base.with_updates(**changes)
 
 
+def _peer_dtype(cfg: Any) -> str:
+    """The dtype the peer computes in: the one the engine resolves its config to
+    (engine/dtype_choice.py), so both run like for like."""
+    import jax
+
+    from multiserve.engine.setup import resolve_dtype
+    from multiserve.model.loading.loader import resolve_model_dir
+
+    model_dir = None if cfg.model_path is None else resolve_model_dir(cfg.model_path)
+    return resolve_dtype(cfg, jax.devices()[:1], model_dir).dtype
+
+
 def _peer_model(args: argparse.Namespace) -> str:
     """The model the peer loads: --peer-model, else the engine's model in the form the
     peer reads (an HF dir; for llama.cpp an F32 copy of the engine's .gguf, the weights
@@ -93,9 +107,9 @@ def _peer_model(args: argparse.Namespace) -> str:
     if args.model is None:
         from multiserve.model.loading.default_model import default_model_path, find_default_gguf
 
-        return str(_f32(find_default_gguf()) if gguf else default_model_path())
+        return str(_gguf_copy(find_default_gguf(), args) if gguf else default_model_path())
     if gguf and str(args.model).endswith(".gguf"):
-        return str(_f32(Path(args.model)))
+        return str(_gguf_copy(Path(args.model), args))
     if not gguf and Path(args.model, "config.json").is_file():
         return str(args.model)
     kind = "a .gguf file" if gguf else "a Hugging Face model directory (config.json)"
@@ -103,12 +117,14 @@ def _peer_model(args: argparse.Namespace) -> str:
                      "(give one with --peer-model)")
 
 
-def _f32(gguf: Path) -> Path:
-    from multiserve.bench.gguf_f32 import f32_copy
+def _gguf_copy(gguf: Path, args: argparse.Namespace) -> Path:
+    """The de-quantized copy of `gguf` in the engine's dtype (F32 or BF16) for llama.cpp."""
+    from multiserve.bench.gguf_f32 import dtype_copy
 
-    print(f"bench: llama.cpp peer reads an F32 copy of {gguf.name} (--peer-model for another)",
-          flush=True)
-    return f32_copy(gguf)
+    kind = "BF16" if getattr(args, "peer_dtype", "float32") == "bfloat16" else "F32"
+    print(f"bench: llama.cpp peer reads a {kind} copy of {gguf.name} (--peer-model for "
+          "another)", flush=True)
+    return dtype_copy(gguf, kind)
 
 
 def _run_peer(args: argparse.Namespace, model: str, prompts: list[list[int]], m: int,
@@ -119,7 +135,8 @@ def _run_peer(args: argparse.Namespace, model: str, prompts: list[list[int]], m:
     temperature, seed = _sampling(args)
     return run_peer(args.peer, prompts, m, model, batch_size=bs,
                     threads=getattr(args, "peer_threads", None), stream=stream,
-                    show_progress=show, temperature=temperature, seed=seed)
+                    show_progress=show, temperature=temperature, seed=seed,
+                    dtype=getattr(args, "peer_dtype", "float32"))
 
 
 def _sampling(args: argparse.Namespace) -> tuple[float, int]:
@@ -197,6 +214,7 @@ def bench_main(args: argparse.Namespace) -> int:
     cfg = _engine_config(args)
     peer_model = None
     if args.peer != "none":  # fail before compiling
+        args.peer_dtype = _peer_dtype(cfg)
         peer_model = _peer_model(args)
         _check_peer_env(args)
     if getattr(args, "ab_speculation", False):

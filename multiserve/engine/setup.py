@@ -1,9 +1,10 @@
 """Builds the parts of one engine: model + tokenizer, devices, KV sizing, runner, core.
 
 Owns the start-up decisions: which devices (by index into `jax.devices()`, whatever the
-platform), the compute dtype ("auto": float32 on CPU, bfloat16 elsewhere), the KV pool
-size (explicit tokens, else a fraction of reported device memory, else a CPU default)
-and the context length (model limit, config limit, and what the pool can hold).
+platform), the compute dtype ("auto": dtype_choice.py), the KV pool size (explicit
+tokens, else a fraction of reported device memory, else the CPU default's bytes: see
+`kv_pool_tokens`) and the context length (model limit, config limit, and what the pool
+can hold).
 """
 
 from __future__ import annotations
@@ -21,10 +22,12 @@ import numpy as np
 from multiserve.config import ConfigError, EngineConfig, ModelConfig
 from multiserve.engine.core import EngineCore
 from multiserve.engine.device.model_runner import Runner
+from multiserve.engine.dtype_choice import DtypeChoice, choose_dtype
 from multiserve.engine.stop_strings import StopStringChecker
 from multiserve.host_heap import release_free_heap
 from multiserve.model.layers.kv_pool import kv_bytes_per_token
-from multiserve.model.loading.loader import load_model
+from multiserve.model.kernels import native as native_kernels
+from multiserve.model.loading.loader import load_model, resolve_model_dir
 
 
 @dataclass
@@ -48,10 +51,15 @@ def resolve_devices(indexes: tuple[int, ...]) -> list[jax.Device]:
     return [devices[i] for i in indexes]
 
 
-def resolve_dtype(cfg: EngineConfig, devices: list[jax.Device]) -> Any:
-    if cfg.dtype != "auto":
-        return jnp.dtype(cfg.dtype)
-    return jnp.dtype(jnp.float32 if devices[0].platform == "cpu" else jnp.bfloat16)
+def resolve_dtype(cfg: EngineConfig, devices: list[jax.Device],
+                  model_dir: Path | None) -> DtypeChoice:
+    """The engine's compute dtype and why (dtype_choice.py); `model_dir` the checkpoint
+    (None: the embedded default model)."""
+    platform = devices[0].platform
+    unavailable = (native_kernels.unavailable_reason("bfloat16") if platform == "cpu"
+                   and cfg.dtype == "auto" else None)
+    path = native_kernels.bf16_product_path() if unavailable is None else None
+    return choose_dtype(cfg.dtype, platform, model_dir, unavailable, path)
 
 
 def kv_pool_tokens(cfg: EngineConfig, model_cfg: ModelConfig, devices: list[jax.Device],
@@ -67,7 +75,8 @@ def kv_pool_tokens(cfg: EngineConfig, model_cfg: ModelConfig, devices: list[jax.
         budget = stats["bytes_limit"] * cfg.mem_fraction_static - params_bytes / len(devices)
         per_token = kv_bytes_per_token(model_cfg, dtype) / len(devices)
         return max(cfg.page_size * 64, int(budget // per_token))
-    return cfg.default_cpu_kv_tokens
+    # the CPU default is a byte budget: default_cpu_kv_tokens tokens of a float32 pool
+    return cfg.default_cpu_kv_tokens * 4 // jnp.dtype(dtype).itemsize
 
 
 # transformers resolves its lazy attributes on first use, and that is not thread-safe:
@@ -84,8 +93,11 @@ def load_tokenizer(tokenizer_dir: Path) -> Any:
 
 def build_engine_parts(cfg: EngineConfig, progress: Any = None) -> EngineParts:
     devices = resolve_devices(cfg.device_indexes)
-    dtype = resolve_dtype(cfg, devices)
-    loaded = load_model(cfg.model_path, np.float32)
+    model_dir = None if cfg.model_path is None else resolve_model_dir(cfg.model_path)
+    choice = resolve_dtype(cfg, devices, model_dir)
+    dtype = jnp.dtype(choice.dtype)
+    # loaded in the compute dtype: a bfloat16 checkpoint's bits go to the device as they are
+    loaded = load_model(model_dir if model_dir is not None else None, dtype.name)
     model_cfg = loaded.config
     params_bytes = sum(np.asarray(a).size for a in jax.tree.leaves(loaded.params)) * \
         np.dtype(dtype).itemsize
@@ -95,7 +107,8 @@ def build_engine_parts(cfg: EngineConfig, progress: Any = None) -> EngineParts:
     if cfg.max_context_len is not None:
         limits.append(cfg.max_context_len)
     max_context = min(limits)
-    runner = Runner(cfg, model_cfg, loaded.params, devices, num_pages, dtype)
+    runner = Runner(cfg, model_cfg, loaded.params, devices, num_pages, dtype,
+                    dtype_choice=choice)
     if cfg.warmup:
         _warmup(runner, cfg, max_context, progress)
     tokenizer = load_tokenizer(loaded.tokenizer_dir)

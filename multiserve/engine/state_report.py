@@ -63,6 +63,8 @@ def internal_state(core: EngineCore) -> dict[str, Any]:
         "determinism": core.runner.determinism,
         "program_sharing": dataclasses.asdict(
             sharing_status(core.runner.devices[0].platform)),
+        "dtype": str(core.runner.dtype),  # sglang's server-args name
+        "dtype_choice": core.runner.dtype_choice.summary(),
         "weight_version": core.weight_version,
         "memory_released": sorted(core.released_tags),
         "num_retractions": s.num_retractions,

@@ -97,15 +97,15 @@ def _generate(model: Any, batch: list[list[int]], output_len: int, pad_id: int,
 
 
 def run(prompts: list[list[int]], output_len: int, model_dir: str, batch_size: int,
-        threads: int, warmup: bool, temperature: float = 0.0, seed: int = 0
-        ) -> dict[str, Any]:
+        threads: int, warmup: bool, temperature: float = 0.0, seed: int = 0,
+        dtype: str = "float32") -> dict[str, Any]:
     import torch
     import transformers
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(threads)
     t_load = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
     model.eval()
     gen_cfg = model.generation_config
     gen_cfg.eos_token_id = None
@@ -164,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args((__doc__ or "").splitlines()[0], argv)
     prompts = load_prompts(args.prompts_file)
     result = run(prompts, args.output_len, args.model, args.batch_size, args.threads,
-                 warmup=not args.no_warmup, temperature=args.temperature, seed=args.seed)
+                 warmup=not args.no_warmup, temperature=args.temperature, seed=args.seed,
+                 dtype=args.dtype)
     emit({**result, **sampling_record(args, SEEDING)})
     return 0
 

@@ -44,6 +44,9 @@ def parse_args(description: str, argv: list[str] | None = None) -> argparse.Name
     p.add_argument("--no-warmup", action="store_true")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     p.add_argument("--seed", type=int, default=0, help="prompt i is seeded seed + i")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="the compute dtype (the engine's, so the comparison is like for "
+                        "like; llama.cpp takes it from its GGUF file)")
     return p.parse_args(argv)
 
 

@@ -50,13 +50,14 @@ def _cpu_env(threads: int) -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 
-def _load(model: str, prompts: list[list[int]], output_len: int, max_seqs: int) -> Any:
+def _load(model: str, prompts: list[list[int]], output_len: int, max_seqs: int,
+          dtype: str = "float32") -> Any:
     from vllm import LLM
 
     longest = max(len(p) for p in prompts) + output_len
     max_len = max(256, -(-longest // 256) * 256)
     # Everything else stays at vLLM's defaults (what a user gets); stats on for TTFT.
-    return LLM(model=model, dtype="float32", max_model_len=max_len, max_num_seqs=max_seqs,
+    return LLM(model=model, dtype=dtype, max_model_len=max_len, max_num_seqs=max_seqs,
                seed=0, disable_log_stats=False)
 
 
@@ -120,14 +121,14 @@ def _stream(llm: Any, prompts: list[list[int]], output_len: int, temperature: fl
 
 def run(prompts: list[list[int]], output_len: int, model: str, batch_size: int,
         threads: int, stream: bool, warmup: bool, temperature: float = 0.0,
-        seed: int = 0) -> dict[str, Any]:
+        seed: int = 0, dtype: str = "float32") -> dict[str, Any]:
     _cpu_env(threads)
     import torch
     import vllm
 
     bs = batch_size if batch_size > 0 else len(prompts)
     t_load = time.perf_counter()
-    llm = _load(model, prompts, output_len, max_seqs=bs)
+    llm = _load(model, prompts, output_len, max_seqs=bs, dtype=dtype)
     load_s = time.perf_counter() - t_load
     if warmup:  # first-call costs stay out of the measurement
         _batch(llm, [prompts[0][:8], prompts[-1][:4]], 2, 2, temperature, seed)
@@ -143,7 +144,7 @@ def run(prompts: list[list[int]], output_len: int, model: str, batch_size: int,
     return {
         "peer": "vllm", "vllm": vllm.__version__, "torch": torch.__version__,
         "api": "LLM.llm_engine.step (DELTA)" if stream else "LLM.generate",
-        "threads": threads, "batch_size": bs, "num_prompts": len(prompts),
+        "threads": threads, "dtype": dtype, "batch_size": bs, "num_prompts": len(prompts),
         "output_len": output_len, **fig, "load_s": load_s,
         "peak_rss_mb": peak_rss_mb(),
         "kvcache_space_gib": os.environ.get("VLLM_CPU_KVCACHE_SPACE"),
@@ -158,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts = load_prompts(args.prompts_file)
     result = run(prompts, args.output_len, args.model, args.batch_size, args.threads,
                  args.stream, warmup=not args.no_warmup, temperature=args.temperature,
-                 seed=args.seed)
+                 seed=args.seed, dtype=args.dtype)
     emit({**result, **sampling_record(args, SEEDING)}, out)
     return 0
 

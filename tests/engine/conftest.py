@@ -2,7 +2,9 @@
 
 Engines: `tiny_engine` (tiny random Llama, small buckets, chunked prefill forced small,
 overlap on), `tiny_engine_no_overlap` (same, overlap off), `tiny_engine_pressure` (a KV
-pool so small that decode must retract), `tiny_engine_spec` (n-gram speculation on), and `default_engine` (the embedded SmolLM2 model
+pool so small that decode must retract), `tiny_engine_spec` (n-gram speculation on),
+`tiny_engine_bf16` (the same model as a bfloat16 checkpoint, dtype "auto"), and
+`default_engine` (the embedded SmolLM2 model
 with the DEFAULT EngineConfig; only max_total_tokens is lowered to save memory).
 
 After every test, each engine the test used must be idle with all its KV back: the
@@ -64,6 +66,21 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+@pytest.fixture(scope="session")
+def tiny_model_dir_bf16(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """TINY_MODEL's weights rounded to bfloat16, saved as a bfloat16 checkpoint (config.json
+    torch_dtype bfloat16): what a bfloat16 trainer ships."""
+    import ml_dtypes
+
+    from multiserve.model.loading.default_model import default_model_path
+    from multiserve.model.loading.loader import save_hf_dir
+
+    path = tmp_path_factory.mktemp("tiny-llama-bf16")
+    save_hf_dir(path, TINY_MODEL, tiny_params(TINY_MODEL), tokenizer_dir=default_model_path(),
+                dtype=ml_dtypes.bfloat16)
+    return path
+
+
 def _engine(**kw: Any) -> Iterator[Any]:
     from multiserve.engine.engine import Engine
 
@@ -94,6 +111,13 @@ def _tiny_engine_pressure(tiny_model_dir: Path) -> Iterator[Any]:
 def _tiny_engine_spec(tiny_model_dir: Path) -> Iterator[Any]:
     yield from _engine(model_path=str(tiny_model_dir), **TINY_ENGINE,
                        speculative_algorithm="ngram", speculative_num_draft_tokens=4)
+
+
+@pytest.fixture(scope="session")
+def _tiny_engine_bf16(tiny_model_dir_bf16: Path) -> Iterator[Any]:
+    """The tiny engine on the bfloat16 checkpoint, dtype "auto" (hence bfloat16 where the
+    native bfloat16 kernels run)."""
+    yield from _engine(model_path=str(tiny_model_dir_bf16), **TINY_ENGINE)
 
 
 @pytest.fixture(scope="session")
@@ -138,6 +162,11 @@ def tiny_engine_spec(_tiny_engine_spec: Any) -> Iterator[Any]:
     own = drafter()
     yield _used(_tiny_engine_spec)
     drafter(own)
+
+
+@pytest.fixture
+def tiny_engine_bf16(_tiny_engine_bf16: Any) -> Any:
+    return _used(_tiny_engine_bf16)
 
 
 @pytest.fixture

@@ -11,6 +11,7 @@ import pytest
 from model_helpers import TINY_LLAMA, PagedSim
 
 from multiserve.config import ModelConfig
+from multiserve.model.loading.loader import numpy_dtype
 from multiserve.model.loading.param_layout import init_random_params
 
 
@@ -108,10 +109,13 @@ def assert_bitwise_equal(out: dict[str, dict[int, np.ndarray]], probe: list[int]
                           f"{np.max(np.abs(got[p] - out[ref_name][p]))}")
 
 
-@pytest.mark.parametrize("page_size,block", [(4, 16), (16, 128)])
-def test_tiny_model_logits_are_bitwise_batch_invariant(page_size: int, block: int) -> None:
+@pytest.mark.parametrize("page_size,block,dtype", [(4, 16, "float32"), (16, 128, "float32"),
+                                                   (16, 128, "bfloat16")])
+def test_tiny_model_logits_are_bitwise_batch_invariant(page_size: int, block: int,
+                                                       dtype: str) -> None:
     cfg = TINY_LLAMA
-    params = jax.device_put(init_random_params(cfg, seed=7, scale=0.3))
+    params = jax.device_put(jax.tree.map(lambda a: a.astype(numpy_dtype(dtype)),
+                                         init_random_params(cfg, seed=7, scale=0.3)))
     rng = np.random.default_rng(5)
     target = [int(t) for t in rng.integers(3, cfg.vocab_size, 100)]
     probe = sorted({0, 1, 15, 16, 17, 40, 63, 64, 65, 80, 98, 99} | set(range(50, 60)))

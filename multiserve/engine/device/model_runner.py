@@ -52,6 +52,7 @@ from multiserve.engine.device.batch_arrays import StepArrays, empty_step_arrays
 from multiserve.engine.device.packed_inputs import Layout, layout_of, pack, unpack
 from multiserve.engine.device.program_share import SHARE
 from multiserve.engine.device.programs import Plan, ProgramSet, plan, smallest_fit
+from multiserve.engine.dtype_choice import DtypeChoice
 from multiserve.engine.sampling import host as sampling_host
 from multiserve.engine.sampling import sampler as sampling
 from multiserve.model.invariance.calibration import calibrate
@@ -88,12 +89,16 @@ class StepOutput:
 
 class Runner:
     def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, params_host: Any,
-                 devices: Sequence[jax.Device], num_pages: int, dtype: Any) -> None:
+                 devices: Sequence[jax.Device], num_pages: int, dtype: Any,
+                 dtype_choice: DtypeChoice | None = None) -> None:
         self.cfg = cfg
         self.model_cfg = model_cfg
         # the model interface (model/families): the runner calls nothing family-specific
         self.family = family_for(model_cfg)
         self.dtype = dtype
+        # get_internal_state()["dtype_choice"]: what was asked, what runs, why
+        self.dtype_choice = dtype_choice or DtypeChoice(str(jnp.dtype(dtype)),
+                                                        str(jnp.dtype(dtype)), "given")
         self.devices = list(devices)
         self.mesh = make_mesh(self.devices)
         self.replicated = NamedSharding(self.mesh, P())

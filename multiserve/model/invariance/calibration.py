@@ -135,6 +135,8 @@ def _choose(workload: Workload, device: Any, distort: Distort | None, memo: bool
     # what a probe's result depends on besides its shape (the kernels' build among them)
     backend = (device.platform, getattr(device, "device_kind", ""), str(dtype),
                native_kernels.build_id() if device.platform == "cpu" else None)
+    if device.platform == "cpu" and dtype == jnp.bfloat16:  # the bfloat16 product's bits
+        backend += (native_kernels.bf16_product_path(),)
     probed = _PROBES if memo and distort is None else {}
     table: list[dict[str, Any]] = []
     problems: list[str] = []

@@ -1,5 +1,7 @@
 """`multiserve doctor`: the invariance plan of this machine for a model and engine config,
-with the probe table behind it (which candidate each primitive got, and why)."""
+with the probe table behind it (which candidate each primitive got, and why), the dtype
+an engine of that model would compute in ("auto" resolved as the engine resolves it,
+engine/dtype_choice.py) and the bfloat16 products' instruction path."""
 
 from __future__ import annotations
 
@@ -20,19 +22,32 @@ def doctor_main(args: argparse.Namespace) -> int:
     import numpy as np
 
     from multiserve.engine.device.program_share import hook_problem
+    from multiserve.engine.dtype_choice import choose_dtype
     from multiserve.model.invariance.calibration import calibrate
     from multiserve.model.invariance.workload import default_workload
-    from multiserve.model.loading.loader import load_model
+    from multiserve.model.kernels import native as native_kernels
+    from multiserve.model.loading.loader import load_model, numpy_dtype, resolve_model_dir
 
-    cfg = load_model(args.model, np.float32).config
-    workload = default_workload(cfg, np.dtype(args.dtype), tp=args.tp)
-    cal = calibrate(workload, jax.devices()[0], use_cache=not args.reprobe)
+    device = jax.devices()[0]
+    model_dir = None if args.model is None else resolve_model_dir(args.model)
+    cfg = load_model(model_dir, np.float32).config
+    reason = native_kernels.unavailable_reason("bfloat16") if args.dtype == "auto" else None
+    choice = choose_dtype(args.dtype, device.platform, model_dir, reason,
+                          native_kernels.bf16_product_path() if reason is None else None)
+    workload = default_workload(cfg, numpy_dtype(choice.dtype), tp=args.tp)
+    cal = calibrate(workload, device, use_cache=not args.reprobe)
     sharing_problem = hook_problem()  # None: a fleet's engines share compiled programs
+    bf16 = {"bf16_product_path": native_kernels.bf16_product_path(),
+            "bf16_paths_available": list(native_kernels.bf16_paths_available())}
     if args.json:
-        print(json.dumps({**cal.summary(), "program_sharing_hook": sharing_problem or "ok",
+        print(json.dumps({**cal.summary(), "dtype_choice": choice.summary(), **bf16,
+                          "program_sharing_hook": sharing_problem or "ok",
                           "table": list(cal.table)}, indent=1))
         return 0 if cal.plan.verified else 1
     print(f"backend: {cal.key['platform']} {_cpu_line(cal.key)}; jax {cal.key['jax']}")
+    print(f"dtype: {choice.dtype} ({choice.reason})")
+    print(f"bfloat16 products: {bf16['bf16_product_path'] or 'no native kernels'} "
+          f"(paths here: {', '.join(bf16['bf16_paths_available']) or 'none'})")
     print(f"key {cal.key_hash}: {'read from the cache' if cal.cached else 'probed now'}, "
           f"probe took {cal.probe_seconds:.1f} s")
     print("program sharing (a fleet's engines compile each program once): " + (

@@ -56,19 +56,24 @@ def product(x: jax.Array, w: jax.Array | None, w_t: jax.Array | None, kernel: st
             layer: int | jax.Array | None = None) -> jax.Array:
     """x [M, K] @ W with one formulation: `kernel` at `rows` >= M rows (zero padding). The
     native kernel reads `w_p` (W packed, `pack_panels`; with `layer`, a stack of layers
-    [L, P, K, 64] read in place) and needs N (`n`)."""
+    [L, P, K, 64], bfloat16 [L, P, ceil(K / 2), 128], read in place) and needs N (`n`).
+    Every kernel computes the float32 result the calibration checked (its probes ask for
+    float32), rounded once to `preferred` where given (the output head's logits: float32),
+    else to x's dtype (a bfloat16 model's activations: round to nearest even)."""
     m = x.shape[0]
+    out_dtype = jnp.dtype(preferred or x.dtype)
     if rows > m:
         x = jnp.pad(x, ((0, rows - m), (0, 0)))
     if kernel == "native":
         assert w_p is not None and n > 0, "the native product needs W's panels and N"
-        out = row_gemm(x, w_p, n, layer)
+        out = row_gemm(x, w_p, n, layer, out_dtype=out_dtype)
     elif kernel == "plain":
         assert w is not None, "the plain product needs W [K, N]"
-        out = jnp.dot(x, w, preferred_element_type=preferred)
+        out = jnp.dot(x, w, preferred_element_type=jnp.float32).astype(out_dtype)
     else:
         assert w_t is not None, "the NT product needs W^T [N, K]"
-        out = jax.lax.dot_general(x, w_t, NT, preferred_element_type=preferred)
+        out = jax.lax.dot_general(x, w_t, NT, preferred_element_type=jnp.float32
+                                  ).astype(out_dtype)
     return out[:m] if rows > m else out
 
 
@@ -107,7 +112,7 @@ def grouped(x: jax.Array, groups: jax.Array, w: jax.Array | None, w_p: jax.Array
         groups = jnp.pad(groups, (0, form.rows - m))
     if form.kernel == "native":
         assert w_p is not None, "the native grouped product needs the experts' panels"
-        out = grouped_row_gemm(x, w_p, groups + first_group, plan.n)
+        out = grouped_row_gemm(x, w_p, groups + first_group, plan.n, out_dtype=jnp.float32)
     else:
         assert form.kernel == "gather" and w is not None, (form.kernel, "needs W [E, K, N]")
         out = jnp.einsum("mk,mkn->mn", x, w[groups], preferred_element_type=jnp.float32)
@@ -168,7 +173,8 @@ def with_transposed(params: dict[str, Any], cfg: ModelConfig, stacked_t: bool = 
     - `stacked_layers`: the canonical stacked layer arrays (shared, no copy), which the
       scanned decoder of large steps reads; with `stacked_t` (the plan uses the NT product
       at a scanned size) also the stacked transposes `<name>_t` [L, out, in]; with
-      "native" the stacked panels `<name>_p` [L, N/64, K, 64], which the native kernel
+      "native" the stacked panels `<name>_p` [L, N/64, K, 64] (bfloat16 weights: k-pair
+      panels [L, N/64, ceil(K/2), 128], pack_panels), which the native kernel
       indexes by layer itself (no per-layer copy, none in a scan either);
     - `embed`, `final_norm`: the canonical arrays (shared, no copy);
     - the output head as `head_w` [D, V] and `head_wt` [V, D] (tied embeddings reuse
@@ -177,8 +183,8 @@ def with_transposed(params: dict[str, Any], cfg: ModelConfig, stacked_t: bool = 
     `matrices`: the layer matrices of `params["layers"]` (a MoE family passes the attention
     projections only; its MLP groups have their own layouts, moe_decoder.py).
     `fused`: FUSED_GROUPS whose members the plan runs natively alike at every step size:
-    their panels are stacked side by side as `<group>_p` [L, P1 + P2 (+ P3), K, 64]
-    instead of each member's own `<name>_p` (never both: no weight is held twice)."""
+    their panels are stacked side by side as `<group>_p` [L, P1 + P2 (+ P3), ...] (the
+    panel axis, -3, in both panel layouts) instead of each member's own `<name>_p` (never both: no weight is held twice)."""
     layers = params["layers"]
     keep_t = "nt" in kernels or stacked_t  # else no layer matrix is transposed at all
     to_transpose: dict[str, Any] = ({name: layers[name] for name in matrices}

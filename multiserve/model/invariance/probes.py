@@ -4,7 +4,8 @@ candidate timed. What to choose from them is choice.py's job; this file only mea
 
 - products (`probe_product`): kernel "plain" (x @ W) and "nt" (x . W^T), each at every
   engine size and at PAD_SIZES rows (a smaller M can be zero-padded up to any of them); and
-  where it builds (CPU, float32, one device) the native kernel (model/kernels/native.py) at
+  where it builds (CPU, float32 or bfloat16, one device; bfloat16 by this process's
+  `bf16_product_path`) the native kernel (model/kernels/native.py) at
   every engine size (invariant by construction: one class, no padding);
 - grouped expert products (`probe_grouped`): "gather" and, where it builds, "native", at
   every routed-pair count, the rows sorted by expert as the MoE layer sorts them;
@@ -117,16 +118,17 @@ def probe_rng(*what: Any) -> np.random.Generator:
 
 def native_products_usable(dtype: Any, device: Any) -> bool:
     """Whether the native product kernels may be candidates here (and are built)."""
-    return (native_kernels.supports_products(device.platform, str(jnp.dtype(dtype)))
-            and native_kernels.unavailable_reason() is None)
+    name = str(jnp.dtype(dtype))
+    return (native_kernels.supports_products(device.platform, name)
+            and native_kernels.unavailable_reason(name) is None)
 
 
 def native_attention_usable(use: AttentionUse, dtype: Any, device: Any) -> bool:
     """Whether the native CPU attention kernel may be a candidate here (and is built)."""
+    name = str(jnp.dtype(dtype))
     return (not use.sharded
-            and native_kernels.supports_attention(device.platform, str(jnp.dtype(dtype)),
-                                                  use.head_dim)
-            and native_kernels.unavailable_reason() is None)
+            and native_kernels.supports_attention(device.platform, name, use.head_dim)
+            and native_kernels.unavailable_reason(name) is None)
 
 
 # ---- the probes ----------------------------------------------------------------------------

@@ -2,10 +2,10 @@
 
 `$MULTISERVE_CACHE_DIR/invariance/` (default ~/.cache/multiserve/invariance): one JSON file
 per plan, named by the hash of its key (`backend_key`: what decides kernels: platform,
-device kind, CPU model and flags, whether the native kernels build, jax/jaxlib, XLA_FLAGS,
-dtype, every shape and size), and under probes/ one per product, grouped or row-sum probe,
-named by the hash of `probe_file_key` (the probe's shape and sizes, the software and CPU).
-Every file is {"key": its key, ...}: an entry written for another key, or unreadable, is
+device kind, CPU model and flags, whether the native kernels build (for bfloat16 also the
+instruction path of its products), jax/jaxlib, XLA_FLAGS, dtype, every shape and size),
+and under probes/ one per product, grouped or row-sum probe, named by the hash of
+`probe_file_key` (the probe's shape and sizes, the software and CPU). Every file is {"key": its key, ...}: an entry written for another key, or unreadable, is
 ignored (unreadable: warned) and made again. One process makes an entry at a time (a lock
 file beside it); writes are atomic (a temporary file renamed).
 """
@@ -56,6 +56,8 @@ def backend_key(device: Any, workload: Workload) -> dict[str, Any]:
         key["cpu"] = native_kernels.cpu_facts()
         # a plan naming the native kernels is only valid where they build, as built
         key["native_kernels"] = native_kernels.build_id()
+        if workload.dtype == "bfloat16":  # its two instruction paths give different bits
+            key["bf16_product_path"] = native_kernels.bf16_product_path()
     return key
 
 

@@ -18,17 +18,17 @@
 Both are row-invariant by construction (see the .cc files), which the calibration still
 verifies bitwise like any other candidate (model/invariance/calibration.py); they run only where the
 calibration chose them (`Formulation.kernel == "native"`, `AttentionPlan.kernel ==
-"native"`): never on another platform, never for float types other than float32, never
-for operands split over a tensor-parallel group.
+"native"`): never on another platform, never for float types other than float32 and bfloat16,
+never for operands split over a tensor-parallel group.
 
-bfloat16 forms (not yet chosen by the calibration: `supports_products` and
-`supports_attention` still name float32 only): `pack_panels` of a bfloat16 W packs k-pair
+bfloat16 forms (an engine of dtype bfloat16): `pack_panels` of a bfloat16 W packs k-pair
 panels that `row_gemm` / `grouped_row_gemm` read at half the bytes (native/row_gemm_bf16.cc,
 float32 accumulation, x and y float32 or bfloat16), and `paged_attention_native` reads a
 bfloat16 K/V pool (widened in registers; softmax and sums float32). The bfloat16 product has
 two instruction paths with different bits (`BF16_PATHS`); `bf16_product_path()` is the one
 this process uses for every bfloat16 x bfloat16 product at every row count, so rows stay
-invariant; a float32 x against bfloat16 panels always widens.
+invariant; a float32 x against bfloat16 panels always widens. The path is part of the
+invariance plan's cache key (a plan probed under one path is not reused under the other).
 
 The shared object is compiled on first use with the system's C++ compiler (`$CXX`, else
 c++ or g++; `-march=native`, so the file is specific to this CPU) and cached under
@@ -229,12 +229,13 @@ def build_id() -> str | None:
 def supports_attention(platform_name: str, dtype: str, head_dim: int) -> bool:
     """Whether the attention kernel can serve an engine of this platform, pool dtype and
     head size (not whether it is built: see `unavailable_reason`)."""
-    return platform_name == "cpu" and dtype == "float32" and head_dim in HEAD_DIMS
+    return platform_name == "cpu" and dtype in DTYPES and head_dim in HEAD_DIMS
 
 
 def supports_products(platform_name: str, dtype: str) -> bool:
-    """Whether the product kernel can serve an engine of this platform and weight dtype."""
-    return platform_name == "cpu" and dtype == "float32"
+    """Whether the product kernel can serve an engine of this platform and weight dtype
+    (float32 or bfloat16 weights; the activations are the same dtype)."""
+    return platform_name == "cpu" and dtype in DTYPES
 
 
 def _require() -> None:

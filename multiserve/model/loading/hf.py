@@ -173,7 +173,8 @@ def save_hf_dir(path: Path | str, cfg: ModelConfig, params: dict[str, Any],
     tokenizer files found in `tokenizer_dir`. Returns the directory."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(config_to_hf(cfg), indent=2))
+    raw = {**config_to_hf(cfg), "torch_dtype": np.dtype(dtype).name}  # what is written
+    (path / "config.json").write_text(json.dumps(raw, indent=2))
     named = {k: v.astype(dtype) for k, v in params_to_hf(params, cfg).items()}
     safetensors_io.save_file(named, path / "model.safetensors")
     if tokenizer_dir is not None:

@@ -1,0 +1,83 @@
+"""The engine's compute dtype (weights, activations, KV pool): `EngineConfig.dtype`, with
+"auto" resolved here, and the reason, which get_internal_state / get_server_info
+(`dtype_choice`) and `multiserve doctor` report.
+
+"auto":
+- an accelerator: bfloat16 (its matrix units' type);
+- a CPU where the native bfloat16 kernels do not run (no compiler, another platform,
+  MULTISERVE_NATIVE_KERNELS=0): float32 (XLA:CPU's bfloat16 formulations are far slower);
+- the embedded default model on a CPU: EMBEDDED_MODEL_DTYPE (decided by measurement, see
+  there);
+- any other model on a CPU: the checkpoint's dtype (config.json `torch_dtype`, newer
+  transformers write `dtype`) when it is bfloat16, else float32 (float16 has no native
+  kernels here; a float32 checkpoint keeps its bits).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+# What the embedded default model (SmolLM2-135M-Instruct, a Q4_1 GGUF dequantized at load)
+# serves in on a CPU, and why. Measured on an AMD EPYC (family 25 model 17, Zen 4, AVX-512
+# with avx512_bf16, 2 shared cores), single-stream greedy decode of 64 tokens after
+# warm-up (buckets T 1/16/64, R 1, a 4096-token pool), one engine per dtype: float32 51
+# tok/s, bfloat16 2 tok/s (the same first 20 ids). The bfloat16 step is slow outside the
+# native products and attention (they were verified and chosen at every size), so the
+# default model stays float32 until that is found; a bfloat16 checkpoint still serves in
+# bfloat16 (its own precision).
+EMBEDDED_MODEL_DTYPE = "float32"
+EMBEDDED_MODEL_REASON = ("the embedded default model: float32 measured faster for a "
+                         "single stream (51 vs 2 tok/s in bfloat16 on an AVX-512 BF16 EPYC)")
+
+
+@dataclass(frozen=True)
+class DtypeChoice:
+    """The dtype an engine computes in: what was asked, what runs, and why."""
+
+    requested: str  # EngineConfig.dtype ("auto", "float32", "bfloat16", "float16")
+    dtype: str  # the dtype that runs
+    reason: str
+
+    def summary(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def checkpoint_dtype(model_dir: Path) -> str | None:
+    """The dtype a Hugging Face checkpoint declares (config.json `torch_dtype` or
+    `dtype`), None when it declares none or the file is unreadable."""
+    try:
+        raw = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    value = raw.get("torch_dtype") or raw.get("dtype")
+    return str(value).removeprefix("torch.") if value else None
+
+
+def choose_dtype(requested: str, platform: str, model_dir: Path | None,
+                 bf16_unavailable: str | None, bf16_path: str | None) -> DtypeChoice:
+    """The engine's dtype for EngineConfig.dtype `requested` on `platform` ("cpu", "gpu",
+    "tpu"); `model_dir` the checkpoint (None: the embedded default model);
+    `bf16_unavailable` why the native bfloat16 kernels cannot run here (None: they can,
+    by instruction path `bf16_path`)."""
+    if requested != "auto":
+        return DtypeChoice(requested, requested, "set explicitly (EngineConfig.dtype)")
+    if platform != "cpu":
+        return DtypeChoice(requested, "bfloat16", f"auto on {platform}: bfloat16, the "
+                           "accelerator's matrix type")
+    if bf16_unavailable is not None:
+        return DtypeChoice(requested, "float32", "auto on CPU: float32, the native bfloat16 "
+                           f"kernels do not run here ({bf16_unavailable})")
+    if model_dir is None:
+        return DtypeChoice(requested, EMBEDDED_MODEL_DTYPE,
+                           f"auto on CPU: {EMBEDDED_MODEL_REASON}")
+    declared = checkpoint_dtype(model_dir)
+    if declared == "bfloat16":
+        return DtypeChoice(requested, "bfloat16", "auto on CPU: the checkpoint's dtype "
+                           f"(config.json torch_dtype bfloat16), native bfloat16 kernels "
+                           f"by {bf16_path}")
+    return DtypeChoice(requested, "float32", f"auto on CPU: the checkpoint declares "
+                       f"{declared or 'no dtype'}, served in float32 (bfloat16 only for "
+                       f"bfloat16 checkpoints)")
