@@ -132,10 +132,10 @@ def stub_peer(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
     def fake_run_peer(name: str, prompts: Any, output_len: int, model: str,
                       batch_size: int = 0, threads: Any = None, stream: bool = False,
                       show_progress: bool = True, temperature: float = 0.0,
-                      seed: int = 0) -> dict[str, Any]:
+                      seed: int = 0, dtype: str = "float32") -> dict[str, Any]:
         calls.append({"name": name, "n": len(prompts), "m": output_len, "model": model,
                       "batch_size": batch_size, "stream": stream,
-                      "temperature": temperature, "seed": seed})
+                      "temperature": temperature, "seed": seed, "dtype": dtype})
         return {"peer": name, "batch_size": batch_size or len(prompts), "threads": 2,
                 "peak_rss_mb": 1.0, "load_s": 1.0, "num_prompts": len(prompts),
                 "output_tokens": len(prompts) * output_len, **_figures(10.0, 0.5, 0.1),
@@ -159,7 +159,7 @@ def test_batch_with_peer_prints_the_table(tiny_dir: Path, stub_peer: list[dict[s
     text, res = _bench(["--model", str(tiny_dir), "--num-prompts", "3", "--output-len", "4",
                         "--peer", "vllm", "--no-breakdown", *ENGINE_FLAGS], capsys)
     assert stub_peer == [{"name": "vllm", "n": 3, "m": 4, "model": str(tiny_dir),
-                          "batch_size": 0, "stream": False, "temperature": 0.0, "seed": 0}]
+                          "batch_size": 0, "stream": False, "temperature": 0.0, "seed": 0, "dtype": "float32"}]
     assert "ours vs vllm (same prompts, same run)" in text and "greedy outputs" in text
     assert "x 4 output tokens, greedy, ignore_eos" in text
     assert "step-time breakdown" not in text and res["breakdown"] is None
@@ -176,7 +176,7 @@ def test_single_stream_with_peer(tiny_dir: Path, stub_peer: list[dict[str, Any]]
                         "--peer", "llamacpp", "--peer-model", "/x.gguf", *ENGINE_FLAGS],
                        capsys)
     assert stub_peer == [{"name": "llamacpp", "n": 1, "m": 6, "model": "/x.gguf",
-                          "batch_size": 1, "stream": True, "temperature": 0.0, "seed": 0}]
+                          "batch_size": 1, "stream": True, "temperature": 0.0, "seed": 0, "dtype": "float32"}]
     assert res["temperature"] == 0.0 and res["peer_agreement"] is not None
     assert "--single-stream" in text and "ours vs llamacpp" in text and "TTFT" in text
     assert res["mode"] == "single_stream" and res["num_prompts"] == 1

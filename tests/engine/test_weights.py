@@ -292,6 +292,7 @@ class _FailsToStage:
     on, so a __getattr__ forward would not make it one."""
 
     def __init__(self, engine: Any) -> None:
+        self._engine = engine
         for name in dir(engine):
             if not name.startswith("_") and not hasattr(type(self), name):
                 setattr(self, name, getattr(engine, name))
