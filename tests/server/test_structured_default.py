@@ -24,7 +24,7 @@ KW = dict(max_running_requests=8, precompile_bs_paddings=(8,), precompile_token_
 class City(BaseModel):
     name: str = Field(max_length=40)
     country: str = Field(max_length=40)
-    population: int
+    population: int = Field(ge=0, le=100_000_000)
 
 
 @pytest.fixture(scope="module")
