@@ -32,12 +32,11 @@ SERVER_KEYS = ("sampling_seed", "stream_interval")
 # - custom_params: read only by a custom logit processor (refused at the top level of the
 #   request); sglang ignores it otherwise.
 NO_OP = ("spaces_between_special_tokens", "custom_params")
+# Constraints (at most one per request): compiled by the caller into a Grammar
+# (multiserve/grammar) and passed to `to_sampling_params(grammar=...)`.
+GRAMMAR_KEYS = ("json_schema", "regex", "ebnf", "structural_tag")
 # Refused when set: we cannot honour them.
 REFUSED = {
-    "json_schema": "constrained decoding (json_schema) is not supported",
-    "regex": "constrained decoding (regex) is not supported",
-    "ebnf": "constrained decoding (ebnf) is not supported",
-    "structural_tag": "constrained decoding (structural_tag) is not supported",
     "stop_regex": "regex stop conditions are not supported; use 'stop' strings",
     "logit_bias": "logit_bias is not supported",
 }
@@ -56,7 +55,7 @@ def _is_set(key: str, value: Any) -> bool:
 
 def check_keys(raw: dict[str, Any]) -> None:
     """Refuse (SamplingParamsError naming the key) unknown keys and set REFUSED ones."""
-    known = set(HONOURED) | set(SERVER_KEYS) | set(NO_OP) | set(REFUSED)
+    known = set(HONOURED) | set(SERVER_KEYS) | set(NO_OP) | set(REFUSED) | set(GRAMMAR_KEYS)
     unknown = sorted(k for k in raw if k not in known)
     if unknown:
         raise SamplingParamsError(
@@ -65,6 +64,16 @@ def check_keys(raw: dict[str, Any]) -> None:
     for key, why in REFUSED.items():
         if _is_set(key, raw.get(key)):
             raise SamplingParamsError(key, why)
+
+
+def grammar_key(raw: dict[str, Any] | None) -> tuple[str, Any] | None:
+    """(key, value) of the one constraint in a sampling dict, or None; two or more set:
+    SamplingParamsError."""
+    given = [(k, raw[k]) for k in GRAMMAR_KEYS if raw and raw.get(k) is not None]
+    if len(given) > 1:
+        raise SamplingParamsError(given[1][0], "give at most one of "
+                                  f"{', '.join(GRAMMAR_KEYS)} (got {given[0][0]} too)")
+    return given[0] if given else None
 
 
 def _seed(raw: dict[str, Any]) -> tuple[Any, str]:
@@ -88,11 +97,19 @@ def stream_interval(raw: dict[str, Any]) -> int:
 
 def to_sampling_params(raw: dict[str, Any] | None, *, return_logprob: bool = False,
                        top_logprobs_num: int = 0,
-                       token_ids_logprob: tuple[int, ...] | None = None) -> SamplingParams:
+                       token_ids_logprob: tuple[int, ...] | None = None,
+                       grammar: Any = None) -> SamplingParams:
     """The engine's SamplingParams for one sglang `sampling_params` dict. Raises
-    SamplingParamsError whose `field` is the client's key."""
+    SamplingParamsError whose `field` is the client's key. `grammar`: the compiled
+    constraint (multiserve/grammar `Grammar`) of the dict's constraint key; a constraint
+    key given without it is refused (only the HTTP server compiles grammars)."""
     raw = dict(raw or {})
     check_keys(raw)
+    constraint = grammar_key(raw)
+    if constraint is not None and grammar is None:
+        raise SamplingParamsError(constraint[0], "constrained decoding needs a compiled "
+                                  "grammar: send it through the HTTP server, or pass "
+                                  "SamplingParams(grammar=GrammarCompiler(...).compile(...))")
     given = {k: raw[k] for k in HONOURED if raw.get(k) is not None}
     given.pop("seed", None)
     seed, seed_key = _seed(raw)
@@ -106,7 +123,7 @@ def to_sampling_params(raw: dict[str, Any] | None, *, return_logprob: bool = Fal
             raise SamplingParamsError(key, "must be a boolean")
     max_new = given.pop("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
     try:
-        return SamplingParams(max_new_tokens=max_new, seed=seed,
+        return SamplingParams(max_new_tokens=max_new, seed=seed, grammar=grammar,
                               return_logprob=return_logprob,
                               top_logprobs_num=top_logprobs_num,
                               token_ids_logprob=token_ids_logprob, **given)

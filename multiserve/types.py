@@ -17,7 +17,10 @@ from __future__ import annotations
 import enum
 from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, get_args, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, get_args, runtime_checkable
+
+if TYPE_CHECKING:
+    from multiserve.grammar.grammar import Grammar
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -117,6 +120,13 @@ class SamplingParams:
     return_logprob: bool = False
     top_logprobs_num: int = 0
     token_ids_logprob: tuple[int, ...] | None = None
+    # A compiled decoding constraint (multiserve/grammar): every sampled token is one the
+    # grammar allows; the sample ends ("stop") once the grammar is complete. Logprobs keep
+    # describing the model's raw distribution, not the constrained one.
+    grammar: Grammar | None = None
+    # The last `grammar_resumed` prompt tokens were generated under `grammar` already (a
+    # request resubmitted with its partial output): the matcher replays them first.
+    grammar_resumed: int = 0
 
     def __post_init__(self) -> None:
         # Normalise list inputs into tuples (frozen: use object.__setattr__ once).
@@ -161,6 +171,8 @@ class SamplingParams:
         _check(len(self.stop) <= 16, "stop", "at most 16 stop strings")
         _check(_is_int(self.top_logprobs_num) and 0 <= self.top_logprobs_num <= MAX_TOP_LOGPROBS,
                "top_logprobs_num", f"must be an integer in [0, {MAX_TOP_LOGPROBS}]")
+        _check(_is_int(self.grammar_resumed) and self.grammar_resumed >= 0,
+               "grammar_resumed", "must be an integer >= 0")
         if self.token_ids_logprob is not None:
             _check(all(_is_int(t) and t >= 0 for t in self.token_ids_logprob),
                    "token_ids_logprob", "must be non-negative integers")

@@ -47,6 +47,7 @@ from multiserve.config import EngineConfig, ModelConfig
 from multiserve.engine.device.batch_arrays import build_step_arrays
 from multiserve.engine.device.model_runner import Runner, StepOutput
 from multiserve.engine.pause_state import PauseState
+from multiserve.engine.sampling.host import mask_words
 from multiserve.engine.sampling.logprobs import StepLogprobs
 from multiserve.engine.sampling.rows import step_rows
 from multiserve.engine.sched.admission import AdmissionLimits, check_admission
@@ -131,9 +132,11 @@ class EngineCore:
             msg, self._fault = self._fault, None
             raise RuntimeError(msg)
         if self.in_flight is not None and (self.in_flight[0].speculative
+                                           or self.in_flight[0].constrained
                                            or self.scheduler.wants_drafts()):
-            # a draft needs every token of its request known, and a verify row's accepted
-            # length decides the next positions: read the step in flight first
+            # a draft needs every token of its request known, a verify row's accepted
+            # length decides the next positions, and a grammar's next mask needs the token
+            # just sampled: read the step in flight first
             self.drain()
         batch = self.scheduler.schedule()
         launched = self._launch(batch) if batch is not None else None
@@ -159,7 +162,8 @@ class EngineCore:
         batch.verify_rows = arrays.verify_rows
         batch.padded_tokens = t_pad
         batch.launched_at = time.perf_counter()
-        specs, wants_lp = step_rows(batch, arrays.prompt_rows, self.stop_rules)
+        specs, wants_lp = step_rows(batch, arrays.prompt_rows, self.stop_rules,
+                                    mask_words(self.model_cfg.vocab_size))
         out = runner.run(arrays, runner.sampling_batch(specs, r_pad), wants_lp, r_pad)
         decodes = any(not r.req.in_prefill and r.samples and (r.end - r.start == 1 or r.draft)
                       for r in batch.rows)

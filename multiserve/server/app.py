@@ -37,6 +37,7 @@ from multiserve.server.openai_serving import OpenAIServing
 from multiserve.server.parse_routes import add_parse_routes
 from multiserve.server.request_run import ClientDisconnected, RequestRun, drain
 from multiserve.server.tokenizer import TokenizerManager
+from multiserve.grammar.compiler import GrammarCompiler
 from multiserve.types import (
     ASLEEP,
     EngineClient,
@@ -73,9 +74,11 @@ def build_app(engine: EngineClient, tokenizer: TokenizerManager, *,
             "max_prompt_chars": tokenizer.max_prompt_chars,
             "tool_call_parser": tool_call_parser, "reasoning_parser": reasoning_parser,
             **(server_info or {})}
+    grammars = grammar_compiler(engine, tokenizer)
     oai = OpenAIServing(engine, tokenizer, on_done=metrics.observe_run,
-                        tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser)
-    native = NativeServing(engine, tokenizer, on_done=metrics.observe_run)
+                        tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
+                        grammars=grammars)
+    native = NativeServing(engine, tokenizer, on_done=metrics.observe_run, grammars=grammars)
     app = FastAPI(title="multiserve", docs_url=None, redoc_url=None)
     app.state.engine, app.state.tokenizer, app.state.metrics = engine, tokenizer, metrics
     app.state.server_info = info  # read at request time: a launcher may add host/port
@@ -214,6 +217,15 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def on_unexpected(_: Request, exc: Exception) -> Response:
         log.exception("unexpected error while serving a request")
         return error_json(ApiError(500, f"internal error: {type(exc).__name__}: {exc}"))
+
+
+def grammar_compiler(engine: EngineClient, tokenizer: TokenizerManager) -> GrammarCompiler:
+    """The compiler of this app's decoding constraints: the engine's tokenizer, its
+    logits width (the model's vocabulary, else the tokenizer's) and its end ids."""
+    model_cfg = getattr(engine, "model_config", None)
+    vocab = getattr(model_cfg, "vocab_size", None) or len(tokenizer.tokenizer)
+    eos = sorted({*tokenizer.eos_token_ids, *getattr(model_cfg, "eos_token_ids", ())})
+    return GrammarCompiler.for_hf_tokenizer(tokenizer.tokenizer, vocab, eos)
 
 
 def resolve_tool_call_parser(name: str | None, tokenizer: TokenizerManager) -> str:

@@ -19,6 +19,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from multiserve.grammar.compiler import GrammarCompiler, GrammarError
 from multiserve.server import protocol_native as N
 from multiserve import sampling_policy as S
 from multiserve.server.errors import ApiError, bad_request, from_sampling_error
@@ -60,14 +61,36 @@ def _finish_reason(s: SampleState) -> dict[str, Any] | None:
 
 class NativeServing:
     def __init__(self, engine: EngineClient, tm: TokenizerManager,
-                 on_done: Callable[[RequestRun], None] | None = None) -> None:
+                 on_done: Callable[[RequestRun], None] | None = None,
+                 grammars: GrammarCompiler | None = None) -> None:
+        """`grammars`: compiles `sampling_params` constraints (None: they are refused)."""
         self.engine = engine
         self.tm = tm
         self.on_done = on_done
+        self.grammars = grammars
+
+    async def _grammars(self, raws: list[dict[str, Any]]) -> list[Any]:
+        """Each sampling dict's constraint compiled (off the event loop, cached, bounded
+        by the compiler's timeout); None where a dict has none. Raises ApiError 400."""
+        out: list[Any] = []
+        for raw in raws:
+            try:
+                key = S.grammar_key(raw)
+            except SamplingParamsError as exc:
+                raise from_sampling_error(exc) from None
+            if key is None or self.grammars is None:
+                out.append(None)
+                continue
+            try:
+                out.append(await self.grammars.acompile(key[0], key[1], key[0]))
+            except GrammarError as exc:
+                raise bad_request(str(exc), param=exc.field,
+                                  code="invalid_grammar") from None
+        return out
 
     # ---- /generate ----------------------------------------------------------------------
-    def _build(self, body: N.GenerateRequestBody
-               ) -> tuple[list[RequestRun], bool, list[int]]:
+    async def _build(self, body: N.GenerateRequestBody
+                     ) -> tuple[list[RequestRun], bool, list[int]]:
         """(runs, is_batch, stream interval per run); every check before the engine."""
         refused = body.refused_feature()
         if refused is not None:
@@ -84,7 +107,11 @@ class NativeServing:
             raise bad_request("no prompt given", param="text")
         try:
             raws = S.per_prompt(body.sampling_params, len(ids_list), is_batch)
-            params = [body.sampling(raw) for raw in raws]
+        except SamplingParamsError as exc:
+            raise from_sampling_error(exc) from None
+        grammars = await self._grammars(raws)
+        try:
+            params = [body.sampling(raw, g) for raw, g in zip(raws, grammars, strict=True)]
             intervals = [S.stream_interval(raw) for raw in raws]
         except SamplingParamsError as exc:
             raise from_sampling_error(exc) from None
@@ -107,7 +134,7 @@ class NativeServing:
 
     async def generate(self, request: Request) -> Response:
         body = parse_body(N.GenerateRequestBody, await request.body())
-        runs, is_batch, intervals = self._build(body)
+        runs, is_batch, intervals = await self._build(body)
         # The whole batch is admitted in one engine command (atomic), before any response.
         await start_runs(runs)
         if body.stream:

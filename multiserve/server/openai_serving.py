@@ -19,6 +19,8 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
+from multiserve.grammar.compiler import GrammarCompiler, GrammarError, tool_call_grammar
+from multiserve.grammar.grammar import Grammar
 from multiserve.server import protocol as P
 from multiserve.server.chat_output import ChatOutputParser, ChatPiece
 from multiserve.server.errors import bad_request, from_sampling_error
@@ -43,6 +45,8 @@ from multiserve.server.tokenizer import TokenizerManager
 from multiserve.types import EngineClient, GenerateRequest, SamplingParamsError, TokenLogprob
 
 
+# Tool-call formats whose tool_choice `required` / named can be enforced by a grammar.
+ENFORCEABLE_PARSERS = ("hermes", "qwen25")
 # OpenAI's rule for a function name (dots allowed too, as SGLang and vLLM accept them).
 _TOOL_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 
@@ -51,9 +55,12 @@ class OpenAIServing:
     def __init__(self, engine: EngineClient, tm: TokenizerManager,
                  on_done: Callable[[RequestRun], None] | None = None, *,
                  tool_call_parser: str | None = None,
-                 reasoning_parser: str | None = None) -> None:
+                 reasoning_parser: str | None = None,
+                 grammars: GrammarCompiler | None = None) -> None:
         """`tool_call_parser`: the format tool calls are read in (a parsing.TOOL_PARSERS
-        name); `reasoning_parser`: a parsing.REASONING_PARSERS name, or None (no split)."""
+        name); `reasoning_parser`: a parsing.REASONING_PARSERS name, or None (no split);
+        `grammars`: compiles decoding constraints (None: constraints are refused)."""
+        self.grammars = grammars
         self.engine = engine
         self.tm = tm
         self.on_done = on_done
@@ -66,8 +73,35 @@ class OpenAIServing:
                                              max_model_len=self.engine.context_len)])
 
     # ---- shared -----------------------------------------------------------------------
+    async def _grammar(self, req: P.ChatCompletionRequest | P.CompletionRequest,
+                       tool_grammar: str | None = None) -> Grammar | None:
+        """The request's decoding constraint compiled (response_format, SGLang's
+        constraint fields, or the tool-call grammar of tool_choice required / named):
+        off the event loop, cached, bounded by the compiler's timeout. 400 for a bad or
+        doubled constraint, before anything is generated."""
+        try:
+            found = req.constraint()
+        except ValueError as exc:
+            param, why = exc.args
+            raise bad_request(f"{param}: {why}", param=param) from None
+        if tool_grammar is not None:
+            if found is not None:
+                raise bad_request(f"{found[0]}: cannot be combined with tool_choice "
+                                  "'required' or a named function", param=found[0])
+            found = ("tool_choice", "tool_call", tool_grammar)
+        if found is None:
+            return None
+        if self.grammars is None:
+            raise bad_request(f"{found[0]}: constrained decoding is not available on this "
+                              "server", param=found[0], code="constrained_decoding_unsupported")
+        try:
+            return await self.grammars.acompile(found[1], found[2], found[0])
+        except GrammarError as exc:
+            raise bad_request(str(exc), param=exc.field, code="invalid_grammar") from None
+
     def _runs(self, req: P.ChatCompletionRequest | P.CompletionRequest,
-              prompts: list[list[int]], echo_logprobs: bool = False) -> list[RequestRun]:
+              prompts: list[list[int]], echo_logprobs: bool = False,
+              grammar: Grammar | None = None) -> list[RequestRun]:
         refused = req.refused()
         if refused is not None:
             raise bad_request(f"{refused[0]}: {refused[1]}", param=refused[0])
@@ -78,6 +112,8 @@ class OpenAIServing:
             rename["top_logprobs_num"] = "logprobs"
         try:
             params = [P.openai_sampling(req, b) for b in budgets]
+            if grammar is not None:
+                params = [p.with_updates(grammar=grammar) for p in params]
         except SamplingParamsError as exc:
             raise from_sampling_error(exc, rename) from None
         check_health(self.engine)
@@ -105,13 +141,14 @@ class OpenAIServing:
         req = parse_body(P.ChatCompletionRequest, await request.body())
         if req.top_logprobs is not None and not req.logprobs and req.top_logprobs > 0:
             raise bad_request("top_logprobs: requires logprobs=true", param="top_logprobs")
-        tools = self._chat_tools(req)
+        tools, tool_grammar = self._chat_tools(req)
+        grammar = await self._grammar(req, tool_grammar)
         add_generation_prompt, template_kwargs = req.template_args()
         ids = self.tm.apply_chat_template(req.messages, add_generation_prompt, tools,
                                           **template_kwargs)
         if tools:  # tool tags may be special tokens: the parser must see them
             req = req.model_copy(update={"skip_special_tokens": False})
-        runs = self._runs(req, [ids])
+        runs = self._runs(req, [ids], grammar=grammar)
         if req.stream:
             await start_runs(runs)  # refusals become HTTP errors, not mid-stream events
             return sse_response(self._chat_stream(req, runs[0], tools))
@@ -138,16 +175,19 @@ class OpenAIServing:
         return json_model(P.ChatCompletionResponse(id=run.rid, model=self.engine.model_name,
                                                    choices=choices, usage=self._usage(runs)))
 
-    def _chat_tools(self, req: P.ChatCompletionRequest) -> list[dict[str, Any]] | None:
-        """The tools to render and parse for (None: no tool calling), after checking
-        them and tool_choice (400s). required / named choices need constrained decoding,
-        which is not done yet: refused rather than answered unenforced."""
+    def _chat_tools(self, req: P.ChatCompletionRequest
+                    ) -> tuple[list[dict[str, Any]] | None, str | None]:
+        """(the tools to render and parse for (None: no tool calling), the grammar that
+        enforces tool_choice `required` / a named function (None: not enforced)), after
+        checking tools and tool_choice (400s). The enforced form is the hermes
+        `<tool_call>` one: as a JSON list in one block when the generic tool prompt renders
+        the tools (it asks for that), else one object per block."""
         choice = req.tool_choice
         if not req.tools:
             if choice is not None and choice != "none":
                 raise bad_request("tool_choice: only allowed when tools are given",
                                   param="tool_choice")
-            return None
+            return None, None
         seen: set[str] = set()
         for i, tool in enumerate(req.tools):
             name = tool.function.name
@@ -160,15 +200,22 @@ class OpenAIServing:
                                   param=f"tools[{i}].function.name")
             seen.add(name)
         if choice == "none":
-            return None
+            return None, None
         if isinstance(choice, P.NamedToolChoice) and choice.function.name not in seen:
             raise bad_request(f"tool_choice: no tool named {choice.function.name[:80]!r} in "
                               f"tools", param="tool_choice")
+        tools = [t.model_dump(exclude_none=True) for t in req.tools]
         if choice == "required" or isinstance(choice, P.NamedToolChoice):
-            raise bad_request("tool_choice: 'required' and a named function need constrained "
-                              "decoding, which this server does not do yet; use 'auto'",
-                              param="tool_choice", code="constrained_decoding_unsupported")
-        return [t.model_dump(exclude_none=True) for t in req.tools]
+            if self.tool_call_parser not in ENFORCEABLE_PARSERS:
+                raise bad_request(
+                    f"tool_choice: 'required' and a named function are enforced in the "
+                    f"{'/'.join(ENFORCEABLE_PARSERS)} format; this server parses "
+                    f"{self.tool_call_parser!r}: use 'auto'", param="tool_choice",
+                    code="constrained_decoding_unsupported")
+            name = choice.function.name if isinstance(choice, P.NamedToolChoice) else None
+            return tools, tool_call_grammar(tools, name, req.parallel_tool_calls,
+                                            list_form=not self.tm.template_reads_tools)
+        return tools, None
 
     def _output_parser(self, req: P.ChatCompletionRequest,
                        tools: list[dict[str, Any]] | None) -> ChatOutputParser | None:
@@ -247,9 +294,10 @@ class OpenAIServing:
         req = parse_body(P.CompletionRequest, await request.body())
         if req.logprobs is not None and req.logprobs < 0:
             raise bad_request("logprobs: must be >= 0", param="logprobs")
+        grammar = await self._grammar(req)
         prompts = self._prompt_ids(req.prompt)
         echo_lp = req.echo and req.logprobs is not None
-        runs = self._runs(req, prompts, echo_logprobs=echo_lp)
+        runs = self._runs(req, prompts, echo_logprobs=echo_lp, grammar=grammar)
         if req.stream:
             await start_runs(runs)
             return sse_response(self._completion_stream(req, runs, prompts))

@@ -155,16 +155,43 @@ class _SamplingRequest(_Request):
             return "lora_path", "LoRA adapters are not supported"
         if self.logit_bias:
             return "logit_bias", "logit_bias is not supported"
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            return "response_format", "only response_format type 'text' is supported"
         if self.tools and not self.serves_tools:
             return "tools", "tool calling is only served by /v1/chat/completions"
-        for name in ("regex", "json_schema", "ebnf", "structural_tag"):
-            if getattr(self, name) is not None:
-                return name, f"constrained decoding ({name}) is not supported"
         if self.stop_regex is not None:
             return "stop_regex", "regex stop conditions are not supported; use 'stop'"
         return None
+
+    def constraint(self) -> tuple[str, str, Any] | None:
+        """(param, grammar kind, spec) of the request's decoding constraint: OpenAI's
+        `response_format` (json_object, json_schema as `chat.completions.parse` sends it,
+        structural_tag) or one of SGLang's regex / json_schema / ebnf / structural_tag
+        fields; None for plain text. More than one, or an unknown format: ValueError
+        (param, message)."""
+        found: list[tuple[str, str, Any]] = []
+        rf = self.response_format
+        if rf is not None:
+            kind = rf.get("type", "text") if isinstance(rf, dict) else None
+            if kind == "json_object":
+                found.append(("response_format", "json_object", None))
+            elif kind == "json_schema":
+                js = rf.get("json_schema")
+                if not isinstance(js, dict) or "schema" not in js and "schema_" not in js:
+                    raise ValueError("response_format.json_schema",
+                                     "must be an object with a 'schema'")
+                found.append(("response_format.json_schema.schema", "json_schema",
+                              js.get("schema", js.get("schema_"))))
+            elif kind == "structural_tag":
+                found.append(("response_format", "structural_tag", rf))
+            elif kind != "text":
+                raise ValueError("response_format", "type must be one of text, json_object, "
+                                 f"json_schema, structural_tag; got {kind!r}")
+        for name in ("regex", "json_schema", "ebnf", "structural_tag"):
+            if getattr(self, name) is not None:
+                found.append((name, name, getattr(self, name)))
+        if len(found) > 1:
+            raise ValueError(found[1][0], f"give at most one constraint (got {found[0][0]} "
+                             "too)")
+        return found[0] if found else None
 
     @property
     def include_usage(self) -> bool:

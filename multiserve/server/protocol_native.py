@@ -98,10 +98,11 @@ class GenerateRequestBody(_Request):
             return [list(x) for x in ids], True  # type: ignore[arg-type]
         return [list(ids)], False  # type: ignore[arg-type]
 
-    def sampling(self, raw: dict[str, Any]) -> SamplingParams:
-        """SamplingParams for one prompt's sampling dict (raises SamplingParamsError)."""
+    def sampling(self, raw: dict[str, Any], grammar: Any = None) -> SamplingParams:
+        """SamplingParams for one prompt's sampling dict (raises SamplingParamsError);
+        `grammar`: its constraint, compiled."""
         return to_sampling_params(
-            raw, return_logprob=self.return_logprob, top_logprobs_num=self.top_logprobs_num,
+            raw, grammar=grammar, return_logprob=self.return_logprob, top_logprobs_num=self.top_logprobs_num,
             token_ids_logprob=None if self.token_ids_logprob is None
             else tuple(self.token_ids_logprob))
 

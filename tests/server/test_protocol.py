@@ -111,9 +111,10 @@ def test_openai_features_we_cannot_honour_are_refused_by_name():
                          (b'"custom_logit_processor": "p"}', "custom_logit_processor"),
                          (b'"session_params": {"id": "s"}}', "session_params"),
                          (b'"return_routed_experts": true}', "return_routed_experts"),
-                         (b'"logit_bias": {"5": 1.0}}', "logit_bias"),
-                         (b'"regex": "a+"}', "regex")):
+                         (b'"logit_bias": {"5": 1.0}}', "logit_bias")):
         assert parse_body(P.ChatCompletionRequest, chat + extra).refused()[0] == param
+    assert parse_body(P.ChatCompletionRequest, chat + b'"regex": "a+"}').constraint() == (
+        "regex", "regex", "a+")
     ok = parse_body(P.ChatCompletionRequest, chat + b'"return_hidden_states": false, '
                     b'"custom_params": null, "separate_reasoning": true}')
     assert ok.refused() is None

@@ -113,7 +113,31 @@ def test_auto_first_turn_and_parallel_false(client):
     assert [c["name"] for c in streamed.values()] == [c.function.name for c in calls]
 
 
-def test_required_is_refused_until_grammars_exist(client):
-    with pytest.raises(openai.BadRequestError, match="constrained decoding"):
-        client.chat.completions.create(model="m", messages=HISTORY, tools=[WEATHER],
-                                       tool_choice="required", max_tokens=8)
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "Get the local time in a timezone",
+    "parameters": {"type": "object", "additionalProperties": False,
+                   "properties": {"timezone": {"type": "string", "maxLength": 24}},
+                   "required": ["timezone"]}}}
+
+
+@pytest.mark.parametrize("choice", ["required", "named"])
+def test_required_and_named_choices_are_enforced(client, choice):
+    """On a FIRST turn (where the 135M model, unconstrained, rarely calls), the grammar
+    makes the reply a call whose arguments validate against the tool's schema."""
+    import jsonschema_rs
+
+    tool_choice: Any = "required" if choice == "required" else {
+        "type": "function", "function": {"name": "get_time"}}
+    r = client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "Hello! Tell me a joke."}],
+        tools=[WEATHER, TIME], tool_choice=tool_choice, parallel_tool_calls=False,
+        max_tokens=96, temperature=0)
+    ch = r.choices[0]
+    assert ch.finish_reason == "tool_calls", ch
+    calls = ch.message.tool_calls
+    assert calls is not None and len(calls) == 1
+    call = calls[0]
+    if choice == "named":
+        assert call.function.name == "get_time"
+    schema = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+    jsonschema_rs.validate(schema[call.function.name], json.loads(call.function.arguments))

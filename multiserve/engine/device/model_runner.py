@@ -22,7 +22,7 @@ Invariants:
   `cache_miss_count` (programs compiled on the step path) stays 0 after warm-up.
 - A program's small host inputs travel as ONE packed int32 array (packed_inputs.py: the
   step arrays of a T program, the SamplingBatch fields of an R program except its two
-  [R, V] penalty arrays, which are passed as device arrays); each program is lowered
+  [R, V] penalty arrays and its [R, V/32] token mask, which are passed as device arrays); each program is lowered
   with the static layout of its bucket's inputs (`_abstract_inputs`; on demand, of the
   step's own).
 - `run()` never waits for the device: it returns device arrays. The next step reads
@@ -116,6 +116,7 @@ class Runner:
                                               sharding=self._kv_sharding)
         self._prev_ids = jax.device_put(np.zeros(self.max_rows, np.int32), self.replicated)
         self._zero_cache: dict[int, Any] = {}
+        self._mask_zero_cache: dict[int, Any] = {}
         self.warmup_seconds: float | None = None  # warm-up start -> serving
         self.programs = ProgramSet.on_demand()  # replaced by warmup()
         self._warm_started = False
@@ -185,10 +186,10 @@ class Runner:
 
     def _head_impl(self, params: Any, hidden: jax.Array, row_tok: jax.Array,
                    row_prev: jax.Array, packed: jax.Array, output_counts: jax.Array,
-                   prompt_mask: jax.Array, *, num_rows: int, layout: Layout
-                   ) -> tuple[jax.Array, Any]:
+                   prompt_mask: jax.Array, token_mask: jax.Array, *, num_rows: int,
+                   layout: Layout) -> tuple[jax.Array, Any]:
         sb = unpack(packed, layout).replace(output_counts=output_counts,
-                                            prompt_mask=prompt_mask)
+                                            prompt_mask=prompt_mask, token_mask=token_mask)
         logits = self.family.lm_head(params, hidden[:num_rows], self.plan)
         rows = sb.temperature.shape[0]  # sampler_rows(num_rows)
         if rows > num_rows:
@@ -336,12 +337,13 @@ class Runner:
         return jax.device_put(pack(step_tree(arrays)), self.replicated)
 
     def device_sampling_inputs(self, sb_host: sampling.SamplingBatch
-                               ) -> tuple[jax.Array, jax.Array, jax.Array]:
+                               ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
         """An R program's sampling inputs on the device: the small fields packed into one
-        int32 array, then output_counts and prompt_mask (the engine's cached device zeros
-        while no row has a penalty: passed as they are)."""
+        int32 array, then output_counts, prompt_mask and token_mask (the engine's cached
+        device zeros while no row has a penalty / a grammar: passed as they are)."""
         big = tuple(a if isinstance(a, jax.Array) else jax.device_put(a, self.replicated)
-                    for a in (sb_host.output_counts, sb_host.prompt_mask))
+                    for a in (sb_host.output_counts, sb_host.prompt_mask,
+                              sb_host.token_mask))
         return (jax.device_put(pack(_small_sampling_fields(sb_host)), self.replicated),
                 *big)
 
@@ -370,8 +372,10 @@ class Runner:
     def drop_step_buffers(self) -> None:
         """Free the small per-step device buffers (memory release: engine/rl/memory.py).
         `reset_prev_ids()` brings back the only one a step needs; zeros are re-made lazily."""
-        buffers = [self._prev_ids, *(a for z in self._zero_cache.values() for a in z)]
+        buffers = [self._prev_ids, *(a for z in self._zero_cache.values() for a in z),
+                   *self._mask_zero_cache.values()]
         self._zero_cache.clear()
+        self._mask_zero_cache.clear()
         self._prev_ids = None
         for a in buffers:
             if a is not None and not a.is_deleted():
@@ -387,9 +391,13 @@ class Runner:
             zeros = sampling_host.penalty_zeros(rows_padded, self.model_cfg.vocab_size)
             self._zero_cache[rows_padded] = sampling_host.PenaltyZeros(
                 *jax.device_put(tuple(zeros), self.replicated))
+            self._mask_zero_cache[rows_padded] = jax.device_put(
+                sampling_host.mask_zeros(rows_padded, self.model_cfg.vocab_size),
+                self.replicated)
         return sampling_host.build_sampling_batch(rows, rows_padded,
                                                   self.model_cfg.vocab_size,
-                                                  zeros=self._zero_cache[rows_padded])
+                                                  zeros=self._zero_cache[rows_padded],
+                                                  no_masks=self._mask_zero_cache[rows_padded])
 
 
 def step_tree(arrays: StepArrays) -> dict[str, np.ndarray]:
@@ -398,8 +406,9 @@ def step_tree(arrays: StepArrays) -> dict[str, np.ndarray]:
 
 
 def _small_sampling_fields(sb: sampling.SamplingBatch) -> sampling.SamplingBatch:
-    """`sb` without its [R, V] arrays (None: no leaves), the part an R program gets packed."""
-    return sb.replace(output_counts=None, prompt_mask=None)
+    """`sb` without its [R, V] (and [R, V/32]) arrays (None: no leaves), the part an R
+    program gets packed."""
+    return sb.replace(output_counts=None, prompt_mask=None, token_mask=None)
 
 
 def _abstract(tree: Any) -> Any:

@@ -8,7 +8,7 @@ Owns `RowSpec` (what one running sample needs for one step), `PenaltyZeros` /
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import jax
@@ -29,6 +29,8 @@ class RowSpec:
     output_ids: Sequence[int]
     prompt_ids: Sequence[int]
     ban_ids: tuple[int, ...] = ()  # forbidden this step (eos/stop ids before min_new_tokens)
+    # the grammar's packed allowed tokens (int32[mask_words(V)]); None: unconstrained
+    token_mask: np.ndarray | None = field(default=None, compare=False)
 
 
 class PenaltyZeros(NamedTuple):
@@ -42,6 +44,16 @@ class PenaltyZeros(NamedTuple):
     prompt_mask: np.ndarray | jax.Array  # bool[R, V]
 
 
+def mask_words(vocab: int) -> int:
+    """int32 words of one packed token-mask row."""
+    return (vocab + 31) // 32
+
+
+def mask_zeros(rows: int, vocab: int) -> np.ndarray:
+    """The token mask of a step with no constrained row (never read: no row is masked)."""
+    return np.zeros((rows, mask_words(vocab)), np.int32)
+
+
 def penalty_zeros(rows: int, vocab: int) -> PenaltyZeros:
     return PenaltyZeros(np.zeros((rows, vocab), np.int32), np.zeros((rows, vocab), np.bool_))
 
@@ -53,11 +65,14 @@ def _has_penalty(p: SamplingParams) -> bool:
 
 def build_sampling_batch(rows: Sequence[RowSpec | None], R: int, vocab: int, *,
                          max_banned: int = MAX_BANNED_IDS,
-                         zeros: PenaltyZeros | None = None) -> SamplingBatch:
+                         zeros: PenaltyZeros | None = None,
+                         no_masks: np.ndarray | jax.Array | None = None) -> SamplingBatch:
     """NumPy `SamplingBatch` for `rows` padded to `R` (None = padding row, greedy).
 
     The [R, V] penalty arrays are filled only when some row has a penalty; otherwise they
-    are `zeros` (returned as given, e.g. cached device arrays) or fresh zeros."""
+    are `zeros` (returned as given, e.g. cached device arrays) or fresh zeros. Likewise
+    the token mask is built only when some row carries one, else `no_masks` (e.g. cached
+    device zeros) or fresh zeros."""
     assert len(rows) <= R, (len(rows), R)
     f32, i32 = np.float32, np.int32
     temperature = np.zeros(R, f32)
@@ -107,16 +122,30 @@ def build_sampling_batch(rows: Sequence[RowSpec | None], R: int, vocab: int, *,
         counts[i] = np.bincount(out, minlength=vocab)[:vocab]
         if row.params.repetition_penalty != 1.0:
             prompt_mask[i, np.asarray(row.prompt_ids, np.int64)] = True
+    masked = np.zeros(R, np.bool_)
+    constrained = [i for i, row in enumerate(rows) if row is not None
+                   and row.token_mask is not None]
+    if constrained:
+        token_mask = mask_zeros(R, vocab)
+        for i in constrained:
+            row = rows[i]
+            assert row is not None and row.token_mask is not None
+            token_mask[i] = row.token_mask
+            masked[i] = True
+    else:
+        token_mask = no_masks if no_masks is not None else mask_zeros(R, vocab)
+    assert token_mask.shape == (R, mask_words(vocab)), token_mask.shape
     sampled = temperature > 0
     return SamplingBatch(
         temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
         frequency_penalty=freq, presence_penalty=pres, repetition_penalty=rep,
         seed_hi=seed_hi, seed_lo=seed_lo, sample_index=sample_index, position=position,
         output_counts=counts, unread_token=np.zeros(R, i32), has_unread=np.zeros(R, np.bool_),
-        prompt_mask=prompt_mask, banned_ids=banned,
+        prompt_mask=prompt_mask, token_mask=token_mask, masked=masked, banned_ids=banned,
         top_logprobs_num=top_n, logprob_token_ids=lp_ids,
         any_sampled=np.bool_(sampled.any()),
         any_penalty=np.bool_(bool(penalised)),
         any_filter=np.bool_((sampled & ((top_k > 0) | (top_p < 1) | (min_p > 0))).any()),
         any_logprobs=np.bool_(any_logprobs),
-        any_banned=np.bool_((banned >= 0).any()))
+        any_banned=np.bool_((banned >= 0).any()),
+        any_masked=np.bool_(bool(constrained)))

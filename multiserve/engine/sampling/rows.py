@@ -8,12 +8,20 @@ id is ignored (`prompt_row_params`); then one row per draft token of each verify
 would sample that position: the same params, seed, position, output so far (penalties)
 and bans.
 
-Invariant: read only (Reqs, params); the specs carry everything the sampler needs.
+A grammar-constrained row carries its packed allowed-token mask, filled here from the
+Req's matcher (brought up to the Req's output first: `GrammarState.sync`, a no-op unless
+the output changed behind the matcher). Constrained requests never draft, so no verify
+row needs a mask.
+
+Invariant: read only (Reqs, params), apart from that sync of a matcher to its own Req's
+output; the specs carry everything the sampler needs.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+
+import numpy as np
 
 from multiserve.engine.sampling.host import RowSpec
 from multiserve.engine.sched.request import Req
@@ -30,9 +38,20 @@ def prompt_row_params(req: Req, j: int) -> SamplingParams:
                           token_ids_logprob=(req.prompt_ids[j],))
 
 
+def grammar_mask(req: Req, words: int) -> np.ndarray | None:
+    """The packed allowed tokens of `req`'s next token (None: unconstrained)."""
+    if req.grammar is None:
+        return None
+    row = np.zeros(words, np.int32)
+    req.grammar.sync(req.output_ids)
+    req.grammar.fill(row)
+    return row
+
+
 def step_rows(batch: ScheduledBatch, prompt_rows: Sequence[tuple[Req, int]],
-              rules: StopRules) -> tuple[list[RowSpec | None], bool]:
-    """(the RowSpecs of every logits row, whether the step must return logprobs)."""
+              rules: StopRules, mask_words: int = 0) -> tuple[list[RowSpec | None], bool]:
+    """(the RowSpecs of every logits row, whether the step must return logprobs).
+    `mask_words`: int32 words of a packed token mask (the logits width / 32, rounded up)."""
     specs: list[RowSpec | None] = []
     wants_lp = bool(prompt_rows)
     for row in batch.rows:
@@ -44,7 +63,8 @@ def step_rows(batch: ScheduledBatch, prompt_rows: Sequence[tuple[Req, int]],
         specs.append(RowSpec(params=req.params, seed=req.seed, sample_index=req.index,
                              position=row.end,
                              output_ids=[*req.output_ids, *row.draft] if k else req.output_ids,
-                             prompt_ids=req.prompt_ids, ban_ids=rules.ban_ids(req, k)))
+                             prompt_ids=req.prompt_ids, ban_ids=rules.ban_ids(req, k),
+                             token_mask=grammar_mask(req, mask_words)))
         wants_lp = wants_lp or req.params.wants_logprobs
     for req, j in prompt_rows:
         specs.append(RowSpec(params=prompt_row_params(req, j), seed=0, sample_index=0,

@@ -5,12 +5,18 @@ traced inside the runner's jitted step). The host side that fills a SamplingBatc
 (`RowSpec`, `PenaltyZeros`, `build_sampling_batch`) is `sampling_host.py`.
 
 Per row, in this order: raw logits -> repetition penalty (tokens in prompt or output),
-frequency and presence penalties (output counts) -> banned ids set to -inf -> greedy rows
+frequency and presence penalties (output counts) -> banned ids set to -inf -> tokens a
+row's grammar forbids set to -inf (constrained rows only: `masked`) -> greedy rows
 (temperature 0) take the argmax, ties to the lowest id; sampled rows divide by the
 temperature, keep top_k, then top_p (smallest nucleus of the renormalised top_k set whose
 mass reaches top_p; the best token always stays), then min_p (prob >= min_p * max prob),
 and draw by Gumbel-max. Logprobs describe the RAW distribution (log_softmax of the logits
-as given, before penalties, bans, temperature and filters).
+as given, before penalties, bans, grammar masks, temperature and filters).
+
+Grammar masks: `token_mask` i32[R, ceil(V/32)] packs one bit per token (bit t % 32 of word
+t // 32 set = allowed); it is read only for rows whose `masked` flag is set, so an
+unconstrained row is never touched whatever its words hold (the engine passes cached
+device zeros while no row is constrained: no new shape, no transfer).
 
 Invariants:
 - A row's outputs depend only on that row's inputs, never on R, its row index or other
@@ -83,6 +89,8 @@ class SamplingBatch:
     unread_token: jax.Array  # i32[R]
     has_unread: jax.Array  # bool[R]
     prompt_mask: jax.Array  # bool[R, V]; token occurs in the prompt
+    token_mask: jax.Array  # i32[R, ceil(V/32)]; packed allowed tokens of masked rows
+    masked: jax.Array  # bool[R]; the row is grammar-constrained (token_mask applies)
     banned_ids: jax.Array  # i32[R, S]; forbidden this step, -1 = none
     top_logprobs_num: jax.Array  # i32[R]; 0..MAX_TOP_LOGPROBS
     logprob_token_ids: jax.Array  # i32[R, MAX_TOKEN_IDS_LOGPROB]; -1 = none
@@ -91,6 +99,7 @@ class SamplingBatch:
     any_filter: jax.Array  # bool[]: some sampled row has top_k / top_p / min_p
     any_logprobs: jax.Array  # bool[]: some row wants any kind of logprob
     any_banned: jax.Array  # bool[]: some row bans ids
+    any_masked: jax.Array  # bool[]: some row is grammar-constrained
 
 
 @flax.struct.dataclass
@@ -154,6 +163,15 @@ def _apply_bans(x: jax.Array, banned: jax.Array) -> jax.Array:
     ids = jnp.where((banned >= 0) & (banned < v), banned, v)  # out of range => dropped
     rows = lax.broadcasted_iota(jnp.int32, banned.shape, 0)
     return x.at[rows, ids].set(_NEG_INF, mode="drop")
+
+
+def _apply_mask(x: jax.Array, token_mask: jax.Array, masked: jax.Array) -> jax.Array:
+    """Tokens whose bit is clear in a masked row's packed mask set to -inf (one fused pass:
+    the bits are unpacked on the fly, never stored as an [R, V] array)."""
+    r, v = x.shape
+    shifts = lax.broadcasted_iota(jnp.int32, (1, 1, 32), 2)
+    bits = ((token_mask[:, :, None] >> shifts) & 1).reshape(r, -1)[:, :v]
+    return jnp.where(masked[:, None] & (bits == 0), _NEG_INF, x)
 
 
 def _fmix32(h: jax.Array) -> jax.Array:
@@ -339,9 +357,10 @@ def _logprobs(raw: jax.Array, next_ids: jax.Array, sb: SamplingBatch
 
 
 def _edited(raw: jax.Array, sb: SamplingBatch) -> jax.Array:
-    """Penalised logits with banned ids at -inf: one new [R, V] buffer, banned in place."""
+    """Penalised logits with banned ids and grammar-forbidden tokens at -inf: one new
+    [R, V] buffer, banned in place."""
     x = lax.cond(sb.any_penalty, _apply_penalties, lambda x, _: x, raw, sb)
-    return _apply_bans(x, sb.banned_ids)
+    return _apply_mask(_apply_bans(x, sb.banned_ids), sb.token_mask, sb.masked)
 
 
 def sample(logits: jax.Array, sb: SamplingBatch) -> SampleOutput:
@@ -375,7 +394,7 @@ def _sample_chunk(logits: jax.Array, sb: SamplingBatch) -> SampleOutput:
     """`sample` for one chunk of ROW_CHUNK rows."""
     raw = logits.astype(jnp.float32)
     r, _ = raw.shape
-    edit = sb.any_penalty | sb.any_banned
+    edit = sb.any_penalty | sb.any_banned | sb.any_masked
 
     # Branches read `raw` directly where they can: an identity branch of lax.cond copies
     # the [R, V] logits, which costs about as much as the greedy argmax itself.

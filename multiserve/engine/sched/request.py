@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from multiserve.types import (
     FinishReason,
@@ -77,6 +78,9 @@ class Req:
     # speculative decoding (engine/spec/): verify steps run, draft tokens accepted
     spec_verify_ct: int = 0
     spec_accepted_tokens: int = 0
+    # the sample's grammar matcher (multiserve/grammar GrammarState) when params.grammar
+    # is set: made by Scheduler.add, advanced with every emitted token
+    grammar: Any = None
 
     @classmethod
     def samples_of(cls, request: GenerateRequest, seed: int, sink: OutputSink) -> list[Req]:

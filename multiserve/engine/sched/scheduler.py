@@ -29,12 +29,14 @@ Invariants:
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from multiserve.config import EngineConfig
+from multiserve.grammar.matcher_state import GrammarState
 from multiserve.engine.sched.page_allocator import PageAllocator, pages_needed
 from multiserve.engine.sched.prefix_cache import PrefixCache
 from multiserve.engine.sched.request import Req
@@ -48,6 +50,8 @@ from multiserve.types import (
     TokenLogprob,
     WeightSegment,
 )
+
+log = logging.getLogger(__name__)
 
 
 class StepLogprobSource(Protocol):
@@ -95,6 +99,11 @@ class ScheduledBatch:
     @property
     def speculative(self) -> bool:
         return any(r.draft for r in self.rows)
+
+    @property
+    def constrained(self) -> bool:
+        """Some row samples under a grammar (its next mask needs this step's token)."""
+        return any(r.samples and r.req.grammar is not None for r in self.rows)
 
 
 class Scheduler:
@@ -205,6 +214,10 @@ class Scheduler:
     def add(self, req: Req) -> None:
         """A new live Req, waiting (its key is not live: the caller checked)."""
         self.reqs[req.key] = req
+        if req.params.grammar is not None and req.grammar is None:
+            k = min(req.params.grammar_resumed, len(req.prompt_ids))
+            req.grammar = GrammarState(req.params.grammar,
+                                       req.prompt_ids[len(req.prompt_ids) - k:] if k else ())
         self.waiting.append(req)
 
     def finish(self, req: Req, reason: FinishReason) -> None:
@@ -262,8 +275,10 @@ class Scheduler:
         if not decoding or room <= 0:
             return False
         k = self.cfg.speculative_num_draft_tokens
+        # a constrained request never drafts (see _add_drafts)
         gains = sorted((self.drafter.acceptance(r) ** (j + 1) for r in decoding
-                        if self.drafter.wants(r) for j in range(k)), reverse=True)
+                        if r.grammar is None and self.drafter.wants(r) for j in range(k)),
+                       reverse=True)
         return bool(gains) and self.step_costs.best_draft_count(
             len(decoding), len(decoding), gains[:room]) > 0
 
@@ -285,7 +300,10 @@ class Scheduler:
             room = min(self.cfg.speculative_num_draft_tokens, room_total,
                        req.params.max_new_tokens - req.num_generated - 1,
                        self.max_context - row.end - 1)
-            if room <= 0 or row.from_prev or req.pending > 0 or not self.drafter.wants(req):
+            # a constrained request never drafts: its verify rows would each need the mask
+            # after their draft prefix
+            if room <= 0 or row.from_prev or req.pending > 0 or req.grammar is not None \
+                    or not self.drafter.wants(req):
                 continue
             draft = tuple(self.drafter.propose(req, room))[:room]
             if draft:
@@ -497,6 +515,10 @@ class Scheduler:
             if logprobs is not None and req.params.wants_logprobs:
                 req.output_logprobs.append(logprobs.token(b, tok, req.params))
             reason, matched = rules.verdict(req, tok)
+            if reason is None and req.grammar is not None:
+                reason = self._grammar_verdict(req, tok)
+            elif req.grammar is not None:
+                req.grammar.advance(tok)
             if reason is not None:
                 req.matched_stop = matched
                 self.finish(req, reason)
@@ -504,6 +526,18 @@ class Scheduler:
             elif req.stream:
                 deliver.append(req)
         return deliver
+
+    @staticmethod
+    def _grammar_verdict(req: Req, tok: int) -> FinishReason | None:
+        """Advance a constrained Req's matcher by its new token: "stop" once the grammar
+        is complete (nothing but EOS allowed), "abort" if it rejects the token (only a
+        token the mask allowed can be sampled, so this is a broken grammar state)."""
+        assert req.grammar is not None
+        if not req.grammar.advance(tok):
+            log.warning("request %s: grammar rejected token %d: %s", req.rid, tok,
+                        req.grammar.error)
+            return "abort"
+        return "stop" if req.grammar.done else None
 
     def _record_token(self, req: Req, tok: int, logprobs: StepLogprobSource | None,
                       logits_row: int, weight_version: str) -> None:

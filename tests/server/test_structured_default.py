@@ -1,0 +1,84 @@
+"""Structured outputs on the default model (SmolLM2-135M-Instruct) through real clients:
+the official openai client's `chat.completions.parse(response_format=PydanticModel)`,
+`response_format` json_object, and the exact JSON SGLang clients send to /generate with
+json_schema (a string), regex and ebnf. Greedy; every reply must parse / match."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+from pydantic import BaseModel, Field
+
+pytestmark = pytest.mark.slow
+
+KW = dict(max_running_requests=8, precompile_bs_paddings=(8,), precompile_token_paddings=(512,),
+          chunked_prefill_size=512, max_total_tokens=8192, max_context_len=2048,
+          show_progress=False)
+
+
+class City(BaseModel):
+    name: str = Field(max_length=40)
+    country: str = Field(max_length=40)
+    population: int = Field(ge=0, le=100_000_000)
+
+
+@pytest.fixture(scope="module")
+def url() -> Iterator[str]:
+    from multiserve.config import EngineConfig
+    from multiserve.engine.engine import Engine
+    from multiserve.server import ServerThread, TokenizerManager, build_app
+
+    eng = Engine(EngineConfig(**KW))
+    tm = TokenizerManager(eng.tokenizer_dir, eng.context_len, eng.model_name,
+                          tokenizer=eng.tokenizer)
+    thread = ServerThread(build_app(eng, tm)).start()
+    yield thread.url
+    thread.stop()
+    eng.shutdown()
+
+
+def test_openai_parse_with_a_pydantic_model(url: str) -> None:
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x")
+    r = client.chat.completions.parse(
+        model="m", messages=[{"role": "user", "content": "Describe Paris as JSON."}],
+        response_format=City, max_tokens=160, temperature=0)
+    msg = r.choices[0].message
+    assert isinstance(msg.parsed, City), msg.content
+    assert r.choices[0].finish_reason == "stop"
+
+
+def test_json_object(url: str) -> None:
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x")
+    r = client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "Give me a JSON object."}],
+        response_format={"type": "json_object"}, max_tokens=64, temperature=0)
+    text = r.choices[0].message.content or ""
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(text), dict), text
+    else:  # length: still a prefix of a JSON object
+        assert text.lstrip().startswith("{"), text
+
+
+def test_sglang_generate_constraints(url: str) -> None:
+    schema = json.dumps({"type": "object", "properties": {"answer": {"type": "integer"}},
+                         "required": ["answer"], "additionalProperties": False})
+    cases = [("json_schema", schema, lambda t: set(json.loads(t)) == {"answer"}),
+             ("regex", r"(yes|no), because [a-z ]{1,40}\.",
+              lambda t: re.fullmatch(r"(yes|no), because [a-z ]{1,40}\.", t) is not None),
+             ("ebnf", 'root ::= "The answer is " digit+ "."\ndigit ::= [0-9]',
+              lambda t: re.fullmatch(r"The answer is [0-9]+\.", t) is not None)]
+    for key, spec, ok in cases:
+        body = {"text": "Question: is 2 + 2 = 4? Answer:", "sampling_params": {
+            "temperature": 0, "max_new_tokens": 64, key: spec}, "return_logprob": True}
+        r = httpx.post(f"{url}/generate", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        out = r.json()
+        assert out["meta_info"]["finish_reason"]["type"] == "stop", (key, out["text"])
+        assert ok(out["text"]), (key, out["text"])
+        # logprobs are the model's raw ones, one per emitted token
+        assert len(out["meta_info"]["output_token_logprobs"]) == len(out["output_ids"])
