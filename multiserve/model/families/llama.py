@@ -26,7 +26,7 @@ from multiserve.config import ModelConfig
 from multiserve.model.layers.attention import paged_attention
 from multiserve.model.layers.forward_batch import ForwardBatch
 from multiserve.model.invariance.plan import InvariancePlan, ProductPlan
-from multiserve.model.layers.kv_pool import KVPool
+from multiserve.model.layers.kv_pool import KVPool, write_layer
 from multiserve.model.layers.norm import rms_norm
 from multiserve.model.layers.rope import apply_rope, rope_inv_freq
 from multiserve.model.kernels.native import PANEL
@@ -157,9 +157,8 @@ def attention_block(x: jax.Array, kv: KVPool, layer: int | jax.Array,
         k = rms_norm(k, w["k_norm"], cfg.rms_norm_eps, plan.row_sum(hd))
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
-    # head-major pool [L, KV, slots, hd]: the indexed result is [T, KV, hd], k's own shape
-    kv = KVPool(k=kv.k.at[layer, :, batch.out_slots].set(k.astype(kv.k.dtype)),
-                v=kv.v.at[layer, :, batch.out_slots].set(v.astype(kv.v.dtype)))
+    kv = write_layer(kv, layer, batch.out_slots, k, v,
+                     native=plan.attention.kernel == "native")
     attn = paged_attention(q, kv.k, kv.v, layer, batch, page_size=page_size,
                            block_size=attn_block_size, plan=plan.attention)
     return x + proj(attn.reshape(t, cfg.num_heads * hd), "wo"), kv

@@ -66,6 +66,7 @@ ROW_GEMM = "multiserve_row_gemm"
 ROW_GEMM_BF16 = "multiserve_row_gemm_bf16"
 GROUPED_ROW_GEMM = "multiserve_grouped_row_gemm"
 GROUPED_ROW_GEMM_BF16 = "multiserve_grouped_row_gemm_bf16"
+KV_WRITE = "multiserve_kv_write"
 # The bfloat16 product's instruction paths (row_gemm_bf16.cc), in the kernel's numbering:
 # "avx512_bf16" one VDPBF16PS per pair of k (bfloat16 x only, a CPU with AVX512_BF16);
 # "widen" bfloat16 -> float32 in registers, one FMA per k in order (any CPU; its bits are
@@ -76,7 +77,8 @@ DTYPES = ("float32", "bfloat16")  # the operand types the kernels take
 HEAD_DIMS = (16, 32, 48, 64, 80, 96, 128, 256)  # the head sizes the kernel is instantiated for
 PANEL = 64  # columns per packed weight panel (row_gemm.cc)
 SOURCES = tuple(Path(__file__).parent / "src" / name
-                for name in ("paged_attention.cc", "row_gemm.cc", "row_gemm_bf16.cc"))
+                for name in ("paged_attention.cc", "row_gemm.cc", "row_gemm_bf16.cc",
+                             "kv_write.cc"))
 HEADERS = tuple(Path(__file__).parent / "src" / name  # hashed, not compiled
                 for name in ("parallel_for.h", "product_split.h"))
 FLAGS = ("-std=c++20", "-O3", "-march=native", "-ffp-contract=fast", "-fPIC", "-shared", "-w")
@@ -193,7 +195,8 @@ def _load() -> str | None:
                                     platform="cpu")
         for name, symbol in ((ATTENTION_BF16, lib.MultiservePagedAttentionBf16),
                              (ROW_GEMM_BF16, lib.MultiserveRowGemmBf16),
-                             (GROUPED_ROW_GEMM_BF16, lib.MultiserveGroupedRowGemmBf16)):
+                             (GROUPED_ROW_GEMM_BF16, lib.MultiserveGroupedRowGemmBf16),
+                             (KV_WRITE, lib.MultiserveKvWrite)):
             jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(symbol), platform="cpu")
         dot = bool(lib.MultiserveBf16DotAvailable())
     except (OSError, RuntimeError, AttributeError, ValueError) as exc:
@@ -329,6 +332,19 @@ def grouped_row_gemm(x: jax.Array, panels: jax.Array, groups: jax.Array, n: int,
     out = jax.ffi.ffi_call(GROUPED_ROW_GEMM, jax.ShapeDtypeStruct(
         (m, panels.shape[1] * PANEL), jnp.float32))(x, panels, groups.astype(jnp.int32))
     return out if out.shape[1] == n else out[:, :n]
+
+
+def kv_write_native(pool: jax.Array, rows: jax.Array, layer: int | jax.Array,
+                    slots: jax.Array) -> jax.Array:
+    """`pool` [L, KV, S, HD] with `rows` [T, KV, HD] written at layer `layer`, slot
+    `slots[t]` (kv_write.cc): in place (the pool operand is aliased to the result), bits
+    copied. For pools XLA:CPU cannot scatter into in place (bfloat16: its float
+    normalization converts the whole pool to float32 and back on every write)."""
+    _require()
+    call = jax.ffi.ffi_call(KV_WRITE, jax.ShapeDtypeStruct(pool.shape, pool.dtype),
+                            input_output_aliases={0: 0})
+    return call(pool, rows.astype(pool.dtype), jnp.asarray(layer, jnp.int32).reshape(1),
+                slots.astype(jnp.int32))
 
 
 def paged_attention_native(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,

@@ -49,3 +49,22 @@ def make_kv_pool(cfg: ModelConfig, num_pages: int, page_size: int, dtype,
 
     make = jax.jit(zeros, out_shardings=sharding) if sharding is not None else jax.jit(zeros)
     return KVPool(k=make(), v=make())
+
+
+def write_layer(kv: KVPool, layer: int | jax.Array, slots: jax.Array, k: jax.Array,
+                v: jax.Array, *, native: bool) -> KVPool:
+    """The pool with one layer's new K and V ([T, KV, hd] each) written at `slots` [T].
+
+    A float32 pool (or any pool off the native CPU kernels) takes XLA's scatter, in place
+    when donated. A lower-precision pool where the native kernels run (`native`: the plan's
+    attention is the native kernel) is written by `kv_write_native`: XLA:CPU has no bf16
+    arithmetic and would convert the whole pool to float32 and back on every write. Both
+    copy the rows' bits, so the pool's contents are the same either way."""
+    if native and kv.k.dtype != jnp.float32:
+        from multiserve.model.kernels.native import kv_write_native
+
+        return KVPool(k=kv_write_native(kv.k, k, layer, slots),
+                      v=kv_write_native(kv.v, v, layer, slots))
+    # head-major pool [L, KV, slots, hd]: the indexed result is [T, KV, hd], k's own shape
+    return KVPool(k=kv.k.at[layer, :, slots].set(k.astype(kv.k.dtype)),
+                  v=kv.v.at[layer, :, slots].set(v.astype(kv.v.dtype)))
