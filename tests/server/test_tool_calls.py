@@ -108,9 +108,6 @@ def test_tools_rendered_text(tm):
 
 
 @pytest.mark.parametrize("body,param", [
-    ({"tools": [WEATHER], "tool_choice": "required"}, "tool_choice"),
-    ({"tools": [WEATHER], "tool_choice": {"type": "function",
-                                          "function": {"name": "get_weather"}}}, "tool_choice"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}},
      "tool_choice"),
     ({"tool_choice": "auto"}, "tool_choice"),
