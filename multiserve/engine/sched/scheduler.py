@@ -268,7 +268,7 @@ class Scheduler:
         off), the step has room, and by the measured bucket costs some draft token would
         pay at the Reqs' acceptance. Then the step in flight is read before the next is
         scheduled (a draft needs every token known); otherwise overlap goes on."""
-        if self.drafter is None:
+        if self.drafter is None or self._prefill_pending():
             return False
         decoding = [r for r in self.running if not r.in_prefill and r.wants_more()]
         room = min(self.cfg.speculative_max_step_tokens, self.max_rows) - len(decoding)
@@ -290,6 +290,8 @@ class Scheduler:
         by its bucket's measured cost (`StepCosts`), within speculative_max_step_tokens
         and the largest row bucket."""
         assert self.drafter is not None
+        if self._prefill_pending():
+            return  # the step is a prefill's, compute-bound: drafts would slow it
         base = len(rows)
         room_total = min(self.cfg.speculative_max_step_tokens, self.max_rows) - base
         if room_total <= 0:
@@ -322,6 +324,11 @@ class Scheduler:
             counts[c] += 1
         for (row, draft), k in zip(cands, counts, strict=True):
             self._set_draft(row, draft[:k])
+
+    def _prefill_pending(self) -> bool:
+        """A prompt waits for admission or is mid-prefill: the next steps carry its chunks."""
+        return any(r.pending == 0 for r in self.waiting) or any(
+            r.in_prefill for r in self.running)
 
     def _set_draft(self, row: BatchRow, draft: tuple[int, ...]) -> None:
         """Make `row` verify `draft` (pages for its positions obtained: where they cannot
