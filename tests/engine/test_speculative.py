@@ -76,35 +76,38 @@ class _FakeReq:
 
 def test_drafter_prefers_the_group_then_backs_off_where_drafts_miss() -> None:
     d = Drafter()
-    earlier = _FakeReq([5, 6, 7], [8, 9, 10, 11, 12])
-    d.finished(earlier)  # type: ignore[arg-type]
-    req = _FakeReq([5, 6, 7], [8, 9])
-    assert d.propose(req, 3) == (10, 11, 12)  # type: ignore[arg-type]
+    seq = list(range(8, 40))
+    d.finished(_FakeReq([5, 6, 7], seq))  # type: ignore[arg-type]
+    req = _FakeReq([5, 6, 7], seq[:2])
+    assert d.wants(req) and d.propose(req, 3) == (10, 11, 12)  # type: ignore[arg-type]
     d.record(req, 3, 0)  # type: ignore[arg-type]
     # a verify that accepted nothing: no draft for the next 2 tokens
     assert not d.wants(req) and d.propose(req, 3) == ()  # type: ignore[arg-type]
-    req.output_ids.append(10)
+    req.output_ids = seq[:3]
     assert not d.wants(req)  # type: ignore[arg-type]
-    req.output_ids.append(11)
+    req.output_ids = seq[:4]
     assert d.wants(req)  # type: ignore[arg-type]
     d.record(req, 2, 0)  # type: ignore[arg-type]
-    req.output_ids += [1, 2, 3]
+    req.output_ids = seq[:7]
     assert not d.wants(req)  # 4 tokens after a second miss  # type: ignore[arg-type]
-    req.output_ids.append(4)
-    assert d.wants(req)  # type: ignore[arg-type]
+    req.output_ids = seq[:8]
+    assert d.wants(req) and d.propose(req, 2) == (16, 17)  # type: ignore[arg-type]
     d.record(req, 3, 2)  # type: ignore[arg-type]
     assert d.wants(req) and 0 < d.acceptance(req) < 1  # type: ignore[arg-type]
-    # a lookup that finds nothing looks again after 1, then 2, 4, ... tokens
+    # nothing to look up: not wanted (the step in flight keeps its overlap), and a lookup
+    # that finds nothing looks again after 1, then 2, 4 tokens at most
     lone = _FakeReq([40, 41], [42])
     lone.key = ("lone", 0)
-    assert d.propose(lone, 3) == () and not d.wants(lone)  # type: ignore[arg-type]
+    assert not d.wants(lone) and d.propose(lone, 3) == ()  # type: ignore[arg-type]
     lone.output_ids.append(43)
-    assert d.wants(lone) and d.propose(lone, 3) == ()  # type: ignore[arg-type]
+    assert d.propose(lone, 3) == ()  # type: ignore[arg-type]
     lone.output_ids.append(44)
-    assert not d.wants(lone)  # type: ignore[arg-type]
+    assert d.propose(lone, 3) == ()  # backed off  # type: ignore[arg-type]
     for i in range(8):  # never more than MAX_DRY tokens between lookups
         lone.output_ids += [100 + 4 * i + j for j in range(4)]
-        assert d.wants(lone) and d.propose(lone, 3) == ()  # type: ignore[arg-type]
+        assert d.propose(lone, 3) == ()  # type: ignore[arg-type]
+    lone.output_ids += [90, 91, 40, 41]  # the prompt's bigram again: its continuation
+    assert d.wants(lone) and d.propose(lone, 3) == (42, 43, 44)  # type: ignore[arg-type]
 
 
 def test_step_costs_choose_drafts_by_the_measured_bucket_costs() -> None:

@@ -76,13 +76,14 @@ class Drafter:
         return st
 
     def wants(self, req: Req) -> bool:
-        st = self._reqs.get(req.key)
-        return st is None or req.num_generated >= st.resume_at
-
-    def propose(self, req: Req, k: int) -> tuple[int, ...]:
+        """Not backed off, and a lookup on the tokens known now (the newest may still be
+        on the device) finds a continuation: then a draft is likely once it is read."""
         st = self._state(req)
         if req.num_generated < st.resume_at:
-            return ()
+            return False
+        return bool(self._lookup(req, st, 2))
+
+    def _lookup(self, req: Req, st: _ReqState, k: int) -> tuple[int, ...]:
         fill = req.fill_ids
         if len(fill) < st.indexed:  # cannot shrink while live; be safe after a reset
             st.ngrams, st.indexed = NgramIndex(self.min_n, self.max_n), 0
@@ -92,7 +93,13 @@ class Drafter:
         own_n, own = st.ngrams.propose(context, k)
         group = self.store.index_for(req.prompt_ids)
         grp_n, grp = group.propose(context, k) if group is not None else (0, ())
-        draft = grp if grp and (grp_n, len(grp)) >= (own_n, len(own)) else own
+        return grp if grp and (grp_n, len(grp)) >= (own_n, len(own)) else own
+
+    def propose(self, req: Req, k: int) -> tuple[int, ...]:
+        st = self._state(req)
+        if req.num_generated < st.resume_at:
+            return ()
+        draft = self._lookup(req, st, k)
         if draft:
             st.dry = 0
         else:  # nothing matches now: look again after a few tokens, then fewer often
