@@ -98,7 +98,9 @@ class EngineCore:
         self.loop_passes = 0
         self.empty_passes = 0
         self._last_read_at = 0.0  # when the last step's results were read (perf_counter)
+        self._drained_at: float | None = None  # this step() read the step in flight first
         self.overlap = not cfg.disable_overlap
+        self.scheduler.step_costs.overlap = self.overlap
         self.initial_available = self.scheduler.available_kv_tokens()
         self.admission = AdmissionLimits.from_config(cfg, self.initial_available)
         self._fault: str | None = None  # the next step raises this (inject_fault)
@@ -138,8 +140,10 @@ class EngineCore:
             # length decides the next positions, and a grammar's next mask needs the token
             # just sampled: read the step in flight first
             self.drain()
+            self._drained_at = time.perf_counter()
         batch = self.scheduler.schedule()
         launched = self._launch(batch) if batch is not None else None
+        self._drained_at = None
         if self.in_flight is not None:
             self._process(*self.in_flight)
         self.in_flight = launched
@@ -162,6 +166,9 @@ class EngineCore:
         batch.verify_rows = arrays.verify_rows
         batch.padded_tokens = t_pad
         batch.launched_at = time.perf_counter()
+        if self._drained_at is not None:
+            # the step before was read first: the host's work since delayed this launch
+            self.scheduler.step_costs.observe_host(batch.launched_at - self._drained_at)
         specs, wants_lp = step_rows(batch, arrays.prompt_rows, self.stop_rules,
                                     mask_words(self.model_cfg.vocab_size))
         out = runner.run(arrays, runner.sampling_batch(specs, r_pad), wants_lp, r_pad)
@@ -218,6 +225,7 @@ class EngineCore:
         """Benchmarks: from now on launch step N+1 before reading step N (on), or not."""
         self.drain()
         self.overlap = on
+        self.scheduler.step_costs.overlap = on
 
     def _deliver(self, req: Req, error: str | None = None) -> None:
         """Hand the Req's new output (a delta: the tokens since the last delivery, and how

@@ -124,6 +124,17 @@ def test_step_costs_choose_drafts_by_the_measured_bucket_costs() -> None:
     costs.observe(4, 0.5)  # the moving average follows a slower bucket 4
     assert costs.cost(4) > 0.021 and costs.best_draft_count(2, 2, [0.9, 0.81]) == 0
     assert costs.bucket(65) is None and costs.best_draft_count(63, 63, [1.0, 1.0]) == 1
+    # with overlap, a step with drafts also pays the host time between steps
+    costs.observe(4, 0.021)
+    costs.observe(4, 0.021)
+    fresh = StepCosts((1, 2, 4))
+    fresh.observe(2, 0.020)
+    fresh.observe(4, 0.020)
+    assert fresh.best_draft_count(2, 2, [0.3, 0.1]) == 2
+    fresh.observe_host(0.010)
+    assert fresh.best_draft_count(2, 2, [0.3, 0.1]) == 0  # 2.4 / 30 ms < 2 / 20 ms
+    fresh.overlap = False  # nothing hidden anyway: drafts pay again
+    assert fresh.best_draft_count(2, 2, [0.3, 0.1]) == 2
 
 
 # ---- the engine ----------------------------------------------------------------------------

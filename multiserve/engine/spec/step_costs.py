@@ -23,6 +23,15 @@ class StepCosts:
     def __init__(self, buckets: Sequence[int]) -> None:
         self.buckets = tuple(sorted(buckets))
         self._seconds: dict[int, float] = {}
+        # the host's work between reading a step and launching the next when nothing is
+        # in flight (a moving average); a step with drafts pays it where overlap scheduling
+        # would otherwise hide it (`overlap`, set by the engine)
+        self.host_seconds = 0.0
+        self.overlap = True
+
+    def observe_host(self, seconds: float) -> None:
+        self.host_seconds = (seconds if self.host_seconds == 0.0
+                             else (1 - EWMA) * self.host_seconds + EWMA * seconds)
 
     def bucket(self, tokens: int) -> int | None:
         i = bisect.bisect_left(self.buckets, tokens)
@@ -58,7 +67,8 @@ class StepCosts:
         """How many of the draft tokens to verify: `gains[i]` is the expected tokens the
         i-th most promising draft token adds (descending); a step of `base_tokens`
         tokens emits `base_rows` tokens without drafts. Maximises expected tokens per
-        second over the buckets; 0 where the base step's bucket is not measured yet."""
+        second over the buckets (a step with drafts also pays the host time that overlap
+        would have hidden); 0 where the base step's bucket is not measured yet."""
         b0 = self.bucket(base_tokens)
         c0 = self.cost(b0) if b0 is not None else None
         if c0 is None:
@@ -72,6 +82,7 @@ class StepCosts:
             c = self.cost(b)
             if c is None:
                 break
+            c += self.host_seconds if self.overlap else 0.0  # the drafts end the overlap
             expected += g
             if expected / c > best_value:
                 best_value, best_n = expected / c, i + 1
