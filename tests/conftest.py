@@ -131,7 +131,8 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):  #
     """When the run leaves a top-level test directory (tests/engine -> tests/fleet ...),
     finish that directory's session-scoped fixtures (the engines it shares) and drop JAX's
     in-memory compiled programs. Without it the suite's process kept every directory's
-    engines and programs to the end and passed 16 GB (an OOM kill on a 24 GB machine).
+    engines and programs to the end, more than a small machine's memory (docs/performance.md
+    §10).
     Only at directory boundaries: engines shared inside a directory assert zero
     recompiles after warm-up."""
     yield
@@ -142,7 +143,7 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):  #
             sys.modules["jax"].clear_caches()
     if nextitem is None or nextitem.path != item.path:  # a module's fixtures are gone
         # glibc keeps freed heap pages (a torn-down fleet's GBs) unless asked; without
-        # this the suite's RSS only ever grew (measured: 12.9 -> 7.7 GB after tests/fleet)
+        # this the suite's RSS only ever grew (docs/performance.md §10)
         gc.collect()
         from multiserve.host_heap import release_free_heap
 

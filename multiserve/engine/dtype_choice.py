@@ -21,13 +21,11 @@ from pathlib import Path
 from typing import Any
 
 # What the embedded default model (SmolLM2-135M-Instruct, a Q4_1 GGUF dequantized at load)
-# serves in on a CPU, and why. Measured on an AMD EPYC (family 25 model 17, Zen 4, AVX-512
-# with avx512_bf16, 2 shared cores), single-stream greedy decode of 64 tokens after
-# warm-up (buckets T 1/16/64, R 1, a 4096-token pool), one engine per dtype: float32 51
-# tok/s, bfloat16 2 tok/s (the same first 20 ids). The bfloat16 step is slow outside the
-# native products and attention (they were verified and chosen at every size), so the
-# default model stays float32 until that is found; a bfloat16 checkpoint still serves in
-# bfloat16 (its own precision).
+# serves in on a CPU, and why: float32 measured far faster for a single stream than
+# bfloat16 (docs/performance.md §4; the reason string carries the figure and its CPU). The
+# bfloat16 step is slow outside the native products and attention (they were verified and
+# chosen at every size), so the default model stays float32 until that is found; a
+# bfloat16 checkpoint still serves in bfloat16 (its own precision).
 EMBEDDED_MODEL_DTYPE = "float32"
 EMBEDDED_MODEL_REASON = ("the embedded default model: float32 measured faster for a "
                          "single stream (51 vs 2 tok/s in bfloat16 on an AVX-512 BF16 EPYC)")

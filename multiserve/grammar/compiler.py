@@ -167,9 +167,10 @@ class GrammarCompiler:
         return cls(backend.to_str(), vocab_size, eos_ids, **kwargs)
 
     def _ll_tokenizer(self) -> Any:
-        """The llguidance tokenizer, built once (~1 s). Its vocabulary is the engine's
-        logits width, or the tokenizer's own where that is larger (a test model smaller
-        than its tokenizer: the masks are then cut to the logits width)."""
+        """The llguidance tokenizer, built once (costly: docs/performance.md §9). Its
+        vocabulary is the engine's logits width, or the tokenizer's own where that is
+        larger (a test model smaller than its tokenizer: the masks are then cut to the
+        logits width)."""
         import llguidance
 
         with self._lock:

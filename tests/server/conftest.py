@@ -7,8 +7,8 @@ side (routes, schemas, streaming, control, errors), which no assertion ties to t
 default model's text (that is tests/model's and the fleet's "Paris"); built once per
 session with small shape buckets; `server` is a real uvicorn server for it on a free
 loopback port. Tests leave the engine idle and unpaused (`idle_engine` checks and
-restores that). Measured (AMD EPYC, 2 cores, warm caches, `-n 2 tests/server`): 103 s on
-the default model, 66 s on this one.
+restores that). The tiny model makes tests/server markedly quicker than the default model
+would (docs/performance.md §10).
 """
 
 from __future__ import annotations

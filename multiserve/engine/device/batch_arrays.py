@@ -82,7 +82,7 @@ def build_step_arrays(batch: ScheduledBatch, num_tokens: int, page_rows: int, lo
             input_ids[t:t + n] = fill[row.start:row.end]
             if row.draft:
                 drafts.append((b, t, len(row.draft)))
-        if n == 1:  # a decode row: scalar writes (a 64-row step's arrays in ~0.2 ms less)
+        if n == 1:  # a decode row: scalar writes, cheaper than 1-element numpy slices
             positions[t] = row.start
             token_seq[t] = b
             out_slots[t] = slot_for(req.pages, row.start, page_size)

@@ -232,8 +232,8 @@ class Runner:
     def warmup_plan(self, background: bool) -> Plan:
         """Which programs `warmup` compiles before serving, and which after (programs.plan).
         The covering set takes the scanned token buckets too when some are unrolled (those
-        compile ~4x slower and go last); when every size scans (native products), all
-        compile alike and the largest token and row buckets cover."""
+        compile several times slower and go last); when every size scans (native
+        products), all compile alike and the largest token and row buckets cover."""
         tokens = self.cfg.precompile_token_paddings
         all_scan = all(self.family.scans(self.plan, t) for t in tokens)
         return plan(tokens, self.cfg.precompile_bs_paddings,

@@ -1,10 +1,10 @@
 """A step program's small host inputs packed into ONE int32 array: one host-to-device
 transfer per program, not one per array.
 
-Why: `jax.device_put` costs ~25-30 us of host time per array (a T program's 8 step
-arrays ~0.22 ms, a SamplingBatch's ~20 fields ~0.6 ms, measured on an AVX-512 EPYC), and
-on a CPU backend the host's time is taken from the cores the device step runs on: at one
-decode row the launch was ~2.8 ms of a ~20.5 ms step.
+Why: each `jax.device_put` has a fixed host cost per array (a T program has 8 step arrays,
+a SamplingBatch ~20 fields), and on a CPU backend the host's time is taken from the cores
+the device step runs on: at one decode row the launch was a noticeable share of the step
+(docs/performance.md §1).
 
 Invariants:
 - `pack(tree)` and `layout_of(tree)` walk the leaves in the same (jax.tree) order, so a
@@ -29,7 +29,8 @@ from jax import lax
 
 _BITCAST = ("float32", "uint32")  # carried as int32 bits
 # leaf dtype -> carried as its int32 bits (a view) or converted (bool -> 0 / 1); a dict
-# lookup, since numpy's dtype.name costs ~9 us (29 leaves per decode step)
+# lookup, since numpy's dtype.name is slow next to it and every leaf of every step needs one
+# (docs/performance.md §1)
 _BITS = {np.dtype(np.int32): True, np.dtype(np.float32): True, np.dtype(np.uint32): True,
          np.dtype(np.bool_): False}
 

@@ -4,16 +4,17 @@ A fleet runs one model with the same buckets on several device groups of one kin
 engines on 4 chips or 4 virtual CPU devices; 2 TP engines of 2 devices each). Their step
 programs lower to the same HLO text (shardings name mesh axes, never devices), but XLA
 compiles an executable for a device assignment, and JAX's persistent compilation cache
-keys CPU executables by it: each engine compiled every program again, 4x the warm-up of
-one engine, and a restart found only its own devices' entries.
+keys CPU executables by it: each engine compiled every program again (a fleet's warm-up
+grew with its engine count), and a restart found only its own devices' entries.
 
 Two parts:
 - **A device-free cache key** (`_install_device_free_key`): on CPU (and GPU, where JAX
   already does it) the persistent cache's key leaves out the device assignment, as JAX
   does for GPU; JAX then loads a cached executable onto the devices of the compile that
   asked for it (its own `deserialize_executable(bytes, devices, compile_options)` path).
-  Measured on CPU: the loaded program runs on the asking devices and gives bitwise the
-  compiling engine's results (1 and 2-device meshes).
+  Checked on CPU: the loaded program runs on the asking devices and gives bitwise the
+  compiling engine's results (1 and 2-device meshes; tests/engine/test_program_share.py
+  checks the 1-device case).
 - **Single flight** (`ProgramShare.compile`): while one engine compiles a program, the others
   that need the same program (same HLO text, platform, device kind and group size) wait
   for it, then compile it too, which is a cache hit (milliseconds).
@@ -56,7 +57,8 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 # Platforms whose executables load onto other devices of the same kind (JAX strips the
-# device assignment from GPU keys itself; CPU measured here). TPU: not assumed.
+# device assignment from GPU keys itself; CPU checked, see the module docstring). TPU: not
+# assumed.
 _DEVICE_FREE_PLATFORMS = ("cpu", "gpu")
 
 # The JAX releases (major, minor; inclusive) with which the patched hook was verified by

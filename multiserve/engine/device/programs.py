@@ -9,14 +9,15 @@ Serving before every program is compiled. The model is row-invariant at every bu
 (model/invariance/primitives.py, model/layers/attention.py): a step padded to a larger bucket gives every
 real row bitwise the same result. So an engine needs only a *covering* set to serve every
 step shape: the largest token bucket and the largest row bucket (plus the scanned token
-buckets, T > the family's `unroll_max_tokens`, which compile in ~2 s and keep a lone decode
+buckets, T > the family's `unroll_max_tokens`, which compile quickly and keep a lone decode
 off the largest bucket). `plan()` splits the buckets into that first phase and the rest; with
 `background` the rest compile on a background thread per engine while the engine serves,
 smallest first (a lone decode's T = 1, R = 1 first). Each compiled program is then primed
 (run once) on the engine thread between steps and only then joins the ready set; the step
 picks the smallest ready bucket that fits (`smallest_fit`). Outputs are identical either
 way; only speed differs until the set is complete. The unrolled small-T forwards are most
-of the compile time (~8 s each on 2 cores vs ~2 s for a scanned one): they go last.
+of the compile time (several times a scanned one's each, docs/performance.md §6): they go
+last.
 
 Ownership (one writer each): `_programs` (compiled executables) is written by the compiling
 thread (the warm-up caller, then the background thread), each program stored before it is
@@ -146,9 +147,9 @@ class ProgramSet:
     A program is compiled (`compile_program(kind, size)` -> executable; it must not touch
     live device arrays: the runner lowers from abstract shapes), then *primed* — run once
     by the engine's owner thread, which pays the first execution's one-off costs (buffer
-    allocation, ~1.4 s for a 64-token forward) outside a request — and only then ready,
-    i.e. chosen by steps. Background compiles are handed to the engine thread for priming
-    through `set_primer`."""
+    allocation: seconds for a large forward, docs/performance.md §6) outside a request —
+    and only then ready, i.e. chosen by steps. Background compiles are handed to the
+    engine thread for priming through `set_primer`."""
 
     def __init__(self, compile_program: Callable[[Kind, int], Any],
                  prime_program: Callable[[Kind, int, Any], None]) -> None:

@@ -22,8 +22,8 @@ Invariants:
 - A row's outputs depend only on that row's inputs, never on R, its row index or other
   rows. Its noise is a function of (seed, sample_index, position, token id) only: two
   words Threefry-2x32((sample_index, position), key=(seed_hi, seed_lo)) key a counter-based
-  integer hash over token ids (threefry over all R*V values cost ~75 ms at R=64, V=49152
-  on CPU; the hash costs about 1 ms).
+  integer hash over token ids (threefry over all R*V values costs far more than the hash:
+  docs/performance.md §8).
 - The scalar `any_*` flags only skip work: setting one when no row needs that work changes
   no output, except that the logprob fields are zeros while `any_logprobs` is False.
 - No Python branching on values and no module-level device arrays: `sample` compiles
@@ -35,9 +35,9 @@ Invariants:
   the bits of p = exp(z - max z), run `DEEP_GROUP` rows at a time and only for the rows
   that need it (there, tokens whose p ties the cut-off's are kept too, including p that
   underflows to 0, i.e. > 87 nats below the best token: such tokens can never win the
-  Gumbel-max draw). XLA:CPU sorts [64, 49152] in ~0.5 s, so nothing sorts the vocabulary.
-  With SmolLM2-135M at T=1, top_p=0.95, ~40% of steps' nuclei exceed 256 tokens (at
-  T=0.7 about 1%).
+  Gumbel-max draw). Sorting the vocabulary on XLA:CPU would cost more than the rest of
+  the step, so nothing sorts it. Nuclei deeper than CANDIDATES are common at high
+  temperature (docs/performance.md §8).
 - The [R, V] arrays are read in fused passes; the only [R, V] buffers written are the
   penalised logits (when a row has penalties or bans) and the scaled logits that feed
   `lax.top_k` (when a row filters). lax.cond branches never return an [R, V] operand
@@ -121,7 +121,7 @@ def _first_argmax(x: jax.Array, fn: Callable[[jax.Array, jax.Array], jax.Array] 
     `fn` must be elementwise (per-row parameters broadcast as [R, 1, 1]). The vocabulary is
     cut into chunks: one fused pass takes each chunk's max, then only the winning chunk
     is recomputed and searched. No [R, V] intermediate is materialised: on XLA:CPU this is
-    ~4x cheaper than a two-pass where/max, and ~10x cheaper than jnp.argmax."""
+    much cheaper than a two-pass where/max or jnp.argmax (docs/performance.md §8)."""
     fn = fn or (lambda xv, _: xv)
     r, v = x.shape
     c = next((c for c in (256, 128, 64, 32) if v % c == 0), 256)
@@ -189,7 +189,8 @@ _ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
 def _threefry2x32(k0: jax.Array, k1: jax.Array, x0: jax.Array, x1: jax.Array
                   ) -> tuple[jax.Array, jax.Array]:
     """Threefry-2x32, 20 rounds (Random123), on u32 arrays: the same values as
-    `jax.extend.random.threefry_2x32`, but ~5x cheaper to compile on XLA:CPU."""
+    `jax.extend.random.threefry_2x32`, but much cheaper to compile on XLA:CPU
+    (docs/performance.md §8)."""
 
     def rotl(x: jax.Array, r: int) -> jax.Array:
         return (x << jnp.uint32(r)) | (x >> jnp.uint32(32 - r))
@@ -291,7 +292,7 @@ def _keep_threshold(z: jax.Array, sb: SamplingBatch) -> jax.Array:
     _r, v = z.shape
     kc = min(v, CANDIDATES)
     vals, _ = lax.top_k(z, kc)  # [R, kc], best first
-    # Never slice `vals`: XLA:CPU then lowers top_k as a full sort (~50x slower).
+    # Never slice `vals`: XLA:CPU then lowers top_k as a full sort (docs/performance.md §8).
     zmax = jnp.max(z, axis=1)
     k_on = (sb.top_k > 0) & (sb.top_k < v)
     k_idx = jnp.clip(sb.top_k, 1, kc) - 1

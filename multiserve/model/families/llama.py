@@ -39,9 +39,10 @@ from multiserve.model.invariance.primitives import (
 )
 
 Params = dict[str, Any]
-# Steps of up to this many tokens run the unrolled decoder (see `forward_hidden`); larger
-# ones scan. Measured here (SmolLM2-135M fp32, 2 cores): one token 25 ms unrolled vs 34 ms
-# scanned, 64 tokens 239 vs 262-333 ms; each unrolled program compiles in ~5-7 s vs ~1.3 s.
+# Steps of up to this many tokens run the unrolled decoder (see `forward_hidden`) where some
+# layer matrix uses an XLA product; larger ones scan. Unrolling saves a scan's per-step
+# weight copies, which weigh most at small steps, for a compile several times longer
+# (docs/performance.md §6).
 UNROLL_MAX_TOKENS = 64
 
 
@@ -196,9 +197,8 @@ def layer_weights(layer: dict[str, jax.Array], num_tokens: int, plan: Invariance
 def scans(plan: InvariancePlan, num_tokens: int) -> bool:
     """Whether a T-token step runs the scanned decoder: above UNROLL_MAX_TOKENS, and at any
     size where every layer matrix uses the native kernel (it reads its layer of the stack
-    in place, so a scan copies no weights: measured on the AVX-512 EPYC with another job
-    running, SmolLM2-135M, best of 15: one token 21.1 ms scanned vs 22.8 ms unrolled, 64
-    rows 259 vs 272 ms; compile + first run 0.4 s vs 2.9 s and 1.2 s vs 3.0 s)."""
+    in place, so a scan copies no weights: it runs as fast as the unrolled decoder and
+    compiles far quicker, docs/performance.md §6)."""
     return num_tokens > UNROLL_MAX_TOKENS or all(
         plan.product(base).formulation(num_tokens).kernel == "native"
         for base in LAYER_MATRICES)
@@ -215,11 +215,12 @@ def forward_hidden(params: Params, kv_pool: KVPool, batch: ForwardBatch, cfg: Mo
     Steps that `scans` keeps out of the scan (<= UNROLL_MAX_TOKENS tokens with some XLA
     product) unroll the layers (a Python loop over the per-layer tuple): each layer's
     matmuls read its own arrays in place, where a scan slices (copies) every layer's
-    weights out of the stacked arrays at every step, which was a third of a one-token
-    step. The price is compile time (~4x a scanned program), paid at warm-up. Every other
-    step scans the canonical stacked layers (and their stacked transposes where the plan
-    uses the NT product at that size: `scan_needs_transposes`); the native kernel's
-    panels are passed whole (it indexes the layer), so an all-native step copies nothing."""
+    weights out of the stacked arrays at every step, a large share of a one-token step.
+    The price is compile time (several times a scanned program's, docs/performance.md §6),
+    paid at warm-up. Every other step scans the canonical stacked layers (and their
+    stacked transposes where the plan uses the NT product at that size:
+    `scan_needs_transposes`); the native kernel's panels are passed whole (it indexes the
+    layer), so an all-native step copies nothing."""
     assert is_compute_params(params), "forward needs row_invariant.with_transposed(params, cfg)"
     x = params["embed"][batch.input_ids]
     freqs = batch.positions.astype(jnp.float32)[:, None] * jnp.asarray(rope_inv_freq(cfg))

@@ -6,10 +6,10 @@ attention at every token count: the `Workload`, workload.py), candidate formulat
 on random data with every probe row placed at several positions (probes.py), and the plan
 keeps, per primitive, formulations whose rows agree BITWISE with one position-invariant
 reference at every size (choice.py). The attention prefers the native CPU kernel where it
-builds and verifies (it reads K/V in place: 3-6x faster than the XLA formulation, measured
-in model/kernels/native.py), else the XLA formulation's query chunking. A primitive with no
-position-invariant reference makes the plan unverified (`verified=False`, `problems`),
-loudly.
+builds and verifies (it reads K/V in place where the XLA formulation materialises every
+key block: docs/performance.md §5), else the XLA formulation's query chunking. A primitive
+with no position-invariant reference makes the plan unverified (`verified=False`,
+`problems`), loudly.
 
 The plan is cached per workload and backend, and each product, grouped and row-sum probe
 on its own (store.py): a second start with the same key probes nothing, and a workload that

@@ -6,11 +6,12 @@ determinism rests on it), so every product x[M, K] @ W[K, N] and every sum over 
 the model must give each row bitwise the same value for every row count M the engine runs.
 
 Which formulation does that is a backend fact (which kernel XLA picks for which shape, how
-it splits the contraction), and it differs between machines: on an AVX2 Zen3 CPU the M = 1
-plain product (a GEMV) agreed with the NT product at M >= 2; on an AVX-512 EPYC it does
-not. So nothing here hard-codes it: `dense` and `row_sum` compute what the engine's
-`InvariancePlan` says (model/invariance/plan.py), and the plan is measured on the machine
-that runs the engine (model/invariance/calibration.py), checked bitwise against one reference.
+it splits the contraction), and it differs between machines: the M = 1 plain product (a
+GEMV) agrees with the NT product at M >= 2 on one CPU and not on another
+(docs/performance.md §2). So nothing here hard-codes it: `dense` and `row_sum` compute
+what the engine's `InvariancePlan` says (model/invariance/plan.py), and the plan is
+measured on the machine that runs the engine (model/invariance/calibration.py), checked
+bitwise against one reference.
 
 Formulations (`Formulation.kernel`):
 - "plain": `x @ W` against W stored [K, N];
@@ -43,9 +44,8 @@ LAYER_MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 # Layer matrices that read the same input, computed as ONE native product of their panels
 # side by side where the plan runs them alike (llama.fused_groups): each output element is
 # still its own sum over k in order, so the bits are those of the separate products; one
-# kernel call instead of three (two) per layer streams the weights faster. Measured (AMD
-# EPYC, 2 cores, SmolLM2-135M shapes, 30 layers chained as the decoder chains them): one
-# row 18.5 -> 16.9 ms, 64 rows 74.4 -> 72.0 ms.
+# kernel call instead of three (two) per layer streams the weights faster
+# (docs/performance.md §3).
 FUSED_GROUPS = {"wqkv": ("wq", "wk", "wv"), "w_gateup": ("w_gate", "w_up")}
 NT = (((1,), (1,)), ((), ()))  # dot_general dims: x[M, K] . Wt[N, K] -> [M, N]
 ROW_SUM_COLUMNS = 8  # columns of ones in `row_sum` (a 1-column product is a GEMV)
@@ -168,8 +168,8 @@ def with_transposed(params: dict[str, Any], cfg: ModelConfig, stacked_t: bool = 
       (`<name>` W [in, out] for "plain", `<name>_t` W^T [out, in] for "nt") and the
       layer's norms/biases, each a separate device array. The unrolled decoder loops over
       this tuple: a layer reads its weights in place, where a scan over stacked arrays
-      copies every layer's matrices out of the stack at every step (measured on XLA:CPU:
-      a third of a one-token step).
+      copies every layer's matrices out of the stack at every step (a large share of a
+      one-token step on XLA:CPU: docs/performance.md §6).
     - `stacked_layers`: the canonical stacked layer arrays (shared, no copy), which the
       scanned decoder of large steps reads; with `stacked_t` (the plan uses the NT product
       at a scanned size) also the stacked transposes `<name>_t` [L, out, in]; with

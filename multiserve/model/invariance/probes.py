@@ -105,8 +105,8 @@ def host(a: np.ndarray, dtype: Any) -> np.ndarray:
     """`a` in `dtype` on the host, converted as jnp.asarray converts it (so the probe inputs'
     bits, and the stored probes' hashes, are what they were when rows were gathered on the
     device). Runs gather their rows from it with numpy and put them on the device: an eager
-    device gather per run cost ~2 ms of dispatch (and a compile per shape), two thirds of a
-    calibration's time (measured: 7.0 of 11.3 s of a small model's product probes)."""
+    device gather per run costs a dispatch (and a compile per shape), which was most of a
+    calibration's time (docs/performance.md §6)."""
     return np.asarray(jnp.asarray(a, dtype))
 
 

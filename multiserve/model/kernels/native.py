@@ -2,18 +2,18 @@
 
 - paged attention (native/paged_attention.cc). XLA:CPU runs the pure-JAX
   `attention.paged_attention` as a loop of small gathers and batched products that
-  materialises every key block it reads (measured: a 64-row decode step over ~220 keys
-  spent ~100 ms of its ~230 ms there); the kernel reads K/V in place through the page
-  table and keeps one query head's whole computation in registers.
+  materialises every key block it reads (a large share of a decode step's time:
+  docs/performance.md §5); the kernel reads K/V in place through the page table and keeps
+  one query head's whole computation in registers.
 - the row-invariant matrix product (native/row_gemm.cc) against weights packed in
   64-column panels (`pack_panels`), and its grouped form (one matrix per row: a MoE layer's
   experts over the tokens routed to each, `grouped_row_gemm`): each output element is a sum
   over k in order, one FMA per step, whatever the row count. XLA:CPU's products change
-  kernel with the row count (its 1-row product is a loop fusion whose bits differ from its
-  GEMM's on an AVX-512 EPYC), so an invariant plan had to pad 1-row products to 2 rows (3x
-  the time of the head's 1-row product); this one is as fast as XLA's at 64-512 rows and
-  2-3x faster at 1-2 rows (measured on that EPYC, see the calibration table of `multiserve
-  doctor`).
+  kernel with the row count (on some CPUs its 1-row product is a loop fusion whose bits
+  differ from its GEMM's), so an invariant XLA plan may have to pad 1-row products to 2
+  rows; this one computes every row count with the same in-order sums, 1-row products
+  included (its speed against XLA's: the calibration table of `multiserve doctor`,
+  docs/performance.md §3).
 
 Both are row-invariant by construction (see the .cc files), which the calibration still
 verifies bitwise like any other candidate (model/invariance/calibration.py); they run only where the
@@ -136,7 +136,8 @@ def _build(cxx: str) -> Path:
 
 def _compile_to(cxx: str, path: Path) -> Path:
     """Each source compiled to an object by its own compiler process (at once: they are
-    independent, ~4 s each at -O3), then linked into `path`."""
+    independent, and each -O3 compile is slow, docs/performance.md §9), then linked into
+    `path`."""
     tmp = path.with_suffix(f".tmp{os.getpid()}.so")
     objects = [path.with_suffix(f".tmp{os.getpid()}.{src.stem}.o") for src in SOURCES]
     compile_flags = [f for f in FLAGS if f != "-shared"]

@@ -10,15 +10,15 @@ reading K/V from the paged pool (the new tokens' K/V are already written there).
 
 Pool layout (kv_pool.py): head-major [L, KV, slots, hd], so one page of one head is a
 contiguous [page_size, hd] slab and a block gather lands directly in the [KV, C, bs, hd]
-order the contractions use (no transpose copies; they were half the decode step).
+order the contractions use (no transpose copies, which cost a large share of a decode step:
+docs/performance.md §2).
 
 Batch invariance (the engine's greedy determinism rests on it), by construction:
 - Tokens are processed in chunks of C query rows (`lax.map`; T is padded up), C and the
   padded T given for each step size by the engine's `AttentionPlan` (invariance_plan.py).
   Which (T, C) give every row the same bits is a backend fact that differs between
-  machines (measured: on an AVX2 Zen3 CPU C = 1, 2, 8, 16 agreed and C = 4 did not; on an
-  AVX-512 EPYC C >= 4 agree and C = 1, 2 do not once a step has more than one chunk), so
-  the plan is calibrated on the machine that runs the engine (model/invariance/calibration.py).
+  machines (docs/performance.md §2), so the plan is calibrated on the machine that runs the
+  engine (model/invariance/calibration.py).
   Every contraction is batched over (head, token) and contracts only head_dim or the key
   block, so a token's result is independent of the other tokens in its chunk.
 - Keys are visited in blocks of `block_size` consecutive positions aligned to position 0

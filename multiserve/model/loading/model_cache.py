@@ -11,9 +11,8 @@ written under a temporary name in the same folder and renamed atomically), so co
 processes never see a half-written cache; a marker mismatch (the GGUF changed) rebuilds it.
 One converter at a time per cache directory (cache_files.exclusive): a fleet's engines
 (threads) and concurrent processes that find no valid cache wait, and all but the first
-then read the first one's result. Measured (AMD EPYC, 2 cores, configs/cpu-4.toml with one
-small bucket pair, empty caches): each of the 4 engines converting the default model at
-once made READY 84 s; one conversion, 54 s.
+then read the first one's result: a fleet pays for one conversion, not for several racing
+for the same cores and memory (docs/performance.md §6).
 """
 
 from __future__ import annotations

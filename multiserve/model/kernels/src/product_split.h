@@ -23,8 +23,8 @@ inline int64_t work_units(int64_t panels, int64_t m, int64_t k) {
 // otherwise ~4 grabs per thread, which evens out a thread that starts late or is preempted
 // (the host's own work shares these cores). A small product (`units`, its work_units, under
 // 2^12: ~1 MB of weights at one row) stays on the caller. A 1-row product is a stream of
-// its weights from memory: one core streams ~24 GB/s here, two ~32 (AVX-512 EPYC), so even
-// a 576 x 576 layer matrix at one row (~40 us) gains from a helper despite the pool's
+// its weights from memory, which two cores stream faster than one (docs/performance.md §3),
+// so even a 576 x 576 layer matrix at one row gains from a helper despite the pool's
 // hand-off.
 template <typename Run>
 void for_each_item(xla::ffi::ThreadPool& pool, int64_t items, int64_t units, bool contiguous,

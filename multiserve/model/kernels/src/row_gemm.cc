@@ -61,7 +61,7 @@ inline void block(const float* x, int64_t k_dim, const float* panel, float* y, i
     for (int j = 0; j < NV; ++j) acc[r][j] = vf{};
   const float* xr[R];
   for (int r = 0; r < R; ++r) xr[r] = x + (m0 + r) * k_dim;
-  // the warming's schedule by counters (a division per k step measured ~3% of a block)
+  // the warming's schedule by counters: no division in the k loop (docs/performance.md §3)
   const char* next_row = reinterpret_cast<const char*>(warm.rows);
   int64_t countdown = 1, left = warm.count;
   for (int64_t k = 0; k < k_dim; ++k) {
@@ -120,8 +120,8 @@ void block_rows(int64_t r, const float* x, int64_t k_dim, const float* panel, fl
 // every n k steps), so the core's memory stream runs at an even rate through all of them
 // instead of only during the first; at 12-16 rows this is the difference between the
 // memory's time plus the cache passes' compute and their maximum. One block (up to MR rows)
-// is a stream the hardware prefetcher keeps up with alone (warming there measured 5% slower
-// at 2 rows). Prefetches change no arithmetic.
+// is a stream the hardware prefetcher keeps up with alone (warming there only adds work:
+// docs/performance.md §3). Prefetches change no arithmetic.
 // Whether run_block warms the next panel: with two register blocks or more.
 inline bool warms_next_panel(int64_t m) { return m > MR; }
 
@@ -157,9 +157,9 @@ ffi::Error RowGemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                    y->typed_data(), xd[0], xd[1], wd[1]};
   // Items are (panel, block) pairs in panel order. With warming (more than one block):
   // one contiguous run per thread, so the threads' shares differ by one block at most
-  // (whole panels left 5-11% of a layer's products to one thread at SmolLM2's 9- and
-  // 15-panel matrices; the panel where two runs meet is read by both). One block: an item
-  // is a panel, ~4 grabs per thread.
+  // (with whole panels, two threads split an odd panel count, as in SmolLM2's 9- and
+  // 15-panel matrices, a whole panel unevenly; the panel where two runs meet is read by
+  // both). One block: an item is a panel, ~4 grabs per thread.
   const int64_t blocks = blocks_of(pr.m);
   for_each_item(pool, pr.panels * blocks, work_units(pr.panels, pr.m, pr.k),
                 warms_next_panel(pr.m), [pr, blocks](int64_t b, int64_t e) {
