@@ -120,10 +120,11 @@ def test_step_costs_choose_drafts_by_the_measured_bucket_costs() -> None:
     costs.observe(8, 0.060)  # compute-bound from 8 tokens on
     # 2 rows + 2 drafts fit bucket 4 (cheap); more would need bucket 8 at 3x the cost
     assert costs.best_draft_count(2, 2, [0.9, 0.81, 0.73, 0.66, 0.59, 0.53]) == 2
-    assert costs.best_draft_count(3, 3, [0.01, 0.001]) == 1  # within its bucket: free
+    assert costs.best_draft_count(3, 3, [0.01, 0.001]) == 0  # under the 10% margin
+    assert costs.best_draft_count(3, 3, [0.9, 0.001]) == 1  # within its bucket: free
     costs.observe(4, 0.5)  # the moving average follows a slower bucket 4
     assert costs.cost(4) > 0.021 and costs.best_draft_count(2, 2, [0.9, 0.81]) == 0
-    assert costs.bucket(65) is None and costs.best_draft_count(63, 63, [1.0, 1.0]) == 1
+    assert costs.bucket(65) is None and costs.best_draft_count(50, 50, [1.0] * 20) == 14
     # with overlap, a step with drafts also pays the host time between steps
     costs.observe(4, 0.021)
     costs.observe(4, 0.021)

@@ -16,6 +16,7 @@ import math
 from collections.abc import Sequence
 
 EWMA = 0.2  # weight of a new observation
+MARGIN = 1.1  # drafts only where they are expected to add at least 10% tokens/s
 UNSEEN_GROWTH = 0.05  # assumed cost growth per doubling of tokens past the measured
 
 
@@ -86,4 +87,6 @@ class StepCosts:
             expected += g
             if expected / c > best_value:
                 best_value, best_n = expected / c, i + 1
-        return best_n
+        # the estimate must beat the plain step by a margin: costs are noisy moving
+        # averages and the acceptance a guess, and a wrong "yes" is paid every step
+        return best_n if best_value >= MARGIN * base_rows / c0 else 0
