@@ -77,7 +77,7 @@ def _fleet_args(p: argparse.ArgumentParser) -> None:
                    help="speculative decoding (outputs unchanged, bit for bit): n-gram drafts "
                         "from the request's prompt and output and earlier outputs of its prompt")
     p.add_argument("--speculative-num-draft-tokens", type=int, default=None,
-                   help="the most draft tokens of one request in one step (default 4)")
+                   help="the most draft tokens of one request in one step (default 8)")
     p.add_argument("--tool-call-parser", default=None,
                    help="tool-call format read from chat replies: hermes (qwen25), qwen3_coder, "
                         "llama3, mistral, pythonic, deepseekv3 (default: chosen from the chat "

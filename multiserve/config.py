@@ -172,7 +172,7 @@ class EngineConfig:
     # step carries draft tokens only while its tokens (drafts included) stay within it;
     # within that, the measured cost of each token bucket decides (engine/spec/step_costs).
     speculative_algorithm: str | None = None
-    speculative_num_draft_tokens: int = 4
+    speculative_num_draft_tokens: int = 8
     speculative_max_step_tokens: int = 64
 
     def __post_init__(self) -> None:
