@@ -20,15 +20,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-# What the embedded default model (SmolLM2-135M-Instruct, a Q4_1 GGUF dequantized at load)
-# serves in on a CPU, and why: float32 measured far faster for a single stream than
-# bfloat16 (docs/performance.md §4; the reason string carries the figure and its CPU). The
-# bfloat16 step is slow outside the native products and attention (they were verified and
-# chosen at every size), so the default model stays float32 until that is found; a
-# bfloat16 checkpoint still serves in bfloat16 (its own precision).
+# What the embedded default model (SmolLM2-135M-Instruct, a Q4_1 GGUF de-quantized at load)
+# serves in on a CPU, and why. "auto" means the checkpoint's precision: the de-quantized
+# weights are exact in float32 and not in bfloat16, so float32, though bfloat16 measured
+# faster here once its KV writes went native (docs/performance.md §4).
 EMBEDDED_MODEL_DTYPE = "float32"
-EMBEDDED_MODEL_REASON = ("the embedded default model: float32 measured faster for a "
-                         "single stream (51 vs 2 tok/s in bfloat16 on an AVX-512 BF16 EPYC)")
+EMBEDDED_MODEL_REASON = ("the embedded default model: its GGUF holds Q4_1 blocks whose "
+                         "de-quantized values bfloat16 cannot hold exactly; float32 keeps "
+                         "them (and its outputs equal to its float32 references). "
+                         "dtype=bfloat16 serves it faster (docs/performance.md)")
 
 
 @dataclass(frozen=True)
