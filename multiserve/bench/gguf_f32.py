@@ -79,8 +79,8 @@ def _write_copy(src: Path, dst: Path, kind: str) -> None:
         values = np.ascontiguousarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
         if bf16 and values.ndim > 1:
             qtype = gguf.GGMLQuantizationType.BF16
-            writer.add_tensor(t.name, quantize(values, qtype), raw_shape=values.shape,
-                              raw_dtype=qtype)
+            # the quantized array's own (byte) shape: the writer derives the element shape
+            writer.add_tensor(t.name, quantize(values, qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(t.name, values)
     writer.write_header_to_file()

@@ -65,3 +65,27 @@ def test_f32_copy_is_cached_by_source_identity(quantized: Path) -> None:
     os.utime(quantized, ns=(stamp + 10**9, stamp + 10**9))  # the source changed
     second = f32_copy(quantized)
     assert second != first and second.is_file()
+
+
+def test_bf16_copy_rounds_matrices_and_keeps_shapes(quantized: Path) -> None:
+    """llama.cpp's MOSTLY_BF16 layout: matrices BF16 (each value the F32 value rounded),
+    1-D tensors F32, every tensor's element shape and byte size as the header declares
+    (llama.cpp refuses a file whose data offsets disagree)."""
+    import ml_dtypes
+
+    from multiserve.bench.gguf_f32 import dtype_copy
+    from multiserve.model.loading.gguf import read_gguf
+
+    copy = dtype_copy(quantized, "BF16")
+    src, dst = gguf.GGUFReader(str(quantized)), gguf.GGUFReader(str(copy))
+    assert dst.fields["general.file_type"].contents() == gguf.LlamaFileType.MOSTLY_BF16
+    shapes = {t.name: tuple(t.shape) for t in src.tensors}
+    for t in dst.tensors:
+        assert tuple(t.shape) == shapes[t.name], t.name
+        assert t.tensor_type == (Q.BF16 if len(t.shape) > 1 else Q.F32), t.name
+        assert t.n_bytes == t.n_elements * (2 if len(t.shape) > 1 else 4), t.name
+    _, exact, _ = read_gguf(quantized)
+    _, rounded, _ = read_gguf(copy)
+    for name, value in exact.items():
+        want = value.astype(ml_dtypes.bfloat16).astype(np.float32) if value.ndim > 1 else value
+        assert np.array_equal(rounded[name], want), name

@@ -110,3 +110,27 @@ def idle_engine(served: Served) -> Iterator[Served]:
     served.http.post("/continue_generation")
     served.http.post("/abort_request", json={"abort_all": True})
     served.wait_state(_idle)
+
+
+# The embedded default model behind a real server, shared by the default-model server tests
+# (tool calls, structured outputs): decode steps at T=8, prefills at 512 (a decode step on
+# the 512 bucket alone costs ~10x a T=8 one).
+DEFAULT_KW: dict[str, Any] = dict(
+    max_running_requests=8, precompile_bs_paddings=(8,), precompile_token_paddings=(8, 512),
+    chunked_prefill_size=512, max_total_tokens=8192, max_context_len=2048,
+    compile_in_background=False, show_progress=False)
+
+
+@pytest.fixture(scope="session")
+def default_server_url() -> Iterator[str]:
+    from multiserve.config import EngineConfig
+    from multiserve.engine.engine import Engine
+    from multiserve.server import ServerThread, TokenizerManager, build_app
+
+    eng = Engine(EngineConfig(**DEFAULT_KW))
+    tm = TokenizerManager(eng.tokenizer_dir, eng.context_len, eng.model_name,
+                          tokenizer=eng.tokenizer)
+    thread = ServerThread(build_app(eng, tm)).start()
+    yield thread.url
+    thread.stop()
+    eng.shutdown()

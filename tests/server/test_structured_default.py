@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
 
 import httpx
 import openai
@@ -16,10 +15,6 @@ from pydantic import BaseModel, Field
 
 pytestmark = pytest.mark.slow
 
-KW = dict(max_running_requests=8, precompile_bs_paddings=(8,), precompile_token_paddings=(512,),
-          chunked_prefill_size=512, max_total_tokens=8192, max_context_len=2048,
-          show_progress=False)
-
 
 class City(BaseModel):
     name: str = Field(max_length=40)
@@ -27,19 +22,9 @@ class City(BaseModel):
     population: int = Field(ge=0, le=100_000_000)
 
 
-@pytest.fixture(scope="module")
-def url() -> Iterator[str]:
-    from multiserve.config import EngineConfig
-    from multiserve.engine.engine import Engine
-    from multiserve.server import ServerThread, TokenizerManager, build_app
-
-    eng = Engine(EngineConfig(**KW))
-    tm = TokenizerManager(eng.tokenizer_dir, eng.context_len, eng.model_name,
-                          tokenizer=eng.tokenizer)
-    thread = ServerThread(build_app(eng, tm)).start()
-    yield thread.url
-    thread.stop()
-    eng.shutdown()
+@pytest.fixture
+def url(default_server_url: str) -> str:
+    return default_server_url
 
 
 def test_openai_parse_with_a_pydantic_model(url: str) -> None:

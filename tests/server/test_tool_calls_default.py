@@ -16,9 +16,6 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-KW: dict[str, Any] = dict(
-    max_running_requests=8, precompile_bs_paddings=(8,), precompile_token_paddings=(512,),
-    chunked_prefill_size=512, max_total_tokens=8192, max_context_len=2048, show_progress=False)
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Get the current weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -45,19 +42,9 @@ HISTORY = [
 ]
 
 
-@pytest.fixture(scope="module")
-def default_server() -> Iterator[str]:
-    from multiserve.config import EngineConfig
-    from multiserve.engine.engine import Engine
-    from multiserve.server import ServerThread, TokenizerManager, build_app
-
-    eng = Engine(EngineConfig(**KW))
-    tm = TokenizerManager(eng.tokenizer_dir, eng.context_len, eng.model_name,
-                          tokenizer=eng.tokenizer)
-    thread = ServerThread(build_app(eng, tm)).start()
-    yield thread.url
-    thread.stop()
-    eng.shutdown()
+@pytest.fixture
+def default_server(default_server_url: str) -> str:
+    return default_server_url
 
 
 @pytest.fixture(scope="module")
