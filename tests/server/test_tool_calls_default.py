@@ -42,7 +42,7 @@ HISTORY = [
 ]
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def default_server(default_server_url: str) -> str:
     return default_server_url
 
