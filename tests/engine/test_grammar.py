@@ -173,3 +173,34 @@ def test_bad_grammars_are_refused_with_the_field(compiler: GrammarCompiler) -> N
         with pytest.raises(GrammarError) as err:
             compiler.compile(kind, spec)
         assert err.value.field == kind
+
+
+def test_a_token_the_grammar_rejects_ends_the_sample_with_an_error(
+        tiny_engine: Any, compiler: GrammarCompiler, tokenizer: Any) -> None:
+    """A resumed output the grammar never admitted (digits under a lowercase-words regex)
+    leaves the matcher in its error state: the sample ends with "abort" and an error
+    naming the rejected token, not a bare abort."""
+    bad = tokenizer.encode("123 456", add_special_tokens=False)
+    params = _params(compiler, 0).with_updates(grammar_resumed=len(bad))
+    col = Collector(tiny_engine)
+    col.submit("r0", _prompts(1, seed=21)[0] + bad, params)
+    out = col.wait()[("r0", 0)]
+    assert out.finish_reason == "abort" and out.output_ids == ()
+    assert out.error is not None and out.error.startswith("the grammar rejected tokens ")
+
+
+def test_a_sampled_token_the_grammar_rejects_names_it_in_the_error(
+        compiler: GrammarCompiler, tokenizer: Any) -> None:
+    """The scheduler's verdict on an emitted token the matcher rejects: "abort", and the
+    Req's error (what its final output carries) names the token."""
+    from multiserve.engine.sched.request import Req
+    from multiserve.engine.sched.scheduler import Scheduler
+    from multiserve.grammar.matcher_state import GrammarState
+
+    params = _params(compiler, 0)
+    req = Req(rid="r", index=0, prompt_ids=[5], params=params, seed=0, sink=lambda d: None)
+    req.grammar = GrammarState(params.grammar)
+    digit = tokenizer.encode("7", add_special_tokens=False)[0]
+    assert Scheduler._grammar_verdict(req, digit) == "abort"
+    assert req.error is not None and req.error.startswith(f"the grammar rejected token {digit}")
+    assert req.next_delta("v").error == req.error
