@@ -204,3 +204,31 @@ def test_a_sampled_token_the_grammar_rejects_names_it_in_the_error(
     assert Scheduler._grammar_verdict(req, digit) == "abort"
     assert req.error is not None and req.error.startswith(f"the grammar rejected token {digit}")
     assert req.next_delta("v").error == req.error
+
+
+@pytest.mark.parametrize("list_form", [False, True])
+def test_strict_tools_under_auto_allow_text_or_valid_calls(
+        compiler: GrammarCompiler, tokenizer: Any, list_form: bool) -> None:
+    """tool_choice auto with a strict tool: text that never opens a call, or text then
+    calls whose arguments validate; nothing after the calls."""
+    from multiserve.grammar.compiler import tool_call_grammar
+
+    add = {"type": "function", "function": {"name": "add", "parameters": SCHEMA}}
+    grammar = compiler.compile("tool_call", tool_call_grammar([add], None, True, list_form,
+                                                              free_text=True))
+
+    def accepts(text: str) -> bool:
+        m = grammar.new_matcher()
+        ok = m.consume_tokens(tokenizer.encode(text, add_special_tokens=False))
+        return bool(ok) and not m.is_error() and m.is_accepting()
+
+    call = '{"name": "add", "arguments": {"n": 4, "ok": true}}'
+    bad = '{"name": "add", "arguments": {"n": 400, "ok": true}}'
+    block = (lambda c: f"<tool_call>[{c}]</tool_call>") if list_form else (
+        lambda c: f"<tool_call>\n{c}\n</tool_call>")
+    assert accepts("no tool needed here.")
+    assert accepts(block(call)) and accepts("Let me add. " + block(call))
+    assert not accepts(block(bad))
+    assert not accepts(block(call.replace('"add"', '"sub"')))
+    assert not accepts("text <tool_call> then text")
+    assert not accepts(block(call) + " and more text")
