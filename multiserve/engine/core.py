@@ -118,7 +118,11 @@ class EngineCore:
         check_admission(self.scheduler.waiting, reqs, self.admission)  # or EngineOverloaded
         for req in reqs:
             self.scheduler.add(req)
-            if req.params.max_new_tokens == 0 and not req.needs_prompt_logprobs:
+            if req.grammar is not None and req.grammar.failed:
+                self.finish(req, "abort", "the grammar rejected tokens of the resumed output "
+                            f"(grammar_resumed={req.params.grammar_resumed}): "
+                            f"{req.grammar.error}")
+            elif req.params.max_new_tokens == 0 and not req.needs_prompt_logprobs:
                 self.finish(req, "length")
             # else max_new_tokens == 0 with prompt logprobs: prefill only (scoring)
 

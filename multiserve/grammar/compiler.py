@@ -6,7 +6,8 @@ Owns the translations (all to llguidance grammar text) of:
 - `structural_tag` (SGLang / OpenAI: `{"structures": [{"begin", "schema", "end"}],
   "triggers": [...]}`: free text in which each trigger starts its structure);
 - tool calls (`tool_call_grammar`): the hermes `<tool_call>` form with schema-valid
-  arguments, for tool_choice `required` and a named function.
+  arguments, for tool_choice `required` and a named function, and (text or calls) for
+  `auto` with strict tools.
 
 Invariants:
 - JSON whitespace is capped (`JSON_WHITESPACE`: at most 16 blanks between two tokens of
@@ -111,12 +112,13 @@ def structural_tag_grammar(tag: Any, field_name: str = "structural_tag") -> str:
 
 
 def tool_call_grammar(tools: Sequence[dict[str, Any]], name: str | None, parallel: bool,
-                      list_form: bool) -> str:
-    """The hermes tool-call form, nothing else: `<tool_call>` blocks whose JSON is
+                      list_form: bool, free_text: bool = False) -> str:
+    """The hermes tool-call form: `<tool_call>` blocks whose JSON is
     `{"name": <a tool>, "arguments": <valid for that tool's parameters>}` (only `name`'s
     tool when given). `list_form`: one block holding a JSON list of calls (what the generic
     tool prompt asks for), else one object per block (Qwen / Hermes templates); at most
-    one call unless `parallel`."""
+    one call unless `parallel`. `free_text` (tool_choice auto with strict tools): either
+    text that never writes `<tool_call>`, or text then the calls (nothing after them)."""
     options = []
     for t in tools:
         fn = t.get("function", t)
@@ -127,14 +129,22 @@ def tool_call_grammar(tools: Sequence[dict[str, Any]], name: str | None, paralle
                         "required": ["name", "arguments"],
                         "properties": {"name": {"const": fn["name"]}, "arguments": params}})
     call = options[0] if len(options) == 1 else {"anyOf": options}
+    if free_text:
+        # the text-only branch cannot hold the opening tag; the other is lazy: its text
+        # ends at the first `<tool_call>`, where the calls begin
+        head = ("%llguidance {}\nstart: TEXT_ONLY | opening calls_rest\n"
+                "TEXT_ONLY: /(.|\\n)*/ & ~/(.|\\n)*<tool_call>(.|\\n)*/\n"
+                "opening[lazy]: /(.|\\n)*/ \"<tool_call>\"\n")
+    else:
+        head = "%llguidance {}\nstart: \"<tool_call>\" calls_rest\n"
     if list_form:
         array: dict[str, Any] = {"type": "array", "minItems": 1, "items": call}
         if not parallel:
             array["maxItems"] = 1
-        return ("%llguidance {}\nstart: \"<tool_call>\" calls \"</tool_call>\"\n"
+        return (head + "calls_rest: calls \"</tool_call>\"\n"
                 f"calls: {_lark_json(array)}\n")
-    repeat = "+" if parallel else ""
-    return ("%llguidance {}\nstart: block" + repeat + "\n"
+    more = " block*" if parallel else ""
+    return (head + "calls_rest: \"\\n\" call \"\\n</tool_call>\"" + more + "\n"
             "block: \"<tool_call>\\n\" call \"\\n</tool_call>\"\n"
             f"call: {_lark_json(call)}\n")
 

@@ -59,6 +59,11 @@ class GrammarState:
         return bool(self.matcher.is_stopped())
 
     @property
+    def failed(self) -> bool:
+        """The matcher is in its error state (a token, or the resumed output, rejected)."""
+        return bool(self.matcher.is_error())
+
+    @property
     def error(self) -> str:
         return str(self.matcher.get_error())
 

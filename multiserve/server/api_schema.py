@@ -47,6 +47,43 @@ SAMPLING_PARAMS_SCHEMA: dict[str, Any] = {
         "spaces_between_special_tokens": BOOL, "custom_params": {"type": "object"},
         **{key: {**NULL, "description": f"refused unless null: {why}"}
            for key, why in S.REFUSED.items()}}}
+# Decoding constraints (grammar/compiler.py): the shapes a client sends, so that a fuzzer
+# generates them (the values it makes are mostly invalid grammars: 400s naming the field).
+STR = {"type": "string"}
+JSON_SCHEMA_VALUE: dict[str, Any] = {"anyOf": [{"type": "object"}, {**STR, "maxLength": 512},
+                                               NULL]}
+STRUCTURAL_TAG_VALUE: dict[str, Any] = {
+    "type": "object", "required": ["structures", "triggers"],
+    "properties": {
+        "structures": {"type": "array", "maxItems": 4, "items": {
+            "type": "object", "required": ["begin", "end"],
+            "properties": {"begin": STR, "end": STR, "schema": {"type": "object"}}}},
+        "triggers": {"type": "array", "maxItems": 4, "items": STR}}}
+CONSTRAINTS: dict[str, dict[str, Any]] = {
+    "regex": {"anyOf": [{**STR, "maxLength": 128}, NULL],
+              "description": "the output must match this regular expression"},
+    "ebnf": {"anyOf": [{**STR, "maxLength": 512}, NULL],
+             "description": "the output must match this grammar (GBNF or lark)"},
+    "json_schema": {**JSON_SCHEMA_VALUE,
+                    "description": "the output must be JSON valid against this schema"},
+    "structural_tag": {"anyOf": [STRUCTURAL_TAG_VALUE, {**STR, "maxLength": 512}, NULL],
+                       "description": "free text; each trigger opens its structure"},
+}
+RESPONSE_FORMAT: dict[str, Any] = {"anyOf": [
+    {"type": "object", "required": ["type"],
+     "properties": {"type": {"enum": ["text", "json_object"]}}},
+    {"type": "object", "required": ["type", "json_schema"],
+     "properties": {"type": {"const": "json_schema"}, "json_schema": {
+         "type": "object", "required": ["name"],
+         "properties": {"name": STR, "schema": {"type": "object"}, "strict": BOOL,
+                        "description": STR}}}},
+    {**STRUCTURAL_TAG_VALUE, "required": ["type", *STRUCTURAL_TAG_VALUE["required"]],
+     "properties": {"type": {"const": "structural_tag"},
+                    **STRUCTURAL_TAG_VALUE["properties"]}},
+    NULL], "description": "at most one constraint per request (else 400)"}
+assert set(CONSTRAINTS) == set(S.GRAMMAR_KEYS), "document every constraint key"
+SAMPLING_PARAMS_SCHEMA["properties"].update(CONSTRAINTS)
+
 # Top-level /generate fields refused when set: null, false or a list of nulls only.
 UNSET_FEATURE: dict[str, Any] = {
     "anyOf": [NULL, {"const": False}, {"type": "array", "items": NULL}],
@@ -217,6 +254,11 @@ def _refiner(model_name: str, vocab: int) -> Any:
                 body[key] = UNSET_FEATURE
         _bound(SAMPLING_PARAMS_SCHEMA["properties"])
         _bound(body)
+        for name in ("ChatCompletionRequest", "CompletionRequest"):
+            props = components.get(name, {}).get("properties", {})
+            props.update({k: v for k, v in CONSTRAINTS.items() if k in props})
+            if "response_format" in props:
+                props["response_format"] = RESPONSE_FORMAT
         for name in ("ChatCompletionRequest", "CompletionRequest", "GenerateRequestBody"):
             props = components.get(name, {}).get("properties", {})
             _bound(props)

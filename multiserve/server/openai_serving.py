@@ -74,21 +74,26 @@ class OpenAIServing:
 
     # ---- shared -----------------------------------------------------------------------
     async def _grammar(self, req: P.ChatCompletionRequest | P.CompletionRequest,
-                       tool_grammar: str | None = None) -> Grammar | None:
+                       tool_grammar: str | None = None,
+                       tool_field: str = "tool_choice") -> Grammar | None:
         """The request's decoding constraint compiled (response_format, SGLang's
-        constraint fields, or the tool-call grammar of tool_choice required / named):
-        off the event loop, cached, bounded by the compiler's timeout. 400 for a bad or
-        doubled constraint, before anything is generated."""
+        constraint fields, or the tool-call grammar of tool_choice required / named, or
+        of strict tools under auto, named `tool_field` in errors; a given constraint, or a
+        server without a compiler, leaves the latter unenforced): off the event loop,
+        cached, bounded by the compiler's timeout. 400 for a bad or doubled constraint,
+        before anything is generated."""
         try:
             found = req.constraint()
         except ValueError as exc:
             param, why = exc.args
             raise bad_request(f"{param}: {why}", param=param) from None
+        if tool_field == "tools" and (found is not None or self.grammars is None):
+            tool_grammar = None  # strict tools under auto: enforced where it can be
         if tool_grammar is not None:
             if found is not None:
                 raise bad_request(f"{found[0]}: cannot be combined with tool_choice "
                                   "'required' or a named function", param=found[0])
-            found = ("tool_choice", "tool_call", tool_grammar)
+            found = (tool_field, "tool_call", tool_grammar)
         if found is None:
             return None
         if self.grammars is None:
@@ -142,7 +147,8 @@ class OpenAIServing:
         if req.top_logprobs is not None and not req.logprobs and req.top_logprobs > 0:
             raise bad_request("top_logprobs: requires logprobs=true", param="top_logprobs")
         tools, tool_grammar = self._chat_tools(req)
-        grammar = await self._grammar(req, tool_grammar)
+        grammar = await self._grammar(req, tool_grammar, "tools" if req.tool_choice in (
+            None, "auto") else "tool_choice")
         add_generation_prompt, template_kwargs = req.template_args()
         ids = self.tm.apply_chat_template(req.messages, add_generation_prompt, tools,
                                           **template_kwargs)
@@ -178,10 +184,14 @@ class OpenAIServing:
     def _chat_tools(self, req: P.ChatCompletionRequest
                     ) -> tuple[list[dict[str, Any]] | None, str | None]:
         """(the tools to render and parse for (None: no tool calling), the grammar that
-        enforces tool_choice `required` / a named function (None: not enforced)), after
-        checking tools and tool_choice (400s). The enforced form is the hermes
-        `<tool_call>` one: as a JSON list in one block when the generic tool prompt renders
-        the tools (it asks for that), else one object per block."""
+        enforces tool_choice `required` / a named function, or under `auto` the strict
+        tools (None: not enforced)), after checking tools and tool_choice (400s). The
+        enforced form is the hermes `<tool_call>` one: as a JSON list in one block when
+        the generic tool prompt renders the tools (it asks for that), else one object per
+        block. Under `auto` with some `strict: true` tool: text that writes no
+        `<tool_call>`, or text then calls whose arguments validate against a strict
+        tool's schema (any JSON object for a tool not marked strict); only in the
+        enforceable formats (elsewhere `auto` is not constrained)."""
         choice = req.tool_choice
         if not req.tools:
             if choice is not None and choice != "none":
@@ -215,6 +225,14 @@ class OpenAIServing:
             name = choice.function.name if isinstance(choice, P.NamedToolChoice) else None
             return tools, tool_call_grammar(tools, name, req.parallel_tool_calls,
                                             list_form=not self.tm.template_reads_tools)
+        if any(t.function.strict for t in req.tools) and \
+                self.tool_call_parser in ENFORCEABLE_PARSERS:
+            schemas = [t if t["function"].get("strict") else
+                       {**t, "function": {**t["function"], "parameters": {"type": "object"}}}
+                       for t in tools]
+            return tools, tool_call_grammar(schemas, None, req.parallel_tool_calls,
+                                            list_form=not self.tm.template_reads_tools,
+                                            free_text=True)
         return tools, None
 
     def _output_parser(self, req: P.ChatCompletionRequest,

@@ -173,3 +173,62 @@ def test_bad_grammars_are_refused_with_the_field(compiler: GrammarCompiler) -> N
         with pytest.raises(GrammarError) as err:
             compiler.compile(kind, spec)
         assert err.value.field == kind
+
+
+def test_a_token_the_grammar_rejects_ends_the_sample_with_an_error(
+        tiny_engine: Any, compiler: GrammarCompiler, tokenizer: Any) -> None:
+    """A resumed output the grammar never admitted (digits under a lowercase-words regex)
+    leaves the matcher in its error state: the sample ends with "abort" and an error
+    naming the rejected token, not a bare abort."""
+    bad = tokenizer.encode("123 456", add_special_tokens=False)
+    params = _params(compiler, 0).with_updates(grammar_resumed=len(bad))
+    col = Collector(tiny_engine)
+    col.submit("r0", _prompts(1, seed=21)[0] + bad, params)
+    out = col.wait()[("r0", 0)]
+    assert out.finish_reason == "abort" and out.output_ids == ()
+    assert out.error is not None and out.error.startswith("the grammar rejected tokens ")
+
+
+def test_a_sampled_token_the_grammar_rejects_names_it_in_the_error(
+        compiler: GrammarCompiler, tokenizer: Any) -> None:
+    """The scheduler's verdict on an emitted token the matcher rejects: "abort", and the
+    Req's error (what its final output carries) names the token."""
+    from multiserve.engine.sched.request import Req
+    from multiserve.engine.sched.scheduler import Scheduler
+    from multiserve.grammar.matcher_state import GrammarState
+
+    params = _params(compiler, 0)
+    req = Req(rid="r", index=0, prompt_ids=[5], params=params, seed=0, sink=lambda d: None)
+    req.grammar = GrammarState(params.grammar)
+    digit = tokenizer.encode("7", add_special_tokens=False)[0]
+    assert Scheduler._grammar_verdict(req, digit) == "abort"
+    assert req.error is not None and req.error.startswith(f"the grammar rejected token {digit}")
+    assert req.next_delta("v").error == req.error
+
+
+@pytest.mark.parametrize("list_form", [False, True])
+def test_strict_tools_under_auto_allow_text_or_valid_calls(
+        compiler: GrammarCompiler, tokenizer: Any, list_form: bool) -> None:
+    """tool_choice auto with a strict tool: text that never opens a call, or text then
+    calls whose arguments validate; nothing after the calls."""
+    from multiserve.grammar.compiler import tool_call_grammar
+
+    add = {"type": "function", "function": {"name": "add", "parameters": SCHEMA}}
+    grammar = compiler.compile("tool_call", tool_call_grammar([add], None, True, list_form,
+                                                              free_text=True))
+
+    def accepts(text: str) -> bool:
+        m = grammar.new_matcher()
+        ok = m.consume_tokens(tokenizer.encode(text, add_special_tokens=False))
+        return bool(ok) and not m.is_error() and m.is_accepting()
+
+    call = '{"name": "add", "arguments": {"n": 4, "ok": true}}'
+    bad = '{"name": "add", "arguments": {"n": 400, "ok": true}}'
+    block = (lambda c: f"<tool_call>[{c}]</tool_call>") if list_form else (
+        lambda c: f"<tool_call>\n{c}\n</tool_call>")
+    assert accepts("no tool needed here.")
+    assert accepts(block(call)) and accepts("Let me add. " + block(call))
+    assert not accepts(block(bad))
+    assert not accepts(block(call.replace('"add"', '"sub"')))
+    assert not accepts("text <tool_call> then text")
+    assert not accepts(block(call) + " and more text")

@@ -114,3 +114,32 @@ def test_an_answer_disagreeing_with_the_document_fails_the_run() -> None:
     assert not report.ok
     assert any("does not match the document" in v and "SSE event" in v
                for v in report.violations), report.violations[:3]
+
+
+def test_documents_declare_tools_and_constraints() -> None:
+    """The fields of tool calling and constrained decoding are in the engine app's
+    document with their shapes, so schemathesis generates them: chat `tools`,
+    `tool_choice`, `response_format` (each type), SGLang's constraint fields, and the
+    same keys in /generate's `sampling_params`."""
+    from fastapi import FastAPI
+
+    from multiserve.sampling_policy import GRAMMAR_KEYS
+    from multiserve.server.api_schema import document_engine_app
+
+    app = FastAPI()
+    for path in ("/v1/chat/completions", "/v1/completions", "/generate"):
+        app.add_api_route(path, lambda: None, methods=["POST"])
+    document_engine_app(app, "m", 100)
+    schemas = app.openapi()["components"]["schemas"]
+    chat = schemas["ChatCompletionRequest"]["properties"]
+    assert {"tools", "tool_choice", "parallel_tool_calls", "response_format",
+            *GRAMMAR_KEYS} <= set(chat)
+    assert "$ref" in str(chat["tools"]) and "ToolDef" in schemas and "strict" in str(
+        schemas["FunctionDef"])
+    assert "required" in str(chat["tool_choice"]) and "NamedToolChoice" in str(
+        chat["tool_choice"])
+    kinds = str(chat["response_format"])
+    assert all(k in kinds for k in ("json_object", "json_schema", "structural_tag"))
+    assert chat["regex"]["anyOf"][0]["type"] == "string"
+    body = schemas["GenerateRequestBody"]["properties"]["sampling_params"]["anyOf"][0]
+    assert set(GRAMMAR_KEYS) <= set(body["properties"])

@@ -12,6 +12,17 @@ WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                    "required": ["city"]}}}
+STRICT_WEATHER = {"type": "function", "function": {**WEATHER["function"], "strict": True}}
+STRICT_BAD = {"type": "function", "function": {
+    "name": "bad", "strict": True, "parameters": {"type": "object", "properties": {
+        "s": {"type": "string", "pattern": "(("}}}}}
+PICK = {"type": "function", "function": {
+    "name": "pick", "parameters": {"type": "object", "additionalProperties": False,
+                                   "required": ["n"], "properties": {
+                                       "n": {"type": "integer", "minimum": 0, "maximum": 9}}}}}
+FLIP = {"type": "function", "function": {
+    "name": "flip", "parameters": {"type": "object", "additionalProperties": False,
+                                   "required": ["up"], "properties": {"up": {"type": "boolean"}}}}}
 QWEN = ('Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
         '</tool_call>')
 
@@ -108,6 +119,9 @@ def test_tools_rendered_text(tm):
 
 
 @pytest.mark.parametrize("body,param", [
+    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {
+        "type": "json_object"}}, "response_format"),
+    ({"tools": [STRICT_BAD]}, "tools"),  # a strict tool's schema is compiled: refused
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}},
      "tool_choice"),
     ({"tool_choice": "auto"}, "tool_choice"),
@@ -131,3 +145,33 @@ def test_chat_tool_bad_input(served, body, param):
 def test_completions_still_refuse_tools(served):
     r = served.http.post("/v1/completions", json={"prompt": "x", "tools": [WEATHER]})
     assert _error(r)["param"] == "tools"
+
+
+@pytest.mark.parametrize("choice", ["required", "named"])
+def test_required_and_named_return_a_valid_call(served, idle_engine, choice):
+    """Enforced by the grammar: even the tiny random model returns a schema-valid call
+    (bounded arguments, so that it ends within max_tokens)."""
+    tool_choice = "required" if choice == "required" else {
+        "type": "function", "function": {"name": "pick"}}
+    r = _chat(served, tools=[FLIP, PICK], tool_choice=tool_choice, max_tokens=96,
+              parallel_tool_calls=False)
+    assert r.status_code == 200, r.text
+    choice0 = r.json()["choices"][0]
+    assert choice0["finish_reason"] == "tool_calls", choice0
+    (call,) = [c["function"] for c in choice0["message"]["tool_calls"]]
+    if choice == "named":
+        assert call["name"] == "pick"
+    args = json.loads(call["arguments"])
+    assert args in ([{"n": n} for n in range(10)] + [{"up": True}, {"up": False}])
+
+
+def test_strict_tools_under_auto(served, idle_engine):
+    """A strict tool under auto: a grammar (text without a call start, or text then valid
+    calls) is compiled and applied; a given response_format wins over it."""
+    r = _chat(served, tools=[STRICT_WEATHER], max_tokens=24)
+    assert r.status_code == 200, r.text
+    msg = r.json()["choices"][0]["message"]
+    assert msg.get("tool_calls") or "<tool_call>" not in (msg["content"] or "")
+    r = _chat(served, tools=[STRICT_WEATHER], tool_choice="auto", max_tokens=24,
+              response_format={"type": "json_object"})
+    assert r.status_code == 200, r.text

@@ -81,6 +81,9 @@ class Req:
     # the sample's grammar matcher (multiserve/grammar GrammarState) when params.grammar
     # is set: made by Scheduler.add, advanced with every emitted token
     grammar: Any = None
+    # why the engine itself ended this sample (e.g. its grammar rejected a token):
+    # delivered as the output's `error` unless the finish path gives one
+    error: str | None = None
 
     @classmethod
     def samples_of(cls, request: GenerateRequest, seed: int, sink: OutputSink) -> list[Req]:
@@ -159,7 +162,7 @@ class Req:
             prompt_logprobs=prompt_lps,
             weight_segments=tuple(self.weight_segments),
             matched_stop=self.matched_stop,
-            error=error,
+            error=error if error is not None else self.error,
             spec_verify_ct=self.spec_verify_ct,
             spec_accepted_tokens=self.spec_accepted_tokens,
         )

@@ -537,12 +537,13 @@ class Scheduler:
     @staticmethod
     def _grammar_verdict(req: Req, tok: int) -> FinishReason | None:
         """Advance a constrained Req's matcher by its new token: "stop" once the grammar
-        is complete (nothing but EOS allowed), "abort" if it rejects the token (only a
-        token the mask allowed can be sampled, so this is a broken grammar state)."""
+        is complete (nothing but EOS allowed), "abort" with `req.error` naming the token if
+        it rejects it (only a token the mask allowed can be sampled, so this is a broken
+        grammar state, e.g. a resumed output the grammar never admitted)."""
         assert req.grammar is not None
         if not req.grammar.advance(tok):
-            log.warning("request %s: grammar rejected token %d: %s", req.rid, tok,
-                        req.grammar.error)
+            req.error = f"the grammar rejected token {tok}: {req.grammar.error}"
+            log.warning("request %s: %s", req.rid, req.error)
             return "abort"
         return "stop" if req.grammar.done else None
 
