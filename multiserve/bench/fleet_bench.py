@@ -58,6 +58,8 @@ def fleet_config(args: argparse.Namespace) -> Any:
             overrides[f"engine.{key}"] = list(value) if isinstance(value, list) else value
     if getattr(args, "no_overlap", False):
         overrides["engine.disable_overlap"] = True
+    if getattr(args, "dtype", None) not in (None, "auto"):
+        overrides["engine.dtype"] = args.dtype
     if getattr(args, "speculative", False):
         overrides["engine.speculative_algorithm"] = "ngram"
         if getattr(args, "speculative_num_draft_tokens", None) is not None:
