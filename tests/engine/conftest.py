@@ -3,7 +3,8 @@
 Engines: `tiny_engine` (tiny random Llama, small buckets, chunked prefill forced small,
 overlap on), `tiny_engine_no_overlap` (same, overlap off), `tiny_engine_pressure` (a KV
 pool so small that decode must retract), `tiny_engine_spec` (n-gram speculation on),
-`tiny_engine_bf16` (the same model as a bfloat16 checkpoint, dtype "auto"), and
+`tiny_engine_bf16` (the same model as a bfloat16 checkpoint, dtype "auto"),
+`tiny_engine_each_dtype` (a parametrized fixture: `tiny_engine`, then `tiny_engine_bf16`), and
 `default_engine` (the embedded SmolLM2 model
 with the DEFAULT EngineConfig; only max_total_tokens is lowered to save memory).
 
@@ -167,6 +168,22 @@ def tiny_engine_spec(_tiny_engine_spec: Any) -> Iterator[Any]:
 @pytest.fixture
 def tiny_engine_bf16(_tiny_engine_bf16: Any) -> Any:
     return _used(_tiny_engine_bf16)
+
+
+@pytest.fixture(params=["float32", "bfloat16"])
+def tiny_engine_each_dtype(request: pytest.FixtureRequest) -> Any:
+    """`tiny_engine`, then `tiny_engine_bf16` (the same settings on the bfloat16 checkpoint,
+    served in bfloat16): a determinism test run in both compute dtypes. The bfloat16 case is
+    skipped where the native bfloat16 kernels do not run ("auto" would serve float32)."""
+    if request.param == "bfloat16":
+        from multiserve.model.kernels import native as native_kernels
+
+        if native_kernels.unavailable_reason("bfloat16") is not None:
+            pytest.skip("the native bfloat16 kernels do not run here")
+        eng = request.getfixturevalue("_tiny_engine_bf16")
+        assert eng.get_internal_state()["dtype"] == "bfloat16"
+        return _used(eng)
+    return _used(request.getfixturevalue("_tiny_engine"))
 
 
 @pytest.fixture

@@ -6,7 +6,8 @@ chunks differ, row sums below 8 rows differ), so it picks the fallback formulati
 (products padded to >= 16 rows, chunks of >= 4 rows, row sums padded to >= 8). The engine
 is then pinned to that plan (EngineConfig.invariance_plan) and must still give a lone
 request bitwise the same ids and logprobs after a pause in every mode, after abort +
-resubmit, and inside a batch, as uninterrupted and alone.
+resubmit, and inside a batch, as uninterrupted and alone; in float32 and in bfloat16 (the
+bfloat16 checkpoint, its plan calibrated for bfloat16).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from engine_helpers import AtTokens, Collector, Trigger
@@ -23,6 +25,7 @@ from engine_helpers import AtTokens, Collector, Trigger
 from multiserve.config import EngineConfig
 from multiserve.model.invariance.calibration import calibrate
 from multiserve.model.invariance.workload import workload_for
+from multiserve.model.kernels import native as native_kernels
 from multiserve.types import SamplingParams
 
 ENGINE = dict(precompile_token_paddings=(1, 4, 16, 64), precompile_bs_paddings=(1, 4, 16),
@@ -39,21 +42,30 @@ def alien(primitive: str, c: dict) -> bool:
     return c["rows"] < 8
 
 
-@pytest.fixture(scope="module")
-def alien_engine(tiny_model_dir: Path) -> Iterator[Any]:
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def alien_engine(request: pytest.FixtureRequest) -> Iterator[Any]:
+    """The engine pinned to the alien backend's plan, in each compute dtype (bfloat16: the
+    bfloat16 checkpoint, its formulations probed in bfloat16)."""
     from multiserve.engine.engine import Engine
     from multiserve.model.loading.loader import load_model
 
-    cfg = load_model(str(tiny_model_dir), np.float32).config
+    dtype = request.param
+    if dtype == "bfloat16" and native_kernels.unavailable_reason("bfloat16") is not None:
+        pytest.skip("the native bfloat16 kernels do not run here")
+    model_dir = request.getfixturevalue(
+        "tiny_model_dir" if dtype == "float32" else "tiny_model_dir_bf16")
+    cfg = load_model(str(model_dir), dtype).config
     workload = workload_for(cfg, ENGINE["precompile_token_paddings"],
-                            ENGINE["precompile_bs_paddings"], 16, 8, 128, np.float32,
+                            ENGINE["precompile_bs_paddings"], 16, 8, 128, jnp.dtype(dtype),
                             engine_defaults=False)  # the engine's own sizes: all it runs
     plan = calibrate(workload, jax.devices()[0], distort=alien).plan
     assert plan.verified
     assert all(f.rows >= 16 for p in plan.products for _, f in p.by_rows)
     assert all(chunk >= 4 for _, (chunk, _) in plan.attention.by_tokens)
-    eng = Engine(EngineConfig(model_path=str(tiny_model_dir), invariance_plan=plan, **ENGINE))
+    eng = Engine(EngineConfig(model_path=str(model_dir), invariance_plan=plan, dtype=dtype,
+                              **ENGINE))
     try:
+        assert eng.get_internal_state()["dtype"] == dtype
         yield eng
     finally:
         eng.shutdown()

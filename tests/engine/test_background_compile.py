@@ -17,10 +17,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 from engine_helpers import WAIT_S
 
 from multiserve.config import EngineConfig
 from multiserve.engine.device.programs import background_compiles_held, plan
+from multiserve.model.kernels import native as native_kernels
 from multiserve.types import SamplingParams
 
 BUCKETS: dict[str, Any] = dict(
@@ -59,12 +61,21 @@ def test_plan_serves_from_the_covering_buckets_and_compiles_small_ones_first() -
     assert set(small.first) == {("T", 16), ("R", 16)} and small.rest == (("T", 1), ("R", 1))
 
 
-def test_outputs_do_not_change_when_the_small_buckets_arrive(tiny_model_dir: Path) -> None:
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_outputs_do_not_change_when_the_small_buckets_arrive(
+        dtype: str, request: pytest.FixtureRequest) -> None:
+    """In both compute dtypes: the bfloat16 checkpoint served in bfloat16 (native kernels)
+    keeps the same row invariance across buckets as the float32 one."""
     from multiserve.engine.engine import Engine
 
+    if dtype == "bfloat16" and native_kernels.unavailable_reason("bfloat16") is not None:
+        pytest.skip("the native bfloat16 kernels do not run here")
+    model_dir = request.getfixturevalue(
+        "tiny_model_dir" if dtype == "float32" else "tiny_model_dir_bf16")
     with background_compiles_held():
-        engine = Engine(EngineConfig(model_path=str(tiny_model_dir), **BUCKETS))
+        engine = Engine(EngineConfig(model_path=str(model_dir), dtype=dtype, **BUCKETS))
         try:
+            assert engine.get_internal_state()["dtype"] == dtype
             status = engine.get_internal_state()["compile"]
             assert status == engine.compile_status()
             assert status["compiled"] == ["T=128", "R=64"], status

@@ -126,7 +126,7 @@ def test_a_batch_equals_each_request_alone(engine: Any, reference: dict) -> None
 @pytest.mark.parametrize("mode", ["retract", "in_place", "abort"])
 def test_pause_keeps_outputs_bitwise(engine: Any, trigger: Trigger, reference: dict,
                                      mode: str) -> None:
-    hook = AtTokens(trigger, "r0", 5, lambda: engine.async_pause_generation(mode))
+    hook = AtTokens(trigger, "r0", 5, lambda: engine.acontrol("pause_generation", mode=mode))
     col = Collector(engine, on_output=hook)
     col.submit_all(PROMPTS, [_params(i) for i in range(len(PROMPTS))])
     (res,) = hook.wait()

@@ -1,5 +1,6 @@
 """Pause / continue / abort on the tiny engine (issue 4): what each mode does to the queues
-and the KV, that outputs survive pauses unchanged, the quiescence barrier, and abort.
+and the KV, that outputs survive pauses unchanged (in float32 and in bfloat16), the
+quiescence barrier, and abort.
 
 Pauses land at exact points: a sink hook (`AtTokens`) queues the control call when a
 request has produced k tokens, before the engine can start another step.
@@ -50,17 +51,25 @@ def _submit(col: Collector, work: list[tuple[list[int], SamplingParams]]) -> lis
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(_tiny_engine: Any) -> dict[int, dict]:
-    """Outputs of each workload seed run without any pause (memoised per seed)."""
+def uninterrupted() -> dict[tuple[str, int], dict]:
+    """Outputs of each (engine dtype, workload seed) run without any pause (memoised)."""
     return {}
 
 
+@pytest.fixture
+def engine(tiny_engine_each_dtype: Any) -> Any:
+    """The tiny engine in each compute dtype (float32, bfloat16): the tests of outputs
+    surviving pauses run in both."""
+    return tiny_engine_each_dtype
+
+
 def _reference(engine: Any, cache: dict, seed: int) -> dict:
-    if seed not in cache:
+    key = (engine.get_internal_state()["dtype"], seed)
+    if key not in cache:
         col = Collector(engine)
         _submit(col, _work(seed))
-        cache[seed] = _tokens(col.wait())
-    return cache[seed]
+        cache[key] = _tokens(col.wait())
+    return cache[key]
 
 
 def _state(engine: Any):  # noqa: ANN202 - a factory for Trigger
@@ -71,13 +80,13 @@ def _pause(engine: Any, mode: str):  # noqa: ANN202
     return lambda: engine.acontrol("pause_generation", mode=mode)
 
 
-def test_pause_retract(tiny_engine: Any, trigger: Trigger, uninterrupted: dict) -> None:
-    want = _reference(tiny_engine, uninterrupted, 0)
-    hook = AtTokens(trigger, "r0", 8, _state(tiny_engine), _pause(tiny_engine, "retract"))
-    col = Collector(tiny_engine, on_output=hook)
+def test_pause_retract(engine: Any, trigger: Trigger, uninterrupted: dict) -> None:
+    want = _reference(engine, uninterrupted, 0)
+    hook = AtTokens(trigger, "r0", 8, _state(engine), _pause(engine, "retract"))
+    col = Collector(engine, on_output=hook)
     _submit(col, _work(0))
     before, res = hook.wait()
-    after = tiny_engine.get_internal_state()
+    after = engine.get_internal_state()
     assert res.ok and res.details["retracted"] == before["running_batch_size"] > 0
     assert after["engine_paused"] and after["running_batch_size"] == 0
     assert after["waiting_queue_size"] == before["waiting_queue_size"] + res.details["retracted"]
@@ -88,74 +97,74 @@ def test_pause_retract(tiny_engine: Any, trigger: Trigger, uninterrupted: dict) 
     assert after["available_kv_tokens"] + after["evictable_kv_tokens"] == \
         after["initial_available_kv_tokens"]
     assert after["req_to_token_pool_used"] == 0
-    assert tiny_engine.continue_generation().ok
+    assert engine.continue_generation().ok
     got = col.wait()
     assert all(o.finish_reason == "length" for o in got.values())
     assert _tokens(got) == want
 
 
-def test_pause_in_place(tiny_engine: Any, trigger: Trigger, uninterrupted: dict) -> None:
-    want = _reference(tiny_engine, uninterrupted, 0)
-    hook = AtTokens(trigger, "r0", 8, _state(tiny_engine), _pause(tiny_engine, "in_place"))
-    col = Collector(tiny_engine, on_output=hook)
+def test_pause_in_place(engine: Any, trigger: Trigger, uninterrupted: dict) -> None:
+    want = _reference(engine, uninterrupted, 0)
+    hook = AtTokens(trigger, "r0", 8, _state(engine), _pause(engine, "in_place"))
+    col = Collector(engine, on_output=hook)
     _submit(col, _work(0))
     before, res = hook.wait()
     assert res.ok
     keys = ("running_batch_size", "running_rids", "waiting_queue_size", "waiting_rids",
             "available_kv_tokens", "tree_cache_size", "req_to_token_pool_used")
-    after = tiny_engine.get_internal_state()
+    after = engine.get_internal_state()
     assert before["running_batch_size"] > 0
     assert {k: after[k] for k in keys} == {k: before[k] for k in keys}
     tokens = {k: len(v[-1].output_ids) for k, v in col.snapshots.items()}
-    later = passes_settled(tiny_engine)  # nothing may move while paused
+    later = passes_settled(engine)  # nothing may move while paused
     assert {k: later[k] for k in keys} == {k: before[k] for k in keys}
     assert later["forward_ct"] == after["forward_ct"]
     assert later["empty_passes"] == after["empty_passes"] == 0
     assert {k: len(v[-1].output_ids) for k, v in col.snapshots.items()} == tokens
-    assert tiny_engine.continue_generation().ok
+    assert engine.continue_generation().ok
     got = col.wait()
     assert all(o.finish_reason == "length" for o in got.values())
     assert _tokens(got) == want
 
 
-def test_five_cycles_alternating_modes_at_random_steps(tiny_engine: Any, trigger: Trigger,
+def test_five_cycles_alternating_modes_at_random_steps(engine: Any, trigger: Trigger,
                                                        uninterrupted: dict) -> None:
-    want = _reference(tiny_engine, uninterrupted, 1)
+    want = _reference(engine, uninterrupted, 1)
     rng = random.Random(42)
     steps = sorted(rng.sample(range(2, MAX_NEW - 2), 5))
     modes = ["retract", "in_place", "retract", "in_place", "retract"]
-    hooks = [AtTokens(trigger, "r0", k, _pause(tiny_engine, m)) for k, m in zip(steps, modes)]
+    hooks = [AtTokens(trigger, "r0", k, _pause(engine, m)) for k, m in zip(steps, modes)]
 
     def on_output(out: Any) -> None:
         for h in hooks:
             h(out)
 
-    col = Collector(tiny_engine, on_output=on_output)
+    col = Collector(engine, on_output=on_output)
     _submit(col, _work(1))
     for hook, mode in zip(hooks, modes, strict=True):
         (res,) = hook.wait()
         assert res.ok and res.details["mode"] == mode
-        st = tiny_engine.get_internal_state()
+        st = engine.get_internal_state()
         assert st["engine_paused"]
         if mode == "retract":
             assert st["running_batch_size"] == 0 and res.details["retracted"] > 0
-        tiny_engine.call(CheckIntegrity()).result()
-        assert tiny_engine.continue_generation().ok
+        engine.call(CheckIntegrity()).result()
+        assert engine.continue_generation().ok
     got = col.wait()
     assert all(o.finish_reason == "length" for o in got.values())
     assert _tokens(got) == want
 
 
-def test_pause_abort_returns_partial_prefixes(tiny_engine: Any, trigger: Trigger,
+def test_pause_abort_returns_partial_prefixes(engine: Any, trigger: Trigger,
                                              uninterrupted: dict) -> None:
-    want = _reference(tiny_engine, uninterrupted, 0)
-    hook = AtTokens(trigger, "r0", 8, _pause(tiny_engine, "abort"))
-    col = Collector(tiny_engine, on_output=hook)
+    want = _reference(engine, uninterrupted, 0)
+    hook = AtTokens(trigger, "r0", 8, _pause(engine, "abort"))
+    col = Collector(engine, on_output=hook)
     rids = _submit(col, _work(0))
     (res,) = hook.wait()
     got = col.wait()
     assert res.ok and res.details["aborted"] == len(rids)
-    st = tiny_engine.get_internal_state()
+    st = engine.get_internal_state()
     assert st["engine_paused"]
     assert st["running_batch_size"] == 0 and st["waiting_queue_size"] == 0
     assert len(got) == len(rids)
@@ -163,7 +172,7 @@ def test_pause_abort_returns_partial_prefixes(tiny_engine: Any, trigger: Trigger
         assert out.finish_reason == "abort"
         assert _prefix_of(out, want[key])
     assert len(got[("r0", 0)].output_ids) >= 8
-    assert tiny_engine.continue_generation().ok
+    assert engine.continue_generation().ok
 
 
 def test_pause_and_continue_twice_are_noops(tiny_engine: Any) -> None:

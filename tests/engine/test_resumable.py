@@ -1,7 +1,8 @@
 """Resumable requests (issue 7): an aborted request returns its partial output ids and
 logprobs; re-submitting prompt + partial with the remaining budget continues it, and the
 concatenation equals the uninterrupted output, greedy and seeded (draws are keyed by
-(seed, sample index, position), and a resumed token keeps its position)."""
+(seed, sample index, position), and a resumed token keeps its position); in float32 and in
+bfloat16."""
 
 from __future__ import annotations
 
@@ -29,8 +30,9 @@ def _prompts() -> list[list[int]]:
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_abort_then_resubmit_equals_uninterrupted(tiny_engine: Any, trigger: Trigger,
-                                                  case: str) -> None:
+def test_abort_then_resubmit_equals_uninterrupted(tiny_engine_each_dtype: Any,
+                                                  trigger: Trigger, case: str) -> None:
+    tiny_engine = tiny_engine_each_dtype  # float32, then bfloat16
     params = CASES[case]
     prompts = _prompts()
     full = Collector(tiny_engine)

@@ -75,6 +75,14 @@ _installed = False
 unpatched_hook: Any = None  # JAX's own hook, once replaced
 
 
+# XLA options of every step program. `xla_allow_excess_precision` off: XLA may otherwise
+# skip a float32 -> bfloat16 -> float32 rounding (a product's or a norm's bfloat16 output
+# widened again by its consumer) where its fusion allows, and fusion changes with the
+# step's shapes and formulations, so a bfloat16 row's bits would depend on its batch.
+# No effect on a float32 program (it has no such conversions).
+_OPTIONS = {"xla_allow_excess_precision": False}
+
+
 @dataclass(frozen=True)
 class SharingStatus:
     """Whether this process shares step programs among its engines, and why (or why not).
@@ -187,7 +195,7 @@ class ProgramShare:
     def compile(self, lowered: Any, devices: Sequence[Any]) -> Any:
         """The executable of `lowered` for `devices` (its mesh's devices, in order)."""
         if not self._active(devices[0].platform):
-            return lowered.compile()
+            return lowered.compile(compiler_options=_OPTIONS)
         d0 = devices[0]
         key = (d0.platform, d0.device_kind, len(devices),
                hashlib.sha256(lowered.as_text().encode()).hexdigest())
@@ -197,9 +205,9 @@ class ProgramShare:
                 mine = self._in_flight[key] = threading.Event()
         if running is not None:
             running.wait()  # another engine compiles it: ours is then a cache hit
-            return lowered.compile()
+            return lowered.compile(compiler_options=_OPTIONS)
         try:
-            return lowered.compile()
+            return lowered.compile(compiler_options=_OPTIONS)
         finally:  # kept in the cache, or failed: either way the waiters compile now
             with self._lock:
                 del self._in_flight[key]
