@@ -4,7 +4,10 @@ persistent compilation cache, so engines with the same shapes compile once per r
 import os
 import tempfile
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+# excess precision off: the engine compiles its step programs so (bf16 rows stay invariant,
+# engine/device/program_share.py); the model-level tests' own jits must match them
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4 "
+                      "--xla_allow_excess_precision=false")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",

@@ -20,7 +20,14 @@ from typing import Any
 
 import numpy as np
 import pytest
-from engine_helpers import TINY_ENGINE, TINY_VOCAB, Trigger, assert_idle_and_clean, restore
+from engine_helpers import (
+    TINY_ENGINE,
+    TINY_VOCAB,
+    DraftsAlwaysPay,
+    Trigger,
+    assert_idle_and_clean,
+    restore,
+)
 
 from multiserve.config import EngineConfig, ModelConfig
 
@@ -152,17 +159,18 @@ def tiny_engine_spec(_tiny_engine_spec: Any) -> Iterator[Any]:
     scheduler's `drafter`): the n-gram drafter is put back afterwards."""
     from multiserve.engine.commands import Call
 
-    def drafter(value: Any = None) -> Any:
-        def swap(core: Any) -> Any:
-            old = core.scheduler.drafter
-            if value is not None:
-                core.scheduler.drafter = value
+    def swap(drafter: Any = None, costs: Any = None) -> tuple[Any, Any]:
+        def run(core: Any) -> tuple[Any, Any]:
+            old = core.scheduler.drafter, core.scheduler.step_costs
+            if drafter is not None:
+                core.scheduler.drafter, core.scheduler.step_costs = drafter, costs
             return old
-        return _tiny_engine_spec.call(Call(swap)).result()
+        return _tiny_engine_spec.call(Call(run)).result()
 
-    own = drafter()
+    own, costs = swap()
+    swap(own, DraftsAlwaysPay())  # every draft verified: no test depends on step timings
     yield _used(_tiny_engine_spec)
-    drafter(own)
+    swap(own, costs)
 
 
 @pytest.fixture

@@ -207,6 +207,23 @@ class Oracle:
         pass
 
 
+class DraftsAlwaysPay:
+    """A step-cost stand-in for tests: every draft token is verified (how many pay is a
+    timing fact; the tests check what verification does, whatever the count)."""
+
+    overlap = True
+    host_seconds = 0.0
+
+    def best_draft_count(self, base_tokens: int, base_rows: int, gains: Any) -> int:
+        return len(gains)
+
+    def observe(self, bucket: int, seconds: float) -> None:
+        pass
+
+    def observe_host(self, seconds: float) -> None:
+        pass
+
+
 def passes_settled(engine: Any, passes: int = 2) -> dict[str, Any]:
     """Wait (by round trips, not by time) until the engine loop has completed `passes` more
     passes, each of which decides whether to step; returns the last internal state. Every

@@ -19,6 +19,7 @@ from engine_helpers import (
     TINY_ENGINE,
     AtTokens,
     Collector,
+    DraftsAlwaysPay,
     Oracle,
     Trigger,
     assert_idle_and_clean,
@@ -120,15 +121,18 @@ def test_moe_speculation_gives_the_outputs_without_it(moe_engine: Any, reference
 
     oracle = Oracle({k: ids for k, (ids, _) in reference.items()}, wrong=wrong, vocab=500)
 
-    def swap(drafter: Any) -> None:
-        moe_engine.call(Call(lambda core: setattr(core.scheduler, "drafter", drafter))
-                        ).result()
+    def swap(drafter: Any, costs: Any) -> Any:
+        def run(core: Any) -> Any:
+            old = core.scheduler.step_costs
+            core.scheduler.drafter, core.scheduler.step_costs = drafter, costs
+            return old
+        return moe_engine.call(Call(run)).result()
 
-    swap(oracle)
+    costs = swap(oracle, DraftsAlwaysPay())  # every draft verified, whatever the timings
     try:
         assert _run(moe_engine) == reference
     finally:
-        swap(None)
+        swap(None, costs)
     state = moe_engine.get_internal_state()
     assert state["spec_verify_ct"] > 0 and oracle.proposed > 0
     assert_idle_and_clean(moe_engine)
