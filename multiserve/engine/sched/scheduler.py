@@ -514,13 +514,7 @@ class Scheduler:
                 deliver.append(req)
                 continue
             tok = int(next_ids[b])
-            req.output_ids.append(tok)
-            if not req.weight_segments or \
-                    req.weight_segments[-1].weight_version != weight_version:
-                req.weight_segments.append(
-                    WeightSegment(len(req.output_ids) - 1, weight_version))
-            if logprobs is not None and req.params.wants_logprobs:
-                req.output_logprobs.append(logprobs.token(b, tok, req.params))
+            self._record_token(req, tok, logprobs, b, weight_version)
             reason, matched = rules.verdict(req, tok)
             if reason is None and req.grammar is not None:
                 reason = self._grammar_verdict(req, tok)
@@ -549,6 +543,8 @@ class Scheduler:
 
     def _record_token(self, req: Req, tok: int, logprobs: StepLogprobSource | None,
                       logits_row: int, weight_version: str) -> None:
+        """One emitted token of `req`: its id, the weight version it came from, its
+        logprob record (from logits row `logits_row`) where asked for."""
         req.output_ids.append(tok)
         if not req.weight_segments or \
                 req.weight_segments[-1].weight_version != weight_version:
