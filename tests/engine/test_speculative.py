@@ -305,3 +305,34 @@ def test_abort_and_resubmit_mid_draft(tiny_engine: Any, spec_engine: Any, refere
                                params.with_updates(max_new_tokens=MAX_NEW - len(part)))],
                 prefix="again")[("again0", 0)]
     assert part + rest[0] == want[key][0]
+
+
+@pytest.mark.parametrize("operation", ["memory", "weights"])
+def test_memory_release_and_weight_update_mid_draft(tiny_engine: Any, spec_engine: Any,
+                                                    reference: dict, trigger: Trigger,
+                                                    tiny_model_dir: Any, operation: str) -> None:
+    """Between two speculated steps: memory released (retract) and resumed, or the weights
+    updated from disk to the same checkpoint (K/V recomputed, the prefix cache dropped):
+    the outputs are those without speculation, bit for bit."""
+    want = _want(tiny_engine, reference, 0)
+    _set_drafter(spec_engine, Oracle({k: v[0] for k, v in want.items()}))
+    if operation == "memory":
+        factory = (lambda: spec_engine.acontrol("release_memory_occupation",  # noqa: E731
+                                                mode="retract"))
+    else:  # a weight update needs the engine paused (retract) first
+        factory = (lambda: spec_engine.acontrol("pause_generation",  # noqa: E731
+                                                mode="retract"))
+    hook = AtTokens(trigger, "r0", 9, factory)
+    col = Collector(spec_engine, on_output=hook)
+    work = _work(0)
+    col.submit_all([p for p, _ in work], [s for _, s in work])
+    (res,) = hook.wait()
+    assert res.ok, res
+    if operation == "memory":
+        assert spec_engine.resume_memory_occupation().ok
+    else:
+        assert spec_engine.update_weights_from_disk(str(tiny_model_dir), "default").ok
+        assert spec_engine.continue_generation().ok
+    got = col.wait()
+    assert {k: (o.output_ids, tuple(o.logprobs or ()), o.finish_reason)
+            for k, o in got.items()} == {k: v[:3] for k, v in want.items()}
