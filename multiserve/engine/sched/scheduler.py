@@ -271,14 +271,12 @@ class Scheduler:
         if self.drafter is None or self._prefill_pending():
             return False
         decoding = [r for r in self.running if not r.in_prefill and r.wants_more()]
-        room = min(self.cfg.speculative_max_step_tokens, self.max_rows) - len(decoding)
+        room = self._draft_room(len(decoding))
         if not decoding or room <= 0:
             return False
         k = self.cfg.speculative_num_draft_tokens
-        # a constrained request never drafts (see _add_drafts)
-        gains = sorted((self.drafter.acceptance(r) ** (j + 1) for r in decoding
-                        if r.grammar is None and self.drafter.wants(r) for j in range(k)),
-                       reverse=True)
+        gains = sorted((self._draft_gain(r, j) for r in decoding if self._may_draft(r)
+                        for j in range(k)), reverse=True)
         return bool(gains) and self.step_costs.best_draft_count(
             len(decoding), len(decoding), gains[:room]) > 0
 
@@ -293,7 +291,7 @@ class Scheduler:
         if self._prefill_pending():
             return  # the step is a prefill's, compute-bound: drafts would slow it
         base = len(rows)
-        room_total = min(self.cfg.speculative_max_step_tokens, self.max_rows) - base
+        room_total = self._draft_room(base)
         if room_total <= 0:
             return
         cands: list[tuple[BatchRow, tuple[int, ...]]] = []
@@ -302,21 +300,16 @@ class Scheduler:
             room = min(self.cfg.speculative_num_draft_tokens, room_total,
                        req.params.max_new_tokens - req.num_generated - 1,
                        self.max_context - row.end - 1)
-            # a constrained request never drafts: its verify rows would each need the mask
-            # after their draft prefix
-            if room <= 0 or row.from_prev or req.pending > 0 or req.grammar is not None \
-                    or not self.drafter.wants(req):
+            if room <= 0 or row.from_prev or req.pending > 0 or not self._may_draft(req):
                 continue
             draft = tuple(self.drafter.propose(req, room))[:room]
             if draft:
                 cands.append((row, draft))
         if not cands:
             return
-        gains = []
-        for c, (row, draft) in enumerate(cands):
-            a = min(max(self.drafter.acceptance(row.req), 0.0), 1.0)
-            gains += [(a ** (j + 1), -j, c) for j in range(len(draft))]
-        gains.sort(reverse=True)
+        gains = sorted(((self._draft_gain(row.req, j), -j, c)
+                        for c, (row, draft) in enumerate(cands) for j in range(len(draft))),
+                       reverse=True)
         take = min(room_total, self.step_costs.best_draft_count(
             base, base, [g for g, _, _ in gains]))
         counts = [0] * len(cands)
@@ -324,6 +317,22 @@ class Scheduler:
             counts[c] += 1
         for (row, draft), k in zip(cands, counts, strict=True):
             self._set_draft(row, draft[:k])
+
+    def _draft_room(self, decode_rows: int) -> int:
+        """Draft tokens a step of `decode_rows` decode rows may still carry."""
+        return min(self.cfg.speculative_max_step_tokens, self.max_rows) - decode_rows
+
+    def _may_draft(self, req: Req) -> bool:
+        """Not backed off, and not constrained: a constrained request's verify rows would
+        each need the mask after their draft prefix."""
+        assert self.drafter is not None
+        return req.grammar is None and self.drafter.wants(req)
+
+    def _draft_gain(self, req: Req, j: int) -> float:
+        """The expected tokens the j-th draft token of `req` adds: the chance the first j+1
+        are all accepted, by the request's per-token acceptance."""
+        assert self.drafter is not None
+        return min(max(self.drafter.acceptance(req), 0.0), 1.0) ** (j + 1)
 
     def _prefill_pending(self) -> bool:
         """A prompt waits for admission or is mid-prefill: the next steps carry its chunks."""
