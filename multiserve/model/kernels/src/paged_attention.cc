@@ -12,8 +12,8 @@
 // row-invariant by the construction below).
 //
 // Row invariance BY CONSTRUCTION (the engine's determinism rests on it): one work item is
-// one (token, query head) pair, computed by the same code in the same order whatever else
-// the step holds, whichever thread runs it:
+// one (token, KV head) pair; each of its query heads is computed by the same code in the
+// same order whatever else the step holds, whichever thread runs it:
 //   - keys are visited in blocks of KEY_BLOCK positions aligned to position 0, up to p;
 //   - a score is a 16-lane partial sum over head_dim, lanes combined in a fixed tree;
 //   - each block is one online-softmax update (max, rescale, sum of exps in key order,
@@ -51,6 +51,31 @@ inline float hsum(vf a) {  // fixed tree: (0..7 + 8..15), then halves again
          __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
   v4 c = __builtin_shufflevector(b, b, 0, 1, 2, 3) + __builtin_shufflevector(b, b, 4, 5, 6, 7);
   return (c[0] + c[2]) + (c[1] + c[3]);
+}
+
+// hsum's tree for 16 vectors at once, in four stages: lane j of the last stage is exactly
+// hsum(d_j) (the same additions of the same operands), without a horizontal reduction per
+// vector. Each stage adds two vectors built by shuffles of its two inputs.
+// Stage 1: d_a, d_b -> [lo8(d_a) + hi8(d_a), lo8(d_b) + hi8(d_b)] (hsum's b, two keys).
+inline vf halves8(vf a, vf b) {
+  return __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+         __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30,
+                                 31);
+}
+// Stage 2: two stage-1 vectors (keys 0-1, 2-3) -> hsum's c = b[0..3] + b[4..7], four keys.
+inline vf halves4(vf a, vf b) {
+  return __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+         __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+}
+// Stage 3: two stage-2 vectors (keys 0-3, 4-7) -> [c0 + c2, c1 + c3] per key, eight keys.
+inline vf pairs02(vf a, vf b) {
+  return __builtin_shufflevector(a, b, 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+         __builtin_shufflevector(a, b, 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+}
+// Stage 4: two stage-3 vectors (keys 0-7, 8-15) -> (c0 + c2) + (c1 + c3) per key, 16 keys.
+inline vf adjacent(vf a, vf b) {
+  return __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
 
 inline float hmax(vf a) {  // max is exact: any order
@@ -122,37 +147,31 @@ inline int64_t slot_of(const int32_t* pages, int64_t key, int64_t page_size) {
   return int64_t{pages[key / page_size]} * page_size + key % page_size;
 }
 
-// What an item warms while it runs: the K and/or V rows, at the keys it visits, of the
-// (token, KV head) the NEXT group of items reads. An item of a KV head's group after the
-// first finds its rows in its core's L2 (the first one brought them in), so its pass is
-// compute only; without this its core's memory traffic stops for that long, and the next
-// group's first item then waits on DRAM for every block. Items 1 and 2 of a group warm the
-// next group's K and V, a group of two warms both in its second item, and without GQA each
-// item warms the next one's rows. Prefetches change no arithmetic: the bits are unchanged.
+// What an item warms while it runs: the K and V rows, at the keys it visits, of the
+// (token, KV head) the NEXT item reads, into L2 while this item computes from L1. Without
+// it the core's memory traffic stops for the length of the item's arithmetic, and the next
+// item then waits on DRAM for every block. Prefetches change no arithmetic: the bits are
+// unchanged.
 template <typename KV>
 struct Warm {
-  const KV* k = nullptr;  // rows to warm: the next group's K ... (nullptr: none)
-  const KV* v = nullptr;  // ... and V, at the same slots
+  const KV* k = nullptr;  // rows to warm: the next item's K and V (nullptr: none)
+  const KV* v = nullptr;
   const int32_t* pages = nullptr;
-  int64_t last = -1;         // the next group's own last key position
+  int64_t last = -1;  // the next item's own last key position
 };
 
 template <typename KV>
-Warm<KV> warm_for(const Problem<KV>& pr, int64_t t, int64_t head) {
+Warm<KV> warm_for(const Problem<KV>& pr, int64_t t, int64_t kv_head) {
   Warm<KV> w;
-  const int64_t g = head % pr.group;
-  const bool k = pr.group == 1 || g == 1;
-  const bool v = pr.group <= 2 ? k : g == 2;
-  if (!k && !v) return w;
-  int64_t nt = t, nh = head / pr.group + 1;
+  int64_t nt = t, nh = kv_head + 1;
   if (nh == pr.kv_heads) {
     nt = t + 1;
     nh = 0;
   }
   if (nt >= pr.tokens) return w;
   const int64_t base = (pr.layer * pr.kv_heads + nh) * pr.slots * pr.head_dim;
-  w.k = k ? pr.k + base : nullptr;
-  w.v = v ? pr.v + base : nullptr;
+  w.k = pr.k + base;
+  w.v = pr.v + base;
   w.pages = pr.table + std::clamp<int64_t>(pr.seq[nt], 0, pr.batch - 1) * pr.max_pages;
   w.last = std::clamp<int64_t>(pr.pos[nt], 0, pr.max_pages * pr.page_size - 1);
   return w;
@@ -170,63 +189,127 @@ __attribute__((always_inline)) inline void warm_block(const Problem<KV>& pr,
     const int64_t slot = slot_of(w.pages, key, pr.page_size);
     if (slot < 0 || slot >= pr.slots) continue;
     for (const KV* pool : {w.k, w.v}) {
-      if (pool == nullptr) continue;
       const char* row = reinterpret_cast<const char*>(pool + slot * HD);
       for (int c = 0; c < HD * int{sizeof(KV)}; c += 64) __builtin_prefetch(row + c, 0, 2);
     }
   }
 }
 
-// One (token, query head) item: the query against its sequence's keys at positions <= p.
-// Everything it computes lives in registers; the order of every sum is fixed above.
-template <int HD, typename KV>
-void attend_item(const Problem<KV>& pr, int64_t t, int64_t head) {
+// One item: token t's G query heads that share KV head `kv_head` (heads kv_head*G ..
+// kv_head*G + G-1), against its sequence's keys at positions <= p. Each K/V row is loaded
+// (and, in bfloat16, widened) once for the G heads; each head's arithmetic is exactly the
+// one-head computation (its own registers, the same operations in the same order), so a
+// head's bits do not depend on G or on its neighbours. Everything lives in registers.
+template <int HD, int G, typename KV>
+void attend_group(const Problem<KV>& pr, int64_t t, int64_t kv_head, int64_t g0) {
   constexpr int V = HD / 16;
   const int64_t s = std::clamp<int64_t>(pr.seq[t], 0, pr.batch - 1);
   const int64_t p = std::clamp<int64_t>(pr.pos[t], 0, pr.max_pages * pr.page_size - 1);
   const int32_t* pages = pr.table + s * pr.max_pages;
-  const int64_t base = (pr.layer * pr.kv_heads + head / pr.group) * pr.slots;
+  const int64_t base = (pr.layer * pr.kv_heads + kv_head) * pr.slots;
   const KV* kh = pr.k + base * HD;
   const KV* vh = pr.v + base * HD;
-  const float* src = pr.q + (t * pr.heads + head) * HD;
-  vf q[V], acc[V];
-  for (int i = 0; i < V; ++i) {
-    q[i] = load(src + 16 * i) * pr.scale;
-    acc[i] = vf{};
+  const int64_t head0 = kv_head * pr.group + g0;
+  vf q[G][V], acc[G][V];
+  for (int g = 0; g < G; ++g) {
+    const float* src = pr.q + (t * pr.heads + head0 + g) * HD;
+    for (int i = 0; i < V; ++i) {
+      q[g][i] = load(src + 16 * i) * pr.scale;
+      acc[g][i] = vf{};
+    }
   }
-  float m = MASK, l = 0.0f;
+  float m[G], l[G];
+  for (int g = 0; g < G; ++g) {
+    m[g] = MASK;
+    l[g] = 0.0f;
+  }
   const KV* vrow[KEY_BLOCK];
-  const Warm<KV> warm = warm_for(pr, t, head);
+  const Warm<KV> warm = g0 == 0 ? warm_for(pr, t, kv_head) : Warm<KV>{};
   for (int64_t b0 = 0; b0 <= p; b0 += KEY_BLOCK) {
     const int n = static_cast<int>(std::min<int64_t>(KEY_BLOCK, p + 1 - b0));
     if (b0 <= warm.last) warm_block<HD>(pr, warm, b0);
-    vf sc = vf{} + MASK;
-    for (int j = 0; j < n; ++j) {
-      const int64_t key = b0 + j;
-      const int64_t slot = slot_of(pages, key, pr.page_size);
-      const KV* kr = kh + slot * HD;
-      vrow[j] = vh + slot * HD;
-      vf d = q[0] * load(kr);
-      for (int i = 1; i < V; ++i) d += q[i] * load(kr + 16 * i);
-      sc[j] = hsum(d);
+    // Scores of the block's 16 keys: each key's 16-lane partial product summed by hsum's
+    // tree, computed for 16 keys at once (block_sums) instead of one hsum per key; keys
+    // past p count as 0 and are masked below.
+    vf sc[G];
+    {
+      vf s3[G][2];
+      for (int h8 = 0; h8 < 2; ++h8) {
+        vf s2[G][2];
+        for (int h4 = 0; h4 < 2; ++h4) {
+          vf s1[G][2];
+          for (int h2 = 0; h2 < 2; ++h2) {
+            vf d[G][2];
+            for (int u = 0; u < 2; ++u) {
+              const int j = h8 * 8 + h4 * 4 + h2 * 2 + u;
+              if (j < n) {
+                const int64_t slot = slot_of(pages, b0 + j, pr.page_size);
+                const KV* kr = kh + slot * HD;
+                vrow[j] = vh + slot * HD;
+                vf kv[V];
+                for (int i = 0; i < V; ++i) kv[i] = load(kr + 16 * i);
+                for (int g = 0; g < G; ++g) {
+                  vf acc_d = q[g][0] * kv[0];
+                  for (int i = 1; i < V; ++i) acc_d += q[g][i] * kv[i];
+                  d[g][u] = acc_d;
+                }
+              } else {
+                for (int g = 0; g < G; ++g) d[g][u] = vf{};
+              }
+            }
+            for (int g = 0; g < G; ++g) s1[g][h2] = halves8(d[g][0], d[g][1]);
+          }
+          for (int g = 0; g < G; ++g) s2[g][h4] = halves4(s1[g][0], s1[g][1]);
+        }
+        for (int g = 0; g < G; ++g) s3[g][h8] = pairs02(s2[g][0], s2[g][1]);
+      }
+      const vi lane = vi{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+      for (int g = 0; g < G; ++g) {
+        const vf all = adjacent(s3[g][0], s3[g][1]);
+        sc[g] = lane < n ? all : vf{} + MASK;
+      }
     }
-    const float mb = hmax(sc);
-    const float mx = mb > m ? mb : m;
-    const float alpha = exp_nonpositive(vf{} + (m - mx))[0];
-    const vf w = exp_nonpositive(sc - mx);
-    l = l * alpha + hsum(w);
-    m = mx;
-    for (int i = 0; i < V; ++i) acc[i] *= alpha;
+    vf w[G];
+    for (int g = 0; g < G; ++g) {
+      const float mb = hmax(sc[g]);
+      const float mx = mb > m[g] ? mb : m[g];
+      const float alpha = exp_nonpositive(vf{} + (m[g] - mx))[0];
+      w[g] = exp_nonpositive(sc[g] - mx);
+      l[g] = l[g] * alpha + hsum(w[g]);
+      m[g] = mx;
+      for (int i = 0; i < V; ++i) acc[g][i] *= alpha;
+    }
     for (int j = 0; j < n; ++j) {
       const KV* vr = vrow[j];
-      for (int i = 0; i < V; ++i) acc[i] += w[j] * load(vr + 16 * i);
+      for (int i = 0; i < V; ++i) {
+        const vf vv = load(vr + 16 * i);
+        for (int g = 0; g < G; ++g) acc[g][i] += w[g][j] * vv;
+      }
     }
   }
-  float* dst = pr.out + (t * pr.heads + head) * HD;
-  const float inv = 1.0f / l;
-  for (int i = 0; i < V; ++i) {
-    const vf o = acc[i] * inv;
-    std::memcpy(dst + 16 * i, &o, sizeof o);
+  for (int g = 0; g < G; ++g) {
+    float* dst = pr.out + (t * pr.heads + head0 + g) * HD;
+    const float inv = 1.0f / l[g];
+    for (int i = 0; i < V; ++i) {
+      const vf o = acc[g][i] * inv;
+      std::memcpy(dst + 16 * i, &o, sizeof o);
+    }
+  }
+}
+
+// One work item: token t, KV head kv_head, all its query heads, in sub-groups of at most
+// MAX_G heads (so that a sub-group's queries and accumulators fit the register file).
+constexpr int MAX_G = 4;
+
+template <int HD, typename KV>
+void attend_item(const Problem<KV>& pr, int64_t t, int64_t kv_head) {
+  for (int64_t g0 = 0; g0 < pr.group; g0 += MAX_G) {
+    switch (std::min<int64_t>(MAX_G, pr.group - g0)) {
+      case 1: attend_group<HD, 1>(pr, t, kv_head, g0); break;
+      case 2: attend_group<HD, 2>(pr, t, kv_head, g0); break;
+      case 3: attend_group<HD, 3>(pr, t, kv_head, g0); break;
+      default: attend_group<HD, 4>(pr, t, kv_head, g0); break;
+    }
   }
 }
 
@@ -282,12 +365,12 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   }
   if (pr.layer < 0 || pr.layer >= kd[0])
     return ffi::Error::InvalidArgument("paged_attention: layer out of range");
-  const int64_t items = pr.tokens * pr.heads;  // one (token, query head) each
+  const int64_t items = pr.tokens * pr.kv_heads;  // one (token, KV head) each
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   const int64_t chunk = std::max<int64_t>(1, items / (threads * 8));
   const int64_t helpers = std::min<int64_t>(threads, items / chunk) - 1;
   multiserve::parallel_for(pool, items, chunk, helpers, [pr, item](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) item(pr, i / pr.heads, i % pr.heads);
+    for (int64_t i = b; i < e; ++i) item(pr, i / pr.kv_heads, i % pr.kv_heads);
   });
   return ffi::Error::Success();
 }
