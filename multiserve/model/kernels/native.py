@@ -4,7 +4,7 @@
   `attention.paged_attention` as a loop of small gathers and batched products that
   materialises every key block it reads (a large share of a decode step's time:
   docs/performance.md §5); the kernel reads K/V in place through the page table and keeps
-  one query head's whole computation in registers.
+  a (token, KV head) item's whole computation in registers.
 - the row-invariant matrix product (native/row_gemm.cc) against weights packed in
   64-column panels (`pack_panels`), and its grouped form (one matrix per row: a MoE layer's
   experts over the tokens routed to each, `grouped_row_gemm`): each output element is a sum
