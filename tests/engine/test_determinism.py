@@ -7,6 +7,10 @@ Token ids alone rarely expose numerical drift (an argmax flips only on a near ti
 the raw logprob of every sampled token must match bit for bit too: with shape buckets
 below the batch-invariance threshold (e.g. T=16, B=16) the ids here still agree but the
 logprobs differ by ~1e-5, and this test fails.
+
+Also on that engine: greedy output equals the model's plain unbatched greedy loop for a
+batch (n > 1, a prefix-cache hit on the chat template's system prompt). It lives here, not
+in test_generate.py, so that one test process builds the default engine once.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from engine_helpers import AtTokens, Collector, Trigger
+from engine_helpers import AtTokens, Collector, ReferenceModel, Trigger, held
 
 pytestmark = pytest.mark.slow
 
@@ -110,3 +114,38 @@ def test_abort_then_regenerate_equals_uninterrupted(default_engine: Any, prompts
     again = Collector(default_engine)
     _submit(again, prompts, case)
     assert _tokens(again.wait()) == want
+
+
+def test_greedy_default_model_equals_unbatched_loop(default_engine: Any) -> None:
+    from multiserve.types import SamplingParams
+
+    eng = default_engine
+    ref = ReferenceModel(None, max_len=128)
+    questions = ["What is the capital of France?", "Write a haiku about the sea.",
+                 "Explain gravity to a child in one sentence.", "Name a large city in Italy."]
+    prompts = [eng.chat_ids([{"role": "user", "content": q}]) for q in questions]
+    max_new = 16
+    expected = [ref.greedy(p, max_new) for p in prompts]
+    eos = set(eng.model_config.eos_token_ids) | {eng.tokenizer.eos_token_id}
+
+    def check(got: Any, want: list[int]) -> None:
+        assert list(got.output_ids) == want[:len(got.output_ids)], got.rid
+        if got.finish_reason == "stop":  # eos ended it early; the loop ran on past eos
+            assert got.output_ids[-1] in eos, got.rid
+        else:
+            assert len(got.output_ids) == max_new, got.rid
+
+    params = SamplingParams(temperature=0.0, max_new_tokens=max_new)
+    col = Collector(eng)
+    with held(eng):
+        rids = col.submit_all(prompts[:3], params)
+        col.submit("n2", prompts[1], params.with_updates(n=2))
+    col.wait()
+    for rid, want in zip(rids, expected[:3], strict=True):
+        check(col.final[(rid, 0)], want)
+    for i in range(2):
+        assert list(col.ids("n2", i)) == list(col.ids(rids[1]))
+    # A later request shares the chat template's system prompt: a prefix-cache hit.
+    later = eng.generate(input_ids=prompts[3], sampling_params=params)
+    check(later, expected[3])
+    assert later.cached_tokens >= 16

@@ -2,7 +2,8 @@
 
 - Greedy output equals the model's plain unbatched greedy loop for a mixed batch
   (ragged prompt lengths, chunked prefill, prefix-cache hits, n > 1), on a tiny random
-  model and on the embedded default model.
+  model (the embedded default model's case is in test_determinism.py, beside the other
+  tests of the shared default engine: one default engine per test process).
 - Seeded sampling does not depend on batch composition or on the sample's neighbours.
 - Overlap scheduling on and off give identical outputs.
 - Retraction under KV pressure completes every request with the unpressured output.
@@ -71,40 +72,6 @@ def test_greedy_mixed_batch_equals_unbatched_loop(tiny_engine: Any,
         hits += got.cached_tokens
         assert got.cached_tokens <= got.prompt_tokens - 1  # the last token is recomputed
     assert hits >= 100
-
-
-@pytest.mark.slow
-def test_greedy_default_model_equals_unbatched_loop(default_engine: Any) -> None:
-    eng = default_engine
-    ref = ReferenceModel(None, max_len=128)
-    questions = ["What is the capital of France?", "Write a haiku about the sea.",
-                 "Explain gravity to a child in one sentence.", "Name a large city in Italy."]
-    prompts = [eng.chat_ids([{"role": "user", "content": q}]) for q in questions]
-    max_new = 16
-    expected = [ref.greedy(p, max_new) for p in prompts]
-    eos = set(eng.model_config.eos_token_ids) | {eng.tokenizer.eos_token_id}
-
-    def check(got: Any, want: list[int]) -> None:
-        assert list(got.output_ids) == want[:len(got.output_ids)], got.rid
-        if got.finish_reason == "stop":  # eos ended it early; the loop ran on past eos
-            assert got.output_ids[-1] in eos, got.rid
-        else:
-            assert len(got.output_ids) == max_new, got.rid
-
-    params = SamplingParams(temperature=0.0, max_new_tokens=max_new)
-    col = Collector(eng)
-    with held(eng):
-        rids = col.submit_all(prompts[:3], params)
-        col.submit("n2", prompts[1], params.with_updates(n=2))
-    col.wait()
-    for rid, want in zip(rids, expected[:3], strict=True):
-        check(col.final[(rid, 0)], want)
-    for i in range(2):
-        assert list(col.ids("n2", i)) == list(col.ids(rids[1]))
-    # A later request shares the chat template's system prompt: a prefix-cache hit.
-    later = eng.generate(input_ids=prompts[3], sampling_params=params)
-    check(later, expected[3])
-    assert later.cached_tokens >= 16
 
 
 def _sampled(seed: int, **kw: Any) -> SamplingParams:
