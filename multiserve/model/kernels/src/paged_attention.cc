@@ -298,18 +298,21 @@ void attend_group(const Problem<KV>& pr, int64_t t, int64_t kv_head, int64_t g0)
 }
 
 // One work item: token t, KV head kv_head, all its query heads, in sub-groups of at most
-// MAX_G heads (so that a sub-group's queries and accumulators fit the register file).
-constexpr int MAX_G = 4;
+// max_group(HD) heads, so that a sub-group's queries and accumulators stay in the register
+// file (4 heads up to head_dim 64, 2 above; fewer instantiations also keep the build short).
+constexpr int max_group(int hd) { return hd <= 64 ? 4 : 2; }
 
 template <int HD, typename KV>
 void attend_item(const Problem<KV>& pr, int64_t t, int64_t kv_head) {
+  constexpr int MAX_G = max_group(HD);
   for (int64_t g0 = 0; g0 < pr.group; g0 += MAX_G) {
-    switch (std::min<int64_t>(MAX_G, pr.group - g0)) {
-      case 1: attend_group<HD, 1>(pr, t, kv_head, g0); break;
-      case 2: attend_group<HD, 2>(pr, t, kv_head, g0); break;
-      case 3: attend_group<HD, 3>(pr, t, kv_head, g0); break;
-      default: attend_group<HD, 4>(pr, t, kv_head, g0); break;
+    const int64_t g = std::min<int64_t>(MAX_G, pr.group - g0);
+    if constexpr (MAX_G == 4) {
+      if (g == 4) { attend_group<HD, 4>(pr, t, kv_head, g0); continue; }
+      if (g == 3) { attend_group<HD, 3>(pr, t, kv_head, g0); continue; }
     }
+    if (g == 2) attend_group<HD, 2>(pr, t, kv_head, g0);
+    else attend_group<HD, 1>(pr, t, kv_head, g0);
   }
 }
 
