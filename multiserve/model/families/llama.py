@@ -30,6 +30,7 @@ from multiserve.model.layers.kv_pool import KVPool, write_layer
 from multiserve.model.layers.norm import rms_norm
 from multiserve.model.layers.rope import apply_rope, rope_inv_freq
 from multiserve.model.kernels.native import PANEL
+from multiserve.model.layers.activation import swiglu
 from multiserve.model.invariance.primitives import (
     FUSED_GROUPS,
     LAYER_MATRICES,
@@ -117,7 +118,7 @@ def _layer(x: jax.Array, kv: KVPool, layer: int | jax.Array, w: dict[str, jax.Ar
                             attn_block_size=attn_block_size, plan=plan)
     h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps, plan.row_sum(cfg.hidden_size))
     gate, up = project_together(h, w, layer, plan, proj, "w_gateup")
-    x = x + proj(jax.nn.silu(gate) * up, "w_down")
+    x = x + proj(swiglu(gate, up), "w_down")
     return x, kv
 
 

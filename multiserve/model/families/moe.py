@@ -37,6 +37,7 @@ import jax.numpy as jnp
 from multiserve.config import ModelConfig
 from multiserve.model.invariance.plan import ProductPlan
 from multiserve.model.invariance.primitives import grouped
+from multiserve.model.layers.activation import swiglu
 
 EXPERT_MATRICES = ("we_gate", "we_up", "we_down")  # [E, in, out] per MoE layer
 SHARED_MATRICES = ("ws_gate", "ws_up", "ws_down", "ws_router")  # qwen2_moe's shared expert
@@ -81,7 +82,7 @@ def moe_mlp(h: jax.Array, w: dict[str, jax.Array | None], moe_index: int,
     def expert_product(a: jax.Array, name: str) -> jax.Array:
         return grouped(a, groups, w[name], w[f"{name}_p"], plans[name], first)
 
-    act = jax.nn.silu(expert_product(xs, "we_gate")) * expert_product(xs, "we_up")
+    act = swiglu(expert_product(xs, "we_gate"), expert_product(xs, "we_up"))
     ys = expert_product(act, "we_down")
     # back to pair order (order is a permutation: scatter = exact), then by rank
     ys = jnp.zeros_like(ys).at[order].set(ys).reshape(t, k, -1)
@@ -89,6 +90,6 @@ def moe_mlp(h: jax.Array, w: dict[str, jax.Array | None], moe_index: int,
     for j in range(1, k):
         out = out + ys[:, j] * weights[:, j, None]
     if cfg.shared_expert_intermediate_size:
-        shared = proj(jax.nn.silu(proj(h, "ws_gate")) * proj(h, "ws_up"), "ws_down")
+        shared = proj(swiglu(proj(h, "ws_gate"), proj(h, "ws_up")), "ws_down")
         out = out + jax.nn.sigmoid(proj(h, "ws_router")) * shared
     return out

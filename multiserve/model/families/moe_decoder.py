@@ -37,6 +37,7 @@ from multiserve.model.layers.norm import rms_norm
 from multiserve.model.layers.rope import rope_inv_freq
 from multiserve.model.families.moe import EXPERT_MATRICES, SHARED_MATRICES, moe_mlp
 from multiserve.model.kernels.native import pack_panels
+from multiserve.model.layers.activation import swiglu
 from multiserve.model.invariance.primitives import (
     LAYOUT_SUFFIX,
     is_compute_params,
@@ -158,6 +159,6 @@ def forward_hidden(params: dict[str, Any], kv_pool: KVPool, batch: ForwardBatch,
             mw = _select(params["mlp"][i], params["mlp_stacked"]["dense_mlp"],
                          DENSE_MLP_MATRICES, t, plan)
             proj = layer_projection(mw, j, plan)
-            x = x + proj(jax.nn.silu(proj(h, "w_gate")) * proj(h, "w_up"), "w_down")
+            x = x + proj(swiglu(proj(h, "w_gate"), proj(h, "w_up")), "w_down")
     return rms_norm(x[batch.logit_rows], params["final_norm"], cfg.rms_norm_eps,
                     norm), kv_pool
