@@ -141,6 +141,7 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):  #
     yield
     if nextitem is not None and _top_dir(nextitem) != _top_dir(item):
         _finish_session_fixtures_of(item, _top_dir(item))
+        gc.unfreeze()  # the session fixtures just finished may sit in the frozen objects
         if "jax" in sys.modules:
             gc.collect()
             sys.modules["jax"].clear_caches()
@@ -148,6 +149,11 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):  #
         # glibc keeps freed heap pages (a torn-down fleet's GBs) unless asked; without
         # this the suite's RSS only ever grew (docs/performance.md §10)
         gc.collect()
+        # what survived this collection (imported modules, the directory's session
+        # fixtures) is frozen: the next module's collection scans only what is newer
+        # (a full collection of torch + transformers + jax objects cost ~0.2 s a module);
+        # a directory boundary unfreezes and collects everything (above)
+        gc.freeze()
         from multiserve.host_heap import release_free_heap
 
         release_free_heap()
