@@ -64,8 +64,8 @@ def _case(kv_heads: int, group: int, head_dim: int, page_size: int, seed: int = 
 
 
 @pytest.mark.parametrize("kv_heads,group,head_dim,page_size",
-                         [(3, 3, 64, 16), (2, 1, 32, 8), (1, 4, 128, 16), (2, 2, 256, 4),
-                          (1, 5, 16, 8)])  # 5 heads: sub-groups 4 + 1
+                         [(3, 3, 64, 16), (2, 1, 32, 8), (1, 4, 128, 16), (2, 2, 256, 16),
+                          (1, 5, 16, 4)])  # 5 heads: sub-groups 4 + 1; 4-slot pages
 def test_native_equals_the_xla_formulation(kv_heads, group, head_dim, page_size) -> None:
     n, attend = _case(kv_heads, group, head_dim, page_size)
     idx = np.arange(n)
