@@ -61,17 +61,11 @@ import numpy as np  # noqa: E402
 
 from multiserve.types import SamplingParams  # noqa: E402
 
+# the tests' helpers: the default model's chat prompts, the tiny Qwen2-MoE checkpoint
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from chat_prompts import DEFAULT_MODEL_PROMPTS  # noqa: E402
+
 NEAR_TIE = 0.25  # tests/engine/test_bf16_accuracy.py's bound on a tiny model's swapped pair
-CHAT_PROMPTS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "List three prime numbers.",
-    "Explain photosynthesis in one sentence.",
-    "What is 17 times 3?",
-    "Translate 'good morning' into Spanish.",
-    "Give me a name for a pet turtle.",
-    "Why is the sky blue?",
-]
 # small engines: one 16-token step bucket (8 decode rows or a 16-token prefill chunk), one
 # 8-row logits bucket, compiled before serving
 ENGINE = dict(precompile_token_paddings=(16,), precompile_bs_paddings=(8,),
@@ -104,7 +98,6 @@ def tiny_qwen2_moe_dir(root: Path) -> Path:
     saved so (config.json torch_dtype bfloat16)."""
     import torch
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
     from moe_checkpoints import make_model, save
 
     return save(make_model("qwen2_moe", seed=9).to(torch.bfloat16), root / "tiny-qwen2-moe")
@@ -134,7 +127,7 @@ def chat_prompts(tokenizer_dir: Path, n: int) -> list[list[int]]:
 
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     out = []
-    for p in CHAT_PROMPTS[:n]:
+    for p in DEFAULT_MODEL_PROMPTS[:n]:
         text = tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
                                        add_generation_prompt=True)
         out.append(tok(text, add_special_tokens=False)["input_ids"])

@@ -11,21 +11,13 @@ import sys
 import jax
 import numpy as np
 import pytest
+from chat_prompts import DEFAULT_MODEL_PROMPTS
 from model_helpers import PagedSim
 
 from multiserve.model.loading.default_model import default_model_path, find_default_gguf
 from multiserve.model.simple_generate import greedy_token_ids
 
-PROMPTS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "List three prime numbers.",
-    "Explain photosynthesis in one sentence.",
-    "What is 17 times 3?",
-    "Translate 'good morning' into Spanish.",
-    "Give me a name for a pet turtle.",
-    "Why is the sky blue?",
-]
+PROMPTS = DEFAULT_MODEL_PROMPTS
 
 
 def test_default_model_is_found_and_cached() -> None:
