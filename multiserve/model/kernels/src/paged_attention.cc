@@ -229,8 +229,10 @@ void attend_group(const Problem<KV>& pr, int64_t t, int64_t kv_head, int64_t g0)
     const int n = static_cast<int>(std::min<int64_t>(KEY_BLOCK, p + 1 - b0));
     if (b0 <= warm.last) warm_block<HD>(pr, warm, b0);
     // Scores of the block's 16 keys: each key's 16-lane partial product summed by hsum's
-    // tree, computed for 16 keys at once (block_sums) instead of one hsum per key; keys
-    // past p count as 0 and are masked below.
+    // tree for 16 keys at once (halves8, halves4, pairs02, adjacent) instead of one hsum
+    // per key; keys past p count as 0 and are masked below. The loops nest by stage so that
+    // each stage's pair is reduced as soon as it exists: at most one pending vector per
+    // stage and head stays live, not 16 partial products per head.
     vf sc[G];
     {
       vf s3[G][2];
