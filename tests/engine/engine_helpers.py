@@ -224,6 +224,13 @@ class DraftsAlwaysPay:
         pass
 
 
+def ids_and_logprobs(outs: dict) -> dict:
+    """(ids, raw logprobs) per sample of a Collector's results, compared exactly: equal ids
+    with drifting logprobs would mean the numerics changed (an argmax flip waiting to
+    happen)."""
+    return {k: (o.output_ids, tuple(t.logprob for t in o.logprobs)) for k, o in outs.items()}
+
+
 def passes_settled(engine: Any, passes: int = 2) -> dict[str, Any]:
     """Wait (by round trips, not by time) until the engine loop has completed `passes` more
     passes, each of which decides whether to step; returns the last internal state. Every

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from engine_helpers import AtTokens, Collector, Trigger
+from engine_helpers import AtTokens, Collector, Trigger, ids_and_logprobs
 
 from multiserve.config import EngineConfig
 from multiserve.model.invariance.calibration import calibrate
@@ -82,14 +82,11 @@ def _params(i: int) -> SamplingParams:
                           ignore_eos=True, return_logprob=True)
 
 
-def _tokens(outs: dict) -> dict:
-    return {k: (o.output_ids, tuple(t.logprob for t in o.logprobs)) for k, o in outs.items()}
-
 
 def _alone(engine: Any, i: int) -> tuple:
     col = Collector(engine)
     col.submit_all([PROMPTS[i]], [_params(i)])
-    return next(iter(_tokens(col.wait()).values()))
+    return next(iter(ids_and_logprobs(col.wait()).values()))
 
 
 def test_the_engine_reports_the_pinned_plan(alien_engine: Any) -> None:
@@ -109,18 +106,18 @@ def test_pause_proof_identity_on_the_alien_plan(alien_engine: Any, trigger: Trig
     (res,) = hook.wait()
     assert res.ok
     if mode == "abort":
-        (ids, lps), = _tokens(col.wait()).values()
+        (ids, lps), = ids_and_logprobs(col.wait()).values()
         assert (ids, lps) == (want[0][:len(ids)], want[1][:len(ids)]) and len(ids) < 14
         assert alien_engine.continue_generation().ok
         assert _alone(alien_engine, i) == want
         return
     assert alien_engine.continue_generation().ok
-    assert next(iter(_tokens(col.wait()).values())) == want
+    assert next(iter(ids_and_logprobs(col.wait()).values())) == want
 
 
 def test_a_batch_equals_each_request_alone_on_the_alien_plan(alien_engine: Any) -> None:
     alone = [_alone(alien_engine, i) for i in range(len(PROMPTS))]
     col = Collector(alien_engine)
     col.submit_all(PROMPTS, [_params(i) for i in range(len(PROMPTS))])
-    together = _tokens(col.wait())
+    together = ids_and_logprobs(col.wait())
     assert [together[(f"r{i}", 0)] for i in range(len(PROMPTS))] == alone

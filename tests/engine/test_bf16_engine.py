@@ -17,7 +17,7 @@ import jax
 import ml_dtypes
 import numpy as np
 import pytest
-from engine_helpers import AtTokens, Collector, Trigger
+from engine_helpers import AtTokens, Collector, Trigger, ids_and_logprobs
 
 from multiserve.model.kernels import native as native_kernels
 from multiserve.types import SamplingParams
@@ -39,14 +39,11 @@ def _params(i: int) -> SamplingParams:
                           ignore_eos=True, return_logprob=True)
 
 
-def _tokens(outs: dict) -> dict:
-    return {k: (o.output_ids, tuple(t.logprob for t in o.logprobs)) for k, o in outs.items()}
-
 
 def _run(engine: Any, indexes: range = range(len(PROMPTS))) -> dict:
     col = Collector(engine)
     col.submit_all([PROMPTS[i] for i in indexes], [_params(i) for i in indexes])
-    return _tokens(col.wait())
+    return ids_and_logprobs(col.wait())
 
 
 def _alone(engine: Any) -> dict:
@@ -132,13 +129,13 @@ def test_pause_keeps_outputs_bitwise(engine: Any, trigger: Trigger, reference: d
     (res,) = hook.wait()
     assert res.ok
     if mode == "abort":  # partial prefixes, then the same requests again: the same outputs
-        for k, (ids, lps) in _tokens(col.wait()).items():
+        for k, (ids, lps) in ids_and_logprobs(col.wait()).items():
             assert (ids, lps) == (reference[k][0][:len(ids)], reference[k][1][:len(ids)])
         assert engine.continue_generation().ok
         assert _run(engine) == reference
         return
     assert engine.continue_generation().ok
-    assert _tokens(col.wait()) == reference
+    assert ids_and_logprobs(col.wait()) == reference
 
 
 def test_bf16_tensor_and_disk_updates_are_bit_exact(engine: Any, reference: dict,

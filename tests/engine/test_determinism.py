@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from engine_helpers import AtTokens, Collector, ReferenceModel, Trigger, held
+from engine_helpers import AtTokens, Collector, ReferenceModel, Trigger, held, ids_and_logprobs
 
 pytestmark = pytest.mark.slow
 
@@ -44,10 +44,6 @@ def _params(i: int, max_new: int) -> Any:
                           ignore_eos=True, return_logprob=True)
 
 
-def _tokens(outs: dict) -> dict:
-    """(ids, raw logprobs) per sample: compared exactly."""
-    return {k: (o.output_ids, tuple(t.logprob for t in o.logprobs)) for k, o in outs.items()}
-
 
 @pytest.fixture(scope="module")
 def prompts(_default_engine: Any) -> list[list[int]]:
@@ -71,7 +67,7 @@ def _baseline(engine: Any, prompts: list[list[int]], case: str) -> dict:
     if case not in _uninterrupted:
         col = Collector(engine)
         _submit(col, prompts, case)
-        _uninterrupted[case] = _tokens(col.wait())
+        _uninterrupted[case] = ids_and_logprobs(col.wait())
     return _uninterrupted[case]
 
 
@@ -94,7 +90,7 @@ def test_pause_and_continue_equals_uninterrupted(default_engine: Any, prompts: l
     else:
         assert st["running_batch_size"] >= 1
     assert default_engine.continue_generation().ok
-    assert _tokens(col.wait()) == want
+    assert ids_and_logprobs(col.wait()) == want
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -108,12 +104,12 @@ def test_abort_then_regenerate_equals_uninterrupted(default_engine: Any, prompts
     hook.wait()
     partial = col.wait()
     assert all(o.finish_reason == "abort" for o in partial.values())
-    for key, (ids, lps) in _tokens(partial).items():
+    for key, (ids, lps) in ids_and_logprobs(partial).items():
         assert (ids, lps) == (want[key][0][:len(ids)], want[key][1][:len(ids)])
     assert default_engine.continue_generation().ok
     again = Collector(default_engine)
     _submit(again, prompts, case)
-    assert _tokens(again.wait()) == want
+    assert ids_and_logprobs(again.wait()) == want
 
 
 def test_greedy_default_model_equals_unbatched_loop(default_engine: Any) -> None:

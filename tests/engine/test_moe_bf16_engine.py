@@ -19,7 +19,7 @@ import jax
 import numpy as np
 import pytest
 import torch
-from engine_helpers import AtTokens, Collector, Trigger, assert_idle_and_clean
+from engine_helpers import AtTokens, Collector, Trigger, assert_idle_and_clean, ids_and_logprobs
 from moe_checkpoints import hf_classes, make_model, save
 
 from multiserve.config import EngineConfig
@@ -52,14 +52,11 @@ def _params(n: int) -> list[SamplingParams]:
     return [GREEDY if i % 2 == 0 else SEEDED for i in range(n)]
 
 
-def _tokens(outs: dict) -> dict:
-    return {k: (o.output_ids, tuple(t.logprob for t in o.logprobs)) for k, o in outs.items()}
-
 
 def _run(engine: Any, hook: Any = None) -> dict:
     col = Collector(engine, on_output=hook)
     col.submit_all(_prompts(), _params(len(_prompts())))
-    return _tokens(col.wait())
+    return ids_and_logprobs(col.wait())
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +87,7 @@ def alone(engine: Any) -> dict:
     for i, (p, sp) in enumerate(zip(_prompts(), _params(len(_prompts())), strict=True)):
         col = Collector(engine)
         col.submit(f"r{i}", p, sp)
-        out[(f"r{i}", 0)] = _tokens(col.wait())[(f"r{i}", 0)]
+        out[(f"r{i}", 0)] = ids_and_logprobs(col.wait())[(f"r{i}", 0)]
     return out
 
 
@@ -145,7 +142,7 @@ def test_a_pause_mid_generation_keeps_outputs_bitwise(engine: Any, alone: dict,
     (res,) = hook.wait()
     assert res.ok, res
     assert engine.continue_generation().ok
-    assert _tokens(col.wait()) == alone, mode
+    assert ids_and_logprobs(col.wait()) == alone, mode
     assert_idle_and_clean(engine)
 
 

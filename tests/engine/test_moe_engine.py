@@ -23,6 +23,7 @@ from engine_helpers import (
     Oracle,
     Trigger,
     assert_idle_and_clean,
+    ids_and_logprobs,
 )
 from moe_checkpoints import make_model, save
 
@@ -47,15 +48,12 @@ def _params(n: int) -> list[SamplingParams]:
     return [GREEDY if i % 2 == 0 else SEEDED for i in range(n)]
 
 
-def _tokens(outs: dict) -> dict:
-    return {k: (o.output_ids, tuple(t.logprob for t in o.logprobs)) for k, o in outs.items()}
-
 
 def _run(engine: Any, prompts: list[list[int]] | None = None, hook: Any = None) -> dict:
     prompts = prompts or _prompts()
     col = Collector(engine, on_output=hook)
     col.submit_all(prompts, _params(len(prompts)))
-    return _tokens(col.wait())
+    return ids_and_logprobs(col.wait())
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +96,7 @@ def test_moe_engine_batch_equals_alone_and_survives_pauses(moe_engine: Any, refe
     for i, p in enumerate(prompts):  # alone: routed groups of one request only
         col = Collector(moe_engine)
         col.submit(f"r{i}", p, _params(len(prompts))[i])
-        assert _tokens(col.wait())[(f"r{i}", 0)] == reference[(f"r{i}", 0)], i
+        assert ids_and_logprobs(col.wait())[(f"r{i}", 0)] == reference[(f"r{i}", 0)], i
     for mode in ("retract", "in_place"):
         hook = AtTokens(trigger, "r0", 5, lambda m=mode: moe_engine.acontrol("pause_generation",
                                                                              mode=m))
@@ -107,7 +105,7 @@ def test_moe_engine_batch_equals_alone_and_survives_pauses(moe_engine: Any, refe
         (res,) = hook.wait()
         assert res.ok, res
         assert moe_engine.continue_generation().ok
-        assert _tokens(col.wait()) == reference, mode
+        assert ids_and_logprobs(col.wait()) == reference, mode
     assert moe_engine.get_internal_state()["determinism"]["verified"]
     assert_idle_and_clean(moe_engine)
 

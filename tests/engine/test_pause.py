@@ -12,7 +12,14 @@ import random
 from typing import Any
 
 import pytest
-from engine_helpers import TINY_VOCAB, AtTokens, Collector, Trigger, passes_settled
+from engine_helpers import (
+    TINY_VOCAB,
+    AtTokens,
+    Collector,
+    Trigger,
+    ids_and_logprobs,
+    passes_settled,
+)
 
 from multiserve.engine.commands import CheckIntegrity
 from multiserve.types import GenerateRequest, SamplingParams
@@ -34,11 +41,6 @@ def _work(seed: int, n: int = 8) -> list[tuple[list[int], SamplingParams]]:
         work.append((prompt, params))
     return work
 
-
-def _tokens(outs: dict) -> dict:
-    """(ids, raw logprobs) per sample, compared exactly: equal ids with drifting logprobs
-    would mean the numerics changed (an argmax flip waiting to happen)."""
-    return {k: (o.output_ids, tuple(t.logprob for t in o.logprobs)) for k, o in outs.items()}
 
 
 def _prefix_of(out: Any, full: tuple) -> bool:
@@ -68,7 +70,7 @@ def _reference(engine: Any, cache: dict, seed: int) -> dict:
     if key not in cache:
         col = Collector(engine)
         _submit(col, _work(seed))
-        cache[key] = _tokens(col.wait())
+        cache[key] = ids_and_logprobs(col.wait())
     return cache[key]
 
 
@@ -100,7 +102,7 @@ def test_pause_retract(engine: Any, trigger: Trigger, uninterrupted: dict) -> No
     assert engine.continue_generation().ok
     got = col.wait()
     assert all(o.finish_reason == "length" for o in got.values())
-    assert _tokens(got) == want
+    assert ids_and_logprobs(got) == want
 
 
 def test_pause_in_place(engine: Any, trigger: Trigger, uninterrupted: dict) -> None:
@@ -124,7 +126,7 @@ def test_pause_in_place(engine: Any, trigger: Trigger, uninterrupted: dict) -> N
     assert engine.continue_generation().ok
     got = col.wait()
     assert all(o.finish_reason == "length" for o in got.values())
-    assert _tokens(got) == want
+    assert ids_and_logprobs(got) == want
 
 
 def test_five_cycles_alternating_modes_at_random_steps(engine: Any, trigger: Trigger,
@@ -152,7 +154,7 @@ def test_five_cycles_alternating_modes_at_random_steps(engine: Any, trigger: Tri
         assert engine.continue_generation().ok
     got = col.wait()
     assert all(o.finish_reason == "length" for o in got.values())
-    assert _tokens(got) == want
+    assert ids_and_logprobs(got) == want
 
 
 def test_pause_abort_returns_partial_prefixes(engine: Any, trigger: Trigger,
@@ -200,7 +202,7 @@ def test_abort_request_one_and_unknown(tiny_engine: Any, trigger: Trigger,
             assert out.finish_reason == "abort" and len(out.output_ids) < MAX_NEW
             assert _prefix_of(out, want[key])
         else:
-            assert out.finish_reason == "length" and _tokens({key: out})[key] == want[key]
+            assert out.finish_reason == "length" and ids_and_logprobs({key: out})[key] == want[key]
     unknown = tiny_engine.abort_request("no-such-rid")
     assert unknown.ok and unknown.details["aborted"] == 0 and "no-such-rid" in unknown.message
 
@@ -243,9 +245,9 @@ def test_barrier_no_step_while_paused_and_new_requests_wait(
     assert s2["empty_passes"] == s1["empty_passes"] == 0, "the paused loop is busy-waiting"
     assert tiny_engine.continue_generation().ok
     got = col.wait()
-    assert {k: v for k, v in _tokens(got).items() if k in want} == want
+    assert {k: v for k, v in ids_and_logprobs(got).items() if k in want} == want
     late_alone = Collector(tiny_engine)
     late_alone.submit_all([p for p, _ in late], [s for _, s in late], prefix="late")
     for key, out in late_alone.wait().items():
         assert got[key].finish_reason == "length"
-        assert _tokens({key: got[key]}) == _tokens({key: out})
+        assert ids_and_logprobs({key: got[key]}) == ids_and_logprobs({key: out})
