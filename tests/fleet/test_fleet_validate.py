@@ -1,9 +1,10 @@
 """`multiserve validate --force-exit` as a real subprocess, plus the shutdown paths of
 `multiserve serve` (SIGTERM -> clean exit 0).
 
-Runs configs/cpu-4.toml with ephemeral ports (`--port 0 --supervisor-port 0`). The only
-other change is a smaller KV pool (a temp copy of the config), the same as the in-process
-fleet tests use, so compiled shapes come from the suite's persistent compilation cache.
+Runs configs/cpu-4.toml with ephemeral ports (`--port 0 --supervisor-port 0`) and a
+smaller KV pool (a temp copy of the config), the same as the in-process fleet tests use, so
+compiled shapes come from the suite's persistent compilation cache. The one-engine tests of
+the exit paths also take test_fleet_four.py's one bucket pair.
 """
 
 from __future__ import annotations
@@ -32,6 +33,21 @@ def config(tmp_path_factory: pytest.TempPathFactory) -> Path:
     assert n == 1
     path = tmp_path_factory.mktemp("cfg") / "cpu-4.toml"
     path.write_text(small + '\n')
+    return path
+
+
+@pytest.fixture(scope="module")
+def one_bucket_config(config: Path) -> Path:
+    """`config` with test_fleet_four.py's one bucket pair (its programs come from the
+    persistent compilation cache): for the tests of the CLI's exit paths, which check
+    exit codes, results and signals, not the buckets (those run above, as shipped)."""
+    text = config.read_text()
+    for key, value in (("precompile_bs_paddings", "[8]"), ("precompile_token_paddings", "[64]"),
+                       ("chunked_prefill_size", "64"), ("max_running_requests", "8")):
+        text, n = re.subn(rf"(?m)^{key}\s*=.*$", f"{key} = {value}", text)
+        assert n == 1, key
+    path = config.with_name("cpu-4-one-bucket.toml")
+    path.write_text(text)
     return path
 
 
@@ -68,8 +84,8 @@ def test_validate_force_exit_passes_on_the_default_config(config: Path) -> None:
     print(f"validate (4 engines) took {wall:.1f} s")
 
 
-def test_validate_force_exit_fails_when_a_check_fails(config: Path) -> None:
-    proc, _ = run_validate(config, "--engines", "1", "--inject-failure")
+def test_validate_force_exit_fails_when_a_check_fails(one_bucket_config: Path) -> None:
+    proc, _ = run_validate(one_bucket_config, "--engines", "1", "--inject-failure")
     out = proc.stdout
     assert proc.returncode == 1, out + proc.stderr[-3000:]
     assert "CHECK: name=all_answered ok=True" in out
@@ -77,10 +93,10 @@ def test_validate_force_exit_fails_when_a_check_fails(config: Path) -> None:
     assert out.rstrip().endswith("RESULT: FAIL")
 
 
-def test_serve_stops_cleanly_on_sigterm(config: Path, tmp_path: Path) -> None:
+def test_serve_stops_cleanly_on_sigterm(one_bucket_config: Path, tmp_path: Path) -> None:
     stderr = (tmp_path / "stderr.txt").open("w")
     proc = subprocess.Popen(
-        cli("serve", "--config", str(config), "--engines", "1", "--port", "0",
+        cli("serve", "--config", str(one_bucket_config), "--engines", "1", "--port", "0",
             "--supervisor-port", "0", "--shutdown-mode", "drain"),
         stdout=subprocess.PIPE, stderr=stderr, text=True, env=env(), cwd=REPO)
     try:
