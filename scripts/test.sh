@@ -10,4 +10,9 @@ bash scripts/setup.sh
 workers="${MULTISERVE_TEST_WORKERS:-2}"
 dist=()
 if [[ "$workers" != "0" ]]; then dist=(-n "$workers" --dist loadfile --no-loadscope-reorder); fi
-exec .venv/bin/python -m pytest -q -p no:cacheprovider --durations=25 "${dist[@]}" "$@"
+# Plugins named, not autoloaded: autoloading also marks every module of each plugin's
+# distribution for assertion rewriting (schemathesis, hypothesis, anyio: ~260 modules,
+# ~4 s of start-up in each process; the suite uses them as libraries, not as plugins).
+plugins=(-p xdist.plugin -p xdist.looponfail -p pytest_asyncio.plugin -p pytest_timeout)
+export PYTEST_DISABLE_PLUGIN_AUTOLOAD=1
+exec .venv/bin/python -m pytest -q -p no:cacheprovider "${plugins[@]}" --durations=25 "${dist[@]}" "$@"
