@@ -61,15 +61,21 @@ def pytest_configure(config: pytest.Config) -> None:
 # Under `-n 2 --dist loadfile --no-loadscope-reorder` (scripts/test.sh) each test file runs
 # whole in one process, in this order: the longest files start first (measured with
 # --durations=0 on 2 cores), so that no long file starting last leaves a core idle at the
-# end; tests/engine/ and tests/server/ come early and together, so their shared session
-# fixtures (engines, servers) are built early, in each process that runs them (the second
-# build loads its programs and plans from the caches). The order is also the order of a
-# plain one-process run.
+# end (the test files from about 10 s up are named, longest first, by the measured time of
+# a fresh run); tests/engine/ and tests/server/ each run as one block, so their shared
+# session fixtures (engines, servers) are built once in each process that runs them (the
+# second build loads its programs and plans from the caches). The order is also the order
+# of a plain one-process run.
 _LONG_FIRST = ("chaos/test_chaos.py", "fleet/test_fleet_four.py", "engine",
-               "fleet/test_fleet_tp.py", "plugins/test_rollout.py", "server",
-               "model/test_row_invariance.py", "model/test_hf_parity.py",
-               "fleet/test_fleet_validate.py", "model/test_native_kernels.py",
-               "model/test_calibration.py", "bench/test_bench_fleet.py")
+               "fleet/test_fleet_validate.py", "model/test_batch_invariance.py",
+               "model/test_moe.py", "model/test_native_kernels.py",
+               "reliability/test_schema_fuzz.py", "model/test_default_model.py",
+               "bench/test_bench_smoke.py", "model/test_sharding.py",
+               "fleet/test_fleet_tp.py", "model/test_calibration.py", "server",
+               "model/test_hf_parity.py", "model/test_native_kernels_bf16.py",
+               "model/test_row_invariance.py", "bench/test_bench_peers.py",
+               "bench/test_bench_fleet.py", "plugins/test_rollout.py",
+               "fleet/test_supervisor.py")
 
 
 def _rank_key(item: pytest.Item) -> str:
