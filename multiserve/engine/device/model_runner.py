@@ -6,12 +6,15 @@ only to that interface: compute params, forward to hidden states, head), the KV 
 (donated to every step, updated in place), and the device buffer of the last step's
 sampled ids.
 
-A step is two jitted calls, so that shapes come from two independent bucket lists:
+A step is a forward and a head, so that shapes come from two independent bucket lists:
 - `forward` over T tokens (T in `precompile_token_paddings`): the decoder; it returns the
   final-normed hidden states of the logits rows in a fixed [max_rows, D] buffer;
-- `head` over R logits rows (R in `precompile_bs_paddings`): lm_head on the first R rows,
-  then the sampler on R rows rounded up to its chunk (sampling.ROW_CHUNK).
-So |T| + |R| programs are compiled, not |T| x |R|, and a lone decode runs at T = R = 1.
+- the head over R logits rows (R in `precompile_bs_paddings`, `HeadProgram`): lm_head on
+  the first R rows, float32 logits padded to R rounded up to the sampler's chunk
+  (sampling.ROW_CHUNK), then the sampler program of that row count, which depends on
+  nothing else but the vocabulary and max_rows (shared by the R buckets of one chunk
+  count, and by engines of one vocabulary through the compilation caches).
+So |T| + |R| buckets are compiled, not |T| x |R|, and a lone decode runs at T = R = 1.
 Every row's numerics are independent of T and R (row_invariant.py, attention.py, and the
 sampler's fixed-size row chunks).
 
@@ -37,6 +40,7 @@ Invariants:
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -131,7 +135,15 @@ class Runner:
             static_argnames=("layout",),
             out_shardings=(self.replicated, self.replicated, self.replicated,
                            KVPool(k=self._kv_sharding, v=self._kv_sharding)))
-        self._head_fn = jax.jit(self._head_impl, static_argnames=("num_rows", "layout"))
+        # replicated logits: the sampler program runs whole on every device (a tensor-
+        # parallel lm_head's vocabulary-split logits are gathered here)
+        self._logits_fn = jax.jit(self._logits_impl, static_argnames=("num_rows",),
+                                  out_shardings=(self.replicated,) * 3)
+        self._sample_fn = jax.jit(_sample_impl, static_argnames=("layout", "max_rows"))
+        # sampler programs by sampler rows: the R buckets of one chunk count share one
+        self._samplers: dict[int, Any] = {}
+        self._sampler_locks: dict[int, threading.Lock] = {}
+        self._samplers_lock = threading.Lock()
 
     # ---- params ---------------------------------------------------------------------
     @property
@@ -184,28 +196,21 @@ class Runner:
         rows = arrays["logit_rows"]
         return hidden, ids[rows], from_prev[rows] >= 0, kv
 
-    def _head_impl(self, params: Any, hidden: jax.Array, row_tok: jax.Array,
-                   row_prev: jax.Array, packed: jax.Array, output_counts: jax.Array,
-                   prompt_mask: jax.Array, token_mask: jax.Array, *, num_rows: int,
-                   layout: Layout) -> tuple[jax.Array, Any]:
-        sb = unpack(packed, layout).replace(output_counts=output_counts,
-                                            prompt_mask=prompt_mask, token_mask=token_mask)
+    def _logits_impl(self, params: Any, hidden: jax.Array, row_tok: jax.Array,
+                     row_prev: jax.Array, *, num_rows: int
+                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The head's first program: float32 logits of the first `num_rows` rows, padded
+        with zero rows to the sampler's rows (`sampler_rows`), and the rows' unread-token
+        inputs padded alike (padding rows: greedy, mask False)."""
         logits = self.family.lm_head(params, hidden[:num_rows], self.plan)
-        rows = sb.temperature.shape[0]  # sampler_rows(num_rows)
+        rows = sampler_rows(num_rows)
         if rows > num_rows:
             logits = jnp.pad(logits, ((0, rows - num_rows), (0, 0)))
-        # Penalties count output tokens; the host does not know the ids still on device:
-        # the sampler counts them for rows whose input came from the previous step (only
-        # when some row has a penalty: no [R, V] array is touched otherwise).
         tok, prev = row_tok[:rows], row_prev[:rows]
-        if tok.shape[0] < rows:  # max_rows below the sampler's row chunk: padding rows
-            tok = jnp.pad(tok, (0, rows - tok.shape[0]))  # (their mask is False)
+        if tok.shape[0] < rows:  # max_rows below the sampler's row chunk
+            tok = jnp.pad(tok, (0, rows - tok.shape[0]))
             prev = jnp.pad(prev, (0, rows - prev.shape[0]))
-        sb = sb.replace(unread_token=tok, has_unread=prev)
-        out = sampling.sample(logits, sb)
-        next_ids = jnp.zeros(self.max_rows, jnp.int32).at[:num_rows].set(
-            out.next_ids[:num_rows])
-        return next_ids, out
+        return logits.astype(jnp.float32), tok, prev
 
     # ---- buckets / warm-up ---------------------------------------------------------
     def buckets(self) -> list[tuple[str, int]]:
@@ -270,11 +275,33 @@ class Runner:
         """Lower and compile one program (any thread). The one place programs are made:
         compiled here, or loaded from another engine's compile of the same program
         (program_share.py: a fleet compiles each program once, not once per engine)."""
+        devices = list(self.mesh.devices.flat)
         if kind == "T":
-            lowered = self._forward_fn.lower(*inputs, layout=layout)
-        else:
-            lowered = self._head_fn.lower(*inputs, num_rows=size, layout=layout)
-        return SHARE.compile(lowered, list(self.mesh.devices.flat))
+            return SHARE.compile(self._forward_fn.lower(*inputs, layout=layout), devices)
+        params, hidden, row_tok, row_prev, *sb = inputs
+        logits = SHARE.compile(self._logits_fn.lower(params, hidden, row_tok, row_prev,
+                                                     num_rows=size), devices)
+        return HeadProgram(logits, self._sampler(sampler_rows(size), sb, layout))
+
+    def _sampler(self, rows: int, sb: list[Any], layout: Layout) -> Any:
+        """The sampler program over `rows` rows (compiled once per engine and row count,
+        any thread; `sb`: the abstract sampling inputs, `layout` their packed layout). It
+        depends only on (rows, vocabulary, max_rows): engines of one vocabulary share it
+        through the compilation caches, whatever their model and dtype."""
+        with self._samplers_lock:  # one lock per row count: other counts compile meanwhile
+            lock = self._sampler_locks.setdefault(rows, threading.Lock())
+        with lock:
+            program = self._samplers.get(rows)
+            if program is None:
+                vocab = self.model_cfg.vocab_size
+                spec = lambda shape, dt: jax.ShapeDtypeStruct(  # noqa: E731
+                    shape, dt, sharding=self.replicated)
+                lowered = self._sample_fn.lower(
+                    spec((rows, vocab), jnp.float32), spec((rows,), jnp.int32),
+                    spec((rows,), jnp.bool_), *sb, layout=layout, max_rows=self.max_rows)
+                program = self._samplers[rows] = SHARE.compile(
+                    lowered, list(self.mesh.devices.flat))
+        return program
 
     def warmup(self, max_pages: int, progress: Any = None, background: bool = False,
                on_complete: Any = None, on_first: Any = None) -> None:
@@ -398,6 +425,37 @@ class Runner:
                                                   self.model_cfg.vocab_size,
                                                   zeros=self._zero_cache[rows_padded],
                                                   no_masks=self._mask_zero_cache[rows_padded])
+
+
+def _sample_impl(logits: jax.Array, tok: jax.Array, prev: jax.Array, packed: jax.Array,
+                 output_counts: jax.Array, prompt_mask: jax.Array, token_mask: jax.Array, *,
+                 layout: Layout, max_rows: int) -> tuple[jax.Array, Any]:
+    """The head's second program: the sampler over the padded rows, and the sampled ids in
+    the [max_rows] buffer the next forward reads (rows past the step's are padding).
+    Penalties count output tokens; the host does not know the ids still on device: the
+    sampler counts them for rows whose input came from the previous step (only when some
+    row has a penalty: no [R, V] array is touched otherwise)."""
+    sb = unpack(packed, layout).replace(output_counts=output_counts, prompt_mask=prompt_mask,
+                                        token_mask=token_mask, unread_token=tok,
+                                        has_unread=prev)
+    out = sampling.sample(logits, sb)
+    rows = min(logits.shape[0], max_rows)
+    next_ids = jnp.zeros(max_rows, jnp.int32).at[:rows].set(out.next_ids[:rows])
+    return next_ids, out
+
+
+class HeadProgram:
+    """An R bucket's compiled head: the logits program of its rows, then the sampler program
+    of its sampler rows (shared by the R buckets of one chunk count). Called like one
+    program: (params, hidden, row_tok, row_prev, packed, output_counts, prompt_mask,
+    token_mask) -> (next_ids [max_rows], SampleOutput)."""
+
+    def __init__(self, logits: Any, sampler: Any) -> None:
+        self.logits, self.sampler = logits, sampler
+
+    def __call__(self, params: Any, hidden: jax.Array, row_tok: jax.Array,
+                 row_prev: jax.Array, *sb: jax.Array) -> tuple[jax.Array, Any]:
+        return self.sampler(*self.logits(params, hidden, row_tok, row_prev), *sb)
 
 
 def step_tree(arrays: StepArrays) -> dict[str, np.ndarray]:
