@@ -6,7 +6,7 @@ bash scripts/setup.sh
 # Two processes (pytest-xdist, one file per process at a time; tests/conftest.py orders the files,
 # longest first): compiles are single-threaded, so two processes keep both
 # cores busy. MULTISERVE_TEST_WORKERS=0 runs in this process only.
-# --durations: the slowest tests are listed at the end (the suite must stay under 12 min).
+# --durations: the slowest tests are listed at the end (the suite must stay under 10 min from a fresh clone).
 workers="${MULTISERVE_TEST_WORKERS:-2}"
 dist=()
 if [[ "$workers" != "0" ]]; then dist=(-n "$workers" --dist loadfile --no-loadscope-reorder); fi
