@@ -97,7 +97,6 @@ def tiny_qwen2_moe_dir(root: Path) -> Path:
     """tests/moe_checkpoints.py's Qwen2-MoE (seed 9), its weights rounded to bfloat16 and
     saved so (config.json torch_dtype bfloat16)."""
     import torch
-
     from moe_checkpoints import make_model, save
 
     return save(make_model("qwen2_moe", seed=9).to(torch.bfloat16), root / "tiny-qwen2-moe")

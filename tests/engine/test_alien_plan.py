@@ -82,7 +82,6 @@ def _params(i: int) -> SamplingParams:
                           ignore_eos=True, return_logprob=True)
 
 
-
 def _alone(engine: Any, i: int) -> tuple:
     col = Collector(engine)
     col.submit_all([PROMPTS[i]], [_params(i)])

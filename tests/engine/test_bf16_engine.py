@@ -39,7 +39,6 @@ def _params(i: int) -> SamplingParams:
                           ignore_eos=True, return_logprob=True)
 
 
-
 def _run(engine: Any, indexes: range = range(len(PROMPTS))) -> dict:
     col = Collector(engine)
     col.submit_all([PROMPTS[i] for i in indexes], [_params(i) for i in indexes])

@@ -44,7 +44,6 @@ def _params(i: int, max_new: int) -> Any:
                           ignore_eos=True, return_logprob=True)
 
 
-
 @pytest.fixture(scope="module")
 def prompts(_default_engine: Any) -> list[list[int]]:
     return [_default_engine.chat_ids([{"role": "user", "content": q}]) for q in QUESTIONS]

@@ -52,7 +52,6 @@ def _params(n: int) -> list[SamplingParams]:
     return [GREEDY if i % 2 == 0 else SEEDED for i in range(n)]
 
 
-
 def _run(engine: Any, hook: Any = None) -> dict:
     col = Collector(engine, on_output=hook)
     col.submit_all(_prompts(), _params(len(_prompts())))

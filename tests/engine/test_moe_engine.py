@@ -48,7 +48,6 @@ def _params(n: int) -> list[SamplingParams]:
     return [GREEDY if i % 2 == 0 else SEEDED for i in range(n)]
 
 
-
 def _run(engine: Any, prompts: list[list[int]] | None = None, hook: Any = None) -> dict:
     prompts = prompts or _prompts()
     col = Collector(engine, on_output=hook)

@@ -42,7 +42,6 @@ def _work(seed: int, n: int = 8) -> list[tuple[list[int], SamplingParams]]:
     return work
 
 
-
 def _prefix_of(out: Any, full: tuple) -> bool:
     n = len(out.output_ids)
     return (out.output_ids, tuple(t.logprob for t in out.logprobs)) == (full[0][:n], full[1][:n])

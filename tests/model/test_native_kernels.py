@@ -48,7 +48,7 @@ def _case(kv_heads: int, group: int, head_dim: int, page_size: int, seed: int = 
     q = jnp.asarray(rng.standard_normal((len(seq), kv_heads * group, head_dim)), jnp.float32)
     # one jitted function per plan; the pools are arguments (as closure constants they were
     # embedded in every program), so a row count compiles once, whatever rows it picks
-    fns = {id(plan): jax.jit(lambda qs, kp, vp, b, lay, plan=plan: paged_attention(
+    fns = {plan: jax.jit(lambda qs, kp, vp, b, lay, plan=plan: paged_attention(
         qs, kp, vp, lay, b, page_size=page_size, block_size=32, plan=plan))
         for plan in (XLA, NATIVE)}
 
@@ -60,7 +60,7 @@ def _case(kv_heads: int, group: int, head_dim: int, page_size: int, seed: int = 
                              out_slots=jnp.zeros(n, jnp.int32), page_table=table,
                              seq_lens=jnp.zeros(num_seqs, jnp.int32),
                              logit_rows=jnp.zeros(1, jnp.int32))
-        return np.asarray(fns[id(plan)](q[idx], k_pool, v_pool, batch, jnp.int32(layer)))
+        return np.asarray(fns[plan](q[idx], k_pool, v_pool, batch, jnp.int32(layer)))
 
     return len(seq), attend
 

@@ -281,9 +281,9 @@ class Runner:
         params, hidden, row_tok, row_prev, *sb = inputs
         logits = SHARE.compile(self._logits_fn.lower(params, hidden, row_tok, row_prev,
                                                      num_rows=size), devices)
-        return HeadProgram(logits, self._sampler(sampler_rows(size), sb, layout))
+        return HeadProgram(logits, self._sampler(sampler_rows(size), sb, layout, devices))
 
-    def _sampler(self, rows: int, sb: list[Any], layout: Layout) -> Any:
+    def _sampler(self, rows: int, sb: list[Any], layout: Layout, devices: list[Any]) -> Any:
         """The sampler program over `rows` rows (compiled once per engine and row count,
         any thread; `sb`: the abstract sampling inputs, `layout` their packed layout). It
         depends only on (rows, vocabulary, max_rows): engines of one vocabulary share it
@@ -293,14 +293,14 @@ class Runner:
         with lock:
             program = self._samplers.get(rows)
             if program is None:
-                vocab = self.model_cfg.vocab_size
-                spec = lambda shape, dt: jax.ShapeDtypeStruct(  # noqa: E731
-                    shape, dt, sharding=self.replicated)
+                def spec(shape: tuple[int, ...], dt: Any) -> jax.ShapeDtypeStruct:
+                    return jax.ShapeDtypeStruct(shape, dt, sharding=self.replicated)
+
                 lowered = self._sample_fn.lower(
-                    spec((rows, vocab), jnp.float32), spec((rows,), jnp.int32),
-                    spec((rows,), jnp.bool_), *sb, layout=layout, max_rows=self.max_rows)
-                program = self._samplers[rows] = SHARE.compile(
-                    lowered, list(self.mesh.devices.flat))
+                    spec((rows, self.model_cfg.vocab_size), jnp.float32),
+                    spec((rows,), jnp.int32), spec((rows,), jnp.bool_), *sb, layout=layout,
+                    max_rows=self.max_rows)
+                program = self._samplers[rows] = SHARE.compile(lowered, devices)
         return program
 
     def warmup(self, max_pages: int, progress: Any = None, background: bool = False,
