@@ -238,12 +238,21 @@ def forward_hidden(params: Params, kv_pool: KVPool, batch: ForwardBatch, cfg: Mo
         weights = layer_weights(stacked, num_tokens, plan, cfg, stacked)
         # the native panels stay whole (the kernel indexes the layer); the rest is scanned
         whole = {k: v for k, v in weights.items() if k.endswith("_p") and v is not None}
-        sliced = {k: v for k, v in weights.items() if k not in whole}
+        # bfloat16 stacks are not scanned: XLA:CPU widens a bfloat16 dynamic slice to
+        # float32 and hoists the widening of the WHOLE stack out of the loop (a float32 copy
+        # of every such matrix written at every step). A switch
+        # over the layer's static slices copies only that layer, the same bytes.
+        switched = {k: v for k, v in weights.items()
+                    if k not in whole and v is not None and v.dtype == jnp.bfloat16}
+        sliced = {k: v for k, v in weights.items() if k not in whole and k not in switched}
+        by_layer = [lambda i=i: {k: v[i] for k, v in switched.items()}
+                    for i in range(cfg.num_layers)]
 
         def step(carry: tuple[jax.Array, KVPool], xs: Any) -> tuple[Any, None]:
             x, kv = carry
             w, layer = xs
-            x, kv = _layer(x, kv, layer, {**w, **whole}, batch, cos, sin, cfg,
+            own = jax.lax.switch(layer, by_layer) if switched else {}
+            x, kv = _layer(x, kv, layer, {**w, **own, **whole}, batch, cos, sin, cfg,
                            page_size=page_size, attn_block_size=attn_block_size, plan=plan)
             return (x, kv), None
 
