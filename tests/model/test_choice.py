@@ -69,6 +69,14 @@ def test_within_the_tie_plain_is_preferred_to_nt() -> None:
     assert fastest([nt, cand(4, "a", TIE * 1.5, "plain")]) is nt
 
 
+def test_within_the_tie_native_is_preferred_to_xla() -> None:
+    plain, nt = cand(4, "a", 1.0, "plain"), cand(4, "a", 1.0, "nt")
+    native = cand(4, "a", 1.0 * TIE * 0.99, "native")
+    assert fastest([plain, nt, native]) is native
+    assert fastest([plain, nt, cand(4, "a", TIE * 1.5, "native")]) is plain
+    assert fastest([plain, cand(8, "a", 0.9, "native")]) is plain  # fewer rows first
+
+
 def test_sizes_never_mix_formulations_whose_rows_differ() -> None:
     """Per size the fastest candidate would come from two classes (b fast at 1 row, a fast
     at 8 rows): a plan takes every size from one anchor's class."""
