@@ -129,3 +129,27 @@ def test_products_probed_once_per_process_across_workloads(monkeypatch: pytest.M
                                    engine_defaults=False), jax.devices()[0])
     assert len(calls) == 2 * probed and not third.cached
     assert third.plan.products == first.plan.products
+
+
+def test_probe_timing_takes_the_candidates_in_turns() -> None:
+    """A probe's candidates are timed in rounds, each once per round (a slow period of the
+    machine falls on all of them alike), and each gets its own best time."""
+    from multiserve.model.invariance import probes
+
+    calls: list[int] = []
+
+    def fn(i: int) -> int:
+        calls.append(i)
+        return i
+
+    seconds = probes.timed([lambda i=i: fn(i) for i in range(3)])
+    assert len(seconds) == 3 and all(s >= 0 for s in seconds)
+    timing = calls[3:]  # after one warm-up call each
+    rounds, i = [], 0
+    while i < len(timing):  # consecutive calls of one fn are one mean
+        j = i
+        while j < len(timing) and timing[j] == timing[i]:
+            j += 1
+        rounds.append(timing[i])
+        i = j
+    assert rounds == [0, 1, 2] * probes.TIMING_RUNS

@@ -27,7 +27,7 @@ from __future__ import annotations
 import hashlib
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
@@ -84,21 +84,37 @@ def placements(size: int, total: int, rng: np.random.Generator) -> list[np.ndarr
     return out
 
 
-def timed(fn: Callable[[], Any]) -> float:
-    """Seconds per call: the best of TIMING_RUNS means over >= 2 ms of back-to-back calls
-    (one call of a small product is mostly dispatch noise)."""
-    jax.block_until_ready(fn())
-    best = float("inf")
+def _mean_seconds(fn: Callable[[], Any]) -> float:
+    """Seconds per call over >= 2 ms of back-to-back calls (one call of a small product is
+    mostly dispatch noise; at most 64 calls)."""
+    calls, t0 = 0, time.perf_counter()
+    while True:
+        jax.block_until_ready(fn())
+        calls += 1
+        elapsed = time.perf_counter() - t0
+        if elapsed >= 2e-3 or calls >= 64:
+            return elapsed / calls
+
+
+def timed(fns: Sequence[Callable[[], Any]]) -> list[float]:
+    """Seconds per call of each of `fns`: the best of TIMING_RUNS means (`_mean_seconds`),
+    the fns timed in turns (one round: each once), so a slow period of the machine falls on
+    every candidate of a probe alike instead of on the ones timed during it."""
+    for fn in fns:
+        jax.block_until_ready(fn())
+    best = [float("inf")] * len(fns)
     for _ in range(TIMING_RUNS):
-        calls, t0 = 0, time.perf_counter()
-        while True:
-            jax.block_until_ready(fn())
-            calls += 1
-            elapsed = time.perf_counter() - t0
-            if elapsed >= 2e-3 or calls >= 64:
-                break
-        best = min(best, elapsed / calls)
+        for i, fn in enumerate(fns):
+            best[i] = min(best[i], _mean_seconds(fn))
     return best
+
+
+def timed_candidates(pending: Sequence[tuple[dict[str, Any], int, list[dict[int, int]],
+                                             Callable[[], Any]]]) -> list[Candidate]:
+    """Candidates (desc, rows, runs) with their times, their fns timed together (`timed`)."""
+    seconds = timed([fn for *_, fn in pending])
+    return [Candidate(desc, rows, runs, t)
+            for (desc, rows, runs, _), t in zip(pending, seconds, strict=True)]
 
 
 def host(a: np.ndarray, dtype: Any) -> np.ndarray:
@@ -148,7 +164,7 @@ def probe_product(use: ProductUse, dtype: Any, device: Any, distort: Distort | N
         # invariant by construction: no padding to try, each size at its own rows
         kernels.append(("native", sorted(set(sizes))))
         w_p = jax.jit(native_kernels.pack_panels)(w)
-    out: list[Candidate] = []
+    pending: list[Any] = []
     for kernel, row_counts in kernels:
         fn = jax.jit(lambda a, b, bt, bp, kernel=kernel: product(
             a, b if kernel == "plain" else None, bt if kernel == "nt" else None, kernel,
@@ -161,8 +177,8 @@ def probe_product(use: ProductUse, dtype: Any, device: Any, distort: Distort | N
                 res = np.asarray(fn(jax.device_put(x[placement], device), w, w_t, w_p))
                 runs.append(row_hashes(res, placement, flip))
             xs = jax.device_put(x[:rows], device)
-            out.append(Candidate(desc, rows, runs, timed(partial(fn, xs, w, w_t, w_p))))
-    return out
+            pending.append((desc, rows, runs, partial(fn, xs, w, w_t, w_p)))
+    return timed_candidates(pending)
 
 
 def probe_grouped(use: GroupedUse, dtype: Any, device: Any, distort: Distort | None,
@@ -184,7 +200,7 @@ def probe_grouped(use: GroupedUse, dtype: Any, device: Any, distort: Distort | N
     if not use.sharded and native_products_usable(dtype, device):
         kernels.insert(0, "native")
         w_p = jax.jit(native_kernels.pack_panels)(w)
-    out: list[Candidate] = []
+    pending: list[Any] = []
     for kernel in kernels:
         for rows in sorted(set(sizes)):
             plan = ProductPlan(use.name, use.local_k, use.local_n,
@@ -205,8 +221,8 @@ def probe_grouped(use: GroupedUse, dtype: Any, device: Any, distort: Distort | N
                                     jnp.asarray(experts[placement]), w, w_p))
                 runs.append(row_hashes(res, placement, flip))
             xs, gs = jax.device_put(x[:rows], device), jnp.asarray(experts[:rows])
-            out.append(Candidate(desc, rows, runs, timed(partial(fn, xs, gs, w, w_p))))
-    return out
+            pending.append((desc, rows, runs, partial(fn, xs, gs, w, w_p)))
+    return timed_candidates(pending)
 
 
 def probe_row_sum(width: int, counts: tuple[int, ...], device: Any,
@@ -216,15 +232,15 @@ def probe_row_sum(width: int, counts: tuple[int, ...], device: Any,
     all_rows = sorted(set(counts) | {p for p in PAD_SIZES if p < top})
     x = host(rng.standard_normal((top, width)), jnp.float32)
     fn = jax.jit(lambda a: row_sum_rows(a, a.shape[0]))
-    out = []
+    pending: list[Any] = []
     for rows in all_rows:
         desc = {"rows": rows}
         flip = distortion(distort, "row_sum", {"width": width, **desc})
         runs = [row_hashes(np.asarray(fn(jax.device_put(x[p], device))), p, flip)
                 for p in placements(rows, top, rng)]
         xs = jax.device_put(x[:rows], device)
-        out.append(Candidate(desc, rows, runs, timed(partial(fn, xs))))
-    return out
+        pending.append((desc, rows, runs, partial(fn, xs)))
+    return timed_candidates(pending)
 
 
 class AttentionProbe:
