@@ -134,6 +134,8 @@ def test_products_probed_once_per_process_across_workloads(monkeypatch: pytest.M
 def test_probe_timing_takes_the_candidates_in_turns() -> None:
     """A probe's candidates are timed in rounds, each once per round (a slow period of the
     machine falls on all of them alike), and each gets its own best time."""
+    import itertools
+
     from multiserve.model.invariance import probes
 
     calls: list[int] = []
@@ -144,12 +146,6 @@ def test_probe_timing_takes_the_candidates_in_turns() -> None:
 
     seconds = probes.timed([lambda i=i: fn(i) for i in range(3)])
     assert len(seconds) == 3 and all(s >= 0 for s in seconds)
-    timing = calls[3:]  # after one warm-up call each
-    rounds, i = [], 0
-    while i < len(timing):  # consecutive calls of one fn are one mean
-        j = i
-        while j < len(timing) and timing[j] == timing[i]:
-            j += 1
-        rounds.append(timing[i])
-        i = j
+    # after one warm-up call each, consecutive calls of one fn are one mean
+    rounds = [i for i, _ in itertools.groupby(calls[3:])]
     assert rounds == [0, 1, 2] * probes.TIMING_RUNS

@@ -406,9 +406,9 @@ def _sample_chunk(logits: jax.Array, sb: SamplingBatch) -> SampleOutput:
                         lambda: _first_argmax(raw))
 
     def mixed() -> jax.Array:
-        # One traced draw (a cond over edited / raw logits would compile it twice, ~0.45 s
-        # of every head program's compile); unedited logits pass through `_edited`
-        # unchanged, for about one [R, V] copy beside the draw's passes.
+        # One traced draw (a cond over edited / raw logits would compile it twice:
+        # docs/performance.md §8); unedited logits pass through `_edited` unchanged, for
+        # about one [R, V] copy beside the draw's passes.
         return _draw(_edited(raw, sb), sb, _row_words(sb))
 
     next_ids = lax.cond(sb.any_sampled, mixed, greedy_only)

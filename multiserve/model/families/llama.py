@@ -240,8 +240,8 @@ def forward_hidden(params: Params, kv_pool: KVPool, batch: ForwardBatch, cfg: Mo
         whole = {k: v for k, v in weights.items() if k.endswith("_p") and v is not None}
         # bfloat16 stacks are not scanned: XLA:CPU widens a bfloat16 dynamic slice to
         # float32 and hoists the widening of the WHOLE stack out of the loop (a float32 copy
-        # of every such matrix written at every step). A switch
-        # over the layer's static slices copies only that layer, the same bytes.
+        # of every such matrix written at every step). A switch over the layer's static
+        # slices copies only that layer, the same bytes.
         switched = {k: v for k, v in weights.items()
                     if k not in whole and v is not None and v.dtype == jnp.bfloat16}
         sliced = {k: v for k, v in weights.items() if k not in whole and k not in switched}

@@ -109,8 +109,12 @@ def timed(fns: Sequence[Callable[[], Any]]) -> list[float]:
     return best
 
 
-def timed_candidates(pending: Sequence[tuple[dict[str, Any], int, list[dict[int, int]],
-                                             Callable[[], Any]]]) -> list[Candidate]:
+# A probed candidate before timing: (desc, rows, runs, the call to time), Candidate's fields
+# but its time
+Pending = tuple[dict[str, Any], int, list[dict[int, int]], Callable[[], Any]]
+
+
+def timed_candidates(pending: Sequence[Pending]) -> list[Candidate]:
     """Candidates (desc, rows, runs) with their times, their fns timed together (`timed`)."""
     seconds = timed([fn for *_, fn in pending])
     return [Candidate(desc, rows, runs, t)
@@ -164,7 +168,7 @@ def probe_product(use: ProductUse, dtype: Any, device: Any, distort: Distort | N
         # invariant by construction: no padding to try, each size at its own rows
         kernels.append(("native", sorted(set(sizes))))
         w_p = jax.jit(native_kernels.pack_panels)(w)
-    pending: list[Any] = []
+    pending: list[Pending] = []
     for kernel, row_counts in kernels:
         fn = jax.jit(lambda a, b, bt, bp, kernel=kernel: product(
             a, b if kernel == "plain" else None, bt if kernel == "nt" else None, kernel,
@@ -200,7 +204,7 @@ def probe_grouped(use: GroupedUse, dtype: Any, device: Any, distort: Distort | N
     if not use.sharded and native_products_usable(dtype, device):
         kernels.insert(0, "native")
         w_p = jax.jit(native_kernels.pack_panels)(w)
-    pending: list[Any] = []
+    pending: list[Pending] = []
     for kernel in kernels:
         for rows in sorted(set(sizes)):
             plan = ProductPlan(use.name, use.local_k, use.local_n,
@@ -232,7 +236,7 @@ def probe_row_sum(width: int, counts: tuple[int, ...], device: Any,
     all_rows = sorted(set(counts) | {p for p in PAD_SIZES if p < top})
     x = host(rng.standard_normal((top, width)), jnp.float32)
     fn = jax.jit(lambda a: row_sum_rows(a, a.shape[0]))
-    pending: list[Any] = []
+    pending: list[Pending] = []
     for rows in all_rows:
         desc = {"rows": rows}
         flip = distortion(distort, "row_sum", {"width": width, **desc})
