@@ -18,6 +18,8 @@
 #   DEVICE_CHECK_LARGE  1b | small | skip: the large bench model (default: 1b on an
 #                       accelerator, small on CPU, where 1b would take long)
 #   DEVICE_CHECK_PYTEST_ARGS  extra pytest arguments (e.g. "-k pause" for a shorter run)
+#   DEVICE_CHECK_TEST_BUDGET  seconds the tests may take (default 0: no limit); past it
+#                       pytest is interrupted and the report counts what ran
 #   DEVICE_PIP_ARGS     extra pip install arguments (e.g. --break-system-packages, --user)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -46,6 +48,15 @@ fi
 if [ -z "${JAX_PLATFORMS:-}" ]; then
   JAX_PLATFORMS=$("$PY" -c "import jax; print(jax.devices()[0].platform)" 2>"$LOGS/jax.log") \
     || { step "jax does not start (see $LOGS/jax.log)"; exit 2; }
+  # "gpu" names CUDA and ROCm both: a JAX that has one plugin fails to start the other
+  # when told "gpu" (jax 0.11), so the backend that starts is named
+  if [ "$JAX_PLATFORMS" = gpu ]; then
+    for backend in cuda rocm; do
+      if JAX_PLATFORMS=$backend "$PY" -c "import jax; jax.devices()" 2>>"$LOGS/jax.log"; then
+        JAX_PLATFORMS=$backend; break
+      fi
+    done
+  fi
 fi
 export JAX_PLATFORMS
 PLATFORM=${JAX_PLATFORMS%%,*}
@@ -60,8 +71,13 @@ from device_generic import DEVICE_GENERIC_FILES
 print('\n'.join('tests/' + f for f in sorted(DEVICE_GENERIC_FILES)))")
 step "pytest -m device_generic (${#files[@]} files)"
 # shellcheck disable=SC2086
-"$PY" -m pytest -q -p no:cacheprovider -m device_generic --junitxml="$WORK/junit.xml" \
-  ${DEVICE_CHECK_PYTEST_ARGS:-} "${files[@]}" > "$LOGS/pytest.log" 2>&1 || status=1
+# a budget ends the run with SIGINT: pytest still writes its counts of what ran
+timeout -s INT -k 30 "${DEVICE_CHECK_TEST_BUDGET:-0}" \
+  "$PY" -m pytest -q -p no:cacheprovider -m device_generic --junitxml="$WORK/junit.xml" \
+  ${DEVICE_CHECK_PYTEST_ARGS:-} "${files[@]}" > "$LOGS/pytest.log" 2>&1
+rc=$?
+[ "$rc" = 0 ] || status=1
+[ "$rc" = 124 ] && { step "the test budget ended the run"; touch "$WORK/tests_cut_short"; }
 tail -3 "$LOGS/pytest.log" >&2
 
 # ---- 3./4. random models, doctor, bench ------------------------------------------------
@@ -124,7 +140,8 @@ try:
               if c.find("failure") is not None or c.find("error") is not None]
     tests = {"passed": n["tests"] - n["failures"] - n["errors"] - n["skipped"],
              "failed": n["failures"], "errors": n["errors"], "skipped": n["skipped"],
-             "seconds": float(suite.get("time", 0)), "failed_tests": failed}
+             "seconds": float(suite.get("time", 0)), "failed_tests": failed,
+             "cut_short_by_budget": (work / "tests_cut_short").exists()}
 except (OSError, ET.ParseError, AttributeError):
     pass
 doctor = last_json(work / "doctor.json")

@@ -9,7 +9,8 @@
 #   - tokenizer/: the default model's tokenizer files (a few MB; the embedded 94 MB GGUF
 #     does not travel), for the random-weight models of the check.
 # The wheels are for the image's Python and platform, not this machine's:
-#   DEVICE_PYTHON_VERSION (default 3.12), DEVICE_ARCH (default x86_64; aarch64 for GH200).
+#   DEVICE_PYTHON_VERSION (default 3.12), DEVICE_ARCH (default x86_64; aarch64 for GH200),
+#   DEVICE_GLIBC (default 2.35: the newest manylinux tag accepted).
 # Run here, where the registry is reachable; copy the folder next to the checkout there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -36,7 +37,12 @@ EOF
 echo "device-wheels: $(tr '\n' ' ' < "$OUT/requirements.txt")"
 
 platforms=()
-for tag in manylinux_2_28 manylinux_2_27 manylinux_2_17 manylinux2014 manylinux_2_12 manylinux2010 manylinux_2_5 manylinux1 linux; do
+# pip matches a manylinux_2_N tag exactly: every glibc from 2.5 to the image's (DEVICE_GLIBC,
+# default 2.35; llguidance ships manylinux_2_31 only) is named.
+GLIBC_MINOR=${DEVICE_GLIBC:-2.35}; GLIBC_MINOR=${GLIBC_MINOR#2.}
+tags=()
+for ((n = GLIBC_MINOR; n >= 5; n--)); do tags+=("manylinux_2_$n"); done
+for tag in "${tags[@]}" manylinux2014 manylinux2010 manylinux1 linux; do
   platforms+=(--platform "${tag}_${ARCH}")
 done
 "$PY" -m pip download -q --only-binary=:all: --python-version "$PYVER" "${platforms[@]}" \
