@@ -80,11 +80,11 @@ def tiny_model_dir_bf16(tmp_path_factory: pytest.TempPathFactory) -> Path:
     torch_dtype bfloat16): what a bfloat16 trainer ships."""
     import ml_dtypes
 
-    from multiserve.model.loading.default_model import default_model_path
+    from multiserve.model.loading.default_model import default_tokenizer_dir
     from multiserve.model.loading.loader import save_hf_dir
 
     path = tmp_path_factory.mktemp("tiny-llama-bf16")
-    save_hf_dir(path, TINY_MODEL, tiny_params(TINY_MODEL), tokenizer_dir=default_model_path(),
+    save_hf_dir(path, TINY_MODEL, tiny_params(TINY_MODEL), tokenizer_dir=default_tokenizer_dir(),
                 dtype=ml_dtypes.bfloat16)
     return path
 
