@@ -109,8 +109,9 @@ class EngineConfig:
     """One engine on one device group.
 
     `model_path=None` means the embedded default model (SmolLM2-135M-Instruct).
-    `dtype="auto"`: bfloat16 on accelerators; on a CPU the checkpoint's dtype where the
-    native bfloat16 kernels run, else float32 (engine/dtype_choice.py says which and why).
+    `dtype="auto"`: the checkpoint's dtype where it runs well (bfloat16 on a CPU only where
+    the native bfloat16 kernels run), else float32; the embedded default model float32
+    (engine/dtype_choice.py says which and why).
     KV pool size: `max_total_tokens` if given, else `mem_fraction_static` of the
     device memory where the device reports it, else the bytes of `default_cpu_kv_tokens`
     float32 tokens (a bfloat16 pool holds twice as many tokens).

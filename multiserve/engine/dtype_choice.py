@@ -2,15 +2,17 @@
 "auto" resolved here, and the reason, which get_internal_state / get_server_info
 (`dtype_choice`) and `multiserve doctor` report.
 
-"auto":
-- an accelerator: bfloat16 (its matrix units' type);
-- a CPU where the native bfloat16 kernels do not run (no compiler, another platform,
-  MULTISERVE_NATIVE_KERNELS=0): float32 (XLA:CPU's bfloat16 formulations are far slower);
-- the embedded default model on a CPU: EMBEDDED_MODEL_DTYPE (decided by measurement, see
-  there);
-- any other model on a CPU: the checkpoint's dtype (config.json `torch_dtype`, newer
-  transformers write `dtype`) when it is bfloat16, else float32 (float16 has no native
-  kernels here; a float32 checkpoint keeps its bits).
+"auto" is the checkpoint's precision wherever it runs well, else float32:
+- the embedded default model: EMBEDDED_MODEL_DTYPE on every platform (decided by
+  measurement and exactness, see there);
+- a checkpoint that declares bfloat16 (config.json `torch_dtype`, newer transformers write
+  `dtype`): bfloat16 on an accelerator, and on a CPU where the native bfloat16 kernels run
+  (XLA:CPU's bfloat16 formulations are far slower: float32 otherwise);
+- a float16 checkpoint: float16 on an accelerator, float32 on a CPU (no native float16
+  kernels);
+- a float32 checkpoint, or one that declares nothing: float32 (its bits kept; on an
+  accelerator the products still sum in float32: `Precision.HIGHEST`,
+  model/invariance/primitives.py).
 """
 
 from __future__ import annotations
@@ -62,20 +64,20 @@ def choose_dtype(requested: str, platform: str, model_dir: Path | None,
     by instruction path `bf16_path`)."""
     if requested != "auto":
         return DtypeChoice(requested, requested, "set explicitly (EngineConfig.dtype)")
-    if platform != "cpu":
-        return DtypeChoice(requested, "bfloat16", f"auto on {platform}: bfloat16, the "
-                           "accelerator's matrix type")
-    if bf16_unavailable is not None:
-        return DtypeChoice(requested, "float32", "auto on CPU: float32, the native bfloat16 "
-                           f"kernels do not run here ({bf16_unavailable})")
+    where = "CPU" if platform == "cpu" else platform
     if model_dir is None:
         return DtypeChoice(requested, EMBEDDED_MODEL_DTYPE,
-                           f"auto on CPU: {EMBEDDED_MODEL_REASON}")
+                           f"auto on {where}: {EMBEDDED_MODEL_REASON}")
     declared = checkpoint_dtype(model_dir)
+    if platform != "cpu" and declared in ("bfloat16", "float16"):
+        return DtypeChoice(requested, declared, f"auto on {where}: the checkpoint's dtype "
+                           f"(config.json torch_dtype {declared})")
+    if declared == "bfloat16" and bf16_unavailable is not None:
+        return DtypeChoice(requested, "float32", "auto on CPU: float32, the native bfloat16 "
+                           f"kernels do not run here ({bf16_unavailable})")
     if declared == "bfloat16":
         return DtypeChoice(requested, "bfloat16", "auto on CPU: the checkpoint's dtype "
                            f"(config.json torch_dtype bfloat16), native bfloat16 kernels "
                            f"by {bf16_path}")
-    return DtypeChoice(requested, "float32", f"auto on CPU: the checkpoint declares "
-                       f"{declared or 'no dtype'}, served in float32 (bfloat16 only for "
-                       f"bfloat16 checkpoints)")
+    return DtypeChoice(requested, "float32", f"auto on {where}: the checkpoint declares "
+                       f"{declared or 'no dtype'}, served in float32 (its bits kept)")
