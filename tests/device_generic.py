@@ -28,6 +28,7 @@ DEVICE_GENERIC_FILES = frozenset({
     "engine/test_rl_boundary.py", "engine/test_sampling.py", "engine/test_scheduler_unit.py",
     "engine/test_small_row_buckets.py", "engine/test_stress.py", "engine/test_weights.py",
     "model/test_bf16.py", "model/test_batch_invariance.py", "model/test_kv_pool.py",
+    "model/test_precision.py",
     "model/test_row_invariance.py",
 })
 

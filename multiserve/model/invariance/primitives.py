@@ -49,6 +49,12 @@ LAYER_MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 FUSED_GROUPS = {"wqkv": ("wq", "wk", "wv"), "w_gateup": ("w_gate", "w_up")}
 NT = (((1,), (1,)), ((), ()))  # dot_general dims: x[M, K] . Wt[N, K] -> [M, N]
 ROW_SUM_COLUMNS = 8  # columns of ones in `row_sum` (a 1-column product is a GEMV)
+# Every XLA product multiplies its operands at their own precision: float32 operands in
+# float32 (an accelerator's default may round them to TF32 or bfloat16 first, which the
+# calibration's float32 references and the float32 engine's exact logprobs rule out);
+# bfloat16 operands are exact in any mode. XLA:CPU computes float32 products in float32
+# either way.
+EXACT = jax.lax.Precision.HIGHEST
 
 
 def product(x: jax.Array, w: jax.Array | None, w_t: jax.Array | None, kernel: str, rows: int,
@@ -69,11 +75,11 @@ def product(x: jax.Array, w: jax.Array | None, w_t: jax.Array | None, kernel: st
         out = row_gemm(x, w_p, n, layer, out_dtype=out_dtype)
     elif kernel == "plain":
         assert w is not None, "the plain product needs W [K, N]"
-        out = jnp.dot(x, w, preferred_element_type=jnp.float32).astype(out_dtype)
+        out = jnp.dot(x, w, precision=EXACT, preferred_element_type=jnp.float32).astype(out_dtype)
     else:
         assert w_t is not None, "the NT product needs W^T [N, K]"
-        out = jax.lax.dot_general(x, w_t, NT, preferred_element_type=jnp.float32
-                                  ).astype(out_dtype)
+        out = jax.lax.dot_general(x, w_t, NT, precision=EXACT,
+                                  preferred_element_type=jnp.float32).astype(out_dtype)
     return out[:m] if rows > m else out
 
 
@@ -115,7 +121,8 @@ def grouped(x: jax.Array, groups: jax.Array, w: jax.Array | None, w_p: jax.Array
         out = grouped_row_gemm(x, w_p, groups + first_group, plan.n, out_dtype=jnp.float32)
     else:
         assert form.kernel == "gather" and w is not None, (form.kernel, "needs W [E, K, N]")
-        out = jnp.einsum("mk,mkn->mn", x, w[groups], preferred_element_type=jnp.float32)
+        out = jnp.einsum("mk,mkn->mn", x, w[groups], precision=EXACT,
+                         preferred_element_type=jnp.float32)
     return out[:m].astype(x.dtype)
 
 
@@ -125,7 +132,7 @@ def row_sum_rows(flat: jax.Array, rows: int) -> jax.Array:
     if rows > m:
         flat = jnp.pad(flat, ((0, rows - m), (0, 0)))
     ones = jnp.ones((ROW_SUM_COLUMNS, flat.shape[-1]), flat.dtype)
-    return jax.lax.dot_general(flat, ones, NT)[:m, 0]
+    return jax.lax.dot_general(flat, ones, NT, precision=EXACT)[:m, 0]
 
 
 def row_sum(x: jax.Array, plan: RowSumPlan) -> jax.Array:

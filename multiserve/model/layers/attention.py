@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from multiserve.model.layers.forward_batch import ForwardBatch
 from multiserve.model.invariance.plan import AttentionPlan
 from multiserve.model.kernels.native import paged_attention_native
-from multiserve.model.invariance.primitives import row_sum_rows
+from multiserve.model.invariance.primitives import EXACT, row_sum_rows
 
 MASK_VALUE = -1e30  # finite: exp(MASK_VALUE - m) == 0 exactly, never inf - inf
 # Query chunk sizes the calibration tries (model/invariance/calibration.py).
@@ -114,7 +114,7 @@ def _chunk_attention(q: jax.Array, pos: jax.Array, seq: jax.Array, k_pool: jax.A
             m, l, acc = carry  # [KV,C,G], [KV,C,G], [KV,C,G,hd]
             key_pos = j * block_size + offsets  # [bs]
             k, v = gather(j)  # [KV, C, bs, hd] f32
-            s = jax.lax.dot_general(q, k, _SCORES)  # [KV, C, G, bs]
+            s = jax.lax.dot_general(q, k, _SCORES, precision=EXACT)  # [KV, C, G, bs]
             s = jnp.where(key_pos[None, None, None, :] > pos[None, :, None, None],
                           MASK_VALUE, s)
             m_new = jnp.maximum(m, jnp.max(s, axis=3))  # max is exact: order-free
@@ -124,7 +124,7 @@ def _chunk_attention(q: jax.Array, pos: jax.Array, seq: jax.Array, k_pool: jax.A
             # invariance at this chunk size is part of what the attention plan checked
             l_new = l * alpha + row_sum_rows(p.reshape(-1, block_size),
                                              max(2, p.size // block_size)).reshape(m.shape)
-            pv = jax.lax.dot_general(p, v, _VALUES)  # [KV, C, G, hd]
+            pv = jax.lax.dot_general(p, v, _VALUES, precision=EXACT)  # [KV, C, G, hd]
             return m_new, l_new, acc * alpha[..., None] + pv
 
         shape = (kv_heads, c, group)
