@@ -43,6 +43,7 @@ import os
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import jax
@@ -53,6 +54,8 @@ from jax.sharding import PartitionSpec as P
 
 from multiserve.config import EngineConfig, ModelConfig
 from multiserve.engine.device.batch_arrays import StepArrays, empty_step_arrays
+from multiserve.engine.device import huge_pages
+from multiserve.engine.device.huge_pages import HugePageAdvice
 from multiserve.engine.device.packed_inputs import Layout, layout_of, pack, unpack
 from multiserve.engine.device.program_share import SHARE
 from multiserve.engine.device.programs import Plan, ProgramSet, plan, smallest_fit
@@ -113,6 +116,10 @@ class Runner:
         # get_internal_state()["determinism"]: made once (immutable, read by any thread)
         self.determinism: dict[str, Any] = self.calibration.summary()
         self._compute: Any = None
+        # the weights' last huge-page advice, written by its thread when done
+        # (device/huge_pages.py)
+        self.huge_pages: dict[str, HugePageAdvice] = {}
+        self.huge_pages_thread: threading.Thread | None = None
         self.params = shard_params(cast_params(params_host, dtype), model_cfg, self.mesh,
                                    cfg.moe_sharding)
         self._kv_sharding = kv_pool_sharding(model_cfg, self.mesh)
@@ -158,6 +165,8 @@ class Runner:
         if value is not None:
             self._compute = self.family.compute_params(value, self.model_cfg, self.plan,
                                                        self.cfg.precompile_token_paddings)
+            self.huge_pages_thread = huge_pages.in_background(
+                self._compute, partial(self.huge_pages.__setitem__, "weights"))
 
     @property
     def compute_params(self) -> Any:
