@@ -66,7 +66,7 @@ def internal_state(core: EngineCore) -> dict[str, Any]:
         "dtype": str(core.runner.dtype),  # sglang's server-args name
         "dtype_choice": core.runner.dtype_choice.summary(),
         # the weights' 2 MiB pages (device/huge_pages.py); empty until its thread is done
-        "huge_pages": {k: dataclasses.asdict(v) for k, v in core.runner.huge_pages.items()},
+        "huge_pages": {k: dataclasses.asdict(v) for k, v in core.runner.huge_page_advice.items()},
         "weight_version": core.weight_version,
         "memory_released": sorted(core.released_tags),
         "num_retractions": s.num_retractions,

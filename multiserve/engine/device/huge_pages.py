@@ -1,7 +1,7 @@
 """The engine's large host buffers on 2 MiB transparent huge pages (Linux, CPU devices).
 
-Every step streams the weights (and a decode step most of the KV pool) from memory: on the
-CPU that read rate bounds the single stream and a good part of a batched step. On 4 KiB pages
+Every step streams the weights (and a decode step its sequences' K/V rows) from memory: on
+the CPU that read rate bounds the single stream and a good part of a batched step. On 4 KiB pages
 a stream crosses a page every 4 KiB: a TLB miss each, and the hardware prefetchers stop at
 every boundary. Backed by 2 MiB pages the same read runs ~1.27x faster on the Zen 4 EPYC
 (docs/performance.md §15). XLA:CPU allocates with malloc, and glibc's default leaves
@@ -16,7 +16,7 @@ makes the call fail (ENOMEM) or advise whatever memory is there now.
 `in_background(tree, done)` runs it on a daemon thread: collapsing copies the pages, ~1.2 s
 per GB here, which neither an engine's start nor a weight update waits for. The engine asks
 it for the weights' compute tree (load, updates, resume), not for the KV pool: a decode
-step reads a fraction of the pool, whose collapse measured 3.5 s for a 0.2 ms gain.
+step reads a fraction of the pool, whose collapse took 3.5 s for 0.3 ms of a 65 ms step.
 MULTISERVE_HUGE_PAGES=0 turns it off.
 """
 

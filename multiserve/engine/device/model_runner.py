@@ -118,7 +118,7 @@ class Runner:
         self._compute: Any = None
         # the weights' last huge-page advice, written by its thread when done
         # (device/huge_pages.py)
-        self.huge_pages: dict[str, HugePageAdvice] = {}
+        self.huge_page_advice: dict[str, HugePageAdvice] = {}
         self.huge_pages_thread: threading.Thread | None = None
         self.params = shard_params(cast_params(params_host, dtype), model_cfg, self.mesh,
                                    cfg.moe_sharding)
@@ -166,7 +166,7 @@ class Runner:
             self._compute = self.family.compute_params(value, self.model_cfg, self.plan,
                                                        self.cfg.precompile_token_paddings)
             self.huge_pages_thread = huge_pages.in_background(
-                self._compute, partial(self.huge_pages.__setitem__, "weights"))
+                self._compute, partial(self.huge_page_advice.__setitem__, "weights"))
 
     @property
     def compute_params(self) -> Any:
