@@ -24,6 +24,17 @@ from multiserve.model.invariance.primitives import is_compute_params
 FORWARD = jax.jit(forward, static_argnames=("cfg", "page_size", "attn_block_size", "plan"),
                   donate_argnums=(1,))
 
+def products_on(plan: Any, kernel: str) -> Any:
+    """`plan` with every product on formulation `kernel` at each row count's own size."""
+    from dataclasses import replace
+
+    from multiserve.model.invariance.plan import Formulation
+
+    return replace(plan, products=tuple(
+        replace(p, by_rows=tuple((m, Formulation(kernel, m)) for m, _ in p.by_rows))
+        for p in plan.products))
+
+
 TINY_LLAMA = ModelConfig(
     architecture="llama", vocab_size=256, hidden_size=64, intermediate_size=128,
     num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0,

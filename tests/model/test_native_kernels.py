@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from model_helpers import TINY_LLAMA
+from model_helpers import TINY_LLAMA, products_on
 
 from multiserve.model.kernels import native as native_kernels
 from multiserve.model.layers.attention import paged_attention
@@ -147,10 +147,7 @@ def test_fused_layer_products_give_the_separate_products_bits(qwen2: bool) -> No
     states and K/V bitwise those of the separate products, at every size, with widths that
     are no multiple of the 64-column panel (the members' columns start at panel bounds) and
     with biases (qwen2)."""
-    import dataclasses
-
     from multiserve.config import ModelConfig
-    from multiserve.model.invariance.plan import Formulation, ProductPlan
     from multiserve.model.layers.kv_pool import make_kv_pool
     from multiserve.model.families.llama import forward_hidden, fused_groups, plan_kernels
     from multiserve.model.loading.param_layout import init_random_params
@@ -163,9 +160,7 @@ def test_fused_layer_products_give_the_separate_products_bits(qwen2: bool) -> No
     sizes = (1, 8, 64)
     calibrated = calibrate(workload_for(cfg, sizes, (1,), 1, 16, 32, np.float32,
                                         engine_defaults=False), jax.devices()[0]).plan
-    native = dataclasses.replace(calibrated, products=tuple(
-        ProductPlan(p.name, p.k, p.n, tuple((m, Formulation("native", m)) for m, _ in p.by_rows))
-        for p in calibrated.products))
+    native = products_on(calibrated, "native")
     assert fused_groups(native, sizes) == ("wqkv", "w_gateup")
     params = jax.device_put(init_random_params(cfg, seed=5))
     fused = with_transposed(params, cfg, kernels=plan_kernels(native),

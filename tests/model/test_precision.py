@@ -17,11 +17,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from model_helpers import FORWARD, TINY_LLAMA
+from model_helpers import FORWARD, TINY_LLAMA, products_on
 
 from multiserve.model.families import family_for
 from multiserve.model.invariance.calibration import default_plan
-from multiserve.model.invariance.plan import AttentionPlan, Formulation, InvariancePlan
+from multiserve.model.invariance.plan import AttentionPlan, InvariancePlan
 from multiserve.model.layers.forward_batch import ForwardBatch
 from multiserve.model.layers.kv_pool import make_kv_pool
 from multiserve.model.loading.param_layout import init_random_params
@@ -33,10 +33,8 @@ PAGE, BLOCK, PAGES = 16, 16, 8
 def _xla_plan(plan: InvariancePlan, kernel: str) -> InvariancePlan:
     """`plan` with every product on XLA's `kernel` and attention on XLA's formulation (the
     formulations an accelerator runs: the native kernels are the CPU's)."""
-    products = tuple(dataclasses.replace(p, by_rows=tuple(
-        (m, Formulation(kernel, f.rows)) for m, f in p.by_rows)) for p in plan.products)
     attention = AttentionPlan(((T, (T, T)),), shared_keys=False, kernel="xla")
-    return dataclasses.replace(plan, products=products, attention=attention)
+    return dataclasses.replace(products_on(plan, kernel), attention=attention)
 
 
 def _lowered_step(dtype: str, kernel: str) -> str:

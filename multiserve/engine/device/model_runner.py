@@ -55,7 +55,6 @@ from jax.sharding import PartitionSpec as P
 from multiserve.config import EngineConfig, ModelConfig
 from multiserve.engine.device.batch_arrays import StepArrays, empty_step_arrays
 from multiserve.engine.device import huge_pages
-from multiserve.engine.device.huge_pages import HugePageAdvice
 from multiserve.engine.device.packed_inputs import Layout, layout_of, pack, unpack
 from multiserve.engine.device.program_share import SHARE
 from multiserve.engine.device.programs import Plan, ProgramSet, plan, smallest_fit
@@ -118,7 +117,7 @@ class Runner:
         self._compute: Any = None
         # the weights' last huge-page advice, written by its thread when done
         # (device/huge_pages.py)
-        self.huge_page_advice: dict[str, HugePageAdvice] = {}
+        self.huge_page_advice: dict[str, huge_pages.HugePageAdvice] = {}
         self.huge_pages_thread: threading.Thread | None = None
         self.params = shard_params(cast_params(params_host, dtype), model_cfg, self.mesh,
                                    cfg.moe_sharding)
