@@ -56,7 +56,7 @@ from multiserve.config import EngineConfig, ModelConfig
 from multiserve.engine.device.batch_arrays import StepArrays, empty_step_arrays
 from multiserve.engine.device import huge_pages
 from multiserve.engine.device.packed_inputs import Layout, layout_of, pack, unpack
-from multiserve.engine.device.program_share import SHARE
+from multiserve.engine.device.program_share import SHARE, step_options
 from multiserve.engine.device.programs import Plan, ProgramSet, plan, smallest_fit
 from multiserve.engine.dtype_choice import DtypeChoice
 from multiserve.engine.sampling import host as sampling_host
@@ -284,18 +284,21 @@ class Runner:
         compiled here, or loaded from another engine's compile of the same program
         (program_share.py: a fleet compiles each program once, not once per engine)."""
         devices = list(self.mesh.devices.flat)
+        options = step_options(devices[0].platform, str(jnp.dtype(self.dtype)))
         if kind == "T":
-            return SHARE.compile(self._forward_fn.lower(*inputs, layout=layout), devices)
+            return SHARE.compile(self._forward_fn.lower(*inputs, layout=layout), devices,
+                                 options)
         params, hidden, row_tok, row_prev, *sb = inputs
         logits = SHARE.compile(self._logits_fn.lower(params, hidden, row_tok, row_prev,
-                                                     num_rows=size), devices)
+                                                     num_rows=size), devices, options)
         return HeadProgram(logits, self._sampler(sampler_rows(size), sb, layout, devices))
 
     def _sampler(self, rows: int, sb: list[Any], layout: Layout, devices: list[Any]) -> Any:
         """The sampler program over `rows` rows (compiled once per engine and row count,
         any thread; `sb`: the abstract sampling inputs, `layout` their packed layout). It
-        depends only on (rows, vocabulary, max_rows): engines of one vocabulary share it
-        through the compilation caches, whatever their model and dtype."""
+        depends only on (rows, vocabulary, max_rows) and the XLA options (`step_options`:
+        the same on a CPU for every dtype): engines of one vocabulary share it through the
+        compilation caches, whatever their model."""
         with self._samplers_lock:  # one lock per row count: other counts compile meanwhile
             lock = self._sampler_locks.setdefault(rows, threading.Lock())
         with lock:
@@ -308,7 +311,9 @@ class Runner:
                     spec((rows, self.model_cfg.vocab_size), jnp.float32),
                     spec((rows,), jnp.int32), spec((rows,), jnp.bool_), *sb, layout=layout,
                     max_rows=self.max_rows)
-                program = self._samplers[rows] = SHARE.compile(lowered, devices)
+                program = self._samplers[rows] = SHARE.compile(
+                    lowered, devices, step_options(devices[0].platform,
+                                                   str(jnp.dtype(self.dtype))))
         return program
 
     def warmup(self, max_pages: int, progress: Any = None, background: bool = False,

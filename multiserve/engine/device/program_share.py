@@ -80,7 +80,24 @@ unpatched_hook: Any = None  # JAX's own hook, once replaced
 # widened again by its consumer) where its fusion allows, and fusion changes with the
 # step's shapes and formulations, so a bfloat16 row's bits would depend on its batch.
 # No effect on a float32 program (it has no such conversions).
-_OPTIONS = {"xla_allow_excess_precision": False}
+_OPTIONS: dict[str, bool | int] = {"xla_allow_excess_precision": False}
+
+# XLA:GPU picks a GEMM per shape (a Triton tiling or a cuBLAS algorithm, autotuned), so a
+# float32 row's product could change with the step's bucket; measured on an H200 (jax
+# 0.11.2, docs/performance.md §14): with XLA's defaults float32 logits differed by up to
+# 3e-6 between batchings, while cuBLAS alone at its heuristic choice (no Triton GEMMs, no
+# autotuning) kept every float32 batch-invariance test bitwise; bfloat16 is the other way
+# round (invariant with the defaults, not without Triton), so it keeps them.
+_GPU_FLOAT32_OPTIONS: dict[str, bool | int] = {"xla_gpu_enable_triton_gemm": False,
+                                               "xla_gpu_autotune_level": 0}
+
+
+def step_options(platform: str, dtype: str) -> dict[str, bool | int]:
+    """The XLA options of a step program of `dtype` weights on `platform` (a device's
+    `.platform`: "cpu", "gpu", "tpu")."""
+    if platform == "gpu" and dtype == "float32":
+        return {**_OPTIONS, **_GPU_FLOAT32_OPTIONS}
+    return dict(_OPTIONS)
 
 
 @dataclass(frozen=True)
@@ -192,12 +209,15 @@ class ProgramShare:
         self._lock = threading.Lock()
         self._in_flight: dict[tuple[Any, ...], threading.Event] = {}
 
-    def compile(self, lowered: Any, devices: Sequence[Any]) -> Any:
-        """The executable of `lowered` for `devices` (its mesh's devices, in order)."""
+    def compile(self, lowered: Any, devices: Sequence[Any],
+                options: dict[str, bool | int] | None = None) -> Any:
+        """The executable of `lowered` for `devices` (its mesh's devices, in order), compiled
+        with XLA `options` (default: `_OPTIONS`; the runner passes `step_options`)."""
+        options = _OPTIONS if options is None else options
         if not self._active(devices[0].platform):
-            return lowered.compile(compiler_options=_OPTIONS)
+            return lowered.compile(compiler_options=options)
         d0 = devices[0]
-        key = (d0.platform, d0.device_kind, len(devices),
+        key = (d0.platform, d0.device_kind, len(devices), tuple(sorted(options.items())),
                hashlib.sha256(lowered.as_text().encode()).hexdigest())
         with self._lock:
             running = self._in_flight.get(key)
@@ -205,9 +225,9 @@ class ProgramShare:
                 mine = self._in_flight[key] = threading.Event()
         if running is not None:
             running.wait()  # another engine compiles it: ours is then a cache hit
-            return lowered.compile(compiler_options=_OPTIONS)
+            return lowered.compile(compiler_options=options)
         try:
-            return lowered.compile(compiler_options=_OPTIONS)
+            return lowered.compile(compiler_options=options)
         finally:  # kept in the cache, or failed: either way the waiters compile now
             with self._lock:
                 del self._in_flight[key]

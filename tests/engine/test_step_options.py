@@ -1,0 +1,45 @@
+"""The XLA options of the step programs (engine/device/program_share.step_options).
+
+What is checked: every option set the rule can give is one XLA accepts (a misspelt option
+name fails the compile: "No such compile option"), whatever backend the test runs on; and
+the rule itself: excess precision off everywhere; on a GPU, float32 programs without
+Triton GEMMs and without autotuning (cuBLAS at its heuristic choice), which kept float32
+batch-invariant on an H200 where XLA's defaults did not; bfloat16 and other platforms
+keep XLA's defaults otherwise."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from multiserve.engine.device.program_share import step_options
+
+PLATFORMS = ("cpu", "gpu", "tpu")
+DTYPES = ("float32", "bfloat16")
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_option_set_compiles_and_computes(platform: str, dtype: str) -> None:
+    a = np.arange(12, dtype=np.float32).reshape(3, 4)
+    lowered = jax.jit(lambda x: jnp.dot(x, x.T)).lower(jnp.asarray(a))
+    program = lowered.compile(compiler_options=step_options(platform, dtype))
+    np.testing.assert_array_equal(np.asarray(program(jnp.asarray(a))), a @ a.T)
+
+
+def test_a_misspelt_option_is_refused() -> None:
+    lowered = jax.jit(lambda x: x + 1).lower(jnp.ones(3))
+    with pytest.raises(Exception, match="No such compile option"):
+        lowered.compile(compiler_options={"xla_gpu_enable_triton_gem": False})
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_rule(platform: str, dtype: str) -> None:
+    options = step_options(platform, dtype)
+    assert options["xla_allow_excess_precision"] is False
+    gpu_float32 = platform == "gpu" and dtype == "float32"
+    assert options.get("xla_gpu_enable_triton_gemm", True) is not gpu_float32
+    assert options.get("xla_gpu_autotune_level") == (0 if gpu_float32 else None)
