@@ -29,6 +29,10 @@
 #include <cstring>
 #include <type_traits>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include "parallel_for.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -78,10 +82,18 @@ inline vf adjacent(vf a, vf b) {
          __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
 
-inline float hmax(vf a) {  // max is exact: any order
-  float m = a[0];
-  for (int i = 1; i < KEY_BLOCK; ++i) m = a[i] > m ? a[i] : m;
-  return m;
+inline vf vmax(vf a, vf b) { return a > b ? a : b; }
+
+inline float hmax(vf a) {  // max is exact: any order (a tree of lane-wise maxima)
+  a = vmax(a, __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6,
+                                      7));
+  a = vmax(a, __builtin_shufflevector(a, a, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10,
+                                      11));
+  a = vmax(a, __builtin_shufflevector(a, a, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12,
+                                      13));
+  a = vmax(a, __builtin_shufflevector(a, a, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15,
+                                      14));
+  return a[0];
 }
 
 // exp(x) lane-wise for x <= 0 (every argument here is s - max): 2^n * P(r), r = x - n ln2
@@ -117,13 +129,20 @@ inline vf load(const float* p) {
 
 // 16 bfloat16 widened to float32 (exact: the bits become a float's high half)
 inline vf load(const uint16_t* p) {
+  vf v;
+#if defined(__AVX512F__)
+  // one zero-extending load of the 16 halves, then the shift (GCC splits the generic form)
+  const __m512i u = _mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
+  std::memcpy(&v, &u, sizeof v);
+#else
   typedef uint16_t vh __attribute__((vector_size(32)));
   typedef uint32_t vu __attribute__((vector_size(64)));
   vh h;
   std::memcpy(&h, p, sizeof h);
   const vu u = __builtin_convertvector(h, vu) << 16;
-  vf v;
   std::memcpy(&v, &u, sizeof v);
+#endif
   return v;
 }
 
@@ -146,6 +165,22 @@ struct Problem {
 inline int64_t slot_of(const int32_t* pages, int64_t key, int64_t page_size) {
   return int64_t{pages[key / page_size]} * page_size + key % page_size;
 }
+
+// The slots of one key block [b0, b0 + KEY_BLOCK) (b0 a multiple of KEY_BLOCK): where the
+// page size is a multiple of KEY_BLOCK the block lies in one page, so its slots are
+// consecutive from the first one (one division per block instead of one per key).
+struct BlockSlots {
+  const int32_t* pages;
+  int64_t page_size, b0, first;
+  bool one_page;
+  BlockSlots(const int32_t* p, int64_t ps, int64_t b)
+      : pages(p), page_size(ps), b0(b), first(0), one_page(ps % KEY_BLOCK == 0) {
+    if (one_page) first = slot_of(pages, b0, page_size);
+  }
+  inline int64_t operator()(int j) const {
+    return one_page ? first + j : slot_of(pages, b0 + j, page_size);
+  }
+};
 
 // What an item warms while it runs: the K and V rows, at the keys it visits, of the
 // (token, KV head) the NEXT item reads, into L2 while this item computes from L1. Without
@@ -185,8 +220,9 @@ template <int HD, typename KV>
 __attribute__((always_inline)) inline void warm_block(const Problem<KV>& pr,
                                                       const Warm<KV>& w, int64_t b0) {
   const int64_t end = std::min<int64_t>(b0 + KEY_BLOCK, w.last + 1);
+  const BlockSlots slots(w.pages, pr.page_size, b0);
   for (int64_t key = b0; key < end; ++key) {
-    const int64_t slot = slot_of(w.pages, key, pr.page_size);
+    const int64_t slot = slots(static_cast<int>(key - b0));
     if (slot < 0 || slot >= pr.slots) continue;
     for (const KV* pool : {w.k, w.v}) {
       const char* row = reinterpret_cast<const char*>(pool + slot * HD);
@@ -228,6 +264,7 @@ void attend_group(const Problem<KV>& pr, int64_t t, int64_t kv_head, int64_t g0)
   for (int64_t b0 = 0; b0 <= p; b0 += KEY_BLOCK) {
     const int n = static_cast<int>(std::min<int64_t>(KEY_BLOCK, p + 1 - b0));
     if (b0 <= warm.last) warm_block<HD>(pr, warm, b0);
+    const BlockSlots slots(pages, pr.page_size, b0);
     // Scores of the block's 16 keys: each key's 16-lane partial product summed by hsum's
     // tree for 16 keys at once (halves8, halves4, pairs02, adjacent) instead of one hsum
     // per key; keys past p count as 0 and are masked below. The loops nest by stage so that
@@ -245,7 +282,7 @@ void attend_group(const Problem<KV>& pr, int64_t t, int64_t kv_head, int64_t g0)
             for (int u = 0; u < 2; ++u) {
               const int j = h8 * 8 + h4 * 4 + h2 * 2 + u;
               if (j < n) {
-                const int64_t slot = slot_of(pages, b0 + j, pr.page_size);
+                const int64_t slot = slots(j);
                 const KV* kr = kh + slot * HD;
                 vrow[j] = vh + slot * HD;
                 vf kv[V];
