@@ -8,7 +8,9 @@ layer's call timed (median of 7 x 20 calls, jitted).
 
 --save before a kernel change and --check after it tell whether the change moved a bit.
 Cases: 64 decode rows over 100-220 keys, 1 decode row, a 256-token prefill, 16 decode rows
-over 400-520 keys.
+over 400-520 keys (one layer of a 2-layer pool: its K/V stay in the caches), and
+`decode64_30layers`: the 64 decode rows through all 30 layers of a 30-layer pool in one
+program (a step's attention: K/V read from memory; median of 7 x 3 calls).
 """
 
 from __future__ import annotations
@@ -25,13 +27,14 @@ from multiserve.model.kernels import native
 from multiserve.model.layers.forward_batch import ForwardBatch
 
 LAYERS, KV_HEADS, HEADS, HEAD_DIM, PAGE = 2, 3, 9, 64, 16
+STEP_LAYERS = 30  # the decode64_30layers case: SmolLM2-135M's layer count
 
 
 def _case(rng: np.random.Generator, name: str) -> tuple[np.ndarray, np.ndarray, list[int]]:
     """(positions, token_seq, lengths) of one case."""
     if name == "prefill256":
         return np.arange(256, dtype=np.int32), np.zeros(256, np.int32), [256]
-    rows, lo, hi = {"decode64": (64, 100, 220), "decode1": (1, 100, 220),
+    rows, lo, hi = {"decode64": (64, 100, 220), "decode64_30layers": (64, 100, 220), "decode1": (1, 100, 220),
                     "decode16_long": (16, 400, 520)}[name]
     lens = [int(n) for n in rng.integers(lo, hi, rows)]
     return (np.array([n - 1 for n in lens], np.int32), np.arange(rows, dtype=np.int32), lens)
@@ -43,7 +46,9 @@ def main() -> None:
     ap.add_argument("--check", type=Path)
     args = ap.parse_args()
     rng = np.random.default_rng(0)
-    for name in ("decode64", "decode1", "prefill256", "decode16_long"):
+    for name in ("decode64", "decode1", "prefill256", "decode16_long", "decode64_30layers"):
+        layers = STEP_LAYERS if name.endswith("30layers") else LAYERS
+        calls = 3 if name.endswith("30layers") else 20
         pos, seq, lens = _case(rng, name)
         pages = [-(-n // PAGE) for n in lens]
         table = np.zeros((len(lens), max(pages) + 1), np.int32)
@@ -52,8 +57,8 @@ def main() -> None:
             table[b, :n] = order[start:start + n]
         slots = (sum(pages) + 4) * PAGE
         q = jnp.asarray(rng.standard_normal((len(pos), HEADS, HEAD_DIM)), jnp.float32)
-        k = rng.standard_normal((LAYERS, KV_HEADS, slots, HEAD_DIM)).astype(np.float32)
-        v = rng.standard_normal((LAYERS, KV_HEADS, slots, HEAD_DIM)).astype(np.float32)
+        k = rng.standard_normal((layers, KV_HEADS, slots, HEAD_DIM)).astype(np.float32)
+        v = rng.standard_normal((layers, KV_HEADS, slots, HEAD_DIM)).astype(np.float32)
         zeros = jnp.zeros(len(pos), jnp.int32)
         batch = ForwardBatch(input_ids=zeros, positions=jnp.asarray(pos),
                              token_seq=jnp.asarray(seq), out_slots=zeros,
@@ -62,16 +67,25 @@ def main() -> None:
                              logit_rows=zeros[:1])
         for dtype in (jnp.float32, jnp.bfloat16):
             kp, vp = jnp.asarray(k, dtype), jnp.asarray(v, dtype)
-            call = jax.jit(lambda q, k, v, b: native.paged_attention_native(
-                q, k, v, 1, b, page_size=PAGE))
+            if layers == LAYERS:  # layer 1 of the pool
+                call = jax.jit(lambda q, k, v, b: native.paged_attention_native(
+                    q, k, v, 1, b, page_size=PAGE))
+            else:  # every layer, their outputs stacked
+
+                def call_all(q: jax.Array, k: jax.Array, v: jax.Array, b: ForwardBatch,
+                             n: int = layers) -> jax.Array:
+                    return jnp.stack([native.paged_attention_native(q, k, v, layer, b,
+                                                                    page_size=PAGE)
+                                      for layer in range(n)])
+                call = jax.jit(call_all)
             out = np.asarray(call(q, kp, vp, batch))
             times = []
             for _ in range(7):
                 t0 = time.perf_counter()
-                for _ in range(20):
+                for _ in range(calls):
                     r = call(q, kp, vp, batch)
                 r.block_until_ready()
-                times.append((time.perf_counter() - t0) / 20)
+                times.append((time.perf_counter() - t0) / calls)
             key = f"{name}_{jnp.dtype(dtype).name}"
             line = f"{key:24s} {np.median(times) * 1e6:9.1f} us  (min {min(times) * 1e6:.1f})"
             if args.check:

@@ -183,26 +183,28 @@ struct BlockSlots {
 };
 
 // What an item warms while it runs: the K and V rows, at the keys it visits, of the
-// (token, KV head) the NEXT item reads, into L2 while this item computes from L1. Without
-// it the core's memory traffic stops for the length of the item's arithmetic, and the next
-// item then waits on DRAM for every block. Prefetches change no arithmetic: the bits are
-// unchanged.
-template <typename KV>
-struct Warm {
-  const KV* k = nullptr;  // rows to warm: the next item's K and V (nullptr: none)
-  const KV* v = nullptr;
-  const int32_t* pages = nullptr;
-  int64_t last = -1;  // the next item's own last key position
-};
+// (token, KV head) pairs the NEXT WARM_AHEAD items read, into L2 while this item computes
+// from L1. Without it the core's memory traffic stops for the length of the item's
+// arithmetic, and the next item then waits on DRAM for every block; with one item ahead
+// the step's attention (its K/V scattered in 2 KiB page rows, far beyond the caches) ran
+// ~10% slower than with two (docs/performance.md §16). Prefetches change no arithmetic:
+// the bits are unchanged.
+constexpr int WARM_AHEAD = 2;
 
 template <typename KV>
-Warm<KV> warm_for(const Problem<KV>& pr, int64_t t, int64_t kv_head) {
+struct Warm {
+  const KV* k = nullptr;  // rows to warm: a coming item's K and V (nullptr: none)
+  const KV* v = nullptr;
+  const int32_t* pages = nullptr;
+  int64_t last = -1;  // that item's own last key position
+};
+
+// The rows of the item `ahead` items after (token t, KV head kv_head), in item order.
+template <typename KV>
+Warm<KV> warm_for(const Problem<KV>& pr, int64_t t, int64_t kv_head, int64_t ahead) {
   Warm<KV> w;
-  int64_t nt = t, nh = kv_head + 1;
-  if (nh == pr.kv_heads) {
-    nt = t + 1;
-    nh = 0;
-  }
+  const int64_t next = t * pr.kv_heads + kv_head + ahead;
+  const int64_t nt = next / pr.kv_heads, nh = next % pr.kv_heads;
   if (nt >= pr.tokens) return w;
   const int64_t base = (pr.layer * pr.kv_heads + nh) * pr.slots * pr.head_dim;
   w.k = pr.k + base;
@@ -260,10 +262,13 @@ void attend_group(const Problem<KV>& pr, int64_t t, int64_t kv_head, int64_t g0)
     l[g] = 0.0f;
   }
   const KV* vrow[KEY_BLOCK];
-  const Warm<KV> warm = g0 == 0 ? warm_for(pr, t, kv_head) : Warm<KV>{};
+  Warm<KV> warm[WARM_AHEAD];
+  if (g0 == 0)
+    for (int a = 0; a < WARM_AHEAD; ++a) warm[a] = warm_for(pr, t, kv_head, a + 1);
   for (int64_t b0 = 0; b0 <= p; b0 += KEY_BLOCK) {
     const int n = static_cast<int>(std::min<int64_t>(KEY_BLOCK, p + 1 - b0));
-    if (b0 <= warm.last) warm_block<HD>(pr, warm, b0);
+    for (int a = 0; a < WARM_AHEAD; ++a)
+      if (b0 <= warm[a].last) warm_block<HD>(pr, warm[a], b0);
     const BlockSlots slots(pages, pr.page_size, b0);
     // Scores of the block's 16 keys: each key's 16-lane partial product summed by hsum's
     // tree for 16 keys at once (halves8, halves4, pairs02, adjacent) instead of one hsum
