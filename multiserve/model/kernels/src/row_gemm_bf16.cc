@@ -189,20 +189,30 @@ void block_dot(const uint16_t* x, int64_t k_dim, const uint16_t* panel, const Ou
   const uint16_t* xr[R];
   for (int r = 0; r < R; ++r) xr[r] = x + (m0 + r) * k_dim;
   Warmer warmer(warm);
-  const int64_t pairs = (k_dim + 1) / 2;
-  for (int64_t p = 0; p < pairs; ++p) {
-    if (WARM) warmer.step();
+  // pair p of row r: (x[2p], x[2p + 1]) as one 32-bit lane; an odd K's last pair is
+  // (x[K - 1], 0). The whole pairs run in a loop of their own (no per-pair test).
+  const auto step = [&](int64_t p, const uint32_t (&pair)[R]) {
     const uint16_t* row = panel + p * PAIR_ROW;
     __m512i b[NV];
     for (int j = 0; j < NV; ++j) b[j] = _mm512_loadu_si512(row + 32 * j);
-    const bool whole = 2 * p + 1 < k_dim;
     for (int r = 0; r < R; ++r) {
-      uint32_t pair = xr[r][2 * p];
-      if (whole) std::memcpy(&pair, xr[r] + 2 * p, sizeof pair);
-      const __m512i a = _mm512_set1_epi32(static_cast<int>(pair));
+      const __m512i a = _mm512_set1_epi32(static_cast<int>(pair[r]));
       for (int j = 0; j < NV; ++j)
         acc[r][j] = _mm512_dpbf16_ps(acc[r][j], (__m512bh)a, (__m512bh)b[j]);
     }
+  };
+  const int64_t whole = k_dim / 2;
+  for (int64_t p = 0; p < whole; ++p) {
+    if (WARM) warmer.step();
+    uint32_t pair[R];
+    for (int r = 0; r < R; ++r) std::memcpy(&pair[r], xr[r] + 2 * p, sizeof pair[r]);
+    step(p, pair);
+  }
+  if (k_dim % 2) {
+    if (WARM) warmer.step();
+    uint32_t pair[R];
+    for (int r = 0; r < R; ++r) pair[r] = xr[r][2 * whole];
+    step(whole, pair);
   }
   for (int r = 0; r < R; ++r) {
     vf row[NV];
