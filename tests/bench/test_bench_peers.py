@@ -187,6 +187,13 @@ def test_single_stream_with_peer(tiny_dir: Path, stub_peer: list[dict[str, Any]]
     assert res["targets"]["vs_peer"] == 1.0 and res["targets"]["zero_recompiles_met"]
 
 
+def test_single_stream_target_follows_the_dtype() -> None:
+    from multiserve.bench.single import target_vs_peer
+
+    assert target_vs_peer("float32") == 1.0 and target_vs_peer(None) == 1.0
+    assert target_vs_peer("bfloat16") == 1.2
+
+
 def test_single_stream_sampled(tiny_dir: Path, stub_peer: list[dict[str, Any]],
                                capsys: pytest.CaptureFixture[str]) -> None:
     text, res = _bench(["--model", str(tiny_dir), "--single-stream", "--output-len", "5",
