@@ -34,8 +34,8 @@ def _case(rng: np.random.Generator, name: str) -> tuple[np.ndarray, np.ndarray, 
     """(positions, token_seq, lengths) of one case."""
     if name == "prefill256":
         return np.arange(256, dtype=np.int32), np.zeros(256, np.int32), [256]
-    rows, lo, hi = {"decode64": (64, 100, 220), "decode64_30layers": (64, 100, 220), "decode1": (1, 100, 220),
-                    "decode16_long": (16, 400, 520)}[name]
+    rows, lo, hi = {"decode64": (64, 100, 220), "decode64_30layers": (64, 100, 220),
+                    "decode1": (1, 100, 220), "decode16_long": (16, 400, 520)}[name]
     lens = [int(n) for n in rng.integers(lo, hi, rows)]
     return (np.array([n - 1 for n in lens], np.int32), np.arange(rows, dtype=np.int32), lens)
 

@@ -21,12 +21,12 @@ from multiserve.types import GenerateRequest
 
 TARGET_VS_PEER = 1.0  # float32 (issue 19)
 TARGET_VS_PEER_BY_DTYPE = {"bfloat16": 1.2}  # issue 30: 1.2x llama.cpp on a BF16 GGUF
+TARGET_TTFT_S = 0.3
 
 
 def target_vs_peer(dtype: str | None) -> float:
     """The single stream's tok/s target against its peer for an engine of `dtype`."""
     return TARGET_VS_PEER_BY_DTYPE.get(dtype or "", TARGET_VS_PEER)
-TARGET_TTFT_S = 0.3
 
 
 def stream_once(engine: Any, ids: Sequence[int], output_len: int, rid: str,
