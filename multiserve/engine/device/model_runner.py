@@ -108,6 +108,8 @@ class Runner:
         self.devices = list(devices)
         self.mesh = make_mesh(self.devices)
         self.replicated = NamedSharding(self.mesh, P())
+        # the XLA options of every program this runner compiles (program_share.py)
+        self.xla_options = step_options(self.devices[0].platform, str(jnp.dtype(dtype)))
         self.num_pages = num_pages
         self.max_rows = max(cfg.precompile_bs_paddings)
         self.calibration = self._calibrate()
@@ -284,19 +286,18 @@ class Runner:
         compiled here, or loaded from another engine's compile of the same program
         (program_share.py: a fleet compiles each program once, not once per engine)."""
         devices = list(self.mesh.devices.flat)
-        options = step_options(devices[0].platform, str(jnp.dtype(self.dtype)))
         if kind == "T":
             return SHARE.compile(self._forward_fn.lower(*inputs, layout=layout), devices,
-                                 options)
+                                 self.xla_options)
         params, hidden, row_tok, row_prev, *sb = inputs
         logits = SHARE.compile(self._logits_fn.lower(params, hidden, row_tok, row_prev,
-                                                     num_rows=size), devices, options)
+                                                     num_rows=size), devices, self.xla_options)
         return HeadProgram(logits, self._sampler(sampler_rows(size), sb, layout, devices))
 
     def _sampler(self, rows: int, sb: list[Any], layout: Layout, devices: list[Any]) -> Any:
         """The sampler program over `rows` rows (compiled once per engine and row count,
         any thread; `sb`: the abstract sampling inputs, `layout` their packed layout). It
-        depends only on (rows, vocabulary, max_rows) and the XLA options (`step_options`:
+        depends only on (rows, vocabulary, max_rows) and the XLA options (`xla_options`:
         the same on a CPU for every dtype): engines of one vocabulary share it through the
         compilation caches, whatever their model."""
         with self._samplers_lock:  # one lock per row count: other counts compile meanwhile
@@ -311,9 +312,8 @@ class Runner:
                     spec((rows, self.model_cfg.vocab_size), jnp.float32),
                     spec((rows,), jnp.int32), spec((rows,), jnp.bool_), *sb, layout=layout,
                     max_rows=self.max_rows)
-                program = self._samplers[rows] = SHARE.compile(
-                    lowered, devices, step_options(devices[0].platform,
-                                                   str(jnp.dtype(self.dtype))))
+                program = self._samplers[rows] = SHARE.compile(lowered, devices,
+                                                               self.xla_options)
         return program
 
     def warmup(self, max_pages: int, progress: Any = None, background: bool = False,

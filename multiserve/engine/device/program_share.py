@@ -210,10 +210,9 @@ class ProgramShare:
         self._in_flight: dict[tuple[Any, ...], threading.Event] = {}
 
     def compile(self, lowered: Any, devices: Sequence[Any],
-                options: dict[str, bool | int] | None = None) -> Any:
+                options: dict[str, bool | int]) -> Any:
         """The executable of `lowered` for `devices` (its mesh's devices, in order), compiled
-        with XLA `options` (default: `_OPTIONS`; the runner passes `step_options`)."""
-        options = _OPTIONS if options is None else options
+        with XLA `options` (`step_options`)."""
         if not self._active(devices[0].platform):
             return lowered.compile(compiler_options=options)
         d0 = devices[0]
