@@ -3,11 +3,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-# Two processes (pytest-xdist, one file per process at a time; tests/conftest.py orders the files,
-# longest first): compiles are single-threaded, so two processes keep both
-# cores busy. MULTISERVE_TEST_WORKERS=0 runs in this process only.
+# Three processes (pytest-xdist, one file per process at a time; tests/conftest.py orders the
+# files, longest first): compiles are single-threaded and many tests wait on sockets, threads
+# and subprocesses, so two processes left ~10% of 2 cores idle; a third fills it (fresh clone,
+# 2 cores: 637.7 s with two, 572.5 s with three; docs/performance.md §10).
+# MULTISERVE_TEST_WORKERS=0 runs in this process only.
 # --durations: the slowest tests are listed at the end (the suite must stay under 10 min from a fresh clone).
-workers="${MULTISERVE_TEST_WORKERS:-2}"
+workers="${MULTISERVE_TEST_WORKERS:-3}"
 dist=()
 if [[ "$workers" != "0" ]]; then dist=(-n "$workers" --dist loadfile --no-loadscope-reorder); fi
 # Plugins named, not autoloaded: autoloading also marks every module of each plugin's

@@ -58,7 +58,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(_SessionFixtureNotes(), "multiserve-session-fixture-notes")
 
 
-# Under `-n 2 --dist loadfile --no-loadscope-reorder` (scripts/test.sh) each test file runs
+# Under `-n 3 --dist loadfile --no-loadscope-reorder` (scripts/test.sh) each test file runs
 # whole in one process, in this order: the longest files start first (measured with
 # --durations=0 on 2 cores), so that no long file starting last leaves a core idle at the
 # end (the test files from about 10 s up are named, longest first, by the measured time of
