@@ -144,6 +144,52 @@ def test_bf16_layer_stack_reads_the_chosen_layer(path) -> None:
         assert np.array_equal(np.asarray(gemm(x, stack, jnp.int32(layer))), np.asarray(alone))
 
 
+@pytest.mark.parametrize("k,n", [(576, 576), (37, 100)])
+def test_residual_epilogue_gives_the_bits_of_the_add_done_apart(path, k, n) -> None:
+    """row_gemm(x, W, residual=r) == r + row_gemm(x, W) in bfloat16 (XLA's add: both
+    widened, one float32 add, one rounding) bitwise, at every row count, from a layer of a
+    stack, with a residual large and small against the product (the add rounds either way),
+    N a multiple of the panel width or not."""
+    layers, rows = 2, 13
+    rng = np.random.default_rng(7)
+    ws = jnp.asarray(rng.standard_normal((layers, k, n)) / np.sqrt(k), jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
+    scale = np.where(rng.random((rows, n)) < 0.5, 64.0, 1 / 64)
+    res = jnp.asarray(rng.standard_normal((rows, n)) * scale, jnp.bfloat16)
+    stack = native_kernels.pack_panels(ws)
+    fused = jax.jit(lambda a, r, lay: native_kernels.row_gemm(
+        a, stack, n, lay, out_dtype=jnp.bfloat16, path=path, residual=r))
+    apart = jax.jit(lambda a, r, lay: r + native_kernels.row_gemm(
+        a, stack, n, lay, out_dtype=jnp.bfloat16, path=path))
+    for layer in range(layers):
+        for m in (1, 2, 6, 7, rows):
+            got = np.asarray(fused(x[:m], res[:m], jnp.int32(layer)))
+            want = np.asarray(apart(x[:m], res[:m], jnp.int32(layer)))
+            assert got.dtype == want.dtype == jnp.bfloat16
+            assert np.array_equal(got.view(np.uint16), want.view(np.uint16)), (layer, m)
+            if m == rows:  # the rows of a batch are the rows alone
+                one = np.asarray(fused(x[3:4], res[3:4], jnp.int32(layer)))
+                assert np.array_equal(one.view(np.uint16), got[3:4].view(np.uint16))
+
+
+def test_residual_of_the_wrong_shape_or_dtype_is_refused(path) -> None:
+    k, n = 64, 128
+    x, w = _operands(k, n, 3, 8)
+    panels = native_kernels.pack_panels(w)[None]
+    with pytest.raises(AssertionError):  # the product's float32 output takes no residual
+        native_kernels.row_gemm(x, panels, n, 0, out_dtype=jnp.float32, path=path,
+                                residual=jnp.zeros((3, n), jnp.bfloat16))
+    with pytest.raises(AssertionError):
+        native_kernels.row_gemm(x, panels, n, 0, out_dtype=jnp.bfloat16, path=path,
+                                residual=jnp.zeros((2, n), jnp.bfloat16))
+    # the kernel's own check, past the wrapper: a residual of another shape
+    bad = jax.ffi.ffi_call(native_kernels.ROW_GEMM_BF16_RESIDUAL,
+                           jax.ShapeDtypeStruct((3, n), jnp.bfloat16))
+    with pytest.raises(Exception, match="res of y's shape"):
+        np.asarray(bad(x, panels, jnp.int32(0), jnp.zeros((3, n - 64), jnp.bfloat16),
+                       path=np.int64(native_kernels.BF16_PATHS.index(path))))
+
+
 def test_bf16_grouped_rows_depend_only_on_their_own_group(path) -> None:
     """A row of the grouped product has the bits of the dense product of its group's matrix
     alone, however many rows chose that group and wherever its group starts."""

@@ -118,11 +118,13 @@ def _layer(x: jax.Array, kv: KVPool, layer: int | jax.Array, w: dict[str, jax.Ar
                             attn_block_size=attn_block_size, plan=plan)
     h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps, plan.row_sum(cfg.hidden_size))
     gate, up = project_together(h, w, layer, plan, proj, "w_gateup")
-    x = x + proj(swiglu(gate, up), "w_down")
+    x = proj(swiglu(gate, up), "w_down", residual=x)  # x + the MLP's output
     return x, kv
 
 
-Projection = Any  # (h [M, K], matrix name) -> h @ W, row-invariant (`layer_projection`)
+# (h [M, K], matrix name, residual [M, N] or None) -> residual + h @ W, row-invariant
+# (`layer_projection`)
+Projection = Any
 
 
 def layer_projection(w: dict[str, jax.Array | None], layer: int | jax.Array,
@@ -131,10 +133,10 @@ def layer_projection(w: dict[str, jax.Array | None], layer: int | jax.Array,
     layout from `w` (`<name>`, `<name>_t`, or the stacked panels `<name>_p` indexed by
     `layer`)."""
 
-    def proj(h: jax.Array, name: str) -> jax.Array:
+    def proj(h: jax.Array, name: str, residual: jax.Array | None = None) -> jax.Array:
         panels = w[f"{name}_p"]  # the whole stack: the native kernel indexes the layer
         return dense(h, w[name], w[f"{name}_t"], plan.product(name), w_p=panels,
-                     layer=None if panels is None else layer)
+                     layer=None if panels is None else layer, residual=residual)
 
     return proj
 
@@ -163,7 +165,7 @@ def attention_block(x: jax.Array, kv: KVPool, layer: int | jax.Array,
                      native=plan.attention.kernel == "native")
     attn = paged_attention(q, kv.k, kv.v, layer, batch, page_size=page_size,
                            block_size=attn_block_size, plan=plan.attention)
-    return x + proj(attn.reshape(t, cfg.num_heads * hd), "wo"), kv
+    return proj(attn.reshape(t, cfg.num_heads * hd), "wo", residual=x), kv
 
 
 def layer_weights(layer: dict[str, jax.Array], num_tokens: int, plan: InvariancePlan,

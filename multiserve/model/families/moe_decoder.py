@@ -159,6 +159,6 @@ def forward_hidden(params: dict[str, Any], kv_pool: KVPool, batch: ForwardBatch,
             mw = _select(params["mlp"][i], params["mlp_stacked"]["dense_mlp"],
                          DENSE_MLP_MATRICES, t, plan)
             proj = layer_projection(mw, j, plan)
-            x = x + proj(swiglu(proj(h, "w_gate"), proj(h, "w_up")), "w_down")
+            x = proj(swiglu(proj(h, "w_gate"), proj(h, "w_up")), "w_down", residual=x)
     return rms_norm(x[batch.logit_rows], params["final_norm"], cfg.rms_norm_eps,
                     norm), kv_pool

@@ -59,20 +59,30 @@ EXACT = jax.lax.Precision.HIGHEST
 
 def product(x: jax.Array, w: jax.Array | None, w_t: jax.Array | None, kernel: str, rows: int,
             preferred: Any = None, w_p: jax.Array | None = None, n: int = 0,
-            layer: int | jax.Array | None = None) -> jax.Array:
+            layer: int | jax.Array | None = None,
+            residual: jax.Array | None = None) -> jax.Array:
     """x [M, K] @ W with one formulation: `kernel` at `rows` >= M rows (zero padding). The
     native kernel reads `w_p` (W packed, `pack_panels`; with `layer`, a stack of layers
     [L, P, K, 64], bfloat16 [L, P, ceil(K / 2), 128], read in place) and needs N (`n`).
     Every kernel computes the float32 result the calibration checked (its probes ask for
     float32), rounded once to `preferred` where given (the output head's logits: float32),
-    else to x's dtype (a bfloat16 model's activations: round to nearest even)."""
+    else to x's dtype (a bfloat16 model's activations: round to nearest even).
+    `residual` [M, N] (x's dtype): the result is `residual + x @ W` in that dtype; the
+    native bfloat16 kernel adds it in its epilogue with the same bits (an elementwise add
+    after each row's product: the rows stay invariant)."""
     m = x.shape[0]
     out_dtype = jnp.dtype(preferred or x.dtype)
+    fuse = (residual is not None and kernel == "native" and w_p is not None
+            and w_p.dtype == jnp.bfloat16 and out_dtype == jnp.bfloat16
+            and residual.dtype == jnp.bfloat16)
     if rows > m:
         x = jnp.pad(x, ((0, rows - m), (0, 0)))
+        if fuse:
+            residual = jnp.pad(residual, ((0, rows - m), (0, 0)))
     if kernel == "native":
         assert w_p is not None and n > 0, "the native product needs W's panels and N"
-        out = row_gemm(x, w_p, n, layer, out_dtype=out_dtype)
+        out = row_gemm(x, w_p, n, layer, out_dtype=out_dtype,
+                       residual=residual if fuse else None)
     elif kernel == "plain":
         assert w is not None, "the plain product needs W [K, N]"
         out = jnp.dot(x, w, precision=EXACT, preferred_element_type=jnp.float32).astype(out_dtype)
@@ -80,7 +90,8 @@ def product(x: jax.Array, w: jax.Array | None, w_t: jax.Array | None, kernel: st
         assert w_t is not None, "the NT product needs W^T [N, K]"
         out = jax.lax.dot_general(x, w_t, NT, precision=EXACT,
                                   preferred_element_type=jnp.float32).astype(out_dtype)
-    return out[:m] if rows > m else out
+    out = out[:m] if rows > m else out
+    return residual + out if residual is not None and not fuse else out
 
 
 def _in_pieces(f: Callable[[jax.Array], jax.Array], x: jax.Array, rows: int) -> jax.Array:
@@ -93,14 +104,21 @@ def _in_pieces(f: Callable[[jax.Array], jax.Array], x: jax.Array, rows: int) -> 
 
 def dense(x: jax.Array, w: jax.Array | None, w_t: jax.Array | None, plan: ProductPlan,
           preferred: Any = None, w_p: jax.Array | None = None,
-          layer: int | jax.Array | None = None) -> jax.Array:
+          layer: int | jax.Array | None = None,
+          residual: jax.Array | None = None) -> jax.Array:
     """x [M, K] @ W -> [M, N], each row bitwise independent of M (the plan's formulation for
     M rows). `w` is W [K, N], `w_t` W^T [N, K], `w_p` W's panels (a stack over layers
     with `layer`); only the layout the plan's kernel at this M uses must be given. M is
-    static (a shape): the choice is made at trace time."""
+    static (a shape): the choice is made at trace time. With `residual` [M, N]: `residual +
+    x @ W` (`product`)."""
     form = plan.formulation(x.shape[0])
-    return _in_pieces(lambda part: product(part, w, w_t, form.kernel, form.rows, preferred,
-                                           w_p, plan.n, layer), x, form.rows)
+    if x.shape[0] <= form.rows:
+        return product(x, w, w_t, form.kernel, form.rows, preferred, w_p, plan.n, layer,
+                       residual)
+    return jnp.concatenate([  # beyond the plan's table: pieces of its largest entry
+        product(x[i:i + form.rows], w, w_t, form.kernel, form.rows, preferred, w_p, plan.n,
+                layer, None if residual is None else residual[i:i + form.rows])
+        for i in range(0, x.shape[0], form.rows)], axis=0)
 
 
 def grouped(x: jax.Array, groups: jax.Array, w: jax.Array | None, w_p: jax.Array | None,

@@ -64,6 +64,7 @@ ATTENTION = "multiserve_paged_attention"
 ATTENTION_BF16 = "multiserve_paged_attention_bf16"
 ROW_GEMM = "multiserve_row_gemm"
 ROW_GEMM_BF16 = "multiserve_row_gemm_bf16"
+ROW_GEMM_BF16_RESIDUAL = "multiserve_row_gemm_bf16_residual"
 GROUPED_ROW_GEMM = "multiserve_grouped_row_gemm"
 GROUPED_ROW_GEMM_BF16 = "multiserve_grouped_row_gemm_bf16"
 KV_WRITE = "multiserve_kv_write"
@@ -196,6 +197,7 @@ def _load() -> str | None:
                                     platform="cpu")
         for name, symbol in ((ATTENTION_BF16, lib.MultiservePagedAttentionBf16),
                              (ROW_GEMM_BF16, lib.MultiserveRowGemmBf16),
+                             (ROW_GEMM_BF16_RESIDUAL, lib.MultiserveRowGemmBf16Residual),
                              (GROUPED_ROW_GEMM_BF16, lib.MultiserveGroupedRowGemmBf16),
                              (KV_WRITE, lib.MultiserveKvWrite)):
             jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(symbol), platform="cpu")
@@ -271,8 +273,10 @@ def pack_panels(w: jax.Array) -> jax.Array:
 
 
 def _bf16_product(target: str, x: jax.Array, panels: jax.Array, index: jax.Array,
-                  n: int, out_dtype: jnp.dtype | None, path: str | None) -> jax.Array:
-    """The bfloat16-panel product `target` (dense: index = the layer; grouped: the groups)."""
+                  n: int, out_dtype: jnp.dtype | None, path: str | None,
+                  residual: jax.Array | None = None) -> jax.Array:
+    """The bfloat16-panel product `target` (dense: index = the layer; grouped: the groups);
+    with `residual` ([M, n] bfloat16; dense only) the kernel's epilogue adds it."""
     assert x.dtype in (jnp.float32, jnp.bfloat16), x.dtype
     assert panels.ndim == 4 and panels.shape[2] == (x.shape[1] + 1) // 2, (x.shape,
                                                                            panels.shape)
@@ -285,29 +289,39 @@ def _bf16_product(target: str, x: jax.Array, panels: jax.Array, index: jax.Array
                            f"{', '.join(bf16_paths_available())})")
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     assert out_dtype in (jnp.float32, jnp.bfloat16), out_dtype
-    m = x.shape[0]
-    out = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((m, panels.shape[1] * PANEL),
-                                                        out_dtype))(
-        x, panels, index, path=np.int64(BF16_PATHS.index(path)))
+    m, width = x.shape[0], panels.shape[1] * PANEL
+    operands: tuple[jax.Array, ...] = (x, panels, index)
+    if residual is not None:
+        assert out_dtype == jnp.bfloat16 and residual.dtype == jnp.bfloat16, residual.dtype
+        assert residual.shape == (m, n), (residual.shape, m, n)
+        if width > n:  # the padding columns' sums are dropped below: any addend will do
+            residual = jnp.pad(residual, ((0, 0), (0, width - n)))
+        operands = (*operands, residual)
+    out = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((m, width), out_dtype))(
+        *operands, path=np.int64(BF16_PATHS.index(path)))
     return out if out.shape[1] == n else out[:, :n]
 
 
 def row_gemm(x: jax.Array, panels: jax.Array, n: int,
              layer: int | jax.Array | None = None, *, out_dtype: jnp.dtype | None = None,
-             path: str | None = None) -> jax.Array:
+             path: str | None = None, residual: jax.Array | None = None) -> jax.Array:
     """x [M, K] @ W -> [M, n], W given as `pack_panels(W)` [P, K, 64] or, with `layer` (an
     int or traced scalar), as a stack of layers [L, P, K, 64] read in place: every element
     summed over k in one fixed order, so each row's bits are independent of M.
     float32 panels: x float32, y float32. bfloat16 panels ([.., P, ceil(K / 2), 128]): x
     float32 or bfloat16, y `out_dtype` (default x's; float32 or bfloat16, rounded once from
     the float32 sum), `path` a BF16_PATHS name (default `bf16_product_path()`; a float32 x
-    always widens)."""
+    always widens). `residual` (bfloat16 panels and y only: [M, n] bfloat16): y is
+    `residual + x @ W` with the bits of that bfloat16 add done apart (one rounding of the
+    product, one of the float32 sum), the add in the kernel's epilogue."""
     if layer is None:
         assert panels.ndim == 3, panels.shape
         panels, layer = panels[None], 0
     if panels.dtype == jnp.bfloat16:
-        return _bf16_product(ROW_GEMM_BF16, x, panels, jnp.asarray(layer, jnp.int32), n,
-                             out_dtype, path)
+        return _bf16_product(ROW_GEMM_BF16 if residual is None else ROW_GEMM_BF16_RESIDUAL,
+                             x, panels, jnp.asarray(layer, jnp.int32), n, out_dtype, path,
+                             residual)
+    assert residual is None, "the float32 product takes no residual"
     assert x.dtype == jnp.float32 and panels.dtype == jnp.float32, (x.dtype, panels.dtype)
     _require()
     m = x.shape[0]

@@ -87,11 +87,13 @@ inline float x_at(const uint16_t* x, int64_t i) {
   return f;
 }
 
-// Where a block's rows go: y[M, ldy] float32 or bfloat16.
+// Where a block's rows go: y[M, ldy] float32 or bfloat16; with `res` (bfloat16 y only) each
+// element becomes res + y in the residual stream's arithmetic (below).
 struct Out {
   void* y;
   bool bf16;
   int64_t ldy;
+  const uint16_t* res = nullptr;  // [M, ldy] bfloat16, or nullptr
 };
 
 // float32 -> bfloat16, round to nearest even (NaN stays a quiet NaN): ml_dtypes' rounding.
@@ -104,11 +106,22 @@ inline vh to_bf16(vf v) {
   return __builtin_convertvector(r, vh);
 }
 
+inline vf widen(vh h) { return as_f(__builtin_convertvector(h, vu) << 16); }
+
+// The epilogue: the product rounded once to bfloat16, then, with a residual, the bfloat16
+// sum res + y as XLA computes a bfloat16 add (both widened exactly, one float32 add, one
+// rounding): the bits of `res + product` computed apart, one pass over y fewer.
 inline void store_row(const Out& out, int64_t row, int64_t col, const vf (&acc)[NV]) {
   if (out.bf16) {
     uint16_t* dst = static_cast<uint16_t*>(out.y) + row * out.ldy + col;
+    const uint16_t* res = out.res == nullptr ? nullptr : out.res + row * out.ldy + col;
     for (int j = 0; j < NV; ++j) {
-      const vh h = to_bf16(acc[j]);
+      vh h = to_bf16(acc[j]);
+      if (res != nullptr) {
+        vh r;
+        std::memcpy(&r, res + 16 * j, sizeof r);
+        h = to_bf16(widen(r) + widen(h));
+      }
       std::memcpy(dst + 16 * j, &h, sizeof h);
     }
   } else {
@@ -323,11 +336,9 @@ ffi::Error check(const char* name, const ffi::AnyBuffer& x, ffi::Buffer<ffi::BF1
   return ffi::Error::Success();
 }
 
-ffi::Error RowGemmBf16Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::BF16> wp,
-                           ffi::Buffer<ffi::S32> layer, int64_t path,
-                           ffi::Result<ffi::AnyBuffer> y) {
-  Problem pr;
-  if (ffi::Error err = check("row_gemm_bf16", x, wp, path, y, pr); err.failure()) return err;
+// The dense product of `pr` (its operands checked) with the layer `layer` of its panels.
+ffi::Error run_dense(ffi::ThreadPool& pool, Problem& pr, const ffi::Buffer<ffi::BF16>& wp,
+                     const ffi::Buffer<ffi::S32>& layer) {
   const auto wd = wp.dimensions();
   const int64_t l = layer.typed_data()[0];
   if (l < 0 || l >= wd[0])
@@ -339,6 +350,31 @@ ffi::Error RowGemmBf16Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<f
                   for (int64_t u = b; u < e; ++u) run_block(pr, u / blocks, u % blocks);
                 });
   return ffi::Error::Success();
+}
+
+ffi::Error RowGemmBf16Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::BF16> wp,
+                           ffi::Buffer<ffi::S32> layer, int64_t path,
+                           ffi::Result<ffi::AnyBuffer> y) {
+  Problem pr;
+  if (ffi::Error err = check("row_gemm_bf16", x, wp, path, y, pr); err.failure()) return err;
+  return run_dense(pool, pr, wp, layer);
+}
+
+// res + x @ W, y and res bfloat16 [M, N/64 * 64] (store_row's epilogue).
+ffi::Error RowGemmBf16ResidualImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
+                                   ffi::Buffer<ffi::BF16> wp, ffi::Buffer<ffi::S32> layer,
+                                   ffi::Buffer<ffi::BF16> res, int64_t path,
+                                   ffi::Result<ffi::AnyBuffer> y) {
+  Problem pr;
+  if (ffi::Error err = check("row_gemm_bf16_residual", x, wp, path, y, pr); err.failure())
+    return err;
+  const auto rd = res.dimensions();
+  const auto yd = y->dimensions();
+  if (!pr.out.bf16 || rd.size() != 2 || rd[0] != yd[0] || rd[1] != yd[1])
+    return ffi::Error::InvalidArgument("row_gemm_bf16_residual: y bfloat16 and res of y's "
+                                       "shape [M, N/64 * 64] expected");
+  pr.out.res = res.typed_data();
+  return run_dense(pool, pr, wp, layer);
 }
 
 void run_grouped_panel(const Problem& pr, const int32_t* groups, int64_t p) {
@@ -385,6 +421,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MultiserveRowGemmBf16, RowGemmBf16Impl,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int64_t>("path")
+                                  .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MultiserveRowGemmBf16Residual, RowGemmBf16ResidualImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Attr<int64_t>("path")
                                   .Ret<ffi::AnyBuffer>());
 
