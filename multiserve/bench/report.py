@@ -164,6 +164,10 @@ def breakdown_table(bd: dict[str, Any]) -> list[str]:
                "norms, RoPE, KV writes, gathers)")
     out.append(f"steady decode step (ITL p50): {_num(steady['decode_step_ms'], 1, 0, 2)} ms, "
                f"host beyond the device step there: {_num(steady['host_ms'], 1, 0, 2)} ms")
+    if not math.isnan(steady.get("device_step_median_ms", math.nan)):
+        out.append(f"device step's median over the rounds: "
+                   f"{_num(steady['device_step_median_ms'], 1, 0, 2)} ms; the ITL p50 beyond "
+                   f"it: {_num(steady['host_beyond_median_ms'], 1, 0, 2)} ms")
     out.append(f"R program alone (head, in-flight ids, sampler): "
                f"{_num(bd['parts_ms']['head_program'], 1, 0, 2)} ms")
     if not bd["parts_within_forward"]:

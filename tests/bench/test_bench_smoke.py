@@ -102,14 +102,17 @@ def test_breakdown_arithmetic_table_and_batch() -> None:
               "attention_kernel": "xla", "num_layers": 2, "rounds": 5,
               "device_ms": {"decoder": 60.0, "head": 20.0, "layer_products": 40.0,
                             "attention": 10.0, "sampler": 5.0, "step": 88.0,
-                            "head_program": 26.0}}
+                            "head_program": 26.0},
+              "device_step_median_ms": 89.5}
     bd = summarize(device, wall_s=1.0, decode_steps=10, itl_p50_s=0.09)
     assert bd["ms"] == {"forward": 80.0, "products": 60.0, "attention": 10.0,
                         "other_device": 10.0, "sampler": 5.0, "step_glue": 3.0,
                         "device_step": 88.0, "host": 12.0, "wall_step": 100.0}
     assert bd["share_of_wall_step"]["forward"] == pytest.approx(0.8)
     assert bd["steady"] == {"decode_step_ms": pytest.approx(90.0),
-                            "host_ms": pytest.approx(2.0)}
+                            "host_ms": pytest.approx(2.0), "device_step_median_ms": 89.5,
+                            "host_beyond_median_ms": pytest.approx(0.5)}
+    assert "device_step_median_ms" not in bd  # in `steady` only
     rows = {ln[:46].strip(): ln[46:].split() for ln in breakdown_table(bd)[2:11]}
     assert rows["forward (decoder program + head)"] == ["80.00", "80%"]
     assert rows["other device work"] == ["10.00", "10%"]
@@ -121,6 +124,8 @@ def test_breakdown_arithmetic_table_and_batch() -> None:
     assert bd["parts_within_forward"] and bd["parts_ms"]["head_program"] == 26.0
     table = "\n".join(breakdown_table(bd))
     assert "R program alone (head, in-flight ids, sampler): 26.00 ms" in table
+    assert "device step's median over the rounds: 89.50 ms; the ITL p50 beyond it: 0.50 ms" \
+        in table
     assert "WARNING" not in table
     over = summarize({**device, "device_ms": {**device["device_ms"], "attention": 25.0}},
                      wall_s=1.0, decode_steps=10)
