@@ -94,12 +94,16 @@ def product(x: jax.Array, w: jax.Array | None, w_t: jax.Array | None, kernel: st
     return residual + out if residual is not None and not fuse else out
 
 
-def _in_pieces(f: Callable[[jax.Array], jax.Array], x: jax.Array, rows: int) -> jax.Array:
-    """f over the rows of x in pieces of at most `rows` rows (one piece when x fits: a size
-    beyond the plan's table is computed as several of its largest entry)."""
+def _in_pieces(f: Callable[..., jax.Array], rows: int, x: jax.Array,
+               *more: jax.Array | None) -> jax.Array:
+    """f(x, *more) over the rows of x and of each of `more` (None passes as None) in pieces
+    of at most `rows` rows (one piece when x fits: a size beyond the plan's table is
+    computed as several of its largest entry)."""
     if x.shape[0] <= rows:
-        return f(x)
-    return jnp.concatenate([f(x[i:i + rows]) for i in range(0, x.shape[0], rows)], axis=0)
+        return f(x, *more)
+    return jnp.concatenate([f(x[i:i + rows], *(None if a is None else a[i:i + rows]
+                                               for a in more))
+                            for i in range(0, x.shape[0], rows)], axis=0)
 
 
 def dense(x: jax.Array, w: jax.Array | None, w_t: jax.Array | None, plan: ProductPlan,
@@ -112,13 +116,9 @@ def dense(x: jax.Array, w: jax.Array | None, w_t: jax.Array | None, plan: Produc
     static (a shape): the choice is made at trace time. With `residual` [M, N]: `residual +
     x @ W` (`product`)."""
     form = plan.formulation(x.shape[0])
-    if x.shape[0] <= form.rows:
-        return product(x, w, w_t, form.kernel, form.rows, preferred, w_p, plan.n, layer,
-                       residual)
-    return jnp.concatenate([  # beyond the plan's table: pieces of its largest entry
-        product(x[i:i + form.rows], w, w_t, form.kernel, form.rows, preferred, w_p, plan.n,
-                layer, None if residual is None else residual[i:i + form.rows])
-        for i in range(0, x.shape[0], form.rows)], axis=0)
+    return _in_pieces(lambda part, res: product(part, w, w_t, form.kernel, form.rows,
+                                                preferred, w_p, plan.n, layer, res),
+                      form.rows, x, residual)
 
 
 def grouped(x: jax.Array, groups: jax.Array, w: jax.Array | None, w_p: jax.Array | None,
@@ -159,7 +159,7 @@ def row_sum(x: jax.Array, plan: RowSumPlan) -> jax.Array:
     assert x.shape[-1] == plan.width, (x.shape, plan.width)
     flat = x.reshape(-1, x.shape[-1])
     rows = plan.padded_rows(flat.shape[0])
-    return _in_pieces(lambda part: row_sum_rows(part, rows), flat, rows).reshape(x.shape[:-1])
+    return _in_pieces(lambda part: row_sum_rows(part, rows), rows, flat).reshape(x.shape[:-1])
 
 
 def _transpose_last(a: jax.Array) -> jax.Array:

@@ -106,7 +106,7 @@ inline vh to_bf16(vf v) {
   return __builtin_convertvector(r, vh);
 }
 
-inline vf widen(vh h) { return as_f(__builtin_convertvector(h, vu) << 16); }
+inline vf widen(vh h) { return even_k(__builtin_convertvector(h, vu)); }  // exact
 
 // The epilogue: the product rounded once to bfloat16, then, with a residual, the bfloat16
 // sum res + y as XLA computes a bfloat16 add (both widened exactly, one float32 add, one
