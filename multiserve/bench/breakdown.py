@@ -251,7 +251,7 @@ def measure(core: Any, prompt_lens: Sequence[int], output_len: int, temperature:
     arrays = decode_arrays(shape, runner.page_table_rows(shape.tokens), runner.max_rows,
                            core.max_pages, core.page_size, runner.num_pages, mcfg.vocab_size)
     device = jax.device_put(step_tree(arrays), runner.replicated)
-    step_inputs = runner.device_step_inputs(arrays)  # what the T program reads
+    step_inputs = runner.step_inputs(arrays)  # what the T program reads
     batch = ForwardBatch(**{k: v for k, v in device.items() if k != "from_prev"})
     params = runner.compute_params
     rng = np.random.default_rng(1)
@@ -276,7 +276,7 @@ def measure(core: Any, prompt_lens: Sequence[int], output_len: int, temperature:
     logits = put((sampler_rows(shape.logit_rows), mcfg.vocab_size), np.float32)
     sb_host = _sampler_batch(runner, shape, output_len, temperature, seed)
     sb = jax.device_put(sb_host, runner.replicated)  # for the sampler timed alone
-    sb_inputs = runner.device_sampling_inputs(sb_host)  # what the R program reads
+    sb_inputs = runner.sampling_inputs(sb_host)  # what the R program reads
     sample = jax.jit(sampling.sample)
     head_program = runner.programs.get("R", shape.logit_rows)
     if head_program is None:

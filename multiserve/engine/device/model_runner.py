@@ -261,7 +261,9 @@ class Runner:
         the bucket has their structure, shapes and dtypes), captured now so that compiling
         later never reads live arrays (the engine thread donates the KV pool and replaces
         params)."""
-        spec = _abstract
+        def spec(tree: Any) -> Any:
+            return _abstract(tree, self.replicated)
+
         params, kv, prev = spec(self._compute), spec(self.kv), spec(self._prev_ids)
         hidden = jax.ShapeDtypeStruct((self.max_rows, self.model_cfg.hidden_size), self.dtype,
                                       sharding=self.replicated)
@@ -272,11 +274,11 @@ class Runner:
             if kind == "T":
                 arrays = empty_step_arrays(size, self.page_table_rows(size), self.max_rows,
                                            max_pages)
-                out[(kind, size)] = ((params, kv, prev, spec(self.device_step_inputs(arrays))),
+                out[(kind, size)] = ((params, kv, prev, spec(self.step_inputs(arrays))),
                                      layout_of(step_tree(arrays)))
             else:
                 sb_host = self.sampling_batch([], size)
-                sb = spec(self.device_sampling_inputs(sb_host))
+                sb = spec(self.sampling_inputs(sb_host))
                 out[(kind, size)] = ((params, hidden, row_ids, row_prev, *sb),
                                      layout_of(_small_sampling_fields(sb_host)))
         return out
@@ -346,13 +348,13 @@ class Runner:
             arrays = empty_step_arrays(size, self.page_table_rows(size), self.max_rows,
                                        self._prime_pages)
             hidden, _, _, self.kv = program(self._compute, self.kv, self._prev_ids,
-                                            self.device_step_inputs(arrays))
+                                            self.step_inputs(arrays))
             jax.block_until_ready(hidden)
             return
         hidden = jnp.zeros((self.max_rows, self.model_cfg.hidden_size), self.dtype,
                            device=self.replicated)
         rows = jnp.zeros((self.max_rows,), jnp.int32, device=self.replicated)
-        sb = self.device_sampling_inputs(self.sampling_batch([], size))
+        sb = self.sampling_inputs(self.sampling_batch([], size))
         next_ids, _ = program(self._compute, hidden, rows, rows > 0, *sb)
         jax.block_until_ready(next_ids)
 
@@ -367,29 +369,31 @@ class Runner:
         program = self.programs.get(kind, size)
         if program is None:  # warm-up off, or a caller forced an uncompiled bucket
             self._step_compiles += 1
-            program = self._compile(_abstract(inputs), layout_of(host_tree), kind, size)
+            program = self._compile(_abstract(inputs, self.replicated), layout_of(host_tree),
+                                    kind, size)
             self.programs.add_ready(kind, size, program)
         return program
 
     # ---- running -------------------------------------------------------------------
-    def device_step_inputs(self, arrays: StepArrays) -> jax.Array:
-        """A T program's step arrays on the device: one packed int32 array."""
-        return jax.device_put(pack(step_tree(arrays)), self.replicated)
+    # A program's host inputs are handed to its call as NumPy arrays: the compiled call
+    # moves them to the device with its input sharding (replicated) in its own C++ path.
+    # A Python `jax.device_put` first costs the same transfer plus ~0.5 ms of host time at
+    # one decode row, taken from the cores the step runs on (docs/performance.md §1).
+    def step_inputs(self, arrays: StepArrays) -> np.ndarray:
+        """A T program's step arrays: one packed int32 host array."""
+        return pack(step_tree(arrays))
 
-    def device_sampling_inputs(self, sb_host: sampling.SamplingBatch
-                               ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-        """An R program's sampling inputs on the device: the small fields packed into one
-        int32 array, then output_counts, prompt_mask and token_mask (the engine's cached
-        device zeros while no row has a penalty / a grammar: passed as they are)."""
-        big = tuple(a if isinstance(a, jax.Array) else jax.device_put(a, self.replicated)
-                    for a in (sb_host.output_counts, sb_host.prompt_mask,
-                              sb_host.token_mask))
-        return (jax.device_put(pack(_small_sampling_fields(sb_host)), self.replicated),
-                *big)
+    def sampling_inputs(self, sb_host: sampling.SamplingBatch
+                        ) -> tuple[np.ndarray, Any, Any, Any]:
+        """An R program's sampling inputs: the small fields packed into one int32 host
+        array, then output_counts, prompt_mask and token_mask (host arrays, or the engine's
+        cached device zeros while no row has a penalty / a grammar)."""
+        return (pack(_small_sampling_fields(sb_host)), sb_host.output_counts,
+                sb_host.prompt_mask, sb_host.token_mask)
 
     def _forward(self, arrays: StepArrays) -> tuple[jax.Array, jax.Array, jax.Array, KVPool]:
         assert self.kv is not None, "KV pool released: resume memory before running"
-        inputs = (self._compute, self.kv, self._prev_ids, self.device_step_inputs(arrays))
+        inputs = (self._compute, self.kv, self._prev_ids, self.step_inputs(arrays))
         return self._program("T", arrays.input_ids.shape[0], inputs,
                              step_tree(arrays))(*inputs)
 
@@ -399,7 +403,7 @@ class Runner:
         (built by `sampling_batch(specs, num_rows)`)."""
         hidden, row_tok, row_prev, self.kv = self._forward(arrays)
         inputs = (self._compute, hidden, row_tok, row_prev,
-                  *self.device_sampling_inputs(sb_host))
+                  *self.sampling_inputs(sb_host))
         next_ids, out = self._program("R", num_rows, inputs,
                                       _small_sampling_fields(sb_host))(*inputs)
         self._prev_ids = next_ids
@@ -482,7 +486,9 @@ def _small_sampling_fields(sb: sampling.SamplingBatch) -> sampling.SamplingBatch
     return sb.replace(output_counts=None, prompt_mask=None, token_mask=None)
 
 
-def _abstract(tree: Any) -> Any:
-    """The abstract shape (shape, dtype, sharding) of every array leaf of `tree`."""
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
-                        tree)
+def _abstract(tree: Any, host_sharding: Any) -> Any:
+    """The abstract shape (shape, dtype, sharding) of every array leaf of `tree`; a host
+    (NumPy) leaf is given `host_sharding`, the sharding its program's call moves it to."""
+    return jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                       sharding=getattr(a, "sharding", host_sharding)), tree)
