@@ -138,6 +138,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "or --fleet)")
     b.add_argument("--single-stream", action="store_true",
                    help="one prompt streamed: TTFT and tok/s (1 x --output-len)")
+    b.add_argument("--rounds", type=int, default=5,
+                   help="with --single-stream: cold streams of the prompt, one after another, "
+                        "on each side (round i seeded SEED + i); tok/s is all their tokens "
+                        "over their summed walls (default 5)")
     b.add_argument("--dtype", default=None, choices=("auto", "float32", "bfloat16"),
                    help="the engine's dtype (default: EngineConfig's, auto); the peer "
                         "computes in the dtype the engine resolves it to")

@@ -218,15 +218,26 @@ def startup_line(res: dict[str, Any]) -> str:
             f"{res['all_compiled_s']:.1f} s (measured from there)")
 
 
+def _rounds_label(rounds: int) -> str:
+    return "1 cold round" if rounds == 1 else f"{rounds} cold rounds one after another"
+
+
 def single_report(res: dict[str, Any]) -> list[str]:
     """The single-stream run (one prompt, N tokens, streamed)."""
     t = res["targets"]
     out = [f"\nmultiserve bench --single-stream — {res['model']} on {res['device']} "
            f"({res['dtype']})",
            f"1 prompt ({res['prompt_tokens']['total']} tokens) x {res['output_len']} output "
-           f"tokens, {sampling_label(res)}, ignore_eos, streamed (Engine.stream_sync)",
+           f"tokens, {sampling_label(res)}, ignore_eos, streamed (Engine.stream_sync), "
+           f"{_rounds_label(res['ours'].get('rounds', 1))} on each side",
            startup_line(res), HEADER,
            run_row("ours", res["ours"]) + f"   {res['ours']['steps']} steps"]
+    per_round = res["ours"].get("rounds_tokens_per_s") or []
+    if len(per_round) > 1:
+        out.append("ours, each round's tok/s: " + " ".join(f"{x:.1f}" for x in per_round)
+                   + ("" if res.get("temperature") else
+                      f"; greedy rounds identical: "
+                      f"{'yes' if res['ours'].get('rounds_identical') else 'NO'}"))
     if "peer" in res:
         out += _peer_lines(res)
         if res["ratio_vs_peer"] is not None:

@@ -208,9 +208,10 @@ def bench_main(args: argparse.Namespace) -> int:
     if args.output_len is None:
         args.output_len = SINGLE_STREAM_LEN if single else BATCH_LEN
     n, m = int(args.num_prompts), int(args.output_len)
-    if n < 1 or m < 1:
-        raise SystemExit("bench: --num-prompts and --output-len must be >= 1")
-    _check_sampling(args, 1 if single else n)
+    rounds = int(getattr(args, "rounds", 1))
+    if n < 1 or m < 1 or rounds < 1:
+        raise SystemExit("bench: --num-prompts, --output-len and --rounds must be >= 1")
+    _check_sampling(args, rounds if single else n)
     cfg = _engine_config(args)
     peer_model = None
     if args.peer != "none":  # fail before compiling
@@ -290,9 +291,9 @@ def _breakdown(engine: Any, prompts: list[list[int]], m: int, run: dict[str, Any
 
 
 def _single_main(args: argparse.Namespace, cfg: Any, peer_model: str | None) -> int:
-    from multiserve.bench.single import single_result, stream_once
+    from multiserve.bench.single import single_result, stream_once, stream_rounds
 
-    m = int(args.output_len)
+    m, rounds = int(args.output_len), int(getattr(args, "rounds", 1))
     show = not getattr(args, "no_progress", False)
     temperature, seed = _sampling(args)
     engine, startup_s, info = _start(cfg)
@@ -300,8 +301,8 @@ def _single_main(args: argparse.Namespace, cfg: Any, peer_model: str | None) -> 
         ids = engine.chat_ids([{"role": "user", "content": bench_prompts(1)[0]}])
         stream_once(engine, ids, min(m, 4), rid="bench-single-warmup",
                     temperature=temperature, seed=seed)
-        ours = stream_once(engine, ids, m, rid="bench-single", temperature=temperature,
-                           seed=seed)
+        ours = stream_rounds(engine, ids, m, rounds, rid="bench-single",
+                             temperature=temperature, seed=seed)
         base = {"bench": "multiserve", "model": engine.model_name,
                 "device": f"{engine.devices[0].platform}:{cfg.device_indexes}",
                 "dtype": info["dtype"], "output_len": m,
@@ -316,7 +317,7 @@ def _single_main(args: argparse.Namespace, cfg: Any, peer_model: str | None) -> 
         engine.shutdown()
     peer = agree = why = None
     if peer_model is not None:
-        peer = _run_peer(args, peer_model, [ids], m, stream=True, show=show)
+        peer = _run_peer(args, peer_model, [ids] * rounds, m, stream=True, show=show)
         agree, why = peer_agreement(ours["output_ids"], peer["output_ids"], temperature)
     result = single_result(base, ours, peer, agree)
     if why is not None:

@@ -2,11 +2,15 @@
 `--temperature` and seed `--seed`), streamed as a chat client would receive them
 (`multiserve bench --single-stream`, default 1 x 64).
 
-How a run goes: flush the prefix cache (cold, like the peer), then t0, then
-`Engine.stream_sync` (the engine's streaming API): TTFT is the time from t0 to the
-first snapshot holding a token, tok/s is N / (last token - t0), ITL the gaps between
-tokens. Tokens are timed when the caller's thread receives them (what a user sees),
-not on the engine thread. A short stream runs first as warm-up (excluded).
+How a run goes: `--rounds` rounds (default 5) one after another, and the peer the same
+prompt as many times, one after another. A round flushes the prefix cache (cold, like
+the peer), then t0, then `Engine.stream_sync` (the engine's streaming API): its TTFT is
+the time from t0 to the first snapshot holding a token, its wall t0 to its last token.
+tok/s is all rounds' tokens over their summed walls (one round of 64 tokens is ~0.6 s:
+a busy moment of a shared machine moved a lone round's rate by 10-25%); TTFT p50 / p99
+over the rounds, ITL over all gaps; each round's tok/s is in the JSON. Tokens are timed
+when the caller's thread receives them (what a user sees), not on the engine thread. A
+short stream runs first as warm-up (excluded).
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from multiserve.bench.ours import request_params, spec_counts
-from multiserve.bench.stats import Timeline, summarize
+from multiserve.bench.stats import Timeline, summarize, summarize_rounds
 from multiserve.types import GenerateRequest
 
 TARGET_VS_PEER = 1.0  # float32 (issue 19)
@@ -33,32 +37,50 @@ def stream_once(engine: Any, ids: Sequence[int], output_len: int, rid: str,
                 temperature: float = 0.0, seed: int = 0) -> dict[str, Any]:
     """One cold streamed request (request 0 of the bench: seed `seed`); its figures
     (bench.stats.summarize) and output ids."""
-    flushed = engine.flush_cache()
-    assert flushed.ok, f"bench: cannot flush before a run: {flushed.message}"
+    return stream_rounds(engine, ids, output_len, 1, rid, temperature, seed)
+
+
+def stream_rounds(engine: Any, ids: Sequence[int], output_len: int, rounds: int, rid: str,
+                  temperature: float = 0.0, seed: int = 0) -> dict[str, Any]:
+    """`rounds` cold streamed requests of `ids`, one after another (round i is request i
+    of the bench: seed `seed + i`); their figures together (bench.stats.summarize_rounds:
+    all tokens over the summed walls), each round's tok/s, and their output ids."""
     before = engine.get_internal_state()
-    params = request_params(output_len, temperature, seed, 0)
-    request = GenerateRequest(rid=rid, input_ids=tuple(ids), sampling=params, stream=True)
-    tl = Timeline()
-    t0 = time.perf_counter()
-    for out in engine.stream_sync(request):
-        now = time.perf_counter()
-        tl.record(now, len(out.output_ids))
-        if out.finished:
-            tl.finished_at = now
-            tl.finish_reason = out.finish_reason
-            tl.output_ids = tuple(out.output_ids)
-            if out.error:
-                raise RuntimeError(f"bench: the engine failed during the run: {out.error}")
+    done: list[tuple[list[Timeline], float]] = []
+    for i in range(rounds):
+        flushed = engine.flush_cache()
+        assert flushed.ok, f"bench: cannot flush before a run: {flushed.message}"
+        params = request_params(output_len, temperature, seed, i)
+        request = GenerateRequest(rid=f"{rid}-{i}" if rounds > 1 else rid,
+                                  input_ids=tuple(ids), sampling=params, stream=True)
+        tl = Timeline()
+        t0 = time.perf_counter()
+        for out in engine.stream_sync(request):
+            now = time.perf_counter()
+            tl.record(now, len(out.output_ids))
+            if out.finished:
+                tl.finished_at = now
+                tl.finish_reason = out.finish_reason
+                tl.output_ids = tuple(out.output_ids)
+                if out.error:
+                    raise RuntimeError(f"bench: the engine failed during the run: {out.error}")
+        done.append(([tl], t0))
     after = engine.get_internal_state()
-    figures: dict[str, Any] = dict(summarize([tl], t0))
+    timelines = [tls[0] for tls, _ in done]
+    figures: dict[str, Any] = dict(summarize_rounds(done))
     steps = after["forward_ct"] - before["forward_ct"]
     figures.update({
+        "rounds": rounds,
+        "rounds_tokens_per_s": [float(summarize(tls, t0)["tokens_per_s"])
+                                for tls, t0 in done],
         "steps": steps,
         "mean_step_ms": 1000.0 * float(figures["wall_s"]) / steps if steps else float("nan"),
-        "finish_reasons": [str(tl.finish_reason)],
-        "exact_length": len(tl.output_ids) == output_len,
+        "finish_reasons": sorted({str(t.finish_reason) for t in timelines}),
+        "exact_length": all(len(t.output_ids) == output_len for t in timelines),
+        # greedy rounds must agree (the engine's determinism); sampled ones have own seeds
+        "rounds_identical": len({t.output_ids for t in timelines}) == 1,
         "cache_miss_count": after["cache_miss_count"],
-        "output_ids": [list(tl.output_ids)],
+        "output_ids": [list(t.output_ids) for t in timelines],
         **spec_counts(before, after),
     })
     return figures

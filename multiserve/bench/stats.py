@@ -88,6 +88,26 @@ def summarize(timelines: Sequence[Timeline], t0: float) -> dict[str, float | int
     }
 
 
+def summarize_rounds(rounds: Sequence[tuple[Sequence[Timeline], float]]
+                     ) -> dict[str, float | int]:
+    """The figures of runs made one after another, each (its timelines, its t0): tokens
+    over the summed walls, each TTFT from its own run's t0, the gaps of all."""
+    figures = [summarize(tls, t0) for tls, t0 in rounds]
+    wall = sum(float(f["wall_s"]) for f in figures)
+    tokens = sum(int(f["output_tokens"]) for f in figures)
+    ttfts = [x for tls, t0 in rounds for t in tls if (x := t.ttft(t0)) is not None]
+    gaps = [g for tls, _ in rounds for t in tls for g in t.gaps()]
+    return {
+        "output_tokens": tokens,
+        "wall_s": wall,
+        "tokens_per_s": tokens / wall if wall > 0 else 0.0,
+        "ttft_p50_s": percentile(ttfts, 50),
+        "ttft_p99_s": percentile(ttfts, 99),
+        "itl_p50_s": percentile(gaps, 50),
+        "itl_p99_s": percentile(gaps, 99),
+    }
+
+
 def agreement(a: Sequence[Sequence[int]], b: Sequence[Sequence[int]]) -> dict[str, float]:
     """How far two runs' outputs agree: share of identical outputs and mean common
     prefix length (greedy fp32 engines diverge only where near-ties flip)."""

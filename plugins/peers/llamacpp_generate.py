@@ -11,7 +11,9 @@ flip; `--peer-model` takes another GGUF).
 `Llama` serves one sequence, so prompts run one after another (batch size 1, whatever
 --batch-size says), each from a cold context (`reset()`: no KV reuse from the previous
 prompt). Every token is timed as the generator yields it (streaming), so TTFT is each
-prompt's first-token time from its own start and tok/s is all tokens / total wall.
+prompt's first-token time from its own start and tok/s is all tokens over the prompts'
+summed walls (each from its start to its last token: bench.stats.summarize_rounds, as
+multiserve's single-stream rounds).
 Exactly --output-len tokens: `Llama.generate` itself never stops at EOS (the stop check
 lives in `create_completion`), the same semantics as multiserve's `ignore_eos`.
 Greedy: temp=0 (llama-cpp-python then samples with llama.cpp's greedy sampler),
@@ -27,7 +29,7 @@ import sys
 import time
 from typing import Any
 
-from multiserve.bench.stats import Timeline, peak_rss_mb, percentile
+from multiserve.bench.stats import Timeline, peak_rss_mb, summarize_rounds
 from plugins.peers.protocol import (
     emit,
     load_prompts,
@@ -85,26 +87,16 @@ def run(prompts: list[list[int]], output_len: int, model: str, threads: int,
     load_s = time.perf_counter() - t_load
     if warmup:  # first-call costs stay out of the measurement
         _one(llm, prompts[0][:8], 2, temperature, seed)
-    ttft: list[float] = []
-    gaps: list[float] = []
-    outputs: list[list[int]] = []
-    t0 = time.perf_counter()
+    rounds: list[tuple[list[Timeline], float]] = []
     for i, prompt in enumerate(prompts):
         tl, start = _one(llm, prompt, output_len, temperature, seed + i)
-        if tl.events:
-            ttft.append(tl.events[0][0] - start)
-        gaps.extend(tl.gaps())
-        outputs.append(list(tl.output_ids))
-    wall = time.perf_counter() - t0
-    total = sum(len(o) for o in outputs)
+        rounds.append(([tl], start))
+    outputs = [list(tls[0].output_ids) for tls, _ in rounds]
     return {
         "peer": "llamacpp", "llama_cpp_python": llama_cpp.__version__,
         "model_file": os.path.basename(model), "api": "Llama.generate (sequential)",
         "threads": threads, "batch_size": 1, "num_prompts": len(prompts),
-        "output_len": output_len, "output_tokens": total, "wall_s": wall,
-        "tokens_per_s": total / wall if wall > 0 else 0.0,
-        "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
-        "itl_p50_s": percentile(gaps, 50), "itl_p99_s": percentile(gaps, 99),
+        "output_len": output_len, **summarize_rounds(rounds),
         "load_s": load_s, "peak_rss_mb": peak_rss_mb(),
         "exact_length": all(len(o) == output_len for o in outputs),
         "output_ids": outputs,

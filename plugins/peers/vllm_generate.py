@@ -14,7 +14,9 @@ temperature T and seed = --seed + its index (vLLM seeds each request's generator
 / top_k / min_p at vLLM's defaults (off).
 - `--stream` (single stream): the same requests through `LLM.llm_engine` one step at a
   time with DELTA outputs, the streaming loop `LLM.generate` runs inside, so every
-  token's arrival is timed like multiserve's own streaming run.
+  token's arrival is timed like multiserve's own streaming run; in groups of
+  --batch-size (multiserve's single stream passes 1: its rounds one after another), each
+  from a cold prefix cache.
 
 CPU settings (each only if the caller did not set it): VLLM_CPU_KVCACHE_SPACE=2 (GiB),
 VLLM_CPU_OMP_THREADS_BIND=0-(threads-1), VLLM_CPU_NUM_OF_RESERVED_CPU=0,
@@ -31,7 +33,7 @@ import sys
 import time
 from typing import Any
 
-from multiserve.bench.stats import Timeline, peak_rss_mb, percentile, summarize
+from multiserve.bench.stats import Timeline, peak_rss_mb, percentile, summarize_rounds
 from plugins.peers.protocol import (
     emit,
     load_prompts,
@@ -95,28 +97,35 @@ def _batch(llm: Any, prompts: list[list[int]], output_len: int, bs: int,
     return outputs, time.perf_counter() - t0, ttft
 
 
-def _stream(llm: Any, prompts: list[list[int]], output_len: int, temperature: float = 0.0,
-            seed: int = 0) -> tuple[list[list[int]], dict[str, Any]]:
-    """Every prompt submitted at t0 (prompt i seeded seed + i), then the engine stepped;
-    each token timed on arrival."""
+def _stream(llm: Any, prompts: list[list[int]], output_len: int, bs: int,
+            temperature: float = 0.0, seed: int = 0) -> tuple[list[list[int]], dict[str, Any]]:
+    """The prompts in groups of `bs`, one group after another, each from a cold prefix
+    cache (prompt i seeded seed + i): a group submitted at its t0, then the engine
+    stepped, each token timed on arrival; the groups' figures together
+    (summarize_rounds: all tokens over the summed walls)."""
     from vllm.inputs import TokensPrompt
 
     engine = llm.llm_engine
-    timelines = [Timeline() for _ in prompts]
     ids: list[list[int]] = [[] for _ in prompts]
-    t0 = time.perf_counter()
-    for i, p in enumerate(prompts):
-        engine.add_request(f"s{i}", TokensPrompt(prompt_token_ids=p),
-                           _params(output_len, temperature, seed + i, delta=True))
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            now = time.perf_counter()
-            i = int(out.request_id.lstrip("s").split("-")[0])
-            ids[i].extend(out.outputs[0].token_ids)
-            timelines[i].record(now, len(ids[i]))
-            if out.finished:
-                timelines[i].finished_at = now
-    return ids, summarize(timelines, t0)
+    rounds: list[tuple[list[Timeline], float]] = []
+    for start in range(0, len(prompts), bs):
+        llm.reset_prefix_cache()  # cold, as multiserve's rounds (it flushes its cache)
+        group = range(start, min(start + bs, len(prompts)))
+        timelines = {i: Timeline() for i in group}
+        t0 = time.perf_counter()
+        for i in group:
+            engine.add_request(f"s{i}", TokensPrompt(prompt_token_ids=prompts[i]),
+                               _params(output_len, temperature, seed + i, delta=True))
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                now = time.perf_counter()
+                i = int(out.request_id.lstrip("s").split("-")[0])
+                ids[i].extend(out.outputs[0].token_ids)
+                timelines[i].record(now, len(ids[i]))
+                if out.finished:
+                    timelines[i].finished_at = now
+        rounds.append((list(timelines.values()), t0))
+    return ids, summarize_rounds(rounds)
 
 
 def run(prompts: list[list[int]], output_len: int, model: str, batch_size: int,
@@ -133,7 +142,7 @@ def run(prompts: list[list[int]], output_len: int, model: str, batch_size: int,
     if warmup:  # first-call costs stay out of the measurement
         _batch(llm, [prompts[0][:8], prompts[-1][:4]], 2, 2, temperature, seed)
     if stream:
-        outputs, fig = _stream(llm, prompts, output_len, temperature, seed)
+        outputs, fig = _stream(llm, prompts, output_len, bs, temperature, seed)
     else:
         outputs, wall, ttft = _batch(llm, prompts, output_len, bs, temperature, seed)
         total = sum(len(o) for o in outputs)

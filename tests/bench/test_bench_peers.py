@@ -175,13 +175,18 @@ def test_single_stream_with_peer(tiny_dir: Path, stub_peer: list[dict[str, Any]]
     text, res = _bench(["--model", str(tiny_dir), "--single-stream", "--output-len", "6",
                         "--peer", "llamacpp", "--peer-model", "/x.gguf", *ENGINE_FLAGS],
                        capsys)
-    assert stub_peer == [{"name": "llamacpp", "n": 1, "m": 6, "model": "/x.gguf",
+    # the default 5 rounds: the peer gets the prompt 5 times, one at a time
+    assert stub_peer == [{"name": "llamacpp", "n": 5, "m": 6, "model": "/x.gguf",
                           "batch_size": 1, "stream": True, "temperature": 0.0, "seed": 0, "dtype": "float32"}]
     assert res["temperature"] == 0.0 and res["peer_agreement"] is not None
     assert "--single-stream" in text and "ours vs llamacpp" in text and "TTFT" in text
+    assert "5 cold rounds one after another on each side" in text
+    assert "greedy rounds identical: yes" in text
     assert res["mode"] == "single_stream" and res["num_prompts"] == 1
     ours = res["ours"]
-    assert ours["output_tokens"] == 6 and ours["exact_length"]
+    assert ours["rounds"] == 5 and len(ours["rounds_tokens_per_s"]) == 5
+    assert ours["rounds_identical"] and ours["steps"] >= 5 * 6
+    assert ours["output_tokens"] == 5 * 6 and ours["exact_length"]
     assert 0 < ours["ttft_p50_s"] <= ours["wall_s"] and ours["tokens_per_s"] > 0
     assert res["ttft_s"] == ours["ttft_p50_s"] and res["targets"]["ttft_s"] == 0.3
     assert res["targets"]["vs_peer"] == 1.0 and res["targets"]["zero_recompiles_met"]
@@ -198,13 +203,24 @@ def test_single_stream_sampled(tiny_dir: Path, stub_peer: list[dict[str, Any]],
                                capsys: pytest.CaptureFixture[str]) -> None:
     text, res = _bench(["--model", str(tiny_dir), "--single-stream", "--output-len", "5",
                         "--temperature", "0.5", "--seed", "3", "--peer", "vllm",
-                        *ENGINE_FLAGS], capsys)
+                        "--rounds", "2", *ENGINE_FLAGS], capsys)
     assert stub_peer[0]["temperature"] == 0.5 and stub_peer[0]["seed"] == 3
+    assert stub_peer[0]["n"] == 2 and res["ours"]["rounds"] == 2
+    assert "2 cold rounds one after another" in text and "greedy rounds" not in text
     assert res["temperature"] == 0.5 and res["seed"] == 3
     assert "x 5 output tokens, sampled (temperature 0.5, seed 3), ignore_eos" in text
     assert res["peer_agreement"] is None and "not expected to agree" in res[
         "peer_agreement_note"]
     assert res["ours"]["exact_length"] and "outputs not compared" in text
+
+
+def test_rounds_below_one_are_refused_before_start_up(tiny_dir: Path) -> None:
+    from multiserve.bench.run import bench_main
+
+    args = build_parser().parse_args(["bench", "--model", str(tiny_dir), "--single-stream",
+                                      "--rounds", "0"])
+    with pytest.raises(SystemExit, match="--rounds must be >= 1"):
+        bench_main(args)
 
 
 def test_llamacpp_peer_needs_a_gguf(tiny_dir: Path, stub_peer: list[dict[str, Any]]) -> None:

@@ -12,7 +12,7 @@ import math
 import pytest
 
 from multiserve.bench.prompts import BENCH_PROMPTS, bench_prompts
-from multiserve.bench.stats import Timeline, agreement, percentile, summarize
+from multiserve.bench.stats import Timeline, agreement, percentile, summarize, summarize_rounds
 from multiserve.cli import build_parser
 
 
@@ -41,6 +41,17 @@ def test_stats_arithmetic() -> None:
     assert fig["tokens_per_s"] == pytest.approx(2.0)
     same = agreement([[1, 2, 3], [4, 5]], [[1, 2, 9], [4, 5]])
     assert same == {"identical_fraction": 0.5, "mean_common_prefix": 2.0}
+
+
+def test_rounds_sum_their_walls_and_time_each_ttft_from_its_own_start() -> None:
+    first = Timeline(events=[(1.5, 1), (2.5, 3)], finished_at=2.5)  # 3 tokens in 1.5 s
+    second = Timeline(events=[(10.1, 1), (10.5, 2)], finished_at=10.5)  # 2 in 0.5 s
+    fig = summarize_rounds([([first], 1.0), ([second], 10.0)])
+    assert fig["output_tokens"] == 5 and fig["wall_s"] == pytest.approx(2.0)
+    assert fig["tokens_per_s"] == pytest.approx(2.5)  # not 5 over the 9.5 s between
+    assert fig["ttft_p50_s"] == pytest.approx(0.3)  # 0.5 and 0.1, each from its t0
+    assert fig["itl_p50_s"] == pytest.approx(0.5)  # the gaps 0.5, 0.5 and 0.4
+    assert summarize_rounds([([first], 1.0)]) == summarize([first], t0=1.0)
 
 
 @pytest.mark.slow
