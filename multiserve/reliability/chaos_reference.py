@@ -46,7 +46,9 @@ def _weight_results(op: Operator) -> list[str | None]:
     return out
 
 
-def _comparable(o: Outcome, op: Operator) -> bool:
+def comparable(o: Outcome, op: Operator) -> bool:
+    """Whether `o` is checked against the reference: greedy, completed or aborted, and
+    outside every weight-change window."""
     if not o.spec.greedy or o.kind not in ("completed", "aborted"):
         return False
     return not any(s < o.ended and o.started < e for s, e in op.weight_windows)
@@ -58,7 +60,7 @@ async def check_against_reference(fleet: Any, op: Operator, outcomes: list[Outco
     model = fleet.workers[0].model_name
     groups: dict[str, dict[tuple[Any, ...], list[Outcome]]] = {}
     for o in outcomes:
-        if _comparable(o, op):
+        if comparable(o, op):
             groups.setdefault(_version_at(op, o.started), {}).setdefault(o.spec.key, []).append(o)
     gate = asyncio.Semaphore(REFERENCES_IN_FLIGHT)
     async with httpx.AsyncClient() as http:

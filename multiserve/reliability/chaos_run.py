@@ -3,8 +3,12 @@
 Owns `run_chaos(ChaosConfig)` -> `ChaosReport`:
 1. writes the tiny model and a perturbed twin (tiny_model.py), launches 4 engines on 4
    CPU virtual devices with their servers and the supervisor, on loopback;
-2. for `seconds`, `clients` concurrent clients (chaos_workload.py) send random requests
-   round-robin over the 4 ports while the Operator (chaos_ops.py) fires operations;
+2. `clients` concurrent clients (chaos_workload.py) send random requests round-robin over
+   the 4 ports while the Operator (chaos_ops.py) fires operations for `seconds` (and until
+   it has played every kind once); the clients go on until then AND until
+   `min_completed` requests completed, `min_comparable` of them checkable against the
+   reference: a count of requests, never a rate, so a slow machine runs longer rather
+   than checking less (at most `max_seconds`, then the counts are what they are);
 3. heals the fleet (continue, resume, base weights), then checks:
    - every request has exactly one final outcome, and none is hung, lost, dropped or an
      error without its OpenAI body;
@@ -35,7 +39,7 @@ from typing import Any
 import httpx
 
 from multiserve.reliability.chaos_ops import BASE_VERSION, PERTURBED_VERSION, Operator, OpRecord
-from multiserve.reliability.chaos_reference import check_against_reference
+from multiserve.reliability.chaos_reference import check_against_reference, comparable
 from multiserve.reliability.chaos_workload import VIOLATIONS, Outcome, random_spec, send
 
 THREAD_SLACK = 2  # OS threads (e.g. of XLA) that may come and go
@@ -52,6 +56,9 @@ class ChaosConfig:
     op_gap_s: float = 1.0
     request_timeout_s: float = 120.0
     seed: int = 0
+    min_completed: int = 0  # completed requests before the load may end
+    min_comparable: int = 0  # of them, checkable against the reference
+    max_seconds: float = 600.0  # the load ends by then whatever the counts
 
 
 @dataclass
@@ -118,16 +125,30 @@ def process_usage() -> tuple[float, int]:
 
 async def _load(fleet: Any, cfg: ChaosConfig, op: Operator, outcomes: list[Outcome],
                 live: set[str]) -> None:
-    deadline = time.monotonic() + cfg.seconds
+    start = time.monotonic()
+    deadline, hard_deadline = start + cfg.seconds, start + max(cfg.seconds, cfg.max_seconds)
     model = fleet.workers[0].model_name
     sent = 0
+    operator = asyncio.ensure_future(op.run(deadline, cfg.max_ops, cfg.op_gap_s))
+
+    def enough() -> bool:
+        """The load may end: its time is up, the operator is done, and the counts are
+        reached (once the operator is done, no weight window moves any more)."""
+        now = time.monotonic()
+        if now >= hard_deadline:
+            return True
+        if now < deadline or not operator.done():
+            return False
+        completed = [o for o in outcomes if o.kind == "completed"]
+        return (len(completed) >= cfg.min_completed
+                and sum(comparable(o, op) for o in completed) >= cfg.min_comparable)
 
     async def client(i: int) -> None:
         nonlocal sent
         rng = random.Random(cfg.seed * 10_007 + i)
         async with httpx.AsyncClient() as http:
             k = 0
-            while time.monotonic() < deadline and sent < cfg.max_requests:
+            while not enough() and sent < cfg.max_requests:
                 sent += 1
                 spec = random_spec(rng, f"chaos-{cfg.seed}-c{i}-{k}")
                 url = fleet.urls[(i + k) % len(fleet.urls)]
@@ -139,8 +160,7 @@ async def _load(fleet: Any, cfg: ChaosConfig, op: Operator, outcomes: list[Outco
                 if o.kind == "refused":
                     await asyncio.sleep(0.2)  # e.g. an engine restarting: back off a little
 
-    await asyncio.gather(op.run(deadline, cfg.max_ops, cfg.op_gap_s),
-                         *(client(i) for i in range(cfg.clients)))
+    await asyncio.gather(operator, *(client(i) for i in range(cfg.clients)))
     await op.heal()
 
 
