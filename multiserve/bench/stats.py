@@ -70,37 +70,29 @@ class Timeline:
         return out
 
 
+def _wall(timelines: Sequence[Timeline], t0: float) -> float:
+    """t0 to the last request's end (NaN if none ended)."""
+    ends = [t.finished_at for t in timelines if t.finished_at is not None]
+    return (max(ends) - t0) if ends else float("nan")
+
+
 def summarize(timelines: Sequence[Timeline], t0: float) -> dict[str, float | int]:
     """Throughput and latency figures of one run whose requests were all sent at t0."""
-    ends = [t.finished_at for t in timelines if t.finished_at is not None]
-    wall = (max(ends) - t0) if ends else float("nan")
-    tokens = sum(t.num_tokens for t in timelines)
-    ttfts = [x for t in timelines if (x := t.ttft(t0)) is not None]
-    gaps = [g for t in timelines for g in t.gaps()]
-    return {
-        "output_tokens": tokens,
-        "wall_s": wall,
-        "tokens_per_s": tokens / wall if wall and wall > 0 else 0.0,
-        "ttft_p50_s": percentile(ttfts, 50),
-        "ttft_p99_s": percentile(ttfts, 99),
-        "itl_p50_s": percentile(gaps, 50),
-        "itl_p99_s": percentile(gaps, 99),
-    }
+    return summarize_rounds([(timelines, t0)])
 
 
 def summarize_rounds(rounds: Sequence[tuple[Sequence[Timeline], float]]
                      ) -> dict[str, float | int]:
     """The figures of runs made one after another, each (its timelines, its t0): tokens
     over the summed walls, each TTFT from its own run's t0, the gaps of all."""
-    figures = [summarize(tls, t0) for tls, t0 in rounds]
-    wall = sum(float(f["wall_s"]) for f in figures)
-    tokens = sum(int(f["output_tokens"]) for f in figures)
+    wall = sum(_wall(tls, t0) for tls, t0 in rounds)
+    tokens = sum(t.num_tokens for tls, _ in rounds for t in tls)
     ttfts = [x for tls, t0 in rounds for t in tls if (x := t.ttft(t0)) is not None]
     gaps = [g for tls, _ in rounds for t in tls for g in t.gaps()]
     return {
         "output_tokens": tokens,
         "wall_s": wall,
-        "tokens_per_s": tokens / wall if wall > 0 else 0.0,
+        "tokens_per_s": tokens / wall if wall > 0 else 0.0,  # NaN > 0 is False
         "ttft_p50_s": percentile(ttfts, 50),
         "ttft_p99_s": percentile(ttfts, 99),
         "itl_p50_s": percentile(gaps, 50),
