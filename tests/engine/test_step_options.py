@@ -1,4 +1,4 @@
-"""The XLA options of the step programs (engine/device/program_share.step_options).
+"""The XLA options of the step programs (model/invariance/xla_options.step_options).
 
 What is checked: every option set the rule can give is one XLA accepts (a misspelt option
 name fails the compile: "No such compile option"), whatever backend the test runs on; and
@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from multiserve.engine.device.program_share import step_options
+from multiserve.model.invariance.xla_options import step_options
 
 PLATFORMS = ("cpu", "gpu", "tpu")
 DTYPES = ("float32", "bfloat16")

@@ -19,10 +19,22 @@ from multiserve.model.families.forward import forward
 from multiserve.model.layers.forward_batch import ForwardBatch
 from multiserve.model.layers.kv_pool import make_kv_pool
 from multiserve.model.invariance.primitives import is_compute_params
+from multiserve.model.invariance.xla_options import step_options
 
-# one jitted forward for all simulators (any family): its compile cache is shared
-FORWARD = jax.jit(forward, static_argnames=("cfg", "page_size", "attn_block_size", "plan"),
-                  donate_argnums=(1,))
+_FORWARDS: dict[str, Any] = {}
+
+
+def forward_program(dtype: Any) -> Any:
+    """The jitted forward for `dtype` weights, compiled with the XLA options of the engine's
+    step programs of that dtype on this backend (xla_options.step_options): one per dtype
+    for all simulators (any family), so their compile caches are shared."""
+    name = str(jnp.dtype(dtype))
+    if name not in _FORWARDS:
+        _FORWARDS[name] = jax.jit(
+            forward, static_argnames=("cfg", "page_size", "attn_block_size", "plan"),
+            donate_argnums=(1,),
+            compiler_options=step_options(jax.devices()[0].platform, name))
+    return _FORWARDS[name]
 
 def products_on(plan: Any, kernel: str) -> Any:
     """`plan` with every product on formulation `kernel` at each row count's own size."""
@@ -67,8 +79,8 @@ class PagedSim:
         # the plan of a default engine on this machine, unless the test gives one
         self.plan = plan if plan is not None else default_plan(
             cfg, dtype, page_size=page_size, block_size=block_size)
-        self.fwd = partial(FORWARD, cfg=cfg, page_size=page_size, attn_block_size=block_size,
-                           plan=self.plan)
+        self.fwd = partial(forward_program(dtype), cfg=cfg, page_size=page_size,
+                           attn_block_size=block_size, plan=self.plan)
 
     def add(self, name: str, tokens: list[int]) -> None:
         self.seqs[name] = Seq(list(tokens))

@@ -149,3 +149,45 @@ def test_probe_timing_takes_the_candidates_in_turns() -> None:
     # after one warm-up call each, consecutive calls of one fn are one mean
     rounds = [i for i, _ in itertools.groupby(calls[3:])]
     assert rounds == [0, 1, 2] * probes.TIMING_RUNS
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_probes_compile_with_the_step_programs_options(
+        dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The calibration verifies the machine code the steps run: every probe (products, row
+    sums, attention) is compiled with the step programs' XLA options for the MODEL's dtype
+    (xla_options.step_options; row sums of float32 rows too), and those options reach XLA:
+    one it refuses fails the calibration instead of being dropped."""
+    import multiserve.model.invariance.calibration as cal
+    from multiserve.model.invariance import probes
+    from multiserve.model.invariance.xla_options import step_options
+
+    monkeypatch.setattr(cal, "_MEMO", {})
+    monkeypatch.setattr(cal, "_PROBES", {})
+    asked: list[tuple[str, str]] = []
+    compiled: list[str] = []
+    real_jit = probes.probe_jit
+
+    def recording(platform: str, name: str) -> dict[str, bool | int]:
+        asked.append((platform, name))
+        return step_options(platform, name)
+
+    def tracing(fn, dtype, device):  # noqa: ANN001, ANN202
+        compiled.append(getattr(fn, "__name__", ""))
+        return real_jit(fn, dtype, device)
+
+    monkeypatch.setattr(probes, "step_options", recording)
+    monkeypatch.setattr(probes, "probe_jit", tracing)
+    device = jax.devices()[0]
+    workload = workload_for(TINY_LLAMA, (1, 4), (1,), 1, 16, 16, jax.numpy.dtype(dtype),
+                            engine_defaults=False)
+    calibrate(workload, device, use_cache=False)
+    assert set(asked) == {(device.platform, dtype)}
+    assert len(asked) == len(compiled)
+    assert {"<lambda>", "attend_rows"} <= set(compiled)  # products, row sums; attention
+
+    monkeypatch.setattr(cal, "_MEMO", {})
+    monkeypatch.setattr(probes, "step_options",
+                        lambda platform, name: {"xla_no_such_option_in_this_test": True})
+    with pytest.raises(Exception, match="No such compile option"):
+        calibrate(workload, device, use_cache=False)

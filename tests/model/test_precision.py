@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from model_helpers import FORWARD, TINY_LLAMA, products_on
+from model_helpers import TINY_LLAMA, forward_program, products_on
 
 from multiserve.model.families import family_for
 from multiserve.model.invariance.calibration import default_plan
@@ -50,8 +50,8 @@ def _lowered_step(dtype: str, kernel: str) -> str:
                          page_table=jnp.asarray(np.arange(1, 5, dtype=np.int32)[None, :]),
                          seq_lens=jnp.asarray([T], jnp.int32),
                          logit_rows=jnp.asarray([T - 1], jnp.int32))
-    return FORWARD.lower(params, kv, batch, cfg=cfg, page_size=PAGE, attn_block_size=BLOCK,
-                         plan=plan).as_text()
+    return forward_program(np_dtype).lower(params, kv, batch, cfg=cfg, page_size=PAGE,
+                                           attn_block_size=BLOCK, plan=plan).as_text()
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -56,7 +56,7 @@ from multiserve.config import EngineConfig, ModelConfig
 from multiserve.engine.device.batch_arrays import StepArrays, empty_step_arrays
 from multiserve.engine.device import huge_pages
 from multiserve.engine.device.packed_inputs import Layout, layout_of, pack, unpack
-from multiserve.engine.device.program_share import SHARE, step_options
+from multiserve.engine.device.program_share import SHARE
 from multiserve.engine.device.programs import Plan, ProgramSet, plan, smallest_fit
 from multiserve.engine.dtype_choice import DtypeChoice
 from multiserve.engine.sampling import host as sampling_host
@@ -66,6 +66,7 @@ from multiserve.model.invariance.workload import workload_for
 from multiserve.model.families import family_for
 from multiserve.model.layers.forward_batch import ForwardBatch
 from multiserve.model.invariance.plan import Calibration, InvariancePlan
+from multiserve.model.invariance.xla_options import step_options
 from multiserve.model.layers.kv_pool import KVPool, make_kv_pool
 from multiserve.model.sharding import kv_pool_sharding, make_mesh, shard_params
 
@@ -108,7 +109,7 @@ class Runner:
         self.devices = list(devices)
         self.mesh = make_mesh(self.devices)
         self.replicated = NamedSharding(self.mesh, P())
-        # the XLA options of every program this runner compiles (program_share.py)
+        # the XLA options of every program this runner compiles (model/invariance/xla_options.py)
         self.xla_options = step_options(self.devices[0].platform, str(jnp.dtype(dtype)))
         self.num_pages = num_pages
         self.max_rows = max(cfg.precompile_bs_paddings)

@@ -75,31 +75,6 @@ _installed = False
 unpatched_hook: Any = None  # JAX's own hook, once replaced
 
 
-# XLA options of every step program. `xla_allow_excess_precision` off: XLA may otherwise
-# skip a float32 -> bfloat16 -> float32 rounding (a product's or a norm's bfloat16 output
-# widened again by its consumer) where its fusion allows, and fusion changes with the
-# step's shapes and formulations, so a bfloat16 row's bits would depend on its batch.
-# No effect on a float32 program (it has no such conversions).
-_OPTIONS: dict[str, bool | int] = {"xla_allow_excess_precision": False}
-
-# XLA:GPU picks a GEMM per shape (a Triton tiling or a cuBLAS algorithm, autotuned), so a
-# float32 row's product could change with the step's bucket; measured on an H200 (jax
-# 0.11.2, docs/performance.md §14): with XLA's defaults float32 logits differed by up to
-# 3e-6 between batchings, while cuBLAS alone at its heuristic choice (no Triton GEMMs, no
-# autotuning) kept every float32 batch-invariance test bitwise; bfloat16 is the other way
-# round (invariant with the defaults, not without Triton), so it keeps them.
-_GPU_FLOAT32_OPTIONS: dict[str, bool | int] = {"xla_gpu_enable_triton_gemm": False,
-                                               "xla_gpu_autotune_level": 0}
-
-
-def step_options(platform: str, dtype: str) -> dict[str, bool | int]:
-    """The XLA options of a step program of `dtype` weights on `platform` (a device's
-    `.platform`: "cpu", "gpu", "tpu")."""
-    if platform == "gpu" and dtype == "float32":
-        return {**_OPTIONS, **_GPU_FLOAT32_OPTIONS}
-    return dict(_OPTIONS)
-
-
 @dataclass(frozen=True)
 class SharingStatus:
     """Whether this process shares step programs among its engines, and why (or why not).
@@ -212,7 +187,7 @@ class ProgramShare:
     def compile(self, lowered: Any, devices: Sequence[Any],
                 options: dict[str, bool | int]) -> Any:
         """The executable of `lowered` for `devices` (its mesh's devices, in order), compiled
-        with XLA `options` (`step_options`)."""
+        with XLA `options` (`xla_options.step_options`)."""
         if not self._active(devices[0].platform):
             return lowered.compile(compiler_options=options)
         d0 = devices[0]

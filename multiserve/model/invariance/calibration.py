@@ -172,7 +172,7 @@ def _choose(workload: Workload, device: Any, distort: Distort | None, memo: bool
         cands, sel = _probe_once(
             (*backend, "row_sum", width, counts), probed,
             lambda rng, width=width, counts=counts: probes.probe_row_sum(
-                width, counts, device, distort, rng), counts)
+                width, counts, dtype, device, distort, rng), counts)
         if not sel.verified:
             problems.append(f"row sums of width {width}: not position-invariant")
         table += table_rows("row_sum", {"width": width}, cands, sel)

@@ -14,6 +14,9 @@ candidate timed. What to choose from them is choice.py's job; this file only mea
   native CPU kernel, the XLA formulation's query chunkings with and without shared keys)
   made on demand.
 
+Every probe compiles with the XLA options of the steps it verifies (`probe_jit`:
+xla_options.step_options of the model's dtype), never XLA's defaults.
+
 A probe's random data comes from its own stream (`probe_rng`), seeded by what it probes,
 so its result does not depend on which probes ran before it and can be stored and reused.
 
@@ -39,6 +42,7 @@ from multiserve.model.invariance.choice import Candidate
 from multiserve.model.invariance.plan import AttentionPlan, Formulation, ProductPlan
 from multiserve.model.invariance.primitives import grouped, product, row_sum_rows
 from multiserve.model.invariance.workload import AttentionUse, GroupedUse, ProductUse
+from multiserve.model.invariance.xla_options import step_options
 from multiserve.model.kernels import native as native_kernels
 from multiserve.model.layers.attention import paged_attention
 from multiserve.model.layers.forward_batch import ForwardBatch
@@ -136,6 +140,12 @@ def probe_rng(*what: Any) -> np.random.Generator:
     return np.random.default_rng(zlib.crc32(repr(("multiserve-probe", *what)).encode()))
 
 
+def probe_jit(fn: Callable[..., Any], dtype: Any, device: Any) -> Callable[..., Any]:
+    """`fn` jitted with the XLA options of the step programs of a `dtype` model on
+    `device`'s platform: the probe then runs the machine code the steps will run."""
+    return jax.jit(fn, compiler_options=step_options(device.platform, str(jnp.dtype(dtype))))
+
+
 def native_products_usable(dtype: Any, device: Any) -> bool:
     """Whether the native product kernels may be candidates here (and are built)."""
     name = str(jnp.dtype(dtype))
@@ -170,9 +180,10 @@ def probe_product(use: ProductUse, dtype: Any, device: Any, distort: Distort | N
         w_p = jax.jit(native_kernels.pack_panels)(w)
     pending: list[Pending] = []
     for kernel, row_counts in kernels:
-        fn = jax.jit(lambda a, b, bt, bp, kernel=kernel: product(
+        fn = probe_jit(lambda a, b, bt, bp, kernel=kernel: product(
             a, b if kernel == "plain" else None, bt if kernel == "nt" else None, kernel,
-            a.shape[0], jnp.float32, bp if kernel == "native" else None, use.local_n))
+            a.shape[0], jnp.float32, bp if kernel == "native" else None, use.local_n),
+            dtype, device)
         for rows in row_counts:
             desc = {"kernel": kernel, "rows": rows}
             flip = distortion(distort, "product", {"name": use.name, **desc})
@@ -210,12 +221,13 @@ def probe_grouped(use: GroupedUse, dtype: Any, device: Any, distort: Distort | N
             plan = ProductPlan(use.name, use.local_k, use.local_n,
                                ((rows, Formulation(kernel, rows)),))
 
-            @jax.jit
-            def fn(a: jax.Array, g: jax.Array, b: jax.Array, bp: Any, plan: Any = plan
-                   ) -> jax.Array:
+            def run(a: jax.Array, g: jax.Array, b: jax.Array, bp: Any, plan: Any = plan
+                    ) -> jax.Array:
                 order = jnp.argsort(g, stable=True)
                 ys = grouped(a[order], g[order], b, bp, plan, 0)
                 return jnp.zeros_like(ys).at[order].set(ys)
+
+            fn = probe_jit(run, dtype, device)
 
             desc = {"kernel": kernel, "rows": rows}
             flip = distortion(distort, "grouped", {"name": use.name, **desc})
@@ -229,13 +241,14 @@ def probe_grouped(use: GroupedUse, dtype: Any, device: Any, distort: Distort | N
     return timed_candidates(pending)
 
 
-def probe_row_sum(width: int, counts: tuple[int, ...], device: Any,
+def probe_row_sum(width: int, counts: tuple[int, ...], dtype: Any, device: Any,
                   distort: Distort | None, rng: np.random.Generator) -> list[Candidate]:
-    """The row sums of one width (RMSNorm) padded to every row count they may run at."""
+    """The row sums of one width (RMSNorm) padded to every row count they may run at
+    (float32 rows whatever the model's `dtype`, which chooses the XLA options)."""
     top = max(counts)
     all_rows = sorted(set(counts) | {p for p in PAD_SIZES if p < top})
     x = host(rng.standard_normal((top, width)), jnp.float32)
-    fn = jax.jit(lambda a: row_sum_rows(a, a.shape[0]))
+    fn = probe_jit(lambda a: row_sum_rows(a, a.shape[0]), dtype, device)
     pending: list[Pending] = []
     for rows in all_rows:
         desc = {"rows": rows}
@@ -256,7 +269,7 @@ class AttentionProbe:
 
     def __init__(self, use: AttentionUse, dtype: Any, device: Any, distort: Distort | None,
                  rng: np.random.Generator) -> None:
-        self.use, self.distort, self.rng = use, distort, rng
+        self.use, self.dtype, self.distort, self.rng = use, dtype, distort, rng
         self.top = top = max(use.sizes)
         self.num_seqs = num_seqs = 16
         max_pos = 2 * use.block_size + use.block_size // 2
@@ -304,8 +317,7 @@ class AttentionProbe:
         plan = AttentionPlan(((tokens, (chunk, padded)),), shared, kernel)
         table, k_pool, v_pool, num_seqs = self.table, self.k_pool, self.v_pool, self.num_seqs
 
-        @jax.jit
-        def attend(qs: jax.Array, ps: jax.Array, ss: jax.Array) -> jax.Array:
+        def attend_rows(qs: jax.Array, ps: jax.Array, ss: jax.Array) -> jax.Array:
             n = qs.shape[0]
             batch = ForwardBatch(input_ids=jnp.zeros(n, jnp.int32), positions=ps,
                                  token_seq=ss, out_slots=jnp.zeros(n, jnp.int32),
@@ -313,6 +325,8 @@ class AttentionProbe:
                                  logit_rows=jnp.zeros(1, jnp.int32))
             return paged_attention(qs, k_pool, v_pool, 0, batch, page_size=use.page_size,
                                    block_size=use.block_size, plan=plan)
+
+        attend = probe_jit(attend_rows, self.dtype, self.device)
 
         desc = {"kernel": kernel, "tokens": tokens, "chunk": chunk, "padded": padded,
                 "shared_keys": shared}

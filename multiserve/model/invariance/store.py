@@ -30,7 +30,7 @@ from multiserve.model.kernels import native as native_kernels
 
 log = logging.getLogger("multiserve.calibration")
 
-PROBE_VERSION = 8  # bump when a probe or the selection changes: old cache entries are ignored
+PROBE_VERSION = 9  # bump when a probe or the selection changes: old cache entries are ignored
 
 
 def cache_dir() -> Path:
