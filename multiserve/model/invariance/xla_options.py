@@ -3,10 +3,12 @@
 Every program that computes a model's rows compiles with `step_options(platform, dtype)`:
 the engine's step, logits and sampler programs (engine/device/model_runner.py) and the
 calibration's probes (probes.py), so a plan is verified under the options its steps run
-with. A probe compiled with other options would verify other machine code; on a GPU it
-would also autotune GEMMs that XLA keeps in its process-wide autotuning cache, where a
-later step program's GEMM of the same shape can find them (a float32 row's product then
-depends on its bucket, measured on an H200: docs/performance.md §14).
+with. A probe compiled with other options verifies other machine code, and on a GPU it
+changed the steps' own: on an H200, float32 step programs compiled with these options
+still differed between buckets while the probes of the same process used XLA's defaults,
+and were bitwise invariant once the probes used these options too (docs/performance.md
+§14; the likely mechanism: the probes' autotuned GEMMs, kept in XLA's process-wide
+autotuning cache, found by the steps' GEMMs of the same shapes).
 
 `xla_allow_excess_precision` off: XLA may otherwise skip a float32 -> bfloat16 -> float32
 rounding (a product's or a norm's bfloat16 output widened again by its consumer) where its
