@@ -36,6 +36,7 @@ def forward_program(dtype: Any) -> Any:
             compiler_options=step_options(jax.devices()[0].platform, name))
     return _FORWARDS[name]
 
+
 def products_on(plan: Any, kernel: str) -> Any:
     """`plan` with every product on formulation `kernel` at each row count's own size."""
     from dataclasses import replace
