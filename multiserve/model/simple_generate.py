@@ -10,7 +10,7 @@ engine's batch. `greedy_generate` is what
 from __future__ import annotations
 
 from collections.abc import Sequence
-from functools import partial
+from functools import cache, partial
 from typing import Any
 
 import jax
@@ -25,17 +25,24 @@ from multiserve.model.layers.forward_batch import ForwardBatch
 from multiserve.model.invariance.plan import InvariancePlan
 from multiserve.model.layers.kv_pool import make_kv_pool
 from multiserve.model.invariance.primitives import is_compute_params
+from multiserve.model.invariance.xla_options import step_options
 
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 ROWS = 1  # B == R
 
 
-@partial(jax.jit, static_argnames=("cfg", "page_size", "attn_block_size", "plan"),
-         donate_argnums=(1,))
-def _step(params, kv_pool, batch, cfg, page_size, attn_block_size, plan):
+def _greedy_step(params, kv_pool, batch, cfg, page_size, attn_block_size, plan):
     logits, kv_pool = forward(params, kv_pool, batch, cfg, page_size=page_size,
                               attn_block_size=attn_block_size, plan=plan)
     return jnp.argmax(logits[0]), kv_pool
+
+
+@cache
+def _step_program(platform: str, dtype: str) -> Any:
+    """The jitted step of a `dtype` model on `platform`, compiled with the engine's step
+    programs' XLA options (xla_options.step_options): its numerics are the engine's."""
+    return jax.jit(_greedy_step, static_argnames=("cfg", "page_size", "attn_block_size", "plan"),
+                   donate_argnums=(1,), compiler_options=step_options(platform, dtype))
 
 
 def single_sequence_batch(token_ids: Sequence[int], start: int, pages: np.ndarray,
@@ -79,7 +86,8 @@ def greedy_token_ids(params: Any, cfg: ModelConfig, prompt_ids: Sequence[int],
     num_pages = -(-total // page_size)
     pages = np.arange(1, num_pages + 1, dtype=np.int32)  # page 0 is the garbage page
     kv = make_kv_pool(cfg, num_pages + 1, page_size, dtype)
-    run = partial(_step, cfg=cfg, page_size=page_size, attn_block_size=attn_block_size,
+    step = _step_program(jax.devices()[0].platform, str(jnp.dtype(dtype)))
+    run = partial(step, cfg=cfg, page_size=page_size, attn_block_size=attn_block_size,
                   plan=plan)
     out: list[int] = []
     if max_new_tokens == 0:
