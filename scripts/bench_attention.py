@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import jax
@@ -40,13 +42,26 @@ def _case(rng: np.random.Generator, name: str) -> tuple[np.ndarray, np.ndarray, 
     return (np.array([n - 1 for n in lens], np.int32), np.arange(rows, dtype=np.int32), lens)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--save", type=Path)
-    ap.add_argument("--check", type=Path)
-    args = ap.parse_args()
+CASES = ("decode64", "decode1", "prefill256", "decode16_long", "decode64_30layers")
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One case's operands: float32 q and K/V (cast per pool dtype by the caller)."""
+
+    name: str
+    layers: int  # pool layers; a 30-layer case attends through every one
+    calls: int  # calls per timed round
+    q: jax.Array
+    k: np.ndarray
+    v: np.ndarray
+    batch: ForwardBatch
+
+
+def problems(cases: tuple[str, ...] = CASES) -> Iterator[Problem]:
+    """The cases in order, from one seeded generator (the same operands in every run)."""
     rng = np.random.default_rng(0)
-    for name in ("decode64", "decode1", "prefill256", "decode16_long", "decode64_30layers"):
+    for name in CASES:
         layers = STEP_LAYERS if name.endswith("30layers") else LAYERS
         calls = 3 if name.endswith("30layers") else 20
         pos, seq, lens = _case(rng, name)
@@ -65,6 +80,18 @@ def main() -> None:
                              page_table=jnp.asarray(table),
                              seq_lens=jnp.asarray(np.array(lens, np.int32)),
                              logit_rows=zeros[:1])
+        if name in cases:
+            yield Problem(name, layers, calls, q, k, v, batch)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--save", type=Path)
+    ap.add_argument("--check", type=Path)
+    args = ap.parse_args()
+    for pb in problems():
+        name, layers, calls, q, k, v, batch = (pb.name, pb.layers, pb.calls, pb.q, pb.k,
+                                               pb.v, pb.batch)
         for dtype in (jnp.float32, jnp.bfloat16):
             kp, vp = jnp.asarray(k, dtype), jnp.asarray(v, dtype)
             if layers == LAYERS:  # layer 1 of the pool

@@ -263,10 +263,10 @@ def _attention_case(kv_heads: int, group: int, head_dim: int, page_size: int, se
                          [(3, 3, 64, 16), (2, 1, 32, 8), (1, 4, 128, 16), (2, 2, 16, 8)])
 def test_bf16_pool_attention_computes_the_float32_kernels_result_on_the_widened_pool(
         kv_heads, group, head_dim, page_size) -> None:
-    """Same arithmetic in the same order as the float32 kernel (which is checked against
-    the XLA formulation), at float32 tolerance: the compiler may contract a block's rescale
-    and first weighted value into an FMA differently in the two instantiations, so the bits
-    may differ by an ulp."""
+    """The float32 kernel's arithmetic (that kernel is checked against the XLA
+    formulation), at float32 tolerance: the bf16 kernel widens a row as its even and odd
+    dims, so a score's lane partial sums add the same products in another grouping, and the
+    bits may differ by an ulp."""
     n, q, (k_pool, v_pool), attend = _attention_case(kv_heads, group, head_dim, page_size, 0)
     idx = np.arange(n)
     wide = (k_pool.astype(jnp.float32), v_pool.astype(jnp.float32))

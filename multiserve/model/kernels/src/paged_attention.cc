@@ -7,9 +7,10 @@
 // the paged pool [L, KV, slots, HD] through the page table (no gathered copy). The pool is
 // float32 (MultiservePagedAttention) or bfloat16 (MultiservePagedAttentionBf16: each K/V
 // element widened to float32 in registers, exactly; q, out, the softmax and every sum stay
-// float32), one code for both, in the same order (the compiler's FMA contractions may still
-// differ between the two instantiations, so their bits may differ by an ulp; each is
-// row-invariant by the construction below).
+// float32), one code for both. The two differ only in which head_dim elements share a
+// lane of a score's partial sum (`Row`: a bf16 row is widened as even and odd dims), so
+// their bits may differ by an ulp of a score; each is row-invariant by the construction
+// below.
 //
 // Row invariance BY CONSTRUCTION (the engine's determinism rests on it): one work item is
 // one (token, KV head) pair; each of its query heads is computed by the same code in the
@@ -146,6 +147,64 @@ inline vf load(const uint16_t* p) {
   return v;
 }
 
+// A K/V row of HD elements as HD/16 float32 vectors, in the kernel's DIMENSION ORDER
+// (`Row<KV, HD>`): q, the value accumulators and the scores' lane partial sums all use it,
+// and the output is written back in natural order. float32 rows: vector i holds dims
+// 16i..16i+15. bfloat16 rows: each 32-dim pair of vectors is widened from one 64-byte load
+// of 16 32-bit words, each word two bf16 (dims 2l, 2l+1 of the pair): vector 2c holds the
+// even dims (the word shifted left 16), vector 2c+1 the odd ones (the word's high half
+// masked): two integer operations per 32 dims instead of four. A trailing 16 dims (HD not a
+// multiple of 32) load in natural order. The order is fixed per HD: a row's bits never
+// depend on anything else.
+template <typename KV, int HD>
+struct Row {
+  static constexpr int V = HD / 16;
+  static constexpr int PAIRS = std::is_same_v<KV, uint16_t> ? HD / 32 : 0;
+
+  static inline void load_row(const KV* p, vf (&out)[V]) {
+    if constexpr (PAIRS == 0) {
+      for (int i = 0; i < V; ++i) out[i] = load(p + 16 * i);
+    } else {
+      typedef uint32_t vu __attribute__((vector_size(64)));
+      for (int c = 0; c < PAIRS; ++c) {
+        vu u;
+        std::memcpy(&u, p + 32 * c, sizeof u);
+        const vu even = u << 16;
+        const vu odd = u & 0xFFFF0000u;
+        std::memcpy(&out[2 * c], &even, sizeof even);
+        std::memcpy(&out[2 * c + 1], &odd, sizeof odd);
+      }
+      for (int i = 2 * PAIRS; i < V; ++i) out[i] = load(p + 16 * i);
+    }
+  }
+
+  // float32 values in natural order -> the kernel's order (q)
+  static inline void permute(const float* p, vf (&out)[V]) {
+    for (int c = 0; c < PAIRS; ++c) {
+      const vf a = load(p + 32 * c), b = load(p + 32 * c + 16);
+      out[2 * c] = __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22,
+                                           24, 26, 28, 30);
+      out[2 * c + 1] = __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21,
+                                               23, 25, 27, 29, 31);
+    }
+    for (int i = 2 * PAIRS; i < V; ++i) out[i] = load(p + 16 * i);
+  }
+
+  // the kernel's order -> natural order, stored at p (the output)
+  static inline void store(const vf (&in)[V], float* p) {
+    for (int c = 0; c < PAIRS; ++c) {
+      const vf e = in[2 * c], o = in[2 * c + 1];
+      const vf lo = __builtin_shufflevector(e, o, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21,
+                                            6, 22, 7, 23);
+      const vf hi = __builtin_shufflevector(e, o, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13,
+                                            29, 14, 30, 15, 31);
+      std::memcpy(p + 32 * c, &lo, sizeof lo);
+      std::memcpy(p + 32 * c + 16, &hi, sizeof hi);
+    }
+    for (int i = 2 * PAIRS; i < V; ++i) std::memcpy(p + 16 * i, &in[i], sizeof in[i]);
+  }
+};
+
 // KV: the pool's element, float (float32) or uint16_t (bfloat16 bits)
 template <typename KV>
 struct Problem {
@@ -248,11 +307,12 @@ void attend_group(const Problem<KV>& pr, int64_t t, int64_t kv_head, int64_t g0)
   const KV* kh = pr.k + base * HD;
   const KV* vh = pr.v + base * HD;
   const int64_t head0 = kv_head * pr.group + g0;
+  using R = Row<KV, HD>;
   vf q[G][V], acc[G][V];
   for (int g = 0; g < G; ++g) {
-    const float* src = pr.q + (t * pr.heads + head0 + g) * HD;
+    R::permute(pr.q + (t * pr.heads + head0 + g) * HD, q[g]);
     for (int i = 0; i < V; ++i) {
-      q[g][i] = load(src + 16 * i) * pr.scale;
+      q[g][i] *= pr.scale;
       acc[g][i] = vf{};
     }
   }
@@ -291,7 +351,7 @@ void attend_group(const Problem<KV>& pr, int64_t t, int64_t kv_head, int64_t g0)
                 const KV* kr = kh + slot * HD;
                 vrow[j] = vh + slot * HD;
                 vf kv[V];
-                for (int i = 0; i < V; ++i) kv[i] = load(kr + 16 * i);
+                R::load_row(kr, kv);
                 for (int g = 0; g < G; ++g) {
                   vf acc_d = q[g][0] * kv[0];
                   for (int i = 1; i < V; ++i) acc_d += q[g][i] * kv[i];
@@ -313,31 +373,35 @@ void attend_group(const Problem<KV>& pr, int64_t t, int64_t kv_head, int64_t g0)
         sc[g] = lane < n ? all : vf{} + MASK;
       }
     }
-    vf w[G];
+    // the G heads' rescale factors exp(m_old - m_new) in one vector (lane g: head g;
+    // exp_nonpositive is lane-wise, so a lane's bits do not depend on the others)
+    float mx[G];
+    vf shift{};
     for (int g = 0; g < G; ++g) {
       const float mb = hmax(sc[g]);
-      const float mx = mb > m[g] ? mb : m[g];
-      const float alpha = exp_nonpositive(vf{} + (m[g] - mx))[0];
-      w[g] = exp_nonpositive(sc[g] - mx);
-      l[g] = l[g] * alpha + hsum(w[g]);
-      m[g] = mx;
-      for (int i = 0; i < V; ++i) acc[g][i] *= alpha;
+      mx[g] = mb > m[g] ? mb : m[g];
+      shift[g] = m[g] - mx[g];
+    }
+    const vf alpha = exp_nonpositive(shift);
+    vf w[G];
+    for (int g = 0; g < G; ++g) {
+      w[g] = exp_nonpositive(sc[g] - mx[g]);
+      l[g] = l[g] * alpha[g] + hsum(w[g]);
+      m[g] = mx[g];
+      for (int i = 0; i < V; ++i) acc[g][i] *= alpha[g];
     }
     for (int j = 0; j < n; ++j) {
-      const KV* vr = vrow[j];
-      for (int i = 0; i < V; ++i) {
-        const vf vv = load(vr + 16 * i);
-        for (int g = 0; g < G; ++g) acc[g][i] += w[g][j] * vv;
-      }
+      vf vv[V];
+      R::load_row(vrow[j], vv);
+      for (int i = 0; i < V; ++i)
+        for (int g = 0; g < G; ++g) acc[g][i] += w[g][j] * vv[i];
     }
   }
   for (int g = 0; g < G; ++g) {
-    float* dst = pr.out + (t * pr.heads + head0 + g) * HD;
     const float inv = 1.0f / l[g];
-    for (int i = 0; i < V; ++i) {
-      const vf o = acc[g][i] * inv;
-      std::memcpy(dst + 16 * i, &o, sizeof o);
-    }
+    vf o[V];
+    for (int i = 0; i < V; ++i) o[i] = acc[g][i] * inv;
+    R::store(o, pr.out + (t * pr.heads + head0 + g) * HD);
   }
 }
 
