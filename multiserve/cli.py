@@ -142,6 +142,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --single-stream: cold streams of the prompt, one after another, "
                         "on each side (round i seeded SEED + i); tok/s is all their tokens "
                         "over their summed walls (default 5)")
+    b.add_argument("--interleave", action=argparse.BooleanOptionalAction, default=None,
+                   help="with --single-stream and a peer: the peer's rounds alternate with "
+                        "ours, each in its own peer process (default: on for llamacpp, whose "
+                        "process starts in well under a second; off for vllm)")
     b.add_argument("--dtype", default=None, choices=("auto", "float32", "bfloat16"),
                    help="the engine's dtype (default: EngineConfig's, auto); the peer "
                         "computes in the dtype the engine resolves it to")

@@ -218,18 +218,23 @@ def startup_line(res: dict[str, Any]) -> str:
             f"{res['all_compiled_s']:.1f} s (measured from there)")
 
 
-def _rounds_label(rounds: int) -> str:
-    return "1 cold round" if rounds == 1 else f"{rounds} cold rounds one after another"
+def _rounds_label(rounds: int, interleaved: bool = False) -> str:
+    if rounds == 1:
+        return "1 cold round on each side"
+    if interleaved:
+        return f"{rounds} cold rounds on each side, ours and the peer's alternating"
+    return f"{rounds} cold rounds one after another on each side"
 
 
 def single_report(res: dict[str, Any]) -> list[str]:
     """The single-stream run (one prompt, N tokens, streamed)."""
     t = res["targets"]
+    interleaved = bool(res.get("peer", {}).get("interleaved"))
     out = [f"\nmultiserve bench --single-stream — {res['model']} on {res['device']} "
            f"({res['dtype']})",
            f"1 prompt ({res['prompt_tokens']['total']} tokens) x {res['output_len']} output "
            f"tokens, {sampling_label(res)}, ignore_eos, streamed (Engine.stream_sync), "
-           f"{_rounds_label(res['ours'].get('rounds', 1))} on each side",
+           f"{_rounds_label(res['ours'].get('rounds', 1), interleaved)}",
            startup_line(res), HEADER,
            run_row("ours", res["ours"]) + f"   {res['ours']['steps']} steps"]
     per_round = res["ours"].get("rounds_tokens_per_s") or []
@@ -240,6 +245,10 @@ def single_report(res: dict[str, Any]) -> list[str]:
                       f"{'yes' if res['ours'].get('rounds_identical') else 'NO'}"))
     if "peer" in res:
         out += _peer_lines(res)
+        peer_rounds = res["peer"].get("rounds_tokens_per_s") or []
+        if interleaved and len(peer_rounds) > 1:
+            out.append("peer, each round's tok/s (each after ours of the same index): "
+                       + " ".join(f"{x:.1f}" for x in peer_rounds))
         if res["ratio_vs_peer"] is not None:
             out.append(f"ours / peer tok/s: {res['ratio_vs_peer']:.2f}x "
                        f"(target >= {t['vs_peer']}x)")

@@ -128,15 +128,25 @@ def _gguf_copy(gguf: Path, args: argparse.Namespace) -> Path:
 
 
 def _run_peer(args: argparse.Namespace, model: str, prompts: list[list[int]], m: int,
-              stream: bool, show: bool) -> dict[str, Any]:
+              stream: bool, show: bool, first_request: int = 0) -> dict[str, Any]:
+    """The peer on `prompts`, prompt j being request `first_request + j` of the run (its
+    seed: the run's seed + that index)."""
     from multiserve.bench.peer import run_peer
 
     bs = 1 if stream else int(getattr(args, "peer_batch_size", 0) or 0)
     temperature, seed = _sampling(args)
     return run_peer(args.peer, prompts, m, model, batch_size=bs,
                     threads=getattr(args, "peer_threads", None), stream=stream,
-                    show_progress=show, temperature=temperature, seed=seed,
+                    show_progress=show, temperature=temperature, seed=seed + first_request,
                     dtype=getattr(args, "peer_dtype", "float32"))
+
+
+def _interleaved(args: argparse.Namespace) -> bool:
+    """Single stream: the peer's rounds alternate with ours (`--interleave`; by default
+    where a peer process starts in well under a second: llama.cpp, whose weights are
+    mmap'd), else they follow ours."""
+    chosen = getattr(args, "interleave", None)
+    return args.peer == "llamacpp" if chosen is None else bool(chosen)
 
 
 def _sampling(args: argparse.Namespace) -> tuple[float, int]:
@@ -291,18 +301,32 @@ def _breakdown(engine: Any, prompts: list[list[int]], m: int, run: dict[str, Any
 
 
 def _single_main(args: argparse.Namespace, cfg: Any, peer_model: str | None) -> int:
-    from multiserve.bench.single import single_result, stream_once, stream_rounds
+    from multiserve.bench.single import (
+        merge_peer_rounds,
+        single_result,
+        stream_once,
+        stream_rounds,
+    )
 
     m, rounds = int(args.output_len), int(getattr(args, "rounds", 1))
     show = not getattr(args, "no_progress", False)
     temperature, seed = _sampling(args)
+    interleave = peer_model is not None and _interleaved(args)
+    peer_rounds: list[dict[str, Any]] = []
     engine, startup_s, info = _start(cfg)
     try:
         ids = engine.chat_ids([{"role": "user", "content": bench_prompts(1)[0]}])
         stream_once(engine, ids, min(m, 4), rid="bench-single-warmup",
                     temperature=temperature, seed=seed)
+
+        def peer_round(i: int) -> None:  # the peer's round i, between ours i and i + 1
+            assert peer_model is not None
+            peer_rounds.append(_run_peer(args, peer_model, [ids], m, stream=True, show=show,
+                                         first_request=i))
+
         ours = stream_rounds(engine, ids, m, rounds, rid="bench-single",
-                             temperature=temperature, seed=seed)
+                             temperature=temperature, seed=seed,
+                             after_round=peer_round if interleave else None)
         base = {"bench": "multiserve", "model": engine.model_name,
                 "device": f"{engine.devices[0].platform}:{cfg.device_indexes}",
                 "dtype": info["dtype"], "output_len": m,
@@ -317,7 +341,8 @@ def _single_main(args: argparse.Namespace, cfg: Any, peer_model: str | None) -> 
         engine.shutdown()
     peer = agree = why = None
     if peer_model is not None:
-        peer = _run_peer(args, peer_model, [ids] * rounds, m, stream=True, show=show)
+        peer = (merge_peer_rounds(peer_rounds) if interleave else
+                _run_peer(args, peer_model, [ids] * rounds, m, stream=True, show=show))
         agree, why = peer_agreement(ours["output_ids"], peer["output_ids"], temperature)
     result = single_result(base, ours, peer, agree)
     if why is not None:

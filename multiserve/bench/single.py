@@ -2,8 +2,12 @@
 `--temperature` and seed `--seed`), streamed as a chat client would receive them
 (`multiserve bench --single-stream`, default 1 x 64).
 
-How a run goes: `--rounds` rounds (default 5) one after another, and the peer the same
-prompt as many times, one after another. A round flushes the prefix cache (cold, like
+How a run goes: `--rounds` rounds (default 5), and the peer the same prompt as many times:
+interleaved (`--interleave`, the default where the peer starts in well under a second:
+llama.cpp) ours round i, then the peer's round i in its own process, and so on, so that a
+drift of a shared machine's speed during the run weighs on both sides alike; else all of
+ours one after another, then all of the peer's (vLLM: a start-up of about a minute per
+process). Our engine idles while the peer runs. A round flushes the prefix cache (cold, like
 the peer), then t0, then `Engine.stream_sync` (the engine's streaming API): its TTFT is
 the time from t0 to the first snapshot holding a token, its wall t0 to its last token.
 tok/s is all rounds' tokens over their summed walls (one round of 64 tokens is ~0.6 s:
@@ -16,8 +20,10 @@ short stream runs first as warm-up (excluded).
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
+
+import numpy as np
 
 from multiserve.bench.ours import request_params, spec_counts
 from multiserve.bench.stats import Timeline, summarize, summarize_rounds
@@ -41,10 +47,12 @@ def stream_once(engine: Any, ids: Sequence[int], output_len: int, rid: str,
 
 
 def stream_rounds(engine: Any, ids: Sequence[int], output_len: int, rounds: int, rid: str,
-                  temperature: float = 0.0, seed: int = 0) -> dict[str, Any]:
+                  temperature: float = 0.0, seed: int = 0,
+                  after_round: Callable[[int], None] | None = None) -> dict[str, Any]:
     """`rounds` cold streamed requests of `ids`, one after another (round i is request i
     of the bench: seed `seed + i`); their figures together (bench.stats.summarize_rounds:
-    all tokens over the summed walls), each round's tok/s, and their output ids."""
+    all tokens over the summed walls), each round's tok/s, and their output ids.
+    `after_round(i)` runs after round i, outside its timing (the peer's round i)."""
     before = engine.get_internal_state()
     done: list[tuple[list[Timeline], float]] = []
     for i in range(rounds):
@@ -65,6 +73,8 @@ def stream_rounds(engine: Any, ids: Sequence[int], output_len: int, rounds: int,
                 if out.error:
                     raise RuntimeError(f"bench: the engine failed during the run: {out.error}")
         done.append(([tl], t0))
+        if after_round is not None:
+            after_round(i)
     after = engine.get_internal_state()
     timelines = [tls[0] for tls, _ in done]
     figures: dict[str, Any] = dict(summarize_rounds(done))
@@ -84,6 +94,34 @@ def stream_rounds(engine: Any, ids: Sequence[int], output_len: int, rounds: int,
         **spec_counts(before, after),
     })
     return figures
+
+
+def merge_peer_rounds(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One peer result from its interleaved rounds (one process each, one prompt each):
+    tok/s all tokens over the summed walls (as ours), TTFT p50 / p99 over the rounds' TTFTs,
+    ITL p50 the median of the rounds' p50 and ITL p99 the largest round p99 (the rounds'
+    gaps are not in their results), output ids in round order, peak RSS the largest, load
+    the mean; the rest from the first round."""
+    assert parts, "no peer rounds"
+    tokens = sum(int(p["output_tokens"]) for p in parts)
+    wall = sum(float(p["wall_s"]) for p in parts)
+    ttfts = np.array([float(p["ttft_p50_s"]) for p in parts])
+    merged = dict(parts[0])
+    merged.update({
+        "num_prompts": sum(int(p["num_prompts"]) for p in parts),
+        "output_tokens": tokens, "wall_s": wall,
+        "tokens_per_s": tokens / wall if wall > 0 else float("nan"),
+        "ttft_p50_s": float(np.percentile(ttfts, 50)),
+        "ttft_p99_s": float(np.percentile(ttfts, 99)),
+        "itl_p50_s": float(np.median([float(p["itl_p50_s"]) for p in parts])),
+        "itl_p99_s": max(float(p["itl_p99_s"]) for p in parts),
+        "output_ids": [ids for p in parts for ids in p["output_ids"]],
+        "peak_rss_mb": max(float(p["peak_rss_mb"]) for p in parts),
+        "load_s": float(np.mean([float(p["load_s"]) for p in parts])),
+        "rounds_tokens_per_s": [float(p["tokens_per_s"]) for p in parts],
+        "interleaved": True,
+    })
+    return merged
 
 
 def single_result(base: dict[str, Any], ours: dict[str, Any],

@@ -105,6 +105,8 @@ def test_cli_flags() -> None:
     assert a.temperature == 0.0 and a.seed == 0 and not a.no_breakdown
     a = p.parse_args(["bench", "--temperature", "1", "--seed", "42", "--no-breakdown"])
     assert a.temperature == 1.0 and a.seed == 42 and a.no_breakdown
+    assert a.interleave is None  # the peer decides: bench/run.py _interleaved
+    assert p.parse_args(["bench", "--no-interleave"]).interleave is False
 
 
 def test_bad_sampling_flags_fail_before_compiling() -> None:
@@ -139,6 +141,7 @@ def stub_peer(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
         return {"peer": name, "batch_size": batch_size or len(prompts), "threads": 2,
                 "peak_rss_mb": 1.0, "load_s": 1.0, "num_prompts": len(prompts),
                 "output_tokens": len(prompts) * output_len, **_figures(10.0, 0.5, 0.1),
+                "wall_s": len(prompts) * output_len / 10.0,
                 "output_ids": [[0] * output_len for _ in prompts]}
 
     monkeypatch.setattr(peer_mod, "run_peer", fake_run_peer)
@@ -175,12 +178,20 @@ def test_single_stream_with_peer(tiny_dir: Path, stub_peer: list[dict[str, Any]]
     text, res = _bench(["--model", str(tiny_dir), "--single-stream", "--output-len", "6",
                         "--peer", "llamacpp", "--peer-model", "/x.gguf", *ENGINE_FLAGS],
                        capsys)
-    # the default 5 rounds: the peer gets the prompt 5 times, one at a time
-    assert stub_peer == [{"name": "llamacpp", "n": 5, "m": 6, "model": "/x.gguf",
-                          "batch_size": 1, "stream": True, "temperature": 0.0, "seed": 0, "dtype": "float32"}]
+    # the default 5 rounds, interleaved for llama.cpp: after each of ours, one peer process
+    # for the prompt once, seeded as the same round of ours
+    assert stub_peer == [{"name": "llamacpp", "n": 1, "m": 6, "model": "/x.gguf",
+                          "batch_size": 1, "stream": True, "temperature": 0.0, "seed": i,
+                          "dtype": "float32"} for i in range(5)]
     assert res["temperature"] == 0.0 and res["peer_agreement"] is not None
     assert "--single-stream" in text and "ours vs llamacpp" in text and "TTFT" in text
-    assert "5 cold rounds one after another on each side" in text
+    assert "5 cold rounds on each side, ours and the peer's alternating" in text
+    assert "peer, each round's tok/s (each after ours of the same index): " + " ".join(
+        ["10.0"] * 5) in text
+    peer = res["peer"]
+    assert peer["interleaved"] and peer["num_prompts"] == 5 and peer["output_tokens"] == 30
+    assert len(peer["rounds_tokens_per_s"]) == 5
+    assert res["ratio_vs_peer"] == pytest.approx(res["ours"]["tokens_per_s"] / 10.0)
     assert "greedy rounds identical: yes" in text
     assert res["mode"] == "single_stream" and res["num_prompts"] == 1
     ours = res["ours"]
@@ -190,6 +201,42 @@ def test_single_stream_with_peer(tiny_dir: Path, stub_peer: list[dict[str, Any]]
     assert 0 < ours["ttft_p50_s"] <= ours["wall_s"] and ours["tokens_per_s"] > 0
     assert res["ttft_s"] == ours["ttft_p50_s"] and res["targets"]["ttft_s"] == 0.3
     assert res["targets"]["vs_peer"] == 1.0 and res["targets"]["zero_recompiles_met"]
+
+
+def test_single_stream_rounds_follow_ours_without_interleave(
+        tiny_dir: Path, stub_peer: list[dict[str, Any]],
+        capsys: pytest.CaptureFixture[str]) -> None:
+    text, res = _bench(["--model", str(tiny_dir), "--single-stream", "--output-len", "4",
+                        "--rounds", "3", "--peer", "llamacpp", "--peer-model", "/x.gguf",
+                        "--no-interleave", *ENGINE_FLAGS], capsys)
+    assert [(c["n"], c["seed"]) for c in stub_peer] == [(3, 0)]
+    assert "3 cold rounds one after another on each side" in text
+    assert "peer, each round's" not in text and "interleaved" not in res["peer"]
+
+
+def test_peer_rounds_merge_like_ours() -> None:
+    from multiserve.bench.single import merge_peer_rounds
+
+    def part(tokens: int, wall: float, ttft: float, itl50: float, itl99: float,
+             rss: float, ids: list[int]) -> dict[str, Any]:
+        return {"peer": "llamacpp", "threads": 2, "batch_size": 1, "num_prompts": 1,
+                "output_tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
+                "ttft_p50_s": ttft, "ttft_p99_s": ttft, "itl_p50_s": itl50,
+                "itl_p99_s": itl99, "peak_rss_mb": rss, "load_s": 0.2,
+                "output_ids": [ids]}
+
+    merged = merge_peer_rounds([part(64, 1.0, 0.05, 0.010, 0.020, 300.0, [1, 2]),
+                                part(64, 0.6, 0.07, 0.012, 0.030, 310.0, [1, 2]),
+                                part(64, 0.8, 0.06, 0.011, 0.025, 305.0, [1, 3])])
+    assert merged["tokens_per_s"] == pytest.approx(192 / 2.4)  # all tokens / summed walls
+    assert merged["output_tokens"] == 192 and merged["num_prompts"] == 3
+    assert merged["ttft_p50_s"] == pytest.approx(0.06)
+    assert merged["itl_p50_s"] == pytest.approx(0.011) and merged["itl_p99_s"] == 0.030
+    assert merged["output_ids"] == [[1, 2], [1, 2], [1, 3]]
+    assert merged["peak_rss_mb"] == 310.0 and merged["interleaved"]
+    assert merged["rounds_tokens_per_s"] == pytest.approx([64.0, 64 / 0.6, 80.0])
+    with pytest.raises(AssertionError):
+        merge_peer_rounds([])
 
 
 def test_single_stream_target_follows_the_dtype() -> None:
@@ -207,6 +254,12 @@ def test_single_stream_sampled(tiny_dir: Path, stub_peer: list[dict[str, Any]],
     assert stub_peer[0]["temperature"] == 0.5 and stub_peer[0]["seed"] == 3
     assert stub_peer[0]["n"] == 2 and res["ours"]["rounds"] == 2
     assert "2 cold rounds one after another" in text and "greedy rounds" not in text
+    # interleaved (asked for, with vLLM): each peer round keeps its own seed
+    stub_peer.clear()
+    _bench(["--model", str(tiny_dir), "--single-stream", "--output-len", "5",
+            "--temperature", "0.5", "--seed", "3", "--peer", "vllm", "--rounds", "2",
+            "--interleave", *ENGINE_FLAGS], capsys)
+    assert [(c["n"], c["seed"]) for c in stub_peer] == [(1, 3), (1, 4)]
     assert res["temperature"] == 0.5 and res["seed"] == 3
     assert "x 5 output tokens, sampled (temperature 0.5, seed 3), ignore_eos" in text
     assert res["peer_agreement"] is None and "not expected to agree" in res[
