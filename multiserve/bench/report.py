@@ -125,9 +125,10 @@ def _peer_lines(res: dict[str, Any]) -> list[str]:
              f"RSS {peer['peak_rss_mb']:.0f} MiB, load {peer.get('load_s', 0):.0f} s", ""]
     if peer.get("seeding") and float(res.get("temperature") or 0.0) > 0:
         out.append(f"peer {peer['peer']} seeding: {peer['seeding']}")
+    # outputs compared per stream: a single stream's rounds, else the prompts
+    streams = int(res["ours"].get("rounds", res["num_prompts"]))
     out += comparison_table(res["ours"], peer, peer["peer"], res["peer_agreement"],
-                            int(res["num_prompts"]), int(res["output_len"]),
-                            res.get("peer_agreement_note"))
+                            streams, int(res["output_len"]), res.get("peer_agreement_note"))
     return out
 
 

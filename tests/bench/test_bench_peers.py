@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -193,6 +194,7 @@ def test_single_stream_with_peer(tiny_dir: Path, stub_peer: list[dict[str, Any]]
     assert len(peer["rounds_tokens_per_s"]) == 5
     assert res["ratio_vs_peer"] == pytest.approx(res["ours"]["tokens_per_s"] / 10.0)
     assert "greedy rounds identical: yes" in text
+    assert re.search(r"greedy outputs identical: \d+% of 5;", text)  # the rounds compared
     assert res["mode"] == "single_stream" and res["num_prompts"] == 1
     ours = res["ours"]
     assert ours["rounds"] == 5 and len(ours["rounds_tokens_per_s"]) == 5
