@@ -68,17 +68,10 @@ def main() -> None:
     dtype = jnp.dtype(args.dtype)
     for pb in problems(tuple(args.cases)):
         kp, vp = jnp.asarray(pb.k, dtype), jnp.asarray(pb.v, dtype)
-        fns = []
-        for target in targets:
-            def one(q, k, v, b, layer, target=target):
-                out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
-                return jax.ffi.ffi_call(target, out)(
-                    q, k, v, jnp.asarray(layer, jnp.int32), b.positions, b.token_seq,
-                    b.page_table, page_size=np.int64(PAGE),
-                    scale=np.float32(1.0 / q.shape[-1] ** 0.5))
-            layers = range(pb.layers) if pb.layers > 2 else (1,)
-            fns.append(jax.jit(lambda q, k, v, b, one=one, layers=layers: jnp.stack(
-                [one(q, k, v, b, layer) for layer in layers])))
+        layers = range(pb.layers) if pb.layers > 2 else (1,)
+        fns = [jax.jit(lambda q, k, v, b, target=target: jnp.stack(
+            [native.paged_attention_call(target, q, k, v, layer, b, page_size=PAGE)
+             for layer in layers])) for target in targets]
         outs = [np.asarray(fn(pb.q, kp, vp, pb.batch)) for fn in fns]
         times: list[list[float]] = [[], []]
         for r in range(args.rounds):

@@ -371,10 +371,19 @@ def paged_attention_native(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
     assert k_pool.dtype == v_pool.dtype and k_pool.dtype in (jnp.float32, jnp.bfloat16), (
         k_pool.dtype, v_pool.dtype)
     _require()
-    head_dim = q.shape[-1]
     target = ATTENTION if k_pool.dtype == jnp.float32 else ATTENTION_BF16
+    return paged_attention_call(target, q, k_pool, v_pool, layer, batch,
+                                page_size=page_size).astype(q.dtype)
+
+
+def paged_attention_call(target: str, q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
+                         layer: int | jax.Array, batch: ForwardBatch, *,
+                         page_size: int) -> jax.Array:
+    """The FFI call of paged_attention.cc registered as `target` (its operands, attributes
+    and scale 1/sqrt(head_dim)): float32 output [T, H, hd]. scripts/ab_attention.py calls
+    other builds of the kernel through it."""
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, jnp.float32))
-    out = call(q.astype(jnp.float32), k_pool, v_pool, jnp.asarray(layer, jnp.int32),
-               batch.positions, batch.token_seq, batch.page_table,
-               page_size=np.int64(page_size), scale=np.float32(1.0 / float(head_dim) ** 0.5))
-    return out.astype(q.dtype)
+    return call(q.astype(jnp.float32), k_pool, v_pool, jnp.asarray(layer, jnp.int32),
+                batch.positions, batch.token_seq, batch.page_table,
+                page_size=np.int64(page_size),
+                scale=np.float32(1.0 / float(q.shape[-1]) ** 0.5))
