@@ -121,6 +121,9 @@ class EngineConfig:
     one of `precompile_bs_paddings` (one compiled lm_head + sampler each). The model is
     row-invariant at every size (model/invariance/primitives.py, model/layers/attention.py), so small buckets
     cost no determinism: a lone decode runs a 1-token, 1-row step.
+    A decode step of b tokens and b logits rows, b in `fused_step_paddings` (None: every
+    size in both lists), runs as ONE compiled program (forward, head and sampler), checked
+    bitwise against the two programs before it is used (engine/device/model_runner.py).
     """
 
     model_path: str | None = None
@@ -141,6 +144,9 @@ class EngineConfig:
     chunked_prefill_size: int = 512
     precompile_token_paddings: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
     precompile_bs_paddings: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
+    # sizes b whose b-token, b-row steps run as one fused program; None: every size in both
+    # paddings lists; (): none (every step runs a forward program and a head program)
+    fused_step_paddings: tuple[int, ...] | None = None
     attention_block_size: int = 128
     # how a MoE model's experts are split over the engine's device group: "tensor" (each
     # expert's intermediate dim) or "expert" (the experts); ignored by dense models
@@ -182,6 +188,9 @@ class EngineConfig:
                            tuple(sorted(set(self.precompile_token_paddings))))
         object.__setattr__(self, "precompile_bs_paddings",
                            tuple(sorted(set(self.precompile_bs_paddings))))
+        if self.fused_step_paddings is not None:
+            object.__setattr__(self, "fused_step_paddings",
+                               tuple(sorted(set(self.fused_step_paddings))))
         _require(len(self.device_indexes) >= 1, "device_indexes", "needs at least one device")
         _require(len(set(self.device_indexes)) == len(self.device_indexes), "device_indexes",
                  f"repeats a device: {list(self.device_indexes)}")
@@ -209,6 +218,11 @@ class EngineConfig:
         _require(self.chunked_prefill_size <= max(self.precompile_token_paddings),
                  "chunked_prefill_size",
                  f"must be <= the largest token padding ({max(self.precompile_token_paddings)})")
+        both = set(self.precompile_token_paddings) & set(self.precompile_bs_paddings)
+        _require(self.fused_step_paddings is None or set(self.fused_step_paddings) <= both,
+                 "fused_step_paddings",
+                 f"each size must be in both precompile_token_paddings and "
+                 f"precompile_bs_paddings (sizes in both: {sorted(both)})")
         _require(self.chunked_prefill_size >= 1, "chunked_prefill_size", "must be >= 1")
         _require(self.attention_block_size % self.page_size == 0
                  or self.page_size % self.attention_block_size == 0,
@@ -224,6 +238,15 @@ class EngineConfig:
         _require(self.speculative_algorithm is None or
                  2 <= self.speculative_max_step_tokens <= max(self.precompile_token_paddings),
                  "speculative_max_step_tokens", "must be in [2, the largest token padding]")
+
+    @property
+    def fused_step_sizes(self) -> tuple[int, ...]:
+        """The sizes whose decode steps run one fused program (`fused_step_paddings`
+        resolved: None is every size in both paddings lists)."""
+        if self.fused_step_paddings is not None:
+            return self.fused_step_paddings
+        return tuple(sorted(set(self.precompile_token_paddings)
+                            & set(self.precompile_bs_paddings)))
 
     def with_updates(self, **changes: Any) -> EngineConfig:
         return replace(self, **changes)

@@ -129,6 +129,7 @@ class RLInterface:
         assert self._core.in_flight is None, "params change only between steps"
         old = self.runner.params
         self.runner.params = params
+        self.runner.prime_deferred()
         return old
 
     def drop_kv(self) -> None:
@@ -146,3 +147,4 @@ class RLInterface:
         assert self._core.in_flight is None and self.runner.kv is None
         self.runner.kv = kv
         self.runner.reset_prev_ids()
+        self.runner.prime_deferred()

@@ -44,6 +44,8 @@ def internal_state(core: EngineCore) -> dict[str, Any]:
         "req_to_token_pool_used": sum(1 for r in s.running if r.pages),
         "forward_ct_decode": core.forward_ct_decode,
         "forward_ct": core.forward_ct,
+        # steps run as one fused program (forward, head and sampler; device/model_runner.py)
+        "forward_ct_fused": core.runner.fused_steps,
         "loop_passes": core.loop_passes,
         # speculative decoding: sglang's server-args names, then the running totals
         "speculative_algorithm": (core.cfg.speculative_algorithm.upper()

@@ -89,7 +89,8 @@ def test_bench_smoke_json_line(capsys: pytest.CaptureFixture[str],
     assert res["peak_rss_mb"] > 0
     assert res["prompt_tokens"]["min"] < res["prompt_tokens"]["max"]
     assert res["config"]["precompile_token_paddings"] == [64, 512]
-    assert res["config"]["max_running_requests"] == 64 and res["config"]["num_buckets"] == 3
+    # T=64, T=512, R=64 and the fused step S=64 (64 is in both paddings lists)
+    assert res["config"]["max_running_requests"] == 64 and res["config"]["num_buckets"] == 4
     assert res["temperature"] == 0.0 and res["seed"] == 0
     assert "x 8 output tokens, greedy, ignore_eos" in "\n".join(lines)
     bd = res["breakdown"]

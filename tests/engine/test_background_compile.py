@@ -56,6 +56,12 @@ def test_plan_serves_from_the_covering_buckets_and_compiles_small_ones_first() -
                                 ("R", 64)]
     blocking = plan(tokens, rows, unroll_max_tokens=64, background=False)
     assert blocking.rest == () and len(blocking.first) == len(tokens) + len(rows)
+    # fused decode steps: never needed to serve; after their T and R, at equal size
+    fused = plan(tokens, rows, unroll_max_tokens=64, background=True, fused=(1, 8, 128))
+    assert fused.first == order.first
+    assert list(fused.rest) == [("T", 1), ("R", 1), ("S", 1), ("T", 2), ("T", 8), ("R", 8),
+                                ("S", 8), ("T", 64), ("R", 64), ("S", 128)]
+    assert plan(tokens, rows, 64, background=False, fused=(8,)).first[-1] == ("S", 8)
     # no scanned bucket: the largest (unrolled) token bucket covers
     small = plan((1, 16), (1, 16), unroll_max_tokens=64, background=True)
     assert set(small.first) == {("T", 16), ("R", 16)} and small.rest == (("T", 1), ("R", 1))
@@ -79,7 +85,8 @@ def test_outputs_do_not_change_when_the_small_buckets_arrive(
             status = engine.get_internal_state()["compile"]
             assert status == engine.compile_status()
             assert status["compiled"] == ["T=128", "R=64"], status
-            assert status["pending"] == ["T=1", "R=1", "T=8", "R=8", "T=64"]
+            assert status["pending"] == ["T=1", "R=1", "S=1", "T=8", "R=8", "S=8", "T=64",
+                                         "S=64"]
             assert status["complete_s"] is None and not engine.wait_compiled(0.05)
             covering_only = _run(engine)  # every step padded to 128 tokens / 64 rows
             assert all(ids and lps for ids, lps in covering_only)
@@ -90,7 +97,9 @@ def test_outputs_do_not_change_when_the_small_buckets_arrive(
         assert engine.wait_compiled(WAIT_S)
         status = engine.get_internal_state()["compile"]
         assert status["pending"] == [] and status["error"] is None
-        assert status["compiled"] == ["T=1", "T=8", "T=64", "T=128", "R=1", "R=8", "R=64"]
+        assert status["compiled"] == ["T=1", "T=8", "T=64", "T=128", "R=1", "R=8", "R=64",
+                                      "S=1", "S=8", "S=64"]
+        assert status["rejected"] == []
         assert status["complete_s"] >= status["ready_s"] > 0
         assert _run(engine) == covering_only  # lone requests now decode at T = R = 1
         assert engine.get_internal_state()["cache_miss_count"] == 0
@@ -106,7 +115,7 @@ def test_blocking_warm_up_compiles_every_bucket_before_serving(tiny_model_dir: P
                                      compile_in_background=False, **BUCKETS))
     try:
         status = engine.get_internal_state()["compile"]
-        assert status["pending"] == [] and len(status["compiled"]) == 7
+        assert status["pending"] == [] and len(status["compiled"]) == 10
         assert engine.wait_compiled(0)
     finally:
         engine.shutdown()

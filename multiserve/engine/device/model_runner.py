@@ -15,6 +15,13 @@ A step is a forward and a head, so that shapes come from two independent bucket 
   nothing else but the vocabulary and max_rows (shared by the R buckets of one chunk
   count, and by engines of one vocabulary through the compilation caches).
 So |T| + |R| buckets are compiled, not |T| x |R|, and a lone decode runs at T = R = 1.
+- a fused step ("S", b for b in `cfg.fused_step_sizes`): the forward, head and sampler of
+  a b-token, b-row step in ONE program (`_step_impl`), which a decode step of that size
+  runs instead of the two: one execution instead of three (logits, then sampler) saves
+  each step's hand-offs between programs (docs/performance.md §20). It is the same
+  computation with the same intermediate shardings, and its prime checks it against the
+  two programs bit for bit (`_prime`); a program that differs is rejected and the step
+  runs the two.
 Every row's numerics are independent of T and R (row_invariant.py, attention.py, and the
 sampler's fixed-size row chunks).
 
@@ -69,6 +76,7 @@ from multiserve.model.invariance.plan import Calibration, InvariancePlan
 from multiserve.model.invariance.xla_options import step_options
 from multiserve.model.layers.kv_pool import KVPool, make_kv_pool
 from multiserve.model.sharding import kv_pool_sharding, make_mesh, shard_params
+from multiserve.types import MAX_TOP_LOGPROBS, SamplingParams
 
 ARRAY_FIELDS = ("input_ids", "from_prev", "positions", "token_seq", "out_slots", "page_table",
                 "seq_lens", "logit_rows")
@@ -134,6 +142,7 @@ class Runner:
         self.programs = ProgramSet.on_demand()  # replaced by warmup()
         self._warm_started = False
         self._step_compiles = 0
+        self.fused_steps = 0  # steps run as one fused program (get_internal_state)
         self._prime_pages = 1
         # warm-up compiles in parallel; an engine alone on the host uses every core
         self.compile_threads = min(4, os.cpu_count() or 1)
@@ -149,6 +158,11 @@ class Runner:
         self._logits_fn = jax.jit(self._logits_impl, static_argnames=("num_rows",),
                                   out_shardings=(self.replicated,) * 3)
         self._sample_fn = jax.jit(_sample_impl, static_argnames=("layout", "max_rows"))
+        self._step_fn = jax.jit(
+            self._step_impl, donate_argnums=(1,),
+            static_argnames=("layout", "sample_layout", "num_rows"),
+            out_shardings=(self.replicated, self.replicated,
+                           KVPool(k=self._kv_sharding, v=self._kv_sharding)))
         # sampler programs by sampler rows: the R buckets of one chunk count share one
         self._samplers: dict[int, Any] = {}
         self._sampler_locks: dict[int, threading.Lock] = {}
@@ -223,11 +237,32 @@ class Runner:
             prev = jnp.pad(prev, (0, rows - prev.shape[0]))
         return logits.astype(jnp.float32), tok, prev
 
+    def _step_impl(self, params: Any, kv: KVPool, prev_ids: jax.Array, packed: jax.Array,
+                   packed_sb: jax.Array, output_counts: jax.Array, prompt_mask: jax.Array,
+                   token_mask: jax.Array, *, layout: Layout, sample_layout: Layout,
+                   num_rows: int) -> tuple[jax.Array, Any, KVPool]:
+        """A fused step: `_forward_impl`, `_logits_impl` and `_sample_impl` in one program,
+        each boundary's arrays constrained to the sharding the two programs pass them in
+        (so a tensor-parallel head's logits are gathered before the sampler, as there)."""
+        def replicated(*xs: jax.Array) -> tuple[jax.Array, ...]:
+            return tuple(jax.lax.with_sharding_constraint(x, self.replicated) for x in xs)
+
+        hidden, row_tok, row_prev, kv = self._forward_impl(params, kv, prev_ids, packed,
+                                                           layout=layout)
+        logits, tok, prev = replicated(*self._logits_impl(
+            params, *replicated(hidden, row_tok, row_prev), num_rows=num_rows))
+        next_ids, out = _sample_impl(logits, tok, prev, packed_sb, output_counts,
+                                     prompt_mask, token_mask, layout=sample_layout,
+                                     max_rows=self.max_rows)
+        return next_ids, out, kv
+
     # ---- buckets / warm-up ---------------------------------------------------------
     def buckets(self) -> list[tuple[str, int]]:
-        """Every step program: ("T", tokens) forwards and ("R", rows) heads."""
+        """Every step program: ("T", tokens) forwards, ("R", rows) heads and ("S", b)
+        fused decode steps."""
         return ([("T", t) for t in self.cfg.precompile_token_paddings]
-                + [("R", r) for r in self.cfg.precompile_bs_paddings])
+                + [("R", r) for r in self.cfg.precompile_bs_paddings]
+                + [("S", b) for b in self.cfg.fused_step_sizes])
 
     def bucket_for(self, num_tokens: int, num_rows: int) -> tuple[int, int]:
         """The smallest compiled (T, R) buckets holding the step (all configured buckets
@@ -253,10 +288,11 @@ class Runner:
         tokens = self.cfg.precompile_token_paddings
         all_scan = all(self.family.scans(self.plan, t) for t in tokens)
         return plan(tokens, self.cfg.precompile_bs_paddings,
-                    max(tokens) if all_scan else self.family.unroll_max_tokens, background)
+                    max(tokens) if all_scan else self.family.unroll_max_tokens, background,
+                    self.cfg.fused_step_sizes)
 
     def _abstract_inputs(self, max_pages: int
-                         ) -> dict[tuple[str, int], tuple[tuple[Any, ...], Layout]]:
+                         ) -> dict[tuple[str, int], tuple[tuple[Any, ...], Any]]:
         """The arguments of every program as abstract shapes (shape, dtype, sharding), and
         the layout of its packed input (that of the bucket's padding inputs: every step of
         the bucket has their structure, shapes and dtypes), captured now so that compiling
@@ -277,14 +313,17 @@ class Runner:
                                            max_pages)
                 out[(kind, size)] = ((params, kv, prev, spec(self.step_inputs(arrays))),
                                      layout_of(step_tree(arrays)))
-            else:
+            elif kind == "R":
                 sb_host = self.sampling_batch([], size)
                 sb = spec(self.sampling_inputs(sb_host))
                 out[(kind, size)] = ((params, hidden, row_ids, row_prev, *sb),
                                      layout_of(_small_sampling_fields(sb_host)))
+        for size in self.cfg.fused_step_sizes:  # a forward's inputs, then a head's sampling
+            (t_in, t_layout), (r_in, r_layout) = out[("T", size)], out[("R", size)]
+            out[("S", size)] = ((*t_in, *r_in[4:]), (t_layout, r_layout))
         return out
 
-    def _compile(self, inputs: tuple[Any, ...], layout: Layout, kind: str, size: int) -> Any:
+    def _compile(self, inputs: tuple[Any, ...], layout: Any, kind: str, size: int) -> Any:
         """Lower and compile one program (any thread). The one place programs are made:
         compiled here, or loaded from another engine's compile of the same program
         (program_share.py: a fleet compiles each program once, not once per engine)."""
@@ -292,6 +331,11 @@ class Runner:
         if kind == "T":
             return SHARE.compile(self._forward_fn.lower(*inputs, layout=layout), devices,
                                  self.xla_options)
+        if kind == "S":
+            t_layout, r_layout = layout
+            return SHARE.compile(self._step_fn.lower(*inputs, layout=t_layout,
+                                                     sample_layout=r_layout, num_rows=size),
+                                 devices, self.xla_options)
         params, hidden, row_tok, row_prev, *sb = inputs
         logits = SHARE.compile(self._logits_fn.lower(params, hidden, row_tok, row_prev,
                                                      num_rows=size), devices, self.xla_options)
@@ -337,27 +381,64 @@ class Runner:
             on_first()
         self.programs.compile_rest(order.rest, self.compile_threads, progress, on_complete)
 
-    def _prime(self, kind: str, size: int, program: Any) -> None:
+    def _prime(self, kind: str, size: int, program: Any) -> bool | None:
         """Run a compiled program once on padding inputs (the engine's owner thread): its
         first execution's one-off costs are paid here, not by a request, and a broken
         program fails here. Padding tokens write K/V only into the garbage page 0; the
         previous step's ids (`_prev_ids`) are read, never replaced, so a step in flight is
-        unaffected. Skipped while memory is released (no params / KV to run on)."""
+        unaffected. Skipped while memory is released (no params / KV to run on).
+        A fused step is also checked (`_fused_step_agrees`): False rejects it; while memory
+        is released its check waits (None) for `prime_deferred`.
+        """
         if self._compute is None or self.kv is None or self._prev_ids is None:
-            return
+            return None if kind == "S" else True
+        if kind == "S":
+            return self._fused_step_agrees(size, program)
         if kind == "T":
             arrays = empty_step_arrays(size, self.page_table_rows(size), self.max_rows,
                                        self._prime_pages)
             hidden, _, _, self.kv = program(self._compute, self.kv, self._prev_ids,
                                             self.step_inputs(arrays))
             jax.block_until_ready(hidden)
-            return
+            return True
         hidden = jnp.zeros((self.max_rows, self.model_cfg.hidden_size), self.dtype,
                            device=self.replicated)
         rows = jnp.zeros((self.max_rows,), jnp.int32, device=self.replicated)
         sb = self.sampling_inputs(self.sampling_batch([], size))
         next_ids, _ = program(self._compute, hidden, rows, rows > 0, *sb)
         jax.block_until_ready(next_ids)
+        return True
+
+    def prime_deferred(self) -> None:
+        """Memory is resident again: prime (and check) the programs that arrived while it
+        was released. Between steps, on the engine thread."""
+        if self._compute is not None and self.kv is not None and self._prev_ids is not None:
+            self.programs.prime_deferred()
+
+    def _fused_step_agrees(self, size: int, program: Any) -> bool:
+        """Run fused step `program` and the forward + head of its size (`programs.needs`:
+        compiled before it is primed) on one step, and say whether every output (sampled
+        ids, logprobs, ...) is bitwise the same. The step: `size` tokens of one id at
+        position 0, each its own sequence of one token (the same K/V into the garbage
+        page 0's slot 0, read back by its attention), every row a logits row, sampled as
+        `_check_rows` says (seeded sampling with filters, penalties and a token mask;
+        greedy; logprobs and top logprobs): a real forward, head and every sampler path."""
+        arrays = empty_step_arrays(size, self.page_table_rows(size), self.max_rows,
+                                   self._prime_pages)
+        arrays.input_ids[:] = min(1, self.model_cfg.vocab_size - 1)
+        arrays.token_seq[:] = np.arange(size) % arrays.seq_lens.shape[0]
+        arrays.seq_lens[:] = 1
+        arrays.logit_rows[:size] = np.arange(size)
+        step = self.step_inputs(arrays)
+        rows = _check_rows(size, self.model_cfg.vocab_size)
+        sb = self.sampling_inputs(self.sampling_batch(rows, size))
+        hidden, row_tok, row_prev, self.kv = self.programs.get("T", size)(
+            self._compute, self.kv, self._prev_ids, step)
+        pair = self.programs.get("R", size)(self._compute, hidden, row_tok, row_prev, *sb)
+        next_ids, out, self.kv = program(self._compute, self.kv, self._prev_ids, step, *sb)
+        return all(np.asarray(a).tobytes() == np.asarray(b).tobytes()
+                   for a, b in zip(jax.tree.leaves(pair), jax.tree.leaves((next_ids, out)),
+                                   strict=True))
 
     @property
     def cache_miss_count(self) -> int:
@@ -402,6 +483,16 @@ class Runner:
             num_rows: int) -> StepOutput:
         """Launch one step: `num_rows` (a row bucket) logits rows, sampled with `sb_host`
         (built by `sampling_batch(specs, num_rows)`)."""
+        size = arrays.input_ids.shape[0]
+        if size == num_rows and size in self.programs.ready("S"):
+            assert self.kv is not None, "KV pool released: resume memory before running"
+            next_ids, out, self.kv = self.programs.get("S", size)(
+                self._compute, self.kv, self._prev_ids, self.step_inputs(arrays),
+                *self.sampling_inputs(sb_host))
+            self._prev_ids = next_ids
+            self.fused_steps += 1
+            return StepOutput(next_ids=next_ids, sample=out, num_rows=num_rows,
+                              wants_logprobs=wants_logprobs)
         hidden, row_tok, row_prev, self.kv = self._forward(arrays)
         inputs = (self._compute, hidden, row_tok, row_prev,
                   *self.sampling_inputs(sb_host))
@@ -474,6 +565,23 @@ class HeadProgram:
     def __call__(self, params: Any, hidden: jax.Array, row_tok: jax.Array,
                  row_prev: jax.Array, *sb: jax.Array) -> tuple[jax.Array, Any]:
         return self.sampler(*self.logits(params, hidden, row_tok, row_prev), *sb)
+
+
+def _check_rows(size: int, vocab: int) -> list[sampling_host.RowSpec]:
+    """The sampling rows of a fused step's check, alternately: seeded sampling with top-k /
+    top-p / min-p, every penalty and a grammar's token mask (every even id allowed); greedy.
+    All with logprobs and top logprobs."""
+    sampled = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, min_p=0.01,
+                             frequency_penalty=0.5, presence_penalty=0.25,
+                             repetition_penalty=1.1, return_logprob=True,
+                             top_logprobs_num=MAX_TOP_LOGPROBS)
+    greedy = SamplingParams(temperature=0.0, return_logprob=True,
+                            top_logprobs_num=MAX_TOP_LOGPROBS)
+    evens = np.full(sampling_host.mask_words(vocab), 0x55555555, np.int32)
+    return [sampling_host.RowSpec(params=greedy if b % 2 else sampled, seed=1000 + b,
+                                  sample_index=0, position=1, output_ids=(1, 3 + b),
+                                  prompt_ids=(2, 5, 7), token_mask=None if b % 2 else evens)
+            for b in range(size)]
 
 
 def step_tree(arrays: StepArrays) -> dict[str, np.ndarray]:

@@ -1,7 +1,10 @@
 """The compiled step programs of one engine, and the order they are compiled in.
 
 A step runs two programs (model_runner.py): a forward over T tokens ("T", one per token
-bucket) and a head over R logits rows ("R", one per row bucket). They are compiled ahead
+bucket) and a head over R logits rows ("R", one per row bucket); a decode step of b tokens
+and b rows may instead run one fused program ("S", b in the config's fused step sizes),
+which is primed only after its T and R are compiled and checked against them bit for bit
+(`needs`): one that differs is rejected, never chosen. They are compiled ahead
 of time (`jax.jit(...).lower(...).compile()`) and the step calls the compiled executables
 directly, so a step never traces or compiles: a shape without a program is never chosen.
 
@@ -45,7 +48,14 @@ from typing import Any
 COMPILE_SLOT_COUNT = max(1, min(4, os.cpu_count() or 1))
 COMPILE_SLOTS = threading.BoundedSemaphore(COMPILE_SLOT_COUNT)
 
-Kind = str  # "T" (forward over tokens) or "R" (head over rows)
+Kind = str  # "T" (forward over tokens), "R" (head over rows) or "S" (fused decode step)
+KINDS: tuple[Kind, ...] = ("T", "R", "S")
+
+
+def needs(kind: Kind, size: int) -> tuple[tuple[Kind, int], ...]:
+    """The programs a program is checked against when it is primed: a fused step ("S", b)
+    against the forward and head of its size, which it must equal bit for bit."""
+    return (("T", size), ("R", size)) if kind == "S" else ()
 
 # Sets whose background thread is running. At interpreter exit each is stopped and its
 # compile in progress waited for (`stop_background_compiles`): a daemon thread still inside
@@ -110,16 +120,19 @@ class Plan:
 
 
 def plan(token_buckets: Sequence[int], row_buckets: Sequence[int], unroll_max_tokens: int,
-         background: bool) -> Plan:
-    """Split the buckets: without `background` everything is `first`; with it, `first` is
-    the covering set (largest T and R, and every scanned T) and `rest` the others,
-    ordered by size (T before R at equal size: a forward is the longer compile)."""
-    everything = [("T", t) for t in token_buckets] + [("R", r) for r in row_buckets]
+         background: bool, fused: Sequence[int] = ()) -> Plan:
+    """Split the programs: without `background` everything is `first` (the fused steps
+    last); with it, `first` is the covering set (largest T and R, and every scanned T) and
+    `rest` the others, ordered by size (T, then R, then the fused step S at equal size: a
+    fused step is only ever a faster way to run a T and an R, never needed to serve)."""
+    everything = ([("T", t) for t in token_buckets] + [("R", r) for r in row_buckets]
+                  + [("S", b) for b in fused])
     if not background:
         return Plan(first=tuple(everything), rest=())
     first = {("T", max(token_buckets)), ("R", max(row_buckets))}
     first |= {("T", t) for t in token_buckets if t > unroll_max_tokens}
-    rest = sorted((p for p in everything if p not in first), key=lambda p: (p[1], p[0] != "T"))
+    rest = sorted((p for p in everything if p not in first),
+                  key=lambda p: (p[1], KINDS.index(p[0])))
     return Plan(first=tuple(p for p in everything if p in first), rest=tuple(rest))
 
 
@@ -139,6 +152,9 @@ class CompileStatus:
     pending: list[str] = field(default_factory=list)
     error: str | None = None  # a background compile failed: the engine serves on without it
     compiling: bool = False  # the background thread is running
+    # compiled programs that failed their check when primed (a fused step whose bits
+    # differ from its forward and head on this backend): never used
+    rejected: list[str] = field(default_factory=list)
 
 
 class ProgramSet:
@@ -156,7 +172,9 @@ class ProgramSet:
         self._compile_program = compile_program
         self._prime_program = prime_program
         self._programs: dict[tuple[Kind, int], Any] = {}  # compiled (compiling thread)
-        self._ready: dict[Kind, tuple[int, ...]] = {"T": (), "R": ()}  # primed (owner)
+        self._ready: dict[Kind, tuple[int, ...]] = {k: () for k in KINDS}  # primed (owner)
+        self._rejected: tuple[str, ...] = ()  # failed their prime's check (owner)
+        self._deferred: tuple[tuple[Kind, int], ...] = ()  # could not be primed yet (owner)
         self._pending: tuple[tuple[Kind, int], ...] = ()
         self._handoff = threading.Lock()  # guards _primer and _unprimed
         self._primer: Callable[[Kind, int], Any] | None = None
@@ -186,10 +204,11 @@ class ProgramSet:
         ready = self._ready
         return CompileStatus(
             ready_s=self.ready_s, complete_s=self.complete_s,
-            compiled=[f"{k}={s}" for k in ("T", "R") for s in ready[k]],
+            compiled=[f"{k}={s}" for k in KINDS for s in ready[k]],
             pending=[f"{k}={s}" for k, s in self._pending],
             error=None if self.error is None else f"{type(self.error).__name__}: {self.error}",
-            compiling=self._thread is not None and self._thread.is_alive())
+            compiling=self._thread is not None and self._thread.is_alive(),
+            rejected=list(self._rejected))
 
     @classmethod
     def on_demand(cls) -> ProgramSet:
@@ -210,12 +229,32 @@ class ProgramSet:
         self._publish(kind, size)
 
     def prime_and_publish(self, kind: Kind, size: int) -> None:
-        """Run a compiled program once, then let steps choose it (the owner's thread)."""
-        self._prime_program(kind, size, self._programs[(kind, size)])
-        self._publish(kind, size)
+        """Run a compiled program once, then let steps choose it (the owner's thread).
+        `prime_program` returns True (publish), False (its check failed: rejected, never
+        chosen) or None (it cannot run now, the engine's memory is released: pending
+        until `prime_deferred`)."""
+        verdict = self._prime_program(kind, size, self._programs[(kind, size)])
+        if verdict is None:
+            self._deferred = (*self._deferred, (kind, size))
+        elif verdict:
+            self._publish(kind, size)
+        else:
+            self._rejected = (*self._rejected, f"{kind}={size}")
+            self._settle(kind, size)
+
+    def prime_deferred(self) -> None:
+        """Prime the programs deferred while memory was released (the owner's thread, once
+        weights and KV are back)."""
+        deferred, self._deferred = self._deferred, ()
+        for kind, size in deferred:
+            self.prime(kind, size)
 
     def _publish(self, kind: Kind, size: int) -> None:
         self._ready = {**self._ready, kind: tuple(sorted({*self._ready[kind], size}))}
+        self._settle(kind, size)
+
+    def _settle(self, kind: Kind, size: int) -> None:
+        """`(kind, size)` is no longer pending (published or rejected)."""
         self._pending = tuple(p for p in self._pending if p != (kind, size))
         if not self._pending and self._all_planned:
             self._finish()
@@ -306,10 +345,15 @@ class ProgramSet:
                 COMPILE_SLOTS.release()
 
         store = self._store(progress)
+        held: list[tuple[Kind, int]] = []  # compiled before the programs they need
 
         def compiled(kind: Kind, size: int, program: Any) -> None:
             store(kind, size, program)  # stored before it is handed over
-            self._hand_over(kind, size)
+            held.append((kind, size))
+            for p in list(held):  # in compile order, each once all it `needs` are stored
+                if all(q in self._programs for q in needs(*p)):
+                    held.remove(p)
+                    self._hand_over(*p)
 
         def run() -> None:
             try:
