@@ -17,14 +17,15 @@ plus half the output). Components, each timed alone:
 - head program: the engine's own R-row program alone (head, in-flight ids, sampler): what
   it costs beyond head + sampler is glue inside it, the rest of the glue lies between
   the two programs;
-- device step: the engine's own two programs of the step (the T-token forward, then the
-  R-row head + sampler program) run back to back on the step's arrays, as `Runner.run`
-  launches them;
+- device step: the step as `Runner.run` launches it, on the step's arrays: its fused
+  program where the engine has one for it (`fused_step`: T = R, one program), else the
+  engine's own two programs (the T-token forward, then the R-row head + sampler program)
+  back to back;
 - wall step: the measured run's wall time / its decode steps;
 and derived: other device work = forward - products - attention (norms, RoPE, KV writes,
 gathers, the embedding), step glue = device step - forward - sampler (what the parts
 timed alone miss: the two programs' boundaries, the in-flight token handling, the head's
-rows gathered inside the R program), host = wall step - device step (the wall time of a
+rows gathered inside the R program; below zero where a fused step saves more than that), host = wall step - device step (the wall time of a
 step not spent in its device programs: with overlap scheduling, host work hidden behind
 the device does not appear). The run's wall includes its prefill, which a short run
 spreads over few decode steps: the steady decode step (the run's ITL p50, the time between a
@@ -285,7 +286,14 @@ def measure(core: Any, prompt_lens: Sequence[int], output_len: int, temperature:
     # the R program's own inputs, made once by the forward (it reads, never donates them)
     hidden_t, tok_t, prev_t, runner.kv = program(params, runner.kv, prev_ids, step_inputs)
 
-    def step() -> Any:  # the step's two programs, chained as Runner.run chains them
+    # the step as Runner.run runs it: its fused program where it has one, else the two
+    fused = (runner.programs.get("S", shape.tokens) if shape.tokens == shape.logit_rows
+             and shape.tokens in runner.programs.ready("S") else None)
+
+    def step() -> Any:
+        if fused is not None:
+            _, out, runner.kv = fused(params, runner.kv, prev_ids, step_inputs, *sb_inputs)
+            return out
         hidden_, tok, prev, runner.kv = program(params, runner.kv, prev_ids, step_inputs)
         return head_program(params, hidden_, tok, prev, *sb_inputs)
     ms, rounds, median = best_ms({
@@ -302,7 +310,8 @@ def measure(core: Any, prompt_lens: Sequence[int], output_len: int, temperature:
     return {"rows": shape.rows, "tokens": shape.tokens, "logit_rows": shape.logit_rows,
             "context_mean": float(np.mean(shape.positions)) + 1.0,
             "attention_kernel": plan.attention.kernel, "num_layers": mcfg.num_layers,
-            "rounds": rounds, "device_ms": ms, "device_step_median_ms": median["step"]}
+            "fused_step": fused is not None, "rounds": rounds, "device_ms": ms,
+            "device_step_median_ms": median["step"]}
 
 
 def summarize(device: dict[str, Any], wall_s: float, decode_steps: int,

@@ -139,7 +139,7 @@ BREAKDOWN_ROWS = (  # (key, label); indented rows are parts of the forward
     ("other_device", "  other device work"),
     ("sampler", "sampler"),
     ("step_glue", "step glue (device step - forward - sampler)"),
-    ("device_step", "device step (its programs back to back)"),
+    ("device_step", "device step (as the engine runs it)"),
     ("host", "host (wall - device step)"),
     ("wall_step", "wall step (run wall / decode steps)"),
 )
@@ -152,8 +152,9 @@ def breakdown_table(bd: dict[str, Any]) -> list[str]:
     out = [f"step-time breakdown: typical decode step, {bd['rows']} rows (forward at "
            f"T={bd['tokens']} tokens, head and sampler at R={bd['logit_rows']} rows), "
            f"mean context {bd['context_mean']:.0f} tokens, {bd['num_layers']} layers, "
-           f"attention kernel {bd['attention_kernel']}; each the best of {bd['rounds']} "
-           "interleaved runs",
+           f"attention kernel {bd['attention_kernel']}; "
+           f"{'one fused program' if bd.get('fused_step') else 'two programs'} a step; "
+           f"each the best of {bd['rounds']} interleaved runs",
            f"{'component':<46}{'ms':>9}{'of wall step':>14}"]
     for key, label in BREAKDOWN_ROWS:
         share = bd["share_of_wall_step"].get(key)

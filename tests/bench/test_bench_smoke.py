@@ -129,7 +129,7 @@ def test_breakdown_arithmetic_table_and_batch() -> None:
     assert rows["forward (decoder program + head)"] == ["80.00", "80%"]
     assert rows["other device work"] == ["10.00", "10%"]
     assert rows["step glue (device step - forward - sampler)"] == ["3.00", "3%"]
-    assert rows["device step (its programs back to back)"] == ["88.00", "88%"]
+    assert rows["device step (as the engine runs it)"] == ["88.00", "88%"]
     assert rows["host (wall - device step)"] == ["12.00", "12%"]
     assert rows["wall step (run wall / decode steps)"] == ["100.00", "100%"]
     assert summarize(device, 1.0, 0)["share_of_wall_step"]["forward"] is None  # no steps
