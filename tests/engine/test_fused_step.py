@@ -88,8 +88,9 @@ def test_fused_steps_give_the_outputs_of_the_two_programs(
         state = engine.get_internal_state()
         assert state["compile"]["rejected"] == []
         assert [c for c in state["compile"]["compiled"] if c.startswith("S=")] == FUSED
-        # every decode step of the run: 9 per request alone, 9 for the batch
-        assert state["forward_ct_fused"] >= 4 * 9
+        # 9 decode steps per request alone (T = R = 1), and the batch's decode steps
+        # (T = R = 4) once no row is still in its prefill (at least 8 of its 9)
+        assert state["forward_ct_fused"] >= 3 * 9 + 8
     finally:
         engine.shutdown()
     assert all(ids and lps for ids, lps in fused)
