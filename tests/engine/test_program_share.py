@@ -8,6 +8,7 @@ own device."""
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from typing import Any
 
@@ -15,6 +16,7 @@ import jax
 import pytest
 
 from multiserve.engine.commands import Call
+from multiserve.engine.device.programs import background_compiles_running
 from multiserve.types import SamplingParams
 
 DEVICE = 3  # not the shared tiny engine's device
@@ -39,6 +41,12 @@ def test_a_second_device_loads_every_program_and_matches_bitwise(tiny_engine: An
     if not jax.config.jax_compilation_cache_dir:
         pytest.skip("the persistent compilation cache is off")
     assert tiny_engine.wait_compiled(600)
+    # the events below are the process's: no other engine (an earlier test's, still
+    # compiling its small buckets in the background) may compile meanwhile
+    deadline = time.monotonic() + 600
+    while background_compiles_running() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert background_compiles_running() == 0
     events: Counter[str] = Counter()
 
     def count(name: str, **_: Any) -> None:

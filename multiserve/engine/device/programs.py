@@ -87,6 +87,12 @@ def background_compiles_held(timeout: float = 600.0) -> Iterator[None]:
             COMPILE_SLOTS.release()
 
 
+def background_compiles_running() -> int:
+    """How many engines of this process are compiling programs in the background."""
+    with _BACKGROUND_LOCK:
+        return len(_BACKGROUND)
+
+
 def stop_background_compiles() -> None:
     """Stop every background compile in the process (none starts any more), then wait for
     the ones in progress to finish. Run at interpreter exit (`_register_exit_hook`)."""
