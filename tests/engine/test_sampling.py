@@ -330,3 +330,30 @@ def test_build_sampling_batch_pads_flags_and_reuses_zeros() -> None:
     assert not sb.prompt_mask.any()  # only repetition penalty looks at the prompt
     assert bool(sb.any_penalty) and bool(sb.any_logprobs) and bool(sb.any_banned)
     np.testing.assert_array_equal(sb.banned_ids[4, :3], [0, 2, -1])
+
+
+_LOWER_SAMPLER = """
+import hashlib, jax, numpy as np
+from multiserve.engine.sampling.host import build_sampling_batch
+from multiserve.engine.sampling.sampler import sample
+sb = build_sampling_batch([], 16, 512)
+text = jax.jit(sample).lower(np.zeros((16, 512), np.float32), sb).as_text(debug_info=False)
+print(hashlib.sha256(text.encode()).hexdigest())
+"""
+
+
+def test_the_sampler_lowers_to_the_same_program_in_every_process() -> None:
+    """The lowered sampler (hence its persistent-cache key) must not depend on the process's
+    string hash seed, or every process compiles its sampler programs (and the fused steps
+    that hold them) again instead of loading them."""
+    import os
+    import subprocess
+    import sys
+
+    digests = set()
+    for seed in ("1", "2"):
+        env = {**os.environ, "PYTHONHASHSEED": seed, "JAX_PLATFORMS": "cpu"}
+        out = subprocess.run([sys.executable, "-c", _LOWER_SAMPLER], env=env, check=True,
+                             capture_output=True, text=True, timeout=300)
+        digests.add(out.stdout.split()[-1])
+    assert len(digests) == 1, digests

@@ -378,10 +378,12 @@ def sample(logits: jax.Array, sb: SamplingBatch) -> SampleOutput:
     r, v = logits.shape
     assert r % ROW_CHUNK == 0, (r, ROW_CHUNK)
     n = r // ROW_CHUNK
-    per_row = {f.name for f in dataclasses.fields(sb)
-               if getattr(sb, f.name).ndim >= 1 and getattr(sb, f.name).shape[0] == r}
-    flags = {name: getattr(sb, name) for name in
-             {f.name for f in dataclasses.fields(sb)} - per_row}
+    # in field order (a set's order follows the process's string hash seed: the lowered
+    # program, and so its persistent-cache key, would differ from process to process)
+    names = [f.name for f in dataclasses.fields(sb)]
+    per_row = [name for name in names
+               if getattr(sb, name).ndim >= 1 and getattr(sb, name).shape[0] == r]
+    flags = {name: getattr(sb, name) for name in names if name not in per_row}
     chunks = {name: getattr(sb, name).reshape(n, ROW_CHUNK, *getattr(sb, name).shape[1:])
               for name in per_row}
 
