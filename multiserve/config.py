@@ -218,11 +218,11 @@ class EngineConfig:
         _require(self.chunked_prefill_size <= max(self.precompile_token_paddings),
                  "chunked_prefill_size",
                  f"must be <= the largest token padding ({max(self.precompile_token_paddings)})")
-        both = set(self.precompile_token_paddings) & set(self.precompile_bs_paddings)
-        _require(self.fused_step_paddings is None or set(self.fused_step_paddings) <= both,
+        both = self._paddings_in_both()
+        _require(self.fused_step_paddings is None or set(self.fused_step_paddings) <= set(both),
                  "fused_step_paddings",
                  f"each size must be in both precompile_token_paddings and "
-                 f"precompile_bs_paddings (sizes in both: {sorted(both)})")
+                 f"precompile_bs_paddings (sizes in both: {list(both)})")
         _require(self.chunked_prefill_size >= 1, "chunked_prefill_size", "must be >= 1")
         _require(self.attention_block_size % self.page_size == 0
                  or self.page_size % self.attention_block_size == 0,
@@ -245,6 +245,9 @@ class EngineConfig:
         resolved: None is every size in both paddings lists)."""
         if self.fused_step_paddings is not None:
             return self.fused_step_paddings
+        return self._paddings_in_both()
+
+    def _paddings_in_both(self) -> tuple[int, ...]:
         return tuple(sorted(set(self.precompile_token_paddings)
                             & set(self.precompile_bs_paddings)))
 

@@ -28,8 +28,8 @@ def measure(core: Any, rows: int, rounds: int) -> str:
     runner = core.runner
     shape = B.step_shape(core, [90] * rows, 64)
     t, r = runner.programs.get("T", shape.tokens), runner.programs.get("R", shape.logit_rows)
-    fused = runner.programs.get("S", shape.tokens)
-    if fused is None or shape.tokens != shape.logit_rows:
+    fused = runner.fused_program(shape.tokens, shape.logit_rows)
+    if fused is None:
         raise SystemExit(f"no fused program for T={shape.tokens}, R={shape.logit_rows}")
     arrays = B.decode_arrays(shape, runner.page_table_rows(shape.tokens), runner.max_rows,
                              core.max_pages, core.page_size, runner.num_pages,

@@ -287,8 +287,7 @@ def measure(core: Any, prompt_lens: Sequence[int], output_len: int, temperature:
     hidden_t, tok_t, prev_t, runner.kv = program(params, runner.kv, prev_ids, step_inputs)
 
     # the step as Runner.run runs it: its fused program where it has one, else the two
-    fused = (runner.programs.get("S", shape.tokens) if shape.tokens == shape.logit_rows
-             and shape.tokens in runner.programs.ready("S") else None)
+    fused = runner.fused_program(shape.tokens, shape.logit_rows)
 
     def step() -> Any:
         if fused is not None:

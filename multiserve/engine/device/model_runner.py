@@ -390,7 +390,7 @@ class Runner:
         A fused step is also checked (`_fused_step_agrees`): False rejects it; while memory
         is released its check waits (None) for `prime_deferred`.
         """
-        if self._compute is None or self.kv is None or self._prev_ids is None:
+        if not self._resident:
             return None if kind == "S" else True
         if kind == "S":
             return self._fused_step_agrees(size, program)
@@ -412,8 +412,13 @@ class Runner:
     def prime_deferred(self) -> None:
         """Memory is resident again: prime (and check) the programs that arrived while it
         was released. Between steps, on the engine thread."""
-        if self._compute is not None and self.kv is not None and self._prev_ids is not None:
+        if self._resident:
             self.programs.prime_deferred()
+
+    @property
+    def _resident(self) -> bool:
+        """Weights, KV pool and step buffers are on the device (memory not released)."""
+        return self._compute is not None and self.kv is not None and self._prev_ids is not None
 
     def _fused_step_agrees(self, size: int, program: Any) -> bool:
         """Run fused step `program` and the forward + head of its size (`programs.needs`:
@@ -479,25 +484,30 @@ class Runner:
         return self._program("T", arrays.input_ids.shape[0], inputs,
                              step_tree(arrays))(*inputs)
 
+    def fused_program(self, tokens: int, rows: int) -> Any | None:
+        """The ready fused program of a step padded to `tokens` tokens and `rows` logits
+        rows (buckets), or None: the step runs its forward and head programs."""
+        return self.programs.get("S", tokens) if (
+            tokens == rows and tokens in self.programs.ready("S")) else None
+
     def run(self, arrays: StepArrays, sb_host: Any, wants_logprobs: bool,
             num_rows: int) -> StepOutput:
         """Launch one step: `num_rows` (a row bucket) logits rows, sampled with `sb_host`
-        (built by `sampling_batch(specs, num_rows)`)."""
-        size = arrays.input_ids.shape[0]
-        if size == num_rows and size in self.programs.ready("S"):
+        (built by `sampling_batch(specs, num_rows)`): one fused program where it has one
+        (`fused_program`), else the forward and the head."""
+        fused = self.fused_program(arrays.input_ids.shape[0], num_rows)
+        if fused is not None:
             assert self.kv is not None, "KV pool released: resume memory before running"
-            next_ids, out, self.kv = self.programs.get("S", size)(
-                self._compute, self.kv, self._prev_ids, self.step_inputs(arrays),
-                *self.sampling_inputs(sb_host))
-            self._prev_ids = next_ids
+            next_ids, out, self.kv = fused(self._compute, self.kv, self._prev_ids,
+                                           self.step_inputs(arrays),
+                                           *self.sampling_inputs(sb_host))
             self.fused_steps += 1
-            return StepOutput(next_ids=next_ids, sample=out, num_rows=num_rows,
-                              wants_logprobs=wants_logprobs)
-        hidden, row_tok, row_prev, self.kv = self._forward(arrays)
-        inputs = (self._compute, hidden, row_tok, row_prev,
-                  *self.sampling_inputs(sb_host))
-        next_ids, out = self._program("R", num_rows, inputs,
-                                      _small_sampling_fields(sb_host))(*inputs)
+        else:
+            hidden, row_tok, row_prev, self.kv = self._forward(arrays)
+            inputs = (self._compute, hidden, row_tok, row_prev,
+                      *self.sampling_inputs(sb_host))
+            next_ids, out = self._program("R", num_rows, inputs,
+                                          _small_sampling_fields(sb_host))(*inputs)
         self._prev_ids = next_ids
         return StepOutput(next_ids=next_ids, sample=out, num_rows=num_rows,
                           wants_logprobs=wants_logprobs)
