@@ -117,6 +117,9 @@ def test_partial_output_then_exact_continuation(served, idle_engine, sampling, i
     assert SEEN_BEFORE_PAUSE <= k < BUDGET
     assert meta["completion_tokens"] == k
     assert meta["weight_version"] == version
+    # slime polls /v1/loads?include=core until the engine is idle before resubmitting
+    load = h.get("/v1/loads", params={"include": "core"}).json()
+    assert sum(rank["num_total_reqs"] for rank in load["loads"]) == 0
     # the partial output is the uninterrupted request's first k tokens, logprobs bitwise
     assert part["output_ids"] == full["output_ids"][:k]
     assert _lps(part) == _lps(full)[:k]
