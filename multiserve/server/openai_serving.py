@@ -382,8 +382,7 @@ class OpenAIServing:
                                  prompts: list[list[int]]) -> AsyncIterator[str]:
         created, model, rid = int(time.time()), self.engine.model_name, runs[0].rid
         offsets: dict[int, int] = {}
-        echoed: set[int] = set()
-        started: set[int] = set()  # choices whose first chunk is sent
+        started: set[int] = set()  # choices whose first chunk is sent (echo, prompt ids)
         want_ids = bool(req.return_token_ids)
 
         def chunk(index: int, text: str, lp: P.CompletionLogprobs | None,
@@ -400,8 +399,7 @@ class OpenAIServing:
                 text, echo_ids = ev.text, None
                 first = index not in started
                 started.add(index)
-                if req.echo and index not in echoed:
-                    echoed.add(index)
+                if req.echo and first:
                     text, echo_ids = self.tm.decode(prompts[p]) + text, prompts[p]
                 lp = None
                 if req.logprobs is not None:
