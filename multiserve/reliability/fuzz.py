@@ -13,8 +13,9 @@ Owns `fuzz_server(name, url, cases)` -> `FuzzReport`, and the per-case rules:
 - findings (reported, not failing): a stream cut short by the case timeout, and cases
   the generator could not make.
 Besides the generated cases, each streaming operation is sent `STREAM_EXAMPLES` (a
-valid streamed request with logprobs, n > 1, usage and, where asked for, token ids), so every SSE event shape is
-checked on every run: generated cases reach a 200 stream only rarely.
+valid streamed request with logprobs, n > 1, usage and, where the API has them, token
+ids), so every SSE event shape is checked on every run: generated cases reach a 200
+stream only rarely.
 After every case that can leave the server paused or asleep (pause, memory release,
 weight staging) the harness continues and resumes it, so later generation cases run.
 

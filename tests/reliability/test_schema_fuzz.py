@@ -36,10 +36,10 @@ def test_no_server_error_and_error_bodies_everywhere(result) -> None:  # noqa: A
 def test_every_operation_was_fuzzed(result) -> None:  # noqa: ANN001
     engine, supervisor = result.reports
     for path in ("POST /v1/chat/completions", "POST /v1/completions", "POST /generate",
-                 "POST /inference/v1/generate", "POST /v1/score", "POST /pause_generation", "POST /abort_request",
-                 "POST /update_weights_from_disk", "POST /stage_weights_from_disk",
-                 "POST /publish_staged_weights", "POST /release_memory_occupation",
-                 "GET /health", "GET /metrics"):
+                 "POST /inference/v1/generate", "POST /v1/score", "POST /pause_generation",
+                 "POST /abort_request", "POST /update_weights_from_disk",
+                 "POST /stage_weights_from_disk", "POST /publish_staged_weights",
+                 "POST /release_memory_occupation", "GET /health", "GET /metrics"):
         assert engine.per_operation[path] >= 1, path
     for path in ("POST /pause_generation", "POST /restart_engine", "POST /flush_cache",
                  "POST /update_weights_from_disk", "GET /health"):
