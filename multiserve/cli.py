@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from multiserve.fleet.sglang_flags import add_sglang_flags
+
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     from multiserve.model.simple_generate import greedy_generate
@@ -65,7 +67,8 @@ def _fleet_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=None, help="first engine port (default 31000)")
     p.add_argument("--supervisor-port", type=int, default=None)
     p.add_argument("--host", default=None)
-    p.add_argument("--model", default=None, help="HF model dir or .gguf (default: SmolLM2)")
+    p.add_argument("--model", "--model-path", dest="model", default=None,
+                   help="HF model dir or .gguf (default: SmolLM2); --model-path is SGLang's")
     p.add_argument("--shutdown-mode", choices=["drain", "abort"], default="abort")
     p.add_argument("--max-request-bytes", type=int, default=None,
                    help="refuse (413) request bodies over this many bytes, before parsing "
@@ -90,6 +93,7 @@ def _fleet_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every engine and supervisor "
                         "endpoint (default: $MULTISERVE_API_KEY; none: open, loopback only)")
+    add_sglang_flags(p)
 
 
 def build_parser() -> argparse.ArgumentParser:

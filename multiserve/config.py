@@ -20,6 +20,8 @@ Architecture = Literal["llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe"]
 # maps HF `architectures` / `model_type` to them)
 ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe")
 SPECULATIVE_ALGORITHMS: tuple[str | None, ...] = (None, "ngram")
+# the share of a reporting device's memory for weights + KV when mem_fraction_static is None
+DEFAULT_MEM_FRACTION = 0.6
 MOE_SHARDING = ("tensor", "expert")  # how an engine's device group splits the experts
 
 
@@ -112,9 +114,12 @@ class EngineConfig:
     `dtype="auto"`: the checkpoint's dtype where it runs well (bfloat16 on a CPU only where
     the native bfloat16 kernels run), else float32; the embedded default model float32
     (engine/dtype_choice.py says which and why).
-    KV pool size: `max_total_tokens` if given, else `mem_fraction_static` of the
-    device memory where the device reports it, else the bytes of `default_cpu_kv_tokens`
-    float32 tokens (a bfloat16 pool holds twice as many tokens).
+    KV pool size: `max_total_tokens` if given, else a share of memory less the weights:
+    `mem_fraction_static` (SGLang's flag; None: DEFAULT_MEM_FRACTION) of the device memory
+    where the device reports it; on a device that does not (the host CPU), a given
+    `mem_fraction_static` of the host's memory, at most what `max_running_requests`
+    full contexts need, and without one the bytes of `default_cpu_kv_tokens` float32
+    tokens (a bfloat16 pool holds twice as many tokens).
 
     Shape buckets: every step pads its token count to one of
     `precompile_token_paddings` (one compiled forward each) and its logits-row count to
@@ -131,7 +136,7 @@ class EngineConfig:
     dtype: str = "auto"
     page_size: int = 16
     max_total_tokens: int | None = None
-    mem_fraction_static: float = 0.6
+    mem_fraction_static: float | None = None
     # the CPU pool's byte budget, in float32 tokens (~1.5 GB for SmolLM2-135M): 32768
     # float32 tokens, 65536 bfloat16 tokens
     default_cpu_kv_tokens: int = 32768
@@ -202,7 +207,8 @@ class EngineConfig:
                  "page_size", f"must be a power of two, got {self.page_size}")
         _require(self.max_total_tokens is None or self.max_total_tokens >= self.page_size * 4,
                  "max_total_tokens", "too small for even a few pages")
-        _require(0.0 < self.mem_fraction_static < 1.0, "mem_fraction_static", "must be in (0, 1)")
+        _require(self.mem_fraction_static is None or 0.0 < self.mem_fraction_static < 1.0,
+                 "mem_fraction_static", "must be in (0, 1)")
         _require(self.max_running_requests >= 1, "max_running_requests", "must be >= 1")
         _require(self.max_queued_requests >= 1, "max_queued_requests", "must be >= 1")
         _require(self.max_queued_tokens is None or self.max_queued_tokens >= 1,

@@ -9,6 +9,7 @@ can hold).
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from multiserve.config import ConfigError, EngineConfig, ModelConfig
+from multiserve.config import DEFAULT_MEM_FRACTION, ConfigError, EngineConfig, ModelConfig
 from multiserve.engine.core import EngineCore
 from multiserve.engine.device.model_runner import Runner
 from multiserve.engine.dtype_choice import DtypeChoice, choose_dtype
@@ -64,6 +65,7 @@ def resolve_dtype(cfg: EngineConfig, devices: list[jax.Device],
 
 def kv_pool_tokens(cfg: EngineConfig, model_cfg: ModelConfig, devices: list[jax.Device],
                    dtype: Any, params_bytes: int) -> int:
+    """The KV pool's size in tokens (EngineConfig's docstring states the rule)."""
     if cfg.max_total_tokens is not None:
         return cfg.max_total_tokens
     stats = None
@@ -71,10 +73,21 @@ def kv_pool_tokens(cfg: EngineConfig, model_cfg: ModelConfig, devices: list[jax.
         stats = devices[0].memory_stats()
     except Exception:  # noqa: BLE001 - not every backend reports memory
         stats = None
+    fraction = cfg.mem_fraction_static
     if stats and stats.get("bytes_limit"):
-        budget = stats["bytes_limit"] * cfg.mem_fraction_static - params_bytes / len(devices)
+        share = DEFAULT_MEM_FRACTION if fraction is None else fraction
+        budget = stats["bytes_limit"] * share - params_bytes / len(devices)
         per_token = kv_bytes_per_token(model_cfg, dtype) / len(devices)
         return max(cfg.page_size * 64, int(budget // per_token))
+    if fraction is not None:
+        # the host's memory holds every device's share (virtual CPU devices) and is shared
+        # with everything else: no more than max_running_requests full contexts need
+        host = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        budget = host * fraction - params_bytes
+        context = cfg.max_context_len or model_cfg.max_position_embeddings
+        need = cfg.max_running_requests * context
+        tokens = int(budget // kv_bytes_per_token(model_cfg, dtype))
+        return max(cfg.page_size * 64, min(tokens, need))
     # the CPU default is a byte budget: default_cpu_kv_tokens tokens of a float32 pool
     return cfg.default_cpu_kv_tokens * 4 // jnp.dtype(dtype).itemsize
 

@@ -31,7 +31,8 @@ Schema (every table and key is optional unless marked; unknown keys are errors):
 
     [engine]                  # any EngineConfig field, shared by every engine
     page_size = 16            # (not model_path / served_model_name: see [model];
-    ...                       #  not device_indexes: see [[engines]])
+    ...                       #  not device_indexes: see [[engines]]; SGLang's
+                              #  context_length is max_context_len)
 
     [[engines]]               # one table per engine, in order (engine 0, 1, ...)
     device_indexes = [0, 1]   # required; order kept (tensor-parallel mesh order)
@@ -71,6 +72,10 @@ _ENGINE_FIELDS_ELSEWHERE = {
                        "prints it); a plan can be pinned from Python only",
 }
 _ENGINE_TYPES: dict[str, Any] = typing.get_type_hints(EngineConfig)
+# SGLang's server-argument names accepted in [engine] / [[engines]] for our fields (its
+# mem_fraction_static, max_running_requests, chunked_prefill_size, page_size and dtype
+# are our names already)
+ENGINE_KEY_ALIASES = {"context_length": "max_context_len"}
 
 
 def load_fleet_config(path: str | Path,
@@ -222,10 +227,15 @@ def _build_engine(i: int, table: dict[str, Any], common: dict[str, Any],
 
 
 def _engine_fields(table: Mapping[str, Any], where: str) -> dict[str, Any]:
-    """Type-check the EngineConfig keys of one table; returns constructor kwargs."""
+    """Type-check the EngineConfig keys of one table (SGLang's names in ENGINE_KEY_ALIASES
+    too); returns constructor kwargs."""
     out: dict[str, Any] = {}
-    for key, value in table.items():
-        name = f"{where}.{key}"
+    for alias, key in ENGINE_KEY_ALIASES.items():
+        if alias in table and key in table:
+            raise ConfigError(f"{where}.{alias}", f"give {alias} or {key}, not both")
+    for given, value in table.items():
+        key = ENGINE_KEY_ALIASES.get(given, given)
+        name = f"{where}.{given}"
         if key in _ENGINE_FIELDS_ELSEWHERE:
             raise ConfigError(name, _ENGINE_FIELDS_ELSEWHERE[key])
         if key not in _ENGINE_TYPES or key == "device_indexes":

@@ -22,6 +22,7 @@ from typing import Any
 
 from multiserve.config import API_KEY_ENV, ConfigError, FleetConfig
 from multiserve.fleet.config_loader import fleet_config_from_dict
+from multiserve.fleet.sglang_flags import apply_sglang_flags
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "cpu-4.toml"
 CACHE_ENV = "MULTISERVE_JAX_CACHE"  # a directory, or "off" to disable the cache
@@ -79,9 +80,13 @@ def fleet_config_from_args(args: argparse.Namespace) -> FleetConfig:
     `--enable-memory-saver` (sets it; absent, the file decides), and the engine keys
     `--speculative-algorithm` / `--speculative-num-draft-tokens` override the file;
     `--engines N` with `--config` keeps the file's first N engines. `--api-key` (else
-    $MULTISERVE_API_KEY) protects every endpoint."""
+    $MULTISERVE_API_KEY) protects every endpoint. SGLang's flags (fleet/sglang_flags.py)
+    override the file too; `--tp-size` without --config lays out `--engines` (default 1)
+    engines of that many devices."""
     engines = getattr(args, "engines", None)
     path = getattr(args, "config", None)
+    if path is None and engines is None and getattr(args, "tp_size", None) is not None:
+        engines = 1  # SGLang's one server of --tp-size devices
     if path is None and engines is None:
         path = str(DEFAULT_CONFIG)
     if engines is not None and engines < 1:
@@ -127,6 +132,7 @@ def fleet_config_from_args(args: argparse.Namespace) -> FleetConfig:
     if getattr(args, "model", None) is not None:
         data["model"] = {**(data.get("model") or {}), "path": args.model}
         base_dir = Path.cwd()
+    apply_sglang_flags(args, data, from_file=path is not None)
     cfg = fleet_config_from_dict(data, base_dir=base_dir)
     api_key = getattr(args, "api_key", None) or os.environ.get(API_KEY_ENV) or None
     return replace(cfg, api_key=api_key) if api_key else cfg

@@ -116,9 +116,12 @@ def tool_call_grammar(tools: Sequence[dict[str, Any]], name: str | None, paralle
     """The hermes tool-call form: `<tool_call>` blocks whose JSON is
     `{"name": <a tool>, "arguments": <valid for that tool's parameters>}` (only `name`'s
     tool when given). `list_form`: one block holding a JSON list of calls (what the generic
-    tool prompt asks for), else one object per block (Qwen / Hermes templates); at most
-    one call unless `parallel`. `free_text` (tool_choice auto with strict tools): either
-    text that never writes `<tool_call>`, or text then the calls (nothing after them)."""
+    tool prompt asks for), else one object per block (Qwen / Hermes templates). A named
+    tool gives exactly one call (as SGLang and vLLM: `parallel` does not apply); else at
+    most one call unless `parallel`. `free_text` (tool_choice auto with strict tools):
+    either text that never writes `<tool_call>`, or text then the calls (nothing after
+    them)."""
+    parallel = parallel and name is None
     options = []
     for t in tools:
         fn = t.get("function", t)

@@ -13,8 +13,9 @@ Owns `fuzz_server(name, url, cases)` -> `FuzzReport`, and the per-case rules:
 - findings (reported, not failing): a stream cut short by the case timeout, and cases
   the generator could not make.
 Besides the generated cases, each streaming operation is sent `STREAM_EXAMPLES` (a
-valid streamed request with logprobs, n > 1 and usage), so every SSE event shape is
-checked on every run: generated cases reach a 200 stream only rarely.
+valid streamed request with logprobs, n > 1, usage and, where the API has them, token
+ids), so every SSE event shape is checked on every run: generated cases reach a 200
+stream only rarely.
 After every case that can leave the server paused or asleep (pause, memory release,
 weight staging) the harness continues and resumes it, so later generation cases run.
 
@@ -41,13 +42,18 @@ MAX_STREAM_EVENTS = 1_000_000
 STREAM_EXAMPLES: dict[str, dict[str, Any]] = {
     "POST /v1/completions": {
         "prompt": "Hello", "max_tokens": 4, "stream": True, "n": 2, "logprobs": 2,
-        "echo": True, "stream_options": {"include_usage": True}},
+        "echo": True, "stream_options": {"include_usage": True}, "return_token_ids": True,
+        "return_tokens_as_token_ids": True},
     "POST /v1/chat/completions": {
         "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4, "stream": True,
-        "n": 2, "logprobs": True, "top_logprobs": 2, "stream_options": {"include_usage": True}},
+        "n": 2, "logprobs": True, "top_logprobs": 2, "stream_options": {"include_usage": True},
+        "return_token_ids": True, "return_tokens_as_token_ids": True},
     "POST /generate": {
         "text": ["Hello", "Hi"], "stream": True, "return_logprob": True,
         "top_logprobs_num": 2, "sampling_params": {"max_new_tokens": 4, "n": 2}},
+    "POST /inference/v1/generate": {
+        "token_ids": [1, 2, 3], "stream": True, "stream_options": {"include_usage": True},
+        "sampling_params": {"max_tokens": 4, "n": 2, "logprobs": 2}},
 }
 RESTORING = ("/pause_generation", "/release_memory_occupation", "/stage_weights_from_disk",
              "/update_weights_from_disk", "/restart_engine")

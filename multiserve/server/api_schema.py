@@ -21,6 +21,7 @@ from multiserve import sampling_policy as S
 from multiserve.server import protocol as P
 from multiserve.server import parse_routes as PR
 from multiserve.server import protocol_native as N
+from multiserve.server import protocol_tokens as T
 from multiserve.server.control_bodies import ControlBody, body_for, query_parameters
 from multiserve.server.control_routes import routed_ops
 from multiserve.server.openapi_docs import Answer, ControlAnswer, Key, document
@@ -151,6 +152,7 @@ BODIES: dict[Key, Any] = {
     ("POST", "/v1/chat/completions"): P.ChatCompletionRequest,
     ("POST", "/v1/completions"): P.CompletionRequest,
     ("POST", "/generate"): N.GenerateRequestBody,
+    ("POST", "/inference/v1/generate"): T.TokensGenerateRequest,
     ("POST", "/v1/score"): N.ScoreRequest,
     **CONTROL_BODIES,
     ("POST", "/parse_function_call"): PR.ParseFunctionCallBody,
@@ -168,6 +170,10 @@ ANSWERS: dict[Key, Answer] = {
                                         errors=GEN_ERRORS),
     ("POST", "/generate"): Answer(N.GenerateResponse, stream=N.GenerateResponse,
                                   one_or_list=True, errors=GEN_ERRORS),
+    # vLLM's token-in/token-out: streamed, each chunk a choice's new ids
+    ("POST", "/inference/v1/generate"): Answer(T.TokensGenerateResponse,
+                                               stream=T.TokensGenerateResponse,
+                                               errors=GEN_ERRORS),
     ("POST", "/v1/score"): Answer(N.ScoreResponse, errors=GEN_ERRORS),
     ("POST", "/parse_function_call"): Answer(PR.ParseFunctionCallAnswer, errors=("400", "401")),
     ("POST", "/separate_reasoning"): Answer(PR.SeparateReasoningAnswer, errors=("400", "401")),
@@ -272,7 +278,32 @@ def _refiner(model_name: str, vocab: int) -> Any:
             if "stop" in components.get(name, {}).get("properties", {}):
                 components[name]["properties"]["stop"] = stops
         SAMPLING_PARAMS_SCHEMA["properties"]["stop"] = {"anyOf": stops["anyOf"][:2]}
+        _refine_tokens_generate(components, vocab, stops)
     return refine
+
+
+def _refine_tokens_generate(components: dict[str, Any], vocab: int,
+                            stops: dict[str, Any]) -> None:
+    """/inference/v1/generate: prompt ids in the vocabulary (at least one), the sampling
+    ranges, the refused options null only and the unsupported top-level ones unset."""
+    body = components.get("TokensGenerateRequest", {}).get("properties", {})
+    if "token_ids" in body:
+        _token_ids(body["token_ids"], vocab)
+        body["token_ids"]["minItems"] = 1
+    for key in ("kv_transfer_params", "features"):
+        if key in body:
+            body[key] = UNSET_FEATURE
+    if "model" in body:
+        body["model"] = {"anyOf": [{"type": "string"}, NULL], "description": "ignored"}
+    sp = components.get("TokensSamplingParams", {}).get("properties", {})
+    _bound(sp)
+    for key in T.REFUSED_OPTIONS:
+        if key in sp:
+            sp[key] = {**NULL, "description": "refused (400) unless null"}
+    if "stop" in sp:
+        sp["stop"] = stops
+    if "stop_token_ids" in sp:
+        _token_ids(sp["stop_token_ids"], vocab)
 
 
 def document_engine_app(app: FastAPI, model_name: str, vocab_size: int) -> None:

@@ -37,6 +37,7 @@ from multiserve.server.openai_serving import OpenAIServing
 from multiserve.server.parse_routes import add_parse_routes
 from multiserve.server.request_run import ClientDisconnected, RequestRun, drain
 from multiserve.server.tokenizer import TokenizerManager
+from multiserve.server.tokens_serving import TokensServing
 from multiserve.grammar.compiler import GrammarCompiler
 from multiserve.types import (
     ASLEEP,
@@ -79,6 +80,7 @@ def build_app(engine: EngineClient, tokenizer: TokenizerManager, *,
                         tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
                         grammars=grammars)
     native = NativeServing(engine, tokenizer, on_done=metrics.observe_run, grammars=grammars)
+    tokens = TokensServing(engine, tokenizer, on_done=metrics.observe_run)
     app = FastAPI(title="multiserve", docs_url=None, redoc_url=None)
     app.state.engine, app.state.tokenizer, app.state.metrics = engine, tokenizer, metrics
     app.state.server_info = info  # read at request time: a launcher may add host/port
@@ -91,6 +93,7 @@ def build_app(engine: EngineClient, tokenizer: TokenizerManager, *,
     app.add_api_route("/v1/chat/completions", oai.chat, methods=["POST"])
     app.add_api_route("/v1/completions", oai.completions, methods=["POST"])
     app.add_api_route("/generate", native.generate, methods=["POST"])
+    app.add_api_route("/inference/v1/generate", tokens.generate, methods=["POST"])  # vLLM's
     app.add_api_route("/v1/score", native.score, methods=["POST"])
     add_parse_routes(app, tool_call_parser, reasoning_parser)
 

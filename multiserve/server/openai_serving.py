@@ -177,9 +177,11 @@ class OpenAIServing:
             choices.append(P.ChatChoice(
                 index=s.index, message=message,
                 logprobs=self._chat_logprobs(s.token_ids, s.logprobs, req)
-                if req.logprobs else None, finish_reason=finish, matched_stop=s.matched_stop))
-        return json_model(P.ChatCompletionResponse(id=run.rid, model=self.engine.model_name,
-                                                   choices=choices, usage=self._usage(runs)))
+                if req.logprobs else None, finish_reason=finish, matched_stop=s.matched_stop,
+                token_ids=list(s.token_ids) if req.return_token_ids else None))
+        return json_model(P.ChatCompletionResponse(
+            id=run.rid, model=self.engine.model_name, choices=choices, usage=self._usage(runs),
+            prompt_token_ids=list(ids) if req.return_token_ids else None))
 
     def _chat_tools(self, req: P.ChatCompletionRequest
                     ) -> tuple[list[dict[str, Any]] | None, str | None]:
@@ -241,17 +243,27 @@ class OpenAIServing:
         tool_parser = self.tool_call_parser if tools else None
         if reasoning is None and tool_parser is None:
             return None
-        return ChatOutputParser(reasoning, tool_parser, tools, req.parallel_tool_calls,
-                                req.stream_reasoning)
+        # a named tool_choice is one call (its grammar writes one; the parser keeps one)
+        parallel = req.parallel_tool_calls and not isinstance(req.tool_choice,
+                                                               P.NamedToolChoice)
+        return ChatOutputParser(reasoning, tool_parser, tools, parallel, req.stream_reasoning)
+
+    def _token_info(self, tid: int, req: P.ChatCompletionRequest | P.CompletionRequest
+                    ) -> tuple[str, bytes]:
+        """(how a logprob entry names the token, the token's raw bytes): its text, or
+        "token_id:<id>" under return_tokens_as_token_ids (as vLLM; the bytes stay the
+        token's own)."""
+        text, raw = self.tm.token_info(tid)
+        return (f"token_id:{tid}" if req.return_tokens_as_token_ids else text), raw
 
     def _chat_logprobs(self, ids: list[int], lps: list[TokenLogprob],
                        req: P.ChatCompletionRequest) -> P.ChatLogprobs:
         content = []
         for tid, lp in zip(ids, lps, strict=False):
-            s, b = self.tm.token_info(tid)
+            s, b = self._token_info(tid, req)
             top = []
             for t, v in lp.top[:req.top_logprobs_num]:
-                ts, tb = self.tm.token_info(t)
+                ts, tb = self._token_info(t, req)
                 top.append(P.TopLogprob(token=ts, logprob=finite(v), bytes=list(tb)))
             content.append(P.ChatTokenLogprob(token=s, logprob=finite(lp.logprob), bytes=list(b),
                                               top_logprobs=top))
@@ -261,14 +273,17 @@ class OpenAIServing:
                            tools: list[dict[str, Any]] | None) -> AsyncIterator[str]:
         created, model = int(time.time()), self.engine.model_name
         parsers = {i: self._output_parser(req, tools) for i in range(req.n)}
+        want_ids = bool(req.return_token_ids)
 
-        def chunk(choice: P.ChatChunkChoice) -> str:
+        def chunk(choice: P.ChatChunkChoice, prompt_ids: list[int] | None = None) -> str:
             return sse_data(P.ChatCompletionChunk(id=run.rid, created=created, model=model,
-                                                  choices=[choice]))
+                                                  choices=[choice],
+                                                  prompt_token_ids=prompt_ids))
 
-        for i in range(req.n):
+        for i in range(req.n):  # each choice's first chunk: the role (and the prompt ids)
             yield chunk(P.ChatChunkChoice(index=i, delta=P.DeltaMessage(role="assistant",
-                                                                        content="")))
+                                                                        content="")),
+                        list(run.request.input_ids) if want_ids else None)
         try:
             async for _, ev in merge_runs([run]):
                 logprobs = (self._chat_logprobs(ev.token_ids, ev.logprobs, req)
@@ -284,10 +299,12 @@ class OpenAIServing:
                         finish = _finish_reason(finish, parser)
                     delta = _delta(piece, parser)
                     payload = bool(piece.content or piece.reasoning or delta.tool_calls)
-                if payload or logprobs is not None or ev.finished:
-                    yield chunk(P.ChatChunkChoice(index=ev.index, delta=delta, logprobs=logprobs,
-                                                  finish_reason=finish,
-                                                  matched_stop=ev.matched_stop))
+                # with token ids, every new id is sent, even one whose text is held back
+                if payload or logprobs is not None or ev.finished or (want_ids and ev.token_ids):
+                    yield chunk(P.ChatChunkChoice(
+                        index=ev.index, delta=delta, logprobs=logprobs, finish_reason=finish,
+                        matched_stop=ev.matched_stop,
+                        token_ids=list(ev.token_ids) if want_ids else None))
         except Exception as exc:  # noqa: BLE001 - headers are sent: report in-band
             yield sse_error(exc)
         if req.include_usage:
@@ -328,9 +345,11 @@ class OpenAIServing:
                 if req.logprobs is not None:
                     lp = self._completion_logprobs(run, s.token_ids, s.logprobs, req,
                                                    prompts[p] if req.echo else None, 0)
-                choices.append(P.CompletionChoice(index=p * req.n + s.index, text=prefix + s.text,
-                                                  logprobs=lp, finish_reason=s.finish_reason,
-                                                  matched_stop=s.matched_stop))
+                choices.append(P.CompletionChoice(
+                    index=p * req.n + s.index, text=prefix + s.text, logprobs=lp,
+                    finish_reason=s.finish_reason, matched_stop=s.matched_stop,
+                    prompt_token_ids=list(prompts[p]) if req.return_token_ids else None,
+                    token_ids=list(s.token_ids) if req.return_token_ids else None))
         return json_model(P.CompletionResponse(id=runs[0].rid, model=self.engine.model_name,
                                                choices=choices, usage=self._usage(runs)))
 
@@ -342,11 +361,12 @@ class OpenAIServing:
 
         def add(tid: int, lp: TokenLogprob | None) -> None:
             nonlocal offset
-            s = self.tm.token_str(tid)
+            s = self._token_info(tid, req)[0]
             out.tokens.append(s)
             out.token_logprobs.append(None if lp is None else finite(lp.logprob))
             out.top_logprobs.append(None if lp is None else
-                                    {self.tm.token_str(t): finite(v) for t, v in lp.top[:k]})
+                                    {self._token_info(t, req)[0]: finite(v)
+                                     for t, v in lp.top[:k]})
             out.text_offset.append(offset)
             offset += len(s)
 
@@ -362,22 +382,24 @@ class OpenAIServing:
                                  prompts: list[list[int]]) -> AsyncIterator[str]:
         created, model, rid = int(time.time()), self.engine.model_name, runs[0].rid
         offsets: dict[int, int] = {}
-        echoed: set[int] = set()
+        started: set[int] = set()  # choices whose first chunk is sent (echo, prompt ids)
+        want_ids = bool(req.return_token_ids)
 
         def chunk(index: int, text: str, lp: P.CompletionLogprobs | None,
-                  ev: SampleEvent | None) -> str:
+                  ev: SampleEvent, prompt_ids: list[int] | None) -> str:
             return sse_data(P.CompletionResponse(
                 id=rid, created=created, model=model, choices=[P.CompletionChoice(
-                    index=index, text=text, logprobs=lp,
-                    finish_reason=ev.finish_reason if ev else None,
-                    matched_stop=ev.matched_stop if ev else None)]))
+                    index=index, text=text, logprobs=lp, finish_reason=ev.finish_reason,
+                    matched_stop=ev.matched_stop, prompt_token_ids=prompt_ids,
+                    token_ids=list(ev.token_ids) if want_ids else None)]))
 
         try:
             async for p, ev in merge_runs(runs):
                 index = p * req.n + ev.index
                 text, echo_ids = ev.text, None
-                if req.echo and index not in echoed:
-                    echoed.add(index)
+                first = index not in started
+                started.add(index)
+                if req.echo and first:
                     text, echo_ids = self.tm.decode(prompts[p]) + text, prompts[p]
                 lp = None
                 if req.logprobs is not None:
@@ -385,7 +407,8 @@ class OpenAIServing:
                                                    echo_ids, offsets.get(index, 0))
                     offsets[index] = (lp.text_offset[-1] + len(lp.tokens[-1])
                                       if lp.tokens else offsets.get(index, 0))
-                yield chunk(index, text, lp, ev)
+                yield chunk(index, text, lp, ev,
+                            list(prompts[p]) if want_ids and first else None)
         except Exception as exc:  # noqa: BLE001 - headers are sent: report in-band
             yield sse_error(exc)
         if req.include_usage:

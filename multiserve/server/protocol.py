@@ -123,6 +123,12 @@ class _SamplingRequest(_Request):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
+    # vLLM's: the prompt's and each choice's token ids in the answer (chat:
+    # `prompt_token_ids` at the top level, completions: in each choice; streamed: on each
+    # choice's first chunk; `token_ids`: each chunk's new ids, together the non-streamed
+    # ones), and logprob tokens written "token_id:<id>" instead of the token's text.
+    return_token_ids: bool | None = None
+    return_tokens_as_token_ids: bool | None = None
     # Accepted by OpenAI or sglang, refused when set (see `refused`): never ignored.
     logit_bias: dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
@@ -366,6 +372,7 @@ class ChatChoice(_Response):
     logprobs: ChatLogprobs | None = None
     finish_reason: ChatFinishReasonStr | None = None
     matched_stop: int | str | None = None
+    token_ids: list[int] | None = None  # return_token_ids: the generated ids
 
 
 class ChatCompletionResponse(_Response):
@@ -375,6 +382,7 @@ class ChatCompletionResponse(_Response):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_token_ids: list[int] | None = None  # return_token_ids: the rendered prompt's
 
 
 class DeltaMessage(_Response):
@@ -390,6 +398,7 @@ class ChatChunkChoice(_Response):
     logprobs: ChatLogprobs | None = None
     finish_reason: ChatFinishReasonStr | None = None
     matched_stop: int | str | None = None
+    token_ids: list[int] | None = None  # return_token_ids: this chunk's new ids
 
 
 class ChatCompletionChunk(_Response):
@@ -399,6 +408,7 @@ class ChatCompletionChunk(_Response):
     model: str
     choices: list[ChatChunkChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids: on the first chunks
 
 
 class CompletionLogprobs(_Response):
@@ -414,6 +424,10 @@ class CompletionChoice(_Response):
     logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReasonStr | None = None
     matched_stop: int | str | None = None
+    # return_token_ids (vLLM puts both in the choice): the choice's prompt (streamed: on
+    # its first chunk) and its generated ids (streamed: the chunk's new ones)
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
 
 class CompletionResponse(_Response):

@@ -232,3 +232,32 @@ def test_strict_tools_under_auto_allow_text_or_valid_calls(
     assert not accepts(block(call.replace('"add"', '"sub"')))
     assert not accepts("text <tool_call> then text")
     assert not accepts(block(call) + " and more text")
+
+
+@pytest.mark.parametrize("list_form", [False, True])
+def test_named_tool_is_one_call_and_parallel_keeps_its_meaning(
+        compiler: GrammarCompiler, tokenizer: Any, list_form: bool) -> None:
+    """A named tool_choice admits exactly one call even with parallel_tool_calls true (as
+    SGLang and vLLM); `required` admits several calls with parallel true, one with false."""
+    from multiserve.grammar.compiler import tool_call_grammar
+
+    tools = [{"type": "function", "function": {"name": n, "parameters": SCHEMA}}
+             for n in ("add", "sub")]
+    call = '{"name": "add", "arguments": {"n": 4, "ok": true}}'
+    if list_form:
+        one, two = f"<tool_call>[{call}]</tool_call>", f"<tool_call>[{call}, {call}]</tool_call>"
+    else:
+        block = f"<tool_call>\n{call}\n</tool_call>"
+        one, two = block, block + block
+
+    def accepts(name: str | None, parallel: bool, text: str) -> bool:
+        grammar = compiler.compile("tool_call", tool_call_grammar(tools, name, parallel,
+                                                                  list_form))
+        m = grammar.new_matcher()
+        ok = m.consume_tokens(tokenizer.encode(text, add_special_tokens=False))
+        return bool(ok) and not m.is_error() and m.is_accepting()
+
+    assert accepts("add", True, one) and not accepts("add", True, two)
+    assert accepts("add", False, one) and not accepts("add", False, two)
+    assert accepts(None, True, one) and accepts(None, True, two)
+    assert accepts(None, False, one) and not accepts(None, False, two)

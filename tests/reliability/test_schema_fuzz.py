@@ -36,10 +36,10 @@ def test_no_server_error_and_error_bodies_everywhere(result) -> None:  # noqa: A
 def test_every_operation_was_fuzzed(result) -> None:  # noqa: ANN001
     engine, supervisor = result.reports
     for path in ("POST /v1/chat/completions", "POST /v1/completions", "POST /generate",
-                 "POST /v1/score", "POST /pause_generation", "POST /abort_request",
-                 "POST /update_weights_from_disk", "POST /stage_weights_from_disk",
-                 "POST /publish_staged_weights", "POST /release_memory_occupation",
-                 "GET /health", "GET /metrics"):
+                 "POST /inference/v1/generate", "POST /v1/score", "POST /pause_generation",
+                 "POST /abort_request", "POST /update_weights_from_disk",
+                 "POST /stage_weights_from_disk", "POST /publish_staged_weights",
+                 "POST /release_memory_occupation", "GET /health", "GET /metrics"):
         assert engine.per_operation[path] >= 1, path
     for path in ("POST /pause_generation", "POST /restart_engine", "POST /flush_cache",
                  "POST /update_weights_from_disk", "GET /health"):
@@ -64,7 +64,8 @@ def test_documents_declare_bodies_and_errors(tiny_model: Path) -> None:
     assert ("POST", "/generate") in BODIES and ("POST", "/v1/chat/completions") in BODIES
 
 
-STREAMING = {"POST /v1/completions", "POST /v1/chat/completions", "POST /generate"}
+STREAMING = {"POST /v1/completions", "POST /v1/chat/completions", "POST /generate",
+             "POST /inference/v1/generate"}
 
 
 def test_streamed_events_match_the_document(tiny_model: Path) -> None:
@@ -143,3 +144,40 @@ def test_documents_declare_tools_and_constraints() -> None:
     assert chat["regex"]["anyOf"][0]["type"] == "string"
     body = schemas["GenerateRequestBody"]["properties"]["sampling_params"]["anyOf"][0]
     assert set(GRAMMAR_KEYS) <= set(body["properties"])
+
+
+def test_documents_declare_token_ids() -> None:
+    """vLLM's token-id fields are in the engine app's document: the request flags on chat
+    and completions, the answer fields (chat: prompt ids at the top, completions: in each
+    choice; streamed chunks the same), and /inference/v1/generate's body (prompt ids in
+    the vocabulary, its refused sampling options null only) and answer."""
+    from fastapi import FastAPI
+
+    from multiserve.server.api_schema import document_engine_app
+    from multiserve.server.protocol_tokens import REFUSED_OPTIONS
+
+    app = FastAPI()
+    for path in ("/v1/chat/completions", "/v1/completions", "/inference/v1/generate"):
+        app.add_api_route(path, lambda: None, methods=["POST"])
+    document_engine_app(app, "m", 100)
+    doc = app.openapi()
+    schemas = doc["components"]["schemas"]
+    for name in ("ChatCompletionRequest", "CompletionRequest"):
+        assert {"return_token_ids", "return_tokens_as_token_ids"} <= set(
+            schemas[name]["properties"])
+    assert "prompt_token_ids" in schemas["ChatCompletionResponse"]["properties"]
+    assert "prompt_token_ids" in schemas["ChatCompletionChunk"]["properties"]
+    assert "token_ids" in schemas["ChatChoice"]["properties"]
+    assert "token_ids" in schemas["ChatChunkChoice"]["properties"]
+    assert {"prompt_token_ids", "token_ids"} <= set(schemas["CompletionChoice"]["properties"])
+    body = schemas["TokensGenerateRequest"]
+    assert "token_ids" in body["required"]
+    ids = body["properties"]["token_ids"]
+    assert ids["minItems"] == 1 and ids["items"] == {"type": "integer", "minimum": 0,
+                                                     "maximum": 99}
+    sp = schemas["TokensSamplingParams"]
+    assert sp["additionalProperties"] is False
+    assert all(sp["properties"][k]["type"] == "null" for k in REFUSED_OPTIONS)
+    op = doc["paths"]["/inference/v1/generate"]["post"]
+    assert "requestBody" in op and {"200", "400", "503"} <= set(op["responses"])
+    assert "text/event-stream" in op["responses"]["200"]["content"]

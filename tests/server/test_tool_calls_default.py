@@ -107,24 +107,35 @@ TIME = {"type": "function", "function": {
                    "required": ["timezone"]}}}
 
 
+@pytest.mark.parametrize("parallel", [False, True])
 @pytest.mark.parametrize("choice", ["required", "named"])
-def test_required_and_named_choices_are_enforced(client, choice):
+def test_required_and_named_choices_are_enforced(client, choice, parallel):
     """On a FIRST turn (where the 135M model, unconstrained, rarely calls), the grammar
-    makes the reply a call whose arguments validate against the tool's schema."""
+    makes the reply a call whose arguments validate against the tool's schema. A named
+    function is exactly one call whatever parallel_tool_calls says (as SGLang and vLLM);
+    `required` is one call with parallel_tool_calls false, one or more with true."""
     import jsonschema_rs
 
     tool_choice: Any = "required" if choice == "required" else {
         "type": "function", "function": {"name": "get_time"}}
-    r = client.chat.completions.create(
+    kw: dict[str, Any] = dict(
         model="m", messages=[{"role": "user", "content": "Hello! Tell me a joke."}],
-        tools=[WEATHER, TIME], tool_choice=tool_choice, parallel_tool_calls=False,
+        tools=[WEATHER, TIME], tool_choice=tool_choice, parallel_tool_calls=parallel,
         max_tokens=96, temperature=0)
+    r = client.chat.completions.create(**kw)
     ch = r.choices[0]
     assert ch.finish_reason == "tool_calls", ch
     calls = ch.message.tool_calls
-    assert calls is not None and len(calls) == 1
-    call = calls[0]
-    if choice == "named":
-        assert call.function.name == "get_time"
+    assert calls is not None and len(calls) >= 1
+    if choice == "named" or not parallel:
+        assert len(calls) == 1, [c.function.name for c in calls]
     schema = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
-    jsonschema_rs.validate(schema[call.function.name], json.loads(call.function.arguments))
+    for call in calls:
+        if choice == "named":
+            assert call.function.name == "get_time"
+        jsonschema_rs.validate(schema[call.function.name], json.loads(call.function.arguments))
+    if choice == "named":  # streamed: the same single call
+        _, streamed, finish = _stream(client, **kw)
+        assert finish == "tool_calls"
+        assert [c["name"] for c in streamed.values()] == ["get_time"]
+        assert streamed[0]["arguments"] == calls[0].function.arguments

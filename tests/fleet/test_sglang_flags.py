@@ -1,0 +1,155 @@
+"""SGLang's server flags on `multiserve serve` / `validate` (fleet/sglang_flags.py): each
+supported flag sets its field on every engine (over the file's values), an SGLang flag we do
+not support is an error naming it (exit code 2), and `--mem-fraction-static` sizes the KV
+pool (engine/setup.py `kv_pool_tokens`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from multiserve.cli import build_parser
+from multiserve.config import ConfigError, FleetConfig
+from multiserve.fleet.config_loader import load_fleet_config
+from multiserve.fleet.startup import fleet_config_from_args
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+def cfg_of(*argv: str, command: str = "serve") -> FleetConfig:
+    return fleet_config_from_args(build_parser().parse_args([command, *argv]))
+
+
+@pytest.mark.parametrize("command", ["serve", "validate"])
+def test_each_flag_sets_its_field_on_every_engine(command: str) -> None:
+    cfg = cfg_of("--config", str(CONFIGS / "cpu-4.toml"), "--mem-fraction-static", "0.5",
+                 "--context-length", "1024", "--max-running-requests", "16",
+                 "--chunked-prefill-size", "256", "--page-size", "32", "--dtype", "half",
+                 "--served-model-name", "policy", "--model-path", "default",
+                 command=command)
+    assert len(cfg.engines) == 4
+    for e in cfg.engines:
+        assert (e.mem_fraction_static, e.max_context_len, e.max_running_requests,
+                e.chunked_prefill_size, e.page_size, e.dtype, e.served_model_name,
+                e.model_path) == (0.5, 1024, 16, 256, 32, "float16", "policy", None)
+    plain = cfg_of("--config", str(CONFIGS / "cpu-4.toml"))
+    default = load_fleet_config(CONFIGS / "cpu-4.toml")
+    assert plain.engines == default.engines  # no flag: the file decides
+    assert default.engines[0].mem_fraction_static is None  # the default rule
+
+
+def test_model_path_is_models_alias(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    a = build_parser().parse_args(["serve", "--model-path", "m.gguf"])
+    b = build_parser().parse_args(["serve", "--model", "m.gguf"])
+    assert a.model == b.model == "m.gguf"
+    assert cfg_of("--model-path", "m.gguf").engines[0].model_path == str(tmp_path / "m.gguf")
+
+
+def test_dtype_names(tmp_path: Path) -> None:
+    for given, field in (("float", "float32"), ("half", "float16"), ("bfloat16", "bfloat16"),
+                         ("auto", "auto")):
+        assert cfg_of("--engines", "1", "--dtype", given).engines[0].dtype == field
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--dtype", "int8"])
+
+
+def test_flags_win_over_the_files_engine_and_engines_tables(tmp_path: Path) -> None:
+    path = tmp_path / "f.toml"
+    path.write_text('[fleet]\nplatform = "cpu"\n[engine]\ncontext_length = 512\n'
+                    "page_size = 8\n[[engines]]\ndevice_indexes = [0]\nmax_context_len = 256\n"
+                    "[[engines]]\ndevice_indexes = [1]\n")
+    from_file = load_fleet_config(path)
+    assert [e.max_context_len for e in from_file.engines] == [256, 512]  # SGLang's name too
+    cfg = cfg_of("--config", str(path), "--context-length", "2048", "--page-size", "64")
+    assert [(e.max_context_len, e.page_size) for e in cfg.engines] == [(2048, 64)] * 2
+    path.write_text("[engine]\ncontext_length = 512\nmax_context_len = 512\n"
+                    "[[engines]]\ndevice_indexes = [0]\n")
+    with pytest.raises(ConfigError) as info:
+        load_fleet_config(path)
+    assert info.value.field == "engine.context_length"
+
+
+def test_tp_size_is_devices_per_engine() -> None:
+    assert [e.device_indexes for e in cfg_of("--tp-size", "2").engines] == [(0, 1)]
+    assert [e.device_indexes for e in cfg_of("--tp-size", "2", "--engines", "2").engines] == [
+        (0, 1), (2, 3)]
+    cfg = cfg_of("--config", str(CONFIGS / "cpu-2x2.toml"), "--tp-size", "2")
+    assert all(len(e.device_indexes) == 2 for e in cfg.engines)
+    with pytest.raises(ConfigError) as info:
+        cfg_of("--config", str(CONFIGS / "cpu-4.toml"), "--tp-size", "2")
+    assert info.value.field == "tp_size" and "engines[0]" in str(info.value)
+    with pytest.raises(ConfigError) as info:
+        cfg_of("--tp-size", "0")
+    assert info.value.field == "tp_size"
+
+
+def test_out_of_range_values_name_the_field() -> None:
+    with pytest.raises(ConfigError) as info:
+        cfg_of("--engines", "1", "--mem-fraction-static", "1.5")
+    assert info.value.field == "engines[0].mem_fraction_static"
+    with pytest.raises(ConfigError) as info:
+        cfg_of("--engines", "1", "--page-size", "24")
+    assert info.value.field == "engines[0].page_size"
+
+
+@pytest.mark.parametrize("command", ["serve", "validate"])
+@pytest.mark.parametrize("argv, named", [
+    (["--quantization", "fp8"], "unsupported SGLang flag --quantization"),
+    (["--dp-size", "2"], "unsupported SGLang flag --dp-size"),
+    (["--trust-remote-code"], "unsupported SGLang flag --trust-remote-code"),
+    (["--lora-paths=a"], "unsupported SGLang flag --lora-paths"),
+    (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+])
+def test_unsupported_flags_are_errors_naming_them(capsys: pytest.CaptureFixture[str],
+                                                  command: str, argv: list[str],
+                                                  named: str) -> None:
+    from multiserve.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main([command, "--engines", "1", *argv])
+    assert info.value.code == 2
+    assert named in capsys.readouterr().err
+
+
+class _Device:
+    def __init__(self, stats: dict[str, Any] | None) -> None:
+        self.stats = stats
+
+    def memory_stats(self) -> dict[str, Any] | None:
+        return self.stats
+
+
+def test_mem_fraction_static_sizes_the_kv_pool() -> None:
+    """None: the default rule (0.6 of a reporting device; default_cpu_kv_tokens on the
+    host); given: that share of the device's memory, or of the host's memory capped at
+    max_running_requests full contexts."""
+    import os
+
+    import jax.numpy as jnp
+
+    from multiserve.config import EngineConfig
+    from multiserve.engine.setup import kv_pool_tokens
+    from multiserve.model.layers.kv_pool import kv_bytes_per_token
+    from multiserve.reliability.tiny_model import TINY_RELIABILITY_MODEL as M
+
+    per = kv_bytes_per_token(M, jnp.float32)
+    gpu = [_Device({"bytes_limit": 1000 * per + 100})]
+    host = [_Device(None)]
+    base = EngineConfig(max_context_len=512, max_running_requests=4, precompile_bs_paddings=(4,))
+    assert kv_pool_tokens(base, M, gpu, jnp.float32, 100) == max(16 * 64, int(
+        (0.6 * (1000 * per + 100) - 100) // per))
+    big = [_Device({"bytes_limit": 100_000 * per})]
+    assert kv_pool_tokens(base.with_updates(mem_fraction_static=0.5), M, big, jnp.float32,
+                          0) == 50_000
+    assert kv_pool_tokens(base, M, host, jnp.float32, 0) == base.default_cpu_kv_tokens
+    # the host: 4 contexts of 512 tokens are all it may need
+    frac = base.with_updates(mem_fraction_static=0.5)
+    assert kv_pool_tokens(frac, M, host, jnp.float32, 0) == 4 * 512
+    wide = frac.with_updates(max_running_requests=64, precompile_bs_paddings=(64,),
+                             max_context_len=1 << 20)
+    mem = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    assert kv_pool_tokens(wide, M, host, jnp.float32, 0) == min(int(mem * 0.5 // per),
+                                                                 64 << 20)
