@@ -40,5 +40,5 @@ def test_layout_tree_lists_every_module_and_nothing_else() -> None:
                if p.suffix in (".py", ".cc", ".h") and p.name != "__init__.py"
                and "__pycache__" not in p.parts}
     assert listed, "no layout tree found"
-    assert present - listed == set(), f"not in docs/architecture.md §12: {sorted(present - listed)}"
+    assert present - listed == set(), f"not in architecture.md §12: {sorted(present - listed)}"
     assert listed - present == set(), f"listed but absent: {sorted(listed - present)}"
