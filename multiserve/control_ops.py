@@ -13,7 +13,7 @@ runs, its HTTP route and whether the fleet's supervisor broadcasts it. From the 
   server/control_bodies.py) and the supervisor's broadcast routes (fleet/supervisor.py),
   with their OpenAPI entries.
 Adding an operation: its record and row here, and its case where the state it changes is
-owned (docs/architecture.md §9).
+owned (docs/architecture.md §11).
 
 Invariants: jax-free and below every side (imports only `multiserve.types`); a record holds
 everything its operation needs; every operation answers a `ControlResult`, except

@@ -3,7 +3,7 @@
 The keys are sglang's where it has them (`waiting_queue_size`, `running_batch_size`,
 `forward_ct_decode`, ...) plus ours (pause reasons, compile progress, the determinism
 plan, weight version, memory released, admission bounds). Tests assert on them: they are
-exact (docs/architecture.md §6).
+exact (docs/architecture.md §9).
 
 Invariant: read only, on the engine thread (a snapshot between two steps).
 """
