@@ -34,7 +34,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
-    from multiserve.model.invariance.doctor import doctor_main
+    from multiserve.doctor import doctor_main
 
     return doctor_main(args)
 
