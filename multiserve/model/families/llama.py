@@ -47,19 +47,6 @@ Params = dict[str, Any]
 UNROLL_MAX_TOKENS = 64
 
 
-def layer_matrix_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
-    """(in, out) of every layer matrix: the contractions `dense` computes per layer."""
-    d, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    i = cfg.intermediate_size
-    return {"wq": (d, q), "wk": (d, kv), "wv": (d, kv), "wo": (q, d), "w_gate": (d, i),
-            "w_up": (d, i), "w_down": (i, d)}
-
-
-def head_shape(cfg: ModelConfig) -> tuple[int, int]:
-    """(in, out) of the output head."""
-    return cfg.hidden_size, cfg.vocab_size
-
-
 def scan_needs_transposes(plan: InvariancePlan, cfg: ModelConfig,
                           token_sizes: tuple[int, ...]) -> bool:
     """Whether the scanned decoder (the step sizes `scans` sends there) uses the NT product
