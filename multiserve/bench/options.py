@@ -73,8 +73,3 @@ class BenchOptions:
 
 
 BENCH_DEFAULTS = BenchOptions()
-
-
-def flag_fields() -> tuple[str, ...]:
-    """The fields that are flags, in order."""
-    return tuple(f.name for f in fields(BenchOptions) if f.name not in DERIVED)

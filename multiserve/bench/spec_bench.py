@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from multiserve.bench.grounded_prompts import grounded_prompts
-from multiserve.bench.options import WORKLOADS, BenchOptions
+from multiserve.bench.options import BenchOptions
 from multiserve.bench.prompts import bench_prompts
 from multiserve.bench.stats import without_output_ids
 from multiserve.engine.commands import Call
@@ -211,4 +211,4 @@ def spec_report(res: dict[str, Any]) -> list[str]:
     return lines
 
 
-__all__ = ["WORKLOADS", "set_speculation", "spec_main", "spec_report"]
+__all__ = ["set_speculation", "spec_main", "spec_report"]
