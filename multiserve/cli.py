@@ -11,6 +11,13 @@ from __future__ import annotations
 import argparse
 import sys
 
+from multiserve.bench.options import (
+    BENCH_DEFAULTS,
+    DTYPES,
+    PEER_CHOICES,
+    WORKLOADS,
+    BenchOptions,
+)
 from multiserve.fleet.sglang_flags import add_sglang_flags
 
 
@@ -36,7 +43,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
-    from multiserve.model.invariance.doctor import doctor_main
+    from multiserve.doctor import doctor_main
 
     return doctor_main(args)
 
@@ -44,7 +51,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 def _cmd_bench(args: argparse.Namespace) -> int:
     from multiserve.bench.run import bench_main
 
-    return bench_main(args)
+    return bench_main(BenchOptions.from_args(args))
 
 
 def _cmd_fuzz(args: argparse.Namespace) -> int:
@@ -135,68 +142,72 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--reprobe", action="store_true", help="probe again, ignore the cache")
     d.add_argument("--json", action="store_true", help="the plan and table as JSON")
     d.set_defaults(func=_cmd_doctor)
+    D = BENCH_DEFAULTS  # every flag's default: a field of BenchOptions (bench/options.py)
     b = sub.add_parser("bench", help="offline throughput on the default model")
-    b.add_argument("--num-prompts", type=int, default=64)
-    b.add_argument("--output-len", type=int, default=None,
+    b.add_argument("--num-prompts", type=int, default=D.num_prompts)
+    b.add_argument("--output-len", type=int, default=D.output_len,
                    help="output tokens per prompt (default 128; 64 with --single-stream "
                         "or --fleet)")
     b.add_argument("--single-stream", action="store_true",
                    help="one prompt streamed: TTFT and tok/s (1 x --output-len)")
-    b.add_argument("--rounds", type=int, default=5,
+    b.add_argument("--rounds", type=int, default=D.rounds,
                    help="with --single-stream: cold streams of the prompt, one after another, "
                         "on each side (round i seeded SEED + i); tok/s is all their tokens "
                         "over their summed walls (default 5)")
-    b.add_argument("--interleave", action=argparse.BooleanOptionalAction, default=None,
+    b.add_argument("--interleave", action=argparse.BooleanOptionalAction,
+                   default=D.interleave,
                    help="with --single-stream and a peer: the peer's rounds alternate with "
                         "ours, each in its own peer process (default: on for llamacpp, whose "
                         "process starts in well under a second; off for vllm)")
-    b.add_argument("--dtype", default=None, choices=("auto", "float32", "bfloat16"),
+    b.add_argument("--dtype", default=D.dtype, choices=DTYPES,
                    help="the engine's dtype (default: EngineConfig's, auto); the peer "
                         "computes in the dtype the engine resolves it to")
     b.add_argument("--fleet", action="store_true",
                    help="the fleet (--config, default configs/cpu-4.toml), one streaming "
                         "HTTP client per engine port, vs one engine with the same requests")
-    b.add_argument("--config", default=None, help="with --fleet: the fleet config TOML")
-    b.add_argument("--duration", type=float, default=None,
+    b.add_argument("--config", default=D.config, help="with --fleet: the fleet config TOML")
+    b.add_argument("--duration", type=float, default=D.duration,
                    help="with --fleet: a sustained chat load for this many seconds on each "
                         "side (closed-loop OpenAI chat clients, max_tokens 16/64/128, greedy "
                         "or sampled, half streamed) instead of one wave of streams")
-    b.add_argument("--clients-per-port", type=int, default=1,
+    b.add_argument("--clients-per-port", type=int, default=D.clients_per_port,
                    help="with --fleet: concurrent clients on each engine's port (e.g. 2 for "
                         "8 clients on the 4-engine fleet)")
-    b.add_argument("--peer", choices=["none", "hf", "vllm", "llamacpp"], default="none",
+    b.add_argument("--peer", choices=PEER_CHOICES, default=D.peer,
                    help="compare with a peer run in its own env (scripts/peer-envs.sh)")
-    b.add_argument("--peer-model", default=None,
+    b.add_argument("--peer-model", default=D.peer_model,
                    help="the peer's model (HF dir; .gguf for llamacpp); default: ours (for "
                         "llamacpp an F32 copy of our GGUF: the weights we compute with)")
-    b.add_argument("--workload", choices=["chat", "grounded", "grpo"], default="chat",
+    b.add_argument("--workload", choices=WORKLOADS, default=D.workload,
                    help="with --ab-speculation: chat prompts, grounded tasks (copy/rewrite/"
                         "extract from the prompt, code edits), or GRPO-like groups in 2 epochs")
     b.add_argument("--ab-speculation", action="store_true",
                    help="n-gram speculative decoding off and on in one run (same engine)")
     b.add_argument("--speculative", action="store_true",
                    help="n-gram speculative decoding on (every mode, --fleet included)")
-    b.add_argument("--speculative-num-draft-tokens", type=int, default=None)
-    b.add_argument("--group-size", type=int, default=8,
+    b.add_argument("--speculative-num-draft-tokens", type=int,
+                   default=D.speculative_num_draft_tokens)
+    b.add_argument("--group-size", type=int, default=D.group_size,
                    help="--workload grpo: samples per prompt")
     b.add_argument("--no-overlap", action="store_true")
     b.add_argument("--ab-overlap", action="store_true", help="run overlap on AND off")
-    b.add_argument("--model", default=None)
-    b.add_argument("--max-running", type=int, default=None)
-    b.add_argument("--peer-batch-size", type=int, default=0,
+    b.add_argument("--model", default=D.model)
+    b.add_argument("--max-running", type=int, default=D.max_running)
+    b.add_argument("--peer-batch-size", type=int, default=D.peer_batch_size,
                    help="peer generate batch size (0: all prompts in one batch)")
-    b.add_argument("--peer-threads", type=int, default=None,
+    b.add_argument("--peer-threads", type=int, default=D.peer_threads,
                    help="peer threads (default: all cores)")
     b.add_argument("--no-progress", action="store_true", help="no progress bars")
-    b.add_argument("--token-paddings", type=int, nargs="+", default=None,
+    b.add_argument("--token-paddings", type=int, nargs="+", default=D.token_paddings,
                    help="engine precompile_token_paddings (default: EngineConfig's)")
-    b.add_argument("--bs-paddings", type=int, nargs="+", default=None,
+    b.add_argument("--bs-paddings", type=int, nargs="+", default=D.bs_paddings,
                    help="engine precompile_bs_paddings (default: EngineConfig's)")
-    b.add_argument("--chunked-prefill-size", type=int, default=None)
-    b.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size in tokens")
-    b.add_argument("--temperature", type=float, default=0.0,
+    b.add_argument("--chunked-prefill-size", type=int, default=D.chunked_prefill_size)
+    b.add_argument("--max-total-tokens", type=int, default=D.max_total_tokens,
+                   help="KV pool size in tokens")
+    b.add_argument("--temperature", type=float, default=D.temperature,
                    help="sampling temperature of every request (0: greedy, the default)")
-    b.add_argument("--seed", type=int, default=0,
+    b.add_argument("--seed", type=int, default=D.seed,
                    help="with --temperature > 0: request i is seeded SEED + i")
     b.add_argument("--no-breakdown", action="store_true",
                    help="batch mode: skip the step-time breakdown after the run")

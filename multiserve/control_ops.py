@@ -5,7 +5,7 @@ construction, so a bad argument is a ValueError at the call, on the caller's thr
 runs, its HTTP route and whether the fleet's supervisor broadcasts it. From the table:
 - `Engine.control(name, **args)` / `await Engine.acontrol(name, **args)` (engine/engine.py)
   build the record and run it; the engine thread runs a one-step record through the one
-  `match` of `Engine._dispatch` (or `RLControl.execute` for the RL group), and `RLControl`
+  `match` of `Engine._dispatch` (or `ControlRunner.execute` for the RL group), and `ControlRunner`
   drives a staged one (weights read and copied off the engine thread, then commands);
 - `EngineClient.acontrol` (types.py) is the whole control interface of the HTTP side, and
   the fleet's `EngineWorker.acontrol` its one forward (fleet/worker.py);
@@ -177,7 +177,7 @@ class ControlOp:
     name: str  # Engine.control's name, the route's name (its path without "/")
     request: type  # the record its arguments form
     group: Group
-    # one_step: the record is one command for the engine thread; staged: RLControl reads and
+    # one_step: the record is one command for the engine thread; staged: ControlRunner reads and
     # copies weights off the engine thread between the commands it sends
     runs: Literal["one_step", "staged"] = "one_step"
     route: Route | None = None  # None: Python API only

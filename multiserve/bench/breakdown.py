@@ -8,7 +8,7 @@ plus half the output). Components, each timed alone:
 
 - forward: the engine's own compiled T-token forward program (decoder, final norm) on
   that batch, plus the head: `llama.lm_head` at R rows (the plan's head formulation);
-- products: every layer matrix at T rows through `row_invariant.dense` with the plan's
+- products: every layer matrix at T rows through `primitives.dense` with the plan's
   formulations, and nothing else, plus the head (the same head figure as the forward's:
   it is one product, timed once);
 - attention: `attention.paged_attention` for every layer with the plan's attention entry;

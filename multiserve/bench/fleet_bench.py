@@ -20,7 +20,6 @@ requests both runs finished must be identical.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import sys
@@ -29,9 +28,10 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from multiserve.bench.http_stream import stream_generate
+from multiserve.bench.options import BenchOptions
 from multiserve.bench.prompts import NUM_BENCH_PROMPTS, bench_prompts
 from multiserve.bench.report import fleet_table, ratio
-from multiserve.bench.stats import Timeline, summarize
+from multiserve.bench.stats import Timeline, summarize, without_output_ids
 
 T = TypeVar("T")
 FLEET_LEN = 64
@@ -39,34 +39,34 @@ TARGET_FLEET_VS_ONE = 0.9
 WARMUP_LEN = 2
 
 
-def fleet_config(args: argparse.Namespace) -> Any:
+def fleet_config(options: BenchOptions) -> Any:
     """The fleet config: --config (default configs/cpu-4.toml), on ephemeral ports, with
     the engine flags of `multiserve bench` applied to every engine."""
     from multiserve.fleet.config_loader import load_fleet_config
     from multiserve.fleet.startup import DEFAULT_CONFIG
 
     overrides: dict[str, Any] = {"fleet.base_port": 0, "fleet.supervisor_port": 0}
-    if getattr(args, "model", None):
-        overrides["model.path"] = args.model
-    for flag, key in (("token_paddings", "precompile_token_paddings"),
-                      ("bs_paddings", "precompile_bs_paddings"),
-                      ("chunked_prefill_size", "chunked_prefill_size"),
-                      ("max_total_tokens", "max_total_tokens"),
-                      ("max_running", "max_running_requests")):
-        value = getattr(args, flag, None)
+    if options.model:
+        overrides["model.path"] = options.model
+    for key, value in (("precompile_token_paddings", options.token_paddings),
+                       ("precompile_bs_paddings", options.bs_paddings),
+                       ("chunked_prefill_size", options.chunked_prefill_size),
+                       ("max_total_tokens", options.max_total_tokens),
+                       ("max_running_requests", options.max_running)):
         if value is not None:
-            overrides[f"engine.{key}"] = list(value) if isinstance(value, list) else value
-    if getattr(args, "no_overlap", False):
+            overrides[f"engine.{key}"] = list(value) if isinstance(value, tuple) else value
+    if options.no_overlap:
         overrides["engine.disable_overlap"] = True
-    if getattr(args, "dtype", None) not in (None, "auto"):
-        overrides["engine.dtype"] = args.dtype
-    if getattr(args, "speculative", False):
+    if options.dtype not in (None, "auto"):
+        overrides["engine.dtype"] = options.dtype
+    if options.speculative:
         overrides["engine.speculative_algorithm"] = "ngram"
-        if getattr(args, "speculative_num_draft_tokens", None) is not None:
-            overrides["engine.speculative_num_draft_tokens"] = args.speculative_num_draft_tokens
-    if getattr(args, "no_progress", False):
+        if options.speculative_num_draft_tokens is not None:
+            overrides["engine.speculative_num_draft_tokens"] = (
+                options.speculative_num_draft_tokens)
+    if options.no_progress:
         overrides["engine.show_progress"] = False
-    return load_fleet_config(getattr(args, "config", None) or DEFAULT_CONFIG, overrides)
+    return load_fleet_config(options.config or DEFAULT_CONFIG, overrides)
 
 
 async def _run_clients(jobs: Sequence[tuple[str, Sequence[int]]], output_len: int
@@ -175,8 +175,8 @@ def _one_wave(fleet: Any, clients_per_port: int, output_len: int) -> dict[str, A
     lens = [len(p) for p in prompts]
     return {"prompt_tokens": {"total": sum(lens), "min": min(lens), "max": max(lens),
                               "mean": sum(lens) / len(lens)},
-            "fleet": {k: v for k, v in spread.items() if k != "output_ids"},
-            "one_engine": {k: v for k, v in one.items() if k != "output_ids"},
+            "fleet": without_output_ids(spread),
+            "one_engine": without_output_ids(one),
             "outputs_identical": spread["output_ids"] == one["output_ids"]}
 
 
@@ -204,19 +204,19 @@ def _sustained(fleet: Any, clients_per_port: int, duration_s: float) -> dict[str
                                      for k in both)}
 
 
-def fleet_main(args: argparse.Namespace) -> int:
-    if getattr(args, "peer", "none") != "none":
+def fleet_main(options: BenchOptions) -> int:
+    if options.peer != "none":
         raise SystemExit("bench: --fleet compares the fleet with one engine; no --peer")
-    m = int(args.output_len) if args.output_len is not None else FLEET_LEN
+    m = int(options.output_len) if options.output_len is not None else FLEET_LEN
     if m < 1:
         raise SystemExit("bench: --output-len must be >= 1")
-    per_port = int(getattr(args, "clients_per_port", 1) or 1)
+    per_port = options.clients_per_port
     if per_port < 1:
         raise SystemExit("bench: --clients-per-port must be >= 1")
-    duration = getattr(args, "duration", None)
+    duration = options.duration
     if duration is not None and duration <= 0:
         raise SystemExit("bench: --duration must be > 0 seconds")
-    result = run_fleet_bench(fleet_config(args), m, clients_per_port=per_port,
+    result = run_fleet_bench(fleet_config(options), m, clients_per_port=per_port,
                              duration_s=duration)
     print("\n".join(["", *fleet_table(result)]), file=sys.stdout)
     print(json.dumps(result), flush=True)

@@ -31,16 +31,17 @@ Ends with ONE JSON line on stdout holding every figure (progress bars go to stde
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from multiserve.bench.options import BenchOptions
 from multiserve.bench.prompts import bench_prompts
 from multiserve.bench.report import batch_report, single_report
-from multiserve.bench.stats import agreement
+from multiserve.bench.stats import agreement, without_output_ids
 from multiserve.bench.stats import peak_rss_mb as _peak_rss_mb
 from multiserve.engine.commands import StepInfo
 
@@ -50,33 +51,32 @@ BATCH_LEN = 128  # the issue's table: 64 prompts x 128 tokens
 SINGLE_STREAM_LEN = 64  # and 1 prompt x 64 tokens
 
 
-def _engine_config(args: argparse.Namespace) -> Any:
+def _engine_config(options: BenchOptions) -> Any:
     """The default EngineConfig, changed only where a flag says so (errors name the
     field: ConfigError)."""
     from multiserve.config import EngineConfig
 
     base = EngineConfig()
-    changes: dict[str, Any] = {"model_path": args.model,
-                               "disable_overlap": bool(args.no_overlap),
-                               "show_progress": not getattr(args, "no_progress", False)}
-    if getattr(args, "dtype", None) is not None:
-        changes["dtype"] = args.dtype
-    for flag, name in (("token_paddings", "precompile_token_paddings"),
-                       ("bs_paddings", "precompile_bs_paddings"),
-                       ("chunked_prefill_size", "chunked_prefill_size"),
-                       ("max_total_tokens", "max_total_tokens")):
-        value = getattr(args, flag, None)
+    changes: dict[str, Any] = {"model_path": options.model,
+                               "disable_overlap": bool(options.no_overlap),
+                               "show_progress": not options.no_progress}
+    if options.dtype is not None:
+        changes["dtype"] = options.dtype
+    for name, value in (("precompile_token_paddings", options.token_paddings),
+                        ("precompile_bs_paddings", options.bs_paddings),
+                        ("chunked_prefill_size", options.chunked_prefill_size),
+                        ("max_total_tokens", options.max_total_tokens)):
         if value is not None:
-            changes[name] = tuple(value) if isinstance(value, list) else value
-    if getattr(args, "ab_speculation", False) or getattr(args, "speculative", False):
+            changes[name] = value
+    if options.ab_speculation or options.speculative:
         changes["speculative_algorithm"] = "ngram"
-        if getattr(args, "speculative_num_draft_tokens", None) is not None:
-            changes["speculative_num_draft_tokens"] = args.speculative_num_draft_tokens
+        if options.speculative_num_draft_tokens is not None:
+            changes["speculative_num_draft_tokens"] = options.speculative_num_draft_tokens
     bs = changes.get("precompile_bs_paddings", base.precompile_bs_paddings)
-    if args.max_running is not None:
-        changes["max_running_requests"] = args.max_running
-        if args.max_running > max(bs):
-            changes["precompile_bs_paddings"] = tuple(bs) + (args.max_running,)
+    if options.max_running is not None:
+        changes["max_running_requests"] = options.max_running
+        if options.max_running > max(bs):
+            changes["precompile_bs_paddings"] = tuple(bs) + (options.max_running,)
     elif max(bs) < base.max_running_requests:
         changes["max_running_requests"] = max(bs)
     if "chunked_prefill_size" not in changes:
@@ -97,70 +97,70 @@ def _peer_dtype(cfg: Any) -> str:
     return resolve_dtype(cfg, jax.devices()[:1], model_dir).dtype
 
 
-def _peer_model(args: argparse.Namespace) -> str:
+def _peer_model(options: BenchOptions) -> str:
     """The model the peer loads: --peer-model, else the engine's model in the form the
     peer reads (an HF dir; for llama.cpp an F32 copy of the engine's .gguf, the weights
     the engine computes with: gguf_f32.py), else the default model's."""
-    if args.peer_model:
-        return str(args.peer_model)
-    gguf = args.peer == "llamacpp"
-    if args.model is None:
+    if options.peer_model:
+        return str(options.peer_model)
+    gguf = options.peer == "llamacpp"
+    if options.model is None:
         from multiserve.model.loading.default_model import default_model_path, find_default_gguf
 
-        return str(_gguf_copy(find_default_gguf(), args) if gguf else default_model_path())
-    if gguf and str(args.model).endswith(".gguf"):
-        return str(_gguf_copy(Path(args.model), args))
-    if not gguf and Path(args.model, "config.json").is_file():
-        return str(args.model)
+        return str(_gguf_copy(find_default_gguf(), options) if gguf else default_model_path())
+    if gguf and str(options.model).endswith(".gguf"):
+        return str(_gguf_copy(Path(options.model), options))
+    if not gguf and Path(options.model, "config.json").is_file():
+        return str(options.model)
     kind = "a .gguf file" if gguf else "a Hugging Face model directory (config.json)"
-    raise SystemExit(f"bench: --peer {args.peer} needs {kind}; got {args.model!r} "
+    raise SystemExit(f"bench: --peer {options.peer} needs {kind}; got {options.model!r} "
                      "(give one with --peer-model)")
 
 
-def _gguf_copy(gguf: Path, args: argparse.Namespace) -> Path:
+def _gguf_copy(gguf: Path, options: BenchOptions) -> Path:
     """The de-quantized copy of `gguf` in the engine's dtype (F32 or BF16) for llama.cpp."""
     from multiserve.bench.gguf_f32 import dtype_copy
 
-    kind = "BF16" if getattr(args, "peer_dtype", "float32") == "bfloat16" else "F32"
+    kind = "BF16" if options.peer_dtype == "bfloat16" else "F32"
     print(f"bench: llama.cpp peer reads a {kind} copy of {gguf.name} (--peer-model for "
           "another)", flush=True)
     return dtype_copy(gguf, kind)
 
 
-def _run_peer(args: argparse.Namespace, model: str, prompts: list[list[int]], m: int,
+def _run_peer(options: BenchOptions, model: str, prompts: list[list[int]], m: int,
               stream: bool, show: bool, first_request: int = 0) -> dict[str, Any]:
     """The peer on `prompts`, prompt j being request `first_request + j` of the run (its
     seed: the run's seed + that index)."""
     from multiserve.bench.peer import run_peer
 
-    bs = 1 if stream else int(getattr(args, "peer_batch_size", 0) or 0)
-    temperature, seed = _sampling(args)
-    return run_peer(args.peer, prompts, m, model, batch_size=bs,
-                    threads=getattr(args, "peer_threads", None), stream=stream,
+    bs = 1 if stream else options.peer_batch_size
+    temperature, seed = _sampling(options)
+    return run_peer(options.peer, prompts, m, model, batch_size=bs,
+                    threads=options.peer_threads, stream=stream,
                     show_progress=show, temperature=temperature, seed=seed + first_request,
-                    dtype=getattr(args, "peer_dtype", "float32"))
+                    dtype=options.peer_dtype)
 
 
-def _interleaved(args: argparse.Namespace) -> bool:
+def _interleaved(options: BenchOptions) -> bool:
     """Single stream: the peer's rounds alternate with ours (`--interleave`; by default
     where a peer process starts in well under a second: llama.cpp, whose weights are
     mmap'd), else they follow ours."""
-    chosen = getattr(args, "interleave", None)
-    return args.peer == "llamacpp" if chosen is None else bool(chosen)
+    chosen = options.interleave
+    return options.peer == "llamacpp" if chosen is None else bool(chosen)
 
 
-def _sampling(args: argparse.Namespace) -> tuple[float, int]:
+def _sampling(options: BenchOptions) -> tuple[float, int]:
     """(temperature, base seed) of the run: request i samples at the temperature with
     seed base + i (0: greedy)."""
-    return float(getattr(args, "temperature", 0.0) or 0.0), int(getattr(args, "seed", 0) or 0)
+    return float(options.temperature), int(options.seed)
 
 
-def _check_sampling(args: argparse.Namespace, n: int) -> None:
+def _check_sampling(options: BenchOptions, n: int) -> None:
     """Fail before compiling on a temperature or seed a request would refuse."""
     from multiserve.bench.ours import request_params
     from multiserve.types import SamplingParamsError
 
-    temperature, seed = _sampling(args)
+    temperature, seed = _sampling(options)
     try:
         request_params(1, temperature, seed, 0)
         request_params(1, temperature, seed, n - 1)
@@ -177,13 +177,13 @@ def peer_agreement(ours: list[list[int]], theirs: list[list[int]], temperature: 
     return agreement(ours, theirs), None
 
 
-def _check_peer_env(args: argparse.Namespace) -> None:
+def _check_peer_env(options: BenchOptions) -> None:
     """Fail before compiling when the peer's environment is missing."""
     from multiserve.bench.peer import PeerError, peer_python, peer_script
 
     try:
-        peer_script(args.peer)
-        peer_python(args.peer)
+        peer_script(options.peer)
+        peer_python(options.peer)
     except PeerError as e:
         raise SystemExit(f"bench: {e}") from None
 
@@ -200,58 +200,53 @@ def _start(cfg: Any) -> tuple[Any, float, dict[str, Any]]:
     return engine, startup_s, info
 
 
-def _strip(run: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in run.items() if k != "output_ids"}
-
-
-def bench_main(args: argparse.Namespace) -> int:
-    if getattr(args, "fleet", False):
+def bench_main(options: BenchOptions) -> int:
+    if options.fleet:
         from multiserve.bench.fleet_bench import fleet_main
 
-        if _sampling(args)[0] > 0:
+        if _sampling(options)[0] > 0:
             raise SystemExit("bench: --temperature applies to the batch and single-stream "
                              "modes; --fleet compares greedy outputs")
-        return fleet_main(args)
-    if getattr(args, "duration", None) is not None:
+        return fleet_main(options)
+    if options.duration is not None:
         raise SystemExit("bench: --duration is the sustained load of --fleet")
-    single = bool(getattr(args, "single_stream", False))
-    if args.output_len is None:
-        args.output_len = SINGLE_STREAM_LEN if single else BATCH_LEN
-    n, m = int(args.num_prompts), int(args.output_len)
-    rounds = int(getattr(args, "rounds", 1))
+    single = options.single_stream
+    if options.output_len is None:
+        options = replace(options, output_len=SINGLE_STREAM_LEN if single else BATCH_LEN)
+    n, m, rounds = options.num_prompts, int(options.output_len), options.rounds
     if n < 1 or m < 1 or rounds < 1:
         raise SystemExit("bench: --num-prompts, --output-len and --rounds must be >= 1")
-    _check_sampling(args, rounds if single else n)
-    cfg = _engine_config(args)
+    _check_sampling(options, rounds if single else n)
+    cfg = _engine_config(options)
     peer_model = None
-    if args.peer != "none":  # fail before compiling
-        args.peer_dtype = _peer_dtype(cfg)
-        peer_model = _peer_model(args)
-        _check_peer_env(args)
-    if getattr(args, "ab_speculation", False):
+    if options.peer != "none":  # fail before compiling
+        options = replace(options, peer_dtype=_peer_dtype(cfg))
+        peer_model = _peer_model(options)
+        _check_peer_env(options)
+    if options.ab_speculation:
         from multiserve.bench.spec_bench import spec_main
 
-        if args.peer != "none" and not single:
+        if options.peer != "none" and not single:
             raise SystemExit("bench: --ab-speculation compares with a peer in --single-stream")
         run_peer = None
         if peer_model is not None:
             def run_peer(ids: list[int]) -> dict[str, Any]:
-                return _run_peer(args, peer_model, [ids], int(args.output_len), stream=True,
-                                 show=not getattr(args, "no_progress", False))
-        return spec_main(args, cfg, _start, run_peer)
-    if getattr(args, "workload", "chat") != "chat":
+                return _run_peer(options, peer_model, [ids], int(options.output_len),
+                                 stream=True, show=not options.no_progress)
+        return spec_main(options, cfg, _start, run_peer)
+    if options.workload != "chat":
         raise SystemExit("bench: --workload grounded|grpo is a workload of --ab-speculation")
     if single:
-        return _single_main(args, cfg, peer_model)
-    return _batch_main(args, cfg, peer_model)
+        return _single_main(options, cfg, peer_model)
+    return _batch_main(options, cfg, peer_model)
 
 
-def _batch_main(args: argparse.Namespace, cfg: Any, peer_model: str | None) -> int:
+def _batch_main(options: BenchOptions, cfg: Any, peer_model: str | None) -> int:
     from multiserve.bench.ours import run_once
 
-    n, m = int(args.num_prompts), int(args.output_len)
-    show = not getattr(args, "no_progress", False)
-    temperature, seed = _sampling(args)
+    n, m = options.num_prompts, int(options.output_len)
+    show = not options.no_progress
+    temperature, seed = _sampling(options)
     engine, startup_s, info = _start(cfg)
     try:
         prompts = [engine.chat_ids([{"role": "user", "content": text}])
@@ -263,7 +258,7 @@ def _batch_main(args: argparse.Namespace, cfg: Any, peer_model: str | None) -> i
         runs = {"ours": run_once(engine, prompts, m, overlap=primary,
                                  desc=f"overlap={'on' if primary else 'off'}",
                                  show_progress=show, **sampling)}
-        if args.ab_overlap:
+        if options.ab_overlap:
             runs["ours_ab"] = run_once(engine, prompts, m, overlap=not primary,
                                        desc=f"overlap={'off' if primary else 'on'}",
                                        show_progress=show, **sampling)
@@ -272,15 +267,15 @@ def _batch_main(args: argparse.Namespace, cfg: Any, peer_model: str | None) -> i
         device = f"{engine.devices[0].platform}:{cfg.device_indexes}"
         model_name = engine.model_name
         breakdown = None  # after the measured runs, on the same engine: they are done
-        if not getattr(args, "no_breakdown", False):
+        if not options.no_breakdown:
             breakdown = _breakdown(engine, prompts, m, runs["ours"], sampling)
     finally:
         engine.shutdown()
 
     peer = None
     if peer_model is not None:
-        peer = _run_peer(args, peer_model, prompts, m, stream=False, show=show)
-    result = _result(args, cfg, info, prompts, runs, peer, startup_s, peak_rss_mb,
+        peer = _run_peer(options, peer_model, prompts, m, stream=False, show=show)
+    result = _result(options, cfg, info, prompts, runs, peer, startup_s, peak_rss_mb,
                      final_state, device, model_name)
     result["breakdown"] = breakdown
     print("\n".join(batch_report(result)), file=sys.stdout)
@@ -300,7 +295,7 @@ def _breakdown(engine: Any, prompts: list[list[int]], m: int, run: dict[str, Any
         return {"error": f"{type(e).__name__}: {e}"}
 
 
-def _single_main(args: argparse.Namespace, cfg: Any, peer_model: str | None) -> int:
+def _single_main(options: BenchOptions, cfg: Any, peer_model: str | None) -> int:
     from multiserve.bench.single import (
         merge_peer_rounds,
         single_result,
@@ -308,10 +303,10 @@ def _single_main(args: argparse.Namespace, cfg: Any, peer_model: str | None) -> 
         stream_rounds,
     )
 
-    m, rounds = int(args.output_len), int(getattr(args, "rounds", 1))
-    show = not getattr(args, "no_progress", False)
-    temperature, seed = _sampling(args)
-    interleave = peer_model is not None and _interleaved(args)
+    m, rounds = int(options.output_len), options.rounds
+    show = not options.no_progress
+    temperature, seed = _sampling(options)
+    interleave = peer_model is not None and _interleaved(options)
     peer_rounds: list[dict[str, Any]] = []
     engine, startup_s, info = _start(cfg)
     try:
@@ -321,8 +316,8 @@ def _single_main(args: argparse.Namespace, cfg: Any, peer_model: str | None) -> 
 
         def peer_round(i: int) -> None:  # the peer's round i, between ours i and i + 1
             assert peer_model is not None
-            peer_rounds.append(_run_peer(args, peer_model, [ids], m, stream=True, show=show,
-                                         first_request=i))
+            peer_rounds.append(_run_peer(options, peer_model, [ids], m, stream=True,
+                                         show=show, first_request=i))
 
         ours = stream_rounds(engine, ids, m, rounds, rid="bench-single",
                              temperature=temperature, seed=seed,
@@ -342,7 +337,7 @@ def _single_main(args: argparse.Namespace, cfg: Any, peer_model: str | None) -> 
     peer = agree = why = None
     if peer_model is not None:
         peer = (merge_peer_rounds(peer_rounds) if interleave else
-                _run_peer(args, peer_model, [ids] * rounds, m, stream=True, show=show))
+                _run_peer(options, peer_model, [ids] * rounds, m, stream=True, show=show))
         agree, why = peer_agreement(ours["output_ids"], peer["output_ids"], temperature)
     result = single_result(base, ours, peer, agree)
     if why is not None:
@@ -352,7 +347,7 @@ def _single_main(args: argparse.Namespace, cfg: Any, peer_model: str | None) -> 
     return 0
 
 
-def _result(args: argparse.Namespace, cfg: Any, info: dict[str, Any],
+def _result(options: BenchOptions, cfg: Any, info: dict[str, Any],
             prompts: list[list[int]], runs: dict[str, dict[str, Any]],
             peer: dict[str, Any] | None, startup_s: float, peak_rss_mb: float,
             state: dict[str, Any], device: str, model_name: str) -> dict[str, Any]:
@@ -365,9 +360,9 @@ def _result(args: argparse.Namespace, cfg: Any, info: dict[str, Any],
         "device": device,
         "dtype": info["dtype"],
         "num_prompts": len(prompts),
-        "output_len": int(args.output_len),
-        "temperature": _sampling(args)[0],
-        "seed": _sampling(args)[1],
+        "output_len": int(options.output_len),
+        "temperature": _sampling(options)[0],
+        "seed": _sampling(options)[1],
         "prompt_tokens": {"total": sum(lens), "min": min(lens), "max": max(lens),
                           "mean": sum(lens) / len(lens)},
         "config": {"max_running_requests": cfg.max_running_requests,
@@ -380,7 +375,7 @@ def _result(args: argparse.Namespace, cfg: Any, info: dict[str, Any],
         "all_compiled_s": info["all_compiled_s"],
         "peak_rss_mb": peak_rss_mb,
         "cache_miss_count": state["cache_miss_count"],
-        "ours": _strip(ours),
+        "ours": without_output_ids(ours),
         "tokens_per_s": ours["tokens_per_s"],
     }
     overlap_ratio = None
@@ -388,17 +383,18 @@ def _result(args: argparse.Namespace, cfg: Any, info: dict[str, Any],
         ab = runs["ours_ab"]
         on, off = (ours, ab) if ours["overlap"] else (ab, ours)
         overlap_ratio = on["tokens_per_s"] / off["tokens_per_s"]
-        res["ours_ab"] = _strip(ab)
+        res["ours_ab"] = without_output_ids(ab)
         res["overlap_outputs_identical"] = on["output_ids"] == off["output_ids"]
     res["overlap_ratio"] = overlap_ratio
     ratio = None
     if peer is not None:
         ratio = ours["tokens_per_s"] / peer["tokens_per_s"]
-        agree, why = peer_agreement(ours["output_ids"], peer["output_ids"], _sampling(args)[0])
+        agree, why = peer_agreement(ours["output_ids"], peer["output_ids"],
+                                    _sampling(options)[0])
         res["peer_agreement"] = agree
         if why is not None:
             res["peer_agreement_note"] = why
-        res["peer"] = {k: v for k, v in peer.items() if k != "output_ids"}
+        res["peer"] = without_output_ids(peer)
     res["ratio_vs_peer"] = ratio
     res["targets"] = {
         "vs_peer": TARGET_VS_PEER, "vs_peer_met": None if ratio is None

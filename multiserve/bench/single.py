@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from multiserve.bench.ours import request_params, spec_counts
-from multiserve.bench.stats import Timeline, summarize, summarize_rounds
+from multiserve.bench.stats import Timeline, summarize, summarize_rounds, without_output_ids
 from multiserve.types import GenerateRequest
 
 TARGET_VS_PEER = 1.0  # float32 (issue 19)
@@ -131,12 +131,12 @@ def single_result(base: dict[str, Any], ours: dict[str, Any],
     ours, the peer's figures and the ratios against the issue's targets."""
     res = dict(base)
     res.update({"mode": "single_stream", "num_prompts": 1,
-                "ours": {k: v for k, v in ours.items() if k != "output_ids"},
+                "ours": without_output_ids(ours),
                 "tokens_per_s": ours["tokens_per_s"], "ttft_s": ours["ttft_p50_s"]})
     ratio = None
     if peer is not None:
         ratio = ours["tokens_per_s"] / peer["tokens_per_s"] if peer["tokens_per_s"] else None
-        res["peer"] = {k: v for k, v in peer.items() if k != "output_ids"}
+        res["peer"] = without_output_ids(peer)
         res["peer_agreement"] = agreement
     res["ratio_vs_peer"] = ratio
     target = target_vs_peer(res.get("dtype"))

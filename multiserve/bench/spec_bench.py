@@ -16,16 +16,16 @@ the same output ids (the engine's promise): the JSON says whether they did.
 
 from __future__ import annotations
 
-import argparse
 import json
 from collections.abc import Callable
 from typing import Any
 
 from multiserve.bench.grounded_prompts import grounded_prompts
+from multiserve.bench.options import BenchOptions
 from multiserve.bench.prompts import bench_prompts
+from multiserve.bench.stats import without_output_ids
 from multiserve.engine.commands import Call
 
-WORKLOADS = ("chat", "grounded", "grpo")
 TARGET_GROUNDED_SINGLE = 2.0  # issue 32: grounded single stream >= 2x speculation off
 TARGET_VS_LLAMACPP = 1.5  # ... and >= 1.5x llama.cpp F32
 TARGET_GRPO_EPOCH = 1.3  # GRPO second epoch >= 1.3x the first
@@ -41,39 +41,35 @@ def set_speculation(engine: Any, on: bool) -> None:
                                           Drafter() if on else None))).result()
 
 
-def _texts(args: argparse.Namespace, n: int) -> list[str]:
-    return grounded_prompts(n) if args.workload == "grounded" else bench_prompts(n)
+def _texts(options: BenchOptions, n: int) -> list[str]:
+    return grounded_prompts(n) if options.workload == "grounded" else bench_prompts(n)
 
 
-def _strip(run: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in run.items() if k != "output_ids"}
-
-
-def spec_main(args: argparse.Namespace, cfg: Any,
+def spec_main(options: BenchOptions, cfg: Any,
               start: Callable[[Any], tuple[Any, float, dict[str, Any]]],
               run_peer: Callable[[list[int]], dict[str, Any]] | None) -> int:
     """The run: `start(cfg)` builds the engine with every program compiled (bench/run.py's);
     `run_peer(ids)`, when a peer is asked for, streams the same prompt through it."""
     engine, startup_s, info = start(cfg)
     try:
-        base = {"bench": "multiserve", "mode": "speculation", "workload": args.workload,
+        base = {"bench": "multiserve", "mode": "speculation", "workload": options.workload,
                 "model": engine.model_name, "dtype": info["dtype"], "startup_s": startup_s,
                 "all_compiled_s": info["all_compiled_s"],
                 "speculative_num_draft_tokens": cfg.speculative_num_draft_tokens,
                 "speculative_max_step_tokens": cfg.speculative_max_step_tokens}
-        if args.single_stream:
-            result, ids = _single(args, engine)
-        elif args.workload == "grpo":
-            result, ids = _grpo(args, engine), None
+        if options.single_stream:
+            result, ids = _single(options, engine)
+        elif options.workload == "grpo":
+            result, ids = _grpo(options, engine), None
         else:
-            result, ids = _batch(args, engine), None
+            result, ids = _batch(options, engine), None
         state = engine.get_internal_state()
         result["cache_miss_count"] = state["cache_miss_count"]
     finally:
         engine.shutdown()
-    if args.single_stream and run_peer is not None:
+    if options.single_stream and run_peer is not None:
         peer = run_peer(ids)
-        result["peer"] = {k: v for k, v in peer.items() if k != "output_ids"}
+        result["peer"] = without_output_ids(peer)
         result["peer_identical"] = peer["output_ids"] == [result.pop("_on_ids")]
         on = result["on"]["tokens_per_s"]
         result["ratio_vs_peer"] = on / peer["tokens_per_s"] if peer["tokens_per_s"] else None
@@ -93,13 +89,13 @@ def _ab(run: Any, engine: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     return off, on
 
 
-def _batch(args: argparse.Namespace, engine: Any) -> dict[str, Any]:
+def _batch(options: BenchOptions, engine: Any) -> dict[str, Any]:
     from multiserve.bench.ours import run_once
 
-    n, m = int(args.num_prompts), int(args.output_len)
-    temperature, seed = float(args.temperature), int(args.seed)
-    prompts = [engine.chat_ids([{"role": "user", "content": t}]) for t in _texts(args, n)]
-    show = not args.no_progress
+    n, m = int(options.num_prompts), int(options.output_len)
+    temperature, seed = float(options.temperature), int(options.seed)
+    prompts = [engine.chat_ids([{"role": "user", "content": t}]) for t in _texts(options, n)]
+    show = not options.no_progress
     set_speculation(engine, True)  # warm-up with drafts: the bucket costs get measured
     run_once(engine, prompts[:4], min(m, 16), overlap=True, desc="warmup",
              show_progress=False, temperature=temperature, seed=seed)
@@ -110,18 +106,18 @@ def _batch(args: argparse.Namespace, engine: Any) -> dict[str, Any]:
 
     off, on = _ab(run, engine)
     return {"num_prompts": n, "output_len": m, "temperature": temperature, "seed": seed,
-            "off": _strip(off), "on": _strip(on),
+            "off": without_output_ids(off), "on": without_output_ids(on),
             "ratio": on["tokens_per_s"] / off["tokens_per_s"],
             "outputs_identical": on["output_ids"] == off["output_ids"],
-            "target": TARGET_CHAT_BATCH if args.workload == "chat" else None}
+            "target": TARGET_CHAT_BATCH if options.workload == "chat" else None}
 
 
-def _single(args: argparse.Namespace, engine: Any) -> tuple[dict[str, Any], list[int]]:
+def _single(options: BenchOptions, engine: Any) -> tuple[dict[str, Any], list[int]]:
     from multiserve.bench.single import stream_once
 
-    m = int(args.output_len)
-    temperature, seed = float(args.temperature), int(args.seed)
-    ids = engine.chat_ids([{"role": "user", "content": _texts(args, 1)[0]}])
+    m = int(options.output_len)
+    temperature, seed = float(options.temperature), int(options.seed)
+    ids = engine.chat_ids([{"role": "user", "content": _texts(options, 1)[0]}])
     set_speculation(engine, True)
     stream_once(engine, ids, min(m, 16), rid="spec-warmup", temperature=temperature,
                 seed=seed)
@@ -133,39 +129,39 @@ def _single(args: argparse.Namespace, engine: Any) -> tuple[dict[str, Any], list
     off, on = _ab(run, engine)
     return ({"num_prompts": 1, "output_len": m, "temperature": temperature, "seed": seed,
              "single_stream": True, "prompt_tokens": len(ids),
-             "off": _strip(off), "on": _strip(on),
+             "off": without_output_ids(off), "on": without_output_ids(on),
              "ratio": on["tokens_per_s"] / off["tokens_per_s"],
              "outputs_identical": on["output_ids"] == off["output_ids"],
              "_on_ids": on["output_ids"][0],
-             "target": TARGET_GROUNDED_SINGLE if args.workload == "grounded" else None},
+             "target": TARGET_GROUNDED_SINGLE if options.workload == "grounded" else None},
             ids)
 
 
-def _grpo(args: argparse.Namespace, engine: Any) -> dict[str, Any]:
+def _grpo(options: BenchOptions, engine: Any) -> dict[str, Any]:
     """P prompts x G samples, two epochs (seeds seed + i, then seed + 10000 + i), with
     speculation off and on: each side's epoch 2 vs its epoch 1."""
     from multiserve.bench.ours import run_once
 
-    p, g, m = int(args.num_prompts), int(args.group_size), int(args.output_len)
-    temperature = float(args.temperature) if args.temperature else 1.0
+    p, g, m = int(options.num_prompts), int(options.group_size), int(options.output_len)
+    temperature = float(options.temperature) if options.temperature else 1.0
     texts = bench_prompts(p)
     prompts = [engine.chat_ids([{"role": "user", "content": t}]) for t in texts
                for _ in range(g)]
-    show = not args.no_progress
+    show = not options.no_progress
     set_speculation(engine, True)
     run_once(engine, prompts[:4], min(m, 16), overlap=True, desc="warmup",
-             show_progress=False, temperature=temperature, seed=int(args.seed) + 99_999)
+             show_progress=False, temperature=temperature, seed=int(options.seed) + 99_999)
     out: dict[str, Any] = {"num_prompts": p, "group_size": g, "output_len": m,
-                           "temperature": temperature, "seed": int(args.seed)}
+                           "temperature": temperature, "seed": int(options.seed)}
     epochs: dict[str, list[dict[str, Any]]] = {}
     for side in ("off", "on"):
         set_speculation(engine, side == "on")  # a fresh drafter: no memory of other runs
         epochs[side] = [run_once(engine, prompts, m, overlap=True,
                                  desc=f"grpo-{side}-epoch{e + 1}", show_progress=show,
-                                 temperature=temperature, seed=int(args.seed) + 10_000 * e)
+                                 temperature=temperature, seed=int(options.seed) + 10_000 * e)
                         for e in range(2)]
     for side, runs in epochs.items():
-        out[side] = {f"epoch{e + 1}": _strip(r) for e, r in enumerate(runs)}
+        out[side] = {f"epoch{e + 1}": without_output_ids(r) for e, r in enumerate(runs)}
         out[side]["epoch2_vs_epoch1"] = runs[1]["tokens_per_s"] / runs[0]["tokens_per_s"]
     out["outputs_identical"] = all(a["output_ids"] == b["output_ids"]
                                    for a, b in zip(epochs["off"], epochs["on"], strict=True))
@@ -215,4 +211,4 @@ def spec_report(res: dict[str, Any]) -> list[str]:
     return lines
 
 
-__all__ = ["WORKLOADS", "set_speculation", "spec_main", "spec_report"]
+__all__ = ["set_speculation", "spec_main", "spec_report"]

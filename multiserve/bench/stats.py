@@ -11,6 +11,7 @@ from __future__ import annotations
 import resource
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 
 def peak_rss_mb() -> float:
@@ -25,6 +26,11 @@ def peak_rss_mb() -> float:
     except OSError:
         pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def without_output_ids(run: dict[str, Any]) -> dict[str, Any]:
+    """A run's figures for the JSON line: everything but its output ids."""
+    return {k: v for k, v in run.items() if k != "output_ids"}
 
 
 def percentile(values: Sequence[float], q: float) -> float:

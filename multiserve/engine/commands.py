@@ -84,7 +84,7 @@ class Call:
     fn: Callable[[Any], Any]
 
 
-# ---- RL (engine/rl/): run by RLControl.execute on the engine thread (with the RL group's
+# ---- RL (engine/rl/): run by ControlRunner.execute on the engine thread (with the RL group's
 # one-step records of control_ops.py) --------------------------------------------------------
 @dataclass(frozen=True)
 class BeginStaging:

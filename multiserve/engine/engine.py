@@ -56,7 +56,7 @@ from multiserve.engine.commands import (
     StepInfo,
     Stop,
 )
-from multiserve.engine.rl.control import RLControl
+from multiserve.engine.control_runner import ControlRunner
 from multiserve.engine.rl_interface import RLInterface
 from multiserve.engine.sched.request import Req
 from multiserve.engine.setup import EngineParts, build_engine_parts
@@ -110,8 +110,8 @@ def _register_exit_hook() -> None:
 
 class Engine:
     """One inference engine. `Engine(EngineConfig(...))`; see README for examples.
-    Control operations run through `control` / `acontrol`, driven by its RLControl
-    (engine/rl/control.py)."""
+    Control operations run through `control` / `acontrol`, driven by its ControlRunner
+    (engine/control_runner.py)."""
 
     def __init__(self, config: EngineConfig | None = None, **overrides: Any) -> None:
         cfg = (config or EngineConfig()).with_updates(**overrides) if overrides else (
@@ -127,7 +127,8 @@ class Engine:
         self.context_len = parts.core.max_context
         self.devices = parts.runner.devices
         self._core = parts.core
-        self._rl = RLControl(RLInterface(parts.core), self.call, self._require_healthy)
+        self._control_runner = ControlRunner(RLInterface(parts.core), self.call,
+                                             self._require_healthy)
         self._commands: queue.SimpleQueue[_Queued] = queue.SimpleQueue()
         self._seed_rng = random.Random(cfg.seed)
         self._rid_counter = itertools.count()
@@ -231,7 +232,7 @@ class Engine:
             case Call(fn):
                 return fn(core)
             case _ if isinstance(cmd, RL_COMMANDS):
-                return self._rl.execute(cmd)
+                return self._control_runner.execute(cmd)
             case _:  # Stop is handled by the loop itself
                 raise TypeError(f"not an engine command: {cmd!r}")
 
@@ -438,11 +439,13 @@ class Engine:
         """Run control operation `name` (multiserve/control_ops.py) with its arguments and
         wait for its answer (a ControlResult; get_internal_state: a dict). A bad argument
         raises ValueError here, before anything runs."""
-        return self._rl.run(self._rl.operation(control_request(name, **args)))
+        runner = self._control_runner
+        return runner.run(runner.operation(control_request(name, **args)))
 
     async def acontrol(self, name: str, /, **args: Any) -> Any:
         """`control(name, **args)`, awaited (a staging's reads run in a worker thread)."""
-        return await self._rl.arun(self._rl.operation(control_request(name, **args)))
+        runner = self._control_runner
+        return await runner.arun(runner.operation(control_request(name, **args)))
 
     # the operations Python callers name (sglang's Engine methods), as one-line spellings
     def pause_generation(self, mode: str = "abort") -> ControlResult:

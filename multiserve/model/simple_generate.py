@@ -2,8 +2,8 @@
 
 `greedy_token_ids` is the reference the engine tests compare against: one sequence, its
 steps padded to power-of-two token counts and one logits row. The model is row-invariant
-(row_invariant.py, attention.py), so this shares the engine's numerics bit for bit whatever the
-engine's batch. `greedy_generate` is what
+(invariance/primitives.py, layers/attention.py), so this shares the engine's numerics bit
+for bit whatever the engine's batch. `greedy_generate` is what
 `multiserve generate PROMPT` runs: chat template, greedy decode, detokenize.
 """
 

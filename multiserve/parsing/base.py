@@ -93,10 +93,6 @@ class ToolCallParser:
         last = self.flush()
         return first.normal_text + last.normal_text, list(self.calls)
 
-    def has_tool_call(self, text: str) -> bool:
-        """Whether `text` contains a call start of this format."""
-        return self._find_start(text, True)[0] != -1
-
     def feed(self, delta: str) -> ToolStreamResult:
         assert not self._finished, "flush() was called: this parser is done"
         self._buf += delta

@@ -138,9 +138,6 @@ class OpenAIServing:
                                  sum(r.completion_tokens for r in runs),
                                  sum(r.cached_tokens for r in runs))
 
-    async def _finish(self, request: Request, runs: list[RequestRun]) -> None:
-        await finish_runs(request, runs)
-
     # ---- /v1/chat/completions --------------------------------------------------------------
     async def chat(self, request: Request) -> Response:
         req = parse_body(P.ChatCompletionRequest, await request.body())
@@ -158,7 +155,7 @@ class OpenAIServing:
         if req.stream:
             await start_runs(runs)  # refusals become HTTP errors, not mid-stream events
             return sse_response(self._chat_stream(req, runs[0], tools))
-        await self._finish(request, runs)
+        await finish_runs(request, runs)
         run = runs[0]
         choices = []
         for s in run.samples:
@@ -336,7 +333,7 @@ class OpenAIServing:
         if req.stream:
             await start_runs(runs)
             return sse_response(self._completion_stream(req, runs, prompts))
-        await self._finish(request, runs)
+        await finish_runs(request, runs)
         choices = []
         for p, run in enumerate(runs):
             prefix = self.tm.decode(prompts[p]) if req.echo else ""

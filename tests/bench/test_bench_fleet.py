@@ -9,10 +9,10 @@ import json
 from pathlib import Path
 
 import pytest
+from bench_args import bench_options
 from tiny_model import save_tiny_model
 
 from multiserve.bench.http_stream import generate_body
-from multiserve.cli import build_parser
 
 FLAGS = ["--output-len", "6", "--no-progress", "--max-total-tokens", "4096", "--token-paddings",
          "64", "--chunked-prefill-size", "64", "--clients-per-port", "2", "--bs-paddings", "8",
@@ -24,8 +24,7 @@ def _run(tmp_path: Path, capsys: pytest.CaptureFixture[str], *extra: str
     from multiserve.bench.run import bench_main
 
     model = save_tiny_model(tmp_path / "tiny")
-    args = build_parser().parse_args(["bench", "--fleet", "--model", str(model), *FLAGS, *extra])
-    assert bench_main(args) == 0
+    assert bench_main(bench_options("--fleet", "--model", str(model), *FLAGS, *extra)) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     return json.loads(lines[-1]), "\n".join(lines[:-1])
 
@@ -76,10 +75,10 @@ def test_fleet_bench_sustained_tiny(tmp_path: Path, capsys: pytest.CaptureFixtur
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["bench", "--fleet", "--duration", "0"], "--duration must be > 0"),
-    (["bench", "--duration", "5"], "--duration is the sustained load of --fleet")])
+    (["--fleet", "--duration", "0"], "--duration must be > 0"),
+    (["--duration", "5"], "--duration is the sustained load of --fleet")])
 def test_duration_is_checked_before_anything_starts(argv: list[str], message: str) -> None:
     from multiserve.bench.run import bench_main
 
     with pytest.raises(SystemExit, match=message):
-        bench_main(build_parser().parse_args(argv))
+        bench_main(bench_options(*argv))

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from bench_args import bench_options
 from tiny_model import ENGINE_FLAGS, save_tiny_model
 
 from multiserve.bench import peer as peer_mod
@@ -113,13 +114,12 @@ def test_cli_flags() -> None:
 def test_bad_sampling_flags_fail_before_compiling() -> None:
     from multiserve.bench.run import bench_main
 
-    p = build_parser()
     with pytest.raises(SystemExit, match="temperature"):
-        bench_main(p.parse_args(["bench", "--temperature", "-1"]))
+        bench_main(bench_options("--temperature", "-1"))
     with pytest.raises(SystemExit, match="seed"):
-        bench_main(p.parse_args(["bench", "--temperature", "1", "--seed", str(2**63 - 2)]))
+        bench_main(bench_options("--temperature", "1", "--seed", str(2**63 - 2)))
     with pytest.raises(SystemExit, match="--fleet compares greedy"):
-        bench_main(p.parse_args(["bench", "--fleet", "--temperature", "1"]))
+        bench_main(bench_options("--fleet", "--temperature", "1"))
 
 
 @pytest.fixture(scope="module")
@@ -153,7 +153,7 @@ def stub_peer(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
 def _bench(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[str, dict[str, Any]]:
     from multiserve.bench.run import bench_main
 
-    assert bench_main(build_parser().parse_args(["bench", *argv])) == 0
+    assert bench_main(bench_options(*argv)) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     return "\n".join(lines[:-1]), json.loads(lines[-1])
 
@@ -272,18 +272,17 @@ def test_single_stream_sampled(tiny_dir: Path, stub_peer: list[dict[str, Any]],
 def test_rounds_below_one_are_refused_before_start_up(tiny_dir: Path) -> None:
     from multiserve.bench.run import bench_main
 
-    args = build_parser().parse_args(["bench", "--model", str(tiny_dir), "--single-stream",
-                                      "--rounds", "0"])
+    options = bench_options("--model", str(tiny_dir), "--single-stream", "--rounds", "0")
     with pytest.raises(SystemExit, match="--rounds must be >= 1"):
-        bench_main(args)
+        bench_main(options)
 
 
 def test_llamacpp_peer_needs_a_gguf(tiny_dir: Path, stub_peer: list[dict[str, Any]]) -> None:
     from multiserve.bench.run import bench_main
 
-    args = build_parser().parse_args(["bench", "--model", str(tiny_dir), "--peer", "llamacpp"])
+    options = bench_options("--model", str(tiny_dir), "--peer", "llamacpp")
     with pytest.raises(SystemExit, match="needs a .gguf file"):
-        bench_main(args)
+        bench_main(options)
 
 
 def _check_breakdown(bd: dict[str, Any]) -> None:

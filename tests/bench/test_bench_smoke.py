@@ -10,10 +10,10 @@ import json
 import math
 
 import pytest
+from bench_args import bench_options
 
 from multiserve.bench.prompts import BENCH_PROMPTS, bench_prompts
 from multiserve.bench.stats import Timeline, agreement, percentile, summarize, summarize_rounds
-from multiserve.cli import build_parser
 
 
 def test_prompt_list_is_fixed_varied_and_distinct() -> None:
@@ -64,10 +64,10 @@ def test_bench_smoke_json_line(capsys: pytest.CaptureFixture[str],
     # start-up short; the breakdown times its minimum rounds (its figures are not what
     # this test checks); everything else is default.
     monkeypatch.setattr(breakdown, "BUDGET_S", 0.0)
-    args = build_parser().parse_args(
-        ["bench", "--num-prompts", "4", "--output-len", "8", "--ab-overlap", "--no-progress",
-         "--token-paddings", "64", "512", "--bs-paddings", "64", "--max-total-tokens", "8192"])
-    assert bench_main(args) == 0
+    options = bench_options(
+        "--num-prompts", "4", "--output-len", "8", "--ab-overlap", "--no-progress",
+        "--token-paddings", "64", "512", "--bs-paddings", "64", "--max-total-tokens", "8192")
+    assert bench_main(options) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     res = json.loads(lines[-1])
     assert "ours / peer" not in "\n".join(lines)  # no peer asked for
@@ -218,7 +218,7 @@ def test_bench_speculation_ab_json_line(capsys: pytest.CaptureFixture[str], tmp_
              "--workload", workload]
     shape = (["--single-stream", "--output-len", "24"] if workload == "grounded" else
              ["--num-prompts", "1", "--group-size", "2", "--output-len", "8"])
-    assert bench_main(build_parser().parse_args(["bench", *shape, *small])) == 0
+    assert bench_main(bench_options(*shape, *small)) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     res = json.loads(lines[-1])
     assert res["mode"] == "speculation" and res["workload"] == workload

@@ -1,7 +1,7 @@
 """Typed commands, one dispatch (issues 12, 21): every command type of engine/commands.py
 has exactly one case: in `Engine._dispatch` (Stop is the loop's own), or, for the RL
 commands (`RLCommand`, which the dispatch hands over as a group), in
-`RLControl.execute`; and nothing else in the engine dispatches by name. Static (ast): no
+`ControlRunner.execute`; and nothing else in the engine dispatches by name. Static (ast): no
 model, no jax."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 from multiserve.engine import commands
 
 ENGINE = Path(__file__).resolve().parents[2] / "multiserve" / "engine" / "engine.py"
-RL_CONTROL = ENGINE.parent / "rl" / "control.py"
+CONTROL_RUNNER = ENGINE.parent / "control_runner.py"
 
 
 def _cases(path: Path = ENGINE, function: str = "_dispatch") -> list[str]:
@@ -31,7 +31,7 @@ def test_every_command_has_one_case() -> None:
     cases = _cases()
     assert len(cases) == len(set(cases))
     assert set(cases) == types - {"Stop"} - rl
-    rl_cases = _cases(RL_CONTROL, "execute")
+    rl_cases = _cases(CONTROL_RUNNER, "execute")
     assert len(rl_cases) == len(set(rl_cases))
     assert set(rl_cases) == rl
     assert "RL_COMMANDS" in ENGINE.read_text()  # the dispatch's one case for the group

@@ -94,7 +94,7 @@ def test_release_frees_every_device_buffer_and_resume_restores(engine: Any,
     assert healthy and reason.startswith("asleep"), reason
     st = engine.get_internal_state()
     assert st["memory_released"] == ["kv_cache", "weights"] and st["engine_paused"]
-    host = [weakref.ref(a) for a in jax.tree.leaves(engine._rl.memory.host_params)]
+    host = [weakref.ref(a) for a in jax.tree.leaves(engine._control_runner.memory.host_params)]
     again = engine.release_memory_occupation()
     assert again.ok and again.details["already_released"] and "no-op" in again.message
     assert engine.flush_cache().ok  # host-only bookkeeping: allowed, touches no device
@@ -106,7 +106,7 @@ def test_release_frees_every_device_buffer_and_resume_restores(engine: Any,
     assert res.details["host_bytes_freed"] == rel.details["host_bytes"]
     gc.collect()
     # The engine keeps no host copy: each one is freed, or (CPU) adopted as the device buffer.
-    assert engine._rl.memory.host_params is None
+    assert engine._control_runner.memory.host_params is None
     device_ptrs = {a.unsafe_buffer_pointer() for a in jax.tree.leaves(engine._core.runner.params)}
     for r in host:
         assert r() is None or r().ctypes.data in device_ptrs

@@ -37,6 +37,19 @@ def forward_program(dtype: Any) -> Any:
     return _FORWARDS[name]
 
 
+def layer_matrix_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(in, out) of every layer matrix: the contractions `dense` computes per layer."""
+    d, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    i = cfg.intermediate_size
+    return {"wq": (d, q), "wk": (d, kv), "wv": (d, kv), "wo": (q, d), "w_gate": (d, i),
+            "w_up": (d, i), "w_down": (i, d)}
+
+
+def head_shape(cfg: ModelConfig) -> tuple[int, int]:
+    """(in, out) of the output head."""
+    return cfg.hidden_size, cfg.vocab_size
+
+
 def products_on(plan: Any, kernel: str) -> Any:
     """`plan` with every product on formulation `kernel` at each row count's own size."""
     from dataclasses import replace

@@ -17,14 +17,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from model_helpers import TINY_LLAMA
+from model_helpers import TINY_LLAMA, head_shape, layer_matrix_shapes
 
 from multiserve.config import EngineConfig
 from multiserve.model.layers.attention import paged_attention
 from multiserve.model.invariance.calibration import default_plan
 from multiserve.model.layers.forward_batch import ForwardBatch
 from multiserve.model.invariance.plan import InvariancePlan
-from multiserve.model.families.llama import head_shape, layer_matrix_shapes, plan_kernels
+from multiserve.model.families.llama import plan_kernels
 from multiserve.model.layers.norm import rms_norm
 from multiserve.model.kernels.native import pack_panels
 from multiserve.model.invariance.primitives import dense, row_sum

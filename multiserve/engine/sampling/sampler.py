@@ -2,7 +2,7 @@
 
 Owns: `SamplingBatch` (per-row sampling state), `SampleOutput` and `sample` (pure jax,
 traced inside the runner's jitted step). The host side that fills a SamplingBatch
-(`RowSpec`, `PenaltyZeros`, `build_sampling_batch`) is `sampling_host.py`.
+(`RowSpec`, `PenaltyZeros`, `build_sampling_batch`) is engine/sampling/host.py.
 
 Per row, in this order: raw logits -> repetition penalty (tokens in prompt or output),
 frequency and presence penalties (output counts) -> banned ids set to -inf -> tokens a
@@ -372,8 +372,8 @@ def sample(logits: jax.Array, sb: SamplingBatch) -> SampleOutput:
 
     Rows are sampled ROW_CHUNK at a time (`lax.map`), so every reduction over the
     vocabulary runs on one [ROW_CHUNK, V] shape whatever R: XLA:CPU's sums change their
-    order with the operand's size (row_invariant.py), and a row's logprobs and draws must
-    not depend on how many rows share its step. The scalar `any_*` flags stay batch-wide
+    order with the operand's size (model/invariance/primitives.py), and a row's logprobs and
+    draws must not depend on how many rows share its step. The scalar `any_*` flags stay batch-wide
     (they only skip work)."""
     r, v = logits.shape
     assert r % ROW_CHUNK == 0, (r, ROW_CHUNK)

@@ -206,7 +206,7 @@ class DenseFamily:
     # ---- compute ---------------------------------------------------------------------
     def compute_params(self, params: dict[str, Any], cfg: ModelConfig, plan: Any,
                        token_sizes: tuple[int, ...]) -> dict[str, Any]:
-        """`row_invariant.with_transposed` for `plan` (None: every layout, stacked
+        """`primitives.with_transposed` for `plan` (None: every layout, stacked
         transposes too: for code that runs several plans), the layer matrices the plan runs
         natively alike at every step size fused (`llama.fused_groups`)."""
         from multiserve.model.families.llama import fused_groups, plan_kernels, scan_needs_transposes

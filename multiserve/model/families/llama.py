@@ -7,9 +7,9 @@ new kv_pool), also available in two halves: `forward_hidden` (decoder, final nor
 logits rows' hidden states) and `lm_head`. No globals, no implicit context: jit with
 cfg/page_size/attn_block_size static and kv_pool donated; the pool is updated in place.
 
-Params: the compute params, `row_invariant.with_transposed(params, cfg)`: the plain-dict pytree of
+Params: the compute params, `primitives.with_transposed(params, cfg)`: the plain-dict pytree of
 `param_layout` (layers stacked over L, matrices [in, out]) plus a transposed copy of every
-matrix, so that every product is row-invariant (see row_invariant.py), split into one dict
+matrix, so that every product is row-invariant (see invariance/primitives.py), split into one dict
 per layer. Compute is in the params dtype, attention softmax/accumulation in fp32, logits in
 fp32. The layers are unrolled over that tuple (see `forward_hidden`).
 """
@@ -47,19 +47,6 @@ Params = dict[str, Any]
 UNROLL_MAX_TOKENS = 64
 
 
-def layer_matrix_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
-    """(in, out) of every layer matrix: the contractions `dense` computes per layer."""
-    d, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    i = cfg.intermediate_size
-    return {"wq": (d, q), "wk": (d, kv), "wv": (d, kv), "wo": (q, d), "w_gate": (d, i),
-            "w_up": (d, i), "w_down": (i, d)}
-
-
-def head_shape(cfg: ModelConfig) -> tuple[int, int]:
-    """(in, out) of the output head."""
-    return cfg.hidden_size, cfg.vocab_size
-
-
 def scan_needs_transposes(plan: InvariancePlan, cfg: ModelConfig,
                           token_sizes: tuple[int, ...]) -> bool:
     """Whether the scanned decoder (the step sizes `scans` sends there) uses the NT product
@@ -71,14 +58,14 @@ def scan_needs_transposes(plan: InvariancePlan, cfg: ModelConfig,
 
 def plan_kernels(plan: InvariancePlan) -> frozenset[str]:
     """The product kernels the plan uses anywhere: the weight layouts the compute params
-    must hold (`row_invariant.with_transposed(..., kernels=)`)."""
+    must hold (`primitives.with_transposed(..., kernels=)`)."""
     return frozenset(f.kernel for p in plan.products for _, f in p.by_rows)
 
 
 def fused_groups(plan: InvariancePlan, token_sizes: tuple[int, ...]) -> tuple[str, ...]:
     """The FUSED_GROUPS whose members the plan runs with the same native formulation at
     every step size (`token_sizes`, the forward's buckets): those run as one product of
-    their panels side by side (`row_invariant.with_transposed(fused=)`), bitwise the same."""
+    their panels side by side (`primitives.with_transposed(fused=)`), bitwise the same."""
     def alike(members: tuple[str, ...], t: int) -> bool:
         forms = {plan.product(m).formulation(t) for m in members}
         return len(forms) == 1 and next(iter(forms)).kernel == "native"
@@ -212,8 +199,8 @@ def forward_hidden(params: Params, kv_pool: KVPool, batch: ForwardBatch, cfg: Mo
                    plan: InvariancePlan) -> tuple[jax.Array, KVPool]:
     """Run the new tokens of `batch` through the decoder; return (the final-normed hidden
     states of the `batch.logit_rows` rows [R, D], new kv_pool). `params` are compute params
-    (`row_invariant.with_transposed`); `plan` says how each primitive computes this step's
-    sizes (invariance_plan.py).
+    (`primitives.with_transposed`); `plan` says how each primitive computes this step's
+    sizes (invariance/plan.py).
 
     Steps that `scans` keeps out of the scan (<= UNROLL_MAX_TOKENS tokens with some XLA
     product) unroll the layers (a Python loop over the per-layer tuple): each layer's
@@ -224,7 +211,7 @@ def forward_hidden(params: Params, kv_pool: KVPool, batch: ForwardBatch, cfg: Mo
     stacked transposes where the plan uses the NT product at that size:
     `scan_needs_transposes`); the native kernel's panels are passed whole (it indexes the
     layer), so an all-native step copies nothing."""
-    assert is_compute_params(params), "forward needs row_invariant.with_transposed(params, cfg)"
+    assert is_compute_params(params), "forward needs primitives.with_transposed(params, cfg)"
     x = params["embed"][batch.input_ids]
     freqs = batch.positions.astype(jnp.float32)[:, None] * jnp.asarray(rope_inv_freq(cfg))
     cos, sin = jnp.cos(freqs)[:, None, :], jnp.sin(freqs)[:, None, :]

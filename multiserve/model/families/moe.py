@@ -4,7 +4,7 @@ the same experts.
 
 For T tokens and top-k routing, one step computes:
 
-1. router logits x @ W_router [T, E] (a row-invariant product, `row_invariant.dense`);
+1. router logits x @ W_router [T, E] (a row-invariant product, `primitives.dense`);
    softmax in float32 (max is exact; the sum over experts is a fixed left-to-right sum
    of E columns, elementwise across rows, so a row's sum never depends on T);
 2. the top-k probabilities and experts per token (`lax.top_k`; exact), renormalised by a

@@ -6,7 +6,7 @@ Canonical params (families/qwen_moe.py): "layers" (attention + norms, stacked ov
 "dense_mlp" (w_gate, w_up, w_down stacked over the dense layers), "moe" (router, the
 experts we_* [Lm, E, in, out], the shared expert ws_*, stacked over the MoE layers).
 
-Compute params (`compute_params`): the attention part as `row_invariant.with_transposed`
+Compute params (`compute_params`): the attention part as `primitives.with_transposed`
 makes it for the dense families (per-layer dicts + stacks + head layouts), and for the
 MLP groups the layouts the plan's kernels read: per layer `<name>` (plain) / `<name>_t`
 (nt) in `mlp` (a tuple over the L layers) and the stacked panels `<name>_p` (native) in

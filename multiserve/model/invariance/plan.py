@@ -7,16 +7,16 @@ that runs the engine (`model/invariance/calibration.py`) and written down here, 
 
 - `ProductPlan`, per contraction x[M, K] @ W[K, N]: for each row count M the engine runs,
   a `Formulation` (kernel "plain" = x @ W, "nt" = dot_general against W^T stored [N, K],
-  or "native" = the CPU kernel of native_kernels.py against W's packed panels; computed
+  or "native" = the CPU kernel of kernels/native.py against W's packed panels; computed
   at `rows` >= M rows, the extra rows zero padding);
 - grouped products (a MoE layer's experts, moe.py) are ProductPlans too, named after their
   expert matrix (`we_gate`, `we_up`, `we_down`), per row count M = tokens x top-k: kernel
   "native" (the grouped CPU kernel) or "gather" (each row against its expert's gathered
   matrix, an XLA batched product), both at M rows (no padding);
 - `RowSumPlan`, per row width: the row count each sum over the last axis is padded to
-  (a row sum is an NT product with a block of ones: `row_invariant.row_sum`);
+  (a row sum is an NT product with a block of ones: `primitives.row_sum`);
 - `AttentionPlan`: which kernel ("xla": the pure-JAX formulation, or "native": the CPU
-  kernel of native_kernels.py, invariant by construction and verified like the rest);
+  kernel of kernels/native.py, invariant by construction and verified like the rest);
   for the XLA formulation, for each token count T, the query chunk C and the row count T
   is padded to, and whether a chunk of one sequence may gather its keys once
   (`shared_keys`).

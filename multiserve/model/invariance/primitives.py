@@ -17,7 +17,7 @@ Formulations (`Formulation.kernel`):
 - "plain": `x @ W` against W stored [K, N];
 - "nt": `dot_general(x, Wt)` contracting x's dim 1 with Wt's dim 1, Wt = W^T stored
   [N, K] (a transposed copy, see `with_transposed`);
-- "native": the CPU kernel of native_kernels.py against W packed in 64-column panels
+- "native": the CPU kernel of kernels/native.py against W packed in 64-column panels
   (`<name>_p`, see `with_transposed`), invariant by construction at every row count;
 each at `Formulation.rows` rows: M rows are zero-padded up to that (the rows beyond M are
 dropped), and an M beyond the plan's largest entry is split into pieces of that size.

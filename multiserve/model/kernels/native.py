@@ -1,11 +1,11 @@
-"""The native CPU kernels (native/*.cc, XLA FFI custom calls): built, loaded, called.
+"""The native CPU kernels (src/*.cc, XLA FFI custom calls): built, loaded, called.
 
-- paged attention (native/paged_attention.cc). XLA:CPU runs the pure-JAX
+- paged attention (src/paged_attention.cc). XLA:CPU runs the pure-JAX
   `attention.paged_attention` as a loop of small gathers and batched products that
   materialises every key block it reads (a large share of a decode step's time:
   docs/performance.md §5); the kernel reads K/V in place through the page table and keeps
   a (token, KV head) item's whole computation in registers.
-- the row-invariant matrix product (native/row_gemm.cc) against weights packed in
+- the row-invariant matrix product (src/row_gemm.cc) against weights packed in
   64-column panels (`pack_panels`), and its grouped form (one matrix per row: a MoE layer's
   experts over the tokens routed to each, `grouped_row_gemm`): each output element is a sum
   over k in order, one FMA per step, whatever the row count. XLA:CPU's products change
@@ -22,7 +22,7 @@ calibration chose them (`Formulation.kernel == "native"`, `AttentionPlan.kernel 
 never for operands split over a tensor-parallel group.
 
 bfloat16 forms (an engine of dtype bfloat16): `pack_panels` of a bfloat16 W packs k-pair
-panels that `row_gemm` / `grouped_row_gemm` read at half the bytes (native/row_gemm_bf16.cc,
+panels that `row_gemm` / `grouped_row_gemm` read at half the bytes (src/row_gemm_bf16.cc,
 float32 accumulation, x and y float32 or bfloat16), and `paged_attention_native` reads a
 bfloat16 K/V pool (widened in registers; softmax and sums float32). The bfloat16 product has
 two instruction paths with different bits (`BF16_PATHS`); `bf16_product_path()` is the one

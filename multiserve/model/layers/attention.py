@@ -1,7 +1,7 @@
 """Paged, batch-invariant causal attention: the ONE function a device kernel may replace.
 
 Two kernels, chosen by the engine's `AttentionPlan` (calibrated, model/invariance/calibration.py):
-"native", the CPU kernel of native_kernels.py (reads K/V in place, invariant by
+"native", the CPU kernel of kernels/native.py (reads K/V in place, invariant by
 construction), and "xla", the pure-JAX formulation below (every platform).
 
 `paged_attention` computes, for every new token t of sequence s = token_seq[t] at position
@@ -15,7 +15,7 @@ docs/performance.md §2).
 
 Batch invariance (the engine's greedy determinism rests on it), by construction:
 - Tokens are processed in chunks of C query rows (`lax.map`; T is padded up), C and the
-  padded T given for each step size by the engine's `AttentionPlan` (invariance_plan.py).
+  padded T given for each step size by the engine's `AttentionPlan` (invariance/plan.py).
   Which (T, C) give every row the same bits is a backend fact that differs between
   machines (docs/performance.md §2), so the plan is calibrated on the machine that runs the
   engine (model/invariance/calibration.py).

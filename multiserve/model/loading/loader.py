@@ -1,7 +1,7 @@
 """`load_model`: one entry point for every model source (jax-free; params stay on the host).
 
 - None: the embedded default model (`default_model.default_model_path()`).
-- a directory: a Hugging Face model dir (`hf_loader`).
+- a directory: a Hugging Face model dir (`hf`: hf.py).
 - a `.gguf` file: converted once into the cache (`model_cache`), then loaded as an HF dir.
 Every failure is a ModelLoadError (a ValueError) naming the file and, if any, the tensor.
 """

@@ -1,4 +1,5 @@
-"""RLControl: drives an engine's control operations; runs weight updates and memory release.
+"""ControlRunner: drives every control operation of an engine (pause, abort, flush, weight
+updates, memory release), and runs the RL commands on the engine thread.
 
 A control operation (multiserve/control_ops.py) becomes an *operation* (`Op`,
 `operation(record)`): a one-step record is a command for the engine thread as it is
@@ -8,7 +9,7 @@ A control operation (multiserve/control_ops.py) becomes an *operation* (`Op`,
 returns the ControlResult. `run(op)` drives an operation synchronously, `await arun(op)`
 asynchronously: `Engine.control` and `Engine.acontrol` are these two over the same
 operation. On the engine thread, `execute(cmd)` runs the RL commands with the managers:
-`weights.py` (WeightManager) and `memory.py` (MemoryManager).
+engine/rl/weights.py (WeightManager) and engine/rl/memory.py (MemoryManager).
 
 Invariants:
 - Everything that touches engine state runs on the engine thread, as a typed command.
@@ -86,7 +87,7 @@ def _failed(e: Exception, weight_version: str) -> ControlResult:
     return ControlResult(False, str(e), {"error": str(e), "weight_version": weight_version})
 
 
-class RLControl:
+class ControlRunner:
     """See the module docstring. `require_healthy()` raises EngineUnavailable when the
     engine cannot take an update (it runs on the engine thread)."""
 
