@@ -190,7 +190,7 @@ class ProgramSet:
     """The step programs of one engine (see the module docstring for who writes what).
 
     A program is compiled (`compile_program(kind, size)` -> executable; it must not touch
-    live device arrays: the runner lowers from abstract shapes), then *primed* — run once
+    live device arrays: step_programs.py lowers from abstract shapes), then *primed* — run once
     by the engine's owner thread, which pays the first execution's one-off costs (buffer
     allocation: seconds for a large forward, docs/performance.md §6) outside a request —
     and only then ready, i.e. chosen by steps. Background compiles are handed to the
@@ -243,7 +243,7 @@ class ProgramSet:
 
     @classmethod
     def on_demand(cls) -> ProgramSet:
-        """A set with nothing planned (warm-up off): the runner adds programs as steps
+        """A set with nothing planned (warm-up off): StepPrograms adds programs as steps
         need them, and there is nothing to wait for."""
 
         def unplanned(*args: Any) -> Any:
