@@ -32,6 +32,7 @@ from multiserve.control_ops import (
 )
 
 if TYPE_CHECKING:
+    from multiserve.engine.device.programs import ProgramKind
     from multiserve.engine.sched.request import Req
 
 
@@ -49,9 +50,9 @@ class Stop:
 # ---- upkeep: background compiles, integrity, tests and tools ------------------------------
 @dataclass(frozen=True)
 class Prime:
-    """Run background-compiled program (kind "T" / "R", size) once on padding inputs, then
-    let steps choose it (engine/device/programs.py)."""
-    kind: str
+    """Run background-compiled program (kind, size) once on padding inputs, then let steps
+    choose it (engine/device/programs.py)."""
+    kind: ProgramKind
     size: int
 
 

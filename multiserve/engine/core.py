@@ -45,7 +45,7 @@ import numpy as np
 
 from multiserve.config import EngineConfig, ModelConfig
 from multiserve.engine.device.batch_arrays import build_step_arrays
-from multiserve.engine.device.model_runner import Runner, StepOutput
+from multiserve.engine.device.runner import Runner, StepOutput
 from multiserve.engine.pause_state import PauseState
 from multiserve.engine.sampling.host import mask_words
 from multiserve.engine.sampling.logprobs import StepLogprobs
