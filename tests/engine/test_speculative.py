@@ -146,7 +146,7 @@ def spec_engine(tiny_engine_spec: Any) -> Any:
 
 
 def _set_drafter(engine: Any, drafter: Any) -> None:
-    engine.call(Call(lambda core: setattr(core.scheduler, "drafter", drafter))).result()
+    engine.call(Call(lambda core: core.scheduler.planner.set_source(drafter))).result()
 
 
 def _work(seed: int, n: int = 6) -> list[tuple[list[int], SamplingParams]]:
