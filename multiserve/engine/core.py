@@ -244,6 +244,12 @@ class EngineCore:
         self.overlap = on
         self.scheduler.planner.step_costs.overlap = on
 
+    def set_speculation(self, on: bool) -> None:
+        """Benchmarks: drain, then draft from a fresh n-gram drafter (on: no memory of
+        earlier requests) or not at all (off)."""
+        self.drain()
+        self.scheduler.planner.set_source(Drafter() if on else None)
+
     def _deliver(self, req: Req, error: str | None = None) -> None:
         """Hand the Req's new output (a delta: the tokens since the last delivery, and how
         it finished) to its sink: the one place a sink is called. A sink that raises is
