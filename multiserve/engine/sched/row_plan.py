@@ -67,10 +67,11 @@ class RowPlan:
     _verify: dict[tuple[int, int], int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        prompt = tuple(i for i, r in enumerate(self.rows) if r.kind is RowKind.PROMPT_LOGPROB)
-        verify = {(r.b, r.j): i for i, r in enumerate(self.rows) if r.kind is RowKind.VERIFY}
+        rows, extra = self.rows, range(self.num_sequences, len(self.rows))
+        prompt = tuple(i for i in extra if rows[i].kind is RowKind.PROMPT_LOGPROB)
+        verify = {(rows[i].b, rows[i].j): i for i in extra if rows[i].kind is RowKind.VERIFY}
         object.__setattr__(self, "prompt_rows", prompt)
-        object.__setattr__(self, "token_rows", tuple(r.token for r in self.rows))
+        object.__setattr__(self, "token_rows", tuple(r.token for r in rows))
         object.__setattr__(self, "_verify", verify)
 
     def __len__(self) -> int:
