@@ -74,6 +74,13 @@ class SetOverlap:
 
 
 @dataclass(frozen=True)
+class SetSpeculation:
+    """Benchmarks: drain, then draft from a fresh n-gram drafter (True: no memory of
+    earlier requests) or run without speculative decoding (False)."""
+    on: bool
+
+
+@dataclass(frozen=True)
 class StepInfo:
     """What the step runs on: dtype, warm-up seconds, the compiled buckets."""
 
@@ -107,4 +114,4 @@ RL_COMMANDS = (BeginStaging, EndStaging, PublishStagedWeights, DiscardStagedWeig
 
 Command = (Add | AbortRequest | PauseGeneration | ContinueGeneration | FlushCache
            | GetInternalState | Stop | Prime | CheckIntegrity | InjectFault | SetOverlap
-           | StepInfo | Call | RLCommand)
+           | SetSpeculation | StepInfo | Call | RLCommand)

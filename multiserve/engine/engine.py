@@ -53,6 +53,7 @@ from multiserve.engine.commands import (
     InjectFault,
     Prime,
     SetOverlap,
+    SetSpeculation,
     StepInfo,
     Stop,
 )
@@ -227,6 +228,8 @@ class Engine:
                 return core.inject_fault(message)
             case SetOverlap(on):
                 return core.set_overlap(on)
+            case SetSpeculation(on):
+                return core.set_speculation(on)
             case StepInfo():
                 return step_info(core.runner)
             case Call(fn):

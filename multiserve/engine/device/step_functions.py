@@ -20,7 +20,7 @@ Invariants:
   unpacked here with the static `layout` of its bucket.
 - The jitted functions are made per engine (closures over its config and shardings);
   nothing device-resident is held here.
-- Every row's numerics are independent of T and R (row_invariant.py, attention.py, and
+- Every row's numerics are independent of T and R (model/invariance/primitives.py, attention.py, and
   the sampler's fixed-size row chunks).
 """
 
