@@ -22,12 +22,25 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from multiserve.engine.sched.request import Req
 
-if TYPE_CHECKING:
-    from multiserve.engine.sched.batch import BatchRow
+
+class PlannedRow(Protocol):
+    """What the plan reads of a batch row (engine/sched/batch.py `BatchRow`)."""
+
+    @property
+    def req(self) -> Req: ...
+
+    @property
+    def start(self) -> int: ...
+
+    @property
+    def end(self) -> int: ...
+
+    @property
+    def draft(self) -> tuple[int, ...]: ...
 
 
 class RowKind(enum.Enum):
@@ -47,12 +60,12 @@ class LogitRow:
     token: int  # the step's flat token row whose logits it holds
 
 
-def prompt_targets(row: BatchRow) -> range:
+def prompt_targets(row: PlannedRow) -> range:
     """The prompt indexes whose logprobs batch row `row` computes (one logits row each)."""
     return row.req.prompt_logprob_targets(row.start, row.end)
 
 
-def logit_rows_of(row: BatchRow) -> int:
+def logit_rows_of(row: PlannedRow) -> int:
     """How many logits rows batch row `row` takes: its own, one per prompt logprob it
     computes, one per draft token it verifies."""
     return 1 + len(prompt_targets(row)) + len(row.draft)
@@ -82,7 +95,7 @@ class RowPlan:
         return self._verify[(b, j)]
 
 
-def plan_rows(rows: Sequence[BatchRow]) -> RowPlan:
+def plan_rows(rows: Sequence[PlannedRow]) -> RowPlan:
     """The logits rows of a step of batch rows `rows` (their tokens laid out back to back,
     in order); see the module docstring for the layout."""
     seq: list[LogitRow] = []
