@@ -8,10 +8,11 @@ Flow: `begin()` (engine thread: may the engine take an update now? hold it) ->
 `stage()` (caller thread: read, validate every tensor, cast, place on the engine's
 devices: a COPY, never an alias of the caller's arrays) -> `publish()` (engine thread,
 between steps: `core.swap_params`, then `core.set_weight_version`, which invalidates the
-K/V of the old weights) or `discard()`. Tensors wrapped in `DeviceArrays` (an in-process
-trainer's jax.Arrays) are staged strictly: each must be a jax.Array of exactly the served
-dtype, is copied device to device onto the engine's sharding, and no value is read. The engine core is touched only through its
+K/V of the old weights) or `discard()`. The engine core is touched only through its
 narrow methods (hold/release_hold, swap_params, set_weight_version, abort, drain).
+Tensors wrapped in `DeviceArrays` (an in-process trainer's jax.Arrays) are staged
+strictly: each must be a jax.Array of exactly the served dtype, is copied device to device
+onto the engine's sharding, and no value is read.
 
 Invariants:
 - Validation finishes before any device buffer is created; a failure in validation or
