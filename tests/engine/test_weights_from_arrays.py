@@ -1,10 +1,12 @@
 """update_weights_from_arrays: an in-process trainer's jax.Arrays, resharded device to device.
 
 On the shared tiny engine. The trainer's arrays live on another device than the engine's;
-the update runs with every host transfer disallowed (jax.transfer_guard "disallow_explicit",
-explicit transfers included), so a host round trip anywhere on the caller's side fails the
-test. The engine's weights read back afterwards equal the trainer's bit for bit; refusals
-(host array, another dtype, a wrong shape, an unknown name) change nothing.
+the update runs with host transfers disallowed in both directions (jax.transfer_guard
+"disallow_explicit", explicit transfers included), so a host round trip of the weights
+fails the test by its host-to-device half (on CPU the guard cannot see reads to the host,
+CPU buffers being host memory; on an accelerator it sees both). The engine's weights read
+back afterwards equal the trainer's bit for bit, in HF names and in the params pytree
+form; refusals (host array, another dtype, a wrong shape, an unknown name) change nothing.
 """
 
 from __future__ import annotations
@@ -76,6 +78,24 @@ def test_device_arrays_are_published_bit_for_bit_without_host_transfers(
     out = engine.generate(input_ids=[5, 6, 7], sampling_params={
         "temperature": 0.0, "max_new_tokens": 3, "ignore_eos": True})
     assert len(out.output_ids) == 3
+
+
+def test_params_pytree_form(engine: Any, tiny_model_dir: Path) -> None:
+    """The engine's own params pytree (stacked layers), as device arrays: same path."""
+    from multiserve.model.loading.loader import load_model
+
+    params = load_model(str(tiny_model_dir), np.float32).params
+    dev = _trainer_device()
+    new = {k: ({kk: jax.device_put(vv[::-1].copy(), dev) for kk, vv in v.items()}
+               if isinstance(v, dict) else jax.device_put(v, dev)) for k, v in params.items()}
+    with jax.transfer_guard_device_to_host("disallow_explicit"), \
+            jax.transfer_guard_host_to_device("disallow_explicit"):
+        res = engine.update_weights_from_arrays(new, "v-tree")
+    assert res.ok, res
+    for leaf in ("wq", "w_down"):
+        want = params["layers"][leaf][::-1]  # the layers swapped
+        got = _read(engine, f"layers/{leaf}", want.shape[0])
+        assert got.tobytes() == np.ascontiguousarray(want).tobytes(), leaf
 
 
 @pytest.mark.parametrize("case", ["host", "dtype", "shape", "name"])
