@@ -17,7 +17,9 @@ temperature 1 with top_k and a seed). Checked:
 (b) after every sync, read back from the engine, each weight equals the trainer's bit for
     bit (the expected HF orientation is computed here with numpy, independently of
     plugins/tunix_rollout/param_names.py), the weights changed between syncs, and the sync
-    ran under Tunix's own transfer guard (host transfers disallowed on CPU).
+    ran under Tunix's own transfer guard (`sync_weights` on CPU disallows host transfers,
+    explicit ones too: a host round trip of the weights fails by its host-to-device half;
+    CPU buffers being host memory, reads to the host are not seen).
 """
 
 from __future__ import annotations
