@@ -544,6 +544,16 @@ class Engine:
         return self.control("update_weights_from_tensor", params=params,
                             weight_version=weight_version, abort_running=abort_running)
 
+    def update_weights_from_arrays(self, params: Any, weight_version: str,
+                                   abort_running: bool = False) -> ControlResult:
+        """update_weights_from_tensor for an in-process trainer's jax.Arrays (flat {HF
+        name: array} or the params pytree): each of exactly the served dtype, resharded
+        device to device onto the engine's shardings (jax.device_put: no host copy, no
+        cast, bit for bit), validated by name and shape, published atomically as
+        `weight_version`."""
+        return self.control("update_weights_from_arrays", params=params,
+                            weight_version=weight_version, abort_running=abort_running)
+
     def update_weights_from_disk(self, path: str, weight_version: str,
                                  abort_running: bool = False) -> ControlResult:
         """stage_weights_from_disk, then publish_staged_weights."""
