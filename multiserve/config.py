@@ -186,6 +186,11 @@ class EngineConfig:
     speculative_algorithm: str | None = None
     speculative_num_draft_tokens: int = 8
     speculative_max_step_tokens: int = 64
+    # LoRA adapters (model/layers/lora.py): how many adapters the engine holds at once
+    # (0: no LoRA, the engine compiles exactly the programs it compiles without it) and
+    # the largest rank one may have (smaller ranks are zero-padded to it)
+    max_loras_per_batch: int = 0
+    max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "device_indexes", tuple(self.device_indexes))
@@ -230,6 +235,8 @@ class EngineConfig:
                  f"each size must be in both precompile_token_paddings and "
                  f"precompile_bs_paddings (sizes in both: {list(both)})")
         _require(self.chunked_prefill_size >= 1, "chunked_prefill_size", "must be >= 1")
+        _require(self.max_loras_per_batch >= 0, "max_loras_per_batch", "must be >= 0")
+        _require(self.max_lora_rank >= 1, "max_lora_rank", "must be >= 1")
         _require(self.attention_block_size % self.page_size == 0
                  or self.page_size % self.attention_block_size == 0,
                  "attention_block_size", "must be a multiple or divisor of page_size")

@@ -231,6 +231,8 @@ class GenerateRequest:
     sampling: SamplingParams
     stream: bool = False
     return_prompt_logprobs: bool = False
+    # the LoRA adapter the request runs with (a loaded adapter's name; None: the base model)
+    lora_name: str | None = None
 
 
 @dataclass(frozen=True)

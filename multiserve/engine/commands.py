@@ -33,6 +33,7 @@ from multiserve.control_ops import (
 
 if TYPE_CHECKING:
     from multiserve.engine.device.programs import ProgramKind
+    from multiserve.engine.lora_adapters import LoraAdapter
     from multiserve.engine.sched.request import Req
 
 
@@ -92,6 +93,24 @@ class Call:
     fn: Callable[[Any], Any]
 
 
+# ---- LoRA adapters (engine/lora_adapters.py) ---------------------------------------------
+@dataclass(frozen=True)
+class LoadLora:
+    """Put a checked adapter into a free slot (LoraRefused: name loaded, slots full)."""
+    adapter: LoraAdapter
+
+
+@dataclass(frozen=True)
+class UnloadLora:
+    """Free an adapter's slot (LoraRefused: unknown, or live requests use it)."""
+    name: str
+
+
+@dataclass(frozen=True)
+class ListLoras:
+    """The loaded adapters (LoraTable.listing)."""
+
+
 # ---- RL (engine/rl/): run by ControlRunner.execute on the engine thread (with the RL group's
 # one-step records of control_ops.py) --------------------------------------------------------
 @dataclass(frozen=True)
@@ -114,4 +133,5 @@ RL_COMMANDS = (BeginStaging, EndStaging, PublishStagedWeights, DiscardStagedWeig
 
 Command = (Add | AbortRequest | PauseGeneration | ContinueGeneration | FlushCache
            | GetInternalState | Stop | Prime | CheckIntegrity | InjectFault | SetOverlap
-           | SetSpeculation | StepInfo | Call | RLCommand)
+           | SetSpeculation | StepInfo | Call | LoadLora | UnloadLora | ListLoras
+           | RLCommand)

@@ -51,6 +51,7 @@ import numpy as np
 from multiserve.config import EngineConfig, ModelConfig
 from multiserve.engine.device.batch_arrays import build_step_arrays
 from multiserve.engine.device.runner import Runner, StepOutput
+from multiserve.engine.lora_adapters import LoraAdapter, LoraRefused, LoraTable
 from multiserve.engine.pause_state import PauseState
 from multiserve.engine.sampling.host import mask_words
 from multiserve.engine.sampling.logprobs import StepLogprobs
@@ -106,6 +107,7 @@ class EngineCore:
         self.last_batch: ScheduledBatch | None = None
         self.pause_state = PauseState()
         self.weight_version = cfg.weight_version
+        self.loras = LoraTable(cfg.max_loras_per_batch)  # adapter name -> slot
         self.forward_ct = 0
         self.forward_ct_decode = 0
         # the engine loop's passes (one per wake-up), and those that ran neither a command
@@ -125,13 +127,16 @@ class EngineCore:
         """Admit a batch atomically: all of it, or (a rid live already or repeated in the
         batch) none of it."""
         keys: set[tuple[str, int]] = set()
+        slots: list[int] = []
         for req in reqs:
             if req.key in self.scheduler.reqs or req.key in keys:
                 raise InvalidRequest(f"rid: a live request already uses rid {req.rid!r}",
                                      param="rid")
             keys.add(req.key)
+            slots.append(self._lora_slot(req.lora_name))
         check_admission(self.scheduler.waiting, reqs, self.admission)  # or EngineOverloaded
-        for req in reqs:
+        for req, slot in zip(reqs, slots, strict=True):
+            req.lora_slot = slot
             self.scheduler.add(req)
             if req.grammar is not None and req.grammar.failed:
                 self.finish(req, "abort", "the grammar rejected tokens of the resumed output "
@@ -140,6 +145,37 @@ class EngineCore:
             elif req.params.max_new_tokens == 0 and not req.needs_prompt_logprobs:
                 self.finish(req, "length")
             # else max_new_tokens == 0 with prompt logprobs: prefill only (scoring)
+
+    def _lora_slot(self, name: str | None) -> int:
+        """The slot of a request's adapter (0: none; InvalidRequest code
+        "lora_not_found" naming it when no such adapter is loaded)."""
+        if name is None:
+            return 0
+        try:
+            return self.loras.slot_of(name)
+        except LoraRefused as exc:
+            raise InvalidRequest(str(exc), "lora_name", "lora_not_found") from exc
+
+    # ---- LoRA adapters (engine/lora_adapters.py): between steps, engine thread --------
+    def load_lora(self, adapter: LoraAdapter) -> dict[str, Any]:
+        """Put a checked adapter into a free slot (LoraRefused: the name is loaded, or
+        every slot is taken; nothing changes). Steps launched from now on may use it."""
+        slot = self.loras.free_slot(adapter.name)
+        self.runner.write_lora(slot, adapter)
+        self.loras.add(adapter, slot)
+        return {"name": adapter.name, "slot": slot, "rank": adapter.rank}
+
+    def unload_lora(self, name: str) -> dict[str, Any]:
+        """Free adapter `name`'s slot (LoraRefused "unknown", or "in_use" while live
+        requests use it: their count is in the message)."""
+        slot = self.loras.slot_of(name)
+        users = sum(1 for r in self.scheduler.reqs.values() if r.lora_slot == slot)
+        if users:
+            raise LoraRefused("in_use", f"LoRA adapter {name!r} is in use by {users} live "
+                              "request(s); unload it once they finish (or abort them)")
+        self.loras.remove(name)
+        self.runner.write_lora(slot, None)
+        return {"name": name, "slot": slot}
 
     def has_work(self) -> bool:
         return self.in_flight is not None or (not self.pause_state.paused
@@ -180,7 +216,7 @@ class EngineCore:
         runner = self.runner
         t_pad, r_pad = runner.bucket_for(batch.num_tokens, batch.num_logit_rows)
         arrays = build_step_arrays(batch, t_pad, runner.page_table_rows(t_pad), runner.max_rows,
-                                   self.max_pages, self.page_size)
+                                   self.max_pages, self.page_size, runner.lora_enabled)
         launched_at = time.perf_counter()
         if self._drained_at is not None:
             # the step before was read first: the host's work since delayed this launch

@@ -32,7 +32,7 @@ import random
 import threading
 import uuid
 import weakref
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from multiserve.config import EngineConfig
@@ -51,13 +51,21 @@ from multiserve.engine.commands import (
     CheckIntegrity,
     Command,
     InjectFault,
+    ListLoras,
+    LoadLora,
     Prime,
     SetOverlap,
     SetSpeculation,
     StepInfo,
     Stop,
+    UnloadLora,
 )
 from multiserve.engine.control_runner import ControlRunner
+from multiserve.engine.lora_adapters import (
+    LoraRefused,
+    adapter_from_peft_dir,
+    adapter_from_tensors,
+)
 from multiserve.engine.rl_interface import RLInterface
 from multiserve.engine.sched.request import Req
 from multiserve.engine.setup import EngineParts, build_engine_parts
@@ -234,6 +242,12 @@ class Engine:
                 return step_info(core.runner)
             case Call(fn):
                 return fn(core)
+            case LoadLora(adapter):
+                return core.load_lora(adapter)
+            case UnloadLora(name):
+                return core.unload_lora(name)
+            case ListLoras():
+                return core.loras.listing()
             case _ if isinstance(cmd, RL_COMMANDS):
                 return self._control_runner.execute(cmd)
             case _:  # Stop is handled by the loop itself
@@ -291,7 +305,7 @@ class Engine:
 
     def _request(self, prompt: str | None, input_ids: Sequence[int] | None,
                  sampling_params: SamplingParams | dict | None, rid: str | None,
-                 stream: bool) -> GenerateRequest:
+                 stream: bool, lora_name: str | None = None) -> GenerateRequest:
         if isinstance(sampling_params, dict):
             # an sglang sampling dict (its key policy: honoured, no-op or refused by name)
             sampling_params = to_sampling_params(sampling_params)
@@ -301,7 +315,7 @@ class Engine:
                 raise ValueError("give prompt or input_ids")
             input_ids = self.encode(prompt)
         return GenerateRequest(rid=rid or self.new_rid(), input_ids=tuple(input_ids),
-                               sampling=params, stream=stream)
+                               sampling=params, stream=stream, lora_name=lora_name)
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
@@ -386,13 +400,16 @@ class Engine:
                  sampling_params: SamplingParams | dict | Sequence[SamplingParams | dict]
                  | None = None, *,
                  input_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
-                 rid: str | None = None) -> Any:
+                 rid: str | None = None,
+                 lora_name: str | None | Sequence[str | None] = None) -> Any:
         """Blocking generate. One prompt (text or ids) -> RequestOutput (a list of n
         outputs when n > 1); a list of prompts -> a list of those, all run batched and
         admitted atomically (one engine command: a pause or abort issued once they are
         submitted sees every one). `sampling_params` is one for all prompts or, as sglang
         (and tunix) call it, a list with one per prompt; a dict is sglang's
-        `sampling_params` (multiserve/sampling_policy.py)."""
+        `sampling_params` (multiserve/sampling_policy.py). `lora_name`: the loaded LoRA
+        adapter to run with (None: the base model), one for all prompts or one per
+        prompt."""
         batch = (isinstance(prompt, (list, tuple)) or
                  (input_ids is not None and len(input_ids) > 0
                   and isinstance(input_ids[0], (list, tuple))))
@@ -409,8 +426,13 @@ class Engine:
             per_prompt = list(sampling_params)
         else:
             per_prompt = [sampling_params] * len(prompts)
-        requests = [self._request(p, ids, sp, rid if not batch else None, False)
-                    for (p, ids), sp in zip(prompts, per_prompt, strict=True)]
+        loras = (list(lora_name) if isinstance(lora_name, (list, tuple))
+                 else [lora_name] * len(prompts))
+        if len(loras) != len(prompts):
+            raise ValueError(f"lora_name: need one per prompt, got {len(loras)} for "
+                             f"{len(prompts)} prompt(s)")
+        requests = [self._request(p, ids, sp, rid if not batch else None, False, lora)
+                    for (p, ids), sp, lora in zip(prompts, per_prompt, loras, strict=True)]
         queues: list[queue.SimpleQueue[OutputDelta]] = [queue.SimpleQueue() for _ in requests]
         self.submit_many(requests, [q.put for q in queues])  # one command: atomic admission
         results = []
@@ -511,6 +533,40 @@ class Engine:
     def _require_healthy(self) -> None:
         if not self._healthy:
             raise EngineUnavailable(self._reason)
+
+    # ---- LoRA adapters (engine/lora_adapters.py, model/layers/lora.py) -------------------
+    def load_lora_adapter(self, lora_name: str, lora_path: str | None = None, *,
+                          tensors: Mapping[str, Any] | None = None, r: int | None = None,
+                          lora_alpha: float | None = None, use_rslora: bool = False,
+                          target_modules: Any = None) -> dict[str, Any]:
+        """Load a LoRA adapter into a free slot, from a PEFT directory (`lora_path`) or
+        from PEFT-named in-memory tensors (`tensors`, with `r`, `lora_alpha` (default r),
+        `use_rslora`, `target_modules`). Checked before anything is written; raises
+        LoraRefused (kind "invalid", "exists", "full") with the reason, nothing loaded.
+        No program recompiles. Returns name, slot, rank."""
+        self._require_healthy()
+        limits = dict(model_cfg=self.model_config, max_rank=self.config.max_lora_rank)
+        if (lora_path is None) == (tensors is None):
+            raise LoraRefused("invalid", "give lora_path or tensors (one of them)")
+        if lora_path is not None:
+            adapter = adapter_from_peft_dir(lora_name, lora_path, **limits)
+        else:
+            if r is None:
+                raise LoraRefused("invalid", "r: the adapter's rank is required with tensors")
+            adapter = adapter_from_tensors(
+                lora_name, tensors or {}, r=r,
+                lora_alpha=float(r if lora_alpha is None else lora_alpha),
+                use_rslora=use_rslora, target_modules=target_modules, **limits)
+        return self.call(LoadLora(adapter)).result()
+
+    def unload_lora_adapter(self, lora_name: str) -> dict[str, Any]:
+        """Free an adapter's slot; LoraRefused "unknown", or "in_use" (with the number
+        of live requests using it) while requests run with it."""
+        return self.call(UnloadLora(lora_name)).result()
+
+    def list_lora_adapters(self) -> list[dict[str, Any]]:
+        """The loaded adapters: name, slot, rank, scale, target_modules, source."""
+        return self.call(ListLoras()).result()
 
     # ---- RL: weight updates and memory release (control_ops.py's records say more) ------
     def stage_weights_from_tensor(self, params: Any, weight_version: str,

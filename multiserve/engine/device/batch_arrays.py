@@ -11,6 +11,8 @@ Padding rules (the runner and the model rely on them):
   rows (row b: the last token of batch row b; a row that does not sample has its id
   ignored), then the prompt logprob rows, then the verify rows. Logits rows beyond the
   plan point at token row 0 and are ignored.
+- `lora_slots[t]` (an engine with LoRA only, else None): token t's adapter slot, its
+  Req's `lora_slot` (padding tokens 0: no adapter).
 """
 
 from __future__ import annotations
@@ -33,23 +35,27 @@ class StepArrays:
     page_table: np.ndarray  # [B, max_pages], B = min(T, max_rows)
     seq_lens: np.ndarray  # [B]
     logit_rows: np.ndarray  # [max_rows]
+    lora_slots: np.ndarray | None = None  # [T], only in an engine with LoRA
 
 
 def empty_step_arrays(num_tokens: int, page_rows: int, logit_rows: int,
-                      max_pages: int) -> StepArrays:
-    """All-padding arrays of the given shapes (warm-up steps)."""
+                      max_pages: int, lora: bool = False) -> StepArrays:
+    """All-padding arrays of the given shapes (warm-up steps); `lora`: with (all-zero)
+    LoRA slots."""
     return StepArrays(
         input_ids=np.zeros(num_tokens, np.int32), from_prev=np.full(num_tokens, -1, np.int32),
         positions=np.zeros(num_tokens, np.int32), token_seq=np.zeros(num_tokens, np.int32),
         out_slots=np.zeros(num_tokens, np.int32),
         page_table=np.zeros((page_rows, max_pages), np.int32),
-        seq_lens=np.zeros(page_rows, np.int32), logit_rows=np.zeros(logit_rows, np.int32))
+        seq_lens=np.zeros(page_rows, np.int32), logit_rows=np.zeros(logit_rows, np.int32),
+        lora_slots=np.zeros(num_tokens, np.int32) if lora else None)
 
 
 def build_step_arrays(batch: ScheduledBatch, num_tokens: int, page_rows: int, logit_rows: int,
-                      max_pages: int, page_size: int) -> StepArrays:
+                      max_pages: int, page_size: int, lora: bool = False) -> StepArrays:
     """Arrays of `batch` padded to `num_tokens` tokens, `page_rows` sequence rows and
-    `logit_rows` logits rows (the runner's fixed-size selection buffer)."""
+    `logit_rows` logits rows (the runner's fixed-size selection buffer); `lora`: with
+    each token's LoRA slot."""
     t_pad = num_tokens
     input_ids = np.zeros(t_pad, np.int32)
     from_prev = np.full(t_pad, -1, np.int32)
@@ -59,6 +65,7 @@ def build_step_arrays(batch: ScheduledBatch, num_tokens: int, page_rows: int, lo
     page_table = np.zeros((page_rows, max_pages), np.int32)
     seq_lens = np.zeros(page_rows, np.int32)
     rows_out = np.zeros(logit_rows, np.int32)
+    lora_slots = np.zeros(t_pad, np.int32) if lora else None
     rows_out[:len(batch.plan)] = batch.plan.token_rows
     t = 0
     for b, row in enumerate(batch.rows):
@@ -78,8 +85,10 @@ def build_step_arrays(batch: ScheduledBatch, num_tokens: int, page_rows: int, lo
             positions[t:t + n] = np.arange(row.start, row.end, dtype=np.int32)
             token_seq[t:t + n] = b
             out_slots[t:t + n] = slots_for(req.pages, row.start, row.end, page_size)
+        if lora_slots is not None:
+            lora_slots[t:t + n] = req.lora_slot
         page_table[b, :len(req.pages)] = req.pages
         seq_lens[b] = row.end
         t += n
     return StepArrays(input_ids, from_prev, positions, token_seq, out_slots, page_table,
-                      seq_lens, rows_out)
+                      seq_lens, rows_out, lora_slots)

@@ -23,6 +23,11 @@ Invariants:
   shardings); nothing device-resident is cached at module level.
 - `params` is the canonical pytree (what weight updates and memory release read and
   replace); assigning it re-derives the compute params, so the two never disagree.
+- LoRA (cfg.max_loras_per_batch > 0): the adapter buffers (`lora`, model/lora_layout.py,
+  replicated) live beside the params and reach the programs as `compute_params["lora"]`;
+  without LoRA that key is absent, so the programs are exactly those of an engine built
+  before LoRA existed. Their shapes never change (`write_lora` copies into a slot), and
+  memory release keeps them (they are small): a resumed engine has its adapters.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ from multiserve.engine.device.step_functions import StepFunctions
 from multiserve.engine.device.step_inputs import sampling_inputs, step_inputs
 from multiserve.engine.device.step_programs import StepPrograms
 from multiserve.engine.dtype_choice import DtypeChoice
+from multiserve.engine.lora_adapters import LoraAdapter
 from multiserve.engine.sampling import host as sampling_host
 from multiserve.engine.sampling import sampler as sampling
 from multiserve.model.families import family_for
@@ -56,6 +62,7 @@ from multiserve.model.invariance.plan import Calibration, InvariancePlan
 from multiserve.model.invariance.workload import workload_for
 from multiserve.model.invariance.xla_options import step_options
 from multiserve.model.layers.kv_pool import KVPool, make_kv_pool
+from multiserve.model.lora_layout import lora_buffer_shapes
 from multiserve.model.sharding import kv_pool_sharding, make_mesh, shard_params
 
 
@@ -103,6 +110,17 @@ class Runner:
         self.params = shard_params(cast_params(params_host, dtype), model_cfg, self.mesh,
                                    cfg.moe_sharding)
         kv_sharding = kv_pool_sharding(model_cfg, self.mesh)
+        # the LoRA adapter buffers (None: no LoRA), slot 0 all zeros
+        self.lora: dict[str, jax.Array] | None = None
+        if cfg.max_loras_per_batch > 0:
+            if model_cfg.num_experts > 0:
+                raise ValueError("max_loras_per_batch: LoRA adapters are supported on the "
+                                 "dense families only, not on a mixture-of-experts model")
+            self.lora = {k: jax.device_put(np.zeros(shape, np.float32 if k == "scale"
+                                                    else np.dtype(dtype)), self.replicated)
+                         for k, shape in lora_buffer_shapes(
+                             model_cfg, cfg.max_loras_per_batch + 1,
+                             cfg.max_lora_rank).items()}
         self.kv: KVPool | None = make_kv_pool(model_cfg, num_pages, cfg.page_size, dtype,
                                               sharding=kv_sharding)
         self._prev_ids: jax.Array | None = None
@@ -135,9 +153,33 @@ class Runner:
 
     @property
     def compute_params(self) -> Any:
-        """The params the step runs on: `params` plus their transposed copies (None while
-        released). Every device array holding weights is a leaf of this pytree."""
-        return self._compute
+        """The params the step runs on: `params` plus their transposed copies and, with
+        LoRA, the adapter buffers under "lora" (None while released). Every device array
+        holding weights is a leaf of this pytree."""
+        if self._compute is None or self.lora is None:
+            return self._compute
+        return {**self._compute, "lora": self.lora}
+
+    @property
+    def lora_enabled(self) -> bool:
+        """The engine has LoRA buffers: its steps take each token's adapter slot."""
+        return self.lora is not None
+
+    def write_lora(self, slot: int, adapter: LoraAdapter | None) -> None:
+        """Copy `adapter` into LoRA slot `slot` (None: zero the slot). Between steps,
+        on the engine thread; a step already launched keeps the buffers it was given."""
+        assert self.lora is not None and 0 < slot < self.lora["scale"].shape[0]
+        new = dict(self.lora)
+        for key, buf in self.lora.items():
+            if key == "scale":
+                value = np.float32(adapter.scale if adapter is not None else 0.0)
+            elif adapter is not None:
+                value = adapter.buffers[key].astype(buf.dtype)
+            else:
+                value = np.zeros(buf.shape[:1] + buf.shape[2:], buf.dtype)
+            updated = buf.at[slot].set(value) if key == "scale" else buf.at[:, slot].set(value)
+            new[key] = jax.device_put(updated, self.replicated)
+        self.lora = new
 
     @property
     def prev_ids(self) -> jax.Array | None:
@@ -186,14 +228,14 @@ class Runner:
         assert self._prev_ids is not None, "step buffers released: resume memory first"
         fused = self.step_programs.fused(arrays.input_ids.shape[0], num_rows)
         if fused is not None:
-            next_ids, out, self.kv = fused(self._compute, self.kv, self._prev_ids,
+            next_ids, out, self.kv = fused(self.compute_params, self.kv, self._prev_ids,
                                            step_inputs(arrays), *sampling_inputs(sb_host))
             self.fused_steps += 1
         else:
-            inputs = (self._compute, self.kv, self._prev_ids, step_inputs(arrays))
+            inputs = (self.compute_params, self.kv, self._prev_ids, step_inputs(arrays))
             hidden, row_tok, row_prev, self.kv = self.step_programs.forward(
                 arrays, inputs)(*inputs)
-            head_inputs = (self._compute, hidden, row_tok, row_prev,
+            head_inputs = (self.compute_params, hidden, row_tok, row_prev,
                            *sampling_inputs(sb_host))
             next_ids, out = self.step_programs.head(num_rows, sb_host,
                                                     head_inputs)(*head_inputs)

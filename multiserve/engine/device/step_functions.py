@@ -81,7 +81,8 @@ class StepFunctions:
         fb = ForwardBatch(input_ids=ids, positions=arrays["positions"],
                           token_seq=arrays["token_seq"], out_slots=arrays["out_slots"],
                           page_table=arrays["page_table"], seq_lens=arrays["seq_lens"],
-                          logit_rows=arrays["logit_rows"])
+                          logit_rows=arrays["logit_rows"],
+                          lora_slots=arrays.get("lora_slots"))
         hidden, kv = self.family.forward_hidden(params, kv, fb, self.model_cfg,
                                                 page_size=self.page_size,
                                                 attn_block_size=self.attention_block_size,

@@ -28,8 +28,12 @@ ARRAY_FIELDS = ("input_ids", "from_prev", "positions", "token_seq", "out_slots",
 
 
 def step_tree(arrays: StepArrays) -> dict[str, np.ndarray]:
-    """The step arrays a forward program reads, by name."""
-    return {k: getattr(arrays, k) for k in ARRAY_FIELDS}
+    """The step arrays a forward program reads, by name; `lora_slots` only in an engine
+    with LoRA (without it the tree, so the packed layout, is exactly ARRAY_FIELDS')."""
+    tree = {k: getattr(arrays, k) for k in ARRAY_FIELDS}
+    if arrays.lora_slots is not None:
+        tree["lora_slots"] = arrays.lora_slots
+    return tree
 
 
 def step_inputs(arrays: StepArrays) -> np.ndarray:

@@ -116,6 +116,9 @@ class DeviceState(Protocol):
     @property
     def resident(self) -> bool: ...
 
+    @property
+    def lora_enabled(self) -> bool: ...
+
     def page_table_rows(self, num_tokens: int) -> int: ...
 
     def sampling_batch(self, rows: Sequence[sampling_host.RowSpec | None],
@@ -236,7 +239,7 @@ class StepPrograms:
         for kind, size in self.buckets():
             if kind == FORWARD:
                 arrays = empty_step_arrays(size, state.page_table_rows(size), self.max_rows,
-                                           max_pages)
+                                           max_pages, state.lora_enabled)
                 out[(kind, size)] = ((params, kv, prev, spec(step_inputs(arrays))),
                                      layout_of(step_tree(arrays)))
             elif kind == HEAD:
@@ -326,7 +329,7 @@ class StepPrograms:
             return self.fused_step_agrees(size, cast(FusedProgram, program))
         if kind == FORWARD:
             arrays = empty_step_arrays(size, state.page_table_rows(size), self.max_rows,
-                                       self._prime_pages)
+                                       self._prime_pages, state.lora_enabled)
             hidden, _, _, state.kv = program(state.compute_params, state.kv, state.prev_ids,
                                              step_inputs(arrays))
             jax.block_until_ready(hidden)
@@ -356,7 +359,7 @@ class StepPrograms:
         state = self.state
         vocab = self.functions.model_cfg.vocab_size
         arrays = empty_step_arrays(size, state.page_table_rows(size), self.max_rows,
-                                   self._prime_pages)
+                                   self._prime_pages, state.lora_enabled)
         arrays.input_ids[:] = min(1, vocab - 1)
         arrays.token_seq[:] = np.arange(size) % arrays.seq_lens.shape[0]
         arrays.seq_lens[:] = 1

@@ -84,6 +84,11 @@ class Req:
     # why the engine itself ended this sample (e.g. its grammar rejected a token):
     # delivered as the output's `error` unless the finish path gives one
     error: str | None = None
+    # the LoRA adapter slot this sample runs with (0: the base model), set at admission
+    # (EngineCore.add); such a sample neither reads nor fills the prefix cache (its K/V
+    # are the adapter's)
+    lora_slot: int = 0
+    lora_name: str | None = None  # the request's adapter (None: the base model)
 
     @classmethod
     def samples_of(cls, request: GenerateRequest, seed: int, sink: OutputSink) -> list[Req]:
@@ -93,11 +98,12 @@ class Req:
         ids = list(request.input_ids)
         leader = cls(rid=request.rid, index=0, prompt_ids=ids, params=p, seed=seed,
                      sink=sink, stream=request.stream,
-                     want_prompt_logprobs=request.return_prompt_logprobs)
+                     want_prompt_logprobs=request.return_prompt_logprobs,
+                     lora_name=request.lora_name)
         return [leader] + [
             cls(rid=request.rid, index=i, prompt_ids=ids, params=p, seed=seed, sink=sink,
                 stream=request.stream, want_prompt_logprobs=request.return_prompt_logprobs,
-                leader=leader) for i in range(1, p.n)]
+                leader=leader, lora_name=request.lora_name) for i in range(1, p.n)]
 
     @property
     def key(self) -> tuple[str, int]:

@@ -129,7 +129,7 @@ class Scheduler:
         into the prefix cache; everything else returns to the free list."""
         if req.pages:
             known = min(req.kv_len, len(req.prompt_ids) + len(req.output_ids))
-            num_full = known // self.page_size
+            num_full = 0 if req.lora_slot else known // self.page_size
             num_cached = self.cache.insert(req.fill_ids, req.pages, req.num_cached_pages,
                                            num_full)
             self.cache.release(req.pages[:num_cached])
@@ -335,7 +335,9 @@ class Scheduler:
         fill = req.fill_ids
         total = len(fill)
         # prompt logprobs need the logits of every prompt position: no prefix reuse
-        hit_pages = [] if req.needs_prompt_logprobs else self.cache.match(fill, total - 1)
+        # an adapter's K/V are not the base model's: no prefix reuse either
+        hit_pages = ([] if req.needs_prompt_logprobs or req.lora_slot
+                     else self.cache.match(fill, total - 1))
         hit = len(hit_pages) * self.page_size
         chunk = min(budget, total - hit)
         new_pages = pages_needed(hit + chunk, self.page_size) - len(hit_pages)
@@ -386,7 +388,7 @@ class Scheduler:
             if row.samples:
                 req.pending += 1
                 req.last_out_row = b
-            if was_prefill:
+            if was_prefill and not req.lora_slot:
                 num_full = row.end // self.page_size
                 req.num_cached_pages = self.cache.insert(
                     req.fill_ids, req.pages, req.num_cached_pages, num_full)

@@ -25,6 +25,7 @@ import numpy as np
 from multiserve.config import ModelConfig
 from multiserve.model.layers.attention import paged_attention
 from multiserve.model.layers.forward_batch import ForwardBatch
+from multiserve.model.layers.lora import Adapt, layer_adapter
 from multiserve.model.invariance.plan import InvariancePlan, ProductPlan
 from multiserve.model.layers.kv_pool import KVPool, write_layer
 from multiserve.model.layers.norm import rms_norm
@@ -76,10 +77,11 @@ def fused_groups(plan: InvariancePlan, token_sizes: tuple[int, ...]) -> tuple[st
 
 def project_together(h: jax.Array, w: dict[str, jax.Array | None],
                      layer: int | jax.Array, plan: InvariancePlan, proj: Any,
-                     group: str) -> tuple[jax.Array, ...]:
+                     group: str, adapt: Adapt | None = None) -> tuple[jax.Array, ...]:
     """h times each member of `group` (FUSED_GROUPS): one native product of the group's
     panels `<group>_p` where `w` holds them (then sliced per member: each member's columns
-    start at a panel boundary), else one product per member through `proj`."""
+    start at a panel boundary), else one product per member through `proj`. `adapt`:
+    each member's LoRA (model/layers/lora.py), which `proj` applies itself."""
     members = FUSED_GROUPS[group]
     panels = w.get(f"{group}_p")
     if panels is None:
@@ -89,22 +91,25 @@ def project_together(h: jax.Array, w: dict[str, jax.Array | None],
     starts = np.cumsum([0] + [-(-n // PANEL) * PANEL for n in widths])
     together = ProductPlan(group, first.k, int(starts[-1]), first.by_rows)
     out = dense(h, None, None, together, w_p=panels, layer=layer)
-    return tuple(out[:, int(a):int(a) + n] for a, n in zip(starts[:-1], widths, strict=True))
+    parts = [out[:, int(a):int(a) + n] for a, n in zip(starts[:-1], widths, strict=True)]
+    if adapt is not None:
+        parts = [adapt(h, m, y) for m, y in zip(members, parts, strict=True)]
+    return tuple(parts)
 
 
 def _layer(x: jax.Array, kv: KVPool, layer: int | jax.Array, w: dict[str, jax.Array | None],
            batch: ForwardBatch, cos: jax.Array, sin: jax.Array, cfg: ModelConfig, *,
-           page_size: int, attn_block_size: int, plan: InvariancePlan
-           ) -> tuple[jax.Array, KVPool]:
+           page_size: int, attn_block_size: int, plan: InvariancePlan,
+           adapt: Adapt | None = None) -> tuple[jax.Array, KVPool]:
     """One pre-norm decoder layer: attention over the paged pool, then a SwiGLU MLP.
     `w` holds this layer's params (`layer_weights`): each matrix as W [in, out], W^T and
     the native panels (the whole stack, indexed by `layer`), the layouts the plan does
-    not use at this step size None."""
-    proj = layer_projection(w, layer, plan)
+    not use at this step size None. `adapt`: the layer's LoRA adapters (None: none)."""
+    proj = layer_projection(w, layer, plan, adapt)
     x, kv = attention_block(x, kv, layer, w, proj, batch, cos, sin, cfg, page_size=page_size,
-                            attn_block_size=attn_block_size, plan=plan)
+                            attn_block_size=attn_block_size, plan=plan, adapt=adapt)
     h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps, plan.row_sum(cfg.hidden_size))
-    gate, up = project_together(h, w, layer, plan, proj, "w_gateup")
+    gate, up = project_together(h, w, layer, plan, proj, "w_gateup", adapt)
     x = proj(swiglu(gate, up), "w_down", residual=x)  # x + the MLP's output
     return x, kv
 
@@ -115,15 +120,16 @@ Projection = Any
 
 
 def layer_projection(w: dict[str, jax.Array | None], layer: int | jax.Array,
-                     plan: InvariancePlan) -> Projection:
+                     plan: InvariancePlan, adapt: Adapt | None = None) -> Projection:
     """The row-invariant product with one of this layer's matrices, by name: the plan's
     layout from `w` (`<name>`, `<name>_t`, or the stacked panels `<name>_p` indexed by
-    `layer`)."""
+    `layer`), with each adapter token's LoRA delta added (`adapt`; None: no LoRA)."""
 
     def proj(h: jax.Array, name: str, residual: jax.Array | None = None) -> jax.Array:
         panels = w[f"{name}_p"]  # the whole stack: the native kernel indexes the layer
-        return dense(h, w[name], w[f"{name}_t"], plan.product(name), w_p=panels,
-                     layer=None if panels is None else layer, residual=residual)
+        y = dense(h, w[name], w[f"{name}_t"], plan.product(name), w_p=panels,
+                  layer=None if panels is None else layer, residual=residual)
+        return y if adapt is None else adapt(h, name, y)
 
     return proj
 
@@ -131,13 +137,15 @@ def layer_projection(w: dict[str, jax.Array | None], layer: int | jax.Array,
 def attention_block(x: jax.Array, kv: KVPool, layer: int | jax.Array,
                     w: dict[str, jax.Array | None], proj: Projection, batch: ForwardBatch,
                     cos: jax.Array, sin: jax.Array, cfg: ModelConfig, *, page_size: int,
-                    attn_block_size: int, plan: InvariancePlan) -> tuple[jax.Array, KVPool]:
+                    attn_block_size: int, plan: InvariancePlan,
+                    adapt: Adapt | None = None) -> tuple[jax.Array, KVPool]:
     """The attention half of a pre-norm layer (every family's): x + attention(norm(x)),
-    this step's K/V written into the pool."""
+    this step's K/V written into the pool. `adapt`: LoRA (the dense families only), which
+    `proj` applies to o_proj itself."""
     t, hd = x.shape[0], cfg.head_dim
     norm = plan.row_sum(cfg.hidden_size)
     h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps, norm)
-    q, k, v = project_together(h, w, layer, plan, proj, "wqkv")
+    q, k, v = project_together(h, w, layer, plan, proj, "wqkv", adapt)
     if cfg.attention_bias:
         q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
     q = q.reshape(t, cfg.num_heads, hd)
@@ -217,12 +225,19 @@ def forward_hidden(params: Params, kv_pool: KVPool, batch: ForwardBatch, cfg: Mo
     cos, sin = jnp.cos(freqs)[:, None, :], jnp.sin(freqs)[:, None, :]
     num_tokens = x.shape[0]
     stacked = params["stacked_layers"]
+    lora = params.get("lora")  # LoRA buffers (model/layers/lora.py), absent without LoRA
+    assert (lora is None) == (batch.lora_slots is None), "LoRA buffers need token slots"
+
+    def adapter(layer: int | jax.Array) -> Adapt | None:
+        return None if lora is None else layer_adapter(lora, layer, batch.lora_slots)
+
     if not scans(plan, num_tokens):
         for index, layer in enumerate(params["layers"]):
             x, kv_pool = _layer(x, kv_pool, index,
                                 layer_weights(layer, num_tokens, plan, cfg, stacked),
                                 batch, cos, sin, cfg, page_size=page_size,
-                                attn_block_size=attn_block_size, plan=plan)
+                                attn_block_size=attn_block_size, plan=plan,
+                                adapt=adapter(index))
     else:
         weights = layer_weights(stacked, num_tokens, plan, cfg, stacked)
         # the native panels stay whole (the kernel indexes the layer); the rest is scanned
@@ -242,7 +257,8 @@ def forward_hidden(params: Params, kv_pool: KVPool, batch: ForwardBatch, cfg: Mo
             w, layer = xs
             own = jax.lax.switch(layer, by_layer) if switched else {}
             x, kv = _layer(x, kv, layer, {**w, **own, **whole}, batch, cos, sin, cfg,
-                           page_size=page_size, attn_block_size=attn_block_size, plan=plan)
+                           page_size=page_size, attn_block_size=attn_block_size, plan=plan,
+                           adapt=adapter(layer))
             return (x, kv), None
 
         layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)

@@ -11,6 +11,8 @@ Invariants (the engine builds it, the model trusts it; all int32, padded to buck
   `seq_lens` is part of the contract for kernels that need it.)
 - `logit_rows`: [R], token rows whose logits are returned (padding rows point at any valid
   row, e.g. 0).
+- `lora_slots`: [T], each token's LoRA adapter slot (0: none; padding tokens 0), only in
+  an engine with LoRA (model/layers/lora.py); None (no pytree leaf) otherwise.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ class ForwardBatch:
     page_table: jax.Array  # [B, max_pages] int32
     seq_lens: jax.Array  # [B] int32
     logit_rows: jax.Array  # [R] int32
+    lora_slots: jax.Array | None = None  # [T] int32, only with LoRA
 
     @property
     def num_tokens(self) -> int:

@@ -1,0 +1,84 @@
+"""LoRA adapters inside the dense decoder: each token's low-rank product with its own
+adapter, added to a projection's output.
+
+Device buffers (model/lora_layout.py `lora_buffer_shapes`; the runner holds them beside the params, and the
+forward reads them as `params["lora"]`): for every target module m of `LORA_MODULES`
+(model/lora_layout.py),
+`<m>_a` [L, S, K, r] and `<m>_b` [L, S, r, N] (A and B of each slot, stored [in, out]),
+and `scale` [S] float32 (lora_alpha / r, or lora_alpha / sqrt(r) with rsLoRA). S =
+max_loras_per_batch + 1 slots of r = max_lora_rank; slot 0 is "no adapter" (all zeros,
+never written); an adapter of a smaller rank is zero-padded, a module it does not target
+is zero. The buffers' shapes are fixed by the engine config, so loading, replacing or
+unloading an adapter writes into them and never recompiles a step program.
+
+Each token t carries its slot `slots[t]` (ForwardBatch.lora_slots). Invariants:
+- A base-model token (slot 0) gets the projection's output itself, selected (`jnp.where`),
+  not that output plus a zero product: its bits are those of the engine without LoRA.
+- A token's delta reads only its own slot's matrices and its own activations: every op is
+  elementwise over tokens, and the two contractions (over K, then over r) are explicit
+  pairwise trees of elementwise adds (`_tree_sum`) in float32, in a fixed order. Tokens
+  run in chunks of `CHUNK` (the step's tokens zero-padded to a multiple of it) through one
+  `lax.map` body whose shapes never change, so a token's delta is the same bits whatever
+  the step's size and whatever adapters (or none) the other tokens use.
+- The delta is added to the projection's output (with its residual, where the product
+  adds one) in float32 and rounded once to the activations' dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+CHUNK = 8  # tokens per lax.map iteration (fixed: the body's shapes never change)
+
+# (x [T, K], layer matrix name, y [T, N]) -> y with each adapter token's delta added
+Adapt = Callable[[jax.Array, str, jax.Array], jax.Array]
+
+
+def _tree_sum(x: jax.Array, axis: int) -> jax.Array:
+    """Sum over `axis` as a fixed pairwise tree of elementwise adds (zero-padded to a
+    power of two): the order depends only on the axis' length."""
+    x = jnp.moveaxis(x, axis, -1)
+    n = x.shape[-1]
+    width = 1 << max(n - 1, 0).bit_length()
+    if width > n:
+        x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - n)])
+    while x.shape[-1] > 1:
+        half = x.shape[-1] // 2
+        x = x[..., :half] + x[..., half:]
+    return x[..., 0]
+
+
+def lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, scale: jax.Array,
+               slots: jax.Array) -> jax.Array:
+    """float32 [T, N]: token t's (x[t] @ A[slots[t]]) @ B[slots[t]] * scale[slots[t]],
+    for one layer's a [S, K, r], b [S, r, N] (see the module docstring)."""
+    t, k = x.shape
+    n = b.shape[-1]
+    pad = -t % CHUNK
+    xs = jnp.pad(x, ((0, pad), (0, 0))).reshape(-1, CHUNK, k)
+    ss = jnp.pad(slots, (0, pad)).reshape(-1, CHUNK)
+
+    def chunk(args: tuple[jax.Array, jax.Array]) -> jax.Array:
+        xc, sc = args
+        xa = _tree_sum(xc.astype(jnp.float32)[:, :, None] * a[sc].astype(jnp.float32), 1)
+        d = _tree_sum(xa[:, :, None] * b[sc].astype(jnp.float32), 1)  # [CHUNK, N]
+        return d * scale[sc][:, None]
+
+    return jax.lax.map(chunk, (xs, ss)).reshape(-1, n)[:t]
+
+
+def layer_adapter(lora: dict[str, jax.Array], layer: int | jax.Array,
+                  slots: jax.Array) -> Adapt:
+    """The `Adapt` of one layer (its slice of each stacked buffer, `layer` static or
+    traced)."""
+    on = (slots > 0)[:, None]
+
+    def adapt(x: jax.Array, name: str, y: jax.Array) -> jax.Array:
+        d = lora_delta(x, lora[f"{name}_a"][layer], lora[f"{name}_b"][layer],
+                       lora["scale"], slots)
+        return jnp.where(on, (y.astype(jnp.float32) + d).astype(y.dtype), y)
+
+    return adapt

@@ -1,0 +1,185 @@
+"""LoRA adapters in the engine (issue 47): each token's low-rank product gathered from its
+own slot (model/layers/lora.py), on the tiny random Llama.
+
+- base rows of an engine with LoRA are bit for bit those of the engine without it (the
+  shared `tiny_engine`), ids and logprobs;
+- a batch mixing the base model and two adapters gives every row exactly the ids and
+  logprobs it gets alone, greedy and seeded;
+- an adapter changes the output (the delta reaches the logits), a PEFT directory and the
+  same tensors in memory give the same bits, and loading never compiles a step program;
+- refusals change nothing: rank above max_lora_rank, an unsupported module, a wrong shape,
+  a full slot table, an unknown adapter, unloading an adapter live requests use.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from engine_helpers import TINY_ENGINE
+
+from multiserve.config import ModelConfig
+from multiserve.engine.lora_adapters import LoraRefused
+from multiserve.types import InvalidRequest, SamplingParams
+
+PROMPTS = [[5, 9, 13, 17, 21], [7, 3, 30, 44, 12, 6, 9, 19, 40, 8, 11], [14, 15, 16]]
+PROJ = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
+        "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+
+
+def peft_tensors(cfg: ModelConfig, r: int, seed: int,
+                 modules: tuple[str, ...] = tuple(PROJ)) -> dict[str, np.ndarray]:
+    """Random PEFT-named lora_A [r, in] / lora_B [out, r] of `modules` in every layer,
+    large enough to change greedy outputs."""
+    from multiserve.model.lora_layout import LORA_MODULES, module_shapes
+
+    rng = np.random.default_rng(seed)
+    shapes = {LORA_MODULES[k]: v for k, v in module_shapes(cfg).items()}
+    out = {}
+    for layer in range(cfg.num_layers):
+        for m in modules:
+            k, n = shapes[m]
+            base = f"base_model.model.model.layers.{layer}.{PROJ[m]}.{m}"
+            out[f"{base}.lora_A.weight"] = (rng.standard_normal((r, k)) / np.sqrt(k)
+                                            ).astype(np.float32)
+            out[f"{base}.lora_B.weight"] = (rng.standard_normal((n, r)) / np.sqrt(r)
+                                            ).astype(np.float32)
+    return out
+
+
+@pytest.fixture(scope="module")
+def lora_engine(tiny_model_dir: Path) -> Iterator[Any]:
+    from multiserve.engine.engine import Engine
+    from multiserve.config import EngineConfig
+
+    eng = Engine(EngineConfig(model_path=str(tiny_model_dir), **TINY_ENGINE,
+                              max_loras_per_batch=3, max_lora_rank=8))
+    cfg = eng.model_config
+    eng.load_lora_adapter("a1", tensors=peft_tensors(cfg, 4, 1), r=4, lora_alpha=8)
+    eng.load_lora_adapter("a2", tensors=peft_tensors(cfg, 8, 2, ("q_proj", "v_proj",
+                                                                  "down_proj")),
+                          r=8, lora_alpha=16, use_rslora=True,
+                          target_modules=["q_proj", "v_proj", "down_proj"])
+    try:
+        yield eng
+    finally:
+        eng.shutdown()
+
+
+def _params(seeded: bool) -> SamplingParams:
+    if seeded:
+        return SamplingParams(temperature=0.9, top_p=0.95, seed=11, max_new_tokens=12,
+                              ignore_eos=True, return_logprob=True)
+    return SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True,
+                          return_logprob=True)
+
+
+def _bits(out: Any) -> tuple[Any, ...]:
+    return tuple(out.output_ids), tuple(t.logprob for t in out.logprobs)
+
+
+def _run(engine: Any, rows: list[tuple[int, str | None]], seeded: bool) -> list[Any]:
+    outs = engine.generate(input_ids=[PROMPTS[p] for p, _ in rows],
+                           sampling_params=_params(seeded),
+                           lora_name=[name for _, name in rows])
+    return [_bits(o) for o in outs]
+
+
+@pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "seeded"])
+def test_mixed_batch_rows_equal_each_alone_and_base_rows_equal_no_lora(
+        lora_engine: Any, tiny_engine: Any, seeded: bool) -> None:
+    rows = [(0, None), (0, "a1"), (1, "a2"), (1, None), (2, "a1"), (2, "a2"), (0, "a2")]
+    mixed = _run(lora_engine, rows, seeded)
+    alone = [_run(lora_engine, [row], seeded)[0] for row in rows]
+    assert mixed == alone
+    # base rows: the engine without LoRA, bit for bit
+    without = _run(tiny_engine, [(p, None) for p, _ in rows], seeded)
+    for (p, name), got, want in zip(rows, mixed, without, strict=True):
+        if name is None:
+            assert got == want, p
+        else:  # the adapter reaches the output
+            assert got != want, (p, name)
+
+
+def test_a_peft_directory_gives_the_bits_of_its_tensors_in_memory(
+        lora_engine: Any, tmp_path: Path) -> None:
+    from multiserve.model.loading import safetensors_io
+
+    cfg = lora_engine.model_config
+    tensors = peft_tensors(cfg, 4, 1)  # adapter a1's
+    safetensors_io.save_file(tensors, tmp_path / "adapter_model.safetensors")
+    (tmp_path / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": list(PROJ),
+         "bias": "none", "use_rslora": False}))
+    res = lora_engine.load_lora_adapter("a1-disk", str(tmp_path))
+    try:
+        assert res["rank"] == 4
+        assert {a["name"]: a["slot"] for a in lora_engine.list_lora_adapters()} == {
+            "a1": 1, "a2": 2, "a1-disk": 3}
+        for p in range(len(PROMPTS)):
+            assert _run(lora_engine, [(p, "a1-disk")], False) == \
+                _run(lora_engine, [(p, "a1")], False)
+        # loading wrote into the buffers: no step program compiled on the step path
+        assert lora_engine.get_internal_state()["cache_miss_count"] == 0
+    finally:
+        lora_engine.unload_lora_adapter("a1-disk")
+
+
+def test_refusals_change_nothing(lora_engine: Any) -> None:
+    cfg = lora_engine.model_config
+    loaded = lora_engine.list_lora_adapters()
+    cases = {
+        "max_lora_rank": dict(tensors=peft_tensors(cfg, 16, 3), r=16),
+        "unsupported target modules": dict(tensors=peft_tensors(cfg, 4, 3), r=4,
+                                           target_modules=["q_proj", "lm_head"]),
+        "expected [4, 64]": dict(tensors={
+            **peft_tensors(cfg, 4, 3),
+            "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight":
+                np.zeros((4, 63), np.float32)}, r=4),
+        "no lora_B": dict(tensors={
+            "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight":
+                np.zeros((4, 64), np.float32)}, r=4),
+    }
+    for why, kw in cases.items():
+        with pytest.raises(LoraRefused, match=re.escape(why)) as err:
+            lora_engine.load_lora_adapter("bad", **kw)
+        assert err.value.kind == "invalid"
+    with pytest.raises(LoraRefused, match="already loaded"):
+        lora_engine.load_lora_adapter("a1", tensors=peft_tensors(cfg, 4, 1), r=4)
+    lora_engine.load_lora_adapter("a3", tensors=peft_tensors(cfg, 2, 5), r=2)
+    try:
+        with pytest.raises(LoraRefused, match="every LoRA slot is taken") as err:
+            lora_engine.load_lora_adapter("a4", tensors=peft_tensors(cfg, 2, 6), r=2)
+        assert err.value.kind == "full"
+    finally:
+        lora_engine.unload_lora_adapter("a3")
+    with pytest.raises(InvalidRequest, match="'nope' is not loaded") as bad:
+        lora_engine.generate(input_ids=PROMPTS[0], sampling_params=_params(False),
+                             lora_name="nope")
+    assert bad.value.code == "lora_not_found"
+    with pytest.raises(LoraRefused, match="not loaded") as err:
+        lora_engine.unload_lora_adapter("nope")
+    assert err.value.kind == "unknown"
+    assert lora_engine.list_lora_adapters() == loaded
+
+
+def test_unloading_an_adapter_in_use_is_refused(lora_engine: Any) -> None:
+    from multiserve.types import GenerateRequest
+
+    lora_engine.pause_generation("in_place")
+    try:
+        reqs = [GenerateRequest(rid=f"held-{i}", input_ids=tuple(PROMPTS[0]),
+                                sampling=_params(False), lora_name="a2") for i in range(2)]
+        lora_engine.submit_many(reqs, [lambda d: None] * 2)
+        with pytest.raises(LoraRefused, match="in use by 2 live request") as err:
+            lora_engine.unload_lora_adapter("a2")
+        assert err.value.kind == "in_use"
+        lora_engine.abort_request(abort_all=True)
+    finally:
+        lora_engine.continue_generation()
+    assert "a2" in [a["name"] for a in lora_engine.list_lora_adapters()]
