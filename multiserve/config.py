@@ -191,6 +191,8 @@ class EngineConfig:
     # the largest rank one may have (smaller ranks are zero-padded to it)
     max_loras_per_batch: int = 0
     max_lora_rank: int = 16
+    # PEFT adapter directories loaded at start, "name=path" (or a bare path: named by it)
+    lora_paths: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "device_indexes", tuple(self.device_indexes))
@@ -237,6 +239,13 @@ class EngineConfig:
         _require(self.chunked_prefill_size >= 1, "chunked_prefill_size", "must be >= 1")
         _require(self.max_loras_per_batch >= 0, "max_loras_per_batch", "must be >= 0")
         _require(self.max_lora_rank >= 1, "max_lora_rank", "must be >= 1")
+        object.__setattr__(self, "lora_paths", tuple(self.lora_paths))
+        _require(len(self.lora_paths) <= self.max_loras_per_batch, "lora_paths",
+                 f"{len(self.lora_paths)} adapter(s) need max_loras_per_batch >= that "
+                 f"(it is {self.max_loras_per_batch})")
+        _require(all(isinstance(p, str) and p and not p.startswith("=")
+                     and not p.endswith("=") for p in self.lora_paths), "lora_paths",
+                 "each entry is name=path or a path")
         _require(self.attention_block_size % self.page_size == 0
                  or self.page_size % self.attention_block_size == 0,
                  "attention_block_size", "must be a multiple or divisor of page_size")

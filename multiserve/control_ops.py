@@ -169,6 +169,25 @@ class UpdateWeightsFromDisk:
     abort_running: bool = False
 
 
+@dataclass(frozen=True)
+class LoadLoraAdapter:
+    """Load the PEFT adapter directory `lora_path` into a free LoRA slot as `lora_name`
+    (engine/lora_adapters.py: read and checked off the engine thread, then one command)."""
+    lora_name: str
+    lora_path: str
+
+
+@dataclass(frozen=True)
+class UnloadLoraAdapter:
+    """Free adapter `lora_name`'s slot (refused while live requests use it)."""
+    lora_name: str
+
+
+@dataclass(frozen=True)
+class ListLoraAdapters:
+    """The loaded LoRA adapters (details["adapters"])."""
+
+
 # ---- the table ----------------------------------------------------------------------------
 # How the supervisor answers a broadcast: "each" (every engine's answer, 200 iff all
 # succeeded), "sum_aborted" (that, plus the engines' `aborted` summed), "two_phase" (stage
@@ -181,6 +200,11 @@ Group = Literal["core", "rl"]  # core: build_app / build_supervisor_app; rl: add
 class Route:
     path: str
     methods: tuple[str, ...] = ("POST",)
+    aliases: tuple[str, ...] = ()  # more paths of the same route (another API's spelling)
+
+    @property
+    def paths(self) -> tuple[str, ...]:
+        return (self.path, *self.aliases)
 
 
 @dataclass(frozen=True)
@@ -215,6 +239,13 @@ OPS: dict[str, ControlOp] = {op.name: op for op in (
     ControlOp("flush_cache", FlushCache, "core", route=_post("/flush_cache", "GET", "POST"),
               fleet="each"),
     ControlOp("get_internal_state", GetInternalState, "core"),  # read by the info routes
+    # LoRA adapters: sglang's paths, vLLM's as aliases; a refusal's status is the
+    # answer's own (`http_status`: 400 invalid, 404 unknown, 409 slots full / in use)
+    ControlOp("load_lora_adapter", LoadLoraAdapter, "core",
+              route=Route("/load_lora_adapter", ("POST",), ("/v1/load_lora_adapter",))),
+    ControlOp("unload_lora_adapter", UnloadLoraAdapter, "core",
+              route=Route("/unload_lora_adapter", ("POST",), ("/v1/unload_lora_adapter",))),
+    ControlOp("list_lora_adapters", ListLoraAdapters, "core"),  # read by /v1/models
     ControlOp("release_memory_occupation", ReleaseMemoryOccupation, "rl",
               route=_post("/release_memory_occupation"), fleet="each"),
     ControlOp("resume_memory_occupation", ResumeMemoryOccupation, "rl",

@@ -33,6 +33,8 @@ from typing import TYPE_CHECKING, Any
 from multiserve.control_ops import (
     DiscardStagedWeights,
     GetWeightsByName,
+    ListLoraAdapters,
+    LoadLoraAdapter,
     PublishStagedWeights,
     ReleaseMemoryOccupation,
     ResumeMemoryOccupation,
@@ -41,8 +43,10 @@ from multiserve.control_ops import (
     UpdateWeightsFromArrays,
     UpdateWeightsFromDisk,
     UpdateWeightsFromTensor,
+    UnloadLoraAdapter,
 )
 from multiserve.engine.commands import BeginStaging, Command, EndStaging, RLCommand
+from multiserve.engine.lora_control import LoraOperations
 from multiserve.engine.rl.checks import WeightUpdateError
 from multiserve.engine.rl.memory import MemoryManager
 from multiserve.engine.rl.weights import DeviceArrays, WeightManager
@@ -93,7 +97,9 @@ class ControlRunner:
     engine cannot take an update (it runs on the engine thread)."""
 
     def __init__(self, core: RLInterface, submit: Submit,
-                 require_healthy: Callable[[], None]) -> None:
+                 require_healthy: Callable[[], None],
+                 lora: LoraOperations | None = None) -> None:
+        self.lora = lora  # the LoRA operations (engine/lora_control.py)
         self.weights = WeightManager(core)
         self.memory = MemoryManager(core, self.weights)
         self._submit = submit
@@ -177,6 +183,12 @@ class ControlRunner:
             case UpdateWeightsFromDisk(path, version, abort_running):
                 return self._update(self._stage(self._disk_loader(path), version,
                                                 abort_running), abort_running)
+            case LoadLoraAdapter(name, path) if self.lora is not None:
+                return self.lora.load(name, path, OffThread)
+            case UnloadLoraAdapter(name):
+                return LoraOperations.unload(name)
+            case ListLoraAdapters():
+                return LoraOperations.listing()
         return record
 
     def _disk_loader(self, path: str) -> Loader:

@@ -61,6 +61,7 @@ from multiserve.engine.commands import (
     UnloadLora,
 )
 from multiserve.engine.control_runner import ControlRunner
+from multiserve.engine.lora_control import LoraOperations
 from multiserve.engine.lora_adapters import (
     LoraRefused,
     adapter_from_peft_dir,
@@ -136,8 +137,9 @@ class Engine:
         self.context_len = parts.core.max_context
         self.devices = parts.runner.devices
         self._core = parts.core
-        self._control_runner = ControlRunner(RLInterface(parts.core), self.call,
-                                             self._require_healthy)
+        self._control_runner = ControlRunner(
+            RLInterface(parts.core), self.call, self._require_healthy,
+            LoraOperations(parts.model_cfg, cfg.max_lora_rank))
         self._commands: queue.SimpleQueue[_Queued] = queue.SimpleQueue()
         self._seed_rng = random.Random(cfg.seed)
         self._rid_counter = itertools.count()
@@ -154,6 +156,13 @@ class Engine:
         _register_exit_hook()
         # programs compiled in the background are primed on the engine thread, between steps
         parts.runner.programs.set_primer(lambda kind, size: self.call(Prime(kind, size)))
+        try:
+            for entry in cfg.lora_paths:  # name=path, or a path named by itself
+                name, _, path = entry.rpartition("=")
+                self.load_lora_adapter(name or path, path)
+        except BaseException:
+            self.shutdown()
+            raise
 
     # ---- the engine thread ---------------------------------------------------------
     def _loop(self) -> None:

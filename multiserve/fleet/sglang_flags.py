@@ -10,7 +10,10 @@ Supported, by the field each sets: `--model-path` (alias of --model: [model] pat
 without --config each engine gets that many consecutive devices; with one, each engine's
 device_indexes must hold that many), `--mem-fraction-static`, `--context-length`
 (max_context_len), `--max-running-requests`, `--chunked-prefill-size`, `--page-size` and
-`--dtype` (EngineConfig fields, for every engine, over the file's values).
+`--dtype`, `--max-loras-per-batch`, `--max-lora-rank` and `--lora-paths NAME=PATH ...`
+(EngineConfig fields, for every engine, over the file's values; `--lora-paths` or
+`--enable-lora` without `--max-loras-per-batch` hold SGLang's default 8 adapters, or as
+many as --lora-paths names).
 
 Invariants: a flag that is not given changes nothing; a flag we do not support is never
 silently ignored.
@@ -19,6 +22,7 @@ silently ignored.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any, NoReturn
 
 from multiserve.config import ConfigError
@@ -32,7 +36,11 @@ ENGINE_FLAGS: dict[str, str] = {
     "chunked_prefill_size": "chunked_prefill_size",
     "page_size": "page_size",
     "dtype": "dtype",
+    "max_loras_per_batch": "max_loras_per_batch",
+    "max_lora_rank": "max_lora_rank",
+    "lora_paths": "lora_paths",
 }
+DEFAULT_MAX_LORAS = 8  # SGLang's max_loras_per_batch
 # SGLang's dtype names -> ours
 DTYPES = {"auto": "auto", "float32": "float32", "float": "float32", "bfloat16": "bfloat16",
           "float16": "float16", "half": "float16"}
@@ -43,8 +51,7 @@ UNSUPPORTED: tuple[str, ...] = (
     "--trust-remote-code", "--revision", "--kv-cache-dtype", "--quantization",
     "--quantization-param-path", "--dp-size", "--data-parallel-size", "--pp-size",
     "--pipeline-parallel-size", "--ep-size", "--expert-parallel-size", "--nnodes",
-    "--node-rank", "--dist-init-addr", "--lora-paths", "--max-loras-per-batch",
-    "--max-lora-rank", "--enable-lora", "--attention-backend", "--sampling-backend",
+    "--node-rank", "--dist-init-addr", "--attention-backend", "--sampling-backend",
     "--grammar-backend", "--schedule-policy", "--schedule-conservativeness",
     "--cpu-offload-gb", "--enable-torch-compile", "--cuda-graph-max-bs",
     "--disable-cuda-graph", "--speculative-draft-model-path", "--speculative-num-steps",
@@ -84,8 +91,24 @@ def add_sglang_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=int, default=None, help="SGLang: KV page size")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                    help="SGLang: the compute dtype (half = float16, float = float32)")
+    p.add_argument("--max-loras-per-batch", type=int, default=None,
+                   help="SGLang: LoRA adapters an engine holds at once (default 0: no LoRA; "
+                        "8 with --lora-paths / --enable-lora)")
+    p.add_argument("--max-lora-rank", type=int, default=None,
+                   help="SGLang: the largest LoRA rank (smaller ones are zero-padded; "
+                        "default 16)")
+    p.add_argument("--lora-paths", nargs="+", default=None, metavar="NAME=PATH",
+                   help="SGLang: PEFT adapter directories loaded at start")
+    p.add_argument("--enable-lora", action="store_true", default=None,
+                   help="SGLang: LoRA on (adapters loaded later by /load_lora_adapter)")
     for flag in UNSUPPORTED:
         p.add_argument(flag, nargs="?", action=_Unsupported, help=argparse.SUPPRESS)
+
+
+def _absolute(entry: str) -> str:
+    """`name=path` (a bare path: named by itself) with the path made absolute."""
+    name, _, path = entry.rpartition("=")
+    return f"{name or path}={Path(path).resolve()}" if path else entry
 
 
 def apply_sglang_flags(args: argparse.Namespace, data: dict[str, Any],
@@ -99,6 +122,11 @@ def apply_sglang_flags(args: argparse.Namespace, data: dict[str, Any],
              if getattr(args, flag, None) is not None}
     if "dtype" in given:
         given["dtype"] = DTYPES[given["dtype"]]
+    if "lora_paths" in given:  # name=path, the path made absolute (workers' cwd may differ)
+        given["lora_paths"] = [_absolute(entry) for entry in given["lora_paths"]]
+    if "max_loras_per_batch" not in given and (
+            "lora_paths" in given or getattr(args, "enable_lora", None)):
+        given["max_loras_per_batch"] = max(DEFAULT_MAX_LORAS, len(given.get("lora_paths", ())))
     if given:  # the command line wins over the file's [engine] and each engine's values
         names = {*given, *(a for a, f in ENGINE_KEY_ALIASES.items() if f in given)}
         shared = data.get("engine")

@@ -44,7 +44,9 @@ def run_fuzz(cases_per_app: int, *, seed: int = 0, model_dir: Path | None = None
 
     with tempfile.TemporaryDirectory(prefix="multiserve-fuzz-") as tmp:
         model = model_dir or write_tiny_model(Path(tmp) / "tiny", seed=0)
-        fleet = launch_fleet(tiny_fleet_config(model, engines=engines), announce=False)
+        # LoRA on (two slots): the adapter routes reach the engine's slot table
+        fleet = launch_fleet(tiny_fleet_config(model, engines=engines, max_loras_per_batch=2),
+                             announce=False)
         try:
             reports = [fuzz_server("engine", fleet.urls[0], cases_per_app, seed=seed),
                        fuzz_server("supervisor", fleet.supervisor_url, cases_per_app,

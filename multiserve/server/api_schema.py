@@ -138,11 +138,12 @@ def control_bodies() -> tuple[dict[Key, type[ControlBody]], frozenset[Key],
         if model is None:
             continue
         for method in op.route.methods:
-            if method == "GET":
-                if model.reads_query:
-                    query[(method, op.route.path)] = query_parameters(model)
-            else:
-                bodies[(method, op.route.path)] = model
+            for path in op.route.paths:
+                if method == "GET":
+                    if model.reads_query:
+                        query[(method, path)] = query_parameters(model)
+                else:
+                    bodies[(method, path)] = model
     optional = frozenset(k for k, m in bodies.items() if m.optional_body)
     return bodies, optional, query
 
@@ -186,8 +187,12 @@ ANSWERS: dict[Key, Answer] = {
     ("GET", "/get_weight_version"): Answer(WeightVersion, errors=("401", "503")),
     ("GET", "/v1/loads"): Answer(errors=("401", "503")),
     ("GET", "/metrics"): Answer(text=True, errors=("401",)),
-    **{(m, op.route.path): CONTROL for op in (*routed_ops("core"), *routed_ops("rl"))
-       if op.route is not None for m in op.route.methods},
+    **{(m, path): CONTROL for op in (*routed_ops("core"), *routed_ops("rl"))
+       if op.route is not None for m in op.route.methods for path in op.route.paths},
+    # LoRA refusals: 404 an unknown adapter, 409 every slot taken / the adapter in use
+    **{(m, path): Answer(ControlAnswer, errors=("400", "401", "404", "409", "503"))
+       for op in routed_ops("core") if op.route is not None and "lora" in op.name
+       for m in op.route.methods for path in op.route.paths},
 }
 
 

@@ -88,7 +88,7 @@ def build_app(engine: EngineClient, tokenizer: TokenizerManager, *,
     # ---- OpenAI + native ------------------------------------------------------------
     @app.get("/v1/models")
     async def models() -> Response:
-        return json_model(oai.models())
+        return json_model(await oai.models())
 
     app.add_api_route("/v1/chat/completions", oai.chat, methods=["POST"])
     app.add_api_route("/v1/completions", oai.completions, methods=["POST"])

@@ -62,7 +62,10 @@ async def run_op(engine: EngineClient, op: ControlOp, body: ControlBody | None
 
 
 def control_response(result: ControlResult, refused_status: int = 400) -> Response:
-    status = 200 if result.ok else refused_status
+    """The answer's JSON; a refusal's status is its own `http_status` detail where it
+    gives one (LoRA: 404 unknown adapter, 409 slots full / adapter in use), else the
+    operation's `refused_status`."""
+    status = 200 if result.ok else int(result.details.get("http_status", refused_status))
     return JSONResponse(with_error(result.to_dict(), status), status_code=status)
 
 
@@ -87,8 +90,9 @@ def add_control_routes(app: FastAPI, engine: Any, group: Group) -> None:
     `engine` (an EngineClient)."""
     for op in routed_ops(group):
         assert op.route is not None
-        app.add_api_route(op.route.path, _route(engine, op), methods=list(op.route.methods),
-                          name=op.name)
+        for path in op.route.paths:
+            app.add_api_route(path, _route(engine, op), methods=list(op.route.methods),
+                              name=op.name)
 
 
 def add_rl_routes(app: FastAPI, engine: Any) -> None:

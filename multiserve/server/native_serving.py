@@ -122,14 +122,19 @@ class NativeServing:
         else:
             base = rids or self.tm.new_rid()
             rids = [base] if len(ids_list) == 1 else [f"{base}-{i}" for i in range(len(ids_list))]
+        try:
+            loras = body.lora_names(len(ids_list))
+        except ValueError as exc:
+            raise bad_request(str(exc), param="lora_path") from None
         check_health(self.engine)
         prompt_lp = body.return_logprob and body.logprob_start_len >= 0
+        # an unknown adapter is the engine's refusal (400 lora_not_found, naming it)
         runs = [RequestRun(self.engine, self.tm,
                            GenerateRequest(rid=r, input_ids=tuple(ids), sampling=sp,
                                            stream=body.stream,
-                                           return_prompt_logprobs=prompt_lp),
-                           on_done=self.on_done)
-                for r, ids, sp in zip(rids, ids_list, params, strict=True)]
+                                           return_prompt_logprobs=prompt_lp, lora_name=lora),
+                           on_done=self.on_done, fields={"lora_name": "lora_path"})
+                for r, ids, sp, lora in zip(rids, ids_list, params, loras, strict=True)]
         return runs, is_batch, intervals
 
     async def generate(self, request: Request) -> Response:

@@ -68,9 +68,26 @@ class OpenAIServing:
         self.reasoning_parser = reasoning_parser
 
     # ---- /v1/models ---------------------------------------------------------------------
-    def models(self) -> P.ModelList:
-        return P.ModelList(data=[P.ModelCard(id=self.engine.model_name, root=self.engine.model_name,
-                                             max_model_len=self.engine.context_len)])
+    async def models(self) -> P.ModelList:
+        """The served model, then each loaded LoRA adapter (`root`: the served model)."""
+        name = self.engine.model_name
+        cards = [P.ModelCard(id=name, root=name, max_model_len=self.engine.context_len)]
+        cards += [P.ModelCard(id=a, root=name, max_model_len=self.engine.context_len)
+                  for a in await self._adapters()]
+        return P.ModelList(data=cards)
+
+    async def _adapters(self) -> list[str]:
+        """The names of the engine's loaded LoRA adapters."""
+        listed = await self.engine.acontrol("list_lora_adapters")
+        return [a["name"] for a in listed.details["adapters"]]
+
+    async def _lora_name(self, model: str | None) -> str | None:
+        """The LoRA adapter a request's `model` names: a loaded adapter's name selects
+        it; the served model's name, none, or any other name is the base model (as
+        before adapters existed)."""
+        if not model or model == self.engine.model_name:
+            return None
+        return model if model in await self._adapters() else None
 
     # ---- shared -----------------------------------------------------------------------
     async def _grammar(self, req: P.ChatCompletionRequest | P.CompletionRequest,
@@ -106,7 +123,8 @@ class OpenAIServing:
 
     def _runs(self, req: P.ChatCompletionRequest | P.CompletionRequest,
               prompts: list[list[int]], echo_logprobs: bool = False,
-              grammar: Grammar | None = None) -> list[RequestRun]:
+              grammar: Grammar | None = None, lora_name: str | None = None
+              ) -> list[RequestRun]:
         refused = req.refused()
         if refused is not None:
             raise bad_request(f"{refused[0]}: {refused[1]}", param=refused[0])
@@ -127,7 +145,8 @@ class OpenAIServing:
         for i, (ids, sp) in enumerate(zip(prompts, params, strict=False)):
             rid = base if len(prompts) == 1 else f"{base}-{i}"
             greq = GenerateRequest(rid=rid, input_ids=tuple(ids), sampling=sp,
-                                   stream=req.stream, return_prompt_logprobs=echo_logprobs)
+                                   stream=req.stream, return_prompt_logprobs=echo_logprobs,
+                                   lora_name=lora_name)
             # the engine checks the request; its refusals name OpenAI's fields
             runs.append(RequestRun(self.engine, self.tm, greq, on_done=self.on_done,
                                    fields={"input_ids": "prompt", "max_new_tokens": param}))
@@ -151,7 +170,8 @@ class OpenAIServing:
                                           **template_kwargs)
         if tools:  # tool tags may be special tokens: the parser must see them
             req = req.model_copy(update={"skip_special_tokens": False})
-        runs = self._runs(req, [ids], grammar=grammar)
+        runs = self._runs(req, [ids], grammar=grammar,
+                          lora_name=await self._lora_name(req.model))
         if req.stream:
             await start_runs(runs)  # refusals become HTTP errors, not mid-stream events
             return sse_response(self._chat_stream(req, runs[0], tools))
@@ -329,7 +349,8 @@ class OpenAIServing:
         grammar = await self._grammar(req)
         prompts = self._prompt_ids(req.prompt)
         echo_lp = req.echo and req.logprobs is not None
-        runs = self._runs(req, prompts, echo_logprobs=echo_lp, grammar=grammar)
+        runs = self._runs(req, prompts, echo_logprobs=echo_lp, grammar=grammar,
+                          lora_name=await self._lora_name(req.model))
         if req.stream:
             await start_runs(runs)
             return sse_response(self._completion_stream(req, runs, prompts))

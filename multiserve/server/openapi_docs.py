@@ -30,7 +30,9 @@ SSE = "text/event-stream"
 
 ERROR_STATUSES = {"400": "invalid request (the message names the parameter)",
                   "401": "missing or wrong API key (when the server has one)",
-                  "404": "unknown model or route",
+                  "404": "unknown model, route or LoRA adapter",
+                  "409": "conflict: every LoRA slot is taken, the adapter is loaded, or "
+                         "live requests use it",
                   "413": "request body over the server's max_request_bytes",
                   "429": "waiting queue full (Retry-After says when to retry)",
                   "503": "engine unavailable, asleep, paused or overloaded (reason given)"}

@@ -99,8 +99,8 @@ ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 class _SamplingRequest(_Request):
     """Fields shared by chat and completions requests."""
 
-    # Any string, or none: sglang ignores it (one model per server), and RL clients send
-    # the model's path; /v1/models names the served model.
+    # Any string, or none: a loaded LoRA adapter's name runs that adapter; anything else is
+    # the served model (RL clients send the model's path); /v1/models lists both.
     model: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -158,7 +158,7 @@ class _SamplingRequest(_Request):
         if self.session_params:
             return "session_params", "sessions are not supported"
         if self.lora_path:
-            return "lora_path", "LoRA adapters are not supported"
+            return "lora_path", "name the LoRA adapter in 'model' instead"
         if self.logit_bias:
             return "logit_bias", "logit_bias is not supported"
         if self.tools and not self.serves_tools:

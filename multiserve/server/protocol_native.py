@@ -30,8 +30,7 @@ REFUSED_FEATURES = {
     "video_data": "multimodal input is not supported",
     "audio_data": "multimodal input is not supported",
     "input_embeds": "input_embeds are not supported; give text or input_ids",
-    "lora_path": "LoRA adapters are not supported",
-    "lora_id": "LoRA adapters are not supported",
+    "lora_id": "lora_id is not supported; name the adapter in lora_path",
     "custom_logit_processor": "custom logit processors are not supported",
     "return_hidden_states": "hidden states are not returned by this server",
     "return_routed_experts": "routed experts exist only in MoE models; this one is dense",
@@ -66,7 +65,9 @@ class GenerateRequestBody(_Request):
     video_data: Any = None
     audio_data: Any = None
     input_embeds: Any = None
-    lora_path: Any = None
+    # the loaded LoRA adapter each prompt runs with, by name (one for all prompts, or one per
+    # prompt; null: the base model)
+    lora_path: str | list[str | None] | None = None
     lora_id: Any = None
     custom_logit_processor: Any = None
     return_hidden_states: Any = None
@@ -84,6 +85,16 @@ class GenerateRequestBody(_Request):
             if is_set(getattr(self, key)):
                 return key, why
         return None
+
+    def lora_names(self, count: int) -> list[str | None]:
+        """The adapter of each of `count` prompts (ValueError: a list of another
+        length)."""
+        if isinstance(self.lora_path, list):
+            if len(self.lora_path) != count:
+                raise ValueError(f"lora_path: need one entry per prompt, got "
+                                 f"{len(self.lora_path)} for {count}")
+            return list(self.lora_path)
+        return [self.lora_path] * count
 
     def prompts(self) -> tuple[list[str] | list[list[int]], bool]:
         """(prompts, is_batch): exactly one of text / input_ids must be given."""

@@ -100,7 +100,7 @@ def test_out_of_range_values_name_the_field() -> None:
     (["--quantization", "fp8"], "unsupported SGLang flag --quantization"),
     (["--dp-size", "2"], "unsupported SGLang flag --dp-size"),
     (["--trust-remote-code"], "unsupported SGLang flag --trust-remote-code"),
-    (["--lora-paths=a"], "unsupported SGLang flag --lora-paths"),
+    (["--enable-torch-compile"], "unsupported SGLang flag --enable-torch-compile"),
     (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
 ])
 def test_unsupported_flags_are_errors_naming_them(capsys: pytest.CaptureFixture[str],
@@ -112,6 +112,22 @@ def test_unsupported_flags_are_errors_naming_them(capsys: pytest.CaptureFixture[
         main([command, "--engines", "1", *argv])
     assert info.value.code == 2
     assert named in capsys.readouterr().err
+
+
+def test_lora_flags_set_the_engines_lora_fields(tmp_path: Path) -> None:
+    plain = cfg_of("--engines", "2").engines[0]
+    assert (plain.max_loras_per_batch, plain.lora_paths) == (0, ())  # LoRA off
+    cfg = cfg_of("--engines", "2", "--lora-paths", f"a={tmp_path / 'a'}", "b",
+                 "--max-lora-rank", "32")
+    for e in cfg.engines:
+        assert e.lora_paths == (f"a={tmp_path / 'a'}", f"b={Path('b').resolve()}")
+        assert (e.max_loras_per_batch, e.max_lora_rank) == (8, 32)  # SGLang's default 8
+    e = cfg_of("--engines", "1", "--enable-lora", "--max-loras-per-batch", "3").engines[0]
+    assert (e.max_loras_per_batch, e.lora_paths) == (3, ())
+    assert cfg_of("--engines", "1", "--enable-lora").engines[0].max_loras_per_batch == 8
+    with pytest.raises(ConfigError) as info:
+        cfg_of("--engines", "1", "--lora-paths", "a=x", "b=y", "--max-loras-per-batch", "1")
+    assert info.value.field == "engines[0].lora_paths"
 
 
 class _Device:

@@ -39,7 +39,8 @@ def test_every_operation_was_fuzzed(result) -> None:  # noqa: ANN001
                  "POST /inference/v1/generate", "POST /v1/score", "POST /pause_generation",
                  "POST /abort_request", "POST /update_weights_from_disk",
                  "POST /stage_weights_from_disk", "POST /publish_staged_weights",
-                 "POST /release_memory_occupation", "GET /health", "GET /metrics"):
+                 "POST /release_memory_occupation", "GET /health", "GET /metrics",
+                 "POST /load_lora_adapter", "POST /unload_lora_adapter"):
         assert engine.per_operation[path] >= 1, path
     for path in ("POST /pause_generation", "POST /restart_engine", "POST /flush_cache",
                  "POST /update_weights_from_disk", "GET /health"):
