@@ -223,3 +223,35 @@ def test_greedy_ids_and_logprobs_match_transformers_with_peft(
             assert base_ids != want_ids
     finally:
         lora_engine.unload_lora_adapter("hf")
+
+
+def test_adapters_survive_memory_release(lora_engine: Any) -> None:
+    rows = [(1, "a1"), (2, "a2"), (0, None)]
+    before = _run(lora_engine, rows, True)
+    assert lora_engine.release_memory_occupation().ok
+    assert lora_engine.resume_memory_occupation().ok
+    assert _run(lora_engine, rows, True) == before
+
+
+def test_bf16_mixed_rows_equal_each_alone_and_base_rows_equal_no_lora(
+        tiny_model_dir_bf16: Path, tiny_engine_bf16: Any) -> None:
+    from multiserve.config import EngineConfig
+    from multiserve.engine.engine import Engine
+
+    eng = Engine(EngineConfig(model_path=str(tiny_model_dir_bf16), **TINY_ENGINE,
+                              max_loras_per_batch=2, max_lora_rank=8))
+    try:
+        assert eng.get_internal_state()["dtype_choice"] == \
+            tiny_engine_bf16.get_internal_state()["dtype_choice"]
+        cfg = eng.model_config
+        eng.load_lora_adapter("a1", tensors=peft_tensors(cfg, 4, 1), r=4, lora_alpha=8)
+        eng.load_lora_adapter("a2", tensors=peft_tensors(cfg, 8, 2), r=8, lora_alpha=16)
+        rows = [(0, None), (0, "a1"), (1, "a2"), (2, None), (2, "a1")]
+        for seeded in (False, True):
+            mixed = _run(eng, rows, seeded)
+            assert mixed == [_run(eng, [row], seeded)[0] for row in rows]
+            without = _run(tiny_engine_bf16, [(p, None) for p, _ in rows], seeded)
+            assert [m for m, (_, n) in zip(mixed, rows, strict=True) if n is None] == \
+                [w for w, (_, n) in zip(without, rows, strict=True) if n is None]
+    finally:
+        eng.shutdown()

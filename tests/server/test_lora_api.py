@@ -52,17 +52,30 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     from multiserve.reliability.tiny_model import tiny_engine_fields, write_tiny_model
     from multiserve.server import ServerThread, TokenizerManager, build_app
 
+    from multiserve.reliability.tiny_model import TINY_RELIABILITY_MODEL
+
     model = write_tiny_model(tmp_path_factory.mktemp("tiny-lora"))
+    adapters = tmp_path_factory.mktemp("adapters")
+    start = write_adapter(adapters / "start", TINY_RELIABILITY_MODEL, 2, 0)
     eng = Engine(EngineConfig(model_path=str(model), **tiny_engine_fields(
-        max_loras_per_batch=1, max_lora_rank=4)))
+        max_loras_per_batch=1, max_lora_rank=4, lora_paths=(f"start={start}",))))
     tm = TokenizerManager(eng.tokenizer_dir, eng.context_len, eng.model_name,
                           tokenizer=eng.tokenizer)
     thread = ServerThread(build_app(eng, tm)).start()
     http = httpx.Client(base_url=thread.url, timeout=120)
-    yield eng, http, tmp_path_factory.mktemp("adapters")
+    yield eng, http, adapters
     http.close()
     thread.stop()
     eng.shutdown()
+
+
+def test_lora_paths_are_loaded_at_start(server: Any) -> None:
+    eng, http, root = server
+    assert [m["id"] for m in http.get("/v1/models").json()["data"]] == [
+        eng.model_name, "start"]
+    assert _generate(http, lora_path="start").status_code == 200
+    r = http.post("/unload_lora_adapter", json={"lora_name": "start"})
+    assert r.status_code == 200 and r.json()["loaded_adapters"] == {}
 
 
 def _generate(http: httpx.Client, **body: Any) -> httpx.Response:
