@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict
 from multiserve.control_ops import OPS
 from multiserve.fleet import supervisor_bodies as S
 from multiserve.server.api_schema import ENGINE_STATE_SCHEMA
-from multiserve.server.control_bodies import query_parameters
+from multiserve.server.control_bodies import body_for, query_parameters
 from multiserve.server.openapi_docs import Answer, Key, document
 
 
@@ -51,12 +51,16 @@ class FleetWeightVersion(BaseModel):
     engines: list[dict[str, Any]]
 
 
+LORA_OPS = ("load_lora_adapter", "unload_lora_adapter")
 # every operation the supervisor offers (a row of control_ops.OPS with a `fleet` merge)
 FLEET_OPS = [op for op in OPS.values() if op.fleet is not None and op.route is not None]
 BODIES: dict[Key, Any] = {
     **{(m, op.route.path): S.fleet_body_for(op) for op in FLEET_OPS if op.route is not None
        for m in op.route.methods if m != "GET"},
     ("POST", "/restart_engine"): S.RestartBody,
+    # LoRA, all engines or none (supervisor_lora.py): the engine's bodies
+    **{("POST", path): body_for(OPS[name]) for name in LORA_OPS
+       for path in OPS[name].route.paths},  # type: ignore[union-attr]
 }
 OPTIONAL = frozenset(k for k, m in BODIES.items() if m.optional_body)
 # a GET spelling reads the query string where its body says so (get_weights_by_name)
@@ -69,6 +73,8 @@ ANSWERS: dict[Key, Answer] = {
     **{(m, op.route.path): Answer(FleetAnswer, errors=FLEET_ERRORS) for op in FLEET_OPS
        if op.route is not None for m in op.route.methods},
     ("POST", "/restart_engine"): Answer(FleetAnswer, errors=("400", "401", "409", "503")),
+    **{("POST", path): Answer(FleetAnswer, errors=("400", "401", "404", "409", "503", "504"))
+       for name in LORA_OPS for path in OPS[name].route.paths},  # type: ignore[union-attr]
     ("GET", "/health"): Answer(errors=("401", "503")),
     ("GET", "/get_server_info"): Answer(FLEET_INFO_SCHEMA, errors=("401", "503")),
     ("GET", "/get_weight_version"): Answer(FleetWeightVersion, errors=("401", "503")),

@@ -22,36 +22,12 @@ from typing import Any
 import numpy as np
 import pytest
 from engine_helpers import TINY_ENGINE
+from lora_checkpoints import BLOCKS, peft_tensors
 
-from multiserve.config import ModelConfig
 from multiserve.engine.lora_adapters import LoraRefused
 from multiserve.types import InvalidRequest, SamplingParams
 
 PROMPTS = [[5, 9, 13, 17, 21], [7, 3, 30, 44, 12, 6, 9, 19, 40, 8, 11], [14, 15, 16]]
-PROJ = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
-        "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
-
-
-def peft_tensors(cfg: ModelConfig, r: int, seed: int,
-                 modules: tuple[str, ...] = tuple(PROJ)) -> dict[str, np.ndarray]:
-    """Random PEFT-named lora_A [r, in] / lora_B [out, r] of `modules` in every layer,
-    large enough to change greedy outputs."""
-    from multiserve.model.lora_layout import LORA_MODULES, module_shapes
-
-    rng = np.random.default_rng(seed)
-    shapes = {LORA_MODULES[k]: v for k, v in module_shapes(cfg).items()}
-    out = {}
-    for layer in range(cfg.num_layers):
-        for m in modules:
-            k, n = shapes[m]
-            base = f"base_model.model.model.layers.{layer}.{PROJ[m]}.{m}"
-            out[f"{base}.lora_A.weight"] = (rng.standard_normal((r, k)) / np.sqrt(k)
-                                            ).astype(np.float32)
-            out[f"{base}.lora_B.weight"] = (rng.standard_normal((n, r)) / np.sqrt(r)
-                                            ).astype(np.float32)
-    return out
-
-
 @pytest.fixture(scope="module")
 def lora_engine(tiny_model_dir: Path) -> Iterator[Any]:
     from multiserve.engine.engine import Engine
@@ -114,7 +90,7 @@ def test_a_peft_directory_gives_the_bits_of_its_tensors_in_memory(
     tensors = peft_tensors(cfg, 4, 1)  # adapter a1's
     safetensors_io.save_file(tensors, tmp_path / "adapter_model.safetensors")
     (tmp_path / "adapter_config.json").write_text(json.dumps(
-        {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": list(PROJ),
+        {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": list(BLOCKS),
          "bias": "none", "use_rslora": False}))
     res = lora_engine.load_lora_adapter("a1-disk", str(tmp_path))
     try:

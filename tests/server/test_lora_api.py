@@ -7,42 +7,17 @@ unloading an adapter live requests use (their count named)."""
 
 from __future__ import annotations
 
-import json
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
-import numpy as np
 import pytest
-
-from multiserve.model.lora_layout import LORA_MODULES, module_shapes
+from lora_checkpoints import write_peft_dir
 
 PROMPT = [5, 9, 13, 17, 21, 25]
 GREEDY = {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True}
-
-
-def write_adapter(path: Path, cfg: Any, r: int, seed: int) -> Path:
-    """A PEFT adapter directory (q/v/down, random A and B) for `cfg`."""
-    from multiserve.model.loading import safetensors_io
-
-    rng = np.random.default_rng(seed)
-    shapes = {LORA_MODULES[k]: v for k, v in module_shapes(cfg).items()}
-    blocks = {"q_proj": "self_attn", "v_proj": "self_attn", "down_proj": "mlp"}
-    tensors = {}
-    for layer in range(cfg.num_layers):
-        for m, block in blocks.items():
-            k, n = shapes[m]
-            base = f"base_model.model.model.layers.{layer}.{block}.{m}"
-            tensors[f"{base}.lora_A.weight"] = (rng.standard_normal((r, k)) / np.sqrt(k)
-                                                ).astype(np.float32)
-            tensors[f"{base}.lora_B.weight"] = rng.standard_normal((n, r)).astype(np.float32)
-    path.mkdir(parents=True, exist_ok=True)
-    safetensors_io.save_file(tensors, path / "adapter_model.safetensors")
-    (path / "adapter_config.json").write_text(json.dumps(
-        {"peft_type": "LORA", "r": r, "lora_alpha": 2 * r, "target_modules": list(blocks)}))
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +31,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 
     model = write_tiny_model(tmp_path_factory.mktemp("tiny-lora"))
     adapters = tmp_path_factory.mktemp("adapters")
-    start = write_adapter(adapters / "start", TINY_RELIABILITY_MODEL, 2, 0)
+    start = write_peft_dir(adapters / "start", TINY_RELIABILITY_MODEL, 2, 0)
     eng = Engine(EngineConfig(model_path=str(model), **tiny_engine_fields(
         max_loras_per_batch=1, max_lora_rank=4, lora_paths=(f"start={start}",))))
     tm = TokenizerManager(eng.tokenizer_dir, eng.context_len, eng.model_name,
@@ -85,7 +60,7 @@ def _generate(http: httpx.Client, **body: Any) -> httpx.Response:
 
 def test_load_serve_and_unload_an_adapter(server: Any) -> None:
     eng, http, root = server
-    path = write_adapter(root / "a", eng.model_config, 4, 1)
+    path = write_peft_dir(root / "a", eng.model_config, 4, 1)
     base = _generate(http).json()["output_ids"]
     r = http.post("/load_lora_adapter", json={"lora_name": "a", "lora_path": str(path)})
     assert r.status_code == 200 and r.json()["success"], r.text
@@ -116,7 +91,7 @@ def test_load_serve_and_unload_an_adapter(server: Any) -> None:
 
 def test_refusals_answer_their_status_and_change_nothing(server: Any) -> None:
     eng, http, root = server
-    big = write_adapter(root / "big", eng.model_config, 8, 2)
+    big = write_peft_dir(root / "big", eng.model_config, 8, 2)
     r = http.post("/load_lora_adapter", json={"lora_name": "big", "lora_path": str(big)})
     assert r.status_code == 400 and "max_lora_rank" in r.json()["message"]
     r = http.post("/load_lora_adapter", json={"lora_name": "x", "lora_path": str(root / "no")})
@@ -125,7 +100,7 @@ def test_refusals_answer_their_status_and_change_nothing(server: Any) -> None:
     assert r.status_code == 400 and "'nope'" in r.text
     r = http.post("/unload_lora_adapter", json={"lora_name": "nope"})
     assert r.status_code == 404 and "'nope'" in r.json()["message"]
-    path = write_adapter(root / "b", eng.model_config, 2, 3)
+    path = write_peft_dir(root / "b", eng.model_config, 2, 3)
     assert http.post("/load_lora_adapter", json={"lora_name": "b",
                                                  "lora_path": str(path)}).status_code == 200
     try:

@@ -1,0 +1,46 @@
+"""Random LoRA adapters for tests: PEFT-named tensors and PEFT adapter directories for a
+ModelConfig (lora_A [r, in] ~ N(0, 1/in), lora_B [out, r] ~ N(0, 1/r): large enough to
+change a tiny model's greedy output)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from multiserve.config import ModelConfig
+from multiserve.model.lora_layout import LORA_MODULES, module_shapes
+
+BLOCKS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
+          "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+
+
+def peft_tensors(cfg: ModelConfig, r: int, seed: int,
+                 modules: tuple[str, ...] = tuple(BLOCKS)) -> dict[str, np.ndarray]:
+    """PEFT-named lora_A / lora_B of `modules` (PEFT names) in every layer."""
+    rng = np.random.default_rng(seed)
+    shapes = {LORA_MODULES[k]: v for k, v in module_shapes(cfg).items()}
+    out = {}
+    for layer in range(cfg.num_layers):
+        for m in modules:
+            k, n = shapes[m]
+            base = f"base_model.model.model.layers.{layer}.{BLOCKS[m]}.{m}"
+            out[f"{base}.lora_A.weight"] = (rng.standard_normal((r, k)) / np.sqrt(k)
+                                            ).astype(np.float32)
+            out[f"{base}.lora_B.weight"] = (rng.standard_normal((n, r)) / np.sqrt(r)
+                                            ).astype(np.float32)
+    return out
+
+
+def write_peft_dir(path: Path, cfg: ModelConfig, r: int, seed: int,
+                   modules: tuple[str, ...] = ("q_proj", "v_proj", "down_proj")) -> Path:
+    """A PEFT adapter directory (lora_alpha = 2r) of `modules`."""
+    from multiserve.model.loading import safetensors_io
+
+    path.mkdir(parents=True, exist_ok=True)
+    safetensors_io.save_file(peft_tensors(cfg, r, seed, modules),
+                             path / "adapter_model.safetensors")
+    (path / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": r, "lora_alpha": 2 * r, "target_modules": list(modules)}))
+    return path
