@@ -63,8 +63,8 @@ Loader = Callable[[], tuple[Any, str, bool]]  # -> (tensors, source, require_all
 @dataclass(frozen=True)
 class OffThread:
     """Work of an operation that runs off the engine thread (the caller's thread, or a
-    worker thread under `arun`): staging."""
-    fn: Callable[[], ControlResult]
+    worker thread under `arun`): staging, reading a LoRA adapter."""
+    fn: Callable[[], Any]
 
 
 Op = Command | Generator[Command | OffThread, Any, ControlResult]

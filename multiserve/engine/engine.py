@@ -459,8 +459,8 @@ class Engine:
     async def async_generate(self, prompt: str | None = None,
                              sampling_params: SamplingParams | dict | None = None, *,
                              input_ids: Sequence[int] | None = None,
-                             rid: str | None = None) -> Any:
-        req = self._request(prompt, input_ids, sampling_params, rid, False)
+                             rid: str | None = None, lora_name: str | None = None) -> Any:
+        req = self._request(prompt, input_ids, sampling_params, rid, False, lora_name)
         finals: dict[int, RequestOutput] = {}
         async for out in self.stream(req):
             if out.finished:
