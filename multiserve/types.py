@@ -231,8 +231,11 @@ class GenerateRequest:
     sampling: SamplingParams
     stream: bool = False
     return_prompt_logprobs: bool = False
-    # the LoRA adapter the request runs with (a loaded adapter's name; None: the base model)
+    # the LoRA adapter the request runs with (a loaded adapter's name; None: the base model);
+    # `lora_optional`: a name that is no loaded adapter runs the base model (the OpenAI
+    # `model` field) instead of being refused
     lora_name: str | None = None
+    lora_optional: bool = False
 
 
 @dataclass(frozen=True)

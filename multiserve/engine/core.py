@@ -133,7 +133,7 @@ class EngineCore:
                 raise InvalidRequest(f"rid: a live request already uses rid {req.rid!r}",
                                      param="rid")
             keys.add(req.key)
-            slots.append(self._lora_slot(req.lora_name))
+            slots.append(self._lora_slot(req.lora_name, req.lora_optional))
         check_admission(self.scheduler.waiting, reqs, self.admission)  # or EngineOverloaded
         for req, slot in zip(reqs, slots, strict=True):
             req.lora_slot = slot
@@ -146,14 +146,16 @@ class EngineCore:
                 self.finish(req, "length")
             # else max_new_tokens == 0 with prompt logprobs: prefill only (scoring)
 
-    def _lora_slot(self, name: str | None) -> int:
-        """The slot of a request's adapter (0: none; InvalidRequest code
-        "lora_not_found" naming it when no such adapter is loaded)."""
+    def _lora_slot(self, name: str | None, optional: bool) -> int:
+        """The slot of a request's adapter (0: none; no such adapter loaded: 0 when
+        `optional`, else InvalidRequest code "lora_not_found" naming it)."""
         if name is None:
             return 0
         try:
             return self.loras.slot_of(name)
         except LoraRefused as exc:
+            if optional:
+                return 0
             raise InvalidRequest(str(exc), "lora_name", "lora_not_found") from exc
 
     # ---- LoRA adapters (engine/lora_adapters.py): between steps, engine thread --------

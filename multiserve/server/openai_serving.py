@@ -81,13 +81,11 @@ class OpenAIServing:
         listed = await self.engine.acontrol("list_lora_adapters")
         return [a["name"] for a in listed.details["adapters"]]
 
-    async def _lora_name(self, model: str | None) -> str | None:
-        """The LoRA adapter a request's `model` names: a loaded adapter's name selects
-        it; the served model's name, none, or any other name is the base model (as
-        before adapters existed)."""
-        if not model or model == self.engine.model_name:
-            return None
-        return model if model in await self._adapters() else None
+    def _lora_name(self, model: str | None) -> str | None:
+        """The LoRA adapter a request's `model` may name (sent with lora_optional: the
+        engine runs a loaded adapter of that name, else the base model, as before
+        adapters existed); the served model's name or none: the base model."""
+        return None if not model or model == self.engine.model_name else model
 
     # ---- shared -----------------------------------------------------------------------
     async def _grammar(self, req: P.ChatCompletionRequest | P.CompletionRequest,
@@ -146,7 +144,7 @@ class OpenAIServing:
             rid = base if len(prompts) == 1 else f"{base}-{i}"
             greq = GenerateRequest(rid=rid, input_ids=tuple(ids), sampling=sp,
                                    stream=req.stream, return_prompt_logprobs=echo_logprobs,
-                                   lora_name=lora_name)
+                                   lora_name=lora_name, lora_optional=True)
             # the engine checks the request; its refusals name OpenAI's fields
             runs.append(RequestRun(self.engine, self.tm, greq, on_done=self.on_done,
                                    fields={"input_ids": "prompt", "max_new_tokens": param}))
@@ -170,8 +168,7 @@ class OpenAIServing:
                                           **template_kwargs)
         if tools:  # tool tags may be special tokens: the parser must see them
             req = req.model_copy(update={"skip_special_tokens": False})
-        runs = self._runs(req, [ids], grammar=grammar,
-                          lora_name=await self._lora_name(req.model))
+        runs = self._runs(req, [ids], grammar=grammar, lora_name=self._lora_name(req.model))
         if req.stream:
             await start_runs(runs)  # refusals become HTTP errors, not mid-stream events
             return sse_response(self._chat_stream(req, runs[0], tools))
@@ -350,7 +347,7 @@ class OpenAIServing:
         prompts = self._prompt_ids(req.prompt)
         echo_lp = req.echo and req.logprobs is not None
         runs = self._runs(req, prompts, echo_logprobs=echo_lp, grammar=grammar,
-                          lora_name=await self._lora_name(req.model))
+                          lora_name=self._lora_name(req.model))
         if req.stream:
             await start_runs(runs)
             return sse_response(self._completion_stream(req, runs, prompts))

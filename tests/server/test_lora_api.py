@@ -75,8 +75,9 @@ def test_load_serve_and_unload_an_adapter(server: Any) -> None:
                                             "sampling_params": GREEDY,
                                             "lora_path": [None, "a"]}).json()
         assert [o["output_ids"] for o in both] == [base, tuned]
-        # OpenAI: the adapter by name in `model`; the served model's name is the base
-        for model, want in (("a", tuned), (eng.model_name, base)):
+        # OpenAI: the adapter by name in `model`; the served model's name, or any other
+        # name (RL clients send the model's path), is the base model
+        for model, want in (("a", tuned), (eng.model_name, base), ("/some/path", base)):
             c = http.post("/v1/completions", json={
                 "model": model, "prompt": PROMPT, "max_tokens": 8, "temperature": 0,
                 "ignore_eos": True, "return_token_ids": True})

@@ -89,6 +89,7 @@ class Req:
     # are the adapter's)
     lora_slot: int = 0
     lora_name: str | None = None  # the request's adapter (None: the base model)
+    lora_optional: bool = False  # an unknown lora_name runs the base model (not refused)
 
     @classmethod
     def samples_of(cls, request: GenerateRequest, seed: int, sink: OutputSink) -> list[Req]:
@@ -99,11 +100,12 @@ class Req:
         leader = cls(rid=request.rid, index=0, prompt_ids=ids, params=p, seed=seed,
                      sink=sink, stream=request.stream,
                      want_prompt_logprobs=request.return_prompt_logprobs,
-                     lora_name=request.lora_name)
+                     lora_name=request.lora_name, lora_optional=request.lora_optional)
         return [leader] + [
             cls(rid=request.rid, index=i, prompt_ids=ids, params=p, seed=seed, sink=sink,
                 stream=request.stream, want_prompt_logprobs=request.return_prompt_logprobs,
-                leader=leader, lora_name=request.lora_name) for i in range(1, p.n)]
+                leader=leader, lora_name=request.lora_name,
+                lora_optional=request.lora_optional) for i in range(1, p.n)]
 
     @property
     def key(self) -> tuple[str, int]:
