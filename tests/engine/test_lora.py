@@ -4,7 +4,8 @@ own slot (model/layers/lora.py), on the tiny random Llama.
 - base rows of an engine with LoRA are bit for bit those of the engine without it (the
   shared `tiny_engine`), ids and logprobs;
 - a batch mixing the base model and two adapters gives every row exactly the ids and
-  logprobs it gets alone, greedy and seeded;
+  logprobs it gets alone (there at T=8, in the batch at T=64), greedy and seeded, float32
+  and bfloat16;
 - an adapter changes the output (the delta reaches the logits), a PEFT directory and the
   same tensors in memory give the same bits, and loading never compiles a step program;
 - refusals change nothing: rank above max_lora_rank, an unsupported module, a wrong shape,
@@ -27,13 +28,18 @@ from lora_checkpoints import BLOCKS, peft_tensors
 from multiserve.engine.lora_adapters import LoraRefused
 from multiserve.types import InvalidRequest, SamplingParams
 
-PROMPTS = [[5, 9, 13, 17, 21], [7, 3, 30, 44, 12, 6, 9, 19, 40, 8, 11], [14, 15, 16]]
+PROMPTS = [[5, 9, 13, 17, 21], [7, 3, 30, 44, 12, 6, 9, 19, 40, 8, 11], [14, 15, 16],
+           [(7 * i) % 90 + 3 for i in range(40)]]
+# the LoRA engines' token buckets: a row alone decodes at T=8, in the mixed batch at T=64
+LORA_ENGINE = {**TINY_ENGINE, "precompile_token_paddings": (8, 64)}
+
+
 @pytest.fixture(scope="module")
 def lora_engine(tiny_model_dir: Path) -> Iterator[Any]:
     from multiserve.engine.engine import Engine
     from multiserve.config import EngineConfig
 
-    eng = Engine(EngineConfig(model_path=str(tiny_model_dir), **TINY_ENGINE,
+    eng = Engine(EngineConfig(model_path=str(tiny_model_dir), **LORA_ENGINE,
                               max_loras_per_batch=3, max_lora_rank=8))
     cfg = eng.model_config
     eng.load_lora_adapter("a1", tensors=peft_tensors(cfg, 4, 1), r=4, lora_alpha=8)
@@ -69,7 +75,8 @@ def _run(engine: Any, rows: list[tuple[int, str | None]], seeded: bool) -> list[
 @pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "seeded"])
 def test_mixed_batch_rows_equal_each_alone_and_base_rows_equal_no_lora(
         lora_engine: Any, tiny_engine: Any, seeded: bool) -> None:
-    rows = [(0, None), (0, "a1"), (1, "a2"), (1, None), (2, "a1"), (2, "a2"), (0, "a2")]
+    rows = [(0, None), (0, "a1"), (1, "a2"), (1, None), (2, "a1"), (2, "a2"), (0, "a2"),
+            (3, "a1"), (3, None), (3, "a2")]
     mixed = _run(lora_engine, rows, seeded)
     alone = [_run(lora_engine, [row], seeded)[0] for row in rows]
     assert mixed == alone
@@ -214,7 +221,7 @@ def test_bf16_mixed_rows_equal_each_alone_and_base_rows_equal_no_lora(
     from multiserve.config import EngineConfig
     from multiserve.engine.engine import Engine
 
-    eng = Engine(EngineConfig(model_path=str(tiny_model_dir_bf16), **TINY_ENGINE,
+    eng = Engine(EngineConfig(model_path=str(tiny_model_dir_bf16), **LORA_ENGINE,
                               max_loras_per_batch=2, max_lora_rank=8))
     try:
         assert eng.get_internal_state()["dtype_choice"] == \
