@@ -16,10 +16,13 @@ Each token t carries its slot `slots[t]` (ForwardBatch.lora_slots). Invariants:
   not that output plus a zero product: its bits are those of the engine without LoRA.
 - A token's delta reads only its own slot's matrices and its own activations: every op is
   elementwise over tokens, and the two contractions (over K, then over r) are explicit
-  pairwise trees of elementwise adds (`_tree_sum`) in float32, in a fixed order. Tokens
-  run in chunks of `CHUNK` (the step's tokens zero-padded to a multiple of it) through one
-  `lax.map` body whose shapes never change, so a token's delta is the same bits whatever
-  the step's size and whatever adapters (or none) the other tokens use.
+  pairwise trees of elementwise adds (`_tree_sum`) in float32, in a fixed order, each
+  product materialized before its sum (no multiply-add contraction that XLA might do in
+  one program and not in another). So a token's delta is the same bits whatever the
+  step's size and whatever adapters (or none) the other tokens use. Tokens run in static
+  slices of at most `CHUNK` (memory), never through a `lax.map` loop: on XLA:CPU a
+  mapped form gave company-dependent bits in the decoder (not reproduced standalone),
+  which tests/engine/test_lora.py caught.
 - The delta is added to the projection's output (with its residual, where the product
   adds one) in float32 and rounded once to the activations' dtype.
 """
@@ -31,7 +34,10 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-CHUNK = 8  # tokens per lax.map iteration (fixed: the body's shapes never change)
+# tokens per static slice of a step (bounds the gathered [slice, K, r] and [slice, r, N]
+# operands); a slice's size never changes a token's bits (every op is elementwise over
+# tokens)
+CHUNK = 64
 
 # (x [T, K], layer matrix name, y [T, N]) -> y with each adapter token's delta added
 Adapt = Callable[[jax.Array, str, jax.Array], jax.Array]
@@ -55,19 +61,26 @@ def lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, scale: jax.Array,
                slots: jax.Array) -> jax.Array:
     """float32 [T, N]: token t's (x[t] @ A[slots[t]]) @ B[slots[t]] * scale[slots[t]],
     for one layer's a [S, K, r], b [S, r, N] (see the module docstring)."""
-    t, k = x.shape
-    n = b.shape[-1]
-    pad = -t % CHUNK
-    xs = jnp.pad(x, ((0, pad), (0, 0))).reshape(-1, CHUNK, k)
-    ss = jnp.pad(slots, (0, pad)).reshape(-1, CHUNK)
+    return jnp.concatenate([_delta(x[i:i + CHUNK], a, b, scale, slots[i:i + CHUNK])
+                            for i in range(0, x.shape[0], CHUNK)])
 
-    def chunk(args: tuple[jax.Array, jax.Array]) -> jax.Array:
-        xc, sc = args
-        xa = _tree_sum(xc.astype(jnp.float32)[:, :, None] * a[sc].astype(jnp.float32), 1)
-        d = _tree_sum(xa[:, :, None] * b[sc].astype(jnp.float32), 1)  # [CHUNK, N]
-        return d * scale[sc][:, None]
 
-    return jax.lax.map(chunk, (xs, ss)).reshape(-1, n)[:t]
+def _delta(x: jax.Array, a: jax.Array, b: jax.Array, scale: jax.Array,
+           slots: jax.Array) -> jax.Array:
+    """`lora_delta` of one slice of tokens. Each product is materialized before its sum
+    (`_rounded`): no multiply is fused with an add (an FMA rounds once where the product
+    and the sum round twice, and whether XLA contracts one depends on the program around
+    it)."""
+    xa = _tree_sum(_rounded(x.astype(jnp.float32)[:, :, None]
+                            * a[slots].astype(jnp.float32)), 1)  # [T, r]
+    d = _tree_sum(_rounded(xa[:, :, None] * b[slots].astype(jnp.float32)), 1)  # [T, N]
+    return _rounded(d * scale[slots][:, None])
+
+
+def _rounded(x: jax.Array) -> jax.Array:
+    """`x` materialized as computed: XLA fuses nothing across it (no multiply-add
+    contraction with what follows)."""
+    return jax.lax.optimization_barrier(x)
 
 
 def layer_adapter(lora: dict[str, jax.Array], layer: int | jax.Array,
@@ -79,6 +92,6 @@ def layer_adapter(lora: dict[str, jax.Array], layer: int | jax.Array,
     def adapt(x: jax.Array, name: str, y: jax.Array) -> jax.Array:
         d = lora_delta(x, lora[f"{name}_a"][layer], lora[f"{name}_b"][layer],
                        lora["scale"], slots)
-        return jnp.where(on, (y.astype(jnp.float32) + d).astype(y.dtype), y)
+        return jnp.where(on, (y.astype(jnp.float32) + _rounded(d)).astype(y.dtype), y)
 
     return adapt
