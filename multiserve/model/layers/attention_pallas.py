@@ -36,6 +36,9 @@ Costs and limits:
   layer per step (the whole pool per step), where a kernel taking the layer as an operand
   would read only the pages in use. A pool laid out [KV, L*P, page, hd] per platform would
   avoid it (the layer folded into the page index); not done: the copy is the known cost.
+- TPU, head_dim not a multiple of 128 (64 for SmolLM2 and the 1B shape): q and the layer's
+  pages are zero-padded to 128 (the kernel's lowering needs it), so the layer copy above
+  is twice as large and the kernel reads twice the bytes per key.
 - Block tables are padded with page 0 (the garbage page) to a multiple of the pinned split /
   compute block; those keys lie past every length and are masked.
 - Numerics: q is scaled in float32 (1/sqrt(hd), as the XLA formulation does). The GPU kernel
@@ -62,6 +65,9 @@ FORCE_ENV = "MULTISERVE_ATTENTION_KERNEL"
 COMPUTE_BLOCK_TOKENS = 64
 SPLIT_TOKENS = 512
 GPU_BLOCK_H = 16  # the GPU kernel's query-head block (a multiple of 16 it requires)
+# The TPU kernel lowers only for head_dim a multiple of this (its running max and sum are
+# blocked like q): a smaller head dim is zero-padded up to it.
+TPU_LANES = 128
 
 
 def forced_kernel() -> str | None:
@@ -118,10 +124,15 @@ def paged_attention_pallas(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
         from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
 
         table = _padded_table(rows, per_block)
+        lanes = -head_dim % TPU_LANES  # zero head dims: the same scores, zero outputs there
+        if lanes:
+            qs = jnp.pad(qs, ((0, 0), (0, 0), (0, lanes)))
+            k_pages, v_pages = (jnp.pad(p, ((0, 0), (0, 0), (0, 0), (0, lanes)))
+                                for p in (k_pages, v_pages))
 
         def call() -> jax.Array:
             return paged_attention(qs, k_pages, v_pages, lengths, table,
-                                   pages_per_compute_block=per_block)
+                                   pages_per_compute_block=per_block)[..., :head_dim]
 
         if interpret:
             with pltpu.force_tpu_interpret_mode():
