@@ -6,7 +6,8 @@ forced (MULTISERVE_ATTENTION_KERNEL).
 Tolerances (max abs difference from the XLA formulation, unit-variance random q/K/V):
 float32 pool: GPU kernel 1e-5 (reassociation only); TPU kernel 2e-2 (it casts K/V to
 bfloat16 inside). bfloat16 pool: 2e-2 for both (outputs are bfloat16, one ulp near 1 is
-2^-7; the GPU kernel also rounds q and its split partials to bfloat16).
+2^-7; the GPU kernel also rounds q and its split partials to bfloat16). The tiny model's
+logits: GPU kernel 1e-3; TPU kernel 3% of the largest logit.
 """
 
 from __future__ import annotations
@@ -150,3 +151,53 @@ def test_the_calibration_chooses_a_forced_pallas_kernel(monkeypatch: pytest.Monk
     monkeypatch.setenv(FORCE_ENV, "no_such_kernel")
     with pytest.raises(ValueError, match=FORCE_ENV):
         pallas_attention_kernel(use, device)
+
+
+def _sims(kernel: str):  # type: ignore[no-untyped-def]
+    """Two simulators of the tiny model on the same params and page assignment: the
+    default plan's attention (this CPU's), and the same plan with `kernel` interpreted."""
+    from dataclasses import replace
+
+    from model_helpers import TINY_LLAMA, PagedSim
+
+    from multiserve.model.loading.param_layout import init_random_params
+
+    cfg = TINY_LLAMA
+    params = jax.device_put(init_random_params(cfg, seed=7, scale=0.3))
+    make = lambda plan=None: PagedSim(params, cfg, page_size=PAGE, block_size=16,  # noqa: E731
+                                      num_pages=64, max_pages=16, seed=1, plan=plan)
+    base = make()
+    sizes = (1, 2, 4, 8, 16, 32)
+    plan = replace(base.plan, attention=AttentionPlan(tuple((t, (1, t)) for t in sizes),
+                                                      False, kernel, True))
+    return base, make(plan), cfg
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_model_forward_with_pallas_attention(kernel: str) -> None:
+    """The whole tiny model (2 layers, scanned and unrolled decoders alike take the plan's
+    attention) with the Pallas kernel: logits close to the default plan's, and a decode
+    row's logits bitwise the same alone and beside a prefill chunk."""
+    rng = np.random.default_rng(11)
+    base, sim, cfg = _sims(kernel)
+    tokens = {n: [int(t) for t in rng.integers(3, cfg.vocab_size, 40)] for n in "xyz"}
+    got = {}
+    for name, s in (("xla", base), ("pallas", sim)):
+        for n, toks in tokens.items():
+            s.add(n, toks)
+        first = s.step([("x", 21), ("y", 9)], T=32, B=4, R=4,
+                       logits_for={"x": [0, 10, 20], "y": [8]})
+        mixed = s.step([("x", 1), ("z", 13)], T=16, B=4, R=4, logits_for={"x": [21]})
+        got[name] = {**first, **mixed}
+    for key, ref in got["xla"].items():
+        # GPU kernel: 1e-3 absolute; TPU kernel (bfloat16 K/V inside): 3% of the largest
+        # logit (|logits| up to ~5 here, through two layers)
+        tol = 1e-3 if kernel == "pallas_gpu" else 3e-2 * float(np.max(np.abs(ref)))
+        assert float(np.max(np.abs(got["pallas"][key] - ref))) <= tol, key
+    # the decode row of x at position 21 again, alone, on a fresh simulator
+    _, alone, _ = _sims(kernel)
+    for n, toks in tokens.items():
+        alone.add(n, toks)
+    alone.step([("x", 21), ("y", 9)], T=32, B=4, R=4)
+    solo = alone.step([("x", 1)], T=1, B=1, R=1)
+    np.testing.assert_array_equal(solo[("x", 21)], got["pallas"][("x", 21)])
