@@ -128,7 +128,7 @@ class EngineConfig:
     cost no determinism: a lone decode runs a 1-token, 1-row step.
     A decode step of b tokens and b logits rows, b in `fused_step_paddings` (None: every
     size in both lists), runs as ONE compiled program (forward, head and sampler), checked
-    bitwise against the two programs before it is used (engine/device/model_runner.py).
+    bitwise against the two programs before it is used (engine/device/step_programs.py).
     """
 
     model_path: str | None = None

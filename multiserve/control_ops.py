@@ -150,6 +150,17 @@ class UpdateWeightsFromTensor:
     abort_running: bool = False
 
 
+@dataclass(frozen=True, eq=False)
+class UpdateWeightsFromArrays:
+    """UpdateWeightsFromTensor for in-process device arrays (flat {HF name: jax.Array},
+    pairs, or the params pytree): each must be a jax.Array of exactly the served dtype; it
+    is resharded device to device onto the engine's shardings (no host copy, no cast) and
+    no value is read back (NaN/inf are not checked). Python API only."""
+    params: Any
+    weight_version: str
+    abort_running: bool = False
+
+
 @dataclass(frozen=True)
 class UpdateWeightsFromDisk:
     """StageWeightsFromDisk, then PublishStagedWeights."""
@@ -220,6 +231,7 @@ OPS: dict[str, ControlOp] = {op.name: op for op in (
               route=_post("/get_weights_by_name", "GET", "POST"), fleet="each"),
     ControlOp("update_weights_from_tensor", UpdateWeightsFromTensor, "rl", runs="staged"),
     ControlOp("stage_weights_from_tensor", StageWeightsFromTensor, "rl", runs="staged"),
+    ControlOp("update_weights_from_arrays", UpdateWeightsFromArrays, "rl", runs="staged"),
 )}
 STAGED = tuple(op.request for op in OPS.values() if op.runs == "staged")
 

@@ -21,21 +21,24 @@ import numpy as np
 import multiserve.bench.breakdown as B
 from multiserve.config import EngineConfig
 from multiserve.engine.commands import Call
+from multiserve.engine.device.programs import ProgramKind
+from multiserve.engine.device.step_inputs import sampling_inputs, step_inputs
 from multiserve.engine.engine import Engine
 
 
 def measure(core: Any, rows: int, rounds: int) -> str:
     runner = core.runner
     shape = B.step_shape(core, [90] * rows, 64)
-    t, r = runner.programs.get("T", shape.tokens), runner.programs.get("R", shape.logit_rows)
-    fused = runner.fused_program(shape.tokens, shape.logit_rows)
+    t = runner.programs.get(ProgramKind.FORWARD, shape.tokens)
+    r = runner.programs.get(ProgramKind.HEAD, shape.logit_rows)
+    fused = runner.step_programs.fused(shape.tokens, shape.logit_rows)
     if fused is None:
         raise SystemExit(f"no fused program for T={shape.tokens}, R={shape.logit_rows}")
     arrays = B.decode_arrays(shape, runner.page_table_rows(shape.tokens), runner.max_rows,
                              core.max_pages, core.page_size, runner.num_pages,
                              runner.model_cfg.vocab_size)
-    step, params = runner.step_inputs(arrays), runner.compute_params
-    sb = runner.sampling_inputs(B._sampler_batch(runner, shape, 64, 0.0, 0))
+    step, params = step_inputs(arrays), runner.compute_params
+    sb = sampling_inputs(B._sampler_batch(runner, shape, 64, 0.0, 0))
     prev = {k: jax.device_put(np.zeros(runner.max_rows, np.int32), runner.replicated)
             for k in ("separate", "fused")}
     times: dict[str, list[float]] = {k: [] for k in prev}

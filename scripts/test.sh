@@ -3,6 +3,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+# The Tunix plugin's venv (scripts/tunix-env.sh), built in the background while the suite
+# runs; tests/plugins/test_tunix_venv.py waits for it and runs the Tunix test there.
+bash scripts/tunix-env.sh > .venv-tunix.log 2>&1 &
 # Three processes (pytest-xdist, one file per process at a time; tests/conftest.py orders the
 # files, longest first): compiles are single-threaded and many tests wait on sockets, threads
 # and subprocesses, so two processes left ~10% of 2 cores idle; a third fills it (fresh clone,

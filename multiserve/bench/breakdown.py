@@ -61,7 +61,9 @@ import numpy as np
 from multiserve.bench.ours import request_params
 from multiserve.engine.commands import Call
 from multiserve.engine.device.batch_arrays import StepArrays, empty_step_arrays
-from multiserve.engine.device.model_runner import sampler_rows, step_tree
+from multiserve.engine.device.programs import ProgramKind
+from multiserve.engine.device.sampling_batches import sampler_rows
+from multiserve.engine.device.step_inputs import sampling_inputs, step_inputs, step_tree
 from multiserve.engine.sampling import host as sampling_host
 from multiserve.engine.sampling import sampler as sampling
 from multiserve.engine.state_report import internal_state
@@ -246,13 +248,13 @@ def measure(core: Any, prompt_lens: Sequence[int], output_len: int, temperature:
         raise NotImplementedError("the step breakdown covers the dense families only "
                                   f"(this model is {mcfg.architecture})")
     shape = step_shape(core, prompt_lens, output_len)
-    program = runner.programs.get("T", shape.tokens)
+    program = runner.programs.get(ProgramKind.FORWARD, shape.tokens)
     if program is None:
         raise RuntimeError(f"bench breakdown: no compiled forward for T={shape.tokens}")
     arrays = decode_arrays(shape, runner.page_table_rows(shape.tokens), runner.max_rows,
                            core.max_pages, core.page_size, runner.num_pages, mcfg.vocab_size)
     device = jax.device_put(step_tree(arrays), runner.replicated)
-    step_inputs = runner.step_inputs(arrays)  # what the T program reads
+    packed_step = step_inputs(arrays)  # what the forward program reads
     batch = ForwardBatch(**{k: v for k, v in device.items() if k != "from_prev"})
     params = runner.compute_params
     rng = np.random.default_rng(1)
@@ -263,7 +265,7 @@ def measure(core: Any, prompt_lens: Sequence[int], output_len: int, temperature:
     prev_ids = jax.device_put(np.zeros(runner.max_rows, np.int32), runner.replicated)
 
     def decoder() -> Any:  # the engine's own program; the donated pool goes straight back
-        hidden, tok, prev, runner.kv = program(params, runner.kv, prev_ids, step_inputs)
+        hidden, tok, prev, runner.kv = program(params, runner.kv, prev_ids, packed_step)
         return hidden, tok, prev, runner.kv
 
     hidden = put((shape.logit_rows, mcfg.hidden_size))
@@ -277,23 +279,23 @@ def measure(core: Any, prompt_lens: Sequence[int], output_len: int, temperature:
     logits = put((sampler_rows(shape.logit_rows), mcfg.vocab_size), np.float32)
     sb_host = _sampler_batch(runner, shape, output_len, temperature, seed)
     sb = jax.device_put(sb_host, runner.replicated)  # for the sampler timed alone
-    sb_inputs = runner.sampling_inputs(sb_host)  # what the R program reads
+    sb_inputs = sampling_inputs(sb_host)  # what the head program reads
     sample = jax.jit(sampling.sample)
-    head_program = runner.programs.get("R", shape.logit_rows)
+    head_program = runner.programs.get(ProgramKind.HEAD, shape.logit_rows)
     if head_program is None:
         raise RuntimeError(f"bench breakdown: no compiled head for R={shape.logit_rows}")
 
     # the R program's own inputs, made once by the forward (it reads, never donates them)
-    hidden_t, tok_t, prev_t, runner.kv = program(params, runner.kv, prev_ids, step_inputs)
+    hidden_t, tok_t, prev_t, runner.kv = program(params, runner.kv, prev_ids, packed_step)
 
     # the step as Runner.run runs it: its fused program where it has one, else the two
-    fused = runner.fused_program(shape.tokens, shape.logit_rows)
+    fused = runner.step_programs.fused(shape.tokens, shape.logit_rows)
 
     def step() -> Any:
         if fused is not None:
-            _, out, runner.kv = fused(params, runner.kv, prev_ids, step_inputs, *sb_inputs)
+            _, out, runner.kv = fused(params, runner.kv, prev_ids, packed_step, *sb_inputs)
             return out
-        hidden_, tok, prev, runner.kv = program(params, runner.kv, prev_ids, step_inputs)
+        hidden_, tok, prev, runner.kv = program(params, runner.kv, prev_ids, packed_step)
         return head_program(params, hidden_, tok, prev, *sb_inputs)
     ms, rounds, median = best_ms({
         "decoder": decoder,

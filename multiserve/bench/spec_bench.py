@@ -1,6 +1,7 @@
 """`multiserve bench --ab-speculation`: speculative decoding on and off in ONE run, on one
-engine (the same compiled programs and KV pool; only the scheduler's draft source is
-switched between runs, each run starting with a fresh one), every program compiled first.
+engine (the same compiled programs and KV pool; only speculation is switched between
+runs, by the engine command SetSpeculation, each "on" run drafting afresh), every program
+compiled first.
 
 Workloads (`--workload`):
 - `chat`: the batch benchmark's prompt list (prompts.py), N x M, greedy by default;
@@ -24,7 +25,7 @@ from multiserve.bench.grounded_prompts import grounded_prompts
 from multiserve.bench.options import BenchOptions
 from multiserve.bench.prompts import bench_prompts
 from multiserve.bench.stats import without_output_ids
-from multiserve.engine.commands import Call
+from multiserve.engine.commands import SetSpeculation
 
 TARGET_GROUNDED_SINGLE = 2.0  # issue 32: grounded single stream >= 2x speculation off
 TARGET_VS_LLAMACPP = 1.5  # ... and >= 1.5x llama.cpp F32
@@ -33,12 +34,9 @@ TARGET_CHAT_BATCH = 0.98  # 64 x 128 chat batch >= 0.98x speculation off
 
 
 def set_speculation(engine: Any, on: bool) -> None:
-    """Switch the engine's draft source between a fresh n-gram drafter and none (between
+    """Switch the engine's speculative decoding: a fresh n-gram drafter, or none (between
     runs: the engine is idle)."""
-    from multiserve.engine.spec.drafter import Drafter
-
-    engine.call(Call(lambda core: setattr(core.scheduler, "drafter",
-                                          Drafter() if on else None))).result()
+    engine.call(SetSpeculation(on)).result()
 
 
 def _texts(options: BenchOptions, n: int) -> list[str]:

@@ -32,6 +32,7 @@ from multiserve.control_ops import (
 )
 
 if TYPE_CHECKING:
+    from multiserve.engine.device.programs import ProgramKind
     from multiserve.engine.sched.request import Req
 
 
@@ -49,9 +50,9 @@ class Stop:
 # ---- upkeep: background compiles, integrity, tests and tools ------------------------------
 @dataclass(frozen=True)
 class Prime:
-    """Run background-compiled program (kind "T" / "R", size) once on padding inputs, then
-    let steps choose it (engine/device/programs.py)."""
-    kind: str
+    """Run background-compiled program (kind, size) once on padding inputs, then let steps
+    choose it (engine/device/programs.py)."""
+    kind: ProgramKind
     size: int
 
 
@@ -69,6 +70,13 @@ class InjectFault:
 @dataclass(frozen=True)
 class SetOverlap:
     """Benchmarks: drain, then run steps with (True) or without (False) overlap."""
+    on: bool
+
+
+@dataclass(frozen=True)
+class SetSpeculation:
+    """Benchmarks: drain, then draft from a fresh n-gram drafter (True: no memory of
+    earlier requests) or run without speculative decoding (False)."""
     on: bool
 
 
@@ -106,4 +114,4 @@ RL_COMMANDS = (BeginStaging, EndStaging, PublishStagedWeights, DiscardStagedWeig
 
 Command = (Add | AbortRequest | PauseGeneration | ContinueGeneration | FlushCache
            | GetInternalState | Stop | Prime | CheckIntegrity | InjectFault | SetOverlap
-           | StepInfo | Call | RLCommand)
+           | SetSpeculation | StepInfo | Call | RLCommand)

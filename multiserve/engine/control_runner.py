@@ -38,13 +38,14 @@ from multiserve.control_ops import (
     ResumeMemoryOccupation,
     StageWeightsFromDisk,
     StageWeightsFromTensor,
+    UpdateWeightsFromArrays,
     UpdateWeightsFromDisk,
     UpdateWeightsFromTensor,
 )
 from multiserve.engine.commands import BeginStaging, Command, EndStaging, RLCommand
 from multiserve.engine.rl.checks import WeightUpdateError
 from multiserve.engine.rl.memory import MemoryManager
-from multiserve.engine.rl.weights import WeightManager
+from multiserve.engine.rl.weights import DeviceArrays, WeightManager
 from multiserve.model.errors import ModelLoadError
 from multiserve.types import ControlResult
 
@@ -170,6 +171,9 @@ class ControlRunner:
             case UpdateWeightsFromTensor(params, version, abort_running):
                 return self._update(self._stage(lambda: (params, "<tensors>", False), version,
                                                 abort_running), abort_running)
+            case UpdateWeightsFromArrays(params, version, abort_running):
+                return self._update(self._stage(lambda: (DeviceArrays(params), "<arrays>", False),
+                                                version, abort_running), abort_running)
             case UpdateWeightsFromDisk(path, version, abort_running):
                 return self._update(self._stage(self._disk_loader(path), version,
                                                 abort_running), abort_running)

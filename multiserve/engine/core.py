@@ -5,6 +5,8 @@ Only the engine's own thread calls into an EngineCore (docs/architecture.md §3)
 `Engine` hands work to it through a queue of typed commands. Owns: the scheduler (which
 owns the Reqs), the runner, the step in flight, step counters, the pause state, the
 weight version. Its other jobs live beside it, each in its own module:
+- what a step computes, its logits rows included: `Scheduler.schedule` (a complete
+  ScheduledBatch, engine/sched/batch.py, with its RowPlan, engine/sched/row_plan.py);
 - which sampler row each logits row is: engine/sampling/rows.py (`step_rows`);
 - a step's logprobs on the host: engine/sampling/logprobs.py (`StepLogprobs`);
 - when a sample ends: engine/sched/stop_rules.py (`StopRules`);
@@ -14,8 +16,10 @@ weight version. Its other jobs live beside it, each in its own module:
 - what get_internal_state reports: engine/state_report.py.
 
 Invariants:
-- At most one step is in flight (`self.in_flight`); under overlap, step N+1 is launched
-  before step N's results are read. `drain()` reads the step in flight, after which no
+- At most one step is in flight (`self.in_flight`, an `InFlightStep`: the batch as
+  scheduled, never written after, plus what its launch learned: the token bucket, the
+  launch time, the runner's output); under overlap, step N+1 is launched before step N's
+  results are read. `drain()` reads the step in flight, after which no
   device work of this engine is pending: every control operation that needs
   quiescence (pause, flush, weight updates, memory release) drains first.
 - Every Req reaches exactly one final output (finished=True) through its sink, every
@@ -39,22 +43,24 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from multiserve.config import EngineConfig, ModelConfig
 from multiserve.engine.device.batch_arrays import build_step_arrays
-from multiserve.engine.device.model_runner import Runner, StepOutput
+from multiserve.engine.device.runner import Runner, StepOutput
 from multiserve.engine.pause_state import PauseState
 from multiserve.engine.sampling.host import mask_words
 from multiserve.engine.sampling.logprobs import StepLogprobs
 from multiserve.engine.sampling.rows import step_rows
 from multiserve.engine.sched.admission import AdmissionLimits, check_admission
+from multiserve.engine.sched.batch import ScheduledBatch
 from multiserve.engine.sched.page_allocator import PageAllocator
 from multiserve.engine.sched.prefix_cache import PrefixCache
 from multiserve.engine.sched.request import Req
-from multiserve.engine.sched.scheduler import ScheduledBatch, Scheduler
+from multiserve.engine.sched.scheduler import Scheduler
 from multiserve.engine.sched.stop_rules import StopRules
 from multiserve.engine.spec.drafter import Drafter
 from multiserve.types import (
@@ -66,6 +72,15 @@ from multiserve.types import (
 )
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class InFlightStep:
+    """A launched step whose results are not read yet."""
+    batch: ScheduledBatch
+    out: StepOutput  # the runner's (device) results
+    padded_tokens: int  # the token bucket it ran in
+    launched_at: float  # perf_counter at its launch
 
 
 class EngineCore:
@@ -87,7 +102,7 @@ class EngineCore:
                                    max(cfg.precompile_token_paddings),
                                    max(cfg.precompile_bs_paddings),
                                    drafter=Drafter() if cfg.speculative_algorithm else None)
-        self.in_flight: tuple[ScheduledBatch, StepOutput] | None = None
+        self.in_flight: InFlightStep | None = None
         self.last_batch: ScheduledBatch | None = None
         self.pause_state = PauseState()
         self.weight_version = cfg.weight_version
@@ -100,7 +115,7 @@ class EngineCore:
         self._last_read_at = 0.0  # when the last step's results were read (perf_counter)
         self._drained_at: float | None = None  # this step() read the step in flight first
         self.overlap = not cfg.disable_overlap
-        self.scheduler.step_costs.overlap = self.overlap
+        self.scheduler.planner.step_costs.overlap = self.overlap
         self.initial_available = self.scheduler.available_kv_tokens()
         self.admission = AdmissionLimits.from_config(cfg, self.initial_available)
         self._fault: str | None = None  # the next step raises this (inject_fault)
@@ -137,8 +152,8 @@ class EngineCore:
         if self._fault is not None:
             msg, self._fault = self._fault, None
             raise RuntimeError(msg)
-        if self.in_flight is not None and (self.in_flight[0].speculative
-                                           or self.in_flight[0].constrained
+        if self.in_flight is not None and (self.in_flight.batch.speculative
+                                           or self.in_flight.batch.constrained
                                            or self.scheduler.wants_drafts()):
             # a draft needs every token of its request known, a verify row's accepted
             # length decides the next positions, and a grammar's next mask needs the token
@@ -149,7 +164,7 @@ class EngineCore:
         launched = self._launch(batch) if batch is not None else None
         self._drained_at = None
         if self.in_flight is not None:
-            self._process(*self.in_flight)
+            self._process(self.in_flight)
         self.in_flight = launched
         if not self.overlap and self.in_flight is not None:
             self.drain()
@@ -159,21 +174,18 @@ class EngineCore:
     def drain(self) -> None:
         if self.in_flight is not None:
             inflight, self.in_flight = self.in_flight, None
-            self._process(*inflight)
+            self._process(inflight)
 
-    def _launch(self, batch: ScheduledBatch) -> tuple[ScheduledBatch, StepOutput]:
+    def _launch(self, batch: ScheduledBatch) -> InFlightStep:
         runner = self.runner
         t_pad, r_pad = runner.bucket_for(batch.num_tokens, batch.num_logit_rows)
         arrays = build_step_arrays(batch, t_pad, runner.page_table_rows(t_pad), runner.max_rows,
                                    self.max_pages, self.page_size)
-        batch.prompt_rows = arrays.prompt_rows
-        batch.verify_rows = arrays.verify_rows
-        batch.padded_tokens = t_pad
-        batch.launched_at = time.perf_counter()
+        launched_at = time.perf_counter()
         if self._drained_at is not None:
             # the step before was read first: the host's work since delayed this launch
-            self.scheduler.step_costs.observe_host(batch.launched_at - self._drained_at)
-        specs, wants_lp = step_rows(batch, arrays.prompt_rows, self.stop_rules,
+            self.scheduler.planner.step_costs.observe_host(launched_at - self._drained_at)
+        specs, wants_lp = step_rows(batch, self.stop_rules,
                                     mask_words(self.model_cfg.vocab_size))
         out = runner.run(arrays, runner.sampling_batch(specs, r_pad), wants_lp, r_pad)
         decodes = any(not r.req.in_prefill and r.samples and (r.end - r.start == 1 or r.draft)
@@ -182,17 +194,18 @@ class EngineCore:
         self.forward_ct += 1
         if decodes:
             self.forward_ct_decode += 1
-        return batch, out
+        return InFlightStep(batch, out, t_pad, launched_at)
 
-    def _process(self, batch: ScheduledBatch, out: StepOutput) -> None:
-        """Read step `batch`'s results (blocks on the device), let the scheduler record
-        them, and deliver what they completed."""
+    def _process(self, step: InFlightStep) -> None:
+        """Read `step`'s results (blocks on the device), let the scheduler record them,
+        and deliver what they completed."""
+        batch, out = step.batch, step.out
         next_ids = np.asarray(out.next_ids)
         # the step's cost: from when the device could start it (its launch, or the read
         # of the step before it) to its results read
         now = time.perf_counter()
-        self.scheduler.step_costs.observe(batch.padded_tokens,
-                                          now - max(batch.launched_at, self._last_read_at))
+        self.scheduler.planner.step_costs.observe(
+            step.padded_tokens, now - max(step.launched_at, self._last_read_at))
         self._last_read_at = now
         lp = StepLogprobs(out.sample) if out.wants_logprobs else None
         self.last_batch = batch
@@ -229,7 +242,13 @@ class EngineCore:
         """Benchmarks: from now on launch step N+1 before reading step N (on), or not."""
         self.drain()
         self.overlap = on
-        self.scheduler.step_costs.overlap = on
+        self.scheduler.planner.step_costs.overlap = on
+
+    def set_speculation(self, on: bool) -> None:
+        """Benchmarks: drain, then draft from a fresh n-gram drafter (on: no memory of
+        earlier requests) or not at all (off)."""
+        self.drain()
+        self.scheduler.planner.set_source(Drafter() if on else None)
 
     def _deliver(self, req: Req, error: str | None = None) -> None:
         """Hand the Req's new output (a delta: the tokens since the last delivery, and how

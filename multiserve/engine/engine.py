@@ -53,6 +53,7 @@ from multiserve.engine.commands import (
     InjectFault,
     Prime,
     SetOverlap,
+    SetSpeculation,
     StepInfo,
     Stop,
 )
@@ -227,6 +228,8 @@ class Engine:
                 return core.inject_fault(message)
             case SetOverlap(on):
                 return core.set_overlap(on)
+            case SetSpeculation(on):
+                return core.set_speculation(on)
             case StepInfo():
                 return step_info(core.runner)
             case Call(fn):
@@ -539,6 +542,16 @@ class Engine:
                                    abort_running: bool = False) -> ControlResult:
         """stage_weights_from_tensor, then publish_staged_weights."""
         return self.control("update_weights_from_tensor", params=params,
+                            weight_version=weight_version, abort_running=abort_running)
+
+    def update_weights_from_arrays(self, params: Any, weight_version: str,
+                                   abort_running: bool = False) -> ControlResult:
+        """update_weights_from_tensor for an in-process trainer's jax.Arrays (flat {HF
+        name: array} or the params pytree): each of exactly the served dtype, resharded
+        device to device onto the engine's shardings (jax.device_put: no host copy, no
+        cast, bit for bit), validated by name and shape, published atomically as
+        `weight_version`."""
+        return self.control("update_weights_from_arrays", params=params,
                             weight_version=weight_version, abort_running=abort_running)
 
     def update_weights_from_disk(self, path: str, weight_version: str,

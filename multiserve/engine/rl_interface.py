@@ -25,7 +25,7 @@ from multiserve.types import MemoryTag, PauseReason
 if TYPE_CHECKING:
     from multiserve.config import ModelConfig
     from multiserve.engine.core import EngineCore
-    from multiserve.engine.device.model_runner import Runner
+    from multiserve.engine.device.runner import Runner
     from multiserve.model.layers.kv_pool import KVPool
 
 

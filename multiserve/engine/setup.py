@@ -22,7 +22,7 @@ import numpy as np
 
 from multiserve.config import DEFAULT_MEM_FRACTION, ConfigError, EngineConfig, ModelConfig
 from multiserve.engine.core import EngineCore
-from multiserve.engine.device.model_runner import Runner
+from multiserve.engine.device.runner import Runner
 from multiserve.engine.dtype_choice import DtypeChoice, choose_dtype
 from multiserve.engine.stop_strings import StopStringChecker
 from multiserve.host_heap import release_free_heap
@@ -146,7 +146,7 @@ def _warmup(runner: Runner, cfg: EngineConfig, max_context: int, progress: Any) 
     if cfg.show_progress and progress is None:
         from tqdm import tqdm
 
-        first = runner.warmup_plan(cfg.compile_in_background).first
+        first = runner.step_programs.warmup_plan(cfg.compile_in_background).first
         bar = tqdm(total=len(first), desc=f"compile engine {list(cfg.device_indexes)}",
                    leave=False)
     t0 = time.monotonic()
@@ -164,6 +164,6 @@ def _warmup(runner: Runner, cfg: EngineConfig, max_context: int, progress: Any) 
         if bar is not None:
             bar.close()
 
-    runner.warmup(max_pages, tick, background=cfg.compile_in_background,
-                  on_complete=release_free_heap, on_first=first_ready)
+    runner.step_programs.warmup(max_pages, tick, background=cfg.compile_in_background,
+                                on_complete=release_free_heap, on_first=first_ready)
     runner.warmup_seconds = time.monotonic() - t0

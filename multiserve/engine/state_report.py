@@ -17,13 +17,13 @@ from multiserve.engine.device.program_share import sharing_status
 
 if TYPE_CHECKING:
     from multiserve.engine.core import EngineCore
-    from multiserve.engine.device.model_runner import Runner
+    from multiserve.engine.device.runner import Runner
 
 
 def step_info(runner: Runner) -> dict[str, Any]:
     """What the steps run on: dtype, warm-up seconds, the compiled buckets."""
     return {"dtype": str(runner.dtype), "compile_s": runner.warmup_seconds,
-            "buckets": runner.buckets()}
+            "buckets": [(kind.value, size) for kind, size in runner.step_programs.buckets()]}
 
 
 def internal_state(core: EngineCore) -> dict[str, Any]:
@@ -44,7 +44,7 @@ def internal_state(core: EngineCore) -> dict[str, Any]:
         "req_to_token_pool_used": sum(1 for r in s.running if r.pages),
         "forward_ct_decode": core.forward_ct_decode,
         "forward_ct": core.forward_ct,
-        # steps run as one fused program (forward, head and sampler; device/model_runner.py)
+        # steps run as one fused program (forward, head and sampler; device/step_programs.py)
         "forward_ct_fused": core.runner.fused_steps,
         "loop_passes": core.loop_passes,
         # speculative decoding: sglang's server-args names, then the running totals
@@ -52,15 +52,15 @@ def internal_state(core: EngineCore) -> dict[str, Any]:
                                   if core.cfg.speculative_algorithm else None),
         "speculative_num_draft_tokens": core.cfg.speculative_num_draft_tokens,
         "speculative_max_step_tokens": core.cfg.speculative_max_step_tokens,
-        "spec_verify_ct": s.spec_verify_ct,
-        "spec_proposed_tokens": s.spec_proposed_tokens,
-        "spec_accepted_tokens": s.spec_accepted_tokens,
+        "spec_verify_ct": s.planner.spec_verify_ct,
+        "spec_proposed_tokens": s.planner.spec_proposed_tokens,
+        "spec_accepted_tokens": s.planner.spec_accepted_tokens,
         "empty_passes": core.empty_passes,
         "new_token_ratio": s.new_token_ratio,
         "cur_batch": core.in_flight is not None,
         "last_batch": core.last_batch is not None,
         "chunked_req": bool(s.chunked_reqs),
-        "cache_miss_count": core.runner.cache_miss_count,
+        "cache_miss_count": core.runner.step_programs.cache_miss_count,
         "compile": dataclasses.asdict(core.runner.programs.status()),
         "determinism": core.runner.determinism,
         "program_sharing": dataclasses.asdict(

@@ -156,14 +156,16 @@ def tiny_engine_pressure(_tiny_engine_pressure: Any) -> Any:
 @pytest.fixture
 def tiny_engine_spec(_tiny_engine_spec: Any) -> Iterator[Any]:
     """The tiny engine with n-gram speculation; a test may swap its draft source (the
-    scheduler's `drafter`): the n-gram drafter is put back afterwards."""
+    scheduler's DraftPlanner's `source`): the n-gram drafter is put back afterwards."""
     from multiserve.engine.commands import Call
 
     def swap(drafter: Any = None, costs: Any = None) -> tuple[Any, Any]:
         def run(core: Any) -> tuple[Any, Any]:
-            old = core.scheduler.drafter, core.scheduler.step_costs
+            planner = core.scheduler.planner
+            old = planner.source, planner.step_costs
             if drafter is not None:
-                core.scheduler.drafter, core.scheduler.step_costs = drafter, costs
+                planner.set_source(drafter)
+                planner.step_costs = costs
             return old
         return _tiny_engine_spec.call(Call(run)).result()
 

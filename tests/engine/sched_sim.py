@@ -12,7 +12,8 @@ from multiserve.config import EngineConfig
 from multiserve.engine.sched.page_allocator import PageAllocator
 from multiserve.engine.sched.prefix_cache import PrefixCache
 from multiserve.engine.sched.request import Req
-from multiserve.engine.sched.scheduler import ScheduledBatch, Scheduler
+from multiserve.engine.sched.batch import ScheduledBatch
+from multiserve.engine.sched.scheduler import Scheduler
 from multiserve.types import SamplingParams
 
 PAGE = 4

@@ -1,6 +1,6 @@
 """Fused steps (EngineConfig.fused_step_paddings): a step padded to b tokens and b rows runs
 forward, head and sampler as ONE program, checked bit for bit against the forward and head
-programs when it is primed (engine/device/model_runner.py).
+programs when it is primed (engine/device/step_programs.py).
 
 Behaviour under test: outputs (ids, logprobs, top logprobs) are bitwise those of an engine
 without fused steps, in both compute dtypes, for greedy, seeded sampling and penalties,
@@ -18,7 +18,7 @@ import pytest
 from engine_helpers import WAIT_S
 
 from multiserve.config import EngineConfig
-from multiserve.engine.device.programs import background_compiles_held
+from multiserve.engine.device.programs import ProgramKind, background_compiles_held
 from multiserve.model.kernels import native as native_kernels
 from multiserve.types import SamplingParams
 
@@ -100,12 +100,12 @@ def test_fused_steps_give_the_outputs_of_the_two_programs(
 
 def test_a_fused_program_that_differs_is_rejected_and_never_run(
         tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from multiserve.engine.device.model_runner import Runner
+    from multiserve.engine.device.step_programs import StepPrograms
     from multiserve.engine.engine import Engine
 
     expected = _reference("float32", str(tiny_model_dir))
     # this backend's fused programs all agree; make the check see a difference
-    monkeypatch.setattr(Runner, "_fused_step_agrees", lambda self, size, program: False)
+    monkeypatch.setattr(StepPrograms, "fused_step_agrees", lambda self, size, program: False)
     engine = Engine(EngineConfig(model_path=str(tiny_model_dir), compile_in_background=False,
                                  **BUCKETS))
     try:
@@ -170,12 +170,13 @@ def test_the_check_sees_one_ulp(tiny_model_dir: Path) -> None:
 
     def check(core: Any) -> list[bool]:
         runner = core.runner
+        programs = runner.step_programs
         verdicts = []
         for size in (1, 4):
-            program = runner.programs.get("S", size)
-            verdicts += [runner._fused_step_agrees(size, program),
-                         runner._fused_step_agrees(size, nudged(program, "logprob")),
-                         runner._fused_step_agrees(size, nudged(program, "ids"))]
+            program = runner.programs.get(ProgramKind.FUSED, size)
+            verdicts += [programs.fused_step_agrees(size, program),
+                         programs.fused_step_agrees(size, nudged(program, "logprob")),
+                         programs.fused_step_agrees(size, nudged(program, "ids"))]
         jax.block_until_ready(runner.kv)
         return verdicts
 

@@ -120,8 +120,10 @@ def test_moe_speculation_gives_the_outputs_without_it(moe_engine: Any, reference
 
     def swap(drafter: Any, costs: Any) -> Any:
         def run(core: Any) -> Any:
-            old = core.scheduler.step_costs
-            core.scheduler.drafter, core.scheduler.step_costs = drafter, costs
+            planner = core.scheduler.planner
+            old = planner.step_costs
+            planner.set_source(drafter)
+            planner.step_costs = costs
             return old
         return moe_engine.call(Call(run)).result()
 

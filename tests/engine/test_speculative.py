@@ -146,7 +146,7 @@ def spec_engine(tiny_engine_spec: Any) -> Any:
 
 
 def _set_drafter(engine: Any, drafter: Any) -> None:
-    engine.call(Call(lambda core: setattr(core.scheduler, "drafter", drafter))).result()
+    engine.call(Call(lambda core: core.scheduler.planner.set_source(drafter))).result()
 
 
 def _work(seed: int, n: int = 6) -> list[tuple[list[int], SamplingParams]]:
@@ -336,3 +336,27 @@ def test_memory_release_and_weight_update_mid_draft(tiny_engine: Any, spec_engin
     got = col.wait()
     assert {k: (o.output_ids, tuple(o.logprobs or ()), o.finish_reason)
             for k, o in got.items()} == {k: v[:3] for k, v in want.items()}
+
+
+def test_set_speculation_command_switches_a_fresh_drafter_on_and_off(
+        tiny_engine: Any, reference: dict) -> None:
+    """SetSpeculation (the bench's switch): on drafts from a fresh n-gram Drafter each
+    time, off from none; either way the outputs are those without speculation."""
+    from multiserve.engine.commands import SetSpeculation
+
+    def source() -> Any:
+        return tiny_engine.call(Call(lambda core: core.scheduler.planner.source)).result()
+
+    want = _want(tiny_engine, reference, 0)
+    assert source() is None
+    try:
+        tiny_engine.call(SetSpeculation(True)).result()
+        first = source()
+        assert isinstance(first, Drafter)
+        assert _run(tiny_engine, _work(0)) == want
+        tiny_engine.call(SetSpeculation(True)).result()
+        assert isinstance(source(), Drafter) and source() is not first
+    finally:
+        tiny_engine.call(SetSpeculation(False)).result()
+    assert source() is None
+    assert _run(tiny_engine, _work(0)) == want

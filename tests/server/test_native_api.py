@@ -267,7 +267,7 @@ def test_speculation_counts_in_meta_info_metrics_and_server_info(served, idle_en
     from multiserve.engine.commands import Call
 
     def drafts(source):  # noqa: ANN001, ANN202
-        served.engine.call(Call(lambda core: setattr(core.scheduler, "drafter", source))
+        served.engine.call(Call(lambda core: core.scheduler.planner.set_source(source))
                            ).result()
 
     body = {"text": "The sky is", "sampling_params": {"max_new_tokens": 12, "temperature": 0,

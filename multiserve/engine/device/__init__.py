@@ -1,2 +1,3 @@
-"""The device side of one engine: the jitted bucketed step (`model_runner`) and the padded
-host arrays it takes (`batch_arrays`)."""
+"""The device side of one engine: its device state and step launch (`runner`), the step's
+math (`step_functions`), its compiled programs (`step_programs`, `programs`) and the host
+arrays they take (`batch_arrays`, `step_inputs`, `sampling_batches`)."""

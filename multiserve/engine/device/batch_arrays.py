@@ -6,14 +6,11 @@ Padding rules (the runner and the model rely on them):
 - Sequence rows beyond the batch have seq_len 0 and an all-zero page table row.
 - `from_prev[t] >= 0` means token t's id is the previous step's sampled id in device
   buffer row `from_prev[t]` (overlap: the host never waited for it); else `input_ids[t]`.
-- `logit_rows[b]` is the token row whose logits sequence row b samples from (the last
-  token of row b); rows that do not sample point at their own last token and the
-  sampled id is ignored.
-- Logits rows after the sequence rows score prompt tokens (prompt logprobs): row
-  `len(batch.rows) + k` holds the logits at position j - 1 of `prompt_rows[k] = (req, j)`.
-- After those, a verify row's (speculative decoding) draft positions: `verify_rows[(b, j)]`
-  is the logits row at position `start + j` of batch row b (it samples the token draft j
-  is checked against); the row's own logits row b samples the token after the last draft.
+- `logit_rows[i]` is the token row whose logits logits row i holds: the batch's RowPlan
+  (engine/sched/row_plan.py) says which (`LogitRow.token`), in its order: the sequence
+  rows (row b: the last token of batch row b; a row that does not sample has its id
+  ignored), then the prompt logprob rows, then the verify rows. Logits rows beyond the
+  plan point at token row 0 and are ignored.
 """
 
 from __future__ import annotations
@@ -22,9 +19,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from multiserve.engine.sched.batch import ScheduledBatch
 from multiserve.engine.sched.page_allocator import slot_for, slots_for
-from multiserve.engine.sched.request import Req
-from multiserve.engine.sched.scheduler import ScheduledBatch
 
 
 @dataclass
@@ -37,8 +33,6 @@ class StepArrays:
     page_table: np.ndarray  # [B, max_pages], B = min(T, max_rows)
     seq_lens: np.ndarray  # [B]
     logit_rows: np.ndarray  # [max_rows]
-    prompt_rows: list[tuple[Req, int]]  # (request, prompt index j) of each extra logits row
-    verify_rows: dict[tuple[int, int], int]  # (batch row b, draft index j) -> logits row
 
 
 def empty_step_arrays(num_tokens: int, page_rows: int, logit_rows: int,
@@ -49,8 +43,7 @@ def empty_step_arrays(num_tokens: int, page_rows: int, logit_rows: int,
         positions=np.zeros(num_tokens, np.int32), token_seq=np.zeros(num_tokens, np.int32),
         out_slots=np.zeros(num_tokens, np.int32),
         page_table=np.zeros((page_rows, max_pages), np.int32),
-        seq_lens=np.zeros(page_rows, np.int32), logit_rows=np.zeros(logit_rows, np.int32),
-        prompt_rows=[], verify_rows={})
+        seq_lens=np.zeros(page_rows, np.int32), logit_rows=np.zeros(logit_rows, np.int32))
 
 
 def build_step_arrays(batch: ScheduledBatch, num_tokens: int, page_rows: int, logit_rows: int,
@@ -66,10 +59,7 @@ def build_step_arrays(batch: ScheduledBatch, num_tokens: int, page_rows: int, lo
     page_table = np.zeros((page_rows, max_pages), np.int32)
     seq_lens = np.zeros(page_rows, np.int32)
     rows_out = np.zeros(logit_rows, np.int32)
-    prompt_rows: list[tuple[Req, int]] = []
-    extra = len(batch.rows)
-    verify_rows: dict[tuple[int, int], int] = {}
-    drafts: list[tuple[int, int, int]] = []  # (b, first token row, draft length)
+    rows_out[:len(batch.plan)] = batch.plan.token_rows
     t = 0
     for b, row in enumerate(batch.rows):
         req = row.req
@@ -80,8 +70,6 @@ def build_step_arrays(batch: ScheduledBatch, num_tokens: int, page_rows: int, lo
         else:
             fill = req.fill_ids + list(row.draft) if row.draft else req.fill_ids
             input_ids[t:t + n] = fill[row.start:row.end]
-            if row.draft:
-                drafts.append((b, t, len(row.draft)))
         if n == 1:  # a decode row: scalar writes, cheaper than 1-element numpy slices
             positions[t] = row.start
             token_seq[t] = b
@@ -92,16 +80,6 @@ def build_step_arrays(batch: ScheduledBatch, num_tokens: int, page_rows: int, lo
             out_slots[t:t + n] = slots_for(req.pages, row.start, row.end, page_size)
         page_table[b, :len(req.pages)] = req.pages
         seq_lens[b] = row.end
-        rows_out[b] = t + n - 1
-        for j in req.prompt_logprob_targets(row.start, row.end):
-            rows_out[extra] = t + (j - 1 - row.start)
-            prompt_rows.append((req, j))
-            extra += 1
         t += n
-    for b, first, k in drafts:
-        for j in range(k):
-            rows_out[extra] = first + j
-            verify_rows[(b, j)] = extra
-            extra += 1
     return StepArrays(input_ids, from_prev, positions, token_seq, out_slots, page_table,
-                      seq_lens, rows_out, prompt_rows, verify_rows)
+                      seq_lens, rows_out)

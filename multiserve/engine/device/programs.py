@@ -1,8 +1,9 @@
 """The compiled step programs of one engine, and the order they are compiled in.
 
-A step runs two programs (model_runner.py): a forward over T tokens ("T", one per token
-bucket) and a head over R logits rows ("R", one per row bucket); a decode step of b tokens
-and b rows may instead run one fused program ("S", b in the config's fused step sizes),
+A step runs two programs (runner.py, step_programs.py): a forward over T tokens
+(`ProgramKind.FORWARD`, "T", one per token bucket) and a head over R logits rows
+(`ProgramKind.HEAD`, "R", one per row bucket); a decode step of b tokens and b rows may
+instead run one fused program (`ProgramKind.FUSED`, "S", b in the config's fused step sizes),
 which is primed only after its T and R are compiled and checked against them bit for bit
 (`needs`): one that differs is rejected, never chosen. They are compiled ahead
 of time (`jax.jit(...).lower(...).compile()`) and the step calls the compiled executables
@@ -41,21 +42,42 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from enum import StrEnum
+from typing import Any, Protocol
 
 # Background compiles running at once in this process (all engines): as many as the warm-up
-# uses (Runner.compile_threads), so a fleet of 4 engines on 2 cores runs 2, not 8.
+# uses (StepPrograms.compile_threads), so a fleet of 4 engines on 2 cores runs 2, not 8.
 COMPILE_SLOT_COUNT = max(1, min(4, os.cpu_count() or 1))
 COMPILE_SLOTS = threading.BoundedSemaphore(COMPILE_SLOT_COUNT)
 
-Kind = str  # "T" (forward over tokens), "R" (head over rows) or "S" (fused decode step)
-KINDS: tuple[Kind, ...] = ("T", "R", "S")
+
+class ProgramKind(StrEnum):
+    """What a step program computes. The value is the program's name in reports ("T=4" in
+    get_internal_state's "compile", `progress(kind, size)`, the Prime command): a str, so
+    it equals (and hashes as) its letter. It names a program only; it never reaches the
+    lowered module or the compilation cache keys (program_share.py hashes the HLO)."""
+
+    FORWARD = "T"  # the decoder over T tokens
+    HEAD = "R"  # lm_head and sampler over R logits rows
+    FUSED = "S"  # forward, head and sampler of a b-token, b-row decode step in one program
 
 
-def needs(kind: Kind, size: int) -> tuple[tuple[Kind, int], ...]:
-    """The programs a program is checked against when it is primed: a fused step ("S", b)
+# compile order at equal size (`plan`): forward, head, then the fused step that needs both
+KINDS: tuple[ProgramKind, ...] = (ProgramKind.FORWARD, ProgramKind.HEAD, ProgramKind.FUSED)
+
+
+class Program(Protocol):
+    """A compiled step program: called with device or host arrays, returns device arrays
+    (a `jax.stages.Compiled`, or step_programs.HeadProgram, two of them called as one)."""
+
+    def __call__(self, *args: Any) -> Any: ...
+
+
+def needs(kind: ProgramKind, size: int) -> tuple[tuple[ProgramKind, int], ...]:
+    """The programs a program is checked against when it is primed: a fused step (FUSED, b)
     against the forward and head of its size, which it must equal bit for bit."""
-    return (("T", size), ("R", size)) if kind == "S" else ()
+    return (((ProgramKind.FORWARD, size), (ProgramKind.HEAD, size))
+            if kind == ProgramKind.FUSED else ())
 
 # Sets whose background thread is running. At interpreter exit each is stopped and its
 # compile in progress waited for (`stop_background_compiles`): a daemon thread still inside
@@ -121,8 +143,8 @@ class Plan:
     """Which programs compile before the engine serves (`first`) and which after (`rest`,
     in compile order)."""
 
-    first: tuple[tuple[Kind, int], ...]
-    rest: tuple[tuple[Kind, int], ...]
+    first: tuple[tuple[ProgramKind, int], ...]
+    rest: tuple[tuple[ProgramKind, int], ...]
 
 
 def plan(token_buckets: Sequence[int], row_buckets: Sequence[int], unroll_max_tokens: int,
@@ -131,12 +153,13 @@ def plan(token_buckets: Sequence[int], row_buckets: Sequence[int], unroll_max_to
     last); with it, `first` is the covering set (largest T and R, and every scanned T) and
     `rest` the others, ordered by size (T, then R, then the fused step S at equal size: a
     fused step is only ever a faster way to run a T and an R, never needed to serve)."""
-    everything = ([("T", t) for t in token_buckets] + [("R", r) for r in row_buckets]
-                  + [("S", b) for b in fused])
+    forward, head = ProgramKind.FORWARD, ProgramKind.HEAD
+    everything = ([(forward, t) for t in token_buckets] + [(head, r) for r in row_buckets]
+                  + [(ProgramKind.FUSED, b) for b in fused])
     if not background:
         return Plan(first=tuple(everything), rest=())
-    first = {("T", max(token_buckets)), ("R", max(row_buckets))}
-    first |= {("T", t) for t in token_buckets if t > unroll_max_tokens}
+    first = {(forward, max(token_buckets)), (head, max(row_buckets))}
+    first |= {(forward, t) for t in token_buckets if t > unroll_max_tokens}
     rest = sorted((p for p in everything if p not in first),
                   key=lambda p: (p[1], KINDS.index(p[0])))
     return Plan(first=tuple(p for p in everything if p in first), rest=tuple(rest))
@@ -167,24 +190,26 @@ class ProgramSet:
     """The step programs of one engine (see the module docstring for who writes what).
 
     A program is compiled (`compile_program(kind, size)` -> executable; it must not touch
-    live device arrays: the runner lowers from abstract shapes), then *primed* — run once
+    live device arrays: step_programs.py lowers from abstract shapes), then *primed* — run once
     by the engine's owner thread, which pays the first execution's one-off costs (buffer
     allocation: seconds for a large forward, docs/performance.md §6) outside a request —
     and only then ready, i.e. chosen by steps. Background compiles are handed to the
     engine thread for priming through `set_primer`."""
 
-    def __init__(self, compile_program: Callable[[Kind, int], Any],
-                 prime_program: Callable[[Kind, int, Any], None]) -> None:
+    def __init__(self, compile_program: Callable[[ProgramKind, int], Program],
+                 prime_program: Callable[[ProgramKind, int, Program], bool | None]) -> None:
         self._compile_program = compile_program
         self._prime_program = prime_program
-        self._programs: dict[tuple[Kind, int], Any] = {}  # compiled (compiling thread)
-        self._ready: dict[Kind, tuple[int, ...]] = {k: () for k in KINDS}  # primed (owner)
+        # compiled (compiling thread)
+        self._programs: dict[tuple[ProgramKind, int], Program] = {}
+        self._ready: dict[ProgramKind, tuple[int, ...]] = {k: () for k in KINDS}  # primed (owner)
         self._rejected: tuple[str, ...] = ()  # failed their prime's check (owner)
-        self._deferred: tuple[tuple[Kind, int], ...] = ()  # could not be primed yet (owner)
-        self._pending: tuple[tuple[Kind, int], ...] = ()
+        # could not be primed yet (owner)
+        self._deferred: tuple[tuple[ProgramKind, int], ...] = ()
+        self._pending: tuple[tuple[ProgramKind, int], ...] = ()
         self._handoff = threading.Lock()  # guards _primer and _unprimed
-        self._primer: Callable[[Kind, int], Any] | None = None
-        self._unprimed: list[tuple[Kind, int]] = []
+        self._primer: Callable[[ProgramKind, int], Any] | None = None
+        self._unprimed: list[tuple[ProgramKind, int]] = []
         self._stop = threading.Event()
         self._complete = threading.Event()
         self._on_complete: Callable[[], None] | None = None
@@ -196,10 +221,10 @@ class ProgramSet:
         self.error: BaseException | None = None
 
     # ---- readers (any thread) -----------------------------------------------------
-    def ready(self, kind: Kind) -> tuple[int, ...]:
+    def ready(self, kind: ProgramKind) -> tuple[int, ...]:
         return self._ready[kind]
 
-    def get(self, kind: Kind, size: int) -> Any | None:
+    def get(self, kind: ProgramKind, size: int) -> Program | None:
         return self._programs.get((kind, size))
 
     def wait_complete(self, timeout: float | None = None) -> bool:
@@ -218,7 +243,7 @@ class ProgramSet:
 
     @classmethod
     def on_demand(cls) -> ProgramSet:
-        """A set with nothing planned (warm-up off): the runner adds programs as steps
+        """A set with nothing planned (warm-up off): StepPrograms adds programs as steps
         need them, and there is nothing to wait for."""
 
         def unplanned(*args: Any) -> Any:
@@ -229,12 +254,12 @@ class ProgramSet:
         return programs
 
     # ---- the owner of the engine's device state (warm-up, then the engine thread) ---
-    def add_ready(self, kind: Kind, size: int, program: Any) -> None:
+    def add_ready(self, kind: ProgramKind, size: int, program: Program) -> None:
         """Store and publish a program the owner compiled itself (warm-up off)."""
         self._programs[(kind, size)] = program
         self._publish(kind, size)
 
-    def prime_and_publish(self, kind: Kind, size: int) -> None:
+    def prime_and_publish(self, kind: ProgramKind, size: int) -> None:
         """Run a compiled program once, then let steps choose it (the owner's thread).
         `prime_program` returns True (publish), False (its check failed: rejected, never
         chosen) or None (it cannot run now, the engine's memory is released: pending
@@ -255,11 +280,11 @@ class ProgramSet:
         for kind, size in deferred:
             self.prime(kind, size)
 
-    def _publish(self, kind: Kind, size: int) -> None:
+    def _publish(self, kind: ProgramKind, size: int) -> None:
         self._ready = {**self._ready, kind: tuple(sorted({*self._ready[kind], size}))}
         self._settle(kind, size)
 
-    def _settle(self, kind: Kind, size: int) -> None:
+    def _settle(self, kind: ProgramKind, size: int) -> None:
         """`(kind, size)` is no longer pending (published or rejected)."""
         self._pending = tuple(p for p in self._pending if p != (kind, size))
         if not self._pending and self._all_planned:
@@ -275,7 +300,7 @@ class ProgramSet:
         if self._on_complete is not None:
             self._on_complete()
 
-    def set_primer(self, submit: Callable[[Kind, int], Any]) -> None:
+    def set_primer(self, submit: Callable[[ProgramKind, int], Any]) -> None:
         """From now on, hand each background-compiled program to `submit(kind, size)`,
         which has the engine thread run `prime(kind, size)` between steps (the Engine's
         typed command Prime); the ones compiled before are handed now."""
@@ -285,7 +310,7 @@ class ProgramSet:
         for kind, size in backlog:
             self._hand_over(kind, size)
 
-    def _hand_over(self, kind: Kind, size: int) -> None:
+    def _hand_over(self, kind: ProgramKind, size: int) -> None:
         with self._handoff:
             submit = self._primer
             if submit is None:
@@ -297,7 +322,7 @@ class ProgramSet:
         except Exception:  # noqa: BLE001 - the engine has stopped: nothing to prime for
             pass
 
-    def prime(self, kind: Kind, size: int) -> None:
+    def prime(self, kind: ProgramKind, size: int) -> None:
         """`prime_and_publish` (the engine thread); a failure is reported via status and
         the engine serves on without this program."""
         try:
@@ -306,17 +331,17 @@ class ProgramSet:
             self.error = e
 
     # ---- compiling ---------------------------------------------------------------
-    def _store(self, progress: Callable[[Kind, int], None] | None
-               ) -> Callable[[Kind, int, Any], None]:
+    def _store(self, progress: Callable[[ProgramKind, int], None] | None
+               ) -> Callable[[ProgramKind, int, Program], None]:
         """Keep a compiled program (the compiling thread), then report it to `progress`."""
-        def store(kind: Kind, size: int, program: Any) -> None:
+        def store(kind: ProgramKind, size: int, program: Program) -> None:
             self._programs[(kind, size)] = program
             if progress is not None:
                 progress(kind, size)
         return store
 
-    def compile_first(self, programs: Sequence[tuple[Kind, int]], threads: int,
-                      progress: Callable[[Kind, int], None] | None = None) -> None:
+    def compile_first(self, programs: Sequence[tuple[ProgramKind, int]], threads: int,
+                      progress: Callable[[ProgramKind, int], None] | None = None) -> None:
         """Compile `programs` with `threads` compile threads, then prime and publish each
         (blocking; the caller owns the engine's device state). Lowering is Python and
         serial; XLA compiles release the GIL."""
@@ -327,8 +352,8 @@ class ProgramSet:
             self.prime_and_publish(kind, size)
         self.ready_s = time.monotonic() - self._t0
 
-    def compile_rest(self, programs: Sequence[tuple[Kind, int]], threads: int,
-                     progress: Callable[[Kind, int], None] | None = None,
+    def compile_rest(self, programs: Sequence[tuple[ProgramKind, int]], threads: int,
+                     progress: Callable[[ProgramKind, int], None] | None = None,
                      on_complete: Callable[[], None] | None = None) -> None:
         """Compile the remaining programs on a background thread while the engine serves:
         started in order by `threads` workers, each holding one of COMPILE_SLOTS, none
@@ -341,7 +366,7 @@ class ProgramSet:
             self._finish()
             return
 
-        def compile_one(kind: Kind, size: int) -> Any | None:
+        def compile_one(kind: ProgramKind, size: int) -> Program | None:
             while not COMPILE_SLOTS.acquire(timeout=0.05):  # stop() need not wait for a slot
                 if self._stop.is_set():
                     return None
@@ -351,9 +376,9 @@ class ProgramSet:
                 COMPILE_SLOTS.release()
 
         store = self._store(progress)
-        held: list[tuple[Kind, int]] = []  # compiled before the programs they need
+        held: list[tuple[ProgramKind, int]] = []  # compiled before the programs they need
 
-        def compiled(kind: Kind, size: int, program: Any) -> None:
+        def compiled(kind: ProgramKind, size: int, program: Program) -> None:
             store(kind, size, program)  # stored before it is handed over
             held.append((kind, size))
             for p in list(held):  # in compile order, each once all it `needs` are stored
@@ -387,19 +412,21 @@ class ProgramSet:
             self._thread.join(timeout)
 
 
-def _compile_each(programs: Sequence[tuple[Kind, int]], threads: int,
-                  compile_one: Callable[[Kind, int], Any | None],
-                  compiled: Callable[[Kind, int, Any], None], daemon: bool = False) -> None:
+def _compile_each(programs: Sequence[tuple[ProgramKind, int]], threads: int,
+                  compile_one: Callable[[ProgramKind, int], Program | None],
+                  compiled: Callable[[ProgramKind, int, Program], None],
+                  daemon: bool = False) -> None:
     """Run compile_one for every program on `threads` workers (started in order) and call
     compiled(kind, size, program) on this thread as each finishes; a None result (stopped)
     is skipped. Lowering is Python; XLA compiles release the GIL. If anything raises (a
     compile, `compiled`, an interrupt), no further program starts and the workers are
     joined (a compile in progress finishes) before it propagates. `daemon` workers do not
     hold up interpreter exit (the background compiles: their exit hook stops them)."""
-    todo: queue.SimpleQueue[tuple[Kind, int]] = queue.SimpleQueue()
-    for program in programs:
-        todo.put(program)
-    done: queue.SimpleQueue[tuple[Kind, int, Any, BaseException | None]] = queue.SimpleQueue()
+    todo: queue.SimpleQueue[tuple[ProgramKind, int]] = queue.SimpleQueue()
+    for planned in programs:
+        todo.put(planned)
+    done: queue.SimpleQueue[tuple[ProgramKind, int, Program | None, BaseException | None]] = (
+        queue.SimpleQueue())
 
     def work() -> None:
         while True:

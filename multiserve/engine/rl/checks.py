@@ -98,18 +98,19 @@ class ParamLayout:
         self.paths = leaf_paths(self.shapes)
         self.specs: dict[str, HfTensorSpec] = hf_tensor_specs(model_cfg)
 
-    def validate(self, tensors: Any, require_all: bool, source: str = "<tensors>"
-                 ) -> tuple[Full, Partial, int]:
+    def validate(self, tensors: Any, require_all: bool, source: str = "<tensors>",
+                 check_finite: bool = True) -> tuple[Full, Partial, int]:
         """(whole leaves, per-layer slices, number of tensors given); arrays untouched
-        (transposed/stacked views of the caller's data, not yet cast)."""
+        (transposed/stacked views of the caller's data, not yet cast). check_finite=False
+        reads no value (names, shapes and dtypes only)."""
         if isinstance(tensors, Mapping) and set(tensors) and set(tensors) <= set(self.shapes):
-            full = self._validate_tree(tensors, require_all)
+            full = self._validate_tree(tensors, require_all, check_finite)
             return full, {}, len(full)
         named = dict(tensors.items() if isinstance(tensors, Mapping) else tensors)
-        return self._validate_named(named, require_all, source)
+        return self._validate_named(named, require_all, source, check_finite)
 
-    def _validate_tree(self, tree: Mapping[str, Any], require_all: bool
-                       ) -> dict[LeafPath, Any]:
+    def _validate_tree(self, tree: Mapping[str, Any], require_all: bool,
+                       check_finite: bool = True) -> dict[LeafPath, Any]:
         out: dict[LeafPath, Any] = {}
         for k, v in tree.items():
             if k not in self.shapes:
@@ -140,11 +141,12 @@ class ParamLayout:
                 raise WeightUpdateError(f"tensor {name!r}: shape {tuple(x.shape)}, expected "
                                         f"{tuple(want)}")
             _check_dtype(name, x)
-            _check_finite(name, x)
+            if check_finite:
+                _check_finite(name, x)
         return out
 
-    def _validate_named(self, named: dict[str, Any], require_all: bool, source: str
-                        ) -> tuple[Full, Partial, int]:
+    def _validate_named(self, named: dict[str, Any], require_all: bool, source: str,
+                        check_finite: bool = True) -> tuple[Full, Partial, int]:
         where = "" if source == "<tensors>" else f"{source}: "
         cfg = self.model_cfg
         given: dict[str, Any] = {}
@@ -163,7 +165,8 @@ class ParamLayout:
                 raise WeightUpdateError(f"{where}tensor {name!r}: shape {tuple(x.shape)}, "
                                         f"expected {spec.hf_shape}")
             _check_dtype(name, x, where)
-            _check_finite(name, x, where)
+            if check_finite:
+                _check_finite(name, x, where)
             given[name] = x
         if require_all:
             missing = [n for n in self.specs if n not in given]

@@ -10,10 +10,16 @@ devices: a COPY, never an alias of the caller's arrays) -> `publish()` (engine t
 between steps: `core.swap_params`, then `core.set_weight_version`, which invalidates the
 K/V of the old weights) or `discard()`. The engine core is touched only through its
 narrow methods (hold/release_hold, swap_params, set_weight_version, abort, drain).
+Tensors wrapped in `DeviceArrays` (an in-process trainer's jax.Arrays) are staged
+strictly: each must be a jax.Array of exactly the served dtype, is copied device to device
+onto the engine's sharding, and no value is read.
 
 Invariants:
 - Validation finishes before any device buffer is created; a failure in validation or
   staging leaves the live params, the version and the cache untouched (nothing changes).
+- Staging `DeviceArrays` transfers nothing to or from the host and casts nothing: the
+  staged leaves are the given values bit for bit (a transpose/stack of HF-named tensors
+  runs on the devices; NaN/inf are not checked, as that would read values back).
 - Staged leaves have exactly the live leaves' shape, dtype and sharding, so the jitted
   step never recompiles after a publish (`cache_miss_count` is unchanged).
 - At most one staged update per engine; staging again replaces (discards) the previous.
@@ -33,6 +39,7 @@ from __future__ import annotations
 
 import threading
 import uuid
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -53,7 +60,14 @@ from multiserve.types import ControlResult
 if TYPE_CHECKING:
     from multiserve.engine.rl_interface import RLInterface
 
-__all__ = ["StagedWeights", "WeightManager", "WeightUpdateError"]
+__all__ = ["DeviceArrays", "StagedWeights", "WeightManager", "WeightUpdateError"]
+
+
+@dataclass(frozen=True, eq=False)
+class DeviceArrays:
+    """Tensors (flat {HF name: jax.Array}, pairs, or the params pytree) to stage strictly:
+    device arrays of the served dtype, moved device to device, no value read back."""
+    tensors: Any
 
 
 @dataclass
@@ -134,7 +148,14 @@ class WeightManager:
         them onto the engine's devices. Raises WeightUpdateError naming the tensor."""
         if not isinstance(weight_version, str) or not weight_version:
             raise WeightUpdateError("weight_version: must be a non-empty string")
-        full, partial, n = self.layout.validate(tensors, require_all, source)
+        device_only = isinstance(tensors, DeviceArrays)
+        if device_only:
+            tensors = tensors.tensors
+            if not isinstance(tensors, Mapping):
+                tensors = dict(tensors)
+            self._check_device_arrays(tensors)
+        full, partial, n = self.layout.validate(tensors, require_all, source,
+                                                check_finite=not device_only)
         staged = StagedWeights(token, weight_version, names=n, source=source)
         try:
             for path, x in full.items():
@@ -142,8 +163,9 @@ class WeightManager:
             for path, (idx, vals) in partial.items():
                 sh = get_leaf(self.shardings, path)
                 staged.partial[path] = (idx, self._place(vals, sh))
-            bad = [p for p, a in list(staged.full.items()) + [
-                (p, v) for p, (_, v) in staged.partial.items()] if not bool(all_finite(a))]
+            bad = [] if device_only else [
+                p for p, a in list(staged.full.items()) + [
+                    (p, v) for p, (_, v) in staged.partial.items()] if not bool(all_finite(a))]
             if bad:
                 raise WeightUpdateError(f"tensor {'/'.join(bad[0])!r}: has NaN or inf values "
                                         f"(after the cast to {self.dtype})")
@@ -159,6 +181,15 @@ class WeightManager:
                 self._staged.delete()
             self._staged = staged
         return staged
+
+    def _check_device_arrays(self, tensors: Mapping[str, Any]) -> None:
+        for name, x in _named_leaves(tensors):
+            if not isinstance(x, jax.Array):
+                raise WeightUpdateError(f"tensor {name!r}: not a jax.Array ({type(x).__name__}"
+                                        "): update_weights_from_tensor takes host arrays")
+            if x.dtype != self.dtype:
+                raise WeightUpdateError(f"tensor {name!r}: dtype {x.dtype}, the engine serves "
+                                        f"{self.dtype} (arrays are never cast here)")
 
     def _place(self, x: Any, sharding: Any) -> jax.Array:
         if isinstance(x, jax.Array):
@@ -261,6 +292,17 @@ class WeightManager:
             return False
         self._held = None
         return self.core.release_hold("weights_staged")
+
+
+def _named_leaves(tensors: Mapping[str, Any]) -> Iterator[tuple[str, Any]]:
+    """(name, value) of a flat {name: array} dict or of the params pytree (one level of
+    nesting: "layers/wq")."""
+    for name, x in tensors.items():
+        if isinstance(x, Mapping):
+            for sub, y in x.items():
+                yield f"{name}/{sub}", y
+        else:
+            yield str(name), x
 
 
 def _scatter_layers(old: jax.Array, idx: jax.Array, vals: jax.Array, sharding: Any

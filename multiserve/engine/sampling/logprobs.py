@@ -1,7 +1,7 @@
 """StepLogprobs: one step's sampler logprob outputs, read to the host and unpacked per row.
 
-Row b of a step is either a sequence's sampled row (b < number of batch rows) or a prompt
-row that scores prompt token j (after them; `ScheduledBatch.prompt_rows`). The arrays are
+Row b of a step is a logits row of its RowPlan (engine/sched/row_plan.py): a sequence's
+sampled row, a prompt row that scores prompt token j, or a verify row. The arrays are
 the sampler's: the sampled token's logprob [R], the top-k ids and logprobs [R, K] and the
 logprobs of the requested token ids [R, S].
 

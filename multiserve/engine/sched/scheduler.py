@@ -3,7 +3,11 @@ Plain Python (never imports jax).
 
 Every step is one ragged batch: one token for each decoding request, plus prefill
 chunks (new admissions or the continuation of a chunked prefill) filling the rest of
-the token budget. Rows are `BatchRow`s; the runner turns them into padded arrays.
+the token budget. `schedule()` returns the step whole: a `ScheduledBatch` (its
+`BatchRow`s, token count and RowPlan: engine/sched/batch.py, engine/sched/row_plan.py, the
+one layout of its logits rows); the runner turns it into padded arrays. Which decode rows
+verify drafts (speculative decoding) it asks of the DraftPlanner (engine/spec/planner.py,
+`self.planner`); it obtains the pages a draft's positions need itself.
 
 The Scheduler is the one writer of Req state (engine/sched/request.py): it admits,
 launches, retracts, records a step's results (`postprocess`: tokens, logprobs, the stop
@@ -16,6 +20,7 @@ Invariants:
   admission order; `waiting` holds the rest, front first. A Req is in at most one.
 - A waiting Req with `pending > 0` (retracted while a step that samples for it was
   in flight) is not admitted until the host has read that token.
+- Nothing writes a ScheduledBatch once `schedule()` returned it (frozen, rows too).
 - `launch(batch)` is called once the runner enqueued the step: only then do kv_len,
   pending and the prefix cache move, so a schedule that was never launched has no
   effect on state beyond page allocation (which `launch` makes permanent).
@@ -32,17 +37,19 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import replace
 from typing import Protocol
 
 from multiserve.config import EngineConfig
 from multiserve.grammar.matcher_state import GrammarState
+from multiserve.engine.sched.batch import BatchRow, ScheduledBatch
 from multiserve.engine.sched.page_allocator import PageAllocator, pages_needed
 from multiserve.engine.sched.prefix_cache import PrefixCache
 from multiserve.engine.sched.request import Req
+from multiserve.engine.sched.row_plan import logit_rows_of
 from multiserve.engine.sched.stop_rules import StopRules
 from multiserve.engine.spec.drafter import DraftSource
-from multiserve.engine.spec.step_costs import StepCosts
+from multiserve.engine.spec.planner import DraftPlanner
 from multiserve.types import (
     FinishReason,
     RequestStatus,
@@ -62,50 +69,6 @@ class StepLogprobSource(Protocol):
     def prompt(self, b: int, token: int, params: SamplingParams) -> TokenLogprob: ...
 
 
-@dataclass
-class BatchRow:
-    req: Req
-    start: int  # first position computed by this step
-    end: int  # one past the last position computed
-    samples: bool  # this row's last token produces a sampled token
-    from_prev: bool  # the (single) input token is the previous step's device output
-    # a verify row (speculative decoding): the newest token at `start` then these draft
-    # tokens; every one of its end - start positions is sampled (`end = start + 1 + k`)
-    draft: tuple[int, ...] = ()
-
-    @property
-    def extra_rows(self) -> int:
-        """Logits rows beyond the sequence's own: one per prompt logprob computed, one
-        per draft token verified."""
-        return len(self.req.prompt_logprob_targets(self.start, self.end)) + len(self.draft)
-
-
-@dataclass
-class ScheduledBatch:
-    rows: list[BatchRow]
-    num_tokens: int
-    # set at launch: (request, prompt index) scored by each logits row after the rows
-    prompt_rows: list[tuple[Req, int]] = field(default_factory=list)
-    # set at launch: the logits row of each draft token j of batch row b, {(b, j): row}
-    verify_rows: dict[tuple[int, int], int] = field(default_factory=dict)
-    # set at launch: the token bucket it ran in, and when it was launched (perf_counter)
-    padded_tokens: int = 0
-    launched_at: float = 0.0
-
-    @property
-    def num_logit_rows(self) -> int:
-        return len(self.rows) + sum(r.extra_rows for r in self.rows)
-
-    @property
-    def speculative(self) -> bool:
-        return any(r.draft for r in self.rows)
-
-    @property
-    def constrained(self) -> bool:
-        """Some row samples under a grammar (its next mask needs this step's token)."""
-        return any(r.samples and r.req.grammar is not None for r in self.rows)
-
-
 class Scheduler:
     def __init__(self, cfg: EngineConfig, allocator: PageAllocator, cache: PrefixCache,
                  max_context: int, max_tokens_per_step: int, max_rows: int,
@@ -123,12 +86,9 @@ class Scheduler:
         self.new_token_ratio = cfg.init_new_token_ratio
         self.num_retractions = 0
         self._stale_kv: set[Req] = set()  # hold K/V computed with replaced weights
-        self.drafter = drafter  # speculative decoding (engine/spec/); None: off
-        # measured step costs by token bucket (the engine thread records every step read)
-        self.step_costs = StepCosts(cfg.precompile_token_paddings)
-        self.spec_verify_ct = 0  # verify rows run, draft tokens proposed / accepted
-        self.spec_proposed_tokens = 0
-        self.spec_accepted_tokens = 0
+        # speculative decoding (engine/spec/): which rows verify drafts, the step costs
+        # that decide it, the speculation totals; `drafter` None: off
+        self.planner = DraftPlanner(cfg, max_rows, max_context, drafter)
 
     # ---- queries -------------------------------------------------------------------
     def has_work(self) -> bool:
@@ -228,8 +188,7 @@ class Scheduler:
         req.finish_reason = reason
         self.reqs.pop(req.key, None)
         self.remove(req)
-        if self.drafter is not None:
-            self.drafter.finished(req)
+        self.planner.finished(req)
 
     def remove(self, req: Req) -> None:
         """Drop a Req from whichever queue holds it and release its KV."""
@@ -252,99 +211,44 @@ class Scheduler:
 
     # ---- scheduling ----------------------------------------------------------------
     def schedule(self) -> ScheduledBatch | None:
+        """The next step, complete (rows, token count, row plan); None: nothing to run.
+        Nothing writes the batch after this returns."""
         rows = self._decode_rows()
-        if self.drafter is not None:
-            self._add_drafts(rows)
+        if self.planner.on and not self._prefill_pending():
+            # (a prefill's step is compute-bound: drafts would slow it)
+            rows = self._add_drafts(rows)
         tokens = sum(r.end - r.start for r in rows)
-        logit_rows = len(rows) + sum(r.extra_rows for r in rows)
+        logit_rows = sum(logit_rows_of(r) for r in rows)
         budget = min(self.cfg.chunked_prefill_size, self.max_tokens_per_step - tokens)
         rows += self._prefill_rows(budget, self.max_rows - logit_rows)
         if not rows:
             return None
-        return ScheduledBatch(rows, sum(r.end - r.start for r in rows))
+        return ScheduledBatch.of(rows)
 
     def wants_drafts(self) -> bool:
-        """Whether the next step could verify drafts: a decoding Req may draft (not backed
-        off), the step has room, and by the measured bucket costs some draft token would
-        pay at the Reqs' acceptance. Then the step in flight is read before the next is
-        scheduled (a draft needs every token known); otherwise overlap goes on."""
-        if self.drafter is None or self._prefill_pending():
+        """Whether the next step could verify drafts (DraftPlanner.wants_drafts, no prompt
+        waiting to prefill). Then the step in flight is read before the next is scheduled
+        (a draft needs every token known); otherwise overlap goes on."""
+        if not self.planner.on or self._prefill_pending():
             return False
-        decoding = [r for r in self.running if not r.in_prefill and r.wants_more()]
-        room = self._draft_room(len(decoding))
-        if not decoding or room <= 0:
-            return False
-        k = self.cfg.speculative_num_draft_tokens
-        gains = sorted((self._draft_gain(r, j) for r in decoding if self._may_draft(r)
-                        for j in range(k)), reverse=True)
-        return bool(gains) and self.step_costs.best_draft_count(
-            len(decoding), len(decoding), gains[:room]) > 0
+        return self.planner.wants_drafts(
+            [r for r in self.running if not r.in_prefill and r.wants_more()])
 
-    def _add_drafts(self, rows: list[BatchRow]) -> None:
-        """Turn decode rows whose tokens are all known into verify rows: each request's
-        draft (at most speculative_num_draft_tokens, never past max_new_tokens or the
-        context), then as many draft tokens, most promising first (the request's
-        acceptance ** position), as maximise the expected tokens per second of the step
-        by its bucket's measured cost (`StepCosts`), within speculative_max_step_tokens
-        and the largest row bucket."""
-        assert self.drafter is not None
-        if self._prefill_pending():
-            return  # the step is a prefill's, compute-bound: drafts would slow it
-        base = len(rows)
-        room_total = self._draft_room(base)
-        if room_total <= 0:
-            return
-        cands: list[tuple[BatchRow, tuple[int, ...]]] = []
-        for row in rows:
-            req = row.req
-            room = min(self.cfg.speculative_num_draft_tokens, room_total,
-                       req.params.max_new_tokens - req.num_generated - 1,
-                       self.max_context - row.end - 1)
-            if room <= 0 or row.from_prev or req.pending > 0 or not self._may_draft(req):
-                continue
-            draft = tuple(self.drafter.propose(req, room))[:room]
-            if draft:
-                cands.append((row, draft))
-        if not cands:
-            return
-        gains = sorted(((self._draft_gain(row.req, j), -j, c)
-                        for c, (row, draft) in enumerate(cands) for j in range(len(draft))),
-                       reverse=True)
-        take = min(room_total, self.step_costs.best_draft_count(
-            base, base, [g for g, _, _ in gains]))
-        counts = [0] * len(cands)
-        for _, _, c in gains[:take]:
-            counts[c] += 1
-        for (row, draft), k in zip(cands, counts, strict=True):
-            self._set_draft(row, draft[:k])
-
-    def _draft_room(self, decode_rows: int) -> int:
-        """Draft tokens a step of `decode_rows` decode rows may still carry."""
-        return min(self.cfg.speculative_max_step_tokens, self.max_rows) - decode_rows
-
-    def _may_draft(self, req: Req) -> bool:
-        """Not backed off, and not constrained: a constrained request's verify rows would
-        each need the mask after their draft prefix."""
-        assert self.drafter is not None
-        return req.grammar is None and self.drafter.wants(req)
-
-    def _draft_gain(self, req: Req, j: int) -> float:
-        """The expected tokens the j-th draft token of `req` adds: the chance the first j+1
-        are all accepted, by the request's per-token acceptance."""
-        assert self.drafter is not None
-        return min(max(self.drafter.acceptance(req), 0.0), 1.0) ** (j + 1)
+    def _add_drafts(self, rows: list[BatchRow]) -> list[BatchRow]:
+        """`rows` (decode rows) with the planner's drafts: a row given a draft becomes a
+        verify row (`_set_draft`)."""
+        return [self._set_draft(row, draft) if draft else row
+                for row, draft in zip(rows, self.planner.drafts(rows), strict=True)]
 
     def _prefill_pending(self) -> bool:
         """A prompt waits for admission or is mid-prefill: the next steps carry its chunks."""
         return any(r.pending == 0 for r in self.waiting) or any(
             r.in_prefill for r in self.running)
 
-    def _set_draft(self, row: BatchRow, draft: tuple[int, ...]) -> None:
-        """Make `row` verify `draft` (pages for its positions obtained: where they cannot
+    def _set_draft(self, row: BatchRow, draft: tuple[int, ...]) -> BatchRow:
+        """`row` verifying `draft` (pages for its positions obtained: where they cannot
         be, only what the pages held already cover)."""
         req = row.req
-        if not draft:
-            return
         have = len(req.pages) * self.page_size
         need = pages_needed(row.end + len(draft), self.page_size) - len(req.pages)
         if need > 0:
@@ -353,9 +257,9 @@ class Scheduler:
                 draft = draft[:max(0, have - row.end)]
             else:
                 req.pages.extend(got)
-        if draft:
-            row.draft = draft
-            row.end += len(draft)
+        if not draft:
+            return row
+        return replace(row, draft=draft, end=row.end + len(draft))
 
     def _decode_rows(self) -> list[BatchRow]:
         ps = self.page_size
@@ -394,7 +298,7 @@ class Scheduler:
                     return rows
                 rows.append(row)
                 budget -= row.end - row.start
-                max_new_rows -= 1 + row.extra_rows
+                max_new_rows -= logit_rows_of(row)
         # 2. admit from waiting, in order
         admitted: list[Req] = []
         for req in list(self.waiting):
@@ -413,7 +317,7 @@ class Scheduler:
             admitted.append(req)
             rows.append(row)
             budget -= row.end - row.start
-            max_new_rows -= 1 + row.extra_rows
+            max_new_rows -= logit_rows_of(row)
         for req in admitted:
             self.waiting.remove(req)
         return rows
@@ -503,11 +407,11 @@ class Scheduler:
         rows, and per sampling row its token (with logprob record and weight version)
         and the stop verdict (finishing the Req). Returns the Reqs with output to deliver
         now (finished, or streaming), in row order."""
-        for k, (req, j) in enumerate(batch.prompt_rows):
+        for i in batch.plan.prompt_rows:
+            req, j = batch.plan.rows[i].req, batch.plan.rows[i].j
             if not req.finished and len(req.prompt_logprobs) == j:
                 assert logprobs is not None, "prompt rows always return logprobs"
-                req.prompt_logprobs.append(
-                    logprobs.prompt(len(batch.rows) + k, req.prompt_ids[j], req.params))
+                req.prompt_logprobs.append(logprobs.prompt(i, req.prompt_ids[j], req.params))
         deliver: list[Req] = []
         for b, row in enumerate(batch.rows):
             req = row.req
@@ -579,7 +483,7 @@ class Scheduler:
         accepted = 0
         ended = False
         for j in range(k + 1):
-            logits_row = batch.verify_rows[(b, j)] if j < k else b
+            logits_row = batch.plan.verify_row(b, j) if j < k else b
             tok = int(next_ids[logits_row])
             if holds_kv:
                 req.kv_len += 1
@@ -597,11 +501,7 @@ class Scheduler:
             accepted += 1
         req.spec_verify_ct += 1
         req.spec_accepted_tokens += accepted
-        self.spec_verify_ct += 1
-        self.spec_proposed_tokens += k
-        self.spec_accepted_tokens += accepted
-        if self.drafter is not None:
-            self.drafter.record(req, k, accepted)
+        self.planner.verified(req, k, accepted)
         if holds_kv and not ended:
             keep = pages_needed(req.kv_len, self.page_size)
             if len(req.pages) > keep:

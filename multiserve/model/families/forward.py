@@ -1,7 +1,7 @@
 """The whole forward of any model family (model/families): its decoder to the final-normed
 hidden states, then the output head, logits in float32. For code that runs a model outside
 an engine (simple_generate, tests); the engine runs the two halves as separate programs
-(engine/device/model_runner.py). jit with cfg/page_size/attn_block_size/plan static."""
+(engine/device/step_functions.py). jit with cfg/page_size/attn_block_size/plan static."""
 
 from __future__ import annotations
 

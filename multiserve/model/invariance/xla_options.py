@@ -1,7 +1,7 @@
 """The XLA options under which the invariance plan holds.
 
 Every program that computes a model's rows compiles with `step_options(platform, dtype)`:
-the engine's step, logits and sampler programs (engine/device/model_runner.py), the
+the engine's step, logits and sampler programs (engine/device/step_programs.py), the
 calibration's probes (probes.py) and the unbatched reference loop (simple_generate.py), so a plan is verified under the options its steps run
 with. A probe compiled with other options verifies other machine code, and on a GPU it
 changed the steps' own: on an H200, float32 step programs compiled with these options

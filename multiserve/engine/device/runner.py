@@ -1,0 +1,234 @@
+"""Runner: the device state of one engine, and the launch of its steps.
+
+Owns the device state of one engine: sharded params (and their compute form, the layouts
+the invariance plan's kernels read), the model's family (model/families: the runner talks
+only to that interface: compute params, forward to hidden states, head), the KV pool
+(donated to every step, updated in place), the device buffer of the last step's sampled
+ids, and the sampler's cached device zeros (sampling_batches.py). It asks its
+`StepPrograms` (step_programs.py: compiling, warm-up, priming, the fused-step check) for
+the program of each step; the programs' math is step_functions.py.
+
+A step is a forward over T tokens and a head over R logits rows (two programs), or one
+fused program where the step is a b-token, b-row decode step with a checked fused program
+(`StepPrograms.fused`). Every row's numerics are independent of T and R.
+
+Invariants:
+- Steps call compiled executables, never `jax.jit` dispatch: a step cannot trace or
+  compile; `bucket_for` picks only compiled buckets (`cache_miss_count` stays 0 after
+  warm-up).
+- `run()` never waits for the device: it returns device arrays. The next step reads
+  the previous step's sampled ids from `prev_ids` on device (overlap scheduling:
+  no host round trip between consecutive decode steps).
+- The jitted functions are created per Runner (closures over this engine's config and
+  shardings); nothing device-resident is cached at module level.
+- `params` is the canonical pytree (what weight updates and memory release read and
+  replace); assigning it re-derives the compute params, so the two never disagree.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from multiserve.config import EngineConfig, ModelConfig
+from multiserve.engine.device import huge_pages
+from multiserve.engine.device.batch_arrays import StepArrays
+from multiserve.engine.device.programs import ProgramKind, ProgramSet, smallest_fit
+from multiserve.engine.device.sampling_batches import SamplingBatches
+from multiserve.engine.device.step_functions import StepFunctions
+from multiserve.engine.device.step_inputs import sampling_inputs, step_inputs
+from multiserve.engine.device.step_programs import StepPrograms
+from multiserve.engine.dtype_choice import DtypeChoice
+from multiserve.engine.sampling import host as sampling_host
+from multiserve.engine.sampling import sampler as sampling
+from multiserve.model.families import family_for
+from multiserve.model.invariance.calibration import calibrate
+from multiserve.model.invariance.plan import Calibration, InvariancePlan
+from multiserve.model.invariance.workload import workload_for
+from multiserve.model.invariance.xla_options import step_options
+from multiserve.model.layers.kv_pool import KVPool, make_kv_pool
+from multiserve.model.sharding import kv_pool_sharding, make_mesh, shard_params
+
+
+def cast_params(params: Any, dtype: Any) -> Any:
+    """Host (numpy) params cast to the engine's compute dtype (norms included)."""
+    return jax.tree.map(lambda a: np.asarray(a).astype(np.dtype(dtype), copy=False), params)
+
+
+@dataclass
+class StepOutput:
+    """Device arrays of one launched step (host reads them later)."""
+
+    next_ids: jax.Array  # [max_rows] int32 (rows >= R are junk)
+    sample: sampling.SampleOutput  # device arrays
+    num_rows: int
+    wants_logprobs: bool
+
+
+class Runner:
+    def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, params_host: Any,
+                 devices: Sequence[jax.Device], num_pages: int, dtype: Any,
+                 dtype_choice: DtypeChoice | None = None) -> None:
+        self.cfg = cfg
+        self.model_cfg = model_cfg
+        # the model interface (model/families): the runner calls nothing family-specific
+        self.family = family_for(model_cfg)
+        self.dtype = dtype
+        # get_internal_state()["dtype_choice"]: what was asked, what runs, why
+        self.dtype_choice = dtype_choice or DtypeChoice(str(jnp.dtype(dtype)),
+                                                        str(jnp.dtype(dtype)), "given")
+        self.devices = list(devices)
+        self.mesh = make_mesh(self.devices)
+        self.replicated = NamedSharding(self.mesh, P())
+        self.num_pages = num_pages
+        self.max_rows = max(cfg.precompile_bs_paddings)
+        self.calibration = _calibrate(cfg, model_cfg, self.devices, dtype, self.max_rows)
+        self.plan: InvariancePlan = self.calibration.plan
+        # get_internal_state()["determinism"]: made once (immutable, read by any thread)
+        self.determinism: dict[str, Any] = self.calibration.summary()
+        self._compute: Any = None
+        # the weights' last huge-page advice, written by its thread when done
+        # (device/huge_pages.py)
+        self.huge_page_advice: dict[str, huge_pages.HugePageAdvice] = {}
+        self.huge_pages_thread: threading.Thread | None = None
+        self.params = shard_params(cast_params(params_host, dtype), model_cfg, self.mesh,
+                                   cfg.moe_sharding)
+        kv_sharding = kv_pool_sharding(model_cfg, self.mesh)
+        self.kv: KVPool | None = make_kv_pool(model_cfg, num_pages, cfg.page_size, dtype,
+                                              sharding=kv_sharding)
+        self._prev_ids: jax.Array | None = None
+        self.reset_prev_ids()
+        self._sampling = SamplingBatches(model_cfg.vocab_size, self.replicated)
+        self.warmup_seconds: float | None = None  # warm-up start -> serving
+        self.fused_steps = 0  # steps run as one fused program (get_internal_state)
+        functions = StepFunctions(self.family, model_cfg, self.plan, cfg.page_size,
+                                  cfg.attention_block_size, self.max_rows, self.replicated,
+                                  kv_sharding)
+        # the XLA options of every program (model/invariance/xla_options.py)
+        xla_options = step_options(self.devices[0].platform, str(jnp.dtype(dtype)))
+        self.step_programs = StepPrograms(cfg, functions, self.mesh, xla_options, dtype, self)
+
+    # ---- params ---------------------------------------------------------------------
+    @property
+    def params(self) -> Any:
+        """The canonical params pytree on the device (None while released)."""
+        return self._params
+
+    @params.setter
+    def params(self, value: Any) -> None:
+        self._params = value
+        self._compute = None  # drop the old transposed copies before making new ones
+        if value is not None:
+            self._compute = self.family.compute_params(value, self.model_cfg, self.plan,
+                                                       self.cfg.precompile_token_paddings)
+            self.huge_pages_thread = huge_pages.in_background(
+                self._compute, partial(self.huge_page_advice.__setitem__, "weights"))
+
+    @property
+    def compute_params(self) -> Any:
+        """The params the step runs on: `params` plus their transposed copies (None while
+        released). Every device array holding weights is a leaf of this pytree."""
+        return self._compute
+
+    @property
+    def prev_ids(self) -> jax.Array | None:
+        """The last step's sampled ids on device, [max_rows] (None while released)."""
+        return self._prev_ids
+
+    @property
+    def resident(self) -> bool:
+        """Weights, KV pool and step buffers are on the device (memory not released)."""
+        return self._compute is not None and self.kv is not None and self._prev_ids is not None
+
+    @property
+    def programs(self) -> ProgramSet:
+        """The compiled programs' set: readiness, status, background compiles (read by the
+        engine and its reports)."""
+        return self.step_programs.set
+
+    # ---- what a step needs -----------------------------------------------------------
+    def bucket_for(self, num_tokens: int, num_rows: int) -> tuple[int, int]:
+        """The smallest compiled (T, R) buckets holding the step (all configured buckets
+        when warm-up is off: those compile on first use)."""
+        programs = self.step_programs
+        t = smallest_fit(programs.compiled_buckets(ProgramKind.FORWARD), num_tokens)
+        r = smallest_fit(programs.compiled_buckets(ProgramKind.HEAD), num_rows)
+        if t is None or r is None:
+            raise ValueError(f"no bucket for {num_tokens} tokens / {num_rows} rows")
+        return t, r
+
+    def page_table_rows(self, num_tokens: int) -> int:
+        """Sequence rows of a T-token step: every row has a token, and at most max_rows."""
+        return min(num_tokens, self.max_rows)
+
+    def sampling_batch(self, rows: Sequence[sampling_host.RowSpec | None],
+                       num_rows: int) -> sampling.SamplingBatch:
+        """Host sampling inputs for one step of `num_rows` logits rows (padded to the
+        sampler's rows); penalty-free steps reuse this engine's device-resident zeros."""
+        return self._sampling.build(rows, num_rows)
+
+    # ---- running -------------------------------------------------------------------
+    def run(self, arrays: StepArrays, sb_host: sampling.SamplingBatch, wants_logprobs: bool,
+            num_rows: int) -> StepOutput:
+        """Launch one step: `num_rows` (a row bucket) logits rows, sampled with `sb_host`
+        (built by `sampling_batch(specs, num_rows)`): one fused program where it has one
+        (`StepPrograms.fused`), else the forward and the head."""
+        assert self.kv is not None, "KV pool released: resume memory before running"
+        assert self._prev_ids is not None, "step buffers released: resume memory first"
+        fused = self.step_programs.fused(arrays.input_ids.shape[0], num_rows)
+        if fused is not None:
+            next_ids, out, self.kv = fused(self._compute, self.kv, self._prev_ids,
+                                           step_inputs(arrays), *sampling_inputs(sb_host))
+            self.fused_steps += 1
+        else:
+            inputs = (self._compute, self.kv, self._prev_ids, step_inputs(arrays))
+            hidden, row_tok, row_prev, self.kv = self.step_programs.forward(
+                arrays, inputs)(*inputs)
+            head_inputs = (self._compute, hidden, row_tok, row_prev,
+                           *sampling_inputs(sb_host))
+            next_ids, out = self.step_programs.head(num_rows, sb_host,
+                                                    head_inputs)(*head_inputs)
+        self._prev_ids = next_ids
+        return StepOutput(next_ids=next_ids, sample=out, num_rows=num_rows,
+                          wants_logprobs=wants_logprobs)
+
+    # ---- memory release (engine/rl/memory.py) ----------------------------------------
+    def reset_prev_ids(self) -> None:
+        self._prev_ids = jax.device_put(np.zeros(self.max_rows, np.int32), self.replicated)
+
+    def drop_step_buffers(self) -> None:
+        """Free the small per-step device buffers (memory release: engine/rl/memory.py).
+        `reset_prev_ids()` brings back the only one a step needs; the sampler's zeros are
+        re-made lazily."""
+        prev, self._prev_ids = self._prev_ids, None
+        if prev is not None and not prev.is_deleted():
+            prev.delete()
+        self._sampling.drop()
+
+    def prime_deferred(self) -> None:
+        """Memory is resident again: prime (and check) the programs that arrived while it
+        was released (StepPrograms.prime_deferred). Between steps, on the engine thread."""
+        self.step_programs.prime_deferred()
+
+
+def _calibrate(cfg: EngineConfig, model_cfg: ModelConfig, devices: Sequence[jax.Device],
+               dtype: Any, max_rows: int) -> Calibration:
+    """An engine's invariance plan: pinned by the config, else measured on its first
+    device's backend for exactly its shapes and buckets (model/invariance/calibration.py;
+    cached, so a second start, or a second engine of the same kind, probes nothing)."""
+    if cfg.invariance_plan is not None:
+        return Calibration(cfg.invariance_plan, {"pinned": True}, "pinned", 0.0, False)
+    workload = workload_for(model_cfg, cfg.precompile_token_paddings,
+                            cfg.precompile_bs_paddings, max_rows, cfg.page_size,
+                            cfg.attention_block_size, dtype, tp=len(devices),
+                            moe_sharding=cfg.moe_sharding)
+    return calibrate(workload, devices[0])

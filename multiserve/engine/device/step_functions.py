@@ -1,0 +1,142 @@
+"""The math of one engine's step: the traced functions its programs are lowered from.
+
+Three programs' functions (step_programs.py compiles them, runner.py runs them):
+- `forward` (`_forward_impl`) over T tokens: the decoder (the model's family,
+  model/families); it returns the final-normed hidden states of the logits rows in a fixed
+  [max_rows, D] buffer, the rows' input ids and whether each came from the previous step;
+- the head over R rows, two programs: `logits` (`_logits_impl`: lm_head on the first R
+  rows, float32, padded to the sampler's rows, `sampler_rows`) then `sample`
+  (`_sample_impl`: the sampler over those rows, which depends on nothing else but the
+  vocabulary and max_rows);
+- `step` (`_step_impl`): the forward, logits and sampler of a b-token, b-row step in ONE
+  program, each boundary's arrays constrained to the sharding the separate programs pass
+  them in: the same computation as the three.
+
+Invariants:
+- The traced functions' names are the lowered modules' names (`jit__forward_impl`, ...),
+  which the persistent compilation cache keys and program_share.py's HLO hash include:
+  renaming one misses every cached program.
+- A program's small host inputs travel as ONE packed int32 array (packed_inputs.py),
+  unpacked here with the static `layout` of its bucket.
+- The jitted functions are made per engine (closures over its config and shardings);
+  nothing device-resident is held here.
+- Every row's numerics are independent of T and R (model/invariance/primitives.py, attention.py, and
+  the sampler's fixed-size row chunks).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+
+from multiserve.config import ModelConfig
+from multiserve.engine.device.packed_inputs import Layout, unpack
+from multiserve.engine.device.sampling_batches import sampler_rows
+from multiserve.engine.sampling import sampler as sampling
+from multiserve.model.families.base import ModelFamily
+from multiserve.model.invariance.plan import InvariancePlan
+from multiserve.model.layers.forward_batch import ForwardBatch
+from multiserve.model.layers.kv_pool import KVPool
+
+
+class StepFunctions:
+    """The jitted step functions of one engine (`forward`, `logits`, `sample`, `step`),
+    lowered by step_programs.StepPrograms, never called through jit dispatch."""
+
+    def __init__(self, family: ModelFamily, model_cfg: ModelConfig, plan: InvariancePlan,
+                 page_size: int, attention_block_size: int, max_rows: int,
+                 replicated: NamedSharding, kv_sharding: NamedSharding) -> None:
+        self.family = family
+        self.model_cfg = model_cfg
+        self.plan = plan
+        self.page_size = page_size
+        self.attention_block_size = attention_block_size
+        self.max_rows = max_rows
+        self.replicated = replicated
+        kv_out = KVPool(k=kv_sharding, v=kv_sharding)
+        # explicit output shardings: warm-up lowers the heads from abstract inputs that
+        # must match what a forward really returns
+        self.forward = jax.jit(
+            self._forward_impl, donate_argnums=(1,), static_argnames=("layout",),
+            out_shardings=(replicated, replicated, replicated, kv_out))
+        # replicated logits: the sampler program runs whole on every device (a tensor-
+        # parallel lm_head's vocabulary-split logits are gathered here)
+        self.logits = jax.jit(self._logits_impl, static_argnames=("num_rows",),
+                              out_shardings=(replicated,) * 3)
+        self.sample = jax.jit(_sample_impl, static_argnames=("layout", "max_rows"))
+        self.step = jax.jit(
+            self._step_impl, donate_argnums=(1,),
+            static_argnames=("layout", "sample_layout", "num_rows"),
+            out_shardings=(replicated, replicated, kv_out))
+
+    def _forward_impl(self, params: Any, kv: KVPool, prev_ids: jax.Array, packed: jax.Array,
+                      *, layout: Layout) -> tuple[jax.Array, jax.Array, jax.Array, KVPool]:
+        arrays = unpack(packed, layout)
+        from_prev = arrays["from_prev"]
+        ids = jnp.where(from_prev >= 0, prev_ids[jnp.maximum(from_prev, 0)],
+                        arrays["input_ids"])
+        fb = ForwardBatch(input_ids=ids, positions=arrays["positions"],
+                          token_seq=arrays["token_seq"], out_slots=arrays["out_slots"],
+                          page_table=arrays["page_table"], seq_lens=arrays["seq_lens"],
+                          logit_rows=arrays["logit_rows"])
+        hidden, kv = self.family.forward_hidden(params, kv, fb, self.model_cfg,
+                                                page_size=self.page_size,
+                                                attn_block_size=self.attention_block_size,
+                                                plan=self.plan)
+        rows = arrays["logit_rows"]
+        return hidden, ids[rows], from_prev[rows] >= 0, kv
+
+    def _logits_impl(self, params: Any, hidden: jax.Array, row_tok: jax.Array,
+                     row_prev: jax.Array, *, num_rows: int
+                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The head's first program: float32 logits of the first `num_rows` rows, padded
+        with zero rows to the sampler's rows (`sampler_rows`), and the rows' unread-token
+        inputs padded alike (padding rows: greedy, mask False)."""
+        logits = self.family.lm_head(params, hidden[:num_rows], self.plan)
+        rows = sampler_rows(num_rows)
+        if rows > num_rows:
+            logits = jnp.pad(logits, ((0, rows - num_rows), (0, 0)))
+        tok, prev = row_tok[:rows], row_prev[:rows]
+        if tok.shape[0] < rows:  # max_rows below the sampler's row chunk
+            tok = jnp.pad(tok, (0, rows - tok.shape[0]))
+            prev = jnp.pad(prev, (0, rows - prev.shape[0]))
+        return logits.astype(jnp.float32), tok, prev
+
+    def _step_impl(self, params: Any, kv: KVPool, prev_ids: jax.Array, packed: jax.Array,
+                   packed_sb: jax.Array, output_counts: jax.Array, prompt_mask: jax.Array,
+                   token_mask: jax.Array, *, layout: Layout, sample_layout: Layout,
+                   num_rows: int) -> tuple[jax.Array, Any, KVPool]:
+        """A fused step: `_forward_impl`, `_logits_impl` and `_sample_impl` in one program,
+        each boundary's arrays constrained to the sharding the two programs pass them in
+        (so a tensor-parallel head's logits are gathered before the sampler, as there)."""
+        def replicated(*xs: jax.Array) -> tuple[jax.Array, ...]:
+            return tuple(jax.lax.with_sharding_constraint(x, self.replicated) for x in xs)
+
+        hidden, row_tok, row_prev, kv = self._forward_impl(params, kv, prev_ids, packed,
+                                                           layout=layout)
+        logits, tok, prev = replicated(*self._logits_impl(
+            params, *replicated(hidden, row_tok, row_prev), num_rows=num_rows))
+        next_ids, out = _sample_impl(logits, tok, prev, packed_sb, output_counts,
+                                     prompt_mask, token_mask, layout=sample_layout,
+                                     max_rows=self.max_rows)
+        return next_ids, out, kv
+
+
+def _sample_impl(logits: jax.Array, tok: jax.Array, prev: jax.Array, packed: jax.Array,
+                 output_counts: jax.Array, prompt_mask: jax.Array, token_mask: jax.Array, *,
+                 layout: Layout, max_rows: int) -> tuple[jax.Array, Any]:
+    """The head's second program: the sampler over the padded rows, and the sampled ids in
+    the [max_rows] buffer the next forward reads (rows past the step's are padding).
+    Penalties count output tokens; the host does not know the ids still on device: the
+    sampler counts them for rows whose input came from the previous step (only when some
+    row has a penalty: no [R, V] array is touched otherwise)."""
+    sb = unpack(packed, layout).replace(output_counts=output_counts, prompt_mask=prompt_mask,
+                                        token_mask=token_mask, unread_token=tok,
+                                        has_unread=prev)
+    out = sampling.sample(logits, sb)
+    rows = min(logits.shape[0], max_rows)
+    next_ids = jnp.zeros(max_rows, jnp.int32).at[:rows].set(out.next_ids[:rows])
+    return next_ids, out
