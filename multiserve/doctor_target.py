@@ -4,7 +4,8 @@ model, SmolLM2-135M) and (b) the ~1B-shaped random bfloat16 model (bench/random_
 it prints the attention kernel and the product formulations the target starts from
 (model/target_export.py: `target_plan`) and lowers, with `jax.export` for that platform, the
 whole model forward (model/families/forward.py) of a decode step and of the largest mixed
-step. A lowering that fails is printed with its error, never raised."""
+step, and the engine's own FORWARD and FUSED step programs of a decode step
+(doctor_steps.py). A lowering that fails is printed with its error, never raised."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ NUM_PAGES = 4096  # the abstract pool's pages (any count lowers the same program
 def _model_report(label: str, cfg: Any, dtype: str, target: str) -> dict[str, Any]:
     """The plan and the lowered forwards of one model config on `target`."""
     from multiserve.config import EngineConfig
+    from multiserve.doctor_steps import export_step_programs
     from multiserve.model.invariance.workload import default_workload
     from multiserve.model.layers.attention_pallas import pinned_blocks
     from multiserve.model.target_export import export_forward, target_plan
@@ -35,6 +37,9 @@ def _model_report(label: str, cfg: Any, dtype: str, target: str) -> dict[str, An
     exports = [export_forward(cfg, dtype, target, plan, tokens=t, rows=r,
                               page_size=ec.page_size, block_size=ec.attention_block_size,
                               max_pages=max_pages, num_pages=NUM_PAGES) for t, r in steps]
+    programs = export_step_programs(cfg, dtype, target, plan, ec, forward_tokens=DECODE_ROWS,
+                                    fused_rows=DECODE_ROWS, max_pages=max_pages,
+                                    num_pages=NUM_PAGES)
     per_block, per_split = pinned_blocks(ec.page_size)
     return {
         "model": label, "dtype": dtype,
@@ -48,10 +53,17 @@ def _model_report(label: str, cfg: Any, dtype: str, target: str) -> dict[str, An
                       "formulations": sorted({f.kernel for _, f in p.by_rows})}
                      for p in plan.products],
         "problems": list(plan.problems),
-        "exports": [{"tokens": e.tokens, "rows": e.rows, "scanned": e.scanned,
-                     "lowered": e.error is None, "mlir_chars": e.mlir_chars,
-                     "pallas_calls": e.pallas_calls, "error": e.error} for e in exports],
+        "exports": [_export_json(f"model forward T={e.tokens} R={e.rows}", e)
+                    for e in exports] + [
+            _export_json(f"engine {name.upper()} program of {e.tokens} tokens, {e.rows} rows",
+                         e) for name, e in programs.items()],
     }
+
+
+def _export_json(what: str, e: Any) -> dict[str, Any]:
+    return {"what": what, "tokens": e.tokens, "rows": e.rows, "scanned": e.scanned,
+            "lowered": e.error is None, "mlir_chars": e.mlir_chars,
+            "pallas_calls": e.pallas_calls, "error": e.error}
 
 
 def _print_report(rep: dict[str, Any], target: str) -> None:
@@ -68,8 +80,7 @@ def _print_report(rep: dict[str, Any], target: str) -> None:
     for problem in rep["problems"]:
         print(f"  note: {problem}")
     for e in rep["exports"]:
-        what = (f"forward T={e['tokens']} R={e['rows']} "
-                f"({'scanned' if e['scanned'] else 'unrolled'} decoder)")
+        what = f"{e['what']} ({'scanned' if e['scanned'] else 'unrolled'} decoder)"
         if e["lowered"]:
             print(f"{what}: lowered for {target}, {e['mlir_chars']} chars of StableHLO, "
                   f"{e['pallas_calls']} Pallas kernel call site(s)")

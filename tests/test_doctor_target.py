@@ -1,7 +1,8 @@
 """`multiserve doctor --target cuda|tpu` (doctor_target.py) on this CPU-only machine: the
-whole model forward of the default model and of the 1B-shaped random bfloat16 model lowers
-for each accelerator with `jax.export`, with that platform's Pallas attention kernel in
-the program, and the report names the kernels the target starts from."""
+whole model forward and the engine's FORWARD and FUSED step programs of the default model
+and of the 1B-shaped random bfloat16 model lower for each accelerator with `jax.export`,
+with that platform's Pallas attention kernel in the program, and the report names the
+kernels the target starts from."""
 
 from __future__ import annotations
 
@@ -28,10 +29,12 @@ def test_doctor_target_lowers_both_models(target: str, kernel: str,
         assert model["attention"]["kernel"] == kernel
         assert {p["name"] for p in model["products"]} >= {"wq", "w_down", "head"}
         assert model["problems"] and "not calibrated" in model["problems"][0]
-        # a decode step (unrolled decoder) and the largest mixed step (scanned), both
-        # holding the Pallas kernel
-        assert [(e["tokens"], e["scanned"]) for e in model["exports"]] == [(16, False),
-                                                                           (512, True)]
+        # the model forward of a decode step (unrolled decoder) and of the largest mixed
+        # step (scanned), then the engine's FORWARD and FUSED programs of a decode step,
+        # each holding the Pallas kernel
+        assert [(e["tokens"], e["scanned"]) for e in model["exports"]] == [
+            (16, False), (512, True), (16, False), (16, False)]
+        assert "FUSED" in model["exports"][3]["what"]
         assert all(e["pallas_calls"] >= 1 for e in model["exports"])
 
 
@@ -39,4 +42,4 @@ def test_doctor_target_text(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["doctor", "--target", "cuda"]) == 0
     out = capsys.readouterr().out
     assert "attention kernel: pallas_gpu" in out and "LOWERED: True" in out
-    assert out.count("lowered for cuda") == 4
+    assert out.count("lowered for cuda") == 8

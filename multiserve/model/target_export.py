@@ -70,6 +70,38 @@ def _abstract(tree: Any) -> Any:
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
 
 
+def abstract_compute_params(cfg: ModelConfig, dtype: Any, plan: InvariancePlan) -> Any:
+    """The compute params (the family's `compute_params` for `plan`) as abstract shapes of
+    `dtype`: no weights are made."""
+    from multiserve.model.families import family_for
+    from multiserve.model.loading.param_layout import param_shapes
+
+    family = family_for(cfg)
+    dt = jnp.dtype(dtype)
+    canonical = jax.tree.map(lambda s: jax.ShapeDtypeStruct(tuple(s), dt), param_shapes(cfg),
+                             is_leaf=lambda s: isinstance(s, tuple))
+    sizes = tuple(t for t, _ in plan.attention.by_tokens)
+    return _abstract(jax.eval_shape(lambda p: family.compute_params(p, cfg, plan, sizes),
+                                    canonical))
+
+
+def export_for(fn: Any, platform: str, tokens: int, rows: int, scanned: bool,
+               args: tuple[Any, ...], static: dict[str, Any]) -> ExportResult:
+    """`jax.export` of the jitted `fn` at abstract `args` (and static keyword arguments
+    `static`) for `platform`; a lowering error is returned, not raised."""
+    target = PALLAS_CALL_TARGET[platform]
+    try:
+        exported = jax.export.export(
+            fn, platforms=[platform],
+            disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(target)],
+        )(*args, **static)
+    except Exception as e:  # noqa: BLE001 (reported: the lowering's own message)
+        return ExportResult(tokens, rows, scanned, error=f"{type(e).__name__}: {e}")
+    text = exported.mlir_module()
+    return ExportResult(tokens, rows, scanned, len(text),
+                        text.count(f"stablehlo.custom_call @{target}("))
+
+
 def export_forward(cfg: ModelConfig, dtype: Any, platform: str, plan: InvariancePlan, *,
                    tokens: int, rows: int, page_size: int, block_size: int,
                    max_pages: int, num_pages: int) -> ExportResult:
@@ -80,15 +112,9 @@ def export_forward(cfg: ModelConfig, dtype: Any, platform: str, plan: Invariance
     from multiserve.model.families.forward import forward
     from multiserve.model.layers.forward_batch import ForwardBatch
     from multiserve.model.layers.kv_pool import KVPool
-    from multiserve.model.loading.param_layout import param_shapes
 
-    family = family_for(cfg)
     dt = jnp.dtype(dtype)
-    shapes = param_shapes(cfg)
-    canonical = jax.tree.map(lambda s: jax.ShapeDtypeStruct(tuple(s), dt), shapes,
-                             is_leaf=lambda s: isinstance(s, tuple))
-    sizes = tuple(t for t, _ in plan.attention.by_tokens)
-    params = jax.eval_shape(lambda p: family.compute_params(p, cfg, plan, sizes), canonical)
+    params = abstract_compute_params(cfg, dt, plan)
     pool_shape = (cfg.num_layers, cfg.num_kv_heads, num_pages * page_size, cfg.head_dim)
     pool = KVPool(k=jax.ShapeDtypeStruct(pool_shape, dt), v=jax.ShapeDtypeStruct(pool_shape, dt))
     i32 = np.int32
@@ -96,15 +122,5 @@ def export_forward(cfg: ModelConfig, dtype: Any, platform: str, plan: Invariance
         (tokens,), (tokens,), (tokens,), (tokens,), (rows, max_pages), (rows,), (rows,))))
     fn = jax.jit(partial(forward, cfg=cfg, page_size=page_size, attn_block_size=block_size,
                          plan=plan))
-    scanned = family.scans(plan, tokens)
-    try:
-        target = PALLAS_CALL_TARGET[platform]
-        exported = jax.export.export(
-            fn, platforms=[platform],
-            disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(target)],
-        )(_abstract(params), pool, batch)
-    except Exception as e:  # noqa: BLE001 (reported: the lowering's own message)
-        return ExportResult(tokens, rows, scanned, error=f"{type(e).__name__}: {e}")
-    text = exported.mlir_module()
-    return ExportResult(tokens, rows, scanned, len(text),
-                        text.count(f"stablehlo.custom_call @{target}("))
+    return export_for(fn, platform, tokens, rows, family_for(cfg).scans(plan, tokens),
+                      (params, pool, batch), {})
