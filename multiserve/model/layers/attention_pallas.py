@@ -43,7 +43,9 @@ Costs and limits:
   compute block; those keys lie past every length and are masked.
 - Numerics: q is scaled in float32 (1/sqrt(hd), as the XLA formulation does). The GPU kernel
   computes in the pool's dtype for q and its split partials (bfloat16 pool: q rounded to
-  bfloat16); the TPU kernel casts K/V to bfloat16 inside (a float32 pool loses precision).
+  bfloat16), and its products take the default precision of `pl.dot` (on a GPU, float32
+  operands may run as TF32: interpret mode on the CPU does not show that); the TPU kernel
+  casts K/V to bfloat16 inside (a float32 pool loses precision).
 """
 
 from __future__ import annotations
