@@ -30,12 +30,14 @@ Costs and limits:
   `ops.tpu.ragged_paged_attention`, takes cu_q_lens and K/V interleaved on the head axis; on
   jax 0.10.2 it fails in interpret mode and looks its block sizes up from the TPU at trace
   time, by token count, so it is neither testable here nor pinned). Decode rows pay nothing.
-- Layout: the pool is [L, KV, slots, hd] (kv_pool.py); the kernels want one layer as
-  [KV, P, page, hd]: that is the pool's layer slice, reshaped (no transpose). The slice of a
-  traced layer (the scanned decoder) is a dynamic slice: one layer of the pool is copied per
-  layer per step (the whole pool per step), where a kernel taking the layer as an operand
-  would read only the pages in use. A pool laid out [KV, L*P, page, hd] per platform would
-  avoid it (the layer folded into the page index); not done: the copy is the known cost.
+- Layout, THE MAIN COST: the pool is [L, KV, slots, hd] (kv_pool.py); the kernels want one
+  layer as [KV, P, page, hd]: the pool's layer slice, reshaped (no transpose). As a kernel
+  operand that slice (static in the unrolled decoder, dynamic in the scanned one) is a
+  copy: every layer copies its whole layer of the pool, so a step copies the whole pool
+  (K and V), used pages or not, where the kernels alone read only the pages in use. A pool
+  laid out KV-major per platform, [KV, L, slots, hd], viewed as [KV, L*P, page, hd] with
+  page ids offset by layer * P, would let the kernels read it in place; not done here (the
+  write, the XLA formulation's gathers and the pool's sharding assume the current layout).
 - TPU, head_dim not a multiple of 128 (64 for SmolLM2 and the 1B shape): q and the layer's
   pages are zero-padded to 128 (the kernel's lowering needs it), so the layer copy above
   is twice as large and the kernel reads twice the bytes per key.
