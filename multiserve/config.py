@@ -186,6 +186,12 @@ class EngineConfig:
     speculative_algorithm: str | None = None
     speculative_num_draft_tokens: int = 8
     speculative_max_step_tokens: int = 64
+    # Routing replay (SGLang's --enable-return-routed-experts): a MoE model's steps also
+    # return the top-k expert ids of every token in every MoE layer, so requests may ask
+    # for them (`return_routed_experts`). False: the step programs are those of an engine
+    # without the feature (same programs, same compile-cache keys) and such requests are
+    # refused. Ignored by dense models (which refuse the requests).
+    enable_return_routed_experts: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "device_indexes", tuple(self.device_indexes))

@@ -9,8 +9,9 @@ Supported, by the field each sets: `--model-path` (alias of --model: [model] pat
 `--served-model-name` ([model] served_model_name), `--tp-size` (devices per engine:
 without --config each engine gets that many consecutive devices; with one, each engine's
 device_indexes must hold that many), `--mem-fraction-static`, `--context-length`
-(max_context_len), `--max-running-requests`, `--chunked-prefill-size`, `--page-size` and
-`--dtype` (EngineConfig fields, for every engine, over the file's values).
+(max_context_len), `--max-running-requests`, `--chunked-prefill-size`, `--page-size`,
+`--dtype` and `--enable-return-routed-experts` (EngineConfig fields, for every engine,
+over the file's values).
 
 Invariants: a flag that is not given changes nothing; a flag we do not support is never
 silently ignored.
@@ -32,6 +33,7 @@ ENGINE_FLAGS: dict[str, str] = {
     "chunked_prefill_size": "chunked_prefill_size",
     "page_size": "page_size",
     "dtype": "dtype",
+    "enable_return_routed_experts": "enable_return_routed_experts",
 }
 # SGLang's dtype names -> ours
 DTYPES = {"auto": "auto", "float32": "float32", "float": "float32", "bfloat16": "bfloat16",
@@ -50,7 +52,7 @@ UNSUPPORTED: tuple[str, ...] = (
     "--disable-cuda-graph", "--speculative-draft-model-path", "--speculative-num-steps",
     "--speculative-eagle-topk", "--enable-dp-attention", "--max-prefill-tokens",
     "--is-embedding", "--enable-multimodal", "--json-model-override-args", "--device",
-    "--base-gpu-id", "--gpu-id-step", "--enable-return-routed-experts",
+    "--base-gpu-id", "--gpu-id-step",
 )
 
 
@@ -84,6 +86,10 @@ def add_sglang_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=int, default=None, help="SGLang: KV page size")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                    help="SGLang: the compute dtype (half = float16, float = float32)")
+    p.add_argument("--enable-return-routed-experts", action="store_const", const=True,
+                   default=None,
+                   help="SGLang: a MoE model's engines capture the experts every token was "
+                        "routed to, so /generate may ask for them (return_routed_experts)")
     for flag in UNSUPPORTED:
         p.add_argument(flag, nargs="?", action=_Unsupported, help=argparse.SUPPRESS)
 

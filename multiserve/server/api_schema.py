@@ -90,6 +90,21 @@ UNSET_FEATURE: dict[str, Any] = {
     "anyOf": [NULL, {"const": False}, {"type": "array", "items": NULL}],
     "description": "refused (400) when set"}
 
+# Routing replay on /generate (SGLang's fields): what a client reads in the document.
+ROUTED_EXPERTS_DOC: dict[str, str] = {
+    "return_routed_experts": (
+        "MoE routing replay: the final object (or chunk) of each sample carries "
+        "meta_info.routed_experts, base64 of little-endian int32 [prompt_tokens + "
+        "completion_tokens - 1 - routed_experts_start_len, num_hidden_layers, "
+        "num_experts_per_tok] (-1 in a dense layer's slots); aborted samples carry their "
+        "partial output's. 400 for a dense model, or when the server was not started with "
+        "--enable-return-routed-experts"),
+    "routed_experts_start_len": (
+        "the first position (of prompt + output) whose routing is returned; at most the "
+        "prompt's length (else 400)"),
+}
+
+
 class WeightVersion(BaseModel):
     weight_version: str | None
 
@@ -258,6 +273,9 @@ def _refiner(model_name: str, vocab: int) -> Any:
         for key in N.REFUSED_FEATURES:
             if key in body:
                 body[key] = UNSET_FEATURE
+        for key, text in ROUTED_EXPERTS_DOC.items():
+            if key in body:
+                body[key]["description"] = text
         _bound(SAMPLING_PARAMS_SCHEMA["properties"])
         _bound(body)
         for name in ("ChatCompletionRequest", "CompletionRequest"):

@@ -26,11 +26,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from multiserve.engine.routed_experts import RoutedExpertsTable
 from multiserve.types import (
     FinishReason,
     GenerateRequest,
     OutputDelta,
     RequestStatus,
+    RoutedExperts,
     SamplingParams,
     TokenLogprob,
     WeightSegment,
@@ -84,6 +86,13 @@ class Req:
     # why the engine itself ended this sample (e.g. its grammar rejected a token):
     # delivered as the output's `error` unless the finish path gives one
     error: str | None = None
+    # routing replay (engine/routed_experts.py): asked for, from which position; the ids
+    # of positions [0, len(routed_rows)) as of the last `keep_routing` (taken before the
+    # sample's pages go: at a retraction and at the finish); the finished delta's record
+    want_routed_experts: bool = False
+    routed_experts_start: int = 0
+    routed_rows: Any = None
+    routed_experts: RoutedExperts | None = None
 
     @classmethod
     def samples_of(cls, request: GenerateRequest, seed: int, sink: OutputSink) -> list[Req]:
@@ -91,13 +100,15 @@ class Req:
         1..n-1 follow sample 0 (`leader`), which prefills the shared prompt first."""
         p = request.sampling
         ids = list(request.input_ids)
+        routing = dict(want_routed_experts=request.return_routed_experts,
+                       routed_experts_start=request.routed_experts_start_len)
         leader = cls(rid=request.rid, index=0, prompt_ids=ids, params=p, seed=seed,
                      sink=sink, stream=request.stream,
-                     want_prompt_logprobs=request.return_prompt_logprobs)
+                     want_prompt_logprobs=request.return_prompt_logprobs, **routing)
         return [leader] + [
             cls(rid=request.rid, index=i, prompt_ids=ids, params=p, seed=seed, sink=sink,
                 stream=request.stream, want_prompt_logprobs=request.return_prompt_logprobs,
-                leader=leader) for i in range(1, p.n)]
+                leader=leader, **routing) for i in range(1, p.n)]
 
     @property
     def key(self) -> tuple[str, int]:
@@ -134,6 +145,22 @@ class Req:
         last = min(end, len(self.prompt_ids) - 1)
         return range(first, last + 1)
 
+    def keep_routing(self, table: RoutedExpertsTable | None) -> None:
+        """Copy this sample's routing out of `table` before its pages go (a retraction,
+        the finish): positions [0, len(fill_ids) - 1) as far as its pages hold their K/V.
+        A shorter copy (a sample retracted, then ended part-way into its recompute) never
+        replaces a longer one: the ids of a position are the same whoever computes them.
+        Once finished: its record, from `routed_experts_start`."""
+        if table is None or not self.want_routed_experts:
+            return
+        end = max(min(len(self.fill_ids) - 1, self.kv_len,
+                      len(self.pages) * table.page_size), 0)
+        if self.routed_rows is None or end >= len(self.routed_rows):
+            self.routed_rows = table.rows(self.pages, end)
+        if self.finished:
+            rows = self.routed_rows[:max(len(self.fill_ids) - 1, 0)]
+            self.routed_experts = table.encode(rows, min(self.routed_experts_start, len(rows)))
+
     def wants_more(self) -> bool:
         return not self.finished and self.num_generated < self.params.max_new_tokens
 
@@ -165,4 +192,5 @@ class Req:
             error=error if error is not None else self.error,
             spec_verify_ct=self.spec_verify_ct,
             spec_accepted_tokens=self.spec_accepted_tokens,
+            routed_experts=self.routed_experts if self.finished else None,
         )
