@@ -42,6 +42,7 @@ from typing import Protocol
 
 from multiserve.config import EngineConfig
 from multiserve.grammar.matcher_state import GrammarState
+from multiserve.engine.routed_experts import RoutedExpertsTable
 from multiserve.engine.sched.batch import BatchRow, ScheduledBatch
 from multiserve.engine.sched.page_allocator import PageAllocator, pages_needed
 from multiserve.engine.sched.prefix_cache import PrefixCache
@@ -89,6 +90,10 @@ class Scheduler:
         # speculative decoding (engine/spec/): which rows verify drafts, the step costs
         # that decide it, the speculation totals; `drafter` None: off
         self.planner = DraftPlanner(cfg, max_rows, max_context, drafter)
+        # routing replay (engine/routed_experts.py): set by the core of an engine that
+        # captures routed experts; each Req asking for them copies its rows out before its
+        # pages go (`finish`, `retract`)
+        self.routed_experts: RoutedExpertsTable | None = None
 
     # ---- queries -------------------------------------------------------------------
     def has_work(self) -> bool:
@@ -187,6 +192,7 @@ class Scheduler:
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         self.reqs.pop(req.key, None)
+        req.keep_routing(self.routed_experts)
         self.remove(req)
         self.planner.finished(req)
 
@@ -203,6 +209,7 @@ class Scheduler:
         original order."""
         for req in reversed(reqs):
             self.running.remove(req)
+            req.keep_routing(self.routed_experts)
             self.release_kv(req)
             req.status = RequestStatus.WAITING
             req.num_retractions += 1
