@@ -102,15 +102,15 @@ class EngineCore:
         self.allocator = PageAllocator(num_pages, cfg.page_size)
         self.cache = PrefixCache(self.allocator, cfg.page_size,
                                  enabled=not cfg.disable_prefix_cache)
-        self.scheduler = Scheduler(cfg, self.allocator, self.cache, max_context,
-                                   max(cfg.precompile_token_paddings),
-                                   max(cfg.precompile_bs_paddings),
-                                   drafter=Drafter() if cfg.speculative_algorithm else None)
         # routing replay: the expert ids by KV slot, recorded as each step is read back
         self.routed_experts = (RoutedExpertsTable(model_cfg, num_pages * cfg.page_size,
                                                   cfg.page_size)
                                if runner.routed_experts else None)
-        self.scheduler.routed_experts = self.routed_experts
+        self.scheduler = Scheduler(cfg, self.allocator, self.cache, max_context,
+                                   max(cfg.precompile_token_paddings),
+                                   max(cfg.precompile_bs_paddings),
+                                   drafter=Drafter() if cfg.speculative_algorithm else None,
+                                   routed_experts=self.routed_experts)
         self.in_flight: InFlightStep | None = None
         self.last_batch: ScheduledBatch | None = None
         self.pause_state = PauseState()

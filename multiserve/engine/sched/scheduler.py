@@ -73,7 +73,8 @@ class StepLogprobSource(Protocol):
 class Scheduler:
     def __init__(self, cfg: EngineConfig, allocator: PageAllocator, cache: PrefixCache,
                  max_context: int, max_tokens_per_step: int, max_rows: int,
-                 drafter: DraftSource | None = None) -> None:
+                 drafter: DraftSource | None = None,
+                 routed_experts: RoutedExpertsTable | None = None) -> None:
         self.cfg = cfg
         self.allocator = allocator
         self.cache = cache
@@ -90,10 +91,10 @@ class Scheduler:
         # speculative decoding (engine/spec/): which rows verify drafts, the step costs
         # that decide it, the speculation totals; `drafter` None: off
         self.planner = DraftPlanner(cfg, max_rows, max_context, drafter)
-        # routing replay (engine/routed_experts.py): set by the core of an engine that
-        # captures routed experts; each Req asking for them copies its rows out before its
-        # pages go (`finish`, `retract`)
-        self.routed_experts: RoutedExpertsTable | None = None
+        # routing replay (engine/routed_experts.py), an engine that captures routed
+        # experts: each Req asking for them copies its rows out before its pages go
+        # (`finish`, `retract`)
+        self.routed_experts = routed_experts
 
     # ---- queries -------------------------------------------------------------------
     def has_work(self) -> bool:
