@@ -40,6 +40,18 @@ def test_each_flag_sets_its_field_on_every_engine(command: str) -> None:
     assert default.engines[0].mem_fraction_static is None  # the default rule
 
 
+def test_enable_return_routed_experts_flag_and_config_key(tmp_path: Path) -> None:
+    """SGLang's --enable-return-routed-experts sets the option on every engine; the fleet
+    file's key is the EngineConfig field; not given, the engines do not capture."""
+    on = cfg_of("--config", str(CONFIGS / "cpu-4.toml"), "--enable-return-routed-experts")
+    assert [e.enable_return_routed_experts for e in on.engines] == [True] * 4
+    assert not any(e.enable_return_routed_experts for e in cfg_of("--engines", "2").engines)
+    path = tmp_path / "f.toml"
+    path.write_text('[fleet]\nplatform = "cpu"\n[engine]\nenable_return_routed_experts = '
+                    "true\n[[engines]]\ndevice_indexes = [0]\n")
+    assert load_fleet_config(path).engines[0].enable_return_routed_experts
+
+
 def test_model_path_is_models_alias(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     a = build_parser().parse_args(["serve", "--model-path", "m.gguf"])

@@ -23,6 +23,7 @@ from moe_checkpoints import make_model, save
 torch.set_num_threads(1)  # several busy threads on 2 shared cores slow torch 10x
 PROMPT = [17, 301, 45, 99, 250, 8, 400, 12, 77]
 LAYERS, TOP_K = 3, 2
+BUDGET = 512  # tokens: far more than those made between the interruption's requests
 
 
 def decode(meta: dict[str, Any]) -> np.ndarray:
@@ -112,9 +113,26 @@ def test_generate_returns_sglang_routed_experts(moe_url: str, hf_model: Any) -> 
             "input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}}).json()["meta_info"]
 
 
-def test_aborted_output_carries_its_rows(moe_url: str) -> None:
-    body = _body(stream=True, rid="routed-abort",
-                 sampling_params={"temperature": 0.0, "max_new_tokens": 64, "ignore_eos": True})
+def _abort_rid(c: httpx.Client) -> None:
+    assert c.post("/abort_request", json={"rid": "routed-abort"}).json()["success"]
+
+
+def _abort_all(c: httpx.Client) -> None:
+    assert c.post("/abort_request", json={"abort_all": True}).json()["success"]
+
+
+def _pause_abort(c: httpx.Client) -> None:  # continue, then pause in abort mode (SkyRL)
+    assert c.post("/continue_generation", json={}).status_code == 200
+    assert c.post("/pause_generation", json={"mode": "abort"}).status_code == 200
+
+
+@pytest.mark.parametrize("interrupt", [_abort_rid, _abort_all, _pause_abort],
+                         ids=["abort_rid", "abort_all", "pause_abort"])
+def test_aborted_output_carries_its_rows(moe_url: str, interrupt: Any) -> None:
+    """As tests/server/test_partial_rollouts.py: the partial output's rows, a prefix of the
+    uninterrupted request's."""
+    body = _body(stream=True, rid="routed-abort", sampling_params={
+        "temperature": 0.0, "max_new_tokens": BUDGET, "ignore_eos": True})
     with httpx.Client(base_url=moe_url, timeout=120) as h:
         full = h.post("/generate", json={**body, "stream": False, "rid": None}).json()
         last: dict[str, Any] = {}
@@ -129,13 +147,12 @@ def test_aborted_output_carries_its_rows(moe_url: str) -> None:
                     with httpx.Client(base_url=moe_url, timeout=120) as c:
                         assert c.post("/pause_generation",
                                       json={"mode": "in_place"}).status_code == 200
-                        assert c.post("/abort_request", json={"rid": "routed-abort"}).json()[
-                            "success"]
+                        interrupt(c)
                         assert c.post("/continue_generation", json={}).status_code == 200
     meta = last["meta_info"]
     assert meta["finish_reason"]["type"] == "abort"
     k = len(last["output_ids"])
-    assert 3 <= k < 64 and last["output_ids"] == full["output_ids"][:k]
+    assert 3 <= k < BUDGET and last["output_ids"] == full["output_ids"][:k]
     np.testing.assert_array_equal(decode(meta),
                                   decode(full["meta_info"])[:len(PROMPT) + k - 1])
 
