@@ -208,6 +208,29 @@ def test_abort_then_resubmit(routed_engine: Any, reference: dict, trigger: Trigg
     assert_idle_and_clean(routed_engine)
 
 
+def test_retracted_then_aborted_keeps_its_rows(routed_engine: Any, reference: dict,
+                                              trigger: Trigger) -> None:
+    """Aborted while waiting after a retraction (its pages freed): the rows it had."""
+    async def stop() -> Any:
+        await routed_engine.acontrol("pause_generation", mode="retract")
+        return await routed_engine.acontrol("abort_request", rid="r1")
+
+    hook = AtTokens(trigger, "r1", 3, stop)
+    runs = Runs(routed_engine, hook)
+    runs.submit(_prompts())
+    (res,) = hook.wait()
+    assert res.ok, res
+    assert routed_engine.continue_generation().ok
+    outs = runs.wait()
+    part = outs[("r1", 0)]
+    k = len(part.output_ids)
+    assert part.finish_reason == "abort" and 3 <= k < MAX_NEW
+    assert part.routed_experts.ids() == reference[("r1", 0)][2][:len(_prompts()[1]) + k - 1]
+    others = {key: v for key, v in _routing(outs).items() if key != ("r1", 0)}
+    assert others == {key: v for key, v in reference.items() if key != ("r1", 0)}
+    assert_idle_and_clean(routed_engine)
+
+
 @pytest.mark.parametrize("wrong", [False, True])
 def test_speculation_keeps_accepted_positions_only(routed_engine: Any, reference: dict,
                                                    wrong: bool) -> None:

@@ -91,6 +91,7 @@ class Req:
     # sample's pages go: at a retraction and at the finish); the finished delta's record
     want_routed_experts: bool = False
     routed_experts_start: int = 0
+    routed_read: int = 0  # positions [0, routed_read) of its pages: ids in the table
     routed_rows: Any = None
     routed_experts: RoutedExperts | None = None
 
@@ -147,13 +148,14 @@ class Req:
 
     def keep_routing(self, table: RoutedExpertsTable | None) -> None:
         """Copy this sample's routing out of `table` before its pages go (a retraction,
-        the finish): positions [0, len(fill_ids) - 1) as far as its pages hold their K/V.
+        the finish): positions [0, len(fill_ids) - 1) as far as their steps were read
+        back (`routed_read`: a prefill chunk still in flight has no ids yet).
         A shorter copy (a sample retracted, then ended part-way into its recompute) never
         replaces a longer one: the ids of a position are the same whoever computes them.
         Once finished: its record, from `routed_experts_start`."""
         if table is None or not self.want_routed_experts:
             return
-        end = max(min(len(self.fill_ids) - 1, self.kv_len,
+        end = max(min(len(self.fill_ids) - 1, self.routed_read,
                       len(self.pages) * table.page_size), 0)
         if self.routed_rows is None or end >= len(self.routed_rows):
             self.routed_rows = table.rows(self.pages, end)

@@ -143,6 +143,7 @@ class Scheduler:
         req.pages = []
         req.num_cached_pages = 0
         req.kv_len = 0
+        req.routed_read = 0
         req.prefill_target = 0
         if req in self._stale_kv:
             self._stale_kv.discard(req)
@@ -364,6 +365,7 @@ class Scheduler:
         req.pages = hit_pages + got
         req.num_cached_pages = len(hit_pages)
         req.kv_len = hit
+        req.routed_read = hit  # a cached page's ids: recorded by the step that made it
         req.prefill_target = total
         if not req.admitted_once:
             req.cached_tokens = hit
@@ -420,6 +422,9 @@ class Scheduler:
             if not req.finished and len(req.prompt_logprobs) == j:
                 assert logprobs is not None, "prompt rows always return logprobs"
                 req.prompt_logprobs.append(logprobs.prompt(i, req.prompt_ids[j], req.params))
+        for row in batch.rows:  # the table holds these rows' ids now (core._process)
+            if not row.req.finished:
+                row.req.routed_read = max(row.req.routed_read, row.end)
         deliver: list[Req] = []
         for b, row in enumerate(batch.rows):
             req = row.req
