@@ -23,6 +23,11 @@ from moe_checkpoints import make_model, save
 torch.set_num_threads(1)  # several busy threads on 2 shared cores slow torch 10x
 PROMPT = [17, 301, 45, 99, 250, 8, 400, 12, 77]
 LAYERS, TOP_K = 3, 2
+# the server tests' engine settings (tests/server/conftest.py ENGINE_KW)
+MOE_ENGINE_KW: dict[str, Any] = dict(
+    max_running_requests=64, precompile_bs_paddings=(64,), precompile_token_paddings=(64, 256),
+    chunked_prefill_size=256, max_total_tokens=16384, max_context_len=2048,
+    show_progress=False)
 BUDGET = 512  # tokens: far more than those made between the interruption's requests
 
 
@@ -56,15 +61,13 @@ def hf_model() -> Any:
 
 @pytest.fixture(scope="module")
 def moe_url(hf_model: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    from conftest import ENGINE_KW
-
     from multiserve.config import EngineConfig
     from multiserve.engine.engine import Engine
     from multiserve.server import ServerThread, TokenizerManager, build_app
 
     path = save(hf_model, tmp_path_factory.mktemp("moe-http"))
     eng = Engine(EngineConfig(model_path=str(path), enable_return_routed_experts=True,
-                              **ENGINE_KW))
+                              **MOE_ENGINE_KW))
     tm = TokenizerManager(eng.tokenizer_dir, eng.context_len, eng.model_name,
                           tokenizer=eng.tokenizer)
     thread = ServerThread(build_app(eng, tm)).start()
