@@ -15,6 +15,7 @@ Invariants:
 from __future__ import annotations
 
 import enum
+import struct
 from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol, get_args, runtime_checkable
@@ -238,8 +239,6 @@ class RoutedExperts:
 
     def ids(self) -> list[list[list[int]]]:
         """The ids as nested lists [rows][num_layers][top_k]."""
-        import struct
-
         flat = struct.unpack(f"<{len(self.data) // 4}i", self.data)
         k, per_row = self.top_k, self.num_layers * self.top_k
         return [[list(flat[r * per_row + j * k:r * per_row + (j + 1) * k])

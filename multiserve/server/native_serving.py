@@ -133,7 +133,8 @@ class NativeServing:
                            GenerateRequest(rid=r, input_ids=tuple(ids), sampling=sp,
                                            stream=body.stream,
                                            return_prompt_logprobs=prompt_lp,
-                                           return_routed_experts=body.return_routed_experts,
+                                           return_routed_experts=bool(
+                                               body.return_routed_experts),
                                            routed_experts_start_len=(
                                                body.routed_experts_start_len)),
                            on_done=self.on_done)

@@ -71,7 +71,7 @@ class GenerateRequestBody(_Request):
     return_hidden_states: Any = None
     # SGLang's routing replay: meta_info.routed_experts, base64 of int32
     # [prompt + output - 1 - routed_experts_start_len, layers, top_k] (types.RoutedExperts)
-    return_routed_experts: bool = False
+    return_routed_experts: bool | None = False  # null: not asked (as false)
     routed_experts_start_len: int = Field(default=0, ge=0)
     session_params: Any = None
     return_entropy: Any = None

@@ -111,9 +111,11 @@ def test_generate_returns_sglang_routed_experts(moe_url: str, hf_model: Any) -> 
         for o, prompt in zip(batch, [PROMPT, PROMPT, PROMPT[:5], PROMPT[:5]], strict=True):
             np.testing.assert_array_equal(decode(o["meta_info"]),
                                           hf_rows(hf_model, prompt + o["output_ids"][:-1]))
-        # without the field: no routing in the answer
-        assert "routed_experts" not in h.post("/generate", json={
-            "input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}}).json()["meta_info"]
+        # without the field (or null): no routing in the answer
+        for unset in ({}, {"return_routed_experts": None}):
+            assert "routed_experts" not in h.post("/generate", json={
+                "input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}, **unset}
+            ).json()["meta_info"]
 
 
 def _abort_rid(c: httpx.Client) -> None:
@@ -175,7 +177,7 @@ def test_bad_values_are_400s(moe_url: str, extra: dict[str, Any], param: str) ->
 def test_openapi_documents_the_fields(moe_url: str) -> None:
     doc = httpx.get(f"{moe_url}/openapi.json", timeout=60).json()["components"]["schemas"]
     body = doc["GenerateRequestBody"]["properties"]
-    assert body["return_routed_experts"]["type"] == "boolean"
+    assert {"type": "boolean"} in body["return_routed_experts"]["anyOf"]
     assert "--enable-return-routed-experts" in body["return_routed_experts"]["description"]
     assert body["routed_experts_start_len"]["minimum"] == 0
     assert "routed_experts" in doc["GenerateMetaInfo"]["properties"]
