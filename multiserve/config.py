@@ -113,8 +113,9 @@ class EngineConfig:
     the native bfloat16 kernels run), else float32; the embedded default model float32
     (engine/dtype_choice.py says which and why).
     KV pool size: `max_total_tokens` if given, else `mem_fraction_static` of the
-    device memory where the device reports it, else the bytes of `default_cpu_kv_tokens`
-    float32 tokens (a bfloat16 pool holds twice as many tokens).
+    device memory where the device reports it, else (CPU) the engine's share of
+    `host_kv_mem_fraction` of the host's memory, at most `host_kv_max_tokens` tokens
+    (engine/kv_sizing.py states the rule).
 
     Shape buckets: every step pads its token count to one of
     `precompile_token_paddings` (one compiled forward each) and its logits-row count to
@@ -132,9 +133,11 @@ class EngineConfig:
     page_size: int = 16
     max_total_tokens: int | None = None
     mem_fraction_static: float = 0.6
-    # the CPU pool's byte budget, in float32 tokens (~1.5 GB for SmolLM2-135M): 32768
-    # float32 tokens, 65536 bfloat16 tokens
-    default_cpu_kv_tokens: int = 32768
+    # CPU pools (the host reports no device memory): this fraction of the host's memory,
+    # split over the process's devices, at most `host_kv_max_tokens` tokens per engine
+    # (engine/kv_sizing.py)
+    host_kv_mem_fraction: float = 0.1
+    host_kv_max_tokens: int = 16384
     max_running_requests: int = 128
     # Admission bounds of the waiting queue (engine/sched/admission.py): samples, and KV tokens
     # the waiting samples will need (None: 32 x the KV pool). Beyond them: 429 / 503.
@@ -203,6 +206,10 @@ class EngineConfig:
         _require(self.max_total_tokens is None or self.max_total_tokens >= self.page_size * 4,
                  "max_total_tokens", "too small for even a few pages")
         _require(0.0 < self.mem_fraction_static < 1.0, "mem_fraction_static", "must be in (0, 1)")
+        _require(0.0 < self.host_kv_mem_fraction < 1.0, "host_kv_mem_fraction",
+                 "must be in (0, 1)")
+        _require(self.host_kv_max_tokens >= self.page_size * 4, "host_kv_max_tokens",
+                 "too small for even a few pages")
         _require(self.max_running_requests >= 1, "max_running_requests", "must be >= 1")
         _require(self.max_queued_requests >= 1, "max_queued_requests", "must be >= 1")
         _require(self.max_queued_tokens is None or self.max_queued_tokens >= 1,
