@@ -137,7 +137,7 @@ class EngineConfig:
     # split over the process's devices, at most `host_kv_max_tokens` tokens per engine
     # (engine/kv_sizing.py)
     host_kv_mem_fraction: float = 0.1
-    host_kv_max_tokens: int = 16384
+    host_kv_max_tokens: int = 32768
     max_running_requests: int = 128
     # Admission bounds of the waiting queue (engine/sched/admission.py): samples, and KV tokens
     # the waiting samples will need (None: 32 x the KV pool). Beyond them: 429 / 503.

@@ -6,6 +6,9 @@
   and fused matrices);
 - the KV pool: its bytes, the tokens it serves (page 0, the padding sink, counted apart),
   bytes per token, and how its size was chosen (engine/kv_sizing.py);
+- every live device array on the engine's devices (`device_arrays_bytes`), and the part
+  that is neither weights nor KV (`other_arrays_bytes`: the sampler's per-row-count zero
+  buffers, step inputs and outputs in flight);
 - the compiled step programs: how many executables (a sampler shared by several row
   buckets counted once), and what XLA's memory analysis says of them: the scratch
   (`temp`) each needs while it runs, and the generated code's size where the backend
@@ -20,7 +23,7 @@ executable (they never change), so polling costs no XLA call after the first.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -43,6 +46,13 @@ def array_bytes(tree: Any) -> int:
         if isinstance(leaf, jax.Array):
             seen[id(leaf)] = leaf.nbytes
     return sum(seen.values())
+
+
+def device_arrays_bytes(devices: Sequence[Any]) -> int:
+    """Bytes of the live arrays of this process that lie on `devices` only."""
+    mine = set(devices)
+    return sum(a.nbytes for a in jax.live_arrays() if not a.is_deleted()
+               and a.devices() <= mine)
 
 
 def executables(runner: Runner) -> Iterator[Any]:
@@ -90,6 +100,7 @@ def memory_report(runner: Runner, pool: PoolSize | None) -> dict[str, Any]:
     params = array_bytes(runner.params)
     weights = array_bytes((runner.params, runner.compute_params))
     kv = array_bytes(runner.kv)
+    on_devices = device_arrays_bytes(runner.devices)
     released = [name for name, held in (("weights", runner.params is not None),
                                         ("kv_cache", runner.kv is not None)) if not held]
     return {
@@ -100,6 +111,8 @@ def memory_report(runner: Runner, pool: PoolSize | None) -> dict[str, Any]:
         "kv_pool_tokens": (runner.num_pages - 1) * page,  # page 0 excluded (padding sink)
         "kv_pool_padding_tokens": page,
         "kv_bytes_per_token": per_token,
+        "device_arrays_bytes": on_devices,
+        "other_arrays_bytes": max(0, on_devices - weights - kv),
         "kv_pool_rule": pool.rule if pool is not None else None,
         "kv_pool_budget_bytes": pool.budget_bytes if pool is not None else None,
         "programs": programs_report(runner),
