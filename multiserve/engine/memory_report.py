@@ -39,20 +39,27 @@ if TYPE_CHECKING:
 _ANALYSES: weakref.WeakKeyDictionary[Any, tuple[int, int]] = weakref.WeakKeyDictionary()
 
 
+def _buffers(arrays: Iterator[Any]) -> dict[tuple[Any, int], int]:
+    """(device, buffer address) -> bytes of every device buffer behind `arrays`: a buffer
+    behind several arrays (jax may hand out more than one wrapper of a buffer) counts once."""
+    out: dict[tuple[Any, int], int] = {}
+    for a in arrays:
+        if isinstance(a, jax.Array) and not a.is_deleted():
+            for shard in a.addressable_shards:
+                out[(shard.device, shard.data.unsafe_buffer_pointer())] = shard.data.nbytes
+    return out
+
+
 def array_bytes(tree: Any) -> int:
-    """Bytes of the distinct device arrays in `tree` (an array reached twice counts once)."""
-    seen: dict[int, int] = {}
-    for leaf in jax.tree.leaves(tree):
-        if isinstance(leaf, jax.Array):
-            seen[id(leaf)] = leaf.nbytes
-    return sum(seen.values())
+    """Bytes of the distinct device buffers of the arrays in `tree`, over every device."""
+    return sum(_buffers(iter(jax.tree.leaves(tree))).values())
 
 
 def device_arrays_bytes(devices: Sequence[Any]) -> int:
-    """Bytes of the live arrays of this process that lie on `devices` only."""
+    """Bytes of the distinct live device buffers of this process on `devices`."""
     mine = set(devices)
-    return sum(a.nbytes for a in jax.live_arrays() if not a.is_deleted()
-               and a.devices() <= mine)
+    return sum(n for (device, _), n in _buffers(iter(jax.live_arrays())).items()
+               if device in mine)
 
 
 def executables(runner: Runner) -> Iterator[Any]:
