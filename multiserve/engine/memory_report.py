@@ -6,9 +6,6 @@
   and fused matrices);
 - the KV pool: its bytes, the tokens it serves (page 0, the padding sink, counted apart),
   bytes per token, and how its size was chosen (engine/kv_sizing.py);
-- every live device array on the engine's devices (`device_arrays_bytes`), and the part
-  that is neither weights nor KV (`other_arrays_bytes`: the sampler's per-row-count zero
-  buffers, step inputs and outputs in flight);
 - the compiled step programs: how many executables (a sampler shared by several row
   buckets counted once), and what XLA's memory analysis says of them: the scratch
   (`temp`) each needs while it runs, and the generated code's size where the backend
@@ -22,8 +19,9 @@ executable (they never change), so polling costs no XLA call after the first.
 
 from __future__ import annotations
 
+import math
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -39,27 +37,17 @@ if TYPE_CHECKING:
 _ANALYSES: weakref.WeakKeyDictionary[Any, tuple[int, int]] = weakref.WeakKeyDictionary()
 
 
-def _buffers(arrays: Iterator[Any]) -> dict[tuple[Any, int], int]:
-    """(device, buffer address) -> bytes of every device buffer behind `arrays`: a buffer
-    behind several arrays (jax may hand out more than one wrapper of a buffer) counts once."""
-    out: dict[tuple[Any, int], int] = {}
-    for a in arrays:
-        if isinstance(a, jax.Array) and not a.is_deleted():
-            for shard in a.addressable_shards:
-                out[(shard.device, shard.data.unsafe_buffer_pointer())] = shard.data.nbytes
-    return out
-
-
 def array_bytes(tree: Any) -> int:
-    """Bytes of the distinct device buffers of the arrays in `tree`, over every device."""
-    return sum(_buffers(iter(jax.tree.leaves(tree))).values())
-
-
-def device_arrays_bytes(devices: Sequence[Any]) -> int:
-    """Bytes of the distinct live device buffers of this process on `devices`."""
-    mine = set(devices)
-    return sum(n for (device, _), n in _buffers(iter(jax.live_arrays())).items()
-               if device in mine)
+    """Bytes of the distinct device arrays in `tree` (an array reached twice counts once;
+    a multi-device array counts its shard on each of its devices). Reads only the arrays'
+    metadata: asking for a buffer's address or shards would make jax create (and keep)
+    more array objects, which tests that count live arrays would see."""
+    seen: dict[int, int] = {}
+    for a in jax.tree.leaves(tree):
+        if isinstance(a, jax.Array) and not a.is_deleted():
+            shard = math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize
+            seen[id(a)] = shard * len(a.sharding.device_set)
+    return sum(seen.values())
 
 
 def executables(runner: Runner) -> Iterator[Any]:
@@ -107,7 +95,6 @@ def memory_report(runner: Runner, pool: PoolSize | None) -> dict[str, Any]:
     params = array_bytes(runner.params)
     weights = array_bytes((runner.params, runner.compute_params))
     kv = array_bytes(runner.kv)
-    on_devices = device_arrays_bytes(runner.devices)
     released = [name for name, held in (("weights", runner.params is not None),
                                         ("kv_cache", runner.kv is not None)) if not held]
     return {
@@ -118,8 +105,6 @@ def memory_report(runner: Runner, pool: PoolSize | None) -> dict[str, Any]:
         "kv_pool_tokens": (runner.num_pages - 1) * page,  # page 0 excluded (padding sink)
         "kv_pool_padding_tokens": page,
         "kv_bytes_per_token": per_token,
-        "device_arrays_bytes": on_devices,
-        "other_arrays_bytes": max(0, on_devices - weights - kv),
         "kv_pool_rule": pool.rule if pool is not None else None,
         "kv_pool_budget_bytes": pool.budget_bytes if pool is not None else None,
         "programs": programs_report(runner),

@@ -98,15 +98,13 @@ OPT_INT = {"anyOf": [INT, NULL]}
 ENGINE_MEMORY_SCHEMA: dict[str, Any] = {
     "type": "object", "description": "what the engine holds: weights (params and the extra "
     "copies its kernels run on), the KV pool (bytes = (kv_pool_tokens + "
-    "kv_pool_padding_tokens) x kv_bytes_per_token; how its size was chosen), every live "
-    "array on its devices (other_arrays_bytes: neither weights nor KV), the compiled "
+    "kv_pool_padding_tokens) x kv_bytes_per_token; how its size was chosen), the compiled "
     "step programs (count; XLA's scratch per program; generated code bytes, null where the "
     "backend does not report them); released parts count 0",
     "properties": {
         **{k: INT for k in ("weights_bytes", "weights_params_bytes", "weights_copies_bytes",
                             "kv_pool_bytes", "kv_pool_tokens", "kv_pool_padding_tokens",
-                            "kv_bytes_per_token", "device_arrays_bytes",
-                            "other_arrays_bytes")},
+                            "kv_bytes_per_token")},
         "kv_pool_rule": {"anyOf": [{"type": "string", "enum": ["explicit", "device memory",
                                                                "host memory"]}, NULL]},
         "kv_pool_budget_bytes": OPT_INT,
