@@ -123,8 +123,9 @@ class EngineConfig:
     row-invariant at every size (model/invariance/primitives.py, model/layers/attention.py), so small buckets
     cost no determinism: a lone decode runs a 1-token, 1-row step.
     A decode step of b tokens and b logits rows, b in `fused_step_paddings` (None: every
-    size in both lists), runs as ONE compiled program (forward, head and sampler), checked
-    bitwise against the two programs before it is used (engine/device/model_runner.py).
+    size in both lists) and b <= `fused_step_max` (None: any), runs as ONE compiled
+    program (forward, head and sampler), checked bitwise against the two programs before
+    it is used (engine/device/model_runner.py).
     """
 
     model_path: str | None = None
@@ -150,6 +151,9 @@ class EngineConfig:
     # sizes b whose b-token, b-row steps run as one fused program; None: every size in both
     # paddings lists; (): none (every step runs a forward program and a head program)
     fused_step_paddings: tuple[int, ...] | None = None
+    # only sizes up to this one are fused, whichever list they come from (None: no bound):
+    # a bound stays valid when the paddings lists change, where an explicit list may not
+    fused_step_max: int | None = None
     attention_block_size: int = 128
     # how a MoE model's experts are split over the engine's device group: "tensor" (each
     # expert's intermediate dim) or "expert" (the experts); ignored by dense models
@@ -230,6 +234,8 @@ class EngineConfig:
                  "fused_step_paddings",
                  f"each size must be in both precompile_token_paddings and "
                  f"precompile_bs_paddings (sizes in both: {list(both)})")
+        _require(self.fused_step_max is None or self.fused_step_max >= 1, "fused_step_max",
+                 "must be >= 1 (or unset: no bound)")
         _require(self.chunked_prefill_size >= 1, "chunked_prefill_size", "must be >= 1")
         _require(self.attention_block_size % self.page_size == 0
                  or self.page_size % self.attention_block_size == 0,
@@ -249,10 +255,12 @@ class EngineConfig:
     @property
     def fused_step_sizes(self) -> tuple[int, ...]:
         """The sizes whose decode steps run one fused program (`fused_step_paddings`
-        resolved: None is every size in both paddings lists)."""
-        if self.fused_step_paddings is not None:
-            return self.fused_step_paddings
-        return self._paddings_in_both()
+        resolved: None is every size in both paddings lists), up to `fused_step_max`."""
+        sizes = (self.fused_step_paddings if self.fused_step_paddings is not None
+                 else self._paddings_in_both())
+        if self.fused_step_max is not None:
+            return tuple(b for b in sizes if b <= self.fused_step_max)
+        return sizes
 
     def _paddings_in_both(self) -> tuple[int, ...]:
         return tuple(sorted(set(self.precompile_token_paddings)
