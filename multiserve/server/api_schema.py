@@ -93,8 +93,16 @@ class WeightVersion(BaseModel):
     weight_version: str | None
 
 
-# What one engine holds (engine/memory_report.py), bytes of its whole device group.
-OPT_INT = {"anyOf": [INT, NULL]}
+# What one engine holds (engine/memory_report.py), bytes of its whole device group. Each
+# property gets its own schema dict (the shared INT / NULL may gain bounds elsewhere).
+def _int() -> dict[str, Any]:
+    return {"type": "integer", "minimum": 0}
+
+
+def _opt_int() -> dict[str, Any]:
+    return {"anyOf": [_int(), {"type": "null"}]}
+
+
 ENGINE_MEMORY_SCHEMA: dict[str, Any] = {
     "type": "object", "description": "what the engine holds: weights (params and the extra "
     "copies its kernels run on), the KV pool (bytes = (kv_pool_tokens + "
@@ -102,15 +110,16 @@ ENGINE_MEMORY_SCHEMA: dict[str, Any] = {
     "step programs (count; XLA's scratch per program; generated code bytes, null where the "
     "backend does not report them); released parts count 0",
     "properties": {
-        **{k: INT for k in ("weights_bytes", "weights_params_bytes", "weights_copies_bytes",
-                            "kv_pool_bytes", "kv_pool_tokens", "kv_pool_padding_tokens",
-                            "kv_bytes_per_token")},
+        **{k: _int() for k in ("weights_bytes", "weights_params_bytes",
+                               "weights_copies_bytes", "kv_pool_bytes", "kv_pool_tokens",
+                               "kv_pool_padding_tokens", "kv_bytes_per_token")},
         "kv_pool_rule": {"anyOf": [{"type": "string", "enum": ["explicit", "device memory",
-                                                               "host memory"]}, NULL]},
-        "kv_pool_budget_bytes": OPT_INT,
+                                                               "host memory"]},
+                                   {"type": "null"}]},
+        "kv_pool_budget_bytes": _opt_int(),
         "programs": {"type": "object", "properties": {
-            "count": INT, "generated_code_bytes": OPT_INT, "temp_bytes_max": INT,
-            "temp_bytes_total": INT}, "required": ["count"]},
+            "count": _int(), "generated_code_bytes": _opt_int(), "temp_bytes_max": _int(),
+            "temp_bytes_total": _int()}, "required": ["count"]},
         "released": {"type": "array", "items": {"type": "string"}}},
     "required": ["weights_bytes", "kv_pool_bytes", "kv_pool_tokens", "kv_bytes_per_token",
                  "programs"]}
@@ -118,7 +127,7 @@ ENGINE_MEMORY_SCHEMA: dict[str, Any] = {
 PROCESS_MEMORY_SCHEMA: dict[str, Any] = {
     "type": "object", "description": "the serving process's resident memory (all its "
     "engines): VmRSS and VmHWM; rss_bytes null where the OS does not report it",
-    "properties": {"rss_bytes": OPT_INT, "peak_rss_bytes": OPT_INT}}
+    "properties": {"rss_bytes": _opt_int(), "peak_rss_bytes": _opt_int()}}
 
 # The engine's internal state (Engine.get_internal_state): the keys clients act on; the
 # answer carries more (queue sizes, KV accounting, counters).
