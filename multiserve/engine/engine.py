@@ -219,7 +219,8 @@ class Engine:
             case FlushCache():
                 return core.flush()
             case GetInternalState():
-                return {**internal_state(core), "tp_size": len(self.devices)}
+                return {**internal_state(core, self._parts.kv_pool),
+                        "tp_size": len(self.devices)}
             case Prime(kind, size):
                 return core.runner.programs.prime(kind, size)
             case CheckIntegrity():
