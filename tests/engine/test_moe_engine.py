@@ -19,10 +19,10 @@ from engine_helpers import (
     TINY_ENGINE,
     AtTokens,
     Collector,
-    DraftsAlwaysPay,
     Oracle,
     Trigger,
     assert_idle_and_clean,
+    drafting,
     ids_and_logprobs,
 )
 from moe_checkpoints import make_model, save
@@ -81,13 +81,6 @@ def reference(moe_engine: Any) -> dict:
     return _run(moe_engine)
 
 
-@pytest.fixture
-def trigger() -> Iterator[Trigger]:
-    t = Trigger()
-    yield t
-    t.close()
-
-
 def test_moe_engine_batch_equals_alone_and_survives_pauses(moe_engine: Any, reference: dict,
                                                            trigger: Trigger) -> None:
     prompts = _prompts()
@@ -114,24 +107,9 @@ def test_moe_speculation_gives_the_outputs_without_it(moe_engine: Any, reference
                                                       wrong: bool) -> None:
     """Verify rows through the routed experts: drafts always right or always wrong, the
     same ids and logprobs as without speculation."""
-    from multiserve.engine.commands import Call
-
     oracle = Oracle({k: ids for k, (ids, _) in reference.items()}, wrong=wrong, vocab=500)
-
-    def swap(drafter: Any, costs: Any) -> Any:
-        def run(core: Any) -> Any:
-            planner = core.scheduler.planner
-            old = planner.step_costs
-            planner.set_source(drafter)
-            planner.step_costs = costs
-            return old
-        return moe_engine.call(Call(run)).result()
-
-    costs = swap(oracle, DraftsAlwaysPay())  # every draft verified, whatever the timings
-    try:
+    with drafting(moe_engine, oracle):
         assert _run(moe_engine) == reference
-    finally:
-        swap(None, costs)
     state = moe_engine.get_internal_state()
     assert state["spec_verify_ct"] > 0 and oracle.proposed > 0
     assert_idle_and_clean(moe_engine)

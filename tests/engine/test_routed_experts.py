@@ -22,13 +22,13 @@ import torch
 from engine_helpers import (
     TINY_ENGINE,
     AtTokens,
-    DraftsAlwaysPay,
     Oracle,
     Trigger,
     assert_idle_and_clean,
+    drafting,
     held,
 )
-from moe_checkpoints import make_model, save
+from moe_checkpoints import hf_router_topk, make_model, save
 
 from multiserve.config import EngineConfig
 from multiserve.engine.streams import assembling
@@ -90,16 +90,7 @@ def _routing(outs: dict[Key, RequestOutput]) -> dict[Key, tuple]:
 
 def hf_rows(model: Any, tokens: list[int], num_layers: int) -> list[list[list[int]]]:
     """Transformers' router top-k of every token, every layer ([-1, -1] in a dense one)."""
-    got: dict[int, np.ndarray] = {}
-    hooks = [layer.mlp.gate.register_forward_hook(
-        lambda _m, _i, out, i=i: got.__setitem__(i, out[2].reshape(len(tokens), -1).numpy()))
-        for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "gate")]
-    try:
-        with torch.no_grad():
-            model(torch.tensor([tokens]))
-    finally:
-        for h in hooks:
-            h.remove()
+    got = hf_router_topk(model, tokens)
     return [[got[i][t].tolist() if i in got else [-1, -1] for i in range(num_layers)]
             for t in range(len(tokens))]
 
@@ -133,13 +124,6 @@ def reference(routed_engine: Any) -> dict[Key, tuple]:
         ((_, o),) = runs.wait().items()
         out[(f"r{i}", 0)] = (o.output_ids, o.routed_experts.start, o.routed_experts.ids())
     return out
-
-
-@pytest.fixture
-def trigger() -> Iterator[Trigger]:
-    t = Trigger()
-    yield t
-    t.close()
 
 
 def test_alone_matches_transformers_router(routed_engine: Any, reference: dict,
@@ -234,27 +218,12 @@ def test_retracted_then_aborted_keeps_its_rows(routed_engine: Any, reference: di
 @pytest.mark.parametrize("wrong", [False, True])
 def test_speculation_keeps_accepted_positions_only(routed_engine: Any, reference: dict,
                                                    wrong: bool) -> None:
-    from multiserve.engine.commands import Call
-
     oracle = Oracle({k: ids for k, (ids, _, _) in reference.items()}, wrong=wrong, vocab=500)
-
-    def swap(drafter: Any, costs: Any) -> Any:
-        def run(core: Any) -> Any:
-            planner = core.scheduler.planner
-            old = planner.step_costs
-            planner.set_source(drafter)
-            planner.step_costs = costs
-            return old
-        return routed_engine.call(Call(run)).result()
-
     before = routed_engine.get_internal_state()["spec_verify_ct"]
-    costs = swap(oracle, DraftsAlwaysPay())
-    try:
+    with drafting(routed_engine, oracle):
         runs = Runs(routed_engine)
         runs.submit(_prompts())
         assert _routing(runs.wait()) == reference
-    finally:
-        swap(None, costs)
     assert routed_engine.get_internal_state()["spec_verify_ct"] > before
     assert oracle.proposed > 0
     assert_idle_and_clean(routed_engine)

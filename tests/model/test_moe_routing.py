@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from model_helpers import TINY_LLAMA
-from moe_checkpoints import ARCHS, make_model, save
+from moe_checkpoints import ARCHS, hf_router_topk, make_model, save
 
 from multiserve.model.families import family_for
 from multiserve.model.families.forward import forward, forward_routed
@@ -31,17 +31,8 @@ def hf_routing(model: Any, tokens: list[int]) -> np.ndarray:
     """[len(tokens), MoE layers, k]: the expert ids each MoE layer's router of the
     transformers model chose (a hook on every `mlp.gate`: its third output, the top-k
     indices, in the router's rank order)."""
-    got: list[np.ndarray] = []
-    hooks = [m.mlp.gate.register_forward_hook(
-        lambda _mod, _inp, out: got.append(out[2].reshape(len(tokens), -1).numpy()))
-        for m in model.model.layers if hasattr(m.mlp, "gate")]
-    try:
-        with torch.no_grad():
-            model(torch.tensor([tokens]))
-    finally:
-        for h in hooks:
-            h.remove()
-    return np.stack(got, axis=1).astype(np.int32)
+    got = hf_router_topk(model, tokens)
+    return np.stack([got[i] for i in sorted(got)], axis=1).astype(np.int32)
 
 
 def run_chunks(fn: Any, params: Any, cfg: Any, plan: Any, tokens: list[int],
