@@ -18,7 +18,8 @@ import httpx
 import numpy as np
 import pytest
 import torch
-from moe_checkpoints import make_model, save
+from loopback_server import engine_server
+from moe_checkpoints import hf_router_topk, make_model, save
 
 torch.set_num_threads(1)  # several busy threads on 2 shared cores slow torch 10x
 PROMPT = [17, 301, 45, 99, 250, 8, 400, 12, 77]
@@ -38,16 +39,7 @@ def decode(meta: dict[str, Any]) -> np.ndarray:
 
 
 def hf_rows(model: Any, tokens: list[int]) -> np.ndarray:
-    got: dict[int, np.ndarray] = {}
-    hooks = [layer.mlp.gate.register_forward_hook(
-        lambda _m, _i, out, i=i: got.__setitem__(i, out[2].reshape(len(tokens), -1).numpy()))
-        for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "gate")]
-    try:
-        with torch.no_grad():
-            model(torch.tensor([tokens]))
-    finally:
-        for h in hooks:
-            h.remove()
+    got = hf_router_topk(model, tokens)
     rows = np.full((len(tokens), LAYERS, TOP_K), -1, np.int32)
     for i, ids in got.items():
         rows[:, i] = ids
@@ -63,16 +55,12 @@ def hf_model() -> Any:
 def moe_url(hf_model: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     from multiserve.config import EngineConfig
     from multiserve.engine.engine import Engine
-    from multiserve.server import ServerThread, TokenizerManager, build_app
 
     path = save(hf_model, tmp_path_factory.mktemp("moe-http"))
     eng = Engine(EngineConfig(model_path=str(path), enable_return_routed_experts=True,
                               **MOE_ENGINE_KW))
-    tm = TokenizerManager(eng.tokenizer_dir, eng.context_len, eng.model_name,
-                          tokenizer=eng.tokenizer)
-    thread = ServerThread(build_app(eng, tm)).start()
-    yield thread.url
-    thread.stop()
+    with engine_server(eng) as url:
+        yield url
     eng.shutdown()
 
 
