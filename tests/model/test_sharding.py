@@ -35,10 +35,10 @@ _PLANS: dict[str, InvariancePlan] = {}
 
 
 def plan_for(cfg: ModelConfig) -> InvariancePlan:
-    """A calibrated plan for exactly the sizes these steps run (T tokens, T rows), shared
-    by the single-device and the sharded forward: what is compared is the sharding, and
-    any verified plan computes the same function; probing a default engine's ten token
-    sizes (PagedSim's default) cost this file most of its time."""
+    """A calibrated plan for exactly the sizes these steps run (T tokens, T rows). Both
+    forwards of a comparison run this one plan, so what differs between them is only the
+    sharding; probing a default engine's ten token sizes as well (PagedSim's default
+    plan) was most of this file's time."""
     key = repr(cfg)
     if key not in _PLANS:
         workload = workload_for(cfg, (T,), (T,), T, 4, 16, np.float32, engine_defaults=False)
