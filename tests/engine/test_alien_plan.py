@@ -28,13 +28,8 @@ from multiserve.model.invariance.workload import workload_for
 from multiserve.model.kernels import native as native_kernels
 from multiserve.types import SamplingParams
 
-# Step sizes on both sides of the alien boundary (products below 16 rows, 1- and 2-row
-# attention chunks) and no more: each token size adds a forward program and, per product,
-# a probe compile for every candidate row count up to the largest size (with a 64-token
-# bucket the two engines' set-ups compiled 388 programs, without it 311). Prefills run in
-# 16-token chunks, so a batch's prompts also meet in mixed prefill + decode steps.
-ENGINE = dict(precompile_token_paddings=(1, 4, 16), precompile_bs_paddings=(1, 4, 16),
-              max_running_requests=16, chunked_prefill_size=16, page_size=8,
+ENGINE = dict(precompile_token_paddings=(1, 4, 16, 64), precompile_bs_paddings=(1, 4, 16),
+              max_running_requests=16, chunked_prefill_size=64, page_size=8,
               max_total_tokens=4096, max_context_len=512, show_progress=False,
               compile_in_background=False)
 
