@@ -157,12 +157,37 @@ def test_moe_weight_updates_change_outputs_and_restore_bitwise(
     assert_idle_and_clean(moe_engine)
 
 
+def two_device_plan(moe_dir: Path, moe_sharding: str) -> Any:
+    """The 2-device engine's plan calibrated for exactly its own step sizes (TINY_ENGINE's
+    buckets; `engine_defaults=False`), its products and grouped products probed as
+    2-device shards: what the engine would calibrate itself, less a default engine's
+    other sizes (ten token sizes, each a sharded probe compile per candidate row count),
+    which these steps never run."""
+    from multiserve.model.invariance.calibration import calibrate
+    from multiserve.model.invariance.workload import workload_for
+    from multiserve.model.loading.loader import load_model
+
+    cfg = load_model(str(moe_dir), "float32").config
+    workload = workload_for(cfg, TINY_ENGINE["precompile_token_paddings"],
+                            TINY_ENGINE["precompile_bs_paddings"],
+                            max(TINY_ENGINE["precompile_bs_paddings"]),
+                            TINY_ENGINE["page_size"], EngineConfig().attention_block_size,
+                            np.float32, tp=2, moe_sharding=moe_sharding,
+                            engine_defaults=False)
+    assert all(u.sharded for u in (*workload.products, *workload.grouped))
+    plan = calibrate(workload, jax.devices()[0]).plan
+    assert plan.verified
+    return plan
+
+
 @pytest.mark.parametrize("moe_sharding", ["tensor", "expert"])
 def test_moe_two_device_engine_matches_one_device(moe_dir: Path, reference: dict,
                                                   moe_sharding: str) -> None:
     if jax.device_count() < 2:
         pytest.skip("needs 2 devices (XLA_FLAGS from tests/conftest.py)")
-    for eng in _engine(moe_dir, device_indexes=(0, 1), moe_sharding=moe_sharding):
+    plan = two_device_plan(moe_dir, moe_sharding)
+    for eng in _engine(moe_dir, device_indexes=(0, 1), moe_sharding=moe_sharding,
+                       invariance_plan=plan):
         runner = eng._core.runner  # noqa: SLF001 - where the experts live
         we = runner.params["moe"]["we_gate"]
         assert {d.id for d in we.sharding.device_set} == {0, 1}
