@@ -141,6 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--tp", type=int, default=1, help="devices per engine")
     d.add_argument("--reprobe", action="store_true", help="probe again, ignore the cache")
     d.add_argument("--json", action="store_true", help="the plan and table as JSON")
+    d.add_argument("--target", choices=("cuda", "tpu"), default=None,
+                   help="lower the model forward for this accelerator with jax.export, "
+                   "without one, and print the kernels it would start from")
     d.set_defaults(func=_cmd_doctor)
     D = BENCH_DEFAULTS  # every flag's default: a field of BenchOptions (bench/options.py)
     b = sub.add_parser("bench", help="offline throughput on the default model")

@@ -114,12 +114,12 @@ class EngineConfig:
     `dtype="auto"`: the checkpoint's dtype where it runs well (bfloat16 on a CPU only where
     the native bfloat16 kernels run), else float32; the embedded default model float32
     (engine/dtype_choice.py says which and why).
-    KV pool size: `max_total_tokens` if given, else a share of memory less the weights:
-    `mem_fraction_static` (SGLang's flag; None: DEFAULT_MEM_FRACTION) of the device memory
-    where the device reports it; on a device that does not (the host CPU), a given
-    `mem_fraction_static` of the host's memory, at most what `max_running_requests`
-    full contexts need, and without one the bytes of `default_cpu_kv_tokens` float32
-    tokens (a bfloat16 pool holds twice as many tokens).
+    KV pool size: `max_total_tokens` if given, else `mem_fraction_static` (SGLang's
+    flag; None: DEFAULT_MEM_FRACTION) of the device memory where the device reports it,
+    else (CPU) the engine's share of the host's memory: `host_kv_mem_fraction` of it, at
+    most `host_kv_max_tokens` tokens, or, where `mem_fraction_static` is given, that share
+    of it less the weights, at most what `max_running_requests` full contexts need
+    (engine/kv_sizing.py states the rule).
 
     Shape buckets: every step pads its token count to one of
     `precompile_token_paddings` (one compiled forward each) and its logits-row count to
@@ -127,8 +127,9 @@ class EngineConfig:
     row-invariant at every size (model/invariance/primitives.py, model/layers/attention.py), so small buckets
     cost no determinism: a lone decode runs a 1-token, 1-row step.
     A decode step of b tokens and b logits rows, b in `fused_step_paddings` (None: every
-    size in both lists), runs as ONE compiled program (forward, head and sampler), checked
-    bitwise against the two programs before it is used (engine/device/step_programs.py).
+    size in both lists) and b <= `fused_step_max` (None: any), runs as ONE compiled
+    program (forward, head and sampler), checked bitwise against the two programs before
+    it is used (engine/device/step_programs.py).
     """
 
     model_path: str | None = None
@@ -137,9 +138,11 @@ class EngineConfig:
     page_size: int = 16
     max_total_tokens: int | None = None
     mem_fraction_static: float | None = None
-    # the CPU pool's byte budget, in float32 tokens (~1.5 GB for SmolLM2-135M): 32768
-    # float32 tokens, 65536 bfloat16 tokens
-    default_cpu_kv_tokens: int = 32768
+    # CPU pools (the host reports no device memory): this fraction of the host's memory,
+    # split over the process's devices, at most `host_kv_max_tokens` tokens per engine
+    # (engine/kv_sizing.py)
+    host_kv_mem_fraction: float = 0.1
+    host_kv_max_tokens: int = 32768
     max_running_requests: int = 128
     # Admission bounds of the waiting queue (engine/sched/admission.py): samples, and KV tokens
     # the waiting samples will need (None: 32 x the KV pool). Beyond them: 429 / 503.
@@ -152,6 +155,9 @@ class EngineConfig:
     # sizes b whose b-token, b-row steps run as one fused program; None: every size in both
     # paddings lists; (): none (every step runs a forward program and a head program)
     fused_step_paddings: tuple[int, ...] | None = None
+    # only sizes up to this one are fused, whichever list they come from (None: no bound):
+    # a bound stays valid when the paddings lists change, where an explicit list may not
+    fused_step_max: int | None = None
     attention_block_size: int = 128
     # how a MoE model's experts are split over the engine's device group: "tensor" (each
     # expert's intermediate dim) or "expert" (the experts); ignored by dense models
@@ -193,6 +199,12 @@ class EngineConfig:
     max_lora_rank: int = 16
     # PEFT adapter directories loaded at start, "name=path" (or a bare path: named by it)
     lora_paths: tuple[str, ...] = ()
+    # Routing replay (SGLang's --enable-return-routed-experts): a MoE model's steps also
+    # return the top-k expert ids of every token in every MoE layer, so requests may ask
+    # for them (`return_routed_experts`). False: the step programs are those of an engine
+    # without the feature (same programs, same compile-cache keys) and such requests are
+    # refused. Ignored by dense models (which refuse the requests).
+    enable_return_routed_experts: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "device_indexes", tuple(self.device_indexes))
@@ -216,6 +228,10 @@ class EngineConfig:
                  "max_total_tokens", "too small for even a few pages")
         _require(self.mem_fraction_static is None or 0.0 < self.mem_fraction_static < 1.0,
                  "mem_fraction_static", "must be in (0, 1)")
+        _require(0.0 < self.host_kv_mem_fraction < 1.0, "host_kv_mem_fraction",
+                 "must be in (0, 1)")
+        _require(self.host_kv_max_tokens >= self.page_size * 4, "host_kv_max_tokens",
+                 "too small for even a few pages")
         _require(self.max_running_requests >= 1, "max_running_requests", "must be >= 1")
         _require(self.max_queued_requests >= 1, "max_queued_requests", "must be >= 1")
         _require(self.max_queued_tokens is None or self.max_queued_tokens >= 1,
@@ -236,6 +252,8 @@ class EngineConfig:
                  "fused_step_paddings",
                  f"each size must be in both precompile_token_paddings and "
                  f"precompile_bs_paddings (sizes in both: {list(both)})")
+        _require(self.fused_step_max is None or self.fused_step_max >= 1, "fused_step_max",
+                 "must be >= 1 (or unset: no bound)")
         _require(self.chunked_prefill_size >= 1, "chunked_prefill_size", "must be >= 1")
         _require(self.max_loras_per_batch >= 0, "max_loras_per_batch", "must be >= 0")
         _require(self.max_lora_rank >= 1, "max_lora_rank", "must be >= 1")
@@ -264,10 +282,12 @@ class EngineConfig:
     @property
     def fused_step_sizes(self) -> tuple[int, ...]:
         """The sizes whose decode steps run one fused program (`fused_step_paddings`
-        resolved: None is every size in both paddings lists)."""
-        if self.fused_step_paddings is not None:
-            return self.fused_step_paddings
-        return self._paddings_in_both()
+        resolved: None is every size in both paddings lists), up to `fused_step_max`."""
+        sizes = (self.fused_step_paddings if self.fused_step_paddings is not None
+                 else self._paddings_in_both())
+        if self.fused_step_max is not None:
+            return tuple(b for b in sizes if b <= self.fused_step_max)
+        return sizes
 
     def _paddings_in_both(self) -> tuple[int, ...]:
         return tuple(sorted(set(self.precompile_token_paddings)

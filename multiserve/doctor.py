@@ -1,7 +1,8 @@
 """`multiserve doctor`: the invariance plan of this machine for a model and engine config,
 with the probe table behind it (which candidate each primitive got, and why), the dtype
 an engine of that model would compute in ("auto" resolved as the engine resolves it,
-engine/dtype_choice.py) and the bfloat16 products' instruction path."""
+engine/dtype_choice.py) and the bfloat16 products' instruction path. With `--target cuda|tpu`:
+what an engine would run on that accelerator, lowered here without it (doctor_target.py)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,10 @@ def _cpu_line(key: dict[str, Any]) -> str:
 
 
 def doctor_main(args: argparse.Namespace) -> int:
+    if getattr(args, "target", None):
+        from multiserve.doctor_target import doctor_target
+
+        return doctor_target(args)
     import jax
     import numpy as np
 

@@ -15,6 +15,7 @@ Invariants:
 from __future__ import annotations
 
 import enum
+import struct
 from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol, get_args, runtime_checkable
@@ -219,11 +220,40 @@ class WeightSegment:
 
 
 @dataclass(frozen=True)
+class RoutedExperts:
+    """Routing replay (SGLang's `return_routed_experts`): the top-k expert ids a MoE model
+    chose for the positions [start, start + rows) of a sample's sequence (prompt + output),
+    every layer, as SGLang sends them: `data` is the little-endian int32 bytes of an array
+    [rows, num_layers, top_k] (C order; ids in the router's rank order; -1 in the slots of a
+    dense layer). The sequence's last token has no row (no forward ran on it yet), so a
+    finished sample of P prompt and O output tokens covers [start, P + O - 1)."""
+
+    start: int
+    num_layers: int
+    top_k: int
+    data: bytes
+
+    @property
+    def rows(self) -> int:
+        return len(self.data) // (4 * self.num_layers * self.top_k)
+
+    def ids(self) -> list[list[list[int]]]:
+        """The ids as nested lists [rows][num_layers][top_k]."""
+        flat = struct.unpack(f"<{len(self.data) // 4}i", self.data)
+        k, per_row = self.top_k, self.num_layers * self.top_k
+        return [[list(flat[r * per_row + j * k:r * per_row + (j + 1) * k])
+                 for j in range(self.num_layers)] for r in range(self.rows)]
+
+
+@dataclass(frozen=True)
 class GenerateRequest:
     """What the HTTP side (or a Python caller) submits to an engine.
 
     `input_ids` is always given (the tokenizer side tokenizes). `rid` is unique per
     engine; with `n > 1` the engine runs n samples whose outputs carry `index`.
+    `return_routed_experts`: each sample's final output carries its `RoutedExperts` from
+    position `routed_experts_start_len` (in [0, len(input_ids)]; SGLang's field: a client
+    continuing a sequence asks only for the rows it lacks) to the end.
     """
 
     rid: str
@@ -236,6 +266,8 @@ class GenerateRequest:
     # `model` field) instead of being refused
     lora_name: str | None = None
     lora_optional: bool = False
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = 0
 
 
 @dataclass(frozen=True)
@@ -264,6 +296,8 @@ class RequestOutput:
     # speculative decoding: verify steps of this sample, draft tokens they accepted
     spec_verify_ct: int = 0
     spec_accepted_tokens: int = 0
+    # return_routed_experts: set on the finished output (aborted ones included)
+    routed_experts: RoutedExperts | None = None
 
     @property
     def completion_tokens(self) -> int:
@@ -299,6 +333,8 @@ class OutputDelta:
     error: str | None = None
     spec_verify_ct: int = 0  # as of this delta (speculative decoding's verify steps)
     spec_accepted_tokens: int = 0  # draft tokens those accepted
+    # return_routed_experts: on the finished delta only (every row at once, as SGLang)
+    routed_experts: RoutedExperts | None = None
 
 
 @dataclass(frozen=True)

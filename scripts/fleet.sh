@@ -4,4 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+# glibc: at most 2 malloc arenas (default 8 per core) for the process's many threads
+# (HTTP servers, engines, compiles): less heap held after the warm-up's compiles
+export MALLOC_ARENA_MAX="${MALLOC_ARENA_MAX:-2}"
 exec .venv/bin/multiserve serve --config configs/cpu-4.toml "$@"

@@ -72,3 +72,22 @@ def save(model: Any, path: Path, *, sharded: bool = False) -> Path:
         if (tok / name).exists() and name != "generation_config.json":
             shutil.copy(tok / name, path / name)
     return path
+
+
+def hf_router_topk(model: Any, tokens: list[int]) -> dict[int, Any]:
+    """{layer index: int64 [len(tokens), k]} for every MoE layer of `model` (no entry for a
+    dense one): the expert ids its transformers router picked for `tokens` (a hook on every
+    `mlp.gate`: its third output, the top-k indices, in the router's rank order)."""
+    import torch
+
+    got: dict[int, Any] = {}
+    hooks = [layer.mlp.gate.register_forward_hook(
+        lambda _m, _i, out, i=i: got.__setitem__(i, out[2].reshape(len(tokens), -1).numpy()))
+        for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "gate")]
+    try:
+        with torch.no_grad():
+            model(torch.tensor([tokens]))
+    finally:
+        for h in hooks:
+            h.remove()
+    return got

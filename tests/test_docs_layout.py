@@ -8,6 +8,7 @@ from __future__ import annotations
 import ast
 import fnmatch
 import io
+import os
 import re
 import tokenize
 from pathlib import Path
@@ -77,8 +78,13 @@ _PLACEHOLDER = re.compile(r"\b[A-Z]+(?=_)")
 
 
 def _repo_files() -> list[str]:
-    return sorted(str(p.relative_to(REPO)) for p in REPO.rglob("*")
-                  if p.is_file() and not _SKIPPED_DIRS & set(p.relative_to(REPO).parts))
+    """Every file of the tree, less the skipped directories and every venv (.venv,
+    .venv-tunix, .venv-peers/...), which are pruned, not walked."""
+    out: list[str] = []
+    for top, dirs, names in os.walk(REPO):
+        dirs[:] = [d for d in dirs if d not in _SKIPPED_DIRS and not d.startswith(".venv")]
+        out += [os.path.relpath(os.path.join(top, n), REPO) for n in names]
+    return sorted(out)
 
 
 def _python_prose(text: str) -> list[tuple[int, str]]:

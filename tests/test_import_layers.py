@@ -1,6 +1,6 @@
 """Arrows point down: the layers of multiserve import only the layers below them.
 
-    cli, doctor, bench/, reliability/   the commands (may import everything below)
+    cli, doctor, doctor_target, doctor_steps, bench/, reliability/   the commands
     server/, fleet/          the HTTP side and the fleet
     engine/                  the engine: never the HTTP side, the fleet or a command
     model/                   the model: never the engine (nor anything above it)
@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from test_import_cycles import import_graph
 
-COMMANDS = ("multiserve.cli", "multiserve.doctor", "multiserve.bench", "multiserve.reliability")
+COMMANDS = ("multiserve.cli", "multiserve.doctor", "multiserve.doctor_target",
+            "multiserve.doctor_steps", "multiserve.bench", "multiserve.reliability")
 HTTP_AND_FLEET = ("multiserve.server", "multiserve.fleet")
 ENGINE = ("multiserve.engine",)
 MODEL = ("multiserve.model",)

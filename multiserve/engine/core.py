@@ -11,6 +11,8 @@ weight version. Its other jobs live beside it, each in its own module:
 - a step's logprobs on the host: engine/sampling/logprobs.py (`StepLogprobs`);
 - when a sample ends: engine/sched/stop_rules.py (`StopRules`);
 - recording a step's results on the Reqs: `Scheduler.postprocess`;
+- routing replay's expert ids by KV slot: engine/routed_experts.py (`RoutedExpertsTable`,
+  recorded here as each step is read back, before `postprocess`);
 - why the engine is paused: engine/pause_state.py (`PauseState`);
 - what the RL subsystem may do to it: engine/rl_interface.py (`RLInterface`);
 - what get_internal_state reports: engine/state_report.py.
@@ -53,6 +55,7 @@ from multiserve.engine.device.batch_arrays import build_step_arrays
 from multiserve.engine.device.runner import Runner, StepOutput
 from multiserve.engine.lora_adapters import LoraAdapter, LoraRefused, LoraTable
 from multiserve.engine.pause_state import PauseState
+from multiserve.engine.routed_experts import RoutedExpertsTable
 from multiserve.engine.sampling.host import mask_words
 from multiserve.engine.sampling.logprobs import StepLogprobs
 from multiserve.engine.sampling.rows import step_rows
@@ -82,6 +85,7 @@ class InFlightStep:
     out: StepOutput  # the runner's (device) results
     padded_tokens: int  # the token bucket it ran in
     launched_at: float  # perf_counter at its launch
+    out_slots: np.ndarray | None = None  # routing replay: its token rows' KV slots [T]
 
 
 class EngineCore:
@@ -99,10 +103,15 @@ class EngineCore:
         self.allocator = PageAllocator(num_pages, cfg.page_size)
         self.cache = PrefixCache(self.allocator, cfg.page_size,
                                  enabled=not cfg.disable_prefix_cache)
+        # routing replay: the expert ids by KV slot, recorded as each step is read back
+        self.routed_experts = (RoutedExpertsTable(model_cfg, num_pages * cfg.page_size,
+                                                  cfg.page_size)
+                               if runner.routed_experts else None)
         self.scheduler = Scheduler(cfg, self.allocator, self.cache, max_context,
                                    max(cfg.precompile_token_paddings),
                                    max(cfg.precompile_bs_paddings),
-                                   drafter=Drafter() if cfg.speculative_algorithm else None)
+                                   drafter=Drafter() if cfg.speculative_algorithm else None,
+                                   routed_experts=self.routed_experts)
         self.in_flight: InFlightStep | None = None
         self.last_batch: ScheduledBatch | None = None
         self.pause_state = PauseState()
@@ -232,7 +241,8 @@ class EngineCore:
         self.forward_ct += 1
         if decodes:
             self.forward_ct_decode += 1
-        return InFlightStep(batch, out, t_pad, launched_at)
+        return InFlightStep(batch, out, t_pad, launched_at,
+                            arrays.out_slots if out.routed_experts is not None else None)
 
     def _process(self, step: InFlightStep) -> None:
         """Read `step`'s results (blocks on the device), let the scheduler record them,
@@ -246,6 +256,9 @@ class EngineCore:
             step.padded_tokens, now - max(step.launched_at, self._last_read_at))
         self._last_read_at = now
         lp = StepLogprobs(out.sample) if out.wants_logprobs else None
+        if self.routed_experts is not None and step.out_slots is not None:
+            # before postprocess: a sample it finishes copies its rows out (Req.keep_routing)
+            self.routed_experts.record(step.out_slots, np.asarray(out.routed_experts))
         self.last_batch = batch
         for req in self.scheduler.postprocess(batch, next_ids.tolist(), lp,
                                               self.weight_version, self.stop_rules):

@@ -236,7 +236,8 @@ class Engine:
             case FlushCache():
                 return core.flush()
             case GetInternalState():
-                return {**internal_state(core), "tp_size": len(self.devices)}
+                return {**internal_state(core, self._parts.kv_pool),
+                        "tp_size": len(self.devices)}
             case Prime(kind, size):
                 return core.runner.programs.prime(kind, size)
             case CheckIntegrity():
@@ -306,15 +307,41 @@ class Engine:
                 f"max_new_tokens: the prompt ({len(ids)} tokens) + max_new_tokens "
                 f"({p.max_new_tokens}) = {len(ids) + p.max_new_tokens} exceeds the context "
                 f"length ({self.context_len})", "max_new_tokens", "context_length_exceeded")
+        if request.return_routed_experts:
+            self._check_routed_experts(request)
         seed = p.seed if p.seed is not None else self._seed_rng.getrandbits(63)
         return Req.samples_of(request, seed, sink)
+
+    def _check_routed_experts(self, request: GenerateRequest) -> None:
+        """A request for routing replay needs a MoE model, an engine started with
+        enable_return_routed_experts (SGLang refuses it without its server flag too) and a
+        start within the prompt."""
+        cfg = self.model_config
+        if not cfg.moe_layers:
+            raise InvalidRequest(
+                f"return_routed_experts: routed experts exist only in mixture-of-experts "
+                f"models; {self.model_name} ({cfg.architecture}) is dense",
+                "return_routed_experts")
+        if not self.config.enable_return_routed_experts:
+            raise InvalidRequest(
+                "return_routed_experts: this server was not started with "
+                "--enable-return-routed-experts (the engine option "
+                "enable_return_routed_experts), so it does not capture routed experts",
+                "return_routed_experts")
+        start, n = request.routed_experts_start_len, len(request.input_ids)
+        if not 0 <= start <= n:
+            raise InvalidRequest(
+                f"routed_experts_start_len: must be in [0, {n}] (the prompt's length), "
+                f"got {start}", "routed_experts_start_len")
 
     def new_rid(self) -> str:
         return f"{uuid.uuid4().hex[:12]}-{next(self._rid_counter)}"
 
     def _request(self, prompt: str | None, input_ids: Sequence[int] | None,
                  sampling_params: SamplingParams | dict | None, rid: str | None,
-                 stream: bool, lora_name: str | None = None) -> GenerateRequest:
+                 stream: bool, lora_name: str | None = None,
+                 return_routed_experts: bool = False,
+                 routed_experts_start_len: int = 0) -> GenerateRequest:
         if isinstance(sampling_params, dict):
             # an sglang sampling dict (its key policy: honoured, no-op or refused by name)
             sampling_params = to_sampling_params(sampling_params)
@@ -324,7 +351,9 @@ class Engine:
                 raise ValueError("give prompt or input_ids")
             input_ids = self.encode(prompt)
         return GenerateRequest(rid=rid or self.new_rid(), input_ids=tuple(input_ids),
-                               sampling=params, stream=stream, lora_name=lora_name)
+                               sampling=params, stream=stream, lora_name=lora_name,
+                               return_routed_experts=return_routed_experts,
+                               routed_experts_start_len=routed_experts_start_len)
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
@@ -410,7 +439,9 @@ class Engine:
                  | None = None, *,
                  input_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
                  rid: str | None = None,
-                 lora_name: str | None | Sequence[str | None] = None) -> Any:
+                 lora_name: str | None | Sequence[str | None] = None,
+                 return_routed_experts: bool = False,
+                 routed_experts_start_len: int = 0) -> Any:
         """Blocking generate. One prompt (text or ids) -> RequestOutput (a list of n
         outputs when n > 1); a list of prompts -> a list of those, all run batched and
         admitted atomically (one engine command: a pause or abort issued once they are
@@ -418,7 +449,9 @@ class Engine:
         (and tunix) call it, a list with one per prompt; a dict is sglang's
         `sampling_params` (multiserve/sampling_policy.py). `lora_name`: the loaded LoRA
         adapter to run with (None: the base model), one for all prompts or one per
-        prompt."""
+        prompt. `return_routed_experts` (a MoE model on an engine with
+        enable_return_routed_experts): each output's `routed_experts`
+        (types.RoutedExperts) from `routed_experts_start_len` on."""
         batch = (isinstance(prompt, (list, tuple)) or
                  (input_ids is not None and len(input_ids) > 0
                   and isinstance(input_ids[0], (list, tuple))))
@@ -440,7 +473,8 @@ class Engine:
         if len(loras) != len(prompts):
             raise ValueError(f"lora_name: need one per prompt, got {len(loras)} for "
                              f"{len(prompts)} prompt(s)")
-        requests = [self._request(p, ids, sp, rid if not batch else None, False, lora)
+        requests = [self._request(p, ids, sp, rid if not batch else None, False, lora,
+                                  return_routed_experts, routed_experts_start_len)
                     for (p, ids), sp, lora in zip(prompts, per_prompt, loras, strict=True)]
         queues: list[queue.SimpleQueue[OutputDelta]] = [queue.SimpleQueue() for _ in requests]
         self.submit_many(requests, [q.put for q in queues])  # one command: atomic admission
@@ -459,8 +493,11 @@ class Engine:
     async def async_generate(self, prompt: str | None = None,
                              sampling_params: SamplingParams | dict | None = None, *,
                              input_ids: Sequence[int] | None = None,
-                             rid: str | None = None, lora_name: str | None = None) -> Any:
-        req = self._request(prompt, input_ids, sampling_params, rid, False, lora_name)
+                             rid: str | None = None, lora_name: str | None = None,
+                             return_routed_experts: bool = False,
+                             routed_experts_start_len: int = 0) -> Any:
+        req = self._request(prompt, input_ids, sampling_params, rid, False, lora_name,
+                            return_routed_experts, routed_experts_start_len)
         finals: dict[int, RequestOutput] = {}
         async for out in self.stream(req):
             if out.finished:

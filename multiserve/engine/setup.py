@@ -2,9 +2,9 @@
 
 Owns the start-up decisions: which devices (by index into `jax.devices()`, whatever the
 platform), the compute dtype ("auto": dtype_choice.py), the KV pool size (explicit
-tokens, else a fraction of reported device memory, else the CPU default's bytes: see
-`kv_pool_tokens`) and the context length (model limit, config limit, and what the pool
-can hold).
+tokens, else a fraction of the device's or the host's memory: kv_sizing.py states the
+rule, `kv_pool_size` applies it) and the context length (model limit, config limit, and
+what the pool can hold).
 """
 
 from __future__ import annotations
@@ -20,10 +20,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from multiserve.config import DEFAULT_MEM_FRACTION, ConfigError, EngineConfig, ModelConfig
+from multiserve.config import ConfigError, EngineConfig, ModelConfig
 from multiserve.engine.core import EngineCore
 from multiserve.engine.device.runner import Runner
 from multiserve.engine.dtype_choice import DtypeChoice, choose_dtype
+from multiserve.engine.kv_sizing import PoolSize, host_memory_bytes, pool_tokens
 from multiserve.engine.stop_strings import StopStringChecker
 from multiserve.host_heap import release_free_heap
 from multiserve.model.layers.kv_pool import kv_bytes_per_token
@@ -40,6 +41,7 @@ class EngineParts:
     tokenizer_dir: Path
     model_path: Path
     model_name: str
+    kv_pool: PoolSize  # how the KV pool's size was chosen (get_internal_state "memory")
 
 
 def resolve_devices(indexes: tuple[int, ...]) -> list[jax.Device]:
@@ -63,33 +65,21 @@ def resolve_dtype(cfg: EngineConfig, devices: list[jax.Device],
     return choose_dtype(cfg.dtype, platform, model_dir, unavailable, path)
 
 
-def kv_pool_tokens(cfg: EngineConfig, model_cfg: ModelConfig, devices: list[jax.Device],
-                   dtype: Any, params_bytes: int) -> int:
-    """The KV pool's size in tokens (EngineConfig's docstring states the rule)."""
-    if cfg.max_total_tokens is not None:
-        return cfg.max_total_tokens
+def kv_pool_size(cfg: EngineConfig, model_cfg: ModelConfig, devices: list[jax.Device],
+                 dtype: Any, params_bytes: int) -> PoolSize:
+    """The engine's KV pool (engine/kv_sizing.py states the rule) on `devices`."""
     stats = None
-    try:
-        stats = devices[0].memory_stats()
-    except Exception:  # noqa: BLE001 - not every backend reports memory
-        stats = None
-    fraction = cfg.mem_fraction_static
-    if stats and stats.get("bytes_limit"):
-        share = DEFAULT_MEM_FRACTION if fraction is None else fraction
-        budget = stats["bytes_limit"] * share - params_bytes / len(devices)
-        per_token = kv_bytes_per_token(model_cfg, dtype) / len(devices)
-        return max(cfg.page_size * 64, int(budget // per_token))
-    if fraction is not None:
-        # the host's memory holds every device's share (virtual CPU devices) and is shared
-        # with everything else: no more than max_running_requests full contexts need
-        host = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        budget = host * fraction - params_bytes
-        context = cfg.max_context_len or model_cfg.max_position_embeddings
-        need = cfg.max_running_requests * context
-        tokens = int(budget // kv_bytes_per_token(model_cfg, dtype))
-        return max(cfg.page_size * 64, min(tokens, need))
-    # the CPU default is a byte budget: default_cpu_kv_tokens tokens of a float32 pool
-    return cfg.default_cpu_kv_tokens * 4 // jnp.dtype(dtype).itemsize
+    if cfg.max_total_tokens is None:
+        try:
+            stats = devices[0].memory_stats()
+        except Exception:  # noqa: BLE001 - not every backend reports memory
+            stats = None
+    return pool_tokens(cfg, kv_bytes_per_token=kv_bytes_per_token(model_cfg, dtype),
+                       params_bytes=params_bytes, engine_devices=len(devices),
+                       process_devices=len(jax.devices(devices[0].platform)),
+                       device_bytes_limit=(stats or {}).get("bytes_limit"),
+                       host_bytes=host_memory_bytes(),
+                       context_len=cfg.max_context_len or model_cfg.max_position_embeddings)
 
 
 # transformers resolves its lazy attributes on first use, and that is not thread-safe:
@@ -114,8 +104,8 @@ def build_engine_parts(cfg: EngineConfig, progress: Any = None) -> EngineParts:
     model_cfg = loaded.config
     params_bytes = sum(np.asarray(a).size for a in jax.tree.leaves(loaded.params)) * \
         np.dtype(dtype).itemsize
-    pool_tokens = kv_pool_tokens(cfg, model_cfg, devices, dtype, params_bytes)
-    num_pages = pool_tokens // cfg.page_size + 1  # + page 0 (padding sink)
+    pool = kv_pool_size(cfg, model_cfg, devices, dtype, params_bytes)
+    num_pages = pool.tokens // cfg.page_size + 1  # + page 0 (padding sink)
     limits = [model_cfg.max_position_embeddings, (num_pages - 1) * cfg.page_size]
     if cfg.max_context_len is not None:
         limits.append(cfg.max_context_len)
@@ -134,7 +124,7 @@ def build_engine_parts(cfg: EngineConfig, progress: Any = None) -> EngineParts:
     if cfg.model_path is None:
         name = "SmolLM2-135M-Instruct"
     return EngineParts(model_cfg, runner, core, tokenizer, Path(loaded.tokenizer_dir),
-                       Path(loaded.path), name)
+                       Path(loaded.path), name, pool)
 
 
 def _warmup(runner: Runner, cfg: EngineConfig, max_context: int, progress: Any) -> None:

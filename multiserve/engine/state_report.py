@@ -2,8 +2,8 @@
 
 The keys are sglang's where it has them (`waiting_queue_size`, `running_batch_size`,
 `forward_ct_decode`, ...) plus ours (pause reasons, compile progress, the determinism
-plan, weight version, memory released, admission bounds). Tests assert on them: they are
-exact (docs/architecture.md §9).
+plan, weight version, memory released, admission bounds, and what the engine holds in
+memory: memory_report.py). Tests assert on them: they are exact (docs/architecture.md §9).
 
 Invariant: read only, on the engine thread (a snapshot between two steps).
 """
@@ -14,10 +14,12 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from multiserve.engine.device.program_share import sharing_status
+from multiserve.engine.memory_report import memory_report
 
 if TYPE_CHECKING:
     from multiserve.engine.core import EngineCore
     from multiserve.engine.device.runner import Runner
+    from multiserve.engine.kv_sizing import PoolSize
 
 
 def step_info(runner: Runner) -> dict[str, Any]:
@@ -26,7 +28,8 @@ def step_info(runner: Runner) -> dict[str, Any]:
             "buckets": [(kind.value, size) for kind, size in runner.step_programs.buckets()]}
 
 
-def internal_state(core: EngineCore) -> dict[str, Any]:
+def internal_state(core: EngineCore, kv_pool: PoolSize | None = None) -> dict[str, Any]:
+    """`kv_pool`: how the KV pool's size was chosen (engine/setup.py), for "memory"."""
     s = core.scheduler
     return {
         "engine_paused": core.pause_state.paused,
@@ -79,4 +82,6 @@ def internal_state(core: EngineCore) -> dict[str, Any]:
         "max_queued_tokens": core.admission.max_queued_tokens,
         "overlap": core.overlap,
         "prefix_cache_hit_tokens": core.cache.hit_tokens,
+        # what the engine holds: weights, KV pool, compiled programs (memory_report.py)
+        "memory": memory_report(core.runner, kv_pool),
     }

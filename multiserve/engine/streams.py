@@ -66,7 +66,7 @@ class OutputAssembler:
             logprobs=None if s.logprobs is None else tuple(s.logprobs),
             prompt_logprobs=s.prompt_logprobs, weight_segments=d.weight_segments,
             matched_stop=d.matched_stop, error=d.error, spec_verify_ct=d.spec_verify_ct,
-            spec_accepted_tokens=d.spec_accepted_tokens)
+            spec_accepted_tokens=d.spec_accepted_tokens, routed_experts=d.routed_experts)
 
 
 def assembling(sink: Callable[[RequestOutput], None]) -> Callable[[OutputDelta], None]:

@@ -9,11 +9,11 @@ Supported, by the field each sets: `--model-path` (alias of --model: [model] pat
 `--served-model-name` ([model] served_model_name), `--tp-size` (devices per engine:
 without --config each engine gets that many consecutive devices; with one, each engine's
 device_indexes must hold that many), `--mem-fraction-static`, `--context-length`
-(max_context_len), `--max-running-requests`, `--chunked-prefill-size`, `--page-size` and
-`--dtype`, `--max-loras-per-batch`, `--max-lora-rank` and `--lora-paths NAME=PATH ...`
-(EngineConfig fields, for every engine, over the file's values; `--lora-paths` or
-`--enable-lora` without `--max-loras-per-batch` hold SGLang's default 8 adapters, or as
-many as --lora-paths names).
+(max_context_len), `--max-running-requests`, `--chunked-prefill-size`, `--page-size`,
+`--dtype`, `--enable-return-routed-experts`, `--max-loras-per-batch`, `--max-lora-rank` and
+`--lora-paths NAME=PATH ...` (EngineConfig fields, for every engine, over the file's values;
+`--lora-paths` or `--enable-lora` without `--max-loras-per-batch` hold SGLang's default 8
+adapters, or as many as --lora-paths names).
 
 Invariants: a flag that is not given changes nothing; a flag we do not support is never
 silently ignored.
@@ -39,6 +39,7 @@ ENGINE_FLAGS: dict[str, str] = {
     "max_loras_per_batch": "max_loras_per_batch",
     "max_lora_rank": "max_lora_rank",
     "lora_paths": "lora_paths",
+    "enable_return_routed_experts": "enable_return_routed_experts",
 }
 DEFAULT_MAX_LORAS = 8  # SGLang's max_loras_per_batch
 # SGLang's dtype names -> ours
@@ -57,7 +58,7 @@ UNSUPPORTED: tuple[str, ...] = (
     "--disable-cuda-graph", "--speculative-draft-model-path", "--speculative-num-steps",
     "--speculative-eagle-topk", "--enable-dp-attention", "--max-prefill-tokens",
     "--is-embedding", "--enable-multimodal", "--json-model-override-args", "--device",
-    "--base-gpu-id", "--gpu-id-step", "--enable-return-routed-experts",
+    "--base-gpu-id", "--gpu-id-step",
 )
 
 
@@ -101,6 +102,10 @@ def add_sglang_flags(p: argparse.ArgumentParser) -> None:
                    help="SGLang: PEFT adapter directories loaded at start")
     p.add_argument("--enable-lora", action="store_true", default=None,
                    help="SGLang: LoRA on (adapters loaded later by /load_lora_adapter)")
+    p.add_argument("--enable-return-routed-experts", action="store_const", const=True,
+                   default=None,
+                   help="SGLang: a MoE model's engines capture the experts every token was "
+                        "routed to, so /generate may ask for them (return_routed_experts)")
     for flag in UNSUPPORTED:
         p.add_argument(flag, nargs="?", action=_Unsupported, help=argparse.SUPPRESS)
 

@@ -34,6 +34,7 @@ from multiserve.control_ops import OPS, ControlOp, Group
 from multiserve.fleet.supervisor_bodies import RestartBody, fleet_body_for
 from multiserve.fleet.supervisor_metrics import render_metrics
 from multiserve.fleet.supervisor_openapi import document_supervisor_app
+from multiserve.process_memory import process_memory
 from multiserve.server.body_limit import limit_body
 from multiserve.server.control_routes import read_body
 from multiserve.server.errors import ApiError, bad_request, with_error
@@ -193,6 +194,9 @@ def build_supervisor_app(engines: Sequence[EngineClient], *, restart: RestartFn 
             "num_engines": len(states), "enable_memory_saver": enable_memory_saver,
             "max_request_bytes": max_request_bytes, "engines": states,
             "internal_states": [s["state"] for s in states],
+            "memory": {"process": process_memory(),
+                       "engines_total": engines_memory_total(
+                           [s["state"] for s in states if s["state"] is not None])},
             # verified on every engine, and whether they all run one plan (one key)
             "determinism": {"verified": ok and all(p["verified"] for p in plans),
                             "same_plan": len({p["key_hash"] for p in plans}) <= 1,
@@ -217,6 +221,23 @@ def build_supervisor_app(engines: Sequence[EngineClient], *, restart: RestartFn 
     document_supervisor_app(app)  # the OpenAPI document declares every body and answer
     limit_body(app, max_request_bytes)
     return app
+
+
+# the byte and token counts of an engine's "memory" block (engine/memory_report.py) that
+# add up over engines
+_MEMORY_SUMS = ("weights_bytes", "weights_params_bytes", "weights_copies_bytes",
+                "kv_pool_bytes", "kv_pool_tokens")
+
+
+def engines_memory_total(states: Sequence[dict[str, Any]]) -> dict[str, int]:
+    """The sums over `states` (engines' internal states) of what each holds: weights, KV
+    pool, and compiled programs (their count and scratch bytes)."""
+    memories = [s.get("memory") or {} for s in states]
+    out = {k: sum(int(m.get(k) or 0) for m in memories) for k in _MEMORY_SUMS}
+    for key in ("count", "temp_bytes_total"):
+        out[f"programs_{key}"] = sum(int((m.get("programs") or {}).get(key) or 0)
+                                     for m in memories)
+    return out
 
 
 def fleet_ops(group: Group) -> list[ControlOp]:

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict
 
 from multiserve.control_ops import OPS
 from multiserve.fleet import supervisor_bodies as S
-from multiserve.server.api_schema import ENGINE_STATE_SCHEMA
+from multiserve.server.api_schema import ENGINE_STATE_SCHEMA, PROCESS_MEMORY_SCHEMA
 from multiserve.server.control_bodies import body_for, query_parameters
 from multiserve.server.openapi_docs import Answer, Key, document
 
@@ -32,8 +32,13 @@ class FleetAnswer(BaseModel):
 # GET /get_server_info: every engine's state (null where it could not be read: then 503)
 FLEET_INFO_SCHEMA: dict[str, Any] = {
     "type": "object", "required": ["num_engines", "enable_memory_saver", "max_request_bytes",
-                                   "engines", "internal_states"],
+                                   "engines", "internal_states", "memory"],
     "properties": {
+        "memory": {"type": "object", "description": "the process's resident memory, and "
+                   "the sums over the engines that answered of what each holds",
+                   "properties": {"process": PROCESS_MEMORY_SCHEMA,
+                                  "engines_total": {"type": "object"}},
+                   "required": ["process", "engines_total"]},
         "num_engines": {"type": "integer"},
         "enable_memory_saver": {"type": "boolean", "description": "the server option as set"},
         "max_request_bytes": {"type": "integer", "description": "larger bodies get 413"},

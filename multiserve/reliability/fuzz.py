@@ -15,7 +15,7 @@ Owns `fuzz_server(name, url, cases)` -> `FuzzReport`, and the per-case rules:
 Besides the generated cases, each streaming operation is sent `STREAM_EXAMPLES` (a
 valid streamed request with logprobs, n > 1, usage and, where the API has them, token
 ids), so every SSE event shape is checked on every run: generated cases reach a 200
-stream only rarely.
+stream only rarely; and `EXTRA_EXAMPLES` (routing replay on /generate).
 After every case that can leave the server paused or asleep (pause, memory release,
 weight staging) the harness continues and resumes it, so later generation cases run.
 
@@ -54,6 +54,16 @@ STREAM_EXAMPLES: dict[str, dict[str, Any]] = {
     "POST /inference/v1/generate": {
         "token_ids": [1, 2, 3], "stream": True, "stream_options": {"include_usage": True},
         "sampling_params": {"max_tokens": 4, "n": 2, "logprobs": 2}},
+}
+# Valid requests sent once per run besides the generated cases: routing replay, which a
+# MoE server started with --enable-return-routed-experts answers (200, the ids in the final
+# object / chunk) and any other refuses (400 with an error body naming the field).
+EXTRA_EXAMPLES: dict[str, list[dict[str, Any]]] = {
+    "POST /generate": [
+        {"input_ids": [1, 2, 3], "return_routed_experts": True, "routed_experts_start_len": 1,
+         "sampling_params": {"max_new_tokens": 3}},
+        {"input_ids": [[1, 2], [3, 4, 5]], "return_routed_experts": True, "stream": True,
+         "sampling_params": {"max_new_tokens": 3, "n": 2}}],
 }
 RESTORING = ("/pause_generation", "/release_memory_occupation", "/stage_weights_from_disk",
              "/update_weights_from_disk", "/restart_engine")
@@ -248,6 +258,8 @@ def fuzz_server(name: str, url: str, cases: int, *, seed: int = 0,
         example = STREAM_EXAMPLES.get(f"{op.method.upper()} {op.path}")
         if example is not None:
             one(op.Case(body=example, media_type="application/json"))
+        for extra in EXTRA_EXAMPLES.get(f"{op.method.upper()} {op.path}", ()):
+            one(op.Case(body=extra, media_type="application/json"))
     # Rounds: operations whose inputs ran out (a GET without parameters has one case)
     # leave their share to the others, until `cases` were sent or nothing is left.
     active = [(op, mode) for op in ops for mode in modes]

@@ -90,9 +90,60 @@ UNSET_FEATURE: dict[str, Any] = {
     "anyOf": [NULL, {"const": False}, {"type": "array", "items": NULL}],
     "description": "refused (400) when set"}
 
+# Routing replay on /generate (SGLang's fields): what a client reads in the document.
+ROUTED_EXPERTS_DOC: dict[str, str] = {
+    "return_routed_experts": (
+        "MoE routing replay: the final object (or chunk) of each sample carries "
+        "meta_info.routed_experts, base64 of little-endian int32 [prompt_tokens + "
+        "completion_tokens - 1 - routed_experts_start_len, num_hidden_layers, "
+        "num_experts_per_tok] (-1 in a dense layer's slots); aborted samples carry their "
+        "partial output's. 400 for a dense model, or when the server was not started with "
+        "--enable-return-routed-experts"),
+    "routed_experts_start_len": (
+        "the first position (of prompt + output) whose routing is returned; at most the "
+        "prompt's length (else 400)"),
+}
+
+
 class WeightVersion(BaseModel):
     weight_version: str | None
 
+
+# What one engine holds (engine/memory_report.py), bytes of its whole device group. Each
+# property gets its own schema dict (the shared INT / NULL may gain bounds elsewhere).
+def _int() -> dict[str, Any]:
+    return {"type": "integer", "minimum": 0}
+
+
+def _opt_int() -> dict[str, Any]:
+    return {"anyOf": [_int(), {"type": "null"}]}
+
+
+ENGINE_MEMORY_SCHEMA: dict[str, Any] = {
+    "type": "object", "description": "what the engine holds: weights (params and the extra "
+    "copies its kernels run on), the KV pool (bytes = (kv_pool_tokens + "
+    "kv_pool_padding_tokens) x kv_bytes_per_token; how its size was chosen), the compiled "
+    "step programs (count; XLA's scratch per program; generated code bytes, null where the "
+    "backend does not report them); released parts count 0",
+    "properties": {
+        **{k: _int() for k in ("weights_bytes", "weights_params_bytes",
+                               "weights_copies_bytes", "kv_pool_bytes", "kv_pool_tokens",
+                               "kv_pool_padding_tokens", "kv_bytes_per_token")},
+        "kv_pool_rule": {"anyOf": [{"type": "string", "enum": ["explicit", "device memory",
+                                                               "host memory"]},
+                                   {"type": "null"}]},
+        "kv_pool_budget_bytes": _opt_int(),
+        "programs": {"type": "object", "properties": {
+            "count": _int(), "generated_code_bytes": _opt_int(), "temp_bytes_max": _int(),
+            "temp_bytes_total": _int()}, "required": ["count"]},
+        "released": {"type": "array", "items": {"type": "string"}}},
+    "required": ["weights_bytes", "kv_pool_bytes", "kv_pool_tokens", "kv_bytes_per_token",
+                 "programs"]}
+# The process's resident memory (multiserve/process_memory.py): every engine of the fleet.
+PROCESS_MEMORY_SCHEMA: dict[str, Any] = {
+    "type": "object", "description": "the serving process's resident memory (all its "
+    "engines): VmRSS and VmHWM; rss_bytes null where the OS does not report it",
+    "properties": {"rss_bytes": _opt_int(), "peak_rss_bytes": _opt_int()}}
 
 # The engine's internal state (Engine.get_internal_state): the keys clients act on; the
 # answer carries more (queue sizes, KV accounting, counters).
@@ -110,9 +161,10 @@ ENGINE_STATE_SCHEMA: dict[str, Any] = {
                         "calibrated on its backend: verified, problems, plan, probe_seconds, "
                         "cached, key (what decides kernels), key_hash",
                         "properties": {"verified": BOOL, "key_hash": {"type": "string"}},
-                        "required": ["verified", "plan", "key_hash"]}},
+                        "required": ["verified", "plan", "key_hash"]},
+        "memory": ENGINE_MEMORY_SCHEMA},
     "required": ["engine_paused", "pause_reasons", "memory_released", "weight_version",
-                 "determinism"]}
+                 "determinism", "memory"]}
 SERVER_INFO_SCHEMA: dict[str, Any] = {
     **ENGINE_STATE_SCHEMA, "description": "the server's settings and its engine's state",
     "properties": {**ENGINE_STATE_SCHEMA["properties"],
@@ -121,9 +173,10 @@ SERVER_INFO_SCHEMA: dict[str, Any] = {
                    "max_request_bytes": {**INT, "description": "larger bodies get 413"},
                    "max_prompt_chars": {**INT, "description": "longer prompts get 400 "
                                         "before they are tokenized"},
+                   "process_memory": PROCESS_MEMORY_SCHEMA,
                    "internal_states": {"type": "array", "items": ENGINE_STATE_SCHEMA}},
     "required": [*ENGINE_STATE_SCHEMA["required"], "enable_memory_saver", "max_request_bytes",
-                 "max_prompt_chars", "internal_states"]}
+                 "max_prompt_chars", "process_memory", "internal_states"]}
 
 
 def control_bodies() -> tuple[dict[Key, type[ControlBody]], frozenset[Key],
@@ -263,6 +316,9 @@ def _refiner(model_name: str, vocab: int) -> Any:
         for key in N.REFUSED_FEATURES:
             if key in body:
                 body[key] = UNSET_FEATURE
+        for key, text in ROUTED_EXPERTS_DOC.items():
+            if key in body:
+                body[key]["description"] = text
         _bound(SAMPLING_PARAMS_SCHEMA["properties"])
         _bound(body)
         for name in ("ChatCompletionRequest", "CompletionRequest"):

@@ -7,12 +7,17 @@ which scores each item by a 1-token greedy generation on query+item with
 `token_ids_logprob=label_token_ids`, reading the label logprobs at the first generated
 position (the next-token distribution after the prompt).
 
+With `return_routed_experts` (a MoE model on an engine started with the flag) the final
+object or chunk of each sample carries meta_info.routed_experts (types.RoutedExperts, base64
+as SGLang sends it), aborted samples included.
+
 Invariant: meta_info.finish_reason is {"type": "stop", "matched": ...} |
 {"type": "length", "length": n} | {"type": "abort", "message": ...}.
 """
 
 from __future__ import annotations
 
+import base64
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -132,7 +137,11 @@ class NativeServing:
         runs = [RequestRun(self.engine, self.tm,
                            GenerateRequest(rid=r, input_ids=tuple(ids), sampling=sp,
                                            stream=body.stream,
-                                           return_prompt_logprobs=prompt_lp, lora_name=lora),
+                                           return_prompt_logprobs=prompt_lp, lora_name=lora,
+                                           return_routed_experts=bool(
+                                               body.return_routed_experts),
+                                           routed_experts_start_len=(
+                                               body.routed_experts_start_len)),
                            on_done=self.on_done, fields={"lora_name": "lora_path"})
                 for r, ids, sp, lora in zip(rids, ids_list, params, loras, strict=True)]
         return runs, is_batch, intervals
@@ -169,6 +178,8 @@ class NativeServing:
             meta["error"] = s.error
         if body.return_logprob or body.top_logprobs_num or body.token_ids_logprob is not None:
             self._add_logprobs(meta, body, run, s.token_ids, s.logprobs)
+        if s.routed_experts is not None:  # SGLang's form: base64 of the int32 bytes
+            meta["routed_experts"] = base64.b64encode(s.routed_experts.data).decode("ascii")
         return {"text": s.text, "output_ids": list(s.token_ids), "index": s.index,
                 "meta_info": meta}
 

@@ -152,7 +152,8 @@ class _SamplingRequest(_Request):
         if self.return_hidden_states:
             return "return_hidden_states", "hidden states are not returned by this server"
         if self.return_routed_experts:
-            return "return_routed_experts", "routed experts exist only in MoE models"
+            return "return_routed_experts", ("routed experts are returned by /generate "
+                                             "only")
         if self.custom_logit_processor:
             return "custom_logit_processor", "custom logit processors are not supported"
         if self.session_params:

@@ -33,7 +33,6 @@ REFUSED_FEATURES = {
     "lora_id": "lora_id is not supported; name the adapter in lora_path",
     "custom_logit_processor": "custom logit processors are not supported",
     "return_hidden_states": "hidden states are not returned by this server",
-    "return_routed_experts": "routed experts exist only in MoE models; this one is dense",
     "session_params": "sessions are not supported",
     "return_entropy": "token entropies are not returned by this server",
     "return_bytes": "token bytes are not returned by this server",
@@ -71,7 +70,10 @@ class GenerateRequestBody(_Request):
     lora_id: Any = None
     custom_logit_processor: Any = None
     return_hidden_states: Any = None
-    return_routed_experts: Any = None
+    # SGLang's routing replay: meta_info.routed_experts, base64 of int32
+    # [prompt + output - 1 - routed_experts_start_len, layers, top_k] (types.RoutedExperts)
+    return_routed_experts: bool | None = False  # null: not asked (as false)
+    routed_experts_start_len: int = Field(default=0, ge=0)
     session_params: Any = None
     return_entropy: Any = None
     return_bytes: Any = None
@@ -136,6 +138,9 @@ class GenerateMetaInfo(BaseModel):
     output_token_ids_logprob: list[list[list[Any]] | None] | None = None
     input_token_logprobs: list[list[Any]] | None = None
     weight_segments: list[dict[str, Any]] | None = None
+    # return_routed_experts, on the final object / chunk: base64 of little-endian int32
+    # [prompt_tokens + completion_tokens - 1 - routed_experts_start_len, layers, top_k]
+    routed_experts: str | None = None
 
 
 class GenerateResponse(BaseModel):

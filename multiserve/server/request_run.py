@@ -34,6 +34,7 @@ from multiserve.types import (
     GenerateRequest,
     InvalidRequest,
     OutputDelta,
+    RoutedExperts,
     TokenLogprob,
 )
 
@@ -52,6 +53,7 @@ class SampleState:
     done: bool = False
     spec_verify_ct: int = 0  # speculative decoding: verify steps, accepted draft tokens
     spec_accepted_tokens: int = 0
+    routed_experts: RoutedExperts | None = None  # from the final delta (when asked)
 
     @property
     def text(self) -> str:
@@ -185,6 +187,7 @@ class RequestRun:
             pieces.append(st.detok.finish(matched))
             st.done, st.finish_reason = True, out.finish_reason or "stop"
             st.matched_stop, st.error = out.matched_stop, out.error
+            st.routed_experts = out.routed_experts
         text = "".join(pieces)
         if not (text or new_ids or st.done):
             return None

@@ -224,6 +224,29 @@ class DraftsAlwaysPay:
         pass
 
 
+@contextlib.contextmanager
+def drafting(engine: Any, drafter: Any) -> Iterator[None]:
+    """The engine's scheduler drafts with `drafter` for the block, every draft verified
+    (DraftsAlwaysPay: what verification does, whatever the step timings); afterwards it
+    has no draft source and its own step-cost model again."""
+    from multiserve.engine.commands import Call
+
+    def swap(source: Any, costs: Any) -> Any:
+        def run(core: Any) -> Any:
+            planner = core.scheduler.planner
+            old = planner.step_costs
+            planner.set_source(source)
+            planner.step_costs = costs
+            return old
+        return engine.call(Call(run)).result()
+
+    costs = swap(drafter, DraftsAlwaysPay())
+    try:
+        yield
+    finally:
+        swap(None, costs)
+
+
 def ids_and_logprobs(outs: dict) -> dict:
     """(ids, raw logprobs) per sample of a Collector's results, compared exactly: equal ids
     with drifting logprobs would mean the numerics changed (an argmax flip waiting to

@@ -179,8 +179,12 @@ def test_preserve_state_resumes_bit_identically(engine: Any, trigger: Trigger,
 
 
 def test_tags_release_and_resume_separately(engine: Any, reference: dict) -> None:
+    held = engine.get_internal_state()["memory"]
     res = engine.release_memory_occupation(tags=["kv_cache"])
     assert res.details["released"] == ["kv_cache"]
+    mem = engine.get_internal_state()["memory"]  # what it holds now: the weights alone
+    assert (mem["kv_pool_bytes"], mem["released"]) == (0, ["kv_cache"])
+    assert mem["weights_bytes"] == held["weights_bytes"] > 0
     # weights only: the params and their transposed copies (tied head: an alias of embed)
     runner = engine._core.runner  # canonical params + the per-layer compute copies
     n_params = len({id(a) for a in jax.tree.leaves((runner.params, runner.compute_params))})
@@ -188,6 +192,8 @@ def test_tags_release_and_resume_separately(engine: Any, reference: dict) -> Non
     assert engine.get_weights_by_name("model.norm.weight", 4).details["from"] == "device"
     res = engine.release_memory_occupation(tags="weights")
     assert res.details["released"] == ["weights"]
+    mem = engine.get_internal_state()["memory"]
+    assert (mem["weights_bytes"], mem["released"]) == (0, ["weights", "kv_cache"])
     assert _live_on(engine.devices, engine.foreign_arrays) == []
     read = engine.get_weights_by_name("model.norm.weight", 4)
     assert read.ok and read.details["from"].startswith("host copy")

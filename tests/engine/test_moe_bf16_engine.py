@@ -90,13 +90,6 @@ def alone(engine: Any) -> dict:
     return out
 
 
-@pytest.fixture
-def trigger() -> Iterator[Trigger]:
-    t = Trigger()
-    yield t
-    t.close()
-
-
 def test_the_bf16_plan_probes_the_native_grouped_kernel_and_is_verified(
         engine: Any, moe_bf16_dir: Path) -> None:
     state = engine.get_internal_state()

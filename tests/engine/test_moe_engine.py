@@ -19,10 +19,10 @@ from engine_helpers import (
     TINY_ENGINE,
     AtTokens,
     Collector,
-    DraftsAlwaysPay,
     Oracle,
     Trigger,
     assert_idle_and_clean,
+    drafting,
     ids_and_logprobs,
 )
 from moe_checkpoints import make_model, save
@@ -81,13 +81,6 @@ def reference(moe_engine: Any) -> dict:
     return _run(moe_engine)
 
 
-@pytest.fixture
-def trigger() -> Iterator[Trigger]:
-    t = Trigger()
-    yield t
-    t.close()
-
-
 def test_moe_engine_batch_equals_alone_and_survives_pauses(moe_engine: Any, reference: dict,
                                                            trigger: Trigger) -> None:
     prompts = _prompts()
@@ -114,24 +107,9 @@ def test_moe_speculation_gives_the_outputs_without_it(moe_engine: Any, reference
                                                       wrong: bool) -> None:
     """Verify rows through the routed experts: drafts always right or always wrong, the
     same ids and logprobs as without speculation."""
-    from multiserve.engine.commands import Call
-
     oracle = Oracle({k: ids for k, (ids, _) in reference.items()}, wrong=wrong, vocab=500)
-
-    def swap(drafter: Any, costs: Any) -> Any:
-        def run(core: Any) -> Any:
-            planner = core.scheduler.planner
-            old = planner.step_costs
-            planner.set_source(drafter)
-            planner.step_costs = costs
-            return old
-        return moe_engine.call(Call(run)).result()
-
-    costs = swap(oracle, DraftsAlwaysPay())  # every draft verified, whatever the timings
-    try:
+    with drafting(moe_engine, oracle):
         assert _run(moe_engine) == reference
-    finally:
-        swap(None, costs)
     state = moe_engine.get_internal_state()
     assert state["spec_verify_ct"] > 0 and oracle.proposed > 0
     assert_idle_and_clean(moe_engine)
@@ -179,12 +157,37 @@ def test_moe_weight_updates_change_outputs_and_restore_bitwise(
     assert_idle_and_clean(moe_engine)
 
 
+def two_device_plan(moe_dir: Path, moe_sharding: str) -> Any:
+    """The 2-device engine's plan calibrated for exactly its own step sizes (TINY_ENGINE's
+    buckets; `engine_defaults=False`), its products and grouped products probed as
+    2-device shards: what the engine would calibrate itself, less a default engine's
+    other sizes (ten token sizes, each a sharded probe compile per candidate row count),
+    which these steps never run."""
+    from multiserve.model.invariance.calibration import calibrate
+    from multiserve.model.invariance.workload import workload_for
+    from multiserve.model.loading.loader import load_model
+
+    cfg = load_model(str(moe_dir), "float32").config
+    workload = workload_for(cfg, TINY_ENGINE["precompile_token_paddings"],
+                            TINY_ENGINE["precompile_bs_paddings"],
+                            max(TINY_ENGINE["precompile_bs_paddings"]),
+                            TINY_ENGINE["page_size"], EngineConfig().attention_block_size,
+                            np.float32, tp=2, moe_sharding=moe_sharding,
+                            engine_defaults=False)
+    assert all(u.sharded for u in (*workload.products, *workload.grouped))
+    plan = calibrate(workload, jax.devices()[0]).plan
+    assert plan.verified
+    return plan
+
+
 @pytest.mark.parametrize("moe_sharding", ["tensor", "expert"])
 def test_moe_two_device_engine_matches_one_device(moe_dir: Path, reference: dict,
                                                   moe_sharding: str) -> None:
     if jax.device_count() < 2:
         pytest.skip("needs 2 devices (XLA_FLAGS from tests/conftest.py)")
-    for eng in _engine(moe_dir, device_indexes=(0, 1), moe_sharding=moe_sharding):
+    plan = two_device_plan(moe_dir, moe_sharding)
+    for eng in _engine(moe_dir, device_indexes=(0, 1), moe_sharding=moe_sharding,
+                       invariance_plan=plan):
         runner = eng._core.runner  # noqa: SLF001 - where the experts live
         we = runner.params["moe"]["we_gate"]
         assert {d.id for d in we.sharding.device_set} == {0, 1}

@@ -19,9 +19,11 @@ def test_engine_generates_without_importing_torch():
         import os, sys
         os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
         from multiserve import Engine, EngineConfig, SamplingParams
-        eng = Engine(EngineConfig(precompile_token_paddings=(64,), precompile_bs_paddings=(64,),
-                                  max_running_requests=64, chunked_prefill_size=64,
-                                  max_total_tokens=2048, show_progress=False))
+        # test_fleet_four.py's engine settings (one 64-token, 8-row bucket pair, a 4096-token
+        # pool): the same step programs, so they come from the persistent compilation cache
+        eng = Engine(EngineConfig(precompile_token_paddings=(64,), precompile_bs_paddings=(8,),
+                                  max_running_requests=8, chunked_prefill_size=64,
+                                  max_total_tokens=4096, show_progress=False))
         out = eng.generate("The capital of France is",
                            SamplingParams(temperature=0, max_new_tokens=4))
         assert len(out.output_ids) >= 1 and out.text, out

@@ -1,7 +1,7 @@
 """SGLang's server flags on `multiserve serve` / `validate` (fleet/sglang_flags.py): each
 supported flag sets its field on every engine (over the file's values), an SGLang flag we do
 not support is an error naming it (exit code 2), and `--mem-fraction-static` sizes the KV
-pool (engine/setup.py `kv_pool_tokens`)."""
+pool (engine/kv_sizing.py `pool_tokens`)."""
 
 from __future__ import annotations
 
@@ -38,6 +38,18 @@ def test_each_flag_sets_its_field_on_every_engine(command: str) -> None:
     default = load_fleet_config(CONFIGS / "cpu-4.toml")
     assert plain.engines == default.engines  # no flag: the file decides
     assert default.engines[0].mem_fraction_static is None  # the default rule
+
+
+def test_enable_return_routed_experts_flag_and_config_key(tmp_path: Path) -> None:
+    """SGLang's --enable-return-routed-experts sets the option on every engine; the fleet
+    file's key is the EngineConfig field; not given, the engines do not capture."""
+    on = cfg_of("--config", str(CONFIGS / "cpu-4.toml"), "--enable-return-routed-experts")
+    assert [e.enable_return_routed_experts for e in on.engines] == [True] * 4
+    assert not any(e.enable_return_routed_experts for e in cfg_of("--engines", "2").engines)
+    path = tmp_path / "f.toml"
+    path.write_text('[fleet]\nplatform = "cpu"\n[engine]\nenable_return_routed_experts = '
+                    "true\n[[engines]]\ndevice_indexes = [0]\n")
+    assert load_fleet_config(path).engines[0].enable_return_routed_experts
 
 
 def test_model_path_is_models_alias(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -130,42 +142,31 @@ def test_lora_flags_set_the_engines_lora_fields(tmp_path: Path) -> None:
     assert info.value.field == "engines[0].lora_paths"
 
 
-class _Device:
-    def __init__(self, stats: dict[str, Any] | None) -> None:
-        self.stats = stats
-
-    def memory_stats(self) -> dict[str, Any] | None:
-        return self.stats
-
-
 def test_mem_fraction_static_sizes_the_kv_pool() -> None:
-    """None: the default rule (0.6 of a reporting device; default_cpu_kv_tokens on the
-    host); given: that share of the device's memory, or of the host's memory capped at
-    max_running_requests full contexts."""
-    import os
+    """None: the default rule (DEFAULT_MEM_FRACTION of a reporting device; on the host
+    host_kv_mem_fraction of its memory, capped at host_kv_max_tokens); given: that share of
+    the device's memory, or of the host's memory less the weights, capped at
+    max_running_requests full contexts (engine/kv_sizing.py)."""
+    from multiserve.config import DEFAULT_MEM_FRACTION, EngineConfig
+    from multiserve.engine.kv_sizing import pool_tokens
 
-    import jax.numpy as jnp
+    per = 1000  # KV bytes per token
 
-    from multiserve.config import EngineConfig
-    from multiserve.engine.setup import kv_pool_tokens
-    from multiserve.model.layers.kv_pool import kv_bytes_per_token
-    from multiserve.reliability.tiny_model import TINY_RELIABILITY_MODEL as M
+    def size(cfg: EngineConfig, limit: int | None = None, host: int = 0, params: int = 0,
+             context: int = 512) -> int:
+        return pool_tokens(cfg, kv_bytes_per_token=per, params_bytes=params, engine_devices=1,
+                           process_devices=1, device_bytes_limit=limit, host_bytes=host,
+                           context_len=context).tokens
 
-    per = kv_bytes_per_token(M, jnp.float32)
-    gpu = [_Device({"bytes_limit": 1000 * per + 100})]
-    host = [_Device(None)]
     base = EngineConfig(max_context_len=512, max_running_requests=4, precompile_bs_paddings=(4,))
-    assert kv_pool_tokens(base, M, gpu, jnp.float32, 100) == max(16 * 64, int(
-        (0.6 * (1000 * per + 100) - 100) // per))
-    big = [_Device({"bytes_limit": 100_000 * per})]
-    assert kv_pool_tokens(base.with_updates(mem_fraction_static=0.5), M, big, jnp.float32,
-                          0) == 50_000
-    assert kv_pool_tokens(base, M, host, jnp.float32, 0) == base.default_cpu_kv_tokens
+    assert base.mem_fraction_static is None
+    assert size(base, limit=100_000 * per, params=96 * per) == \
+        (int(DEFAULT_MEM_FRACTION * 100_000) - 96) // 16 * 16
+    assert size(base.with_updates(mem_fraction_static=0.5), limit=100_000 * per) == 50_000
+    assert size(base, host=10**12) == base.host_kv_max_tokens
     # the host: 4 contexts of 512 tokens are all it may need
     frac = base.with_updates(mem_fraction_static=0.5)
-    assert kv_pool_tokens(frac, M, host, jnp.float32, 0) == 4 * 512
-    wide = frac.with_updates(max_running_requests=64, precompile_bs_paddings=(64,),
-                             max_context_len=1 << 20)
-    mem = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    assert kv_pool_tokens(wide, M, host, jnp.float32, 0) == min(int(mem * 0.5 // per),
-                                                                 64 << 20)
+    assert size(frac, host=10**12) == 4 * 512
+    # ... or the fraction less the weights, where that is less
+    wide = frac.with_updates(max_running_requests=64, precompile_bs_paddings=(64,))
+    assert size(wide, host=20_000 * per, params=2_000 * per, context=1 << 20) == 8_000

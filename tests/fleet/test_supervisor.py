@@ -139,6 +139,15 @@ async def test_idle_fleet_health_info_models_metrics(client: httpx.AsyncClient,
     assert info["num_engines"] == 2 and len(info["internal_states"]) == 2
     for s in info["internal_states"]:
         assert s["engine_paused"] is False and s["waiting_queue_size"] == 0
+    # what the fleet holds: each engine's weights, KV pool and programs, summed
+    memories = [s["memory"] for s in info["internal_states"]]
+    total = info["memory"]["engines_total"]
+    for key in ("weights_bytes", "kv_pool_bytes", "kv_pool_tokens"):
+        assert total[key] == sum(m[key] for m in memories) > 0, key
+    assert total["kv_pool_tokens"] == 2 * TINY_ENGINE["max_total_tokens"]
+    assert total["programs_count"] == sum(m["programs"]["count"] for m in memories) > 0
+    process = info["memory"]["process"]
+    assert process["peak_rss_bytes"] >= process["rss_bytes"] > total["weights_bytes"]
 
     r = await client.get("/v1/models")
     assert r.status_code == 200

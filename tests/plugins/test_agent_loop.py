@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from loopback_server import engine_server
 
 from plugins.rollout import AgentLoop, ChatTurns, RolloutError, Trajectory
 
@@ -41,15 +42,11 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Any]
     from multiserve import Engine
     from multiserve.config import EngineConfig
     from multiserve.reliability.tiny_model import write_tiny_model
-    from multiserve.server import ServerThread, TokenizerManager, build_app
 
     model: Path = write_tiny_model(tmp_path_factory.mktemp("tiny-agent"))
     engine = Engine(EngineConfig(model_path=str(model), **ENGINE_KW))
-    tm = TokenizerManager(engine.tokenizer_dir, engine.context_len, engine.model_name,
-                          tokenizer=engine.tokenizer)
-    thread = ServerThread(build_app(engine, tm)).start()
-    yield thread.url, AutoTokenizer.from_pretrained(str(engine.tokenizer_dir))
-    thread.stop()
+    with engine_server(engine) as url:
+        yield url, AutoTokenizer.from_pretrained(str(engine.tokenizer_dir))
     engine.shutdown()
 
 

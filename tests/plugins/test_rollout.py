@@ -30,7 +30,8 @@ QUESTIONS = ["What is the capital of France?", "Name three primary colours.",
              "Who wrote Hamlet?", "Give me a synonym for happy."]
 GEN = dict(temperature=0.0, ignore_eos=True)
 N = 6  # tokens per reference rollout
-MIXED = 10  # tokens of the rollout that spans an update
+MIXED = 64  # tokens of the rollout that spans an update (its pause must land before the
+# rollout ends: 62 steps of slack after wait_tokens(2))
 
 
 @pytest.fixture(scope="module")

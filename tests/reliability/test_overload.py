@@ -15,6 +15,7 @@ from typing import Any
 
 import httpx
 import pytest
+from loopback_server import engine_server
 
 MAX_QUEUED = 8
 MAX_QUEUED_TOKENS = 1000
@@ -26,15 +27,11 @@ def server(tiny_model: Path) -> Iterator[str]:
     from multiserve.config import EngineConfig
     from multiserve.engine.engine import Engine
     from multiserve.reliability.tiny_model import tiny_engine_fields
-    from multiserve.server import ServerThread, TokenizerManager, build_app
 
     engine = Engine(EngineConfig(model_path=str(tiny_model), **tiny_engine_fields(
         max_queued_requests=MAX_QUEUED, max_queued_tokens=MAX_QUEUED_TOKENS)))
-    tm = TokenizerManager(engine.tokenizer_dir, engine.context_len, engine.model_name,
-                          tokenizer=engine.tokenizer)
-    thread = ServerThread(build_app(engine, tm)).start()
-    yield thread.url
-    thread.stop()
+    with engine_server(engine) as url:
+        yield url
     engine.shutdown()
 
 

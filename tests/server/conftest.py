@@ -19,7 +19,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import pytest
+from loopback_server import engine_server
 
 ENGINE_KW: dict[str, Any] = dict(
     max_running_requests=64, precompile_bs_paddings=(64,), precompile_token_paddings=(64, 256),
@@ -96,6 +98,21 @@ def served(engine: Any) -> Iterator[Served]:
     thread.stop()
 
 
+@pytest.fixture(scope="module")
+def client(served: Served) -> Iterator[openai.OpenAI]:
+    """The official openai client on the session server (one per test module)."""
+    with openai.OpenAI(base_url=served.url + "/v1", api_key="none", max_retries=0) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def hf_tok(served: Served) -> Any:
+    """transformers' tokenizer of the session engine."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(served.engine.tokenizer_dir))
+
+
 def _idle(st: dict[str, Any]) -> bool:
     return (not st["engine_paused"] and st["running_batch_size"] == 0
             and st["waiting_queue_size"] == 0)
@@ -125,12 +142,8 @@ DEFAULT_KW: dict[str, Any] = dict(
 def default_server_url() -> Iterator[str]:
     from multiserve.config import EngineConfig
     from multiserve.engine.engine import Engine
-    from multiserve.server import ServerThread, TokenizerManager, build_app
 
     eng = Engine(EngineConfig(**DEFAULT_KW))
-    tm = TokenizerManager(eng.tokenizer_dir, eng.context_len, eng.model_name,
-                          tokenizer=eng.tokenizer)
-    thread = ServerThread(build_app(eng, tm)).start()
-    yield thread.url
-    thread.stop()
+    with engine_server(eng) as url:
+        yield url
     eng.shutdown()

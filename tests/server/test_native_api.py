@@ -133,6 +133,12 @@ def test_health_info_and_models(served, idle_engine):
                 "available_kv_tokens", "tree_cache_size", "forward_ct_decode",
                 "weight_version", "internal_states", "model_path"):
         assert key in st
+    # what the engine holds (engine/memory_report.py), and the process's resident memory
+    mem = st["memory"]
+    assert mem["weights_bytes"] > 0 and mem["kv_pool_tokens"] == st["max_total_tokens"]
+    assert mem["kv_pool_bytes"] == (mem["kv_pool_tokens"] + mem["kv_pool_padding_tokens"]) \
+        * mem["kv_bytes_per_token"]
+    assert st["process_memory"]["rss_bytes"] > mem["weights_bytes"] + mem["kv_pool_bytes"]
     assert h.get("/v1/models").json()["data"][0]["id"] == served.engine.model_name
 
 

@@ -7,23 +7,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
-from transformers import AutoTokenizer
 
 pytestmark = pytest.mark.slow
 
 MSGS = [{"role": "user", "content": "Write one sentence about the sea."}]
 NO_EOS = {"ignore_eos": True}
-
-
-@pytest.fixture(scope="module")
-def client(served):
-    with openai.OpenAI(base_url=served.url + "/v1", api_key="none", max_retries=0) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def hf_tok(served):
-    return AutoTokenizer.from_pretrained(str(served.engine.tokenizer_dir))
 
 
 def _together(*calls):

@@ -79,6 +79,9 @@ class StepOutput:
     sample: sampling.SampleOutput  # device arrays
     num_rows: int
     wants_logprobs: bool
+    # routing replay (EngineConfig.enable_return_routed_experts, a MoE model): the expert
+    # ids of every token row, [T, MoE layers, k] int32; None without the option
+    routed_experts: jax.Array | None = None
 
 
 class Runner:
@@ -128,9 +131,11 @@ class Runner:
         self._sampling = SamplingBatches(model_cfg.vocab_size, self.replicated)
         self.warmup_seconds: float | None = None  # warm-up start -> serving
         self.fused_steps = 0  # steps run as one fused program (get_internal_state)
+        # routing replay: only an engine started with the option on a MoE model captures
+        self.routed_experts = cfg.enable_return_routed_experts and bool(model_cfg.moe_layers)
         functions = StepFunctions(self.family, model_cfg, self.plan, cfg.page_size,
                                   cfg.attention_block_size, self.max_rows, self.replicated,
-                                  kv_sharding)
+                                  kv_sharding, routed_experts=self.routed_experts)
         # the XLA options of every program (model/invariance/xla_options.py)
         xla_options = step_options(self.devices[0].platform, str(jnp.dtype(dtype)))
         self.step_programs = StepPrograms(cfg, functions, self.mesh, xla_options, dtype, self)
@@ -228,12 +233,13 @@ class Runner:
         assert self._prev_ids is not None, "step buffers released: resume memory first"
         fused = self.step_programs.fused(arrays.input_ids.shape[0], num_rows)
         if fused is not None:
-            next_ids, out, self.kv = fused(self.compute_params, self.kv, self._prev_ids,
-                                           step_inputs(arrays), *sampling_inputs(sb_host))
+            next_ids, out, self.kv, *experts = fused(
+                self.compute_params, self.kv, self._prev_ids, step_inputs(arrays),
+                *sampling_inputs(sb_host))
             self.fused_steps += 1
         else:
             inputs = (self.compute_params, self.kv, self._prev_ids, step_inputs(arrays))
-            hidden, row_tok, row_prev, self.kv = self.step_programs.forward(
+            hidden, row_tok, row_prev, self.kv, *experts = self.step_programs.forward(
                 arrays, inputs)(*inputs)
             head_inputs = (self.compute_params, hidden, row_tok, row_prev,
                            *sampling_inputs(sb_host))
@@ -241,7 +247,8 @@ class Runner:
                                                     head_inputs)(*head_inputs)
         self._prev_ids = next_ids
         return StepOutput(next_ids=next_ids, sample=out, num_rows=num_rows,
-                          wants_logprobs=wants_logprobs)
+                          wants_logprobs=wants_logprobs,
+                          routed_experts=experts[0] if experts else None)
 
     # ---- memory release (engine/rl/memory.py) ----------------------------------------
     def reset_prev_ids(self) -> None:

@@ -11,6 +11,11 @@ Three programs' functions (step_programs.py compiles them, runner.py runs them):
 - `step` (`_step_impl`): the forward, logits and sampler of a b-token, b-row step in ONE
   program, each boundary's arrays constrained to the sharding the separate programs pass
   them in: the same computation as the three.
+With `routed_experts` (an engine started with enable_return_routed_experts on a MoE
+model), `forward` and `step` return one more output, last: the top-k expert ids of every
+token row in every MoE layer, [T, MoE layers, k] int32 (routing replay,
+engine/routed_experts.py). Without it they are exactly the programs of an engine that has
+no such option (the same lowered modules, hence the same persistent-cache keys).
 
 Invariants:
 - The traced functions' names are the lowered modules' names (`jit__forward_impl`, ...),
@@ -48,8 +53,11 @@ class StepFunctions:
 
     def __init__(self, family: ModelFamily, model_cfg: ModelConfig, plan: InvariancePlan,
                  page_size: int, attention_block_size: int, max_rows: int,
-                 replicated: NamedSharding, kv_sharding: NamedSharding) -> None:
+                 replicated: NamedSharding, kv_sharding: NamedSharding,
+                 routed_experts: bool = False) -> None:
         self.family = family
+        self.routed_experts = routed_experts
+        routed_out = (replicated,) if routed_experts else ()
         self.model_cfg = model_cfg
         self.plan = plan
         self.page_size = page_size
@@ -61,7 +69,7 @@ class StepFunctions:
         # must match what a forward really returns
         self.forward = jax.jit(
             self._forward_impl, donate_argnums=(1,), static_argnames=("layout",),
-            out_shardings=(replicated, replicated, replicated, kv_out))
+            out_shardings=(replicated, replicated, replicated, kv_out, *routed_out))
         # replicated logits: the sampler program runs whole on every device (a tensor-
         # parallel lm_head's vocabulary-split logits are gathered here)
         self.logits = jax.jit(self._logits_impl, static_argnames=("num_rows",),
@@ -70,10 +78,12 @@ class StepFunctions:
         self.step = jax.jit(
             self._step_impl, donate_argnums=(1,),
             static_argnames=("layout", "sample_layout", "num_rows"),
-            out_shardings=(replicated, replicated, kv_out))
+            out_shardings=(replicated, replicated, kv_out, *routed_out))
 
     def _forward_impl(self, params: Any, kv: KVPool, prev_ids: jax.Array, packed: jax.Array,
-                      *, layout: Layout) -> tuple[jax.Array, jax.Array, jax.Array, KVPool]:
+                      *, layout: Layout) -> tuple[Any, ...]:
+        """(hidden [max_rows, D], row ids, rows from the previous step, kv[, expert ids
+        [T, MoE layers, k] with `routed_experts`])."""
         arrays = unpack(packed, layout)
         from_prev = arrays["from_prev"]
         ids = jnp.where(from_prev >= 0, prev_ids[jnp.maximum(from_prev, 0)],
@@ -83,11 +93,14 @@ class StepFunctions:
                           page_table=arrays["page_table"], seq_lens=arrays["seq_lens"],
                           logit_rows=arrays["logit_rows"],
                           lora_slots=arrays.get("lora_slots"))
-        hidden, kv = self.family.forward_hidden(params, kv, fb, self.model_cfg,
-                                                page_size=self.page_size,
-                                                attn_block_size=self.attention_block_size,
-                                                plan=self.plan)
+        kw = dict(page_size=self.page_size, attn_block_size=self.attention_block_size,
+                  plan=self.plan)
         rows = arrays["logit_rows"]
+        if self.routed_experts:
+            hidden, kv, experts = self.family.forward_hidden_routed(params, kv, fb,
+                                                                    self.model_cfg, **kw)
+            return hidden, ids[rows], from_prev[rows] >= 0, kv, experts
+        hidden, kv = self.family.forward_hidden(params, kv, fb, self.model_cfg, **kw)
         return hidden, ids[rows], from_prev[rows] >= 0, kv
 
     def _logits_impl(self, params: Any, hidden: jax.Array, row_tok: jax.Array,
@@ -109,21 +122,21 @@ class StepFunctions:
     def _step_impl(self, params: Any, kv: KVPool, prev_ids: jax.Array, packed: jax.Array,
                    packed_sb: jax.Array, output_counts: jax.Array, prompt_mask: jax.Array,
                    token_mask: jax.Array, *, layout: Layout, sample_layout: Layout,
-                   num_rows: int) -> tuple[jax.Array, Any, KVPool]:
+                   num_rows: int) -> tuple[Any, ...]:
         """A fused step: `_forward_impl`, `_logits_impl` and `_sample_impl` in one program,
         each boundary's arrays constrained to the sharding the two programs pass them in
         (so a tensor-parallel head's logits are gathered before the sampler, as there)."""
         def replicated(*xs: jax.Array) -> tuple[jax.Array, ...]:
             return tuple(jax.lax.with_sharding_constraint(x, self.replicated) for x in xs)
 
-        hidden, row_tok, row_prev, kv = self._forward_impl(params, kv, prev_ids, packed,
-                                                           layout=layout)
+        hidden, row_tok, row_prev, kv, *experts = self._forward_impl(
+            params, kv, prev_ids, packed, layout=layout)
         logits, tok, prev = replicated(*self._logits_impl(
             params, *replicated(hidden, row_tok, row_prev), num_rows=num_rows))
         next_ids, out = _sample_impl(logits, tok, prev, packed_sb, output_counts,
                                      prompt_mask, token_mask, layout=sample_layout,
                                      max_rows=self.max_rows)
-        return next_ids, out, kv
+        return (next_ids, out, kv, *experts)
 
 
 def _sample_impl(logits: jax.Array, tok: jax.Array, prev: jax.Array, packed: jax.Array,

@@ -74,18 +74,19 @@ FORWARD, HEAD, FUSED = ProgramKind.FORWARD, ProgramKind.HEAD, ProgramKind.FUSED
 
 class ForwardProgram(Protocol):
     """A FORWARD program: (params, kv, prev_ids, packed step) -> (hidden [max_rows, D],
-    row ids, rows from the previous step, kv); the KV pool is donated."""
+    row ids, rows from the previous step, kv[, expert ids: routing replay,
+    step_functions.py]); the KV pool is donated."""
 
     def __call__(self, params: Any, kv: KVPool, prev_ids: jax.Array, packed: np.ndarray,
-                 /) -> tuple[jax.Array, jax.Array, jax.Array, KVPool]: ...
+                 /) -> tuple[Any, ...]: ...
 
 
 class FusedProgram(Protocol):
     """A FUSED program: (params, kv, prev_ids, packed step, *sampling inputs) ->
-    (next_ids [max_rows], SampleOutput, kv); the KV pool is donated."""
+    (next_ids [max_rows], SampleOutput, kv[, expert ids]); the KV pool is donated."""
 
     def __call__(self, params: Any, kv: KVPool, prev_ids: jax.Array, packed: np.ndarray,
-                 *sb: Any) -> tuple[jax.Array, sampling.SampleOutput, KVPool]: ...
+                 *sb: Any) -> tuple[Any, ...]: ...
 
 
 class HeadProgram:
@@ -330,8 +331,8 @@ class StepPrograms:
         if kind == FORWARD:
             arrays = empty_step_arrays(size, state.page_table_rows(size), self.max_rows,
                                        self._prime_pages, state.lora_enabled)
-            hidden, _, _, state.kv = program(state.compute_params, state.kv, state.prev_ids,
-                                             step_inputs(arrays))
+            hidden, _, _, state.kv, *_ = program(state.compute_params, state.kv,
+                                                 state.prev_ids, step_inputs(arrays))
             jax.block_until_ready(hidden)
             return True
         hidden = jnp.zeros((self.max_rows, self.functions.model_cfg.hidden_size), self.dtype,
@@ -355,7 +356,8 @@ class StepPrograms:
         position 0, each its own sequence of one token (the same K/V into the garbage
         page 0's slot 0, read back by its attention), every row a logits row, sampled as
         `_check_rows` says (seeded sampling with filters, penalties and a token mask;
-        greedy; logprobs and top logprobs): a real forward, head and every sampler path."""
+        greedy; logprobs and top logprobs): a real forward, head and every sampler path;
+        with routing replay, the expert ids too."""
         state = self.state
         vocab = self.functions.model_cfg.vocab_size
         arrays = empty_step_arrays(size, state.page_table_rows(size), self.max_rows,
@@ -370,13 +372,14 @@ class StepPrograms:
         assert forward is not None and head is not None, "checked before its programs"
         prev_ids = state.prev_ids
         assert prev_ids is not None, "checked while memory is resident only"
-        hidden, row_tok, row_prev, state.kv = forward(state.compute_params, state.kv,
-                                                      prev_ids, step)
-        pair = head(state.compute_params, hidden, row_tok, row_prev, *sb)
-        next_ids, out, state.kv = program(state.compute_params, state.kv, prev_ids, step,
-                                          *sb)
+        hidden, row_tok, row_prev, state.kv, *experts = forward(state.compute_params,
+                                                                state.kv, prev_ids, step)
+        pair = (*head(state.compute_params, hidden, row_tok, row_prev, *sb), *experts)
+        next_ids, out, state.kv, *fused_experts = program(state.compute_params, state.kv,
+                                                          prev_ids, step, *sb)
         return all(np.asarray(a).tobytes() == np.asarray(b).tobytes()
-                   for a, b in zip(jax.tree.leaves(pair), jax.tree.leaves((next_ids, out)),
+                   for a, b in zip(jax.tree.leaves(pair),
+                                   jax.tree.leaves((next_ids, out, *fused_experts)),
                                    strict=True))
 
 

@@ -26,11 +26,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from multiserve.engine.routed_experts import RoutedExpertsTable
 from multiserve.types import (
     FinishReason,
     GenerateRequest,
     OutputDelta,
     RequestStatus,
+    RoutedExperts,
     SamplingParams,
     TokenLogprob,
     WeightSegment,
@@ -90,6 +92,14 @@ class Req:
     lora_slot: int = 0
     lora_name: str | None = None  # the request's adapter (None: the base model)
     lora_optional: bool = False  # an unknown lora_name runs the base model (not refused)
+    # routing replay (engine/routed_experts.py): asked for, from which position; the ids
+    # of positions [0, len(routed_rows)) as of the last `keep_routing` (taken before the
+    # sample's pages go: at a retraction and at the finish); the finished delta's record
+    want_routed_experts: bool = False
+    routed_experts_start: int = 0
+    routed_read: int = 0  # positions [0, routed_read) of its pages: ids in the table
+    routed_rows: Any = None
+    routed_experts: RoutedExperts | None = None
 
     @classmethod
     def samples_of(cls, request: GenerateRequest, seed: int, sink: OutputSink) -> list[Req]:
@@ -97,15 +107,18 @@ class Req:
         1..n-1 follow sample 0 (`leader`), which prefills the shared prompt first."""
         p = request.sampling
         ids = list(request.input_ids)
+        routing = dict(want_routed_experts=request.return_routed_experts,
+                       routed_experts_start=request.routed_experts_start_len)
         leader = cls(rid=request.rid, index=0, prompt_ids=ids, params=p, seed=seed,
                      sink=sink, stream=request.stream,
                      want_prompt_logprobs=request.return_prompt_logprobs,
-                     lora_name=request.lora_name, lora_optional=request.lora_optional)
+                     lora_name=request.lora_name, lora_optional=request.lora_optional,
+                     **routing)
         return [leader] + [
             cls(rid=request.rid, index=i, prompt_ids=ids, params=p, seed=seed, sink=sink,
                 stream=request.stream, want_prompt_logprobs=request.return_prompt_logprobs,
                 leader=leader, lora_name=request.lora_name,
-                lora_optional=request.lora_optional) for i in range(1, p.n)]
+                lora_optional=request.lora_optional, **routing) for i in range(1, p.n)]
 
     @property
     def key(self) -> tuple[str, int]:
@@ -142,6 +155,23 @@ class Req:
         last = min(end, len(self.prompt_ids) - 1)
         return range(first, last + 1)
 
+    def keep_routing(self, table: RoutedExpertsTable | None) -> None:
+        """Copy this sample's routing out of `table` before its pages go (a retraction,
+        the finish): positions [0, len(fill_ids) - 1) as far as their steps were read
+        back (`routed_read`: a prefill chunk still in flight has no ids yet).
+        A shorter copy (a sample retracted, then ended part-way into its recompute) never
+        replaces a longer one: the ids of a position are the same whoever computes them.
+        Once finished: its record, from `routed_experts_start`."""
+        if table is None or not self.want_routed_experts:
+            return
+        end = max(min(len(self.fill_ids) - 1, self.routed_read,
+                      len(self.pages) * table.page_size), 0)
+        if self.routed_rows is None or end >= len(self.routed_rows):
+            self.routed_rows = table.rows(self.pages, end)
+        if self.finished:
+            rows = self.routed_rows[:max(len(self.fill_ids) - 1, 0)]
+            self.routed_experts = table.encode(rows, min(self.routed_experts_start, len(rows)))
+
     def wants_more(self) -> bool:
         return not self.finished and self.num_generated < self.params.max_new_tokens
 
@@ -173,4 +203,5 @@ class Req:
             error=error if error is not None else self.error,
             spec_verify_ct=self.spec_verify_ct,
             spec_accepted_tokens=self.spec_accepted_tokens,
+            routed_experts=self.routed_experts if self.finished else None,
         )

@@ -42,6 +42,7 @@ from typing import Protocol
 
 from multiserve.config import EngineConfig
 from multiserve.grammar.matcher_state import GrammarState
+from multiserve.engine.routed_experts import RoutedExpertsTable
 from multiserve.engine.sched.batch import BatchRow, ScheduledBatch
 from multiserve.engine.sched.page_allocator import PageAllocator, pages_needed
 from multiserve.engine.sched.prefix_cache import PrefixCache
@@ -72,7 +73,8 @@ class StepLogprobSource(Protocol):
 class Scheduler:
     def __init__(self, cfg: EngineConfig, allocator: PageAllocator, cache: PrefixCache,
                  max_context: int, max_tokens_per_step: int, max_rows: int,
-                 drafter: DraftSource | None = None) -> None:
+                 drafter: DraftSource | None = None,
+                 routed_experts: RoutedExpertsTable | None = None) -> None:
         self.cfg = cfg
         self.allocator = allocator
         self.cache = cache
@@ -89,6 +91,10 @@ class Scheduler:
         # speculative decoding (engine/spec/): which rows verify drafts, the step costs
         # that decide it, the speculation totals; `drafter` None: off
         self.planner = DraftPlanner(cfg, max_rows, max_context, drafter)
+        # routing replay (engine/routed_experts.py), an engine that captures routed
+        # experts: each Req asking for them copies its rows out before its pages go
+        # (`finish`, `retract`)
+        self.routed_experts = routed_experts
 
     # ---- queries -------------------------------------------------------------------
     def has_work(self) -> bool:
@@ -137,6 +143,7 @@ class Scheduler:
         req.pages = []
         req.num_cached_pages = 0
         req.kv_len = 0
+        req.routed_read = 0
         req.prefill_target = 0
         if req in self._stale_kv:
             self._stale_kv.discard(req)
@@ -187,6 +194,7 @@ class Scheduler:
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         self.reqs.pop(req.key, None)
+        req.keep_routing(self.routed_experts)
         self.remove(req)
         self.planner.finished(req)
 
@@ -203,6 +211,7 @@ class Scheduler:
         original order."""
         for req in reversed(reqs):
             self.running.remove(req)
+            req.keep_routing(self.routed_experts)
             self.release_kv(req)
             req.status = RequestStatus.WAITING
             req.num_retractions += 1
@@ -358,6 +367,7 @@ class Scheduler:
         req.pages = hit_pages + got
         req.num_cached_pages = len(hit_pages)
         req.kv_len = hit
+        req.routed_read = hit  # a cached page's ids: recorded by the step that made it
         req.prefill_target = total
         if not req.admitted_once:
             req.cached_tokens = hit
@@ -414,6 +424,9 @@ class Scheduler:
             if not req.finished and len(req.prompt_logprobs) == j:
                 assert logprobs is not None, "prompt rows always return logprobs"
                 req.prompt_logprobs.append(logprobs.prompt(i, req.prompt_ids[j], req.params))
+        for row in batch.rows:  # the table holds these rows' ids now (core._process)
+            if not row.req.finished:
+                row.req.routed_read = max(row.req.routed_read, row.end)
         deliver: list[Req] = []
         for b, row in enumerate(batch.rows):
             req = row.req

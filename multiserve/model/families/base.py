@@ -14,7 +14,9 @@ interface (`families.family_for(cfg)`), never to a family's forward directly:
   grouped expert product (`grouped_shapes`); the row sums (RMSNorm widths) follow from the
   config for every family (invariance/workload.py, `workload_for`);
 - the compute params a step runs on (`compute_params`: the layouts the plan's kernels read),
-  the decoder up to the final-normed hidden states (`forward_hidden`), the output head
+  the decoder up to the final-normed hidden states (`forward_hidden`; a mixture-of-experts
+  family's `forward_hidden_routed` also returns every token's top-k expert ids per MoE
+  layer, [T, len(cfg.moe_layers), k] int32, for routing replay), the output head
   (`lm_head`), and which step sizes run a scanned decoder (`scans`) and up to which size
   the decoder runs unrolled (`unroll_max_tokens`), for the warm-up's order;
 - what a weight update from disk must agree on (`config_fields`).
@@ -101,6 +103,12 @@ class ModelFamily(Protocol):
     def forward_hidden(self, params: dict[str, Any], kv_pool: Any, batch: Any,
                        cfg: ModelConfig, *, page_size: int, attn_block_size: int,
                        plan: Any) -> tuple[Any, Any]: ...
+
+    def forward_hidden_routed(self, params: dict[str, Any], kv_pool: Any, batch: Any,
+                              cfg: ModelConfig, *, page_size: int, attn_block_size: int,
+                              plan: Any) -> tuple[Any, Any, Any]:
+        """(as forward_hidden, expert ids [T, Lm, k] int32); ValueError for a dense family."""
+        ...
 
     def lm_head(self, params: dict[str, Any], h: Any, plan: Any) -> Any: ...
 

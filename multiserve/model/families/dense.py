@@ -227,6 +227,11 @@ class DenseFamily:
         return forward_hidden(params, kv_pool, batch, cfg, page_size=page_size,
                               attn_block_size=attn_block_size, plan=plan)
 
+    def forward_hidden_routed(self, params: dict[str, Any], kv_pool: Any, batch: Any,
+                              cfg: ModelConfig, *, page_size: int, attn_block_size: int,
+                              plan: Any) -> tuple[Any, Any, Any]:
+        raise ValueError(f"{cfg.architecture} is dense: it routes no tokens to experts")
+
     def lm_head(self, params: dict[str, Any], h: Any, plan: Any) -> Any:
         from multiserve.model.families.llama import lm_head
 

@@ -1,6 +1,7 @@
 """The whole forward of any model family (model/families): its decoder to the final-normed
-hidden states, then the output head, logits in float32. For code that runs a model outside
-an engine (simple_generate, tests); the engine runs the two halves as separate programs
+hidden states, then the output head, logits in float32 (`forward_routed`: and a MoE
+model's routed experts). For code that runs a model outside an engine (simple_generate,
+tests); the engine runs the two halves as separate programs
 (engine/device/step_functions.py). jit with cfg/page_size/attn_block_size/plan static."""
 
 from __future__ import annotations
@@ -25,3 +26,15 @@ def forward(params: dict[str, Any], kv_pool: KVPool, batch: ForwardBatch, cfg: M
     h, kv_pool = family.forward_hidden(params, kv_pool, batch, cfg, page_size=page_size,
                                        attn_block_size=attn_block_size, plan=plan)
     return family.lm_head(params, h, plan).astype(jnp.float32), kv_pool
+
+
+def forward_routed(params: dict[str, Any], kv_pool: KVPool, batch: ForwardBatch,
+                   cfg: ModelConfig, *, page_size: int, attn_block_size: int,
+                   plan: InvariancePlan) -> tuple[jax.Array, KVPool, jax.Array]:
+    """`forward` of a mixture-of-experts model and the top-k expert ids every token row
+    chose in every MoE layer, [T, len(cfg.moe_layers), k] int32 (ValueError: dense)."""
+    family = family_for(cfg)
+    h, kv_pool, experts = family.forward_hidden_routed(
+        params, kv_pool, batch, cfg, page_size=page_size, attn_block_size=attn_block_size,
+        plan=plan)
+    return family.lm_head(params, h, plan).astype(jnp.float32), kv_pool, experts

@@ -71,6 +71,15 @@ def moe_mlp(h: jax.Array, w: dict[str, jax.Array | None], moe_index: int,
     row-invariant product by name) and expert weights (`we_*` [E, K, N] for "gather",
     `we_*_p` the panels of every MoE layer for "native"); `moe_index`: this layer's
     ordinal among the MoE layers."""
+    return moe_mlp_routed(h, w, moe_index, proj, cfg, plans)[0]
+
+
+def moe_mlp_routed(h: jax.Array, w: dict[str, jax.Array | None], moe_index: int,
+                   proj: Any, cfg: ModelConfig, plans: dict[str, ProductPlan]
+                   ) -> tuple[jax.Array, jax.Array]:
+    """`moe_mlp` and the experts each token chose, [T, k] int32 in rank order (the
+    router's top-k: the ids routing replay returns). The same computation: whether the
+    caller keeps the ids changes nothing else."""
     t, k, e = h.shape[0], cfg.num_experts_per_tok, cfg.num_experts
     weights, experts = route(proj(h, "router"), cfg, h.dtype)
     pair_expert = experts.reshape(-1)  # [T*k], pair p = (token p // k, rank p % k)
@@ -92,4 +101,4 @@ def moe_mlp(h: jax.Array, w: dict[str, jax.Array | None], moe_index: int,
     if cfg.shared_expert_intermediate_size:
         shared = proj(swiglu(proj(h, "ws_gate"), proj(h, "ws_up")), "ws_down")
         out = out + jax.nn.sigmoid(proj(h, "ws_router")) * shared
-    return out
+    return out, experts

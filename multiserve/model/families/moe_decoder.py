@@ -35,7 +35,7 @@ from multiserve.model.families.llama import (
 )
 from multiserve.model.layers.norm import rms_norm
 from multiserve.model.layers.rope import rope_inv_freq
-from multiserve.model.families.moe import EXPERT_MATRICES, SHARED_MATRICES, moe_mlp
+from multiserve.model.families.moe import EXPERT_MATRICES, SHARED_MATRICES, moe_mlp_routed
 from multiserve.model.kernels.native import pack_panels
 from multiserve.model.layers.activation import swiglu
 from multiserve.model.invariance.primitives import (
@@ -129,6 +129,31 @@ def forward_hidden(params: dict[str, Any], kv_pool: KVPool, batch: ForwardBatch,
                    plan: InvariancePlan) -> tuple[jax.Array, KVPool]:
     """As llama.forward_hidden, for a MoE family: (final-normed hidden states of the
     `batch.logit_rows` rows [R, D], new kv_pool)."""
+    h, kv_pool, _ = _decoder(params, kv_pool, batch, cfg, page_size=page_size,
+                             attn_block_size=attn_block_size, plan=plan)
+    return h, kv_pool
+
+
+def forward_hidden_routed(params: dict[str, Any], kv_pool: KVPool, batch: ForwardBatch,
+                          cfg: ModelConfig, *, page_size: int, attn_block_size: int,
+                          plan: InvariancePlan) -> tuple[jax.Array, KVPool, jax.Array]:
+    """`forward_hidden` and the routed experts of every token row of the batch (padding
+    rows included): [T, Lm, k] int32, MoE layer j = the j-th of `cfg.moe_layers`, each
+    row's k ids in the router's rank order. The hidden states and K/V are those of
+    `forward_hidden` bit for bit (the same operations; only the ids are kept)."""
+    h, kv_pool, routed = _decoder(params, kv_pool, batch, cfg, page_size=page_size,
+                                  attn_block_size=attn_block_size, plan=plan)
+    t, k = batch.input_ids.shape[0], max(cfg.num_experts_per_tok, 1)
+    experts = jnp.stack(routed, axis=1) if routed else jnp.zeros((t, 0, k), jnp.int32)
+    return h, kv_pool, experts
+
+
+def _decoder(params: dict[str, Any], kv_pool: KVPool, batch: ForwardBatch,
+             cfg: ModelConfig, *, page_size: int, attn_block_size: int,
+             plan: InvariancePlan) -> tuple[jax.Array, KVPool, list[jax.Array]]:
+    """(final-normed hidden states of the logit rows, new kv_pool, the experts [T, k] of
+    each MoE layer in layer order). A caller that drops the list traces no operation for
+    it: the ids are the routing's own values."""
     assert is_compute_params(params) and "mlp" in params, "needs moe_decoder.compute_params"
     x = params["embed"][batch.input_ids]
     freqs = batch.positions.astype(jnp.float32)[:, None] * jnp.asarray(rope_inv_freq(cfg))
@@ -139,6 +164,7 @@ def forward_hidden(params: dict[str, Any], kv_pool: KVPool, batch: ForwardBatch,
     dense_index = {i: j for j, i in enumerate(cfg.dense_mlp_layers)}
     moe_index = {i: j for j, i in enumerate(cfg.moe_layers)}
     expert_plans = {m: plan.product(m) for m in EXPERT_MATRICES} if cfg.moe_layers else {}
+    routed: list[jax.Array] = []  # [T, k] per MoE layer, in layer order
     for i, layer in enumerate(params["layers"]):
         w = _select(layer, params["stacked_layers"], ATTENTION_MATRICES, t, plan)
         x, kv_pool = attention_block(x, kv_pool, i, w, layer_projection(w, i, plan), batch,
@@ -153,7 +179,10 @@ def forward_hidden(params: dict[str, Any], kv_pool: KVPool, batch: ForwardBatch,
                 native = expert_plans[m].formulation(pairs).kernel == "native"
                 mw[m] = None if native else params["mlp"][i][m]
                 mw[f"{m}_p"] = stacked[f"{m}_p"] if native else None
-            x = x + moe_mlp(h, mw, j, layer_projection(mw, j, plan), cfg, expert_plans)
+            y, chosen = moe_mlp_routed(h, mw, j, layer_projection(mw, j, plan), cfg,
+                                       expert_plans)
+            x = x + y
+            routed.append(chosen)
         else:
             j = dense_index[i]
             mw = _select(params["mlp"][i], params["mlp_stacked"]["dense_mlp"],
@@ -161,4 +190,4 @@ def forward_hidden(params: dict[str, Any], kv_pool: KVPool, batch: ForwardBatch,
             proj = layer_projection(mw, j, plan)
             x = proj(swiglu(proj(h, "w_gate"), proj(h, "w_up")), "w_down", residual=x)
     return rms_norm(x[batch.logit_rows], params["final_norm"], cfg.rms_norm_eps,
-                    norm), kv_pool
+                    norm), kv_pool, routed

@@ -250,6 +250,14 @@ class QwenMoeFamily:
         return forward_hidden(params, kv_pool, batch, cfg, page_size=page_size,
                               attn_block_size=attn_block_size, plan=plan)
 
+    def forward_hidden_routed(self, params: dict[str, Any], kv_pool: Any, batch: Any,
+                              cfg: ModelConfig, *, page_size: int, attn_block_size: int,
+                              plan: Any) -> tuple[Any, Any, Any]:
+        from multiserve.model.families.moe_decoder import forward_hidden_routed
+
+        return forward_hidden_routed(params, kv_pool, batch, cfg, page_size=page_size,
+                                     attn_block_size=attn_block_size, plan=plan)
+
     def lm_head(self, params: dict[str, Any], h: Any, plan: Any) -> Any:
         from multiserve.model.families.llama import lm_head
 

@@ -7,7 +7,8 @@ on random data with every probe row placed at several positions (probes.py), and
 keeps, per primitive, formulations whose rows agree BITWISE with one position-invariant
 reference at every size (choice.py). The attention prefers the native CPU kernel where it
 builds and verifies (it reads K/V in place where the XLA formulation materialises every
-key block: docs/performance.md §5), else the XLA formulation's query chunking. A primitive
+key block: docs/performance.md §5), on a GPU or TPU JAX's Pallas paged-attention kernel
+(layers/attention_pallas.py), else the XLA formulation's query chunking. A primitive
 with no position-invariant reference makes the plan unverified (`verified=False`,
 `problems`), loudly.
 
@@ -178,14 +179,15 @@ def _choose(workload: Workload, device: Any, distort: Distort | None, memo: bool
         table += table_rows("row_sum", {"width": width}, cands, sel)
         row_sums.append(RowSumPlan(width, tuple((m, c.rows)
                                                 for m, c in sorted(sel.choice.items()))))
-    sel, shared, kernel, cands = _choose_attention(
+    sel, shared, kernel, interpret, cands = _choose_attention(
         workload.attention, dtype, device, distort,
         probes.probe_rng(*backend, "attention", repr(workload.attention)))
     if not sel.verified:
         problems.append("attention: no query chunking gives position-invariant rows")
     table += table_rows("attention", {}, cands, sel)
     attention = AttentionPlan(tuple((t, (c.desc["chunk"], c.desc["padded"]))
-                                    for t, c in sorted(sel.choice.items())), shared, kernel)
+                                    for t, c in sorted(sel.choice.items())), shared, kernel,
+                              interpret and kernel != "xla")
     plan = InvariancePlan(tuple(products), tuple(row_sums), attention,
                           verified=not problems, problems=tuple(problems))
     return plan, table
@@ -193,11 +195,20 @@ def _choose(workload: Workload, device: Any, distort: Distort | None, memo: bool
 
 def _choose_attention(use: AttentionUse, dtype: Any, device: Any, distort: Distort | None,
                       rng: np.random.Generator
-                      ) -> tuple[Selection, bool, str, list[Candidate]]:
+                      ) -> tuple[Selection, bool, str, bool, list[Candidate]]:
     """choice.choose_attention over the candidates of one attention probe, made lazily as
-    it asks for them. Returns (the selection, shared keys, the kernel, every candidate
-    probed, in the order probed)."""
+    it asks for them: the kernel invariant by construction is the native one on the CPU,
+    the Pallas one on a GPU or TPU (or the one MULTISERVE_ATTENTION_KERNEL forces). Returns
+    (the selection, shared keys, the kernel, whether a Pallas kernel is interpreted, every
+    candidate probed, in the order probed)."""
     probe = probes.AttentionProbe(use, dtype, device, distort, rng)
-    native = probe.native if probes.native_attention_usable(use, dtype, device) else None
-    sel, shared, kernel = choose_attention(use.sizes, QUERY_CHUNKS, native, probe.candidate)
-    return sel, shared, kernel, list(probe.done.values())
+    pallas = probes.pallas_attention_kernel(use, device)
+    if pallas is not None:
+        name, interpret = pallas
+        first: Callable[[int], Candidate] | None = probe.pallas(name, interpret)
+    else:
+        name, interpret = "native", False
+        first = probe.native if probes.native_attention_usable(use, dtype, device) else None
+    sel, shared, kernel = choose_attention(use.sizes, QUERY_CHUNKS, first, probe.candidate,
+                                           name)
+    return sel, shared, kernel, interpret, list(probe.done.values())

@@ -13,8 +13,9 @@ last resort; if no anchor's rows are position-invariant the primitive has no inv
 (`verified=False`): the fastest candidate per size, flagged.
 
 Attention (`choose_attention`): an order of preference, not timing (probing every chunking
-at every size would cost more than it tells): the native kernel where it runs and every
-size's rows equal its own reference; else the first position-invariant XLA reference in
+at every size would cost more than it tells): the platform's kernel invariant by
+construction (the native CPU kernel, or a Pallas kernel on a GPU or TPU) where it runs and
+every size's rows equal its own reference; else the first position-invariant XLA reference in
 preference order (`attention_preference`; shared keys first) and, per size, the first
 candidate in that order whose rows equal it.
 
@@ -114,16 +115,17 @@ def attention_preference(tokens: int, top: int, chunks: Sequence[int]
 
 def choose_attention(sizes: Sequence[int], chunks: Sequence[int],
                      native: Callable[[int], Candidate] | None,
-                     xla: Callable[[int, int, int, bool], Candidate]
-                     ) -> tuple[Selection, bool, str]:
+                     xla: Callable[[int, int, int, bool], Candidate],
+                     native_kernel: str = "native") -> tuple[Selection, bool, str]:
     """The attention plan (module docstring) over candidates made on demand, in the order
-    asked: `native(T)` the native kernel at T tokens (None: it cannot run here), `xla(T,
-    chunk, padded, shared)` the XLA formulation. The native kernel wins if its rows at the
-    largest size are position-invariant and every size's rows equal them. Else the first
+    asked: `native(T)` the platform's kernel invariant by construction at T tokens, named
+    `native_kernel` ("native" on the CPU, "pallas_gpu" / "pallas_tpu"; None: none runs
+    here), `xla(T, chunk, padded, shared)` the XLA formulation. That kernel wins if its
+    rows at the largest size are position-invariant and every size's rows equal them. Else the first
     position-invariant XLA reference in preference order at the largest size; then, for
     every size, the first candidate in preference order whose rows equal the reference's;
     none: the reference itself, the step padded to the largest size (last resort).
-    Returns (the selection, shared keys, the kernel: "native" or "xla")."""
+    Returns (the selection, shared keys, the kernel: `native_kernel` or "xla")."""
     top = max(sizes)
     if native is not None:
         anchor = native(top)
@@ -131,9 +133,9 @@ def choose_attention(sizes: Sequence[int], chunks: Sequence[int],
         if anchor.agrees(ref):
             choice = {t: native(t) for t in sizes}
             if all(c.agrees(ref) for c in choice.values()):
-                return Selection(choice, anchor, True), False, "native"
-        log.warning("the native attention kernel's rows are not invariant on this backend; "
-                    "using the XLA formulation")
+                return Selection(choice, anchor, True), False, native_kernel
+        log.warning("the %s attention kernel's rows are not invariant on this backend; "
+                    "using the XLA formulation", native_kernel)
     for chunk, padded in attention_preference(top, top, chunks):
         for shared in ((True, False) if chunk > 1 else (False,)):
             anchor = xla(top, chunk, padded, shared)

@@ -15,8 +15,10 @@ that runs the engine (`model/invariance/calibration.py`) and written down here, 
   matrix, an XLA batched product), both at M rows (no padding);
 - `RowSumPlan`, per row width: the row count each sum over the last axis is padded to
   (a row sum is an NT product with a block of ones: `primitives.row_sum`);
-- `AttentionPlan`: which kernel ("xla": the pure-JAX formulation, or "native": the CPU
-  kernel of kernels/native.py, invariant by construction and verified like the rest);
+- `AttentionPlan`: which kernel ("xla": the pure-JAX formulation; "native": the CPU
+  kernel of kernels/native.py; "pallas_gpu" / "pallas_tpu": JAX's Pallas paged-attention
+  kernels, layers/attention_pallas.py; the last three invariant by construction and
+  verified like the rest);
   for the XLA formulation, for each token count T, the query chunk C and the row count T
   is padded to, and whether a chunk of one sequence may gather its keys once
   (`shared_keys`).
@@ -39,7 +41,7 @@ from typing import Any
 # "gather" serves grouped (mixture-of-experts) products only: each row against its own
 # expert's matrix, gathered ([M, K] x [M, K, N] batched over rows)
 KERNELS = ("plain", "nt", "native", "gather")
-ATTENTION_KERNELS = ("xla", "native")
+ATTENTION_KERNELS = ("xla", "native", "pallas_gpu", "pallas_tpu")
 
 
 @dataclass(frozen=True)
@@ -99,11 +101,14 @@ class AttentionPlan:
     """Paged attention. kernel "xla": a T-token step runs chunks of `chunk` query rows over
     T padded to `padded` rows; `shared_keys`: a chunk whose rows are one sequence gathers
     each key block once (else every row gathers its own). kernel "native": the native
-    kernel computes every (token, head) alone at any T (the table is then (T, (1, T)))."""
+    kernel computes every (token, head) alone at any T (the table is then (T, (1, T))), and
+    so do the Pallas kernels "pallas_gpu" / "pallas_tpu" (layers/attention_pallas.py);
+    `interpret`: a Pallas kernel runs in Pallas interpret mode (tests on the CPU)."""
 
     by_tokens: tuple[tuple[int, tuple[int, int]], ...]  # (T, (chunk, padded T))
     shared_keys: bool
     kernel: str = "xla"
+    interpret: bool = False
 
     def __post_init__(self) -> None:
         if self.kernel not in ATTENTION_KERNELS:
@@ -154,7 +159,8 @@ class InvariancePlan:
                          for r in self.row_sums],
             "attention": {"kernel": self.attention.kernel,
                           "by_tokens": [[t, c, p] for t, (c, p) in self.attention.by_tokens],
-                          "shared_keys": self.attention.shared_keys},
+                          "shared_keys": self.attention.shared_keys,
+                          "interpret": self.attention.interpret},
         }
 
     @classmethod
@@ -168,7 +174,8 @@ class InvariancePlan:
             attention=AttentionPlan(tuple((int(t), (int(c), int(p))) for t, c, p in
                                           d["attention"]["by_tokens"]),
                                     bool(d["attention"]["shared_keys"]),
-                                    str(d["attention"].get("kernel", "xla"))),
+                                    str(d["attention"].get("kernel", "xla")),
+                                    bool(d["attention"].get("interpret", False))),
             verified=bool(d["verified"]), problems=tuple(d.get("problems", ())))
 
 

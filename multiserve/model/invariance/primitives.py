@@ -203,7 +203,10 @@ def with_transposed(params: dict[str, Any], cfg: ModelConfig, stacked_t: bool = 
       indexes by layer itself (no per-layer copy, none in a scan either);
     - `embed`, `final_norm`: the canonical arrays (shared, no copy);
     - the output head as `head_w` [D, V] and `head_wt` [V, D] (tied embeddings reuse
-      `embed` as `head_wt`: no copy), and with "native" its panels `head_wp`.
+      `embed` as `head_wt`: no copy), and with "native" its panels `head_wp`; the one of
+      the two that is a transposed copy is None where no kernel of `kernels` reads its
+      layout ("plain" reads `head_w`, "nt" `head_wt`): a head the plan runs natively
+      holds no [D, V] copy (113 MB for SmolLM2-135M in float32).
     Copies keep their source's sharding (minus the layer axis; transposed for `_t`).
     `matrices`: the layer matrices of `params["layers"]` (a MoE family passes the attention
     projections only; its MLP groups have their own layouts, moe_decoder.py).
@@ -244,6 +247,12 @@ def with_transposed(params: dict[str, Any], cfg: ModelConfig, stacked_t: bool = 
         out["head_w"], out["head_wt"] = params["lm_head"], head
     if "native" in kernels:
         out["head_wp"] = pack_tree(out["head_w"])
+    # a transposed head copy in a layout no kernel of the plan reads is dropped (None): the
+    # canonical head (embed, or lm_head) always stays
+    for key, kernel in (("head_w", "plain"), ("head_wt", "nt")):
+        if kernel not in kernels and out[key] is head:
+            head.delete()
+            out[key] = None
     return out
 
 

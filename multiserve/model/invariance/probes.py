@@ -11,7 +11,7 @@ candidate timed. What to choose from them is choice.py's job; this file only mea
   every routed-pair count, the rows sorted by expert as the MoE layer sorts them;
 - row sums (`probe_row_sum`): the ones-product padded to every count used and to PAD_SIZES;
 - attention (`AttentionProbe`): paged attention on fixed probe rows, candidates (the
-  native CPU kernel, the XLA formulation's query chunkings with and without shared keys)
+  native CPU kernel, a GPU's or TPU's Pallas kernel, the XLA formulation's query chunkings with and without shared keys)
   made on demand.
 
 Every probe compiles with the XLA options of the steps it verifies (`probe_jit`:
@@ -45,6 +45,7 @@ from multiserve.model.invariance.workload import AttentionUse, GroupedUse, Produ
 from multiserve.model.invariance.xla_options import step_options
 from multiserve.model.kernels import native as native_kernels
 from multiserve.model.layers.attention import paged_attention
+from multiserve.model.layers.attention_pallas import KERNEL_PLATFORM, forced_kernel
 from multiserve.model.layers.forward_batch import ForwardBatch
 
 PAD_SIZES = (2, 4, 8, 16, 32, 64)  # extra row counts a small step may be padded to
@@ -151,6 +152,21 @@ def native_products_usable(dtype: Any, device: Any) -> bool:
     name = str(jnp.dtype(dtype))
     return (native_kernels.supports_products(device.platform, name)
             and native_kernels.unavailable_reason(name) is None)
+
+
+def pallas_attention_kernel(use: AttentionUse, device: Any) -> tuple[str, bool] | None:
+    """(the Pallas attention kernel that may be a candidate here, whether it runs in
+    interpret mode), or None: "pallas_gpu" on a GPU, "pallas_tpu" on a TPU, or the kernel
+    forced by MULTISERVE_ATTENTION_KERNEL (attention_pallas.forced_kernel), interpreted on a
+    platform it was not made for. Not for a tensor-parallel attention (a pallas_call is not
+    partitioned by GSPMD)."""
+    if use.sharded:
+        return None
+    forced = forced_kernel()
+    kernel = forced or {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}.get(device.platform)
+    if kernel is None:
+        return None
+    return kernel, KERNEL_PLATFORM[kernel] != device.platform
 
 
 def native_attention_usable(use: AttentionUse, dtype: Any, device: Any) -> bool:
@@ -298,6 +314,7 @@ class AttentionProbe:
         self.q = host(rng.standard_normal((top, heads, use.head_dim)), dtype)
         self.seq, self.pos = seq, pos
         self.done: dict[tuple[int, int, int, bool, str], Candidate] = {}
+        self.interpret = False  # the Pallas candidates run in interpret mode (`pallas`)
 
     def candidate(self, tokens: int, chunk: int, padded: int, shared: bool,
                   kernel: str = "xla") -> Candidate:
@@ -311,10 +328,16 @@ class AttentionProbe:
         """The native kernel at T tokens (it has no chunking: every row alone)."""
         return self.candidate(tokens, 1, tokens, False, "native")
 
+    def pallas(self, kernel: str, interpret: bool) -> Callable[[int], Candidate]:
+        """The Pallas kernel `kernel` at T tokens, as `native` (every row alone)."""
+        self.interpret = interpret
+        return lambda tokens: self.candidate(tokens, 1, tokens, False, kernel)
+
     def _run(self, tokens: int, chunk: int, padded: int, shared: bool,
              kernel: str) -> Candidate:
         use = self.use
-        plan = AttentionPlan(((tokens, (chunk, padded)),), shared, kernel)
+        plan = AttentionPlan(((tokens, (chunk, padded)),), shared, kernel,
+                             self.interpret and kernel.startswith("pallas"))
         table, k_pool, v_pool, num_seqs = self.table, self.k_pool, self.v_pool, self.num_seqs
 
         def attend_rows(qs: jax.Array, ps: jax.Array, ss: jax.Array) -> jax.Array:

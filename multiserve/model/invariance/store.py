@@ -27,6 +27,7 @@ from multiserve.cache_files import cache_root, exclusive
 from multiserve.model.invariance.choice import Candidate
 from multiserve.model.invariance.workload import Workload
 from multiserve.model.kernels import native as native_kernels
+from multiserve.model.layers.attention_pallas import forced_kernel
 
 log = logging.getLogger("multiserve.calibration")
 
@@ -50,6 +51,9 @@ def backend_key(device: Any, workload: Workload) -> dict[str, Any]:
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "workload": asdict(workload),
     }
+    forced = forced_kernel()
+    if forced is not None:  # a test's forced Pallas attention: never another run's plan
+        key["attention_kernel_forced"] = forced
     if not workload.grouped:  # a dense model's key stays what it was before MoE existed
         del key["workload"]["grouped"]
     if device.platform == "cpu":

@@ -1,8 +1,10 @@
 """Paged, batch-invariant causal attention: the ONE function a device kernel may replace.
 
-Two kernels, chosen by the engine's `AttentionPlan` (calibrated, model/invariance/calibration.py):
+Kernels, chosen by the engine's `AttentionPlan` (calibrated, model/invariance/calibration.py):
 "native", the CPU kernel of kernels/native.py (reads K/V in place, invariant by
-construction), and "xla", the pure-JAX formulation below (every platform).
+construction); "pallas_gpu" / "pallas_tpu", JAX's Pallas paged-attention kernels on those
+platforms (attention_pallas.py: reads K/V in place, invariant by construction); and "xla",
+the pure-JAX formulation below (every platform).
 
 `paged_attention` computes, for every new token t of sequence s = token_seq[t] at position
 p = positions[t], softmax(q_t . K_s / sqrt(head_dim)) V_s over the keys at positions <= p,
@@ -35,6 +37,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from multiserve.model.layers.attention_pallas import PALLAS_KERNELS, paged_attention_pallas
 from multiserve.model.layers.forward_batch import ForwardBatch
 from multiserve.model.invariance.plan import AttentionPlan
 from multiserve.model.kernels.native import paged_attention_native
@@ -149,6 +152,9 @@ def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer: i
     """
     if plan.kernel == "native":
         return paged_attention_native(q, k_pool, v_pool, layer, batch, page_size=page_size)
+    if plan.kernel in PALLAS_KERNELS:
+        return paged_attention_pallas(q, k_pool, v_pool, layer, batch, page_size=page_size,
+                                      kernel=plan.kernel, interpret=plan.interpret)
     num_tokens, num_heads, head_dim = q.shape
     kv_heads = k_pool.shape[1]
     group = num_heads // kv_heads

@@ -9,25 +9,12 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import openai
 import pytest
-from transformers import AutoTokenizer
 
 pytestmark = pytest.mark.slow
 
 MSGS = [{"role": "user", "content": "Write one sentence about the sea."}]
 IDS = {"return_token_ids": True}
-
-
-@pytest.fixture(scope="module")
-def client(served):
-    with openai.OpenAI(base_url=served.url + "/v1", api_key="none", max_retries=0) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def hf_tok(served):
-    return AutoTokenizer.from_pretrained(str(served.engine.tokenizer_dir))
 
 
 def _native_ids(served, prompt_ids: list[int], sampling: dict[str, Any]) -> list[list[int]]:

@@ -1,0 +1,64 @@
+"""What an engine says it holds (get_internal_state "memory", engine/memory_report.py): the
+weights' bytes are the params' shapes times the dtype, the KV pool's are its tokens times
+bytes per token, the compiled programs are counted, and a pool sized by the host rule says
+so (engine/kv_sizing.py)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import jax
+from conftest import TINY_MODEL
+from engine_helpers import TINY_ENGINE
+
+from multiserve.model.loading.param_layout import param_shapes
+
+# K and V, 2 layers x 2 KV heads x 16 dims, float32
+TINY_F32_TOKEN = 2 * TINY_MODEL.num_layers * TINY_MODEL.num_kv_heads * TINY_MODEL.head_dim * 4
+
+
+def _param_bytes() -> int:
+    shapes = [s for s in jax.tree.leaves(param_shapes(TINY_MODEL),
+                                         is_leaf=lambda x: isinstance(x, tuple))]
+    return sum(math.prod(s) for s in shapes) * 4
+
+
+def test_memory_block_counts_weights_kv_and_programs(tiny_engine: Any) -> None:
+    assert tiny_engine.wait_compiled(120)
+    state = tiny_engine.get_internal_state()
+    mem = state["memory"]
+    assert mem["weights_params_bytes"] == _param_bytes()
+    assert mem["weights_bytes"] == mem["weights_params_bytes"] + mem["weights_copies_bytes"]
+    assert mem["weights_copies_bytes"] >= 0
+    assert mem["kv_bytes_per_token"] == TINY_F32_TOKEN
+    assert mem["kv_pool_tokens"] == TINY_ENGINE["max_total_tokens"] == state["max_total_tokens"]
+    assert mem["kv_pool_padding_tokens"] == TINY_ENGINE["page_size"]
+    assert mem["kv_pool_bytes"] == (mem["kv_pool_tokens"] + mem["kv_pool_padding_tokens"]) \
+        * mem["kv_bytes_per_token"]
+    assert (mem["kv_pool_rule"], mem["kv_pool_budget_bytes"]) == ("explicit", None)
+    programs = mem["programs"]
+    # every compiled bucket is at least one executable (a head: logits and sampler)
+    assert programs["count"] >= len(state["compile"]["compiled"]) > 0
+    assert programs["temp_bytes_total"] >= programs["temp_bytes_max"] >= 0
+    assert programs["generated_code_bytes"] is None or programs["generated_code_bytes"] > 0
+    assert mem["released"] == []
+
+
+def test_an_unsized_pool_follows_the_host_rule(tiny_model_dir: Path) -> None:
+    from multiserve.config import EngineConfig
+    from multiserve.engine.engine import Engine
+
+    cfg = EngineConfig(model_path=str(tiny_model_dir), **{
+        **TINY_ENGINE, "max_total_tokens": None, "host_kv_max_tokens": 1024, "warmup": False})
+    eng = Engine(cfg)
+    try:
+        mem = eng.get_internal_state()["memory"]
+    finally:
+        eng.shutdown()
+    # the tiny model's tokens are small: 10% of any host's share holds more than the cap
+    assert mem["kv_pool_rule"] == "host memory"
+    assert mem["kv_pool_tokens"] == 1024
+    assert mem["kv_pool_budget_bytes"] > 1024 * TINY_F32_TOKEN
+    assert mem["kv_pool_bytes"] == (1024 + TINY_ENGINE["page_size"]) * TINY_F32_TOKEN

@@ -1,0 +1,203 @@
+"""The Pallas attention kernels (model/layers/attention_pallas.py) on the CPU, in Pallas
+interpret mode: against the XLA formulation over a mixed step (decode rows and a prefill
+chunk, several pages, GQA), row invariance bitwise, and the calibration choosing them when
+forced (MULTISERVE_ATTENTION_KERNEL).
+
+Tolerances (max abs difference from the XLA formulation, unit-variance random q/K/V):
+float32 pool: GPU kernel 1e-5 (reassociation only); TPU kernel 2e-2 (it casts K/V to
+bfloat16 inside). bfloat16 pool: 2e-2 for both (outputs are bfloat16, one ulp near 1 is
+2^-7; the GPU kernel also rounds q and its split partials to bfloat16). The tiny model's
+logits: GPU kernel 1e-3; TPU kernel 3% of the largest logit.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from multiserve.model.invariance.plan import AttentionPlan
+from multiserve.model.layers.attention import paged_attention
+from multiserve.model.layers import attention_pallas
+from multiserve.model.layers.attention_pallas import FORCE_ENV, pinned_blocks
+from multiserve.model.layers.forward_batch import ForwardBatch
+
+LAYERS, KV, GROUP, HEAD_DIM, PAGE = 2, 2, 2, 16, 4
+PAGES = 24
+BLOCK = 8  # the XLA formulation's key block
+# sequence 0: 14 pages (a long decode row: more than one pinned GPU split at page size 4);
+# sequence 1: 5 pages (a prefill chunk across pages); sequence 2: 3 pages
+TABLE = np.zeros((3, 16), np.int32)
+TABLE[0, :14] = np.arange(1, 15)
+TABLE[1, :5] = np.arange(15, 20)
+TABLE[2, :3] = np.arange(20, 23)
+# a mixed step: decode rows of sequences 0 and 2, a prefill chunk of sequence 1 (positions
+# 3..12, across pages 0..3)
+SEQ = np.array([0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 2], np.int32)
+POS = np.array([53, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 9], np.int32)
+TOLERANCE = {("pallas_gpu", "float32"): 1e-5, ("pallas_tpu", "float32"): 2e-2,
+             ("pallas_gpu", "bfloat16"): 2e-2, ("pallas_tpu", "bfloat16"): 2e-2}
+KERNELS = ("pallas_gpu", "pallas_tpu")
+
+
+@pytest.fixture(params=["pinned", "small"])
+def blocks(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The pinned block sizes, or small ones (compute blocks of 2 pages, GPU splits of 4:
+    sequence 0's decode row then spans 4 splits, 2 of them partly past its length)."""
+    if request.param == "small":
+        monkeypatch.setattr(attention_pallas, "COMPUTE_BLOCK_TOKENS", 2 * PAGE)
+        monkeypatch.setattr(attention_pallas, "SPLIT_TOKENS", 4 * PAGE)
+    return str(request.param)
+
+
+def _pools(dtype: str) -> tuple[jax.Array, jax.Array, jax.Array]:
+    rng = np.random.default_rng(7)
+    shape = (LAYERS, KV, PAGES * PAGE, HEAD_DIM)
+    q = rng.standard_normal((len(SEQ), KV * GROUP, HEAD_DIM))
+    return (jnp.asarray(q, dtype), jnp.asarray(rng.standard_normal(shape), dtype),
+            jnp.asarray(rng.standard_normal(shape), dtype))
+
+
+def _batch(pos: np.ndarray, seq: np.ndarray) -> ForwardBatch:
+    n = len(pos)
+    return ForwardBatch(input_ids=jnp.zeros(n, jnp.int32), positions=jnp.asarray(pos),
+                        token_seq=jnp.asarray(seq), out_slots=jnp.zeros(n, jnp.int32),
+                        page_table=jnp.asarray(TABLE),
+                        seq_lens=jnp.zeros(TABLE.shape[0], jnp.int32),
+                        logit_rows=jnp.zeros(1, jnp.int32))
+
+
+def _attend(kernel: str, interpret: bool = True):  # type: ignore[no-untyped-def]
+    """jit(q, k_pool, v_pool, layer (traced, as in the scanned decoder), pos, seq)."""
+
+    def run(q, k, v, layer, pos, seq):  # type: ignore[no-untyped-def]
+        n = q.shape[0]
+        plan = AttentionPlan(((n, (1, n)),), False, kernel, interpret and kernel != "xla")
+        return paged_attention(q, k, v, layer, _batch(pos, seq), page_size=PAGE,
+                               block_size=BLOCK, plan=plan)
+
+    return jax.jit(run)
+
+
+def test_pinned_blocks_do_not_depend_on_the_step() -> None:
+    # a function of the page size alone: the split is a whole number of compute blocks
+    for page in (1, 4, 16, 64, 256):
+        per_block, per_split = pinned_blocks(page)
+        assert per_block >= 1 and per_split % per_block == 0
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_matches_the_xla_formulation(kernel: str, dtype: str, blocks: str) -> None:
+    q, k, v = _pools(dtype)
+    layer = jnp.int32(1)
+    ref = _attend("xla")(q, k, v, layer, POS, SEQ)
+    out = _attend(kernel)(q, k, v, layer, POS, SEQ)
+    assert out.dtype == q.dtype and out.shape == q.shape
+    err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref.astype(jnp.float32))))
+    assert err <= TOLERANCE[(kernel, dtype)], err
+    # the other layer gives other values (the layer index is honoured)
+    other = _attend(kernel)(q, k, v, jnp.int32(0), POS, SEQ)
+    assert float(jnp.max(jnp.abs(other.astype(jnp.float32) - out.astype(jnp.float32)))) > 0.1
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_rows_are_batch_invariant_bitwise(kernel: str, blocks: str) -> None:
+    q, k, v = _pools("float32")
+    attend = _attend(kernel)
+    layer = jnp.int32(1)
+    full = np.asarray(attend(q, k, v, layer, POS, SEQ))
+    decode = np.array([0, 11])  # the decode rows
+    # each decode row alone, the decode rows together, and beside the prefill (`full`)
+    for i in decode:
+        alone = np.asarray(attend(q[i:i + 1], k, v, layer, POS[i:i + 1], SEQ[i:i + 1]))
+        np.testing.assert_array_equal(alone[0], full[i])
+    both = np.asarray(attend(q[decode], k, v, layer, POS[decode], SEQ[decode]))
+    np.testing.assert_array_equal(both, full[decode])
+    # the prefill chunk alone, and the whole step in another order
+    chunk = np.arange(1, 11)
+    alone = np.asarray(attend(q[chunk], k, v, layer, POS[chunk], SEQ[chunk]))
+    np.testing.assert_array_equal(alone, full[chunk])
+    perm = np.random.default_rng(3).permutation(len(SEQ))
+    shuffled = np.asarray(attend(q[perm], k, v, layer, POS[perm], SEQ[perm]))
+    np.testing.assert_array_equal(shuffled, full[perm])
+
+
+def test_the_calibration_chooses_a_forced_pallas_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    from multiserve.model.invariance.calibration import calibrate
+    from multiserve.model.invariance.probes import pallas_attention_kernel
+    from multiserve.model.invariance.store import backend_key
+    from multiserve.model.invariance.workload import AttentionUse, Workload
+
+    use = AttentionUse(kv_heads=KV, group=GROUP, head_dim=HEAD_DIM, page_size=PAGE,
+                       block_size=BLOCK, sizes=(1, 4, 8))
+    workload = Workload(dtype="float32", products=(), row_sums=(), attention=use)
+    device = jax.devices()[0]
+    plain_key = backend_key(device, workload)
+    assert pallas_attention_kernel(use, device) is None  # the CPU: none unless forced
+    monkeypatch.setenv(FORCE_ENV, "pallas_gpu")
+    assert pallas_attention_kernel(use, device) == ("pallas_gpu", True)
+    assert backend_key(device, workload) != plain_key  # a forced plan is cached apart
+    cal = calibrate(workload, device, use_cache=False)
+    attention = cal.plan.attention
+    assert (attention.kernel, attention.interpret, cal.plan.verified) == (
+        "pallas_gpu", True, True)
+    assert all(chunk == 1 and padded == t for t, (chunk, padded) in attention.by_tokens)
+    # the probe's kernel rows at every size are the reference's: the candidates it made
+    probe_rows = [r for r in cal.table if r["kernel"] == "pallas_gpu"]
+    assert sorted(r["tokens"] for r in probe_rows) == [1, 4, 8]
+    assert all(r["matches_reference"] for r in probe_rows)
+    monkeypatch.setenv(FORCE_ENV, "no_such_kernel")
+    with pytest.raises(ValueError, match=FORCE_ENV):
+        pallas_attention_kernel(use, device)
+
+
+def _sims(kernel: str):  # type: ignore[no-untyped-def]
+    """Two simulators of the tiny model on the same params and page assignment: the
+    default plan's attention (this CPU's), and the same plan with `kernel` interpreted."""
+    from dataclasses import replace
+
+    from model_helpers import TINY_LLAMA, PagedSim
+
+    from multiserve.model.loading.param_layout import init_random_params
+
+    cfg = TINY_LLAMA
+    params = jax.device_put(init_random_params(cfg, seed=7, scale=0.3))
+    make = lambda plan=None: PagedSim(params, cfg, page_size=PAGE, block_size=16,  # noqa: E731
+                                      num_pages=64, max_pages=16, seed=1, plan=plan)
+    base = make()
+    sizes = (1, 2, 4, 8, 16, 32)
+    plan = replace(base.plan, attention=AttentionPlan(tuple((t, (1, t)) for t in sizes),
+                                                      False, kernel, True))
+    return base, make(plan), cfg
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_model_forward_with_pallas_attention(kernel: str) -> None:
+    """The whole tiny model (2 layers, scanned and unrolled decoders alike take the plan's
+    attention) with the Pallas kernel: logits close to the default plan's, and a decode
+    row's logits bitwise the same alone and beside a prefill chunk."""
+    rng = np.random.default_rng(11)
+    base, sim, cfg = _sims(kernel)
+    tokens = {n: [int(t) for t in rng.integers(3, cfg.vocab_size, 40)] for n in "xyz"}
+    got = {}
+    for name, s in (("xla", base), ("pallas", sim)):
+        for n, toks in tokens.items():
+            s.add(n, toks)
+        first = s.step([("x", 21), ("y", 9)], T=32, B=4, R=4,
+                       logits_for={"x": [0, 10, 20], "y": [8]})
+        mixed = s.step([("x", 1), ("z", 13)], T=16, B=4, R=4, logits_for={"x": [21]})
+        got[name] = {**first, **mixed}
+    for key, ref in got["xla"].items():
+        # GPU kernel: 1e-3 absolute; TPU kernel (bfloat16 K/V inside): 3% of the largest
+        # logit (|logits| up to ~5 here, through two layers)
+        tol = 1e-3 if kernel == "pallas_gpu" else 3e-2 * float(np.max(np.abs(ref)))
+        assert float(np.max(np.abs(got["pallas"][key] - ref))) <= tol, key
+    # the decode row of x at position 21 again, alone, on a fresh simulator
+    _, alone, _ = _sims(kernel)
+    for n, toks in tokens.items():
+        alone.add(n, toks)
+    alone.step([("x", 21), ("y", 9)], T=32, B=4, R=4)
+    solo = alone.step([("x", 1)], T=1, B=1, R=1)
+    np.testing.assert_array_equal(solo[("x", 21)], got["pallas"][("x", 21)])

@@ -1,0 +1,45 @@
+"""`multiserve doctor --target cuda|tpu` (doctor_target.py) on this CPU-only machine: the
+whole model forward and the engine's FORWARD and FUSED step programs of the default model
+and of the 1B-shaped random bfloat16 model lower for each accelerator with `jax.export`,
+with that platform's Pallas attention kernel in the program, and the report names the
+kernels the target starts from."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from multiserve.cli import main
+
+
+@pytest.mark.parametrize("target,kernel", [("cuda", "pallas_gpu"), ("tpu", "pallas_tpu")])
+def test_doctor_target_lowers_both_models(target: str, kernel: str,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["doctor", "--target", target, "--json"])
+    report = json.loads(capsys.readouterr().out)
+    failures = [e["error"] for m in report["models"] for e in m["exports"] if e["error"]]
+    assert rc == 0 and report["lowered"], failures
+    assert report["target"] == target and report["host_platform"] == "cpu"
+    default, big = report["models"]
+    assert (default["shape"]["layers"], default["shape"]["hidden"]) == (30, 576)  # SmolLM2-135M
+    assert (big["shape"]["layers"], big["shape"]["hidden"], big["dtype"]) == (16, 2048,
+                                                                               "bfloat16")
+    for model in report["models"]:
+        assert model["attention"]["kernel"] == kernel
+        assert {p["name"] for p in model["products"]} >= {"wq", "w_down", "head"}
+        assert model["problems"] and "not calibrated" in model["problems"][0]
+        # the model forward of a decode step (unrolled decoder) and of the largest mixed
+        # step (scanned), then the engine's FORWARD and FUSED programs of a decode step,
+        # each holding the Pallas kernel
+        assert [(e["tokens"], e["scanned"]) for e in model["exports"]] == [
+            (16, False), (512, True), (16, False), (16, False)]
+        assert "FUSED" in model["exports"][3]["what"]
+        assert all(e["pallas_calls"] >= 1 for e in model["exports"])
+
+
+def test_doctor_target_text(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["doctor", "--target", "cuda"]) == 0
+    out = capsys.readouterr().out
+    assert "attention kernel: pallas_gpu" in out and "LOWERED: True" in out
+    assert out.count("lowered for cuda") == 8
