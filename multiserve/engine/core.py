@@ -145,8 +145,7 @@ class EngineCore:
             slots.append(self._lora_slot(req.lora_name, req.lora_optional))
         check_admission(self.scheduler.waiting, reqs, self.admission)  # or EngineOverloaded
         for req, slot in zip(reqs, slots, strict=True):
-            req.lora_slot = slot
-            self.scheduler.add(req)
+            self.scheduler.add(req, lora_slot=slot)
             if req.grammar is not None and req.grammar.failed:
                 self.finish(req, "abort", "the grammar rejected tokens of the resumed output "
                             f"(grammar_resumed={req.params.grammar_resumed}): "

@@ -178,8 +178,10 @@ class Scheduler:
         return total
 
     # ---- admission / removal -------------------------------------------------------
-    def add(self, req: Req) -> None:
-        """A new live Req, waiting (its key is not live: the caller checked)."""
+    def add(self, req: Req, lora_slot: int = 0) -> None:
+        """A new live Req, waiting (its key is not live: the caller checked), computed with
+        the LoRA adapter in `lora_slot` (0: none; the core resolved its name)."""
+        req.lora_slot = lora_slot
         self.reqs[req.key] = req
         if req.params.grammar is not None and req.grammar is None:
             k = min(req.params.grammar_resumed, len(req.prompt_ids))
