@@ -20,6 +20,7 @@ an adapter loaded from in-memory tensors cannot be reloaded by an undone unload.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -68,6 +69,28 @@ def _refusals(out: dict[str, Any]) -> str:
                      if not r["success"])
 
 
+Run = Callable[[EngineClient], Awaitable[ControlResult]]
+
+
+async def _all_or_none(sup: Supervisor, op: str, do: Run, undo_op: str, undo: Run,
+                       done: str, kept: str, undo_failed: str) -> tuple[int, dict[str, Any]]:
+    """(status, body) of `do` on every engine (broadcast as `op`); where an engine refused,
+    `undo` (broadcast as `undo_op`) on every engine, which puts back the engines `do`
+    changed. Messages: `done` on success, `kept` when undone, `undo_failed` names the
+    engines the undo failed on."""
+    status, out = await sup.broadcast(op, do)
+    if status == 200:
+        return 200, {"success": True, "message": f"{op}: {done} on all "
+                     f"{len(out['engines'])} engines", "engines": out["engines"]}
+    _, undone = await sup.broadcast(undo_op, undo)
+    left = [r["engine"] for r in undone["engines"] if not r["success"]]
+    note = f" ({undo_failed} FAILED on engines {left}: {_refusals(undone)})" if left else ""
+    return _status(status, out), {
+        "success": False, "message": f"{op}: {kept}{note}: {_refusals(out)}",
+        "failed_engines": [r["engine"] for r in out["engines"] if not r["success"]],
+        "engines": out["engines"], "undo": undone["engines"]}
+
+
 async def load_everywhere(sup: Supervisor, name: str, path: str
                           ) -> tuple[int, dict[str, Any]]:
     """(status, body) of loading adapter `name` from `path` on every engine, or none."""
@@ -79,24 +102,14 @@ async def load_everywhere(sup: Supervisor, name: str, path: str
             loaded.add(id(e))
         return res
 
-    status, out = await sup.broadcast("load_lora_adapter", load)
-    if status == 200:
-        return 200, {"success": True, "message": f"load_lora_adapter: {name!r} loaded on "
-                     f"all {len(out['engines'])} engines", "engines": out["engines"]}
-
     async def undo(e: EngineClient) -> ControlResult:
         if id(e) not in loaded:
             return ControlResult(True, "not loaded here")
         return await e.acontrol("unload_lora_adapter", lora_name=name)
 
-    _, undone = await sup.broadcast("unload_lora_adapter", undo)
-    left = [r["engine"] for r in undone["engines"] if not r["success"]]
-    note = f" (the undo FAILED on engines {left}: {_refusals(undone)})" if left else ""
-    return _status(status, out), {
-        "success": False, "message": f"load_lora_adapter: {name!r} NOT loaded (no engine "
-        f"keeps it){note}: {_refusals(out)}",
-        "failed_engines": [r["engine"] for r in out["engines"] if not r["success"]],
-        "engines": out["engines"], "undo": undone["engines"]}
+    return await _all_or_none(sup, "load_lora_adapter", load, "unload_lora_adapter", undo,
+                              f"{name!r} loaded", f"{name!r} NOT loaded (no engine keeps it)",
+                              "the undo")
 
 
 async def unload_everywhere(sup: Supervisor, name: str) -> tuple[int, dict[str, Any]]:
@@ -111,21 +124,12 @@ async def unload_everywhere(sup: Supervisor, name: str) -> tuple[int, dict[str, 
             sources[id(e)] = source
         return res
 
-    status, out = await sup.broadcast("unload_lora_adapter", unload)
-    if status == 200:
-        return 200, {"success": True, "message": f"unload_lora_adapter: {name!r} unloaded "
-                     f"on all {len(out['engines'])} engines", "engines": out["engines"]}
-
     async def undo(e: EngineClient) -> ControlResult:
         if id(e) not in sources:
             return ControlResult(True, "not unloaded here")
         return await e.acontrol("load_lora_adapter", lora_name=name, lora_path=sources[id(e)])
 
-    _, undone = await sup.broadcast("load_lora_adapter", undo)
-    left = [r["engine"] for r in undone["engines"] if not r["success"]]
-    note = f" (reloading FAILED on engines {left}: {_refusals(undone)})" if left else ""
-    return _status(status, out), {
-        "success": False, "message": f"unload_lora_adapter: {name!r} NOT unloaded (every "
-        f"engine that had it keeps it){note}: {_refusals(out)}",
-        "failed_engines": [r["engine"] for r in out["engines"] if not r["success"]],
-        "engines": out["engines"], "undo": undone["engines"]}
+    return await _all_or_none(sup, "unload_lora_adapter", unload, "load_lora_adapter", undo,
+                              f"{name!r} unloaded",
+                              f"{name!r} NOT unloaded (every engine that had it keeps it)",
+                              "reloading")
