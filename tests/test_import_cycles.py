@@ -104,3 +104,22 @@ def test_no_import_cycles() -> None:
     cycles = find_cycles(import_graph())
     assert not cycles, "import cycles among multiserve modules: " + "; ".join(
         " <-> ".join(c) for c in cycles)
+
+
+def test_every_multiserve_import_names_an_existing_module() -> None:
+    """`from multiserve.x.y import z` and `import multiserve.x.y` name a module or package
+    that exists (the graph above resolves a missing one to its package, so a stale import
+    under TYPE_CHECKING would pass it unseen)."""
+    modules = _modules()
+    missing = []
+    for mod, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                names = [node.module]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            missing += [f"{mod}: {n}" for n in names
+                        if n.split(".")[0] == "multiserve" and n not in modules]
+    assert not missing, "imports of modules that do not exist: " + "; ".join(missing)

@@ -31,7 +31,7 @@ from multiserve.engine.kv_sizing import PoolSize
 from multiserve.model.layers.kv_pool import kv_bytes_per_token
 
 if TYPE_CHECKING:
-    from multiserve.engine.device.model_runner import Runner
+    from multiserve.engine.device.runner import Runner
 
 # executable -> (generated code bytes, temp bytes); computed once per executable
 _ANALYSES: weakref.WeakKeyDictionary[Any, tuple[int, int]] = weakref.WeakKeyDictionary()
