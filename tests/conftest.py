@@ -14,6 +14,11 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
                       os.path.join(tempfile.gettempdir(), "multiserve-test-jax-cache"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+# The weights' huge-page collapse (engine/device/huge_pages.py) is placement only (no value
+# changes) and costs ~2 s of kernel time per default-model engine, of which the suite
+# builds dozens: off here; tests/engine/test_huge_pages.py turns it on and checks it,
+# engine included.
+os.environ.setdefault("MULTISERVE_HUGE_PAGES", "0")
 
 
 

@@ -3,6 +3,9 @@ changes no value, asked for off the engine's path, and off when told."""
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -13,8 +16,29 @@ import pytest
 from multiserve.engine.device import huge_pages
 from multiserve.engine.device.huge_pages import HUGE_PAGE, back_with_huge_pages
 
-pytestmark = pytest.mark.skipif(huge_pages.unavailable_reason() is not None,
-                                reason=f"no huge pages here: {huge_pages.unavailable_reason()}")
+
+
+def _reason_when_asked() -> str | None:
+    """Why huge pages are unavailable on this machine even when asked for (tests/conftest.py
+    turns them off for the rest of the suite)."""
+    saved = os.environ.get(huge_pages.ENV)
+    os.environ[huge_pages.ENV] = "1"
+    try:
+        return huge_pages.unavailable_reason()
+    finally:
+        if saved is None:
+            del os.environ[huge_pages.ENV]
+        else:
+            os.environ[huge_pages.ENV] = saved
+
+
+pytestmark = pytest.mark.skipif(_reason_when_asked() is not None,
+                                reason=f"no huge pages here: {_reason_when_asked()}")
+
+
+@pytest.fixture(autouse=True)
+def _asked_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(huge_pages.ENV, "1")
 
 
 def _huge_bytes_under(pointer: int) -> int:
@@ -60,7 +84,24 @@ def test_turned_off_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     assert advice.skipped == f"{huge_pages.ENV}=0"
 
 
-def test_the_engine_reports_its_weights_advice(tiny_engine: Any) -> None:
+@pytest.fixture
+def engine_asking(tiny_model_dir: Path) -> Iterator[Any]:
+    """The tiny engine's settings, built while huge pages are asked for (the suite's shared
+    engines are built with them off)."""
+    from engine_helpers import TINY_ENGINE
+
+    from multiserve.config import EngineConfig
+    from multiserve.engine.engine import Engine
+
+    eng = Engine(EngineConfig(model_path=str(tiny_model_dir), **TINY_ENGINE))
+    try:
+        yield eng
+    finally:
+        eng.shutdown()
+
+
+def test_the_engine_reports_its_weights_advice(engine_asking: Any) -> None:
+    tiny_engine = engine_asking
     runner = tiny_engine._core.runner
     thread = runner.huge_pages_thread
     assert thread is not None and thread.name == "huge-pages"
