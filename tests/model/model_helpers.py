@@ -99,6 +99,17 @@ class PagedSim:
     def add(self, name: str, tokens: list[int]) -> None:
         self.seqs[name] = Seq(list(tokens))
 
+    def fork(self) -> "PagedSim":
+        """A simulator in this one's state (its sequences, free pages and a copy of its KV
+        pool: steps donate the pool), stepping on independently from here."""
+        import copy
+
+        twin = copy.copy(self)
+        twin.seqs = copy.deepcopy(self.seqs)
+        twin.free = list(self.free)
+        twin.kv = jax.tree.map(jnp.copy, self.kv)
+        return twin
+
     def step(self, work: list[tuple[str, int]], *, T: int = 64, B: int = 64, R: int = 64,
              rows: np.random.Generator | None = None, seq_rows: dict[str, int] | None = None,
              logits_for: dict[str, list[int]] | None = None) -> dict[tuple[str, int], np.ndarray]:
