@@ -53,6 +53,25 @@ def write_random_model(path: Path | str, size: str = "tiny", seed: int = 0,
                        dtype=_DTYPES[dtype])
 
 
+def cached_random_model(size: str, dtype: str = "float32", seed: int = 0) -> Path:
+    """The `size` model's directory in the cache (`multiserve bench --random-model`),
+    written there by the first caller (under the cache's lock; a temporary name renamed
+    into place, so a reader never sees half a model)."""
+    import shutil
+
+    from multiserve.cache_files import cache_root, exclusive
+
+    base = cache_root() / "random-models"
+    path = base / f"{size}-{dtype}-seed{seed}"
+    with exclusive(base / ".lock"):
+        if not (path / "config.json").is_file():
+            tmp = base / f".{path.name}.tmp"
+            shutil.rmtree(tmp, ignore_errors=True)
+            write_random_model(tmp, size, seed, dtype)
+            tmp.rename(path)
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m multiserve.bench.random_model",
                                      description=__doc__.split("\n\n")[0])
