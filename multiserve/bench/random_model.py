@@ -2,7 +2,9 @@
 tokenizer: benchmark and device-check models that need no download and no embedded GGUF.
 
 `python -m multiserve.bench.random_model OUT --size tiny|small|1b [--dtype bfloat16]`
-writes config.json, model.safetensors and the tokenizer files to OUT.
+writes config.json, model.safetensors and the tokenizer files to OUT;
+`cached_random_model(size)` is that directory in the cache (`multiserve bench
+--random-model SIZE`), written by its first caller.
 
 Sizes (vocabulary: the default tokenizer's 49152 ids, so any chat-templated prompt fits):
 - tiny: 2 layers, hidden 64 (the tests' tiny model; compiles in seconds);

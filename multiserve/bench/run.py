@@ -8,12 +8,15 @@ Modes:
   `--ab-overlap` also runs overlap scheduling off (or on) for the ratio; then the
   step-time breakdown of the run's typical decode step (breakdown.py: forward, products,
   attention, other device work, sampler, host, against the wall time per decode step;
-  `--no-breakdown` skips it);
+  `--no-breakdown` skips it); `--host-phases` also times the measured run's engine
+  thread phase by phase (engine/host_phases.py) and prints that table;
 - `--single-stream` (1 x 64): one prompt streamed through Engine.stream_sync, TTFT and
   tok/s (single.py);
 - `--fleet`: the 4-engine fleet with `--clients-per-port` streaming clients per port vs
   one engine with the same requests (fleet_bench.py); with `--duration S`, closed-loop
   chat clients for S seconds per side instead (chat_load.py).
+`--random-model tiny|small|1b` runs on a random-weight model of that shape
+(random_model.py, written once into the cache) instead of `--model`.
 Sampling: greedy by default; `--temperature T` samples every request at T (top_p / top_k
 / min_p off) with request i seeded `--seed S` + i, ours and the peer's alike (where the
 peer allows a seed per request; its JSON says how it seeded). Sampled outputs of two
