@@ -136,7 +136,8 @@ def test_sampling_rows_are_stored_alike_with_and_without_padding_rows() -> None:
         return RowSpec(params=SamplingParams(**params), seed=seed, sample_index=seed % 3,
                        position=10 + seed % 50, output_ids=(), prompt_ids=(),
                        ban_ids=(2, 7) if seed == 2**40 + 1 else ())
-    specs = [spec(1, temperature=0.0), spec(2**40 + 1, temperature=0.7, top_k=5, top_p=0.9, min_p=0.05),
+    specs = [spec(1, temperature=0.0),
+             spec(2**40 + 1, temperature=0.7, top_k=5, top_p=0.9, min_p=0.05),
              spec(5, temperature=1.0, top_k=0, frequency_penalty=0.0, top_logprobs_num=2)]
     dense = build_sampling_batch(specs, 8, 64)
     padded = build_sampling_batch([specs[0], None, specs[1], specs[2]], 8, 64)
