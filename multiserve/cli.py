@@ -214,6 +214,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --temperature > 0: request i is seeded SEED + i")
     b.add_argument("--no-breakdown", action="store_true",
                    help="batch mode: skip the step-time breakdown after the run")
+    b.add_argument("--host-phases", action="store_true",
+                   help="batch mode: time the engine thread's host work per step phase "
+                        "(engine/host_phases.py) during the measured run, and print it")
+    b.add_argument("--random-model", choices=("tiny", "small", "1b"),
+                   default=D.random_model,
+                   help="a random-weight model of that size (bench/random_model.py, written "
+                        "once into the cache) instead of --model")
     b.set_defaults(func=_cmd_bench)
     f = sub.add_parser("fuzz", help="schema-fuzz the engine and supervisor apps of a tiny "
                        "fleet on loopback (needs the test extra: schemathesis)")

@@ -57,6 +57,8 @@ class BenchOptions:
     temperature: float = 0.0
     seed: int = 0
     no_breakdown: bool = False
+    host_phases: bool = False
+    random_model: str | None = None  # a size of bench/random_model.py (SIZES), or None
     # derived, not a flag: the dtype the engine resolves its config to, which the peer
     # computes in (set by bench_main before any peer runs)
     peer_dtype: str = "float32"

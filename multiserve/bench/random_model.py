@@ -2,7 +2,9 @@
 tokenizer: benchmark and device-check models that need no download and no embedded GGUF.
 
 `python -m multiserve.bench.random_model OUT --size tiny|small|1b [--dtype bfloat16]`
-writes config.json, model.safetensors and the tokenizer files to OUT.
+writes config.json, model.safetensors and the tokenizer files to OUT;
+`cached_random_model(size)` is that directory in the cache (`multiserve bench
+--random-model SIZE`), written by its first caller.
 
 Sizes (vocabulary: the default tokenizer's 49152 ids, so any chat-templated prompt fits):
 - tiny: 2 layers, hidden 64 (the tests' tiny model; compiles in seconds);
@@ -51,6 +53,25 @@ def write_random_model(path: Path | str, size: str = "tiny", seed: int = 0,
     params = init_random_params(cfg, seed=seed, dtype=_DTYPES[dtype], scale=0.02)
     return save_hf_dir(path, cfg, params, tokenizer_dir=default_tokenizer_dir(),
                        dtype=_DTYPES[dtype])
+
+
+def cached_random_model(size: str, dtype: str = "float32", seed: int = 0) -> Path:
+    """The `size` model's directory in the cache (`multiserve bench --random-model`),
+    written there by the first caller (under the cache's lock; a temporary name renamed
+    into place, so a reader never sees half a model)."""
+    import shutil
+
+    from multiserve.cache_files import cache_root, exclusive
+
+    base = cache_root() / "random-models"
+    path = base / f"{size}-{dtype}-seed{seed}"
+    with exclusive(base / ".lock"):
+        if not (path / "config.json").is_file():
+            tmp = base / f".{path.name}.tmp"
+            shutil.rmtree(tmp, ignore_errors=True)
+            write_random_model(tmp, size, seed, dtype)
+            tmp.rename(path)
+    return path
 
 
 def main(argv: list[str] | None = None) -> int:

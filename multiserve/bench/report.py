@@ -210,6 +210,26 @@ def batch_report(res: dict[str, Any]) -> list[str]:
     out.append(f"recompiles after warm-up (cache_miss_count): {res['cache_miss_count']}")
     if res.get("breakdown"):
         out += ["", *breakdown_table(res["breakdown"])]
+    if res.get("host_phases"):
+        out += ["", *host_phases_table(res["host_phases"])]
+    return out
+
+
+def host_phases_table(hp: dict[str, Any]) -> list[str]:
+    """The engine thread's time per step pass, phase by phase (engine/host_phases.py):
+    decode passes and the others side by side, mean ms per pass."""
+    from multiserve.engine.host_phases import PHASES, WAIT_PHASES
+
+    kinds = [k for k in ("decode", "other") if hp.get(k, {}).get("passes")]
+    out = [f"{'host phases (ms per pass)':<28}" + "".join(f"{k:>10}" for k in kinds)]
+    out.append(f"{'passes':<28}" + "".join(f"{hp[k]['passes']:>10}" for k in kinds))
+    for phase in PHASES:
+        label = phase + (" (waits)" if phase in WAIT_PHASES else "")
+        out.append(f"{label:<28}" + "".join(_num(hp[k]['phase_ms'][phase], 1, 10, 3)
+                                            for k in kinds))
+    for label, key in (("host (wall - waits) mean", "host_ms"),
+                       ("host p50", "host_p50_ms"), ("wall per pass", "wall_ms")):
+        out.append(f"{label:<28}" + "".join(_num(hp[k][key], 1, 10, 3) for k in kinds))
     return out
 
 

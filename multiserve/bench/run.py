@@ -8,12 +8,15 @@ Modes:
   `--ab-overlap` also runs overlap scheduling off (or on) for the ratio; then the
   step-time breakdown of the run's typical decode step (breakdown.py: forward, products,
   attention, other device work, sampler, host, against the wall time per decode step;
-  `--no-breakdown` skips it);
+  `--no-breakdown` skips it); `--host-phases` also times the measured run's engine
+  thread phase by phase (engine/host_phases.py) and prints that table;
 - `--single-stream` (1 x 64): one prompt streamed through Engine.stream_sync, TTFT and
   tok/s (single.py);
 - `--fleet`: the 4-engine fleet with `--clients-per-port` streaming clients per port vs
   one engine with the same requests (fleet_bench.py); with `--duration S`, closed-loop
   chat clients for S seconds per side instead (chat_load.py).
+`--random-model tiny|small|1b` runs on a random-weight model of that shape
+(random_model.py, written once into the cache) instead of `--model`.
 Sampling: greedy by default; `--temperature T` samples every request at T (top_p / top_k
 / min_p off) with request i seeded `--seed S` + i, ours and the peer's alike (where the
 peer allows a seed per request; its JSON says how it seeded). Sampled outputs of two
@@ -210,6 +213,12 @@ def bench_main(options: BenchOptions) -> int:
         return fleet_main(options)
     if options.duration is not None:
         raise SystemExit("bench: --duration is the sustained load of --fleet")
+    if options.random_model is not None:
+        if options.model is not None:
+            raise SystemExit("bench: --random-model and --model name two models; give one")
+        from multiserve.bench.random_model import cached_random_model
+
+        options = replace(options, model=str(cached_random_model(options.random_model)))
     single = options.single_stream
     if options.output_len is None:
         options = replace(options, output_len=SINGLE_STREAM_LEN if single else BATCH_LEN)
@@ -255,9 +264,12 @@ def _batch_main(options: BenchOptions, cfg: Any, peer_model: str | None) -> int:
         sampling = {"temperature": temperature, "seed": seed}
         run_once(engine, prompts[:4], min(m, 4), overlap=primary, desc="warmup",
                  show_progress=False, **sampling)
+        if options.host_phases:
+            set_host_phases(engine, True)
         runs = {"ours": run_once(engine, prompts, m, overlap=primary,
                                  desc=f"overlap={'on' if primary else 'off'}",
                                  show_progress=show, **sampling)}
+        host_phases = set_host_phases(engine, False) if options.host_phases else None
         if options.ab_overlap:
             runs["ours_ab"] = run_once(engine, prompts, m, overlap=not primary,
                                        desc=f"overlap={'off' if primary else 'on'}",
@@ -278,9 +290,23 @@ def _batch_main(options: BenchOptions, cfg: Any, peer_model: str | None) -> int:
     result = _result(options, cfg, info, prompts, runs, peer, startup_s, peak_rss_mb,
                      final_state, device, model_name)
     result["breakdown"] = breakdown
+    result["host_phases"] = host_phases
     print("\n".join(batch_report(result)), file=sys.stdout)
     print(json.dumps(result), flush=True)
     return 0
+
+
+def set_host_phases(engine: Any, on: bool) -> dict[str, Any] | None:
+    """On the engine thread: start timing the host phases of every step pass
+    (engine/host_phases.py), or stop and return their summary."""
+    from multiserve.engine.commands import Call
+    from multiserve.engine.host_phases import HostPhases
+
+    def switch(core: Any) -> dict[str, Any] | None:
+        phases, core.host_phases = core.host_phases, HostPhases() if on else None
+        return None if on or phases is None else phases.summary()
+
+    return engine.call(Call(switch)).result()
 
 
 def _breakdown(engine: Any, prompts: list[list[int]], m: int, run: dict[str, Any],

@@ -53,6 +53,7 @@ import numpy as np
 from multiserve.config import EngineConfig, ModelConfig
 from multiserve.engine.device.batch_arrays import build_step_arrays
 from multiserve.engine.device.runner import Runner, StepOutput
+from multiserve.engine.host_phases import HostPhases
 from multiserve.engine.lora_adapters import LoraAdapter, LoraRefused, LoraTable
 from multiserve.engine.pause_state import PauseState
 from multiserve.engine.routed_experts import RoutedExpertsTable
@@ -130,6 +131,8 @@ class EngineCore:
         self.initial_available = self.scheduler.available_kv_tokens()
         self.admission = AdmissionLimits.from_config(cfg, self.initial_available)
         self._fault: str | None = None  # the next step raises this (inject_fault)
+        # a measuring aid (engine/host_phases.py): None, the step path only tests it
+        self.host_phases: HostPhases | None = None
 
     # ---- requests ------------------------------------------------------------------
     def add(self, reqs: Sequence[Req]) -> None:
@@ -198,6 +201,9 @@ class EngineCore:
         if self._fault is not None:
             msg, self._fault = self._fault, None
             raise RuntimeError(msg)
+        phases = self.host_phases
+        if phases is not None:
+            phases.start()
         if self.in_flight is not None and (self.in_flight.batch.speculative
                                            or self.in_flight.batch.constrained
                                            or self.scheduler.wants_drafts()):
@@ -207,6 +213,8 @@ class EngineCore:
             self.drain()
             self._drained_at = time.perf_counter()
         batch = self.scheduler.schedule()
+        if phases is not None:
+            phases.lap("schedule")
         launched = self._launch(batch) if batch is not None else None
         self._drained_at = None
         if self.in_flight is not None:
@@ -216,6 +224,9 @@ class EngineCore:
             self.drain()
         if self.in_flight is None and not self.scheduler.running:
             self.scheduler.check_integrity()
+        if phases is not None:
+            phases.lap("advance")
+            phases.end()
 
     def drain(self) -> None:
         if self.in_flight is not None:
@@ -224,16 +235,25 @@ class EngineCore:
 
     def _launch(self, batch: ScheduledBatch) -> InFlightStep:
         runner = self.runner
+        phases = self.host_phases
         t_pad, r_pad = runner.bucket_for(batch.num_tokens, batch.num_logit_rows)
         arrays = build_step_arrays(batch, t_pad, runner.page_table_rows(t_pad), runner.max_rows,
                                    self.max_pages, self.page_size, runner.lora_enabled)
+        if phases is not None:
+            phases.saw(batch.num_tokens == len(batch.rows), len(batch.rows))
+            phases.lap("arrays")
         launched_at = time.perf_counter()
         if self._drained_at is not None:
             # the step before was read first: the host's work since delayed this launch
             self.scheduler.planner.step_costs.observe_host(launched_at - self._drained_at)
         specs, wants_lp = step_rows(batch, self.stop_rules,
                                     mask_words(self.model_cfg.vocab_size))
-        out = runner.run(arrays, runner.sampling_batch(specs, r_pad), wants_lp, r_pad)
+        sb_host = runner.sampling_batch(specs, r_pad)
+        if phases is not None:
+            phases.lap("sampling_rows")
+        out = runner.run(arrays, sb_host, wants_lp, r_pad)
+        if phases is not None:
+            phases.lap("launch")
         decodes = any(not r.req.in_prefill and r.samples and (r.end - r.start == 1 or r.draft)
                       for r in batch.rows)
         self.scheduler.launch(batch)
@@ -247,7 +267,13 @@ class EngineCore:
         """Read `step`'s results (blocks on the device), let the scheduler record them,
         and deliver what they completed."""
         batch, out = step.batch, step.out
+        phases = self.host_phases
+        if phases is not None:
+            phases.saw(batch.num_tokens == len(batch.rows))
+            phases.lap("advance")  # what ran since the last lap: the launch's bookkeeping
         next_ids = np.asarray(out.next_ids)
+        if phases is not None:
+            phases.lap("read_back")
         # the step's cost: from when the device could start it (its launch, or the read
         # of the step before it) to its results read
         now = time.perf_counter()
@@ -259,9 +285,14 @@ class EngineCore:
             # before postprocess: a sample it finishes copies its rows out (Req.keep_routing)
             self.routed_experts.record(step.out_slots, np.asarray(out.routed_experts))
         self.last_batch = batch
-        for req in self.scheduler.postprocess(batch, next_ids.tolist(), lp,
-                                              self.weight_version, self.stop_rules):
+        deliver = self.scheduler.postprocess(batch, next_ids.tolist(), lp,
+                                             self.weight_version, self.stop_rules)
+        if phases is not None:
+            phases.lap("postprocess")
+        for req in deliver:
             self._deliver(req)
+        if phases is not None:
+            phases.lap("deliver")
 
     def finish(self, req: Req, reason: FinishReason, error: str | None = None) -> None:
         """THE finish path: the scheduler records it (finished, `reason`, no longer live,

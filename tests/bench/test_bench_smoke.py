@@ -232,3 +232,32 @@ def test_bench_speculation_ab_json_line(capsys: pytest.CaptureFixture[str], tmp_
             assert res[side]["epoch1"]["output_tokens"] == res[side]["epoch2"]["output_tokens"]
             assert res[side]["epoch2_vs_epoch1"] > 0
         assert res["off"]["epoch2"]["spec_verify_ct"] == 0
+
+
+@pytest.mark.slow
+def test_bench_random_model_with_host_phases(capsys: pytest.CaptureFixture[str],
+                                             monkeypatch: pytest.MonkeyPatch,
+                                             tmp_path) -> None:  # noqa: ANN001
+    """`--random-model tiny` writes the tiny random model into the cache once and runs on
+    it; `--host-phases` times the measured run's step passes phase by phase (JSON and
+    table); `--model` beside it is refused."""
+    from multiserve.bench.run import bench_main
+    from multiserve.engine.host_phases import PHASES
+
+    monkeypatch.setenv("MULTISERVE_CACHE_DIR", str(tmp_path / "cache"))
+    with pytest.raises(SystemExit, match="give one"):
+        bench_main(bench_options("--random-model", "tiny", "--model", "x"))
+    options = bench_options(
+        "--random-model", "tiny", "--host-phases", "--no-breakdown", "--num-prompts", "4",
+        "--output-len", "8", "--no-progress", "--token-paddings", "4", "512",
+        "--bs-paddings", "4", "--max-total-tokens", "4096")
+    assert bench_main(options) == 0
+    assert (tmp_path / "cache" / "random-models" / "tiny-float32-seed0" / "config.json").is_file()
+    lines = capsys.readouterr().out.strip().splitlines()
+    res = json.loads(lines[-1])
+    assert res["model"] == "tiny-float32-seed0" and res["ours"]["exact_length"]
+    decode = res["host_phases"]["decode"]
+    assert decode["passes"] >= 6 and set(decode["phase_ms"]) == set(PHASES)
+    assert decode["rows_p50"] == 4
+    assert 0 < decode["host_ms"] < decode["wall_ms"]
+    assert "host phases (ms per pass)" in "\n".join(lines)

@@ -67,28 +67,71 @@ def build_step_arrays(batch: ScheduledBatch, num_tokens: int, page_rows: int, lo
     rows_out = np.zeros(logit_rows, np.int32)
     lora_slots = np.zeros(t_pad, np.int32) if lora else None
     rows_out[:len(batch.plan)] = batch.plan.token_rows
+    a = StepArrays(input_ids, from_prev, positions, token_seq, out_slots, page_table,
+                   seq_lens, rows_out, lora_slots)
+    if batch.num_tokens == len(batch.rows):
+        one_token_rows(batch, a, page_size)
+    else:
+        row_by_row(batch, a, page_size)
+    return a
+
+
+def row_by_row(batch: ScheduledBatch, a: StepArrays, page_size: int) -> None:
+    """Write `batch`'s rows into the padding arrays `a`, one row after another (any
+    batch)."""
     t = 0
     for b, row in enumerate(batch.rows):
         req = row.req
         n = row.end - row.start
         if row.from_prev:
             assert n == 1 and req.last_out_row >= 0
-            from_prev[t] = req.last_out_row
+            a.from_prev[t] = req.last_out_row
         else:
             fill = req.fill_ids + list(row.draft) if row.draft else req.fill_ids
-            input_ids[t:t + n] = fill[row.start:row.end]
+            a.input_ids[t:t + n] = fill[row.start:row.end]
         if n == 1:  # a decode row: scalar writes, cheaper than 1-element numpy slices
-            positions[t] = row.start
-            token_seq[t] = b
-            out_slots[t] = slot_for(req.pages, row.start, page_size)
+            a.positions[t] = row.start
+            a.token_seq[t] = b
+            a.out_slots[t] = slot_for(req.pages, row.start, page_size)
         else:
-            positions[t:t + n] = np.arange(row.start, row.end, dtype=np.int32)
-            token_seq[t:t + n] = b
-            out_slots[t:t + n] = slots_for(req.pages, row.start, row.end, page_size)
-        if lora_slots is not None:
-            lora_slots[t:t + n] = req.lora_slot
-        page_table[b, :len(req.pages)] = req.pages
-        seq_lens[b] = row.end
+            a.positions[t:t + n] = np.arange(row.start, row.end, dtype=np.int32)
+            a.token_seq[t:t + n] = b
+            a.out_slots[t:t + n] = slots_for(req.pages, row.start, row.end, page_size)
+        if a.lora_slots is not None:
+            a.lora_slots[t:t + n] = req.lora_slot
+        a.page_table[b, :len(req.pages)] = req.pages
+        a.seq_lens[b] = row.end
         t += n
-    return StepArrays(input_ids, from_prev, positions, token_seq, out_slots, page_table,
-                      seq_lens, rows_out, lora_slots)
+
+
+def one_token_rows(batch: ScheduledBatch, a: StepArrays, page_size: int) -> None:
+    """`row_by_row` for a batch whose every row is one token (a decode step: token row b
+    is batch row b): each array's first rows written by one slice store of a list, the
+    same values `row_by_row` writes (tests/engine/test_host_path.py)."""
+    rows = batch.rows
+    n = len(rows)
+    ids: list[int] = []
+    prev: list[int] = []
+    for b, row in enumerate(rows):
+        req = row.req
+        if row.from_prev:
+            assert req.last_out_row >= 0
+            ids.append(0)
+            prev.append(req.last_out_row)
+        else:  # fill_ids[start], without building fill_ids
+            prompt = req.prompt_ids
+            start = row.start
+            ids.append(prompt[start] if start < len(prompt)
+                       else req.output_ids[start - len(prompt)])
+            prev.append(-1)
+        a.page_table[b, :len(req.pages)] = req.pages
+    starts = [row.start for row in rows]
+    a.input_ids[:n] = ids
+    a.from_prev[:n] = prev
+    a.positions[:n] = starts
+    a.token_seq[:n] = np.arange(n, dtype=np.int32)
+    a.out_slots[:n] = [row.req.pages[pos // page_size] * page_size + pos % page_size
+                       for row, pos in zip(rows, starts, strict=True)]
+    a.seq_lens[:n] = [pos + 1 for pos in starts]
+    if a.lora_slots is not None:
+        a.lora_slots[:n] = [row.req.lora_slot for row in rows]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import jax
 import numpy as np
@@ -89,32 +89,42 @@ def build_sampling_batch(rows: Sequence[RowSpec | None], R: int, vocab: int, *,
     banned = np.full((R, max_banned), -1, i32)
     top_n = np.zeros(R, i32)
     lp_ids = np.full((R, MAX_TOKEN_IDS_LOGPROB), -1, i32)
-    any_logprobs = False
     penalised = [i for i, row in enumerate(rows) if row is not None and _has_penalty(row.params)]
     if penalised:
         counts, prompt_mask = penalty_zeros(R, vocab)
     else:
         counts, prompt_mask = zeros if zeros is not None else penalty_zeros(R, vocab)
     assert counts.shape == (R, vocab) and prompt_mask.shape == (R, vocab)
-    for i, row in enumerate(rows):
-        if row is None:
-            continue
-        p = row.params
-        assert 0 <= row.seed < 2**63, row.seed
-        if not p.is_greedy:
-            temperature[i] = p.temperature
-            top_k[i] = p.top_k if 0 < p.top_k < vocab else 0
-            top_p[i] = p.top_p
-            min_p[i] = p.min_p
-        freq[i], pres[i], rep[i] = p.frequency_penalty, p.presence_penalty, p.repetition_penalty
-        seed_hi[i], seed_lo[i] = row.seed >> 32, row.seed & 0xFFFFFFFF
-        sample_index[i], position[i] = row.sample_index, row.position
-        assert len(row.ban_ids) <= max_banned, (len(row.ban_ids), max_banned)
-        banned[i, :len(row.ban_ids)] = row.ban_ids
-        top_n[i] = p.top_logprobs_num
-        if p.token_ids_logprob is not None:
-            lp_ids[i, :len(p.token_ids_logprob)] = p.token_ids_logprob
-        any_logprobs = any_logprobs or p.wants_logprobs
+    # one pass per field over the rows present, one store of its list: a slice store
+    # when they are rows 0..n-1 (a decode step), else an index store; float32 stores
+    # round Python floats as element stores do
+    live = [i for i, row in enumerate(rows) if row is not None]
+    at: slice | list[int] = slice(0, len(live)) if len(live) == len(rows) else live
+    specs = cast("list[RowSpec]", [rows[i] for i in live])
+    params = [row.params for row in specs]
+    greedy = [p.is_greedy for p in params]
+    temperature[at] = [0.0 if g else p.temperature for p, g in zip(params, greedy)]
+    top_k[at] = [0 if g or not 0 < p.top_k < vocab else p.top_k
+                 for p, g in zip(params, greedy)]
+    top_p[at] = [1.0 if g else p.top_p for p, g in zip(params, greedy)]
+    min_p[at] = [0.0 if g else p.min_p for p, g in zip(params, greedy)]
+    freq[at] = [p.frequency_penalty for p in params]
+    pres[at] = [p.presence_penalty for p in params]
+    rep[at] = [p.repetition_penalty for p in params]
+    seeds = [row.seed for row in specs]
+    assert all(0 <= seed < 2**63 for seed in seeds), seeds
+    seed_hi[at] = [seed >> 32 for seed in seeds]
+    seed_lo[at] = [seed & 0xFFFFFFFF for seed in seeds]
+    sample_index[at] = [row.sample_index for row in specs]
+    position[at] = [row.position for row in specs]
+    top_n[at] = [p.top_logprobs_num for p in params]
+    for i, row in zip(live, specs):
+        if row.ban_ids:
+            assert len(row.ban_ids) <= max_banned, (len(row.ban_ids), max_banned)
+            banned[i, :len(row.ban_ids)] = row.ban_ids
+        if row.params.token_ids_logprob is not None:
+            lp_ids[i, :len(row.params.token_ids_logprob)] = row.params.token_ids_logprob
+    any_logprobs = any(p.wants_logprobs for p in params)
     for i in penalised:
         row = rows[i]
         assert row is not None

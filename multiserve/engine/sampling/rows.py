@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from multiserve.engine.frozen_build import built
 from multiserve.engine.sampling.host import RowSpec
 from multiserve.engine.sched.batch import ScheduledBatch
 from multiserve.engine.sched.request import Req
@@ -73,10 +74,11 @@ def step_rows(batch: ScheduledBatch, rules: StopRules,
             specs.append(None)
             continue
         k = len(row.draft)
-        specs.append(RowSpec(params=req.params, seed=req.seed, sample_index=req.index,
-                             position=row.end,
-                             output_ids=[*req.output_ids, *row.draft] if k else req.output_ids,
-                             prompt_ids=req.prompt_ids, ban_ids=rules.ban_ids(req, k),
-                             token_mask=grammar_mask(req, mask_words)))
+        # (one per sampling row per step: `built`, engine/frozen_build.py)
+        specs.append(built(RowSpec, params=req.params, seed=req.seed, sample_index=req.index,
+                           position=row.end,
+                           output_ids=[*req.output_ids, *row.draft] if k else req.output_ids,
+                           prompt_ids=req.prompt_ids, ban_ids=rules.ban_ids(req, k),
+                           token_mask=grammar_mask(req, mask_words)))
         wants_lp = wants_lp or req.params.wants_logprobs
     return specs, wants_lp

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from multiserve.engine.frozen_build import built
 from multiserve.engine.routed_experts import RoutedExpertsTable
 from multiserve.types import (
     FinishReason,
@@ -185,7 +186,8 @@ class Req:
                 not self.needs_prompt_logprobs or self.finished):
             prompt_lps = tuple(self.prompt_logprobs)
             self.prompt_logprobs_sent = True
-        return OutputDelta(
+        return built(
+            OutputDelta,
             rid=self.rid,
             index=self.index,
             start=start,

@@ -68,6 +68,8 @@ def prompt_targets(row: PlannedRow) -> range:
 def logit_rows_of(row: PlannedRow) -> int:
     """How many logits rows batch row `row` takes: its own, one per prompt logprob it
     computes, one per draft token it verifies."""
+    if not row.req.want_prompt_logprobs:  # (no prompt targets: the common row, fast)
+        return 1 + len(row.draft)
     return 1 + len(prompt_targets(row)) + len(row.draft)
 
 
@@ -105,7 +107,7 @@ def plan_rows(rows: Sequence[PlannedRow]) -> RowPlan:
     for b, row in enumerate(rows):
         req = row.req
         seq.append(LogitRow(RowKind.SEQUENCE, b, req, -1, t + row.end - row.start - 1))
-        for j in prompt_targets(row):
+        for j in prompt_targets(row) if req.want_prompt_logprobs else ():
             prompt.append(LogitRow(RowKind.PROMPT_LOGPROB, b, req, j, t + j - 1 - row.start))
         for j in range(len(row.draft)):
             verify.append(LogitRow(RowKind.VERIFY, b, req, j, t + j))

@@ -42,6 +42,7 @@ from typing import Protocol
 
 from multiserve.config import EngineConfig
 from multiserve.grammar.matcher_state import GrammarState
+from multiserve.engine.frozen_build import built
 from multiserve.engine.routed_experts import RoutedExpertsTable
 from multiserve.engine.sched.batch import BatchRow, ScheduledBatch
 from multiserve.engine.sched.page_allocator import PageAllocator, pages_needed
@@ -292,7 +293,9 @@ class Scheduler:
                 if got is None:
                     continue  # cannot happen after the loop above unless one Req remains
                 r.pages.extend(got)
-            rows.append(BatchRow(r, r.kv_len, r.kv_len + 1, True, from_prev=r.pending > 0))
+            # (one per decode row per step: `built`, engine/frozen_build.py)
+            rows.append(built(BatchRow, req=r, start=r.kv_len, end=r.kv_len + 1, samples=True,
+                              from_prev=r.pending > 0, draft=()))
         return rows
 
     def _prefill_rows(self, budget: int, max_new_rows: int) -> list[BatchRow]:
