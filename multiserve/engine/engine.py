@@ -53,6 +53,7 @@ from multiserve.engine.commands import (
     InjectFault,
     ListLoras,
     LoadLora,
+    MarkUnhealthy,
     Prime,
     SetOverlap,
     SetSpeculation,
@@ -244,6 +245,8 @@ class Engine:
                 return core.scheduler.check_integrity()
             case InjectFault(message):
                 return core.inject_fault(message)
+            case MarkUnhealthy(reason):
+                return self._mark_unhealthy(reason)
             case SetOverlap(on):
                 return core.set_overlap(on)
             case SetSpeculation(on):
