@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from multiserve.multihost import wire
-from multiserve.multihost.config import MultiHostConfig
+from multiserve.config import MultiHostConfig
 from multiserve.multihost.fingerprint import differences
 
 WATCH_TICK_S = 0.25

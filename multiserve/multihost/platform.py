@@ -9,7 +9,7 @@ and `jax.local_devices()` this host's.
 
 from __future__ import annotations
 
-from multiserve.multihost.config import MultiHostConfig
+from multiserve.config import MultiHostConfig
 
 _JOINED: list[MultiHostConfig] = []
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from multiserve.multihost.config import MultiHostConfig
+from multiserve.config import MultiHostConfig
 from multiserve.multihost.fingerprint import fingerprint
 from multiserve.multihost.link import FollowerLink, LeaderLink
 from multiserve.multihost.platform import join_slice
