@@ -36,7 +36,7 @@ def main() -> int:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(f"127.0.0.1:{os.environ['REF_GLOO']}", 1, 0)
     if n:
-        from multiserve.multihost.config import MultiHostConfig
+        from multiserve.config import MultiHostConfig
         from multiserve.multihost.session import start_slice
 
         mh = MultiHostConfig(nnodes=n, node_rank=rank_i, dist_init_addr=addr,
@@ -51,15 +51,21 @@ def main() -> int:
             os._exit(code)
     from tests.multihost import scenarios
 
-    result = scenarios.run(scenario, cfg, model_dir)
-    with open(out_path, "w") as f:
-        json.dump(result, f)
     from multiserve.multihost.session import current
 
-    session = current()
-    if session is not None and session.leader is not None:
-        session.leader.close()
-    os._exit(0)
+    code = 1
+    try:
+        result = scenarios.run(scenario, cfg, model_dir, os.environ.get("NODE_PERTURBED"))
+        with open(out_path, "w") as f:
+            json.dump(result, f)
+        code = 0
+    finally:
+        session = current()
+        if session is not None and session.leader is not None:
+            session.leader.close()  # the followers exit; no JAX exit barrier here either
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 if __name__ == "__main__":

@@ -309,7 +309,30 @@ class Runner:
     def prime_deferred(self) -> None:
         """Memory is resident again: prime (and check) the programs that arrived while it
         was released (StepPrograms.prime_deferred). Between steps, on the engine thread."""
+        if self.mirror is not None:
+            self.mirror(ops.PrimeDeferred())
         self.step_programs.prime_deferred()
+
+    def replace_leaves(self, leaves: dict[tuple[str, ...], np.ndarray]) -> None:
+        """A weight update from host values: each leaf at its path placed with the sharding
+        of the leaf it replaces, then the params swapped and the replaced leaves freed.
+        Between steps, on the engine thread: how an engine spanning hosts updates weights
+        (every host places its own shards of the same host values)."""
+        from multiserve.engine.rl.checks import get_leaf, set_leaf
+
+        if self.mirror is not None:
+            self.mirror(ops.SetParams(leaves))
+        live = self.params
+        assert live is not None, "weights released"
+        new = jax.tree.map(lambda a: a, live)
+        replaced = []
+        for path, value in leaves.items():
+            old = get_leaf(live, path)
+            set_leaf(new, path, jax.device_put(np.asarray(value, old.dtype), old.sharding))
+            replaced.append(old)
+        self.params = new
+        for a in replaced:
+            a.delete()
 
 
 def _calibrate(cfg: EngineConfig, model_cfg: ModelConfig, devices: Sequence[jax.Device],
