@@ -86,9 +86,10 @@ def run(name: str, cfg: EngineConfig, model_dir: str, perturbed_dir: str | None 
 
     engine = Engine(cfg)
     try:
-        if name == "controls":
+        out = bits(engine)
+        if name == "all":
             assert perturbed_dir is not None
-            return controls(engine, perturbed_dir)
-        return bits(engine)
+            out["controls"] = controls(engine, perturbed_dir)
+        return out
     finally:
         engine.shutdown()
