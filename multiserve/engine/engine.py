@@ -266,6 +266,15 @@ class Engine:
             case _:  # Stop is handled by the loop itself
                 raise TypeError(f"not an engine command: {cmd!r}")
 
+    def mark_unhealthy(self, reason: str) -> None:
+        """From any thread: unhealthy now (health answers `reason`, new work is refused);
+        the engine thread fails every live request with `reason` when it next runs a
+        command (at once unless it is inside a step). Used when a host of an engine
+        spanning hosts is lost (multiserve/fleet/slice_start.py)."""
+        self._reason = reason
+        self._healthy = False
+        self.call(MarkUnhealthy(reason))
+
     def _mark_unhealthy(self, reason: str) -> None:
         self._healthy = False
         self._reason = reason

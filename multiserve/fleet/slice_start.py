@@ -95,7 +95,6 @@ def follow_fleet(cfg: FleetConfig, session: SliceSession) -> int:
 def watch_slice(session: SliceSession, workers: list[Any]) -> None:
     """The leader: on a lost follower, make every engine spanning hosts unhealthy, then
     exit (module doc)."""
-    from multiserve.engine.commands import MarkUnhealthy
     from multiserve.multihost.session import spans_hosts
 
     assert session.leader is not None
@@ -107,7 +106,7 @@ def watch_slice(session: SliceSession, workers: list[Any]) -> None:
         for w in workers:
             engine = w.engine
             if engine is not None and spans_hosts(list(engine.devices)):
-                engine.call(MarkUnhealthy(f"a host of this engine's slice was lost: {reason}"))
+                engine.mark_unhealthy(f"a host of this engine's slice was lost: {reason}")
         timer = threading.Timer(grace, lambda: (_say("exiting: slice lost"),
                                                 os._exit(EXIT_SLICE_LOST)))
         timer.daemon = True
