@@ -36,9 +36,11 @@ def devices_per_host(cfg: FleetConfig) -> int:
     return -(-cfg.device_count_needed // cfg.multihost.nnodes)
 
 
-def agreed_text(cfg: FleetConfig) -> str:
-    """What every host's config must equal: the fleet config, its node_rank aside."""
-    return repr(replace(cfg, multihost=replace(cfg.multihost, node_rank=0)))
+def agreed_fields(cfg: FleetConfig) -> dict[str, str]:
+    """What every host's config must equal, by field: the fleet config, node_rank aside."""
+    from multiserve.multihost.fingerprint import flat_fields
+
+    return flat_fields(replace(cfg, multihost=replace(cfg.multihost, node_rank=0)))
 
 
 def form_slice(cfg: FleetConfig) -> SliceSession:
@@ -53,7 +55,7 @@ def form_slice(cfg: FleetConfig) -> SliceSession:
     mh = cfg.multihost
     _say(f"node {mh.node_rank}/{mh.nnodes}: joining the slice at {mh.dist_init_addr} "
          f"(step stream port {mh.stream_port})")
-    session = start_slice(mh, agreed_text(cfg))
+    session = start_slice(mh, agreed_fields(cfg))
     import jax
 
     _say(f"node {mh.node_rank}: slice formed: {jax.device_count()} devices, "

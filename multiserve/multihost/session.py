@@ -36,11 +36,12 @@ class SliceSession:
 _CURRENT: list[SliceSession] = []
 
 
-def start_slice(cfg: MultiHostConfig, agreed: str) -> SliceSession:
-    """Form the slice (every host says hello with `agreed`, the text all hosts must share,
-    e.g. the fleet config's repr), then initialise JAX over it. Once per process."""
+def start_slice(cfg: MultiHostConfig, agreed: dict[str, str]) -> SliceSession:
+    """Form the slice (every host says hello with `agreed`, what all hosts must share by
+    name, e.g. the fleet config's fingerprint.flat_fields), then initialise JAX over it.
+    Once per process."""
     assert not _CURRENT, "the slice is formed once per process"
-    mine = fingerprint(agreed, cfg.nnodes)
+    mine = {**fingerprint(agreed, cfg.nnodes), "rank": str(cfg.node_rank)}
     session = SliceSession(cfg)
     if cfg.is_leader:
         session.leader = LeaderLink.gather(cfg, mine)

@@ -42,7 +42,9 @@ def main() -> int:
         mh = MultiHostConfig(nnodes=n, node_rank=rank_i, dist_init_addr=addr,
                              heartbeat_timeout_s=float(os.environ.get("NODE_HEARTBEAT", "10")),
                              startup_timeout_s=float(os.environ.get("NODE_STARTUP", "120")))
-        session = start_slice(mh, repr(cfg) + os.environ.get("NODE_AGREED_EXTRA", ""))
+        from multiserve.multihost.fingerprint import flat_fields
+
+        session = start_slice(mh, flat_fields(cfg))
         if rank_i != 0:
             from multiserve.multihost.follower import follow
 
