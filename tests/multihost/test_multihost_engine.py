@@ -4,7 +4,7 @@ JAX, gloo collectives), against the same 4-device mesh in one process.
 Checked: greedy and seeded ids and logprobs bit for bit equal to one process with the
 same collectives (gloo), and ids equal to one process with JAX's default in-process
 collectives (whose all-reduce sums in another order: logprobs differ in the last bits,
-docs/architecture.md §15); a request alone gives the batch's ids; pause (retract) and
+docs/architecture.md §13); a request alone gives the batch's ids; pause (retract) and
 continue, abort and resubmit, flush, and a weight update from disk with requests paused
 mid-generation all give the one-process results.
 """
