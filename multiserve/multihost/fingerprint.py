@@ -30,14 +30,18 @@ def flat_fields(record: Any, prefix: str = "") -> dict[str, str]:
 def fingerprint(agreed: dict[str, str], nnodes: int) -> dict[str, str]:
     """This host's view: `agreed` (e.g. the fleet config's `flat_fields`), the slice size,
     and the versions of what computes (Python, jax, jaxlib, multiserve)."""
+    from importlib.metadata import PackageNotFoundError, version
+
     import jax
     import jaxlib
 
-    from multiserve import __version__
-
+    try:
+        ours = version("multiserve")
+    except PackageNotFoundError:
+        ours = "not installed"
     return {**agreed, "nnodes": str(nnodes),
             "python": platform.python_version(), "jax": jax.__version__,
-            "jaxlib": jaxlib.__version__, "multiserve": __version__,
+            "jaxlib": jaxlib.__version__, "multiserve": ours,
             "byteorder": sys.byteorder}
 
 

@@ -9,12 +9,9 @@ travel; device state never does (each host holds its own shards).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
-
-if TYPE_CHECKING:
-    from multiserve.engine.device.runner import Runner
 
 
 @dataclass(frozen=True)
@@ -54,6 +51,23 @@ class SetParams:
 
 
 DeviceOp = RunStep | ResetPrevIds | DropStepBuffers | PrimeDeferred | SetParams
+
+
+class Runner(Protocol):
+    """What a follower calls on its runner (engine/device/runner.py's Runner)."""
+
+    def sampling_batch(self, rows: list[Any], num_rows: int) -> Any: ...
+
+    def run_packed(self, tokens: int, packed: np.ndarray, sampling_args: tuple[Any, ...],
+                   wants_logprobs: bool, num_rows: int) -> Any: ...
+
+    def reset_prev_ids(self) -> None: ...
+
+    def drop_step_buffers(self) -> None: ...
+
+    def prime_deferred(self) -> None: ...
+
+    def replace_leaves(self, leaves: dict[tuple[str, ...], np.ndarray]) -> None: ...
 
 
 def host_or_none(x: Any) -> np.ndarray | None:
