@@ -1,5 +1,5 @@
-"""One engine tensor-parallel over 2 processes x 2 virtual CPU devices (multi-controller
-JAX, gloo collectives), against the same 4-device mesh in one process.
+"""One engine tensor-parallel over 2 processes x 2 virtual CPU devices (and 4 x 1;
+multi-controller JAX, gloo collectives), against the same 4-device mesh in one process.
 
 Checked: greedy and seeded ids and logprobs bit for bit equal to one process with the
 same collectives (gloo), and ids equal to one process with JAX's default in-process
@@ -87,3 +87,10 @@ def test_controls_reach_every_host_in_order(two_hosts: dict[str, Any],
     assert mine["after_update"] == ref["after_update"]
     assert mine["after_update"]["versions"] == ["v2"]
     assert mine["after_update"]["ids"] != greedy[0]
+
+
+def test_four_hosts_of_one_device_give_the_same_bits(
+        models: tuple[Path, Path], tmp_path: Path, one_process_gloo: dict[str, Any]) -> None:
+    four = run_slice(tmp_path, "bits", 4, models[0], NODE_DEVICES="1")
+    assert four["batch"] == one_process_gloo["batch"]
+    assert four["alone"] == one_process_gloo["alone"]
