@@ -348,7 +348,7 @@ def serve_main(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if cfg.multihost.enabled and not cfg.multihost.is_leader:
-        return _follow_main(cfg)
+        return follow_main(cfg)
     stop = threading.Event()
     install_stop_handlers(stop)
     from multiserve.multihost.link import SliceStartError
@@ -374,8 +374,8 @@ def serve_main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _follow_main(cfg: FleetConfig) -> int:
-    """`multiserve serve --node-rank R` (R > 0): follow node 0 until it closes the slice
+def follow_main(cfg: FleetConfig) -> int:
+    """`multiserve serve | validate --node-rank R` (R > 0): follow node 0 until it closes the slice
     (0), is lost (3), or refuses this host (2). Exits without JAX's exit barrier."""
     from multiserve.fleet.slice_start import follow_fleet, form_slice
     from multiserve.multihost.link import SliceStartError
@@ -389,4 +389,4 @@ def _follow_main(cfg: FleetConfig) -> int:
     os._exit(code)
 
 
-__all__ = ["Fleet", "LaunchCancelled", "launch_fleet", "serve_main"]
+__all__ = ["Fleet", "LaunchCancelled", "follow_main", "launch_fleet", "serve_main"]

@@ -216,14 +216,19 @@ class LeaderLink:
                 elif pending and now - min(pending) > timeout:
                     self._declare(f"node {peer.rank} ({peer.address}) has not run operation "
                                   f"{peer.acked + 1} for {now - min(pending):.1f} s: hung")
-            if now - self._last_sent > timeout / 4 and self.lost is None:
-                with self._lock:
+            # never wait for the lock: a sender blocked on a stopped follower's full socket
+            # holds it, and this thread must still declare that follower lost
+            if (now - self._last_sent > timeout / 4 and self.lost is None
+                    and self._lock.acquire(blocking=False)):
+                try:
                     for peer in self._peers:
                         try:
                             peer.sock.sendall(wire.encode(Beat()))
                         except OSError:
                             pass  # its reader reports the broken stream
                     self._last_sent = now
+                finally:
+                    self._lock.release()
 
     def _declare(self, reason: str) -> None:
         if self.lost is not None or self._closed:
