@@ -69,6 +69,8 @@ def follow(link: FollowerLink, engine_cfg: EngineConfig, rank: int,
         if isinstance(msg, Close):
             _say(f"node {rank}: the leader closed the slice after {ops} device ops")
             return 0
+        if isinstance(msg.body, EngineStart):  # never sent twice (restarts are refused)
+            _exit_now("the leader started the engine again: restart the whole slice")
         apply_op(parts.runner, msg.body)
         link.ack(msg.seq)
         ops += 1
