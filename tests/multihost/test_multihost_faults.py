@@ -1,5 +1,7 @@
-"""Faults of a slice, with `multiserve serve` processes on loopback (2 hosts x 2 virtual
-CPU devices, one engine over all 4): the openai client against the leader; a follower
+"""A slice's fleet and its faults, with `multiserve serve` processes on loopback (2 hosts x
+3 virtual CPU devices: engine 0 on the leader's device 0, engine 1 over devices 1-4, two
+on each host): the openai client against the leader; both engines answer alike; the
+supervisor's pause / continue and a weight update from disk reach both; a follower
 killed mid-request (the leader's /health turns 503 naming the lost host, the request in
 flight ends with an error, new requests are refused, the leader exits 3); a config that
 differs between hosts (both refuse to start, naming the field); a host that never comes
@@ -25,7 +27,10 @@ HEARTBEAT_S = 2.0  # the slice's heartbeat_timeout_s here: the bound on noticing
 WAIT_S = 120.0  # upper bound of any wait here (never reached when healthy)
 
 
-def _config(tmp: Path, model: Path, **fleet: Any) -> Path:
+ONE_ENGINE = "[[engines]]\ndevice_indexes = [0, 1, 2, 3]\n"
+
+
+def _config(tmp: Path, model: Path, engines: str = ONE_ENGINE, **fleet: Any) -> Path:
     extra = "".join(f"{k} = {v!r}\n" for k, v in fleet.items())
     path = tmp / f"fleet-{len(list(tmp.iterdir()))}.toml"
     path.write_text(f"""[model]
@@ -44,9 +49,7 @@ page_size = 16
 max_total_tokens = 4096
 max_context_len = 2048
 show_progress = false
-[[engines]]
-device_indexes = [0, 1, 2, 3]
-""")
+{engines}""")
     return path
 
 
@@ -67,16 +70,43 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("mh-faults-tiny"))
 
 
-def test_openai_client_then_a_killed_follower_fails_the_slice_cleanly(
-        model: Path, tmp_path: Path) -> None:
-    config = _config(tmp_path, model)
+@pytest.fixture(scope="module")
+def perturbed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from multiserve.reliability.tiny_model import write_tiny_model
+
+    return write_tiny_model(tmp_path_factory.mktemp("mh-faults-tiny-v2"), perturb=0.05)
+
+
+TWO_ENGINES = "[[engines]]\ndevice_indexes = [0]\n[[engines]]\ndevice_indexes = [1, 2, 3, 4]\n"
+
+
+def _greedy(url: str) -> dict[str, Any]:
+    r = httpx.post(f"{url}/generate", timeout=WAIT_S, json={
+        "input_ids": [1, 5, 9], "sampling_params": {"max_new_tokens": 8, "temperature": 0}})
+    assert r.status_code == 200, r.text
+    return {"ids": r.json()["output_ids"], "version": r.json()["meta_info"]["weight_version"]}
+
+
+def test_a_fleet_with_a_spanning_engine_then_a_killed_follower(
+        model: Path, perturbed: Path, tmp_path: Path) -> None:
+    config = _config(tmp_path, model, TWO_ENGINES)
     port = free_port_pair()
     follower, flog = serve_host(tmp_path, config, 2, 1, port)  # start order is free
     leader, llog = serve_host(tmp_path, config, 2, 0, port)
     try:
-        ready = _wait_for(llog, r"READY: .*ports=\[(\d+)")
-        url = f"http://127.0.0.1:{ready[1]}"
-        _wait_for(flog, r"FOLLOWING: node=1 engine=0")
+        ready = _wait_for(llog, r"READY: .*ports=\[(\d+),(\d+)\].*supervisor_port=(\d+)")
+        local, url, sup = (f"http://127.0.0.1:{ready[i]}" for i in (1, 2, 3))
+        _wait_for(flog, r"FOLLOWING: node=1 engine=1")
+        # one device on the leader and four over two hosts: the same greedy ids
+        assert _greedy(local) == _greedy(url)
+        for route, body in (("pause_generation", {"mode": "in_place"}),
+                            ("continue_generation", {}),
+                            ("update_weights_from_disk", {"model_path": str(perturbed),
+                                                          "weight_version": "v2"})):
+            r = httpx.post(f"{sup}/{route}", json=body, timeout=WAIT_S)
+            assert r.status_code == 200 and r.json()["success"], r.text
+        after = _greedy(url)
+        assert after == _greedy(local) and after["version"] == "v2"
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0,
                                timeout=WAIT_S)
         name = client.models.list().data[0].id
