@@ -151,6 +151,9 @@ def _spanning_leader(cfg: EngineConfig, devices: list[jax.Device]) -> LeaderLink
     if not cfg.warmup:
         raise ConfigError("warmup", "an engine spanning hosts must warm up (every host "
                           "compiles the same programs before serving)")
+    if cfg.max_loras_per_batch > 0:
+        raise ConfigError("max_loras_per_batch", "LoRA adapters are not streamed to the "
+                          "other hosts yet: an engine spanning hosts runs without LoRA")
     return session.leader
 
 
