@@ -71,8 +71,8 @@ def main() -> None:
         parts = {k: getattr(msgs[0], k).nbytes for k in ("packed_step", "packed_sampling")}
         print(f"   (rows={rows}: packed arrays {parts} bytes)")
         times.sort()
-        print(f"{rows:>5} {msgs[0].tokens:>4} {msgs[0].num_rows:>4} {size:>7} {statistics.median(times):>10.0f} "
-              f"{times[int(0.9 * len(times))]:>8.0f}")
+        print(f"{rows:>5} {msgs[0].tokens:>4} {msgs[0].num_rows:>4} {size:>7} "
+              f"{statistics.median(times):>10.0f} {times[int(0.9 * len(times))]:>8.0f}")
     wire.send(a, None)
 
 

@@ -62,12 +62,12 @@ from multiserve.engine.commands import (
     UnloadLora,
 )
 from multiserve.engine.control_runner import ControlRunner
-from multiserve.engine.lora_control import LoraOperations
 from multiserve.engine.lora_adapters import (
     LoraRefused,
     adapter_from_peft_dir,
     adapter_from_tensors,
 )
+from multiserve.engine.lora_control import LoraOperations
 from multiserve.engine.rl_interface import RLInterface
 from multiserve.engine.sched.request import Req
 from multiserve.engine.setup import EngineParts, build_engine_parts

@@ -9,7 +9,6 @@ what the pool can hold).
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from dataclasses import dataclass
@@ -27,8 +26,8 @@ from multiserve.engine.dtype_choice import DtypeChoice, choose_dtype
 from multiserve.engine.kv_sizing import PoolSize, host_memory_bytes, pool_tokens
 from multiserve.engine.stop_strings import StopStringChecker
 from multiserve.host_heap import release_free_heap
-from multiserve.model.layers.kv_pool import kv_bytes_per_token
 from multiserve.model.kernels import native as native_kernels
+from multiserve.model.layers.kv_pool import kv_bytes_per_token
 from multiserve.model.loading.loader import load_model, resolve_model_dir
 from multiserve.multihost.link import LeaderLink
 from multiserve.multihost.session import EngineStart, spans_hosts

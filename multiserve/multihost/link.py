@@ -27,8 +27,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from multiserve.multihost import wire
 from multiserve.config import MultiHostConfig
+from multiserve.multihost import wire
 from multiserve.multihost.fingerprint import differences
 
 WATCH_TICK_S = 0.25

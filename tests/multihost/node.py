@@ -51,9 +51,8 @@ def main() -> int:
             assert session.follower is not None
             code = follow(session.follower, cfg, rank_i)
             os._exit(code)
-    from tests.multihost import scenarios
-
     from multiserve.multihost.session import current
+    from tests.multihost import scenarios
 
     code = 1
     try:
