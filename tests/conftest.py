@@ -72,12 +72,14 @@ def pytest_configure(config: pytest.Config) -> None:
 # second build loads its programs and plans from the caches). The order is also the order
 # of a plain one-process run.
 _LONG_FIRST = ("chaos/test_chaos.py", "fleet/test_fleet_four.py", "engine",
-               "fleet/test_fleet_validate.py", "model/test_batch_invariance.py",
+               "fleet/test_fleet_validate.py", "multihost/test_multihost_engine.py",
+               "model/test_batch_invariance.py",
                "model/test_moe.py", "model/test_pallas_attention.py",
                "model/test_native_kernels.py",
                "reliability/test_schema_fuzz.py", "model/test_default_model.py",
                "bench/test_bench_smoke.py", "model/test_sharding.py",
-               "fleet/test_fleet_tp.py", "model/test_calibration.py", "server",
+               "fleet/test_fleet_tp.py", "multihost/test_multihost_faults.py",
+               "model/test_calibration.py", "server",
                "plugins/test_tunix_venv.py", "test_doctor_target.py",
                "model/test_hf_parity.py", "model/test_native_kernels_bf16.py",
                "model/test_row_invariance.py", "bench/test_bench_peers.py",

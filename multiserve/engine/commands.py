@@ -69,6 +69,13 @@ class InjectFault:
 
 
 @dataclass(frozen=True)
+class MarkUnhealthy:
+    """The engine can no longer step (a host of its slice is lost: multiserve/multihost/):
+    every live request ends with `reason` as its error and new work is refused."""
+    reason: str
+
+
+@dataclass(frozen=True)
 class SetOverlap:
     """Benchmarks: drain, then run steps with (True) or without (False) overlap."""
     on: bool
@@ -132,6 +139,7 @@ RL_COMMANDS = (BeginStaging, EndStaging, PublishStagedWeights, DiscardStagedWeig
                GetWeightsByName, ReleaseMemoryOccupation, ResumeMemoryOccupation)
 
 Command = (Add | AbortRequest | PauseGeneration | ContinueGeneration | FlushCache
-           | GetInternalState | Stop | Prime | CheckIntegrity | InjectFault | SetOverlap
+           | GetInternalState | Stop | Prime | CheckIntegrity | InjectFault | MarkUnhealthy
+           | SetOverlap
            | SetSpeculation | StepInfo | Call | LoadLora | UnloadLora | ListLoras
            | RLCommand)

@@ -53,6 +53,7 @@ from multiserve.engine.commands import (
     InjectFault,
     ListLoras,
     LoadLora,
+    MarkUnhealthy,
     Prime,
     SetOverlap,
     SetSpeculation,
@@ -61,12 +62,12 @@ from multiserve.engine.commands import (
     UnloadLora,
 )
 from multiserve.engine.control_runner import ControlRunner
-from multiserve.engine.lora_control import LoraOperations
 from multiserve.engine.lora_adapters import (
     LoraRefused,
     adapter_from_peft_dir,
     adapter_from_tensors,
 )
+from multiserve.engine.lora_control import LoraOperations
 from multiserve.engine.rl_interface import RLInterface
 from multiserve.engine.sched.request import Req
 from multiserve.engine.setup import EngineParts, build_engine_parts
@@ -244,6 +245,8 @@ class Engine:
                 return core.scheduler.check_integrity()
             case InjectFault(message):
                 return core.inject_fault(message)
+            case MarkUnhealthy(reason):
+                return self._mark_unhealthy(reason)
             case SetOverlap(on):
                 return core.set_overlap(on)
             case SetSpeculation(on):
@@ -262,6 +265,15 @@ class Engine:
                 return self._control_runner.execute(cmd)
             case _:  # Stop is handled by the loop itself
                 raise TypeError(f"not an engine command: {cmd!r}")
+
+    def mark_unhealthy(self, reason: str) -> None:
+        """From any thread: unhealthy now (health answers `reason`, new work is refused);
+        the engine thread fails every live request with `reason` when it next runs a
+        command (at once unless it is inside a step). Used when a host of an engine
+        spanning hosts is lost (multiserve/fleet/slice_start.py)."""
+        self._reason = reason
+        self._healthy = False
+        self.call(MarkUnhealthy(reason))
 
     def _mark_unhealthy(self, reason: str) -> None:
         self._healthy = False

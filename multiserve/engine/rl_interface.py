@@ -132,6 +132,13 @@ class RLInterface:
         self.runner.prime_deferred()
         return old
 
+    def replace_param_leaves(self, leaves: dict[tuple[str, ...], Any]) -> None:
+        """A weight update from host values by leaf path (Runner.replace_leaves: how an
+        engine spanning hosts updates, every host placing its own shards)."""
+        assert self._core.in_flight is None, "params change only between steps"
+        self.runner.replace_leaves(leaves)
+        self.runner.prime_deferred()
+
     def drop_kv(self) -> None:
         """Free the device KV pool and the small step buffers (memory release)."""
         assert self._core.in_flight is None, "KV is dropped only between steps"

@@ -9,7 +9,6 @@ what the pool can hold).
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from dataclasses import dataclass
@@ -27,9 +26,12 @@ from multiserve.engine.dtype_choice import DtypeChoice, choose_dtype
 from multiserve.engine.kv_sizing import PoolSize, host_memory_bytes, pool_tokens
 from multiserve.engine.stop_strings import StopStringChecker
 from multiserve.host_heap import release_free_heap
-from multiserve.model.layers.kv_pool import kv_bytes_per_token
 from multiserve.model.kernels import native as native_kernels
+from multiserve.model.layers.kv_pool import kv_bytes_per_token
 from multiserve.model.loading.loader import load_model, resolve_model_dir
+from multiserve.multihost.link import LeaderLink
+from multiserve.multihost.session import EngineStart, spans_hosts
+from multiserve.multihost.session import current as current_session
 
 
 @dataclass
@@ -96,6 +98,10 @@ def load_tokenizer(tokenizer_dir: Path) -> Any:
 
 def build_engine_parts(cfg: EngineConfig, progress: Any = None) -> EngineParts:
     devices = resolve_devices(cfg.device_indexes)
+    leader = _spanning_leader(cfg, devices)
+    if leader is not None:
+        # every host primes the same programs in the same order: all compiled before serving
+        cfg = cfg.with_updates(compile_in_background=False)
     model_dir = None if cfg.model_path is None else resolve_model_dir(cfg.model_path)
     choice = resolve_dtype(cfg, devices, model_dir)
     dtype = jnp.dtype(choice.dtype)
@@ -110,10 +116,18 @@ def build_engine_parts(cfg: EngineConfig, progress: Any = None) -> EngineParts:
     if cfg.max_context_len is not None:
         limits.append(cfg.max_context_len)
     max_context = min(limits)
+    on_calibrated = None
+    if leader is not None:
+        def on_calibrated(calibration: Any) -> Any:
+            # before the runner's first device op: the followers build the same runner
+            leader.send(EngineStart(calibration.plan, dtype.name, pool.tokens))
+            return calibration
     runner = Runner(cfg, model_cfg, loaded.params, devices, num_pages, dtype,
-                    dtype_choice=choice)
+                    dtype_choice=choice, on_calibrated=on_calibrated)
     if cfg.warmup:
         _warmup(runner, cfg, max_context, progress)
+    if leader is not None:
+        runner.mirror = leader.send  # from now on every device op reaches the followers
     tokenizer = load_tokenizer(loaded.tokenizer_dir)
     eos = set(model_cfg.eos_token_ids)
     if tokenizer.eos_token_id is not None:
@@ -125,6 +139,21 @@ def build_engine_parts(cfg: EngineConfig, progress: Any = None) -> EngineParts:
         name = "SmolLM2-135M-Instruct"
     return EngineParts(model_cfg, runner, core, tokenizer, Path(loaded.tokenizer_dir),
                        Path(loaded.path), name, pool)
+
+
+def _spanning_leader(cfg: EngineConfig, devices: list[jax.Device]) -> LeaderLink | None:
+    """The step stream of an engine spanning hosts when this process leads the slice, else
+    None. Such an engine must warm up (no program may compile on the step path)."""
+    session = current_session()
+    if session is None or session.leader is None or not spans_hosts(devices):
+        return None  # one host's engine, or a follower's copy (multihost/follower.py)
+    if not cfg.warmup:
+        raise ConfigError("warmup", "an engine spanning hosts must warm up (every host "
+                          "compiles the same programs before serving)")
+    if cfg.max_loras_per_batch > 0:
+        raise ConfigError("max_loras_per_batch", "LoRA adapters are not streamed to the "
+                          "other hosts yet: an engine spanning hosts runs without LoRA")
+    return session.leader
 
 
 def _warmup(runner: Runner, cfg: EngineConfig, max_context: int, progress: Any) -> None:

@@ -52,7 +52,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from multiserve.config import ConfigError, EngineConfig, FleetConfig, ServerConfig
+from multiserve.config import (
+    ConfigError,
+    EngineConfig,
+    FleetConfig,
+    MultiHostConfig,
+    ServerConfig,
+)
 
 PLATFORMS = ("cpu", "auto", "tpu", "gpu")
 WARMUP_MODES = ("parallel", "sequential")
@@ -61,9 +67,12 @@ DEFAULT_SUPERVISOR_PORT = 31100
 
 _TOP_KEYS = ("model", "fleet", "engine", "engines")
 _MODEL_KEYS = ("path", "served_model_name")
+# [fleet] keys of one engine across hosts (SGLang's names; MultiHostConfig's fields)
+MULTIHOST_KEYS = ("nnodes", "node_rank", "dist_init_addr", "heartbeat_timeout_s",
+                  "startup_timeout_s")
 _FLEET_KEYS = ("platform", "host", "base_port", "ports", "supervisor_port", "warmup",
                "max_request_bytes", "enable_memory_saver", "tool_call_parser",
-               "reasoning_parser", "chat_template")
+               "reasoning_parser", "chat_template", *MULTIHOST_KEYS)
 # EngineConfig fields that are set elsewhere in the file, never in [engine]/[[engines]].
 _ENGINE_FIELDS_ELSEWHERE = {
     "model_path": "set it as [model] path",
@@ -160,7 +169,21 @@ def fleet_config_from_dict(data: Mapping[str, Any], base_dir: Path | None = None
         supervisor=ServerConfig(host=host, port=sup_port, **options),
         platform=platform,
         warmup_parallel=warmup == "parallel",
+        multihost=_multihost(fleet),
     )
+
+
+def _multihost(fleet: Mapping[str, Any]) -> MultiHostConfig:
+    """The [fleet] keys of a slice of several hosts (MultiHostConfig validates them)."""
+    given = {k: fleet[k] for k in MULTIHOST_KEYS if k in fleet}
+    for key in ("nnodes", "node_rank"):
+        if key in given:
+            _expect(isinstance(given[key], int) and not isinstance(given[key], bool),
+                    f"fleet.{key}", "an integer", given[key])
+    try:
+        return MultiHostConfig(**given)
+    except ConfigError as e:
+        raise ConfigError(f"fleet.{e.field}", str(e).split("': ", 1)[-1]) from None
 
 
 def _server_options(fleet: Mapping[str, Any]) -> dict[str, Any]:

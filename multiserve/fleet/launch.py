@@ -63,6 +63,8 @@ class Fleet:
     servers: list[Any] = field(default_factory=list)  # multiserve.server.ServerThread
     supervisor: Any = None
     compilation_cache: str | None = None
+    # a slice of several hosts (multiserve/multihost/): closed after the engines stop
+    slice_session: Any = None
     _stopped: bool = False
 
     @property
@@ -121,6 +123,8 @@ class Fleet:
                 s.stop()
         for w in self.workers:
             w.shutdown()
+        if self.slice_session is not None and self.slice_session.leader is not None:
+            self.slice_session.leader.close()  # the followers exit (0)
 
 
 def _message(e: ConfigError) -> str:
@@ -140,6 +144,11 @@ def launch_fleet(cfg: FleetConfig, *, announce: bool = True, out: TextIO | None 
 
     `announce` prints the READY line to `out` (stdout); progress goes to `log` (stderr).
     `cancelled` is polled between start-up stages (a stop signal during warm-up)."""
+    session = None
+    if cfg.multihost.enabled:
+        from multiserve.fleet.slice_start import form_slice
+
+        session = form_slice(cfg)  # JAX starts over every host's devices
     devices = init_jax(cfg.platform, cfg.device_count_needed)
     try:
         validate_against_devices(cfg, len(devices))
@@ -159,7 +168,11 @@ def launch_fleet(cfg: FleetConfig, *, announce: bool = True, out: TextIO | None 
               f"{[list(e.device_indexes) for e in cfg.engines]}; compilation cache: "
               f"{cache or 'off'}")
     workers = [EngineWorker(i, e) for i, e in enumerate(cfg.engines)]
-    fleet = Fleet(cfg, workers, compilation_cache=cache)
+    fleet = Fleet(cfg, workers, compilation_cache=cache, slice_session=session)
+    if session is not None:
+        from multiserve.fleet.slice_start import watch_slice
+
+        watch_slice(session, workers)
     try:
         from multiserve.engine.device.programs import background_compiles_held
 
@@ -334,21 +347,46 @@ def serve_main(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if cfg.multihost.enabled and not cfg.multihost.is_leader:
+        return follow_main(cfg)
     stop = threading.Event()
     install_stop_handlers(stop)
+    from multiserve.multihost.link import SliceStartError
+
     try:
         fleet = launch_fleet(cfg, cancelled=stop.is_set)
     except LaunchCancelled:
         return 0
-    except ConfigError as e:
+    except (ConfigError, SliceStartError) as e:
         print(f"error: {e}", file=sys.stderr)
+        if cfg.multihost.enabled:  # not JAX's exit barrier: a host may never have come
+            sys.stderr.flush()
+            os._exit(2)
         return 2
     while not stop.wait(1.0):
         pass
     mode = getattr(args, "shutdown_mode", "abort") or "abort"
     fleet.stop(mode)
     print(f"stopped ({mode})", file=sys.stderr, flush=True)
+    if cfg.multihost.enabled:  # the followers have left: JAX's exit barrier would wait
+        sys.stderr.flush()
+        os._exit(0)
     return 0
 
 
-__all__ = ["Fleet", "LaunchCancelled", "launch_fleet", "serve_main"]
+def follow_main(cfg: FleetConfig) -> int:
+    """`multiserve serve | validate --node-rank R` (R > 0): follow node 0 until it closes the slice
+    (0), is lost (3), or refuses this host (2). Exits without JAX's exit barrier."""
+    from multiserve.fleet.slice_start import follow_fleet, form_slice
+    from multiserve.multihost.link import SliceStartError
+
+    try:
+        code = follow_fleet(cfg, form_slice(cfg))
+    except (ConfigError, SliceStartError) as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        code = 2
+    sys.stderr.flush()
+    os._exit(code)
+
+
+__all__ = ["Fleet", "LaunchCancelled", "follow_main", "launch_fleet", "serve_main"]

@@ -45,14 +45,14 @@ DEFAULT_MAX_LORAS = 8  # SGLang's max_loras_per_batch
 # SGLang's dtype names -> ours
 DTYPES = {"auto": "auto", "float32": "float32", "float": "float32", "bfloat16": "bfloat16",
           "float16": "float16", "half": "float16"}
-# SGLang server flags with no counterpart here (multi-node, LoRA, quantization, other
+# SGLang server flags with no counterpart here (data or pipeline parallel, quantization, other
 # backends, ...): each is refused by name.
 UNSUPPORTED: tuple[str, ...] = (
     "--tokenizer-path", "--tokenizer-mode", "--skip-tokenizer-init", "--load-format",
     "--trust-remote-code", "--revision", "--kv-cache-dtype", "--quantization",
     "--quantization-param-path", "--dp-size", "--data-parallel-size", "--pp-size",
-    "--pipeline-parallel-size", "--ep-size", "--expert-parallel-size", "--nnodes",
-    "--node-rank", "--dist-init-addr", "--attention-backend", "--sampling-backend",
+    "--pipeline-parallel-size", "--ep-size", "--expert-parallel-size", "--attention-backend",
+    "--sampling-backend",
     "--grammar-backend", "--schedule-policy", "--schedule-conservativeness",
     "--cpu-offload-gb", "--enable-torch-compile", "--cuda-graph-max-bs",
     "--disable-cuda-graph", "--speculative-draft-model-path", "--speculative-num-steps",
@@ -106,6 +106,14 @@ def add_sglang_flags(p: argparse.ArgumentParser) -> None:
                    default=None,
                    help="SGLang: a MoE model's engines capture the experts every token was "
                         "routed to, so /generate may ask for them (return_routed_experts)")
+    p.add_argument("--nnodes", type=int, default=None,
+                   help="SGLang: hosts of one slice; an engine may span them (every host "
+                        "runs the same command; sops/run-multi-host.md)")
+    p.add_argument("--node-rank", type=int, default=None,
+                   help="SGLang: this host's rank in the slice (0 leads: scheduler, servers, "
+                        "supervisor; the others follow)")
+    p.add_argument("--dist-init-addr", default=None, metavar="HOST:PORT",
+                   help="SGLang: node 0's JAX coordinator; its step stream takes PORT + 1")
     for flag in UNSUPPORTED:
         p.add_argument(flag, nargs="?", action=_Unsupported, help=argparse.SUPPRESS)
 
@@ -120,6 +128,10 @@ def apply_sglang_flags(args: argparse.Namespace, data: dict[str, Any],
                        from_file: bool) -> None:
     """Write the given SGLang flags into the fleet config document `data` (in place);
     `from_file`: the engines come from --config (else they were laid out here)."""
+    slice_keys = {key: getattr(args, key) for key in ("nnodes", "node_rank", "dist_init_addr")
+                  if getattr(args, key, None) is not None}
+    if slice_keys:  # [fleet] keys (config_loader.MULTIHOST_KEYS); the command line wins
+        data["fleet"] = {**(data.get("fleet") or {}), **slice_keys}
     name = getattr(args, "served_model_name", None)
     if name is not None:
         data["model"] = {**(data.get("model") or {}), "served_model_name": name}

@@ -191,6 +191,10 @@ def validate_main(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return _finish(2, force_exit)
+    if cfg.multihost.enabled and not cfg.multihost.is_leader:
+        from multiserve.fleet.launch import follow_main
+
+        return follow_main(cfg)  # node 0 validates; this host follows until it closes
     t0 = time.monotonic()
     try:
         fleet = launch_fleet(cfg)
@@ -210,6 +214,10 @@ def validate_main(args: argparse.Namespace) -> int:
         print(f"RESULT: FAIL ({type(e).__name__}: {e})", flush=True)
         code = 1
     if force_exit:
+        if fleet.slice_session is not None:  # the followers exit (0) before this host
+            fleet.slice_session.leader.close()
         return _finish(code, True)
     fleet.stop("abort")
+    if cfg.multihost.enabled:  # the followers have left: JAX's exit barrier would wait
+        return _finish(code, True)
     return code

@@ -139,6 +139,10 @@ class EngineWorker:
                 return ControlResult(False, f"engine {self.index} is {self._state}")
             if self._state == "stopped":
                 return ControlResult(False, f"engine {self.index} is shut down")
+            if self._engine is not None and _spans_hosts(self._engine):
+                return ControlResult(False, f"engine {self.index} spans hosts: restart the "
+                                     "whole slice (sops/run-multi-host.md)",
+                                     {"refused": "spans_hosts"})
             old, self._engine = self._engine, None
             previous = old.health()[1] if old is not None else self._reason
             self._state = "restarting"
@@ -247,3 +251,11 @@ class EngineWorker:
     def __repr__(self) -> str:
         return (f"EngineWorker(index={self.index}, devices={list(self.device_indexes)}, "
                 f"port={self.port}, state={self._state})")
+
+
+def _spans_hosts(engine: Any) -> bool:
+    """The engine has devices of another host (multiserve/multihost/): its followers hold
+    a runner built once, so it cannot be rebuilt alone."""
+    from multiserve.multihost.session import current, spans_hosts
+
+    return current() is not None and spans_hosts(list(engine.devices))

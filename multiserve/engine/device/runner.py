@@ -28,12 +28,16 @@ Invariants:
   without LoRA that key is absent, so the programs are exactly those of an engine built
   before LoRA existed. Their shapes never change (`write_lora` copies into a slot), and
   memory release keeps them (they are small): a resumed engine has its adapters.
+- An engine spanning hosts (multiserve/multihost/) has `mirror` set on its leader: every
+  device operation after warm-up (a step, the step buffers, priming, a weight update) is
+  handed to `mirror` as a `DeviceOp` (multihost/ops.py) BEFORE it runs here, so every
+  follower runs the same operations with the same host inputs in the same order.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -64,6 +68,7 @@ from multiserve.model.invariance.xla_options import step_options
 from multiserve.model.layers.kv_pool import KVPool, make_kv_pool
 from multiserve.model.lora_layout import lora_buffer_shapes
 from multiserve.model.sharding import kv_pool_sharding, make_mesh, shard_params
+from multiserve.multihost import ops
 
 
 def cast_params(params: Any, dtype: Any) -> Any:
@@ -87,8 +92,11 @@ class StepOutput:
 class Runner:
     def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, params_host: Any,
                  devices: Sequence[jax.Device], num_pages: int, dtype: Any,
-                 dtype_choice: DtypeChoice | None = None) -> None:
+                 dtype_choice: DtypeChoice | None = None,
+                 on_calibrated: Callable[[Calibration], Calibration] | None = None) -> None:
         self.cfg = cfg
+        # the leader of an engine spanning hosts: receives every device op (module doc)
+        self.mirror: Callable[[ops.DeviceOp], None] | None = None
         self.model_cfg = model_cfg
         # the model interface (model/families): the runner calls nothing family-specific
         self.family = family_for(model_cfg)
@@ -102,6 +110,8 @@ class Runner:
         self.num_pages = num_pages
         self.max_rows = max(cfg.precompile_bs_paddings)
         self.calibration = _calibrate(cfg, model_cfg, self.devices, dtype, self.max_rows)
+        if on_calibrated is not None:  # a spanning engine: every host runs the leader's plan
+            self.calibration = on_calibrated(self.calibration)
         self.plan: InvariancePlan = self.calibration.plan
         # get_internal_state()["determinism"]: made once (immutable, read by any thread)
         self.determinism: dict[str, Any] = self.calibration.summary()
@@ -231,20 +241,49 @@ class Runner:
         (`StepPrograms.fused`), else the forward and the head."""
         assert self.kv is not None, "KV pool released: resume memory before running"
         assert self._prev_ids is not None, "step buffers released: resume memory first"
-        fused = self.step_programs.fused(arrays.input_ids.shape[0], num_rows)
+        packed, sampling_args = step_inputs(arrays), sampling_inputs(sb_host)
+        tokens = arrays.input_ids.shape[0]
+        if self.mirror is not None:
+            self.mirror(ops.RunStep(tokens, num_rows, wants_logprobs, packed,
+                                    sampling_args[0],
+                                    *(ops.host_or_none(a) for a in sampling_args[1:])))
+        fused = self.step_programs.fused(tokens, num_rows)
         if fused is not None:
             next_ids, out, self.kv, *experts = fused(
-                self.compute_params, self.kv, self._prev_ids, step_inputs(arrays),
-                *sampling_inputs(sb_host))
+                self.compute_params, self.kv, self._prev_ids, packed, *sampling_args)
             self.fused_steps += 1
         else:
-            inputs = (self.compute_params, self.kv, self._prev_ids, step_inputs(arrays))
+            inputs = (self.compute_params, self.kv, self._prev_ids, packed)
             hidden, row_tok, row_prev, self.kv, *experts = self.step_programs.forward(
                 arrays, inputs)(*inputs)
-            head_inputs = (self.compute_params, hidden, row_tok, row_prev,
-                           *sampling_inputs(sb_host))
+            head_inputs = (self.compute_params, hidden, row_tok, row_prev, *sampling_args)
             next_ids, out = self.step_programs.head(num_rows, sb_host,
                                                     head_inputs)(*head_inputs)
+        return self._ran(next_ids, out, experts, num_rows, wants_logprobs)
+
+    def run_packed(self, tokens: int, packed: np.ndarray, sampling_args: tuple[Any, ...],
+                   wants_logprobs: bool, num_rows: int) -> StepOutput:
+        """`run` from its packed host inputs (step_inputs.py), on the programs `run` chose
+        for the same buckets: how a follower of a spanning engine runs the leader's step
+        (multihost/ops.py). Only compiled programs (a spanning engine warms up fully)."""
+        programs = self.step_programs
+        fused = programs.fused(tokens, num_rows)
+        if fused is not None:
+            next_ids, out, self.kv, *experts = fused(
+                self.compute_params, self.kv, self._prev_ids, packed, *sampling_args)
+            self.fused_steps += 1
+        else:
+            forward, head = (programs.set.get(ProgramKind.FORWARD, tokens),
+                             programs.set.get(ProgramKind.HEAD, num_rows))
+            assert forward is not None and head is not None, (tokens, num_rows)
+            hidden, row_tok, row_prev, self.kv, *experts = forward(
+                self.compute_params, self.kv, self._prev_ids, packed)
+            next_ids, out = head(self.compute_params, hidden, row_tok, row_prev,
+                                 *sampling_args)
+        return self._ran(next_ids, out, experts, num_rows, wants_logprobs)
+
+    def _ran(self, next_ids: jax.Array, out: sampling.SampleOutput, experts: list[Any],
+             num_rows: int, wants_logprobs: bool) -> StepOutput:
         self._prev_ids = next_ids
         return StepOutput(next_ids=next_ids, sample=out, num_rows=num_rows,
                           wants_logprobs=wants_logprobs,
@@ -252,12 +291,16 @@ class Runner:
 
     # ---- memory release (engine/rl/memory.py) ----------------------------------------
     def reset_prev_ids(self) -> None:
+        if self.mirror is not None:
+            self.mirror(ops.ResetPrevIds())
         self._prev_ids = jax.device_put(np.zeros(self.max_rows, np.int32), self.replicated)
 
     def drop_step_buffers(self) -> None:
         """Free the small per-step device buffers (memory release: engine/rl/memory.py).
         `reset_prev_ids()` brings back the only one a step needs; the sampler's zeros are
         re-made lazily."""
+        if self.mirror is not None:
+            self.mirror(ops.DropStepBuffers())
         prev, self._prev_ids = self._prev_ids, None
         if prev is not None and not prev.is_deleted():
             prev.delete()
@@ -266,7 +309,30 @@ class Runner:
     def prime_deferred(self) -> None:
         """Memory is resident again: prime (and check) the programs that arrived while it
         was released (StepPrograms.prime_deferred). Between steps, on the engine thread."""
+        if self.mirror is not None:
+            self.mirror(ops.PrimeDeferred())
         self.step_programs.prime_deferred()
+
+    def replace_leaves(self, leaves: dict[tuple[str, ...], np.ndarray]) -> None:
+        """A weight update from host values: each leaf at its path placed with the sharding
+        of the leaf it replaces, then the params swapped and the replaced leaves freed.
+        Between steps, on the engine thread: how an engine spanning hosts updates weights
+        (every host places its own shards of the same host values)."""
+        from multiserve.engine.rl.checks import get_leaf, set_leaf
+
+        if self.mirror is not None:
+            self.mirror(ops.SetParams(leaves))
+        live = self.params
+        assert live is not None, "weights released"
+        new = jax.tree.map(lambda a: a, live)
+        replaced = []
+        for path, value in leaves.items():
+            old = get_leaf(live, path)
+            set_leaf(new, path, jax.device_put(np.asarray(value, old.dtype), old.sharding))
+            replaced.append(old)
+        self.params = new
+        for a in replaced:
+            a.delete()
 
 
 def _calibrate(cfg: EngineConfig, model_cfg: ModelConfig, devices: Sequence[jax.Device],

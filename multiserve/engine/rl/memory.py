@@ -83,6 +83,10 @@ class MemoryManager:
     # ---- release ---------------------------------------------------------------------------
     def release(self, tags: tuple[str, ...], mode: str, preserve_state: bool) -> ControlResult:
         core = self.core
+        if core.runner.mirror is not None:
+            return ControlResult(False, "memory release is not supported on an engine "
+                                 "spanning hosts (its leader cannot read the other hosts' "
+                                 "shards back)", {"refused": "spans_hosts"})
         core.drain()
         newly = [t for t in tags if t not in core.released_tags]
         if not newly:

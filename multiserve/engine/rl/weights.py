@@ -86,7 +86,8 @@ class StagedWeights:
 
     def delete(self) -> None:
         for a in self.arrays():
-            a.delete()
+            if isinstance(a, jax.Array):  # an engine spanning hosts stages host copies
+                a.delete()
         self.full.clear()
         self.partial.clear()
 
@@ -112,6 +113,9 @@ class WeightManager:
         self._staged: StagedWeights | None = None
         self._held: str | None = None  # token of the staging that holds the engine
         self._token: str | None = None  # the latest begin(); staging for another is stale
+        # an engine spanning hosts (multiserve/multihost/) stages host copies: its leader
+        # holds only its own shards, and every host places the same host values at publish
+        self.on_host = runner.mirror is not None
 
     # ---- engine thread: may an update happen now? -------------------------------------
     def begin(self, abort_running: bool) -> ControlResult:
@@ -154,8 +158,15 @@ class WeightManager:
             if not isinstance(tensors, Mapping):
                 tensors = dict(tensors)
             self._check_device_arrays(tensors)
+        if self.on_host and device_only:
+            raise WeightUpdateError("an engine spanning hosts takes host arrays only (each "
+                                    "host places its own shards of the same values)")
         full, partial, n = self.layout.validate(tensors, require_all, source,
                                                 check_finite=not device_only)
+        if self.on_host and partial:
+            raise WeightUpdateError(f"tensor {'/'.join(next(iter(partial)))!r}: an engine "
+                                    "spanning hosts updates whole tensors only (not some "
+                                    "layers of a stacked one)")
         staged = StagedWeights(token, weight_version, names=n, source=source)
         try:
             for path, x in full.items():
@@ -163,7 +174,7 @@ class WeightManager:
             for path, (idx, vals) in partial.items():
                 sh = get_leaf(self.shardings, path)
                 staged.partial[path] = (idx, self._place(vals, sh))
-            bad = [] if device_only else [
+            bad = [] if device_only or self.on_host else [
                 p for p, a in list(staged.full.items()) + [
                     (p, v) for p, (_, v) in staged.partial.items()] if not bool(all_finite(a))]
             if bad:
@@ -192,6 +203,8 @@ class WeightManager:
                                         f"{self.dtype} (arrays are never cast here)")
 
     def _place(self, x: Any, sharding: Any) -> jax.Array:
+        if self.on_host:  # a private host copy, placed at publish (Runner.replace_leaves)
+            return np.array(x, dtype=self.dtype, copy=True)  # type: ignore[return-value]
         if isinstance(x, jax.Array):
             y = x.astype(self.dtype) if x.dtype != self.dtype else x
             return jax.device_put(y, sharding, may_alias=False)
@@ -218,6 +231,8 @@ class WeightManager:
             return ControlResult(False, f"cannot publish weights while {live} request(s) are "
                                  "running: pause first or pass abort_running=true",
                                  {"refused": "running", "live": live, "token": token})
+        if self.on_host:
+            return self._publish_from_host(staged, abort_running, live)
         live_params = core.params
         # Build the whole new tree first; only then swap (nothing changes on failure).
         new = jax.tree.map(lambda a: a, live_params)
@@ -245,6 +260,23 @@ class WeightManager:
             vals.delete()
         for a in replaced:
             a.delete()  # nothing else holds the engine's old params (staging copies)
+        with self._lock:
+            self._staged = None
+        cache = core.set_weight_version(staged.weight_version)
+        resumed = self._release_hold()
+        return ControlResult(True, f"weights updated to version {staged.weight_version!r}", {
+            "weight_version": staged.weight_version, "previous_weight_version": previous,
+            "tensors": staged.names, "source": staged.source, "aborted": aborted,
+            "released_hold": resumed, **cache})
+
+    def _publish_from_host(self, staged: StagedWeights, abort_running: bool,
+                           live: int) -> ControlResult:
+        """`publish` on an engine spanning hosts: every host places the staged host values
+        (Runner.replace_leaves, streamed to the followers in order with the steps)."""
+        core = self.core
+        aborted = core.abort_started() if abort_running and live else 0
+        previous = core.weight_version
+        core.replace_param_leaves(dict(staged.full))
         with self._lock:
             self._staged = None
         cache = core.set_weight_version(staged.weight_version)

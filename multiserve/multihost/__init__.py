@@ -1,0 +1,1 @@
+"""One engine across several hosts (multi-controller JAX): docs/architecture.md §13."""
