@@ -32,6 +32,18 @@ from multiserve.multihost import wire
 from multiserve.multihost.fingerprint import differences
 
 WATCH_TICK_S = 0.25
+CLOSE_WAIT_S = 10.0  # how long the leader's close waits for its followers to exit
+
+
+def _drain_until_closed(sock: socket.socket, deadline: float) -> None:
+    """Read and drop what `sock` still brings until its peer closes it or `deadline`."""
+    try:
+        while (left := deadline - time.monotonic()) > 0:
+            sock.settimeout(left)
+            if not sock.recv(65536):
+                return
+    except OSError:
+        return
 
 
 class FollowerLost(RuntimeError):
@@ -101,6 +113,7 @@ class LeaderLink:
         self._on_lost: list[Callable[[str], None]] = []
         self._closed = False
         self.bytes_sent = 0
+        self._readers: dict[int, threading.Thread] = {}  # rank -> its stream's reader
 
     # ---- start-up ------------------------------------------------------------------
     @classmethod
@@ -161,8 +174,10 @@ class LeaderLink:
         now = time.monotonic()
         for peer in self._peers:
             peer.last_heard = now
-            threading.Thread(target=self._read, args=(peer,), daemon=True,
-                             name=f"multihost-read-{peer.rank}").start()
+            reader = threading.Thread(target=self._read, args=(peer,), daemon=True,
+                                      name=f"multihost-read-{peer.rank}")
+            self._readers[peer.rank] = reader
+            reader.start()
         threading.Thread(target=self._watch, daemon=True, name="multihost-watch").start()
 
     def add_on_lost(self, callback: Callable[[str], None]) -> None:
@@ -241,7 +256,10 @@ class LeaderLink:
                 pass
 
     def close(self) -> None:
-        """Tell every follower to exit, then close (idempotent)."""
+        """Tell every follower to exit, wait (at most CLOSE_WAIT_S) until each has closed
+        its end, then close (idempotent). The leader's process hosts JAX's coordination
+        service: a follower still running when it goes is aborted by its JAX client
+        (SIGABRT), so the leader outlives its followers."""
         if self._closed:
             return
         with self._lock:
@@ -249,9 +267,17 @@ class LeaderLink:
             for peer in self._peers:
                 try:
                     peer.sock.sendall(wire.encode(Close()))
+                    peer.sock.shutdown(socket.SHUT_WR)
                 except OSError:
                     pass
-                peer.sock.close()
+        deadline = time.monotonic() + CLOSE_WAIT_S
+        for peer in self._peers:
+            reader = self._readers.get(peer.rank)
+            if reader is not None:  # it returns at the follower's end of stream
+                reader.join(max(0.0, deadline - time.monotonic()))
+            else:
+                _drain_until_closed(peer.sock, deadline)
+            peer.sock.close()
 
 
 class FollowerLink:
