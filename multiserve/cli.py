@@ -214,6 +214,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --temperature > 0: request i is seeded SEED + i")
     b.add_argument("--no-breakdown", action="store_true",
                    help="batch mode: skip the step-time breakdown after the run")
+    b.add_argument("--lora-adapters", type=int, default=D.lora_adapters,
+                   help="batch or single stream: the base model alone, then the same run "
+                   "with N random LoRA adapters loaded (requests round-robin over them), "
+                   "and the ratio (bench/lora_bench.py)")
+    b.add_argument("--lora-rank", type=int, default=D.lora_rank,
+                   help="with --lora-adapters: their rank, on all seven target modules")
     b.set_defaults(func=_cmd_bench)
     f = sub.add_parser("fuzz", help="schema-fuzz the engine and supervisor apps of a tiny "
                        "fleet on loopback (needs the test extra: schemathesis)")

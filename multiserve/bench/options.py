@@ -57,6 +57,8 @@ class BenchOptions:
     temperature: float = 0.0
     seed: int = 0
     no_breakdown: bool = False
+    lora_adapters: int = 0  # > 0: the LoRA comparison (bench/lora_bench.py)
+    lora_rank: int = 16
     # derived, not a flag: the dtype the engine resolves its config to, which the peer
     # computes in (set by bench_main before any peer runs)
     peer_dtype: str = "float32"

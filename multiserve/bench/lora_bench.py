@@ -1,0 +1,188 @@
+"""`multiserve bench --lora-adapters N [--lora-rank R]`: what serving LoRA adapters costs.
+
+In one invocation: the base model alone (an engine without LoRA: max_loras_per_batch 0),
+then the same run on an engine with N adapters loaded, every request running with one
+(request i with adapter i mod N). Batch mode (default 64 x 128): all prompts at once
+(ours.py `run_once`); `--single-stream` (1 x 64): `--rounds` cold streams of one prompt
+with adapter 0 (single.py `stream_rounds`). The two engines run one after the other (each
+is shut down before the next starts: two KV pools would not share the memory well), each
+with its own warm-up. Prints both rows and the ratio LoRA / base against the issue's
+target (batch 0.85, single stream 0.9), then ONE JSON line.
+
+The adapters are random, seeded and PEFT-shaped (`random_adapter_tensors`): rank R on all
+seven target modules (q, k, v, o, gate, up, down) of every layer, lora_alpha = R, loaded
+from memory (`Engine.load_lora_adapter(tensors=...)`). Their values do not change the
+work a step does (zeros would cost the same: the forward never skips a zero).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+import numpy as np
+
+from multiserve.bench.options import BenchOptions
+from multiserve.bench.prompts import bench_prompts
+from multiserve.bench.report import HEADER, ratio, run_row
+from multiserve.bench.stats import without_output_ids
+from multiserve.bench.stats import peak_rss_mb as _peak_rss_mb
+from multiserve.config import ModelConfig
+from multiserve.model.lora_layout import LORA_MODULES, module_shapes
+
+TARGET_BATCH = 0.85  # issue 47 goal 6: 64 x 128 over 4 adapters >= 0.85x the base alone
+TARGET_SINGLE = 0.9  # single stream with an adapter >= 0.9x without
+# the PEFT block of each target module
+_BLOCK = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
+          "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+
+
+def adapter_name(i: int) -> str:
+    return f"bench-lora-{i}"
+
+
+def random_adapter_tensors(cfg: ModelConfig, rank: int, seed: int) -> dict[str, np.ndarray]:
+    """PEFT-named lora_A [r, in] / lora_B [out, r] (float32) of all seven target modules
+    in every layer, seeded: A ~ N(0, 1/in), B ~ N(0, 1e-4 / r) (a small delta, so the
+    outputs stay those of a language model)."""
+    rng = np.random.default_rng(seed)
+    out: dict[str, np.ndarray] = {}
+    shapes = module_shapes(cfg)
+    for layer in range(cfg.num_layers):
+        for ours, peft in LORA_MODULES.items():
+            k, n = shapes[ours]
+            base = f"base_model.model.model.layers.{layer}.{_BLOCK[peft]}.{peft}"
+            out[f"{base}.lora_A.weight"] = (rng.standard_normal((rank, k), np.float32)
+                                            / np.float32(np.sqrt(k)))
+            out[f"{base}.lora_B.weight"] = (rng.standard_normal((n, rank), np.float32)
+                                            * np.float32(0.01 / np.sqrt(rank)))
+    return out
+
+
+def check_lora_options(options: BenchOptions) -> None:
+    """Fail before compiling on a LoRA comparison the bench does not run."""
+    if options.lora_adapters < 1 or options.lora_rank < 1:
+        raise SystemExit("bench: --lora-adapters and --lora-rank must be >= 1")
+    clash = [flag for flag, on in (("--fleet", options.fleet),
+                                   ("--peer", options.peer != "none"),
+                                   ("--ab-speculation", options.ab_speculation),
+                                   ("--ab-overlap", options.ab_overlap)) if on]
+    if clash:
+        raise SystemExit(f"bench: --lora-adapters compares with the base model; it runs "
+                         f"without {', '.join(clash)}")
+
+
+def lora_main(options: BenchOptions, cfg: Any) -> int:
+    """The base run, then the LoRA run (module docstring); prints the table and the JSON
+    line."""
+    from multiserve.bench.run import _start, _sampling
+
+    single = options.single_stream
+    n_adapters, rank = options.lora_adapters, options.lora_rank
+    lora_cfg = cfg.with_updates(max_loras_per_batch=max(cfg.max_loras_per_batch, n_adapters),
+                                max_lora_rank=rank)
+    base_cfg = cfg.with_updates(max_loras_per_batch=0, lora_paths=())
+    temperature, seed = _sampling(options)
+    sides: dict[str, dict[str, Any]] = {}
+    for side, side_cfg in (("base", base_cfg), ("lora", lora_cfg)):
+        engine, startup_s, info = _start(side_cfg)
+        try:
+            names: list[str | None] = [None]
+            if side == "lora":
+                for i in range(n_adapters):
+                    engine.load_lora_adapter(
+                        adapter_name(i), tensors=random_adapter_tensors(
+                            engine.model_config, rank, seed + 1000 + i),
+                        r=rank, lora_alpha=float(rank))
+                names = [adapter_name(i) for i in range(n_adapters)]
+            run = (_single(engine, options, names[0], temperature, seed) if single else
+                   _batch(engine, options, side_cfg, names, temperature, seed))
+            state = engine.get_internal_state()
+            sides[side] = {"run": run, "startup_s": startup_s,
+                           "all_compiled_s": info["all_compiled_s"], "dtype": info["dtype"],
+                           "cache_miss_count": state["cache_miss_count"],
+                           "model": engine.model_name,
+                           "device": f"{engine.devices[0].platform}:{side_cfg.device_indexes}"}
+        finally:
+            engine.shutdown()
+    result = lora_result(options, sides)
+    print("\n".join(lora_report(result)), file=sys.stdout)
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+def _batch(engine: Any, options: BenchOptions, cfg: Any, names: list[str | None],
+           temperature: float, seed: int) -> dict[str, Any]:
+    from multiserve.bench.ours import run_once
+
+    n, m = options.num_prompts, int(options.output_len)
+    prompts = [engine.chat_ids([{"role": "user", "content": text}])
+               for text in bench_prompts(n)]
+    per_request = [names[i % len(names)] for i in range(n)]
+    common = {"overlap": not cfg.disable_overlap, "temperature": temperature, "seed": seed}
+    run_once(engine, prompts[:4], min(m, 4), desc="warmup", show_progress=False,
+             lora_names=per_request[:4], **common)
+    return run_once(engine, prompts, m, desc="lora" if names[0] else "base",
+                    show_progress=not options.no_progress, lora_names=per_request, **common)
+
+
+def _single(engine: Any, options: BenchOptions, name: str | None, temperature: float,
+            seed: int) -> dict[str, Any]:
+    from multiserve.bench.single import stream_once, stream_rounds
+
+    m = int(options.output_len)
+    ids = engine.chat_ids([{"role": "user", "content": bench_prompts(1)[0]}])
+    stream_once(engine, ids, min(m, 4), rid="bench-single-warmup", temperature=temperature,
+                seed=seed, lora_name=name)
+    return stream_rounds(engine, ids, m, options.rounds, rid="bench-single",
+                         temperature=temperature, seed=seed, lora_name=name)
+
+
+def lora_result(options: BenchOptions, sides: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The JSON line: both runs, the ratio LoRA / base tok/s and the target."""
+    base, lora = sides["base"], sides["lora"]
+    single = options.single_stream
+    target = TARGET_SINGLE if single else TARGET_BATCH
+    r = ratio(lora["run"]["tokens_per_s"], base["run"]["tokens_per_s"])
+    return {
+        "bench": "multiserve", "mode": "lora_single_stream" if single else "lora_batch",
+        "model": base["model"], "device": base["device"], "dtype": base["dtype"],
+        "num_prompts": 1 if single else options.num_prompts,
+        "output_len": int(options.output_len),
+        "rounds": options.rounds if single else None,
+        "lora": {"adapters": options.lora_adapters, "rank": options.lora_rank,
+                 "lora_alpha": float(options.lora_rank),
+                 "target_modules": list(LORA_MODULES.values())},
+        "base": {**without_output_ids(base["run"]), "startup_s": base["startup_s"],
+                 "all_compiled_s": base["all_compiled_s"]},
+        "with_lora": {**without_output_ids(lora["run"]), "startup_s": lora["startup_s"],
+                      "all_compiled_s": lora["all_compiled_s"]},
+        "ratio": r,
+        "peak_rss_mb": _peak_rss_mb(),
+        "cache_miss_count": [base["cache_miss_count"], lora["cache_miss_count"]],
+        "targets": {"ratio": target, "ratio_met": None if r is None else r >= target,
+                    "zero_recompiles_met": base["cache_miss_count"] == 0
+                    and lora["cache_miss_count"] == 0},
+    }
+
+
+def lora_report(res: dict[str, Any]) -> list[str]:
+    """The human-readable table of `lora_result`."""
+    lora = res["lora"]
+    shape = (f"1 x {res['output_len']} ({res['rounds']} rounds)"
+             if res["mode"] == "lora_single_stream"
+             else f"{res['num_prompts']} x {res['output_len']}")
+    r = res["ratio"]
+    return [
+        f"LoRA vs base: {res['model']} {res['dtype']} on {res['device']}, {shape}; "
+        f"{lora['adapters']} adapter(s) of rank {lora['rank']} on "
+        f"{', '.join(m.removesuffix('_proj') for m in lora['target_modules'])}",
+        HEADER,
+        run_row("base model alone", res["base"]),
+        run_row(f"with {lora['adapters']} adapter(s)", res["with_lora"]),
+        f"ratio LoRA / base: {'-' if r is None else f'{r:.3f}'} (target >= "
+        f"{res['targets']['ratio']}: {'met' if res['targets']['ratio_met'] else 'NOT met'}); "
+        f"recompiles after warm-up: {res['cache_miss_count']}",
+    ]
+
