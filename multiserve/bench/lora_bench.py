@@ -1,13 +1,14 @@
 """`multiserve bench --lora-adapters N [--lora-rank R]`: what serving LoRA adapters costs.
 
-In one invocation: the base model alone (an engine without LoRA: max_loras_per_batch 0),
-then the same run on an engine with N adapters loaded, every request running with one
-(request i with adapter i mod N). Batch mode (default 64 x 128): all prompts at once
-(ours.py `run_once`); `--single-stream` (1 x 64): `--rounds` cold streams of one prompt
-with adapter 0 (single.py `stream_rounds`). The two engines run one after the other (each
-is shut down before the next starts: two KV pools would not share the memory well), each
-with its own warm-up. Prints both rows and the ratio LoRA / base against the issue's
-target (batch 0.85, single stream 0.9), then ONE JSON line.
+In one invocation, two engines: the base model alone (an engine without LoRA:
+max_loras_per_batch 0) and one with N adapters loaded, every request of its runs with one
+(request i with adapter i mod N). Both are started and warmed up, then their runs
+alternate, base, LoRA, LoRA, base, ... (so a drift of a shared machine's speed weighs on
+both alike): batch mode (default 64 x 128, all prompts at once: ours.py `run_once`)
+`BATCH_PAIRS` runs each; `--single-stream` (1 x 64: one cold stream of one prompt with
+adapter 0, single.py `stream_once`) `--rounds` runs each. A side's tok/s is all its tokens
+over its summed walls (`combined`). Prints both rows and the ratio LoRA / base against the
+issue's target (batch 0.85, single stream 0.9), then ONE JSON line.
 
 The adapters are random, seeded and PEFT-shaped (`random_adapter_tensors`): rank R on all
 seven target modules (q, k, v, o, gate, up, down) of every layer, lora_alpha = R, loaded
@@ -26,13 +27,13 @@ import numpy as np
 from multiserve.bench.options import BenchOptions
 from multiserve.bench.prompts import bench_prompts
 from multiserve.bench.report import HEADER, ratio, run_row
-from multiserve.bench.stats import without_output_ids
 from multiserve.bench.stats import peak_rss_mb as _peak_rss_mb
 from multiserve.config import ModelConfig
 from multiserve.model.lora_layout import LORA_MODULES, module_shapes
 
 TARGET_BATCH = 0.85  # issue 47 goal 6: 64 x 128 over 4 adapters >= 0.85x the base alone
 TARGET_SINGLE = 0.9  # single stream with an adapter >= 0.9x without
+BATCH_PAIRS = 2  # batch mode: runs per side (base, LoRA, LoRA, base)
 # the PEFT block of each target module
 _BLOCK = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
           "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
@@ -74,20 +75,22 @@ def check_lora_options(options: BenchOptions) -> None:
 
 
 def lora_main(options: BenchOptions, cfg: Any) -> int:
-    """The base run, then the LoRA run (module docstring); prints the table and the JSON
-    line."""
-    from multiserve.bench.run import _start, _sampling
+    """Both engines started and warmed up, then their runs alternated (module docstring);
+    prints the table and the JSON line."""
+    from multiserve.bench.run import _sampling, _start
 
-    single = options.single_stream
     n_adapters, rank = options.lora_adapters, options.lora_rank
-    lora_cfg = cfg.with_updates(max_loras_per_batch=max(cfg.max_loras_per_batch, n_adapters),
-                                max_lora_rank=rank)
-    base_cfg = cfg.with_updates(max_loras_per_batch=0, lora_paths=())
+    configs = {"base": cfg.with_updates(max_loras_per_batch=0, lora_paths=()),
+               "lora": cfg.with_updates(max_loras_per_batch=max(cfg.max_loras_per_batch,
+                                                                n_adapters),
+                                        max_lora_rank=rank)}
     temperature, seed = _sampling(options)
+    engines: dict[str, Any] = {}
     sides: dict[str, dict[str, Any]] = {}
-    for side, side_cfg in (("base", base_cfg), ("lora", lora_cfg)):
-        engine, startup_s, info = _start(side_cfg)
-        try:
+    try:
+        for side, side_cfg in configs.items():
+            engine, startup_s, info = _start(side_cfg)
+            engines[side] = engine
             names: list[str | None] = [None]
             if side == "lora":
                 for i in range(n_adapters):
@@ -96,15 +99,21 @@ def lora_main(options: BenchOptions, cfg: Any) -> int:
                             engine.model_config, rank, seed + 1000 + i),
                         r=rank, lora_alpha=float(rank))
                 names = [adapter_name(i) for i in range(n_adapters)]
-            run = (_single(engine, options, names[0], temperature, seed) if single else
-                   _batch(engine, options, side_cfg, names, temperature, seed))
-            state = engine.get_internal_state()
-            sides[side] = {"run": run, "startup_s": startup_s,
+            sides[side] = {"names": names, "runs": [], "startup_s": startup_s,
                            "all_compiled_s": info["all_compiled_s"], "dtype": info["dtype"],
-                           "cache_miss_count": state["cache_miss_count"],
                            "model": engine.model_name,
                            "device": f"{engine.devices[0].platform}:{side_cfg.device_indexes}"}
-        finally:
+            _measure(engine, options, configs[side], names, temperature, seed, warmup=True)
+        pairs = options.rounds if options.single_stream else BATCH_PAIRS
+        for i in range(pairs):
+            for side in ("base", "lora") if i % 2 == 0 else ("lora", "base"):
+                sides[side]["runs"].append(_measure(engines[side], options, configs[side],
+                                                    sides[side]["names"], temperature,
+                                                    seed + i))
+        for side, engine in engines.items():
+            sides[side]["cache_miss_count"] = engine.get_internal_state()["cache_miss_count"]
+    finally:
+        for engine in engines.values():
             engine.shutdown()
     result = lora_result(options, sides)
     print("\n".join(lora_report(result)), file=sys.stdout)
@@ -112,31 +121,46 @@ def lora_main(options: BenchOptions, cfg: Any) -> int:
     return 0
 
 
-def _batch(engine: Any, options: BenchOptions, cfg: Any, names: list[str | None],
-           temperature: float, seed: int) -> dict[str, Any]:
+def _measure(engine: Any, options: BenchOptions, cfg: Any, names: list[str | None],
+             temperature: float, seed: int, warmup: bool = False) -> dict[str, Any]:
+    """One run of the mode on `engine` (batch: every prompt at once, request i with adapter
+    i mod N; single stream: one cold stream with adapter 0); `warmup`: a short one."""
     from multiserve.bench.ours import run_once
+    from multiserve.bench.single import stream_once
 
-    n, m = options.num_prompts, int(options.output_len)
+    m = min(int(options.output_len), 4) if warmup else int(options.output_len)
+    desc = "warmup" if warmup else ("lora" if names[0] else "base")
+    if options.single_stream:
+        ids = engine.chat_ids([{"role": "user", "content": bench_prompts(1)[0]}])
+        return stream_once(engine, ids, m, rid=f"bench-single-{desc}",
+                           temperature=temperature, seed=seed, lora_name=names[0])
+    n = min(options.num_prompts, 4) if warmup else options.num_prompts
     prompts = [engine.chat_ids([{"role": "user", "content": text}])
                for text in bench_prompts(n)]
-    per_request = [names[i % len(names)] for i in range(n)]
-    common = {"overlap": not cfg.disable_overlap, "temperature": temperature, "seed": seed}
-    run_once(engine, prompts[:4], min(m, 4), desc="warmup", show_progress=False,
-             lora_names=per_request[:4], **common)
-    return run_once(engine, prompts, m, desc="lora" if names[0] else "base",
-                    show_progress=not options.no_progress, lora_names=per_request, **common)
+    return run_once(engine, prompts, m, overlap=not cfg.disable_overlap, desc=desc,
+                    show_progress=not options.no_progress and not warmup,
+                    temperature=temperature, seed=seed,
+                    lora_names=[names[i % len(names)] for i in range(n)])
 
 
-def _single(engine: Any, options: BenchOptions, name: str | None, temperature: float,
-            seed: int) -> dict[str, Any]:
-    from multiserve.bench.single import stream_once, stream_rounds
-
-    m = int(options.output_len)
-    ids = engine.chat_ids([{"role": "user", "content": bench_prompts(1)[0]}])
-    stream_once(engine, ids, min(m, 4), rid="bench-single-warmup", temperature=temperature,
-                seed=seed, lora_name=name)
-    return stream_rounds(engine, ids, m, options.rounds, rid="bench-single",
-                         temperature=temperature, seed=seed, lora_name=name)
+def combined(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One side's runs together: tok/s all tokens over the summed walls, TTFT and ITL p50
+    the median of the runs' and p99 the largest, each run's tok/s, and whether every run
+    gave the same output ids (greedy: the engine's determinism)."""
+    tokens = sum(int(r["output_tokens"]) for r in runs)
+    wall = sum(float(r["wall_s"]) for r in runs)
+    return {
+        "runs": len(runs), "output_tokens": tokens, "wall_s": wall,
+        "tokens_per_s": tokens / wall if wall > 0 else float("nan"),
+        "runs_tokens_per_s": [float(r["tokens_per_s"]) for r in runs],
+        "ttft_p50_s": float(np.median([float(r["ttft_p50_s"]) for r in runs])),
+        "ttft_p99_s": max(float(r["ttft_p99_s"]) for r in runs),
+        "itl_p50_s": float(np.median([float(r["itl_p50_s"]) for r in runs])),
+        "itl_p99_s": max(float(r["itl_p99_s"]) for r in runs),
+        "exact_length": all(bool(r["exact_length"]) for r in runs),
+        "finish_reasons": sorted({f for r in runs for f in r["finish_reasons"]}),
+        "outputs_identical": all(r["output_ids"] == runs[0]["output_ids"] for r in runs),
+    }
 
 
 def lora_result(options: BenchOptions, sides: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -144,19 +168,19 @@ def lora_result(options: BenchOptions, sides: dict[str, dict[str, Any]]) -> dict
     base, lora = sides["base"], sides["lora"]
     single = options.single_stream
     target = TARGET_SINGLE if single else TARGET_BATCH
-    r = ratio(lora["run"]["tokens_per_s"], base["run"]["tokens_per_s"])
+    r = ratio(combined(lora["runs"])["tokens_per_s"], combined(base["runs"])["tokens_per_s"])
     return {
         "bench": "multiserve", "mode": "lora_single_stream" if single else "lora_batch",
         "model": base["model"], "device": base["device"], "dtype": base["dtype"],
         "num_prompts": 1 if single else options.num_prompts,
         "output_len": int(options.output_len),
-        "rounds": options.rounds if single else None,
+        "pairs": options.rounds if single else BATCH_PAIRS,
         "lora": {"adapters": options.lora_adapters, "rank": options.lora_rank,
                  "lora_alpha": float(options.lora_rank),
                  "target_modules": list(LORA_MODULES.values())},
-        "base": {**without_output_ids(base["run"]), "startup_s": base["startup_s"],
+        "base": {**combined(base["runs"]), "startup_s": base["startup_s"],
                  "all_compiled_s": base["all_compiled_s"]},
-        "with_lora": {**without_output_ids(lora["run"]), "startup_s": lora["startup_s"],
+        "with_lora": {**combined(lora["runs"]), "startup_s": lora["startup_s"],
                       "all_compiled_s": lora["all_compiled_s"]},
         "ratio": r,
         "peak_rss_mb": _peak_rss_mb(),
@@ -170,9 +194,9 @@ def lora_result(options: BenchOptions, sides: dict[str, dict[str, Any]]) -> dict
 def lora_report(res: dict[str, Any]) -> list[str]:
     """The human-readable table of `lora_result`."""
     lora = res["lora"]
-    shape = (f"1 x {res['output_len']} ({res['rounds']} rounds)"
-             if res["mode"] == "lora_single_stream"
+    shape = (f"1 x {res['output_len']}" if res["mode"] == "lora_single_stream"
              else f"{res['num_prompts']} x {res['output_len']}")
+    shape += f", {res['pairs']} alternated runs each"
     r = res["ratio"]
     return [
         f"LoRA vs base: {res['model']} {res['dtype']} on {res['device']}, {shape}; "

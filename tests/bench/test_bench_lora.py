@@ -1,7 +1,7 @@
-"""`multiserve bench --lora-adapters N --lora-rank R` on a tiny model: the base model alone,
-then the same requests with N random adapters, in one invocation, batch and single
-stream. Checks the plumbing and the figures' consistency (the ratio is LoRA / base of the
-two runs' tok/s), not speed."""
+"""`multiserve bench --lora-adapters N --lora-rank R` on a tiny model: the base model alone
+and the same requests with N random adapters, their runs alternated in one invocation,
+batch and single stream. Checks the plumbing and the figures' consistency (the ratio is
+LoRA / base of the two sides' tok/s), not speed."""
 
 from __future__ import annotations
 
@@ -40,8 +40,10 @@ def test_lora_batch_runs_base_then_adapters(tiny: Path,
                                               "gate_proj", "up_proj", "down_proj"]}
     for side in ("base", "with_lora"):
         run = res[side]
-        assert run["output_tokens"] == 30 and run["exact_length"]
+        assert run["runs"] == 2 and run["output_tokens"] == 60 and run["exact_length"]
         assert run["finish_reasons"] == ["length"] and run["tokens_per_s"] > 0
+        assert run["outputs_identical"]  # greedy: each side's runs agree
+        assert run["tokens_per_s"] == pytest.approx(60 / run["wall_s"])
     assert res["ratio"] == pytest.approx(res["with_lora"]["tokens_per_s"]
                                          / res["base"]["tokens_per_s"])
     assert res["cache_miss_count"] == [0, 0] and res["targets"]["zero_recompiles_met"]
@@ -52,8 +54,9 @@ def test_lora_single_stream(tiny: Path, capsys: pytest.CaptureFixture[str]) -> N
     res, _ = _run(capsys, "--model", str(tiny), "--single-stream", "--output-len", "4",
                   "--rounds", "2", "--lora-adapters", "1", *SMALL)
     assert res["mode"] == "lora_single_stream" and res["lora"]["rank"] == 16
+    assert res["pairs"] == 2
     assert res["base"]["output_tokens"] == 8 and res["with_lora"]["output_tokens"] == 8
-    assert res["base"]["rounds_identical"] and res["with_lora"]["rounds_identical"]
+    assert res["base"]["outputs_identical"] and res["with_lora"]["outputs_identical"]
     assert res["targets"]["ratio"] == 0.9 and res["cache_miss_count"] == [0, 0]
 
 
