@@ -111,7 +111,9 @@ def lora_main(options: BenchOptions, cfg: Any) -> int:
                                                     sides[side]["names"], temperature,
                                                     seed + i))
         for side, engine in engines.items():
-            sides[side]["cache_miss_count"] = engine.get_internal_state()["cache_miss_count"]
+            state = engine.get_internal_state()
+            sides[side]["cache_miss_count"] = state["cache_miss_count"]
+            sides[side]["lora_kernel"] = state["lora_kernel"]
     finally:
         for engine in engines.values():
             engine.shutdown()
@@ -177,6 +179,7 @@ def lora_result(options: BenchOptions, sides: dict[str, dict[str, Any]]) -> dict
         "pairs": options.rounds if single else BATCH_PAIRS,
         "lora": {"adapters": options.lora_adapters, "rank": options.lora_rank,
                  "lora_alpha": float(options.lora_rank),
+                 "kernel": lora["lora_kernel"],  # the delta's form (model/layers/lora.py)
                  "target_modules": list(LORA_MODULES.values())},
         "base": {**combined(base["runs"]), "startup_s": base["startup_s"],
                  "all_compiled_s": base["all_compiled_s"]},
@@ -201,7 +204,8 @@ def lora_report(res: dict[str, Any]) -> list[str]:
     return [
         f"LoRA vs base: {res['model']} {res['dtype']} on {res['device']}, {shape}; "
         f"{lora['adapters']} adapter(s) of rank {lora['rank']} on "
-        f"{', '.join(m.removesuffix('_proj') for m in lora['target_modules'])}",
+        f"{', '.join(m.removesuffix('_proj') for m in lora['target_modules'])} "
+        f"(delta: {lora['kernel']} form)",
         HEADER,
         run_row("base model alone", res["base"]),
         run_row(f"with {lora['adapters']} adapter(s)", res["with_lora"]),

@@ -14,8 +14,13 @@ unloading an adapter writes into them and never recompiles a step program.
 Each token t carries its slot `slots[t]` (ForwardBatch.lora_slots). Invariants:
 - A base-model token (slot 0) gets the projection's output itself, selected (`jnp.where`),
   not that output plus a zero product: its bits are those of the engine without LoRA.
-- A token's delta reads only its own slot's matrices and its own activations: every op is
-  elementwise over tokens, and the two contractions (over K, then over r) are explicit
+- A token's delta reads only its own slot's matrices and its own activations, in one of
+  two forms (`native_lora` picks one per engine; both hold this invariant):
+  native (the CPU, where the plan's attention is the native kernel): the kernel of
+  model/kernels/src/lora_delta.cc (`lora_delta_native`), per token its slot's A then B
+  with in-order float32 sums, reading the stacks in place and only the slots in use;
+  XLA (every other platform, a tensor-parallel engine, ranks above the kernel's): every
+  op is elementwise over tokens, and the two contractions (over K, then over r) are explicit
   pairwise trees of elementwise adds (`_tree_sum`) in float32, in a fixed order, each
   product materialized before its sum (no multiply-add contraction that XLA might do in
   one program and not in another). So a token's delta is the same bits whatever the
@@ -33,6 +38,8 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+
+from multiserve.model.invariance.plan import InvariancePlan
 
 # tokens per static slice of a step (bounds the gathered [slice, K, r] and [slice, r, N]
 # operands); a slice's size never changes a token's bits (every op is elementwise over
@@ -83,15 +90,33 @@ def _rounded(x: jax.Array) -> jax.Array:
     return jax.lax.optimization_barrier(x)
 
 
+def native_lora(plan: InvariancePlan, lora: dict[str, jax.Array]) -> bool:
+    """Whether the forward's LoRA delta is the native CPU kernel: where the plan's attention
+    is the native CPU kernel (the CPU, the kernels built, attention not split over a
+    tensor-parallel group), the buffers are float32 or bfloat16 and their rank fits the
+    kernel. Fixed for an engine (its plan and buffers), so every step uses one form."""
+    from multiserve.model.kernels import native
+
+    a = lora["wq_a"]
+    return (plan.attention.kernel == "native" and a.shape[-1] <= native.LORA_MAX_RANK
+            and str(a.dtype) in native.DTYPES
+            and native.unavailable_reason(str(a.dtype)) is None)
+
+
 def layer_adapter(lora: dict[str, jax.Array], layer: int | jax.Array,
-                  slots: jax.Array) -> Adapt:
+                  slots: jax.Array, native: bool = False) -> Adapt:
     """The `Adapt` of one layer (its slice of each stacked buffer, `layer` static or
-    traced)."""
+    traced); `native`: the kernel form (`native_lora`), else the XLA form."""
     on = (slots > 0)[:, None]
 
     def adapt(x: jax.Array, name: str, y: jax.Array) -> jax.Array:
-        d = lora_delta(x, lora[f"{name}_a"][layer], lora[f"{name}_b"][layer],
-                       lora["scale"], slots)
+        a, b = lora[f"{name}_a"], lora[f"{name}_b"]
+        if native and x.dtype == a.dtype:
+            from multiserve.model.kernels.native import lora_delta_native
+
+            d = lora_delta_native(x, a, b, lora["scale"], slots, layer)
+        else:
+            d = lora_delta(x, a[layer], b[layer], lora["scale"], slots)
         return jnp.where(on, (y.astype(jnp.float32) + _rounded(d)).astype(y.dtype), y)
 
     return adapt
