@@ -33,7 +33,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_lora_batch_runs_base_then_adapters(tiny: Path,
                                              capsys: pytest.CaptureFixture[str]) -> None:
     res, text = _run(capsys, "--model", str(tiny), "--num-prompts", "6", "--output-len", "5",
-                     "--lora-adapters", "3", "--lora-rank", "4", *SMALL)
+                     "--rounds", "2", "--lora-adapters", "3", "--lora-rank", "4", *SMALL)
     assert res["mode"] == "lora_batch"
     assert res["lora"].pop("kernel") in ("native", "xla")
     assert res["lora"] == {"adapters": 3, "rank": 4, "lora_alpha": 4.0,
@@ -45,8 +45,12 @@ def test_lora_batch_runs_base_then_adapters(tiny: Path,
         assert run["finish_reasons"] == ["length"] and run["tokens_per_s"] > 0
         assert run["outputs_identical"]  # greedy: each side's runs agree
         assert run["tokens_per_s"] == pytest.approx(60 / run["wall_s"])
-    assert res["ratio"] == pytest.approx(res["with_lora"]["tokens_per_s"]
-                                         / res["base"]["tokens_per_s"])
+    assert res["ratio_of_totals"] == pytest.approx(res["with_lora"]["tokens_per_s"]
+                                                   / res["base"]["tokens_per_s"])
+    pairs = [lo / b for lo, b in zip(res["with_lora"]["runs_tokens_per_s"],
+                                     res["base"]["runs_tokens_per_s"], strict=True)]
+    assert res["pair_ratios"] == pytest.approx(pairs)
+    assert res["ratio"] == pytest.approx(float(np.median(pairs)))
     assert res["cache_miss_count"] == [0, 0] and res["targets"]["zero_recompiles_met"]
     assert "with 3 adapter(s)" in text and "rank 4 on q, k, v, o, gate, up, down" in text
 
