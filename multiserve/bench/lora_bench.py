@@ -114,7 +114,7 @@ def lora_main(options: BenchOptions, cfg: Any) -> int:
         for side, engine in engines.items():
             state = engine.get_internal_state()
             sides[side]["cache_miss_count"] = state["cache_miss_count"]
-            sides[side]["lora_kernel"] = state.get("lora_kernel")  # absent before LoRA had it
+            sides[side]["lora_kernel"] = state.get("lora_kernel")  # None: not reported
     finally:
         for engine in engines.values():
             engine.shutdown()
