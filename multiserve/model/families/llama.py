@@ -93,7 +93,7 @@ def project_together(h: jax.Array, w: dict[str, jax.Array | None],
     out = dense(h, None, None, together, w_p=panels, layer=layer)
     parts = [out[:, int(a):int(a) + n] for a, n in zip(starts[:-1], widths, strict=True)]
     if adapt is not None:
-        parts = [adapt(h, m, y) for m, y in zip(members, parts, strict=True)]
+        parts = list(adapt(h, tuple(members), tuple(parts)))
     return tuple(parts)
 
 
@@ -129,7 +129,7 @@ def layer_projection(w: dict[str, jax.Array | None], layer: int | jax.Array,
         panels = w[f"{name}_p"]  # the whole stack: the native kernel indexes the layer
         y = dense(h, w[name], w[f"{name}_t"], plan.product(name), w_p=panels,
                   layer=None if panels is None else layer, residual=residual)
-        return y if adapt is None else adapt(h, name, y)
+        return y if adapt is None else adapt(h, (name,), (y,))[0]
 
     return proj
 

@@ -74,6 +74,7 @@ GROUPED_ROW_GEMM = "multiserve_grouped_row_gemm"
 GROUPED_ROW_GEMM_BF16 = "multiserve_grouped_row_gemm_bf16"
 KV_WRITE = "multiserve_kv_write"
 LORA_DELTA = "multiserve_lora_delta"
+LORA_APPLY = "multiserve_lora_apply"
 LORA_MAX_RANK = 64  # the largest adapter rank lora_delta.cc takes
 # The bfloat16 product's instruction paths (row_gemm_bf16.cc), in the kernel's numbering:
 # "avx512_bf16" one VDPBF16PS per pair of k (bfloat16 x only, a CPU with AVX512_BF16);
@@ -207,7 +208,8 @@ def _load() -> str | None:
                              (ROW_GEMM_BF16_RESIDUAL, lib.MultiserveRowGemmBf16Residual),
                              (GROUPED_ROW_GEMM_BF16, lib.MultiserveGroupedRowGemmBf16),
                              (KV_WRITE, lib.MultiserveKvWrite),
-                             (LORA_DELTA, lib.MultiserveLoraDelta)):
+                             (LORA_DELTA, lib.MultiserveLoraDelta),
+                             (LORA_APPLY, lib.MultiserveLoraApply)):
             jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(symbol), platform="cpu")
         dot = bool(lib.MultiserveBf16DotAvailable())
     except (OSError, RuntimeError, AttributeError, ValueError) as exc:
@@ -384,6 +386,28 @@ def lora_delta_native(x: jax.Array, a: jax.Array, b: jax.Array, scale: jax.Array
                                                              jnp.float32))
     return call(x, a, b, scale.astype(jnp.float32), slots.astype(jnp.int32),
                 jnp.asarray(layer, jnp.int32).reshape(1))
+
+
+def lora_apply_native(x: jax.Array, ys: tuple[jax.Array, ...], a: tuple[jax.Array, ...],
+                      b: tuple[jax.Array, ...], scale: jax.Array, slots: jax.Array,
+                      layer: int | jax.Array) -> tuple[jax.Array, ...]:
+    """Each ys[m] [T, N_m] with its LoRA delta added (`lora_delta_native` of a[m], b[m]):
+    for a token with an adapter y + d in float32, rounded once to y's dtype; a token of
+    slot 0 keeps y's bits. One call for projections of the same x (src/lora_delta.cc,
+    the applied form); x, ys, a and b all float32 or all bfloat16."""
+    assert len(ys) == len(a) == len(b) and ys
+    assert all(v.dtype == x.dtype for v in (*ys, *a, *b)), [v.dtype for v in (*ys, *a, *b)]
+    assert x.dtype in (jnp.float32, jnp.bfloat16) and max(m.shape[-1] for m in a) <= \
+        LORA_MAX_RANK
+    _require()
+    operands: list[jax.Array] = [x, slots.astype(jnp.int32), scale.astype(jnp.float32),
+                                 jnp.asarray(layer, jnp.int32).reshape(1)]
+    for y, am, bm in zip(ys, a, b, strict=True):
+        operands += [y, am, bm]
+    call = jax.ffi.ffi_call(LORA_APPLY, tuple(jax.ShapeDtypeStruct(y.shape, y.dtype)
+                                              for y in ys),
+                            input_output_aliases={4 + 3 * m: m for m in range(len(ys))})
+    return tuple(call(*operands))
 
 
 def paged_attention_native(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,

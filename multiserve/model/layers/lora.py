@@ -17,8 +17,10 @@ Each token t carries its slot `slots[t]` (ForwardBatch.lora_slots). Invariants:
 - A token's delta reads only its own slot's matrices and its own activations, in one of
   two forms (`native_lora` picks one per engine; both hold this invariant):
   native (the CPU, where the plan's attention is the native kernel): the kernel of
-  model/kernels/src/lora_delta.cc (`lora_delta_native`), per token its slot's A then B
-  with in-order float32 sums, reading the stacks in place and only the slots in use;
+  model/kernels/src/lora_delta.cc (`lora_apply_native`), per token its slot's A then B
+  with in-order float32 sums, reading the stacks in place and only the slots in use,
+  the delta added to y in the kernel (a slot-0 token's y untouched), the projections of
+  one x (q, k, v; gate, up) in one call;
   XLA (every other platform, a tensor-parallel engine, ranks above the kernel's): every
   op is elementwise over tokens, and the two contractions (over K, then over r) are explicit
   pairwise trees of elementwise adds (`_tree_sum`) in float32, in a fixed order, each
@@ -46,8 +48,9 @@ from multiserve.model.invariance.plan import InvariancePlan
 # tokens)
 CHUNK = 64
 
-# (x [T, K], layer matrix name, y [T, N]) -> y with each adapter token's delta added
-Adapt = Callable[[jax.Array, str, jax.Array], jax.Array]
+# (x [T, K], layer matrix names, their y [T, N] each) -> each y with each adapter token's
+# delta added (several projections of the same x at once: one native call)
+Adapt = Callable[[jax.Array, tuple[str, ...], tuple[jax.Array, ...]], tuple[jax.Array, ...]]
 
 
 def _tree_sum(x: jax.Array, axis: int) -> jax.Array:
@@ -109,14 +112,17 @@ def layer_adapter(lora: dict[str, jax.Array], layer: int | jax.Array,
     traced); `native`: the kernel form (`native_lora`), else the XLA form."""
     on = (slots > 0)[:, None]
 
-    def adapt(x: jax.Array, name: str, y: jax.Array) -> jax.Array:
-        a, b = lora[f"{name}_a"], lora[f"{name}_b"]
-        if native and x.dtype == a.dtype:
-            from multiserve.model.kernels.native import lora_delta_native
+    def adapt(x: jax.Array, names: tuple[str, ...], ys: tuple[jax.Array, ...]
+              ) -> tuple[jax.Array, ...]:
+        a = tuple(lora[f"{name}_a"] for name in names)
+        b = tuple(lora[f"{name}_b"] for name in names)
+        if native and all(v.dtype == x.dtype for v in (*ys, *a)):
+            from multiserve.model.kernels.native import lora_apply_native
 
-            d = lora_delta_native(x, a, b, lora["scale"], slots, layer)
-        else:
-            d = lora_delta(x, a[layer], b[layer], lora["scale"], slots)
-        return jnp.where(on, (y.astype(jnp.float32) + _rounded(d)).astype(y.dtype), y)
+            return lora_apply_native(x, ys, a, b, lora["scale"], slots, layer)
+        return tuple(
+            jnp.where(on, (y.astype(jnp.float32) + _rounded(
+                lora_delta(x, am[layer], bm[layer], lora["scale"], slots))).astype(y.dtype), y)
+            for y, am, bm in zip(ys, a, b, strict=True))
 
     return adapt

@@ -9,6 +9,14 @@
 // reads only its own slot's matrices (the per-token gathered product: a step with one
 // adapter in use reads one adapter, whatever the slot count).
 //
+// The APPLIED form (MultiserveLoraApply, what the forward calls): the same deltas for
+// several projections of the same x at once (a layer's q, k, v; or gate, up), each added
+// to its projection's output y [T, N] (an operand aliased to the result): for a token with
+// an adapter, y'[t, n] = round(float(y[t, n]) + d[t, n]) (d materialized in float32
+// first, then one float32 add, rounded once to y's dtype, to nearest even); a token of
+// slot 0 is not touched, so its y' is y's bits exactly. One call instead of a call and
+// an XLA fusion per projection.
+//
 // Row invariance BY CONSTRUCTION: xa[j] = sum over k = 0, 1, .., K-1 in that order of
 // x[t, k] * A[k, j], one fused multiply-add per step into a running sum from zero; then
 // d[n] = sum over j = 0, .., R-1 in order of xa[j] * B[j, n] the same way; then one
@@ -68,9 +76,54 @@ struct Problem {
   const E* b;      // [S, R, N] of the chosen layer
   const float* scale;  // [S]
   const int32_t* slots;  // [T]
-  float* d;        // [T, N]
+  float* d;        // [T, N] float32 (the delta form), or nullptr (the applied form)
+  void* y;         // the applied form: [T, N] of x's type, d added in place
   int64_t k, r, n;
 };
+
+// d materialized as computed: the compiler may not contract the scale's multiply with
+// the add that follows (an FMA would round once where this rounds twice)
+inline void materialize(vf& v) { asm("" : "+v"(v)); }
+inline void materialize(float& v) { asm("" : "+x"(v)); }
+
+inline float to_float(float v) { return v; }
+inline float to_float(uint16_t v) { return widen(v); }
+inline void from_float(float v, float* out) { *out = v; }
+inline void from_float(float v, uint16_t* out) {  // round to nearest even (no NaN here)
+  uint32_t u;
+  std::memcpy(&u, &v, sizeof u);
+  *out = static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+// Columns [n0, n0 + 16) of token t: d = acc * scale, stored (delta form) or added to y.
+template <typename E>
+inline void store16(const Problem<E>& pr, int64_t t, int64_t n0, vf acc, float sc) {
+  vf d = acc * sc;
+  materialize(d);
+  if (pr.d != nullptr) {
+    std::memcpy(pr.d + t * pr.n + n0, &d, sizeof d);
+    return;
+  }
+  E* y = static_cast<E*>(pr.y) + t * pr.n + n0;
+  float lanes[LANES];
+  std::memcpy(lanes, &d, sizeof d);
+  for (int c = 0; c < LANES; ++c) {
+    float sum = to_float(y[c]) + lanes[c];
+    from_float(sum, y + c);
+  }
+}
+
+template <typename E>
+inline void store1(const Problem<E>& pr, int64_t t, int64_t n, float acc, float sc) {
+  float d = acc * sc;
+  materialize(d);
+  if (pr.d != nullptr) {
+    pr.d[t * pr.n + n] = d;
+    return;
+  }
+  E* y = static_cast<E*>(pr.y) + t * pr.n + n;
+  from_float(to_float(*y) + d, y);
+}
 
 // xa[i][:] = x[tok[i]] @ A[slot of tok[i]] for the `count` tokens of one block (RV vectors
 // of 16 ranks each; the block's missing tokens repeat its last one and are not stored).
@@ -117,7 +170,6 @@ void expand(const Problem<E>& pr, int64_t t, const float* xa) {
   const int32_t s = pr.slots[t];
   const E* br = pr.b + s * pr.r * pr.n;
   const float sc = pr.scale[s];
-  float* d = pr.d + t * pr.n;
   int64_t n0 = 0;
   for (; n0 + 4 * LANES <= pr.n; n0 += 4 * LANES) {
     vf acc[4] = {vf{}, vf{}, vf{}, vf{}};
@@ -125,21 +177,17 @@ void expand(const Problem<E>& pr, int64_t t, const float* xa) {
       const vf xv = vf{} + xa[j];
       for (int c = 0; c < 4; ++c) acc[c] += xv * load(br + j * pr.n + n0 + LANES * c);
     }
-    for (int c = 0; c < 4; ++c) {
-      const vf out = acc[c] * sc;
-      std::memcpy(d + n0 + LANES * c, &out, sizeof out);
-    }
+    for (int c = 0; c < 4; ++c) store16(pr, t, n0 + LANES * c, acc[c], sc);
   }
   for (; n0 + LANES <= pr.n; n0 += LANES) {
     vf acc = vf{};
     for (int64_t j = 0; j < pr.r; ++j) acc += (vf{} + xa[j]) * load(br + j * pr.n + n0);
-    const vf out = acc * sc;
-    std::memcpy(d + n0, &out, sizeof out);
+    store16(pr, t, n0, acc, sc);
   }
   for (; n0 < pr.n; ++n0) {
     float acc = 0.0f;
     for (int64_t j = 0; j < pr.r; ++j) acc += xa[j] * widen(br[j * pr.n + n0]);
-    d[n0] = acc * sc;
+    store1(pr, t, n0, acc, sc);
   }
 }
 
@@ -156,26 +204,29 @@ void run_block(const Problem<E>& pr, const int64_t* tok, int count) {
   for (int i = 0; i < count; ++i) expand(pr, tok[i], xa[i]);
 }
 
-template <typename E>
-ffi::Error run(ffi::ThreadPool& pool, const ffi::AnyBuffer& x, const ffi::AnyBuffer& a,
-               const ffi::AnyBuffer& b, ffi::Buffer<ffi::F32>& scale,
-               ffi::Buffer<ffi::S32>& slots, int64_t layer, float* d) {
-  const auto xd = x.dimensions(), ad = a.dimensions(), bd = b.dimensions();
-  const int64_t t_dim = xd[0], s_dim = ad[1], k = ad[2], r = ad[3], n = bd[3];
-  const Problem<E> pr{static_cast<const E*>(x.untyped_data()),
-                      static_cast<const E*>(a.untyped_data()) + layer * s_dim * k * r,
-                      static_cast<const E*>(b.untyped_data()) + layer * s_dim * r * n,
-                      scale.typed_data(), slots.typed_data(), d, k, r, n};
-  std::vector<int64_t> active;  // the tokens with an adapter, in order
+// The tokens with an adapter, in order (error: a slot out of [0, slots)).
+ffi::Error active_tokens(const int32_t* slots, int64_t t_dim, int64_t s_dim,
+                         std::vector<int64_t>& active) {
   active.reserve(t_dim);
   for (int64_t t = 0; t < t_dim; ++t) {
-    const int32_t s = pr.slots[t];
-    if (s < 0 || s >= s_dim) return ffi::Error::InvalidArgument("lora_delta: slot out of range");
-    if (s == 0)
-      std::memset(d + t * n, 0, n * sizeof(float));
-    else
-      active.push_back(t);
+    if (slots[t] < 0 || slots[t] >= s_dim)
+      return ffi::Error::InvalidArgument("lora: slot out of range");
+    if (slots[t] != 0) active.push_back(t);
   }
+  return ffi::Error::Success();
+}
+
+// One projection's deltas for the `active` tokens (delta form: d; applied form: y).
+template <typename E>
+void run(ffi::ThreadPool& pool, const void* x, const ffi::AnyBuffer& a,
+         const ffi::AnyBuffer& b, const float* scale, const int32_t* slots, int64_t layer,
+         float* d, void* y, const std::vector<int64_t>& active) {
+  const auto ad = a.dimensions(), bd = b.dimensions();
+  const int64_t s_dim = ad[1], k = ad[2], r = ad[3], n = bd[3];
+  const Problem<E> pr{static_cast<const E*>(x),
+                      static_cast<const E*>(a.untyped_data()) + layer * s_dim * k * r,
+                      static_cast<const E*>(b.untyped_data()) + layer * s_dim * r * n,
+                      scale, slots, d, y, k, r, n};
   const int64_t count = static_cast<int64_t>(active.size());
   const int64_t blocks = (count + TB - 1) / TB;
   const int64_t* tok = active.data();
@@ -185,30 +236,90 @@ ffi::Error run(ffi::ThreadPool& pool, const ffi::AnyBuffer& x, const ffi::AnyBuf
     for (int64_t i = lo; i < hi; ++i)
       run_block(pr, tok + i * TB, static_cast<int>(std::min<int64_t>(TB, count - i * TB)));
   });
-  return ffi::Error::Success();
+}
+
+// a [L, S, K, R <= 64] and b [L, S, R, N] of one projection, against x [T, K], scale [S]
+bool shapes_fit(const ffi::AnyBuffer& x, const ffi::AnyBuffer& a, const ffi::AnyBuffer& b,
+                int64_t s_dim) {
+  const auto xd = x.dimensions(), ad = a.dimensions(), bd = b.dimensions();
+  return xd.size() == 2 && ad.size() == 4 && bd.size() == 4 && ad[0] == bd[0] &&
+         ad[1] == bd[1] && ad[1] == s_dim && ad[2] == xd[1] && ad[3] == bd[2] &&
+         ad[3] <= 64 && a.element_type() == x.element_type() &&
+         b.element_type() == x.element_type();
 }
 
 ffi::Error LoraDeltaImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer a,
                          ffi::AnyBuffer b, ffi::Buffer<ffi::F32> scale,
                          ffi::Buffer<ffi::S32> slots, ffi::Buffer<ffi::S32> layer,
                          ffi::ResultBuffer<ffi::F32> d) {
-  const auto xd = x.dimensions(), ad = a.dimensions(), bd = b.dimensions();
-  const auto sd = scale.dimensions(), td = slots.dimensions(), dd = d->dimensions();
-  if (xd.size() != 2 || ad.size() != 4 || bd.size() != 4 || sd.size() != 1 ||
-      td.size() != 1 || dd.size() != 2 || ad[0] != bd[0] || ad[1] != bd[1] ||
-      ad[1] != sd[0] || ad[2] != xd[1] || ad[3] != bd[2] || td[0] != xd[0] ||
-      dd[0] != xd[0] || dd[1] != bd[3] || ad[3] > 64)
-    return ffi::Error::InvalidArgument("lora_delta: x [T, K], a [L, S, K, R <= 64], "
-                                       "b [L, S, R, N], scale [S], slots [T] expected");
+  const auto xd = x.dimensions(), td = slots.dimensions(), dd = d->dimensions();
+  const int64_t s_dim = scale.dimensions()[0];
   const auto et = x.element_type();
-  if (a.element_type() != et || b.element_type() != et ||
+  if (!shapes_fit(x, a, b, s_dim) || td.size() != 1 || td[0] != xd[0] || dd.size() != 2 ||
+      dd[0] != xd[0] || dd[1] != b.dimensions()[3] ||
       (et != ffi::DataType::F32 && et != ffi::DataType::BF16))
-    return ffi::Error::InvalidArgument("lora_delta: x, a and b all float32 or all bfloat16");
+    return ffi::Error::InvalidArgument("lora_delta: x [T, K], a [L, S, K, R <= 64], "
+                                       "b [L, S, R, N] (all float32 or all bfloat16), "
+                                       "scale [S], slots [T] expected");
   const int64_t l = layer.typed_data()[0];
-  if (l < 0 || l >= ad[0]) return ffi::Error::InvalidArgument("lora_delta: layer out of range");
+  if (l < 0 || l >= a.dimensions()[0])
+    return ffi::Error::InvalidArgument("lora_delta: layer out of range");
+  std::vector<int64_t> active;
+  if (auto err = active_tokens(slots.typed_data(), xd[0], s_dim, active); !err.success())
+    return err;
+  const int64_t n = dd[1];
   float* out = d->typed_data();
-  if (et == ffi::DataType::F32) return run<float>(pool, x, a, b, scale, slots, l, out);
-  return run<uint16_t>(pool, x, a, b, scale, slots, l, out);
+  for (int64_t t = 0; t < xd[0]; ++t)
+    if (slots.typed_data()[t] == 0) std::memset(out + t * n, 0, n * sizeof(float));
+  if (et == ffi::DataType::F32)
+    run<float>(pool, x.untyped_data(), a, b, scale.typed_data(), slots.typed_data(), l, out,
+               nullptr, active);
+  else
+    run<uint16_t>(pool, x.untyped_data(), a, b, scale.typed_data(), slots.typed_data(), l,
+                  out, nullptr, active);
+  return ffi::Error::Success();
+}
+
+// x, slots, scale, layer, then (y, a, b) per projection; results: each y with its
+// deltas added (the y operands aliased to them).
+ffi::Error LoraApplyImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> slots,
+                         ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::S32> layer,
+                         ffi::RemainingArgs rest, ffi::RemainingRets outs) {
+  const auto xd = x.dimensions(), td = slots.dimensions();
+  const int64_t s_dim = scale.dimensions()[0];
+  const auto et = x.element_type();
+  if (td.size() != 1 || td[0] != xd[0] || rest.size() % 3 != 0 ||
+      rest.size() / 3 != outs.size() ||
+      (et != ffi::DataType::F32 && et != ffi::DataType::BF16))
+    return ffi::Error::InvalidArgument("lora_apply: x [T, K] (float32 or bfloat16), "
+                                       "slots [T], scale [S], layer, then (y, a, b) per "
+                                       "projection, one result each");
+  const int64_t l = layer.typed_data()[0];
+  std::vector<int64_t> active;
+  if (auto err = active_tokens(slots.typed_data(), xd[0], s_dim, active); !err.success())
+    return err;
+  for (size_t m = 0; m < outs.size(); ++m) {
+    auto y = rest.get<ffi::AnyBuffer>(3 * m);
+    auto a = rest.get<ffi::AnyBuffer>(3 * m + 1);
+    auto b = rest.get<ffi::AnyBuffer>(3 * m + 2);
+    auto out = outs.get<ffi::AnyBuffer>(m);
+    if (!y.has_value() || !a.has_value() || !b.has_value() || !out.has_value())
+      return ffi::Error::InvalidArgument("lora_apply: buffers expected");
+    const auto yd = y->dimensions();
+    if (!shapes_fit(x, *a, *b, s_dim) || l < 0 || l >= a->dimensions()[0] ||
+        yd.size() != 2 || yd[0] != xd[0] || yd[1] != b->dimensions()[3] ||
+        y->element_type() != et || (*out)->element_type() != et ||
+        (*out)->untyped_data() != y->untyped_data())
+      return ffi::Error::InvalidArgument("lora_apply: projection shapes or types differ, "
+                                         "or its y is not aliased to its result");
+    if (et == ffi::DataType::F32)
+      run<float>(pool, x.untyped_data(), *a, *b, scale.typed_data(), slots.typed_data(), l,
+                 nullptr, (*out)->untyped_data(), active);
+    else
+      run<uint16_t>(pool, x.untyped_data(), *a, *b, scale.typed_data(), slots.typed_data(),
+                    l, nullptr, (*out)->untyped_data(), active);
+  }
+  return ffi::Error::Success();
 }
 
 }  // namespace
@@ -223,3 +334,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MultiserveLoraDelta, LoraDeltaImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MultiserveLoraApply, LoraApplyImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .RemainingArgs()
+                                  .RemainingRets());
