@@ -20,9 +20,10 @@
 // Row invariance BY CONSTRUCTION: xa[j] = sum over k = 0, 1, .., K-1 in that order of
 // x[t, k] * A[k, j], one fused multiply-add per step into a running sum from zero; then
 // d[n] = sum over j = 0, .., R-1 in order of xa[j] * B[j, n] the same way; then one
-// multiply by the scale. Tokens are computed in register blocks of up to TB (any slots
-// mixed) and blocks spread over threads, which only decides which core and which
-// registers hold a token's sums, never their order. So a token's delta depends only on
+// multiply by the scale. Tokens are sorted by slot and computed in register blocks of up
+// to TB tokens of one slot (each matrix row loaded once for the block), blocks spread
+// over threads, which only decides which core and which registers hold a token's sums,
+// never their order. So a token's delta depends only on
 // its x row, its slot's A, B and scale: not on T, on the other tokens or their adapters,
 // nor on the thread count. (Built with -ffp-contract=fast: `acc += a * b` is one FMA, in
 // the vector and the scalar loops alike, so the vector path (R a multiple of 16) and the
@@ -31,6 +32,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "product_split.h"
@@ -45,7 +47,7 @@ typedef float vf __attribute__((vector_size(64)));
 typedef uint16_t vh __attribute__((vector_size(32)));
 typedef uint32_t vu __attribute__((vector_size(64)));
 constexpr int LANES = 16;
-constexpr int TB = 8;  // tokens per register block of the shrink
+constexpr int TB = 8;  // the most tokens of one slot per block
 
 inline float widen(float v) { return v; }
 inline float widen(uint16_t v) {
@@ -125,28 +127,25 @@ inline void store1(const Problem<E>& pr, int64_t t, int64_t n, float acc, float 
   from_float(to_float(*y) + d, y);
 }
 
-// xa[i][:] = x[tok[i]] @ A[slot of tok[i]] for the `count` tokens of one block (RV vectors
-// of 16 ranks each; the block's missing tokens repeat its last one and are not stored).
-template <typename E, int RV>
-void shrink_vec(const Problem<E>& pr, const int64_t* tok, int count, float (*xa)[64]) {
-  const E* xr[TB];
-  const E* ar[TB];
-  for (int i = 0; i < TB; ++i) {
-    const int64_t t = tok[std::min(i, count - 1)];
-    xr[i] = pr.x + t * pr.k;
-    ar[i] = pr.a + pr.slots[t] * pr.k * pr.r;
-  }
-  vf acc[TB][RV];
-  for (int i = 0; i < TB; ++i)
+// The shrink of one block: xa[i][:] = x[tok[i]] @ A[slot] for its NT tokens (all of one
+// slot: each A row loaded once for all of them), RV vectors of 16 ranks each.
+template <typename E, int RV, int NT>
+void shrink_vec(const Problem<E>& pr, const int64_t* tok, float (*xa)[64]) {
+  const E* ar = pr.a + pr.slots[tok[0]] * pr.k * pr.r;
+  const E* xr[NT];
+  for (int i = 0; i < NT; ++i) xr[i] = pr.x + tok[i] * pr.k;
+  vf acc[NT][RV];
+  for (int i = 0; i < NT; ++i)
     for (int v = 0; v < RV; ++v) acc[i][v] = vf{};
   for (int64_t k = 0; k < pr.k; ++k) {
-    for (int i = 0; i < TB; ++i) {
+    vf av[RV];
+    for (int v = 0; v < RV; ++v) av[v] = load(ar + k * pr.r + LANES * v);
+    for (int i = 0; i < NT; ++i) {
       const vf xv = vf{} + widen(xr[i][k]);
-      const E* row = ar[i] + k * pr.r;
-      for (int v = 0; v < RV; ++v) acc[i][v] += xv * load(row + LANES * v);
+      for (int v = 0; v < RV; ++v) acc[i][v] += xv * av[v];
     }
   }
-  for (int i = 0; i < count; ++i) std::memcpy(xa[i], acc[i], sizeof acc[i]);
+  for (int i = 0; i < NT; ++i) std::memcpy(xa[i], acc[i], sizeof acc[i]);
 }
 
 // The same sums one element at a time (any R up to 64).
@@ -163,45 +162,73 @@ void shrink_scalar(const Problem<E>& pr, const int64_t* tok, int count, float (*
   }
 }
 
-// d[t, :] = (xa @ B[slot]) * scale[slot]: 64 columns at a time (4 independent sums in
-// flight), then 16, then one.
-template <typename E>
-void expand(const Problem<E>& pr, int64_t t, const float* xa) {
-  const int32_t s = pr.slots[t];
+// The expand of one block: d[tok[i], :] = (xa[i] @ B[slot]) * scale[slot] for its NT
+// tokens of one slot, 32 columns at a time (each B row loaded once for all of them),
+// then 16, then one.
+template <typename E, int NT>
+void expand(const Problem<E>& pr, const int64_t* tok, const float (*xa)[64]) {
+  const int32_t s = pr.slots[tok[0]];
   const E* br = pr.b + s * pr.r * pr.n;
   const float sc = pr.scale[s];
   int64_t n0 = 0;
-  for (; n0 + 4 * LANES <= pr.n; n0 += 4 * LANES) {
-    vf acc[4] = {vf{}, vf{}, vf{}, vf{}};
+  for (; n0 + 2 * LANES <= pr.n; n0 += 2 * LANES) {
+    vf acc[NT][2];
+    for (int i = 0; i < NT; ++i) acc[i][0] = acc[i][1] = vf{};
     for (int64_t j = 0; j < pr.r; ++j) {
-      const vf xv = vf{} + xa[j];
-      for (int c = 0; c < 4; ++c) acc[c] += xv * load(br + j * pr.n + n0 + LANES * c);
+      const vf b0 = load(br + j * pr.n + n0), b1 = load(br + j * pr.n + n0 + LANES);
+      for (int i = 0; i < NT; ++i) {
+        const vf xv = vf{} + xa[i][j];
+        acc[i][0] += xv * b0;
+        acc[i][1] += xv * b1;
+      }
     }
-    for (int c = 0; c < 4; ++c) store16(pr, t, n0 + LANES * c, acc[c], sc);
+    for (int i = 0; i < NT; ++i) {
+      store16(pr, tok[i], n0, acc[i][0], sc);
+      store16(pr, tok[i], n0 + LANES, acc[i][1], sc);
+    }
   }
-  for (; n0 + LANES <= pr.n; n0 += LANES) {
-    vf acc = vf{};
-    for (int64_t j = 0; j < pr.r; ++j) acc += (vf{} + xa[j]) * load(br + j * pr.n + n0);
-    store16(pr, t, n0, acc, sc);
-  }
-  for (; n0 < pr.n; ++n0) {
-    float acc = 0.0f;
-    for (int64_t j = 0; j < pr.r; ++j) acc += xa[j] * widen(br[j * pr.n + n0]);
-    store1(pr, t, n0, acc, sc);
+  for (int i = 0; i < NT; ++i) {
+    int64_t n = n0;
+    for (; n + LANES <= pr.n; n += LANES) {
+      vf acc = vf{};
+      for (int64_t j = 0; j < pr.r; ++j) acc += (vf{} + xa[i][j]) * load(br + j * pr.n + n);
+      store16(pr, tok[i], n, acc, sc);
+    }
+    for (; n < pr.n; ++n) {
+      float acc = 0.0f;
+      for (int64_t j = 0; j < pr.r; ++j) acc += xa[i][j] * widen(br[j * pr.n + n]);
+      store1(pr, tok[i], n, acc, sc);
+    }
   }
 }
 
+template <typename E, int NT>
+void run_block_of(const Problem<E>& pr, const int64_t* tok) {
+  float xa[NT][64];
+  switch (pr.r % LANES == 0 ? pr.r / LANES : 0) {
+    case 1: shrink_vec<E, 1, NT>(pr, tok, xa); break;
+    case 2: shrink_vec<E, 2, NT>(pr, tok, xa); break;
+    case 3: shrink_vec<E, 3, NT>(pr, tok, xa); break;
+    case 4: shrink_vec<E, 4, NT>(pr, tok, xa); break;
+    default: shrink_scalar<E>(pr, tok, NT, xa); break;
+  }
+  expand<E, NT>(pr, tok, xa);
+}
+
+// One block: `count` (1..TB) tokens of one slot, in register blocks of 8, 4, 2, 1.
 template <typename E>
 void run_block(const Problem<E>& pr, const int64_t* tok, int count) {
-  float xa[TB][64];
-  switch (pr.r % LANES == 0 ? pr.r / LANES : 0) {
-    case 1: shrink_vec<E, 1>(pr, tok, count, xa); break;
-    case 2: shrink_vec<E, 2>(pr, tok, count, xa); break;
-    case 3: shrink_vec<E, 3>(pr, tok, count, xa); break;
-    case 4: shrink_vec<E, 4>(pr, tok, count, xa); break;
-    default: shrink_scalar<E>(pr, tok, count, xa); break;
+  while (count > 0) {
+    const int nt = count >= 8 ? 8 : count >= 4 ? 4 : count >= 2 ? 2 : 1;
+    switch (nt) {
+      case 8: run_block_of<E, 8>(pr, tok); break;
+      case 4: run_block_of<E, 4>(pr, tok); break;
+      case 2: run_block_of<E, 2>(pr, tok); break;
+      default: run_block_of<E, 1>(pr, tok); break;
+    }
+    tok += nt;
+    count -= nt;
   }
-  for (int i = 0; i < count; ++i) expand(pr, tok[i], xa[i]);
 }
 
 // The tokens with an adapter, in order (error: a slot out of [0, slots)).
@@ -213,6 +240,9 @@ ffi::Error active_tokens(const int32_t* slots, int64_t t_dim, int64_t s_dim,
       return ffi::Error::InvalidArgument("lora: slot out of range");
     if (slots[t] != 0) active.push_back(t);
   }
+  // by slot (then position): a block's tokens share their adapter's matrices
+  std::stable_sort(active.begin(), active.end(),
+                   [slots](int64_t p, int64_t q) { return slots[p] < slots[q]; });
   return ffi::Error::Success();
 }
 
@@ -227,15 +257,25 @@ void run(ffi::ThreadPool& pool, const void* x, const ffi::AnyBuffer& a,
                       static_cast<const E*>(a.untyped_data()) + layer * s_dim * k * r,
                       static_cast<const E*>(b.untyped_data()) + layer * s_dim * r * n,
                       scale, slots, d, y, k, r, n};
+  // blocks: runs of up to TB tokens of one slot, (start, size) in `active`
+  std::vector<std::pair<int64_t, int>> blocks;
   const int64_t count = static_cast<int64_t>(active.size());
-  const int64_t blocks = (count + TB - 1) / TB;
+  for (int64_t i = 0; i < count;) {
+    int size = 1;
+    while (size < TB && i + size < count && slots[active[i + size]] == slots[active[i]])
+      ++size;
+    blocks.emplace_back(i, size);
+    i += size;
+  }
   const int64_t* tok = active.data();
+  const auto* bl = blocks.data();
   // ~ multiply-adds / 64 per token, the unit of product_split.h's threshold
   const int64_t units = count * std::max<int64_t>(1, (k * r + r * n) / 64);
-  for_each_item(pool, blocks, units, false, [&pr, tok, count](int64_t lo, int64_t hi) {
-    for (int64_t i = lo; i < hi; ++i)
-      run_block(pr, tok + i * TB, static_cast<int>(std::min<int64_t>(TB, count - i * TB)));
-  });
+  for_each_item(pool, static_cast<int64_t>(blocks.size()), units, false,
+                [&pr, tok, bl](int64_t lo, int64_t hi) {
+                  for (int64_t i = lo; i < hi; ++i)
+                    run_block(pr, tok + bl[i].first, bl[i].second);
+                });
 }
 
 // a [L, S, K, R <= 64] and b [L, S, R, N] of one projection, against x [T, K], scale [S]
