@@ -16,7 +16,8 @@
   docs/performance.md §3).
 - the LoRA delta (src/lora_delta.cc, `lora_delta_native`): each token's low-rank product
   with its own adapter's matrices, read in place from the adapter stacks (only the slots
-  the step's tokens use), for model/layers/lora.py.
+  the step's tokens use); `lora_apply_native`, what model/layers/lora.py calls, adds it to
+  the outputs of the projections of one x in one call.
 
 All are row-invariant by construction (see the .cc files). The attention and products,
 which the calibration still verifies bitwise like any other candidate
