@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -76,22 +77,22 @@ def check_lora_options(options: BenchOptions) -> None:
                          f"without {', '.join(clash)}")
 
 
-def lora_main(options: BenchOptions, cfg: Any) -> int:
-    """Both engines started and warmed up, then their runs alternated (module docstring);
-    prints the table and the JSON line."""
-    from multiserve.bench.run import _sampling, _start
-
+def lora_main(options: BenchOptions, cfg: Any,
+              start: Callable[[Any], tuple[Any, float, dict[str, Any]]]) -> int:
+    """Both engines started (`start(cfg)`: the engine, its start-up seconds and its step
+    info, as bench/run.py starts one) and warmed up, then their runs alternated (module
+    docstring); prints the table and the JSON line."""
     n_adapters, rank = options.lora_adapters, options.lora_rank
     configs = {"base": cfg.with_updates(max_loras_per_batch=0, lora_paths=()),
                "lora": cfg.with_updates(max_loras_per_batch=max(cfg.max_loras_per_batch,
                                                                 n_adapters),
                                         max_lora_rank=rank)}
-    temperature, seed = _sampling(options)
+    temperature, seed = float(options.temperature), int(options.seed)
     engines: dict[str, Any] = {}
     sides: dict[str, dict[str, Any]] = {}
     try:
         for side, side_cfg in configs.items():
-            engine, startup_s, info = _start(side_cfg)
+            engine, startup_s, info = start(side_cfg)
             engines[side] = engine
             names: list[str | None] = [None]
             if side == "lora":

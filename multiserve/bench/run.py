@@ -227,7 +227,7 @@ def bench_main(options: BenchOptions) -> int:
     if options.lora_adapters:
         from multiserve.bench.lora_bench import lora_main
 
-        return lora_main(options, cfg)
+        return lora_main(options, cfg, _start)
     peer_model = None
     if options.peer != "none":  # fail before compiling
         options = replace(options, peer_dtype=_peer_dtype(cfg))
