@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from bench_args import bench_options
-from tiny_model import save_tiny_model
+from tiny_model import TINY, save_tiny_model
 
 SMALL = ["--no-progress", "--token-paddings", "64", "--bs-paddings", "8",
          "--max-running", "8", "--max-total-tokens", "4096", "--chunked-prefill-size", "64"]
@@ -69,8 +69,6 @@ def test_random_adapters_are_seeded_peft_tensors() -> None:
     from multiserve.bench.lora_bench import random_adapter_tensors
     from multiserve.config import ModelConfig
     from multiserve.engine.lora_adapters import adapter_from_tensors
-
-    from tiny_model import TINY
 
     cfg = ModelConfig(**TINY)
     one, again = random_adapter_tensors(cfg, 4, 7), random_adapter_tensors(cfg, 4, 7)
