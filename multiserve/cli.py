@@ -221,6 +221,12 @@ def build_parser() -> argparse.ArgumentParser:
                    default=D.random_model,
                    help="a random-weight model of that size (bench/random_model.py, written "
                         "once into the cache) instead of --model")
+    b.add_argument("--lora-adapters", type=int, default=D.lora_adapters,
+                   help="batch or single stream: the base model alone, then the same run "
+                   "with N random LoRA adapters loaded (requests round-robin over them), "
+                   "and the ratio (bench/lora_bench.py)")
+    b.add_argument("--lora-rank", type=int, default=D.lora_rank,
+                   help="with --lora-adapters: their rank, on all seven target modules")
     b.set_defaults(func=_cmd_bench)
     f = sub.add_parser("fuzz", help="schema-fuzz the engine and supervisor apps of a tiny "
                        "fleet on loopback (needs the test extra: schemathesis)")

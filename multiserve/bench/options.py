@@ -59,6 +59,8 @@ class BenchOptions:
     no_breakdown: bool = False
     host_phases: bool = False
     random_model: str | None = None  # a size of bench/random_model.py (SIZES), or None
+    lora_adapters: int = 0  # > 0: the LoRA comparison (bench/lora_bench.py)
+    lora_rank: int = 16
     # derived, not a flag: the dtype the engine resolves its config to, which the peer
     # computes in (set by bench_main before any peer runs)
     peer_dtype: str = "float32"

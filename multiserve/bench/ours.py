@@ -53,7 +53,10 @@ def request_params(output_len: int, temperature: float, seed: int, index: int
 
 def run_once(engine: Any, prompts: Sequence[Sequence[int]], output_len: int, *,
              overlap: bool, desc: str, show_progress: bool = True, temperature: float = 0.0,
-             seed: int = 0) -> dict[str, Any]:
+             seed: int = 0, lora_names: Sequence[str | None] | None = None
+             ) -> dict[str, Any]:
+    """One measured run (see the module docstring); request i runs with the LoRA adapter
+    `lora_names[i]` (None, or no list: the base model)."""
     set_overlap(engine, overlap)
     flushed = engine.flush_cache()
     assert flushed.ok, f"bench: cannot flush before a run: {flushed.message}"
@@ -88,8 +91,10 @@ def run_once(engine: Any, prompts: Sequence[Sequence[int]], output_len: int, *,
             rid = f"bench-{desc}-{i}"
             timelines[rid] = Timeline()
             params = request_params(output_len, temperature, seed, i)
+            lora = None if lora_names is None else lora_names[i]
             engine.submit(GenerateRequest(rid=rid, input_ids=tuple(ids), sampling=params,
-                                          stream=True), make_sink(timelines[rid]))
+                                          stream=True, lora_name=lora),
+                          make_sink(timelines[rid]))
     finally:
         t0 = time.perf_counter()
         engine.continue_generation()

@@ -14,7 +14,9 @@ Modes:
   tok/s (single.py);
 - `--fleet`: the 4-engine fleet with `--clients-per-port` streaming clients per port vs
   one engine with the same requests (fleet_bench.py); with `--duration S`, closed-loop
-  chat clients for S seconds per side instead (chat_load.py).
+  chat clients for S seconds per side instead (chat_load.py);
+- `--lora-adapters N [--lora-rank R]` (batch or single stream): the base model alone,
+  then the same run with N random adapters loaded, and the ratio (lora_bench.py).
 `--random-model tiny|small|1b` runs on a random-weight model of that shape
 (random_model.py, written once into the cache) instead of `--model`.
 Sampling: greedy by default; `--temperature T` samples every request at T (top_p / top_k
@@ -204,6 +206,10 @@ def _start(cfg: Any) -> tuple[Any, float, dict[str, Any]]:
 
 
 def bench_main(options: BenchOptions) -> int:
+    if options.lora_adapters != 0:
+        from multiserve.bench.lora_bench import check_lora_options
+
+        check_lora_options(options)
     if options.fleet:
         from multiserve.bench.fleet_bench import fleet_main
 
@@ -227,6 +233,10 @@ def bench_main(options: BenchOptions) -> int:
         raise SystemExit("bench: --num-prompts, --output-len and --rounds must be >= 1")
     _check_sampling(options, rounds if single else n)
     cfg = _engine_config(options)
+    if options.lora_adapters:
+        from multiserve.bench.lora_bench import lora_main
+
+        return lora_main(options, cfg, _start)
     peer_model = None
     if options.peer != "none":  # fail before compiling
         options = replace(options, peer_dtype=_peer_dtype(cfg))

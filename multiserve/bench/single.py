@@ -40,19 +40,23 @@ def target_vs_peer(dtype: str | None) -> float:
 
 
 def stream_once(engine: Any, ids: Sequence[int], output_len: int, rid: str,
-                temperature: float = 0.0, seed: int = 0) -> dict[str, Any]:
+                temperature: float = 0.0, seed: int = 0, lora_name: str | None = None
+                ) -> dict[str, Any]:
     """One cold streamed request (request 0 of the bench: seed `seed`); its figures
     (bench.stats.summarize) and output ids."""
-    return stream_rounds(engine, ids, output_len, 1, rid, temperature, seed)
+    return stream_rounds(engine, ids, output_len, 1, rid, temperature, seed,
+                         lora_name=lora_name)
 
 
 def stream_rounds(engine: Any, ids: Sequence[int], output_len: int, rounds: int, rid: str,
                   temperature: float = 0.0, seed: int = 0,
-                  after_round: Callable[[int], None] | None = None) -> dict[str, Any]:
+                  after_round: Callable[[int], None] | None = None,
+                  lora_name: str | None = None) -> dict[str, Any]:
     """`rounds` cold streamed requests of `ids`, one after another (round i is request i
     of the bench: seed `seed + i`); their figures together (bench.stats.summarize_rounds:
     all tokens over the summed walls), each round's tok/s, and their output ids.
-    `after_round(i)` runs after round i, outside its timing (the peer's round i)."""
+    `after_round(i)` runs after round i, outside its timing (the peer's round i).
+    `lora_name`: the LoRA adapter every round runs with (None: the base model)."""
     before = engine.get_internal_state()
     done: list[tuple[list[Timeline], float]] = []
     for i in range(rounds):
@@ -60,7 +64,8 @@ def stream_rounds(engine: Any, ids: Sequence[int], output_len: int, rounds: int,
         assert flushed.ok, f"bench: cannot flush before a run: {flushed.message}"
         params = request_params(output_len, temperature, seed, i)
         request = GenerateRequest(rid=f"{rid}-{i}" if rounds > 1 else rid,
-                                  input_ids=tuple(ids), sampling=params, stream=True)
+                                  input_ids=tuple(ids), sampling=params, stream=True,
+                                  lora_name=lora_name)
         tl = Timeline()
         t0 = time.perf_counter()
         for out in engine.stream_sync(request):

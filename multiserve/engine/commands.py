@@ -103,8 +103,10 @@ class Call:
 # ---- LoRA adapters (engine/lora_adapters.py) ---------------------------------------------
 @dataclass(frozen=True)
 class LoadLora:
-    """Put a checked adapter into a free slot (LoraRefused: name loaded, slots full)."""
+    """Put a checked adapter into a free slot (LoraRefused: name loaded, slots full);
+    `replace`: a loaded adapter of that name is replaced (EngineCore.load_lora)."""
     adapter: LoraAdapter
+    replace: bool = False
 
 
 @dataclass(frozen=True)

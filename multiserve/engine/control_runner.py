@@ -183,8 +183,8 @@ class ControlRunner:
             case UpdateWeightsFromDisk(path, version, abort_running):
                 return self._update(self._stage(self._disk_loader(path), version,
                                                 abort_running), abort_running)
-            case LoadLoraAdapter(name, path) if self.lora is not None:
-                return self.lora.load(name, path, OffThread)
+            case LoadLoraAdapter(name, path, inplace) if self.lora is not None:
+                return self.lora.load(name, path, OffThread, inplace)
             case UnloadLoraAdapter(name):
                 return LoraOperations.unload(name)
             case ListLoraAdapters():

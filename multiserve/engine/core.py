@@ -118,6 +118,9 @@ class EngineCore:
         self.pause_state = PauseState()
         self.weight_version = cfg.weight_version
         self.loras = LoraTable(cfg.max_loras_per_batch)  # adapter name -> slot
+        # the slots of adapter versions replaced (load_inplace) while live requests used
+        # them: no name maps to them; each is taken again once no live request uses it
+        self.retired_lora_slots: set[int] = set()
         self.forward_ct = 0
         self.forward_ct_decode = 0
         # the engine loop's passes (one per wake-up), and those that ran neither a command
@@ -170,19 +173,41 @@ class EngineCore:
             raise InvalidRequest(str(exc), "lora_name", "lora_not_found") from exc
 
     # ---- LoRA adapters (engine/lora_adapters.py): between steps, engine thread --------
-    def load_lora(self, adapter: LoraAdapter) -> dict[str, Any]:
+    def load_lora(self, adapter: LoraAdapter, replace: bool = False) -> dict[str, Any]:
         """Put a checked adapter into a free slot (LoraRefused: the name is loaded, or
-        every slot is taken; nothing changes). Steps launched from now on may use it."""
-        slot = self.loras.free_slot(adapter.name)
+        every slot is taken; nothing changes). Steps launched from now on may use it.
+        `replace` (sglang's load_inplace) with the name loaded: the new version takes the
+        name. Live requests (running or queued) keep the slot they were admitted with, so
+        they finish on the version they started with; requests admitted from now on get
+        the new one. It is written into the old version's slot when no live request uses
+        that, else into a free slot ("full" when none), the old slot retired until its
+        last request is done. Without the name loaded, `replace` is a plain load."""
+        self.retired_lora_slots = {s for s in self.retired_lora_slots if self._lora_users(s)}
+        busy = frozenset(self.retired_lora_slots)
+        old = self.loras.slot_of(adapter.name) if (
+            replace and adapter.name in self.loras.adapters) else None
+        if old is not None and not self._lora_users(old):
+            slot = old
+        else:
+            slot = self.loras.free_slot(adapter.name, busy, replacing=old is not None)
         self.runner.write_lora(slot, adapter)
+        if old is not None:
+            self.loras.remove(adapter.name)
+            if slot != old:
+                self.retired_lora_slots.add(old)
         self.loras.add(adapter, slot)
-        return {"name": adapter.name, "slot": slot, "rank": adapter.rank}
+        return {"name": adapter.name, "slot": slot, "rank": adapter.rank,
+                "replaced": old is not None}
+
+    def _lora_users(self, slot: int) -> int:
+        """The live requests (running or queued) admitted with LoRA slot `slot`."""
+        return sum(1 for r in self.scheduler.reqs.values() if r.lora_slot == slot)
 
     def unload_lora(self, name: str) -> dict[str, Any]:
         """Free adapter `name`'s slot (LoraRefused "unknown", or "in_use" while live
         requests use it: their count is in the message)."""
         slot = self.loras.slot_of(name)
-        users = sum(1 for r in self.scheduler.reqs.values() if r.lora_slot == slot)
+        users = self._lora_users(slot)
         if users:
             raise LoraRefused("in_use", f"LoRA adapter {name!r} is in use by {users} live "
                               "request(s); unload it once they finish (or abort them)")

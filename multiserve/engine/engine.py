@@ -255,8 +255,8 @@ class Engine:
                 return step_info(core.runner)
             case Call(fn):
                 return fn(core)
-            case LoadLora(adapter):
-                return core.load_lora(adapter)
+            case LoadLora(adapter, replace):
+                return core.load_lora(adapter, replace)
             case UnloadLora(name):
                 return core.unload_lora(name)
             case ListLoras():
@@ -596,12 +596,15 @@ class Engine:
     def load_lora_adapter(self, lora_name: str, lora_path: str | None = None, *,
                           tensors: Mapping[str, Any] | None = None, r: int | None = None,
                           lora_alpha: float | None = None, use_rslora: bool = False,
-                          target_modules: Any = None) -> dict[str, Any]:
+                          target_modules: Any = None, load_inplace: bool = False
+                          ) -> dict[str, Any]:
         """Load a LoRA adapter into a free slot, from a PEFT directory (`lora_path`) or
         from PEFT-named in-memory tensors (`tensors`, with `r`, `lora_alpha` (default r),
         `use_rslora`, `target_modules`). Checked before anything is written; raises
         LoraRefused (kind "invalid", "exists", "full") with the reason, nothing loaded.
-        No program recompiles. Returns name, slot, rank."""
+        `load_inplace`: an adapter of that name already loaded is replaced; live requests
+        finish on the version they were admitted with (EngineCore.load_lora). No program
+        recompiles. Returns name, slot, rank, replaced."""
         self._require_healthy()
         limits = dict(model_cfg=self.model_config, max_rank=self.config.max_lora_rank)
         if (lora_path is None) == (tensors is None):
@@ -615,7 +618,7 @@ class Engine:
                 lora_name, tensors or {}, r=r,
                 lora_alpha=float(r if lora_alpha is None else lora_alpha),
                 use_rslora=use_rslora, target_modules=target_modules, **limits)
-        return self.call(LoadLora(adapter)).result()
+        return self.call(LoadLora(adapter, load_inplace)).result()
 
     def unload_lora_adapter(self, lora_name: str) -> dict[str, Any]:
         """Free an adapter's slot; LoraRefused "unknown", or "in_use" (with the number

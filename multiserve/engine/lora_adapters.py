@@ -193,21 +193,24 @@ class LoraTable:
                               f"{sorted(self._slots)})")
         return slot
 
-    def free_slot(self, name: str) -> int:
-        """The slot a new adapter `name` would take (refused: the name is loaded, or
-        every slot is taken)."""
+    def free_slot(self, name: str, busy: frozenset[int] = frozenset(),
+                  replacing: bool = False) -> int:
+        """The slot a new adapter `name` would take, none of `busy` (the slots of replaced
+        versions that live requests still use); refused: the name is loaded (unless
+        `replacing` it), or every slot is taken."""
         if self.capacity == 0:
             raise LoraRefused("invalid", "LoRA is off in this engine (max_loras_per_batch "
                               "is 0)")
-        if name in self._slots:
+        if name in self._slots and not replacing:
             raise LoraRefused("exists", f"LoRA adapter {name!r} is already loaded; unload "
-                              "it first")
-        used = set(self._slots.values())
+                              "it first (or load it with load_inplace)")
+        used = set(self._slots.values()) | busy
         for slot in range(1, self.capacity + 1):
             if slot not in used:
                 return slot
-        raise LoraRefused("full", f"every LoRA slot is taken ({self.capacity} adapters: "
-                          f"{sorted(self._slots)}); unload one first")
+        held = f" and {len(busy)} replaced version(s) live requests still use" if busy else ""
+        raise LoraRefused("full", f"every LoRA slot is taken ({len(self._slots)} adapters: "
+                          f"{sorted(self._slots)}{held}); unload one first")
 
     def add(self, adapter: LoraAdapter, slot: int) -> None:
         self._slots[adapter.name] = slot

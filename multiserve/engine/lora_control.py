@@ -33,17 +33,19 @@ class LoraOperations:
         self.model_cfg = model_cfg
         self.max_rank = max_rank
 
-    def load(self, name: str, path: str, off_thread: Any
+    def load(self, name: str, path: str, off_thread: Any, inplace: bool = False
              ) -> Generator[Any, Any, ControlResult]:
-        """`off_thread(fn)`: the ControlRunner's OffThread step."""
+        """`off_thread(fn)`: the ControlRunner's OffThread step; `inplace`: replace an
+        adapter of that name (EngineCore.load_lora)."""
         try:
             adapter = yield off_thread(lambda: adapter_from_peft_dir(
                 name, path, model_cfg=self.model_cfg, max_rank=self.max_rank))
-            info = yield LoadLora(adapter)
+            info = yield LoadLora(adapter, inplace)
         except LoraRefused as e:
             return refusal(e)
         listing = yield ListLoras()
-        return ControlResult(True, f"loaded LoRA adapter {name!r} (rank {info['rank']}) "
+        verb = "replaced" if info["replaced"] else "loaded"
+        return ControlResult(True, f"{verb} LoRA adapter {name!r} (rank {info['rank']}) "
                              f"into slot {info['slot']}", {
                                  **info, "loaded_adapters": _loaded(listing)})
 

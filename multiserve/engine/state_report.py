@@ -82,6 +82,8 @@ def internal_state(core: EngineCore, kv_pool: PoolSize | None = None) -> dict[st
         "max_queued_tokens": core.admission.max_queued_tokens,
         "overlap": core.overlap,
         "prefix_cache_hit_tokens": core.cache.hit_tokens,
+        # the LoRA delta's form: "native" (the CPU kernel), "xla", or None without LoRA
+        "lora_kernel": core.runner.lora_kernel,
         # what the engine holds: weights, KV pool, compiled programs (memory_report.py)
         "memory": memory_report(core.runner, kv_pool),
     }

@@ -1,9 +1,10 @@
 """LoRA adapters on every engine of the fleet, all or none.
 
 Owns `add_lora_supervisor_routes(app)` for an app built by `build_supervisor_app`:
-  POST /load_lora_adapter    {"lora_name", "lora_path"}  (also vLLM's /v1/load_lora_adapter)
-      loads on every engine concurrently; if any engine refuses, the adapter is unloaded
-      again from the engines that loaded it, and the answer names each refusal.
+  POST /load_lora_adapter    {"lora_name", "lora_path", "load_inplace"?}  (also vLLM's
+      /v1/load_lora_adapter) loads on every engine concurrently; if any engine refuses,
+      the adapter is unloaded again from the engines that loaded it (with load_inplace:
+      the version each had is loaded back in place), and the answer names each refusal.
   POST /unload_lora_adapter  {"lora_name"}  (also /v1/unload_lora_adapter)
       unloads on every engine; if any engine refuses (the adapter is in use there, or
       unknown), the engines that unloaded it load it again from the directory they had
@@ -42,8 +43,8 @@ def add_lora_supervisor_routes(app: FastAPI) -> None:
 
     async def load(request: Request) -> Response:
         body = parse_body(load_body, await request.body()).op_args()
-        return json_response(*await load_everywhere(sup, body["lora_name"],
-                                                    body["lora_path"]))
+        return json_response(*await load_everywhere(sup, body["lora_name"], body["lora_path"],
+                                                    bool(body.get("load_inplace", False))))
 
     async def unload(request: Request) -> Response:
         body = parse_body(unload_body, await request.body()).op_args()
@@ -91,13 +92,22 @@ async def _all_or_none(sup: Supervisor, op: str, do: Run, undo_op: str, undo: Ru
         "engines": out["engines"], "undo": undone["engines"]}
 
 
-async def load_everywhere(sup: Supervisor, name: str, path: str
+async def load_everywhere(sup: Supervisor, name: str, path: str, inplace: bool = False
                           ) -> tuple[int, dict[str, Any]]:
-    """(status, body) of loading adapter `name` from `path` on every engine, or none."""
+    """(status, body) of loading adapter `name` from `path` on every engine, or none;
+    `inplace`: replacing the version an engine has (its undo loads that one back in place,
+    from the directory it came from)."""
     loaded: set[int] = set()
+    before: dict[int, str] = {}  # inplace: the source of the version an engine had
 
     async def load(e: EngineClient) -> ControlResult:
-        res = await e.acontrol("load_lora_adapter", lora_name=name, lora_path=path)
+        if inplace:
+            listed = await e.acontrol("list_lora_adapters")
+            source = {a["name"]: a["source"] for a in listed.details["adapters"]}.get(name)
+            if source is not None:
+                before[id(e)] = source
+        res = await e.acontrol("load_lora_adapter", lora_name=name, lora_path=path,
+                               load_inplace=inplace)
         if res.ok:
             loaded.add(id(e))
         return res
@@ -105,6 +115,9 @@ async def load_everywhere(sup: Supervisor, name: str, path: str
     async def undo(e: EngineClient) -> ControlResult:
         if id(e) not in loaded:
             return ControlResult(True, "not loaded here")
+        if id(e) in before:
+            return await e.acontrol("load_lora_adapter", lora_name=name,
+                                    lora_path=before[id(e)], load_inplace=True)
         return await e.acontrol("unload_lora_adapter", lora_name=name)
 
     return await _all_or_none(sup, "load_lora_adapter", load, "unload_lora_adapter", undo,

@@ -238,3 +238,14 @@ def test_bf16_mixed_rows_equal_each_alone_and_base_rows_equal_no_lora(
                 [w for w, (_, n) in zip(without, rows, strict=True) if n is None]
     finally:
         eng.shutdown()
+
+
+def test_a_cpu_engine_computes_the_delta_with_the_native_kernel(lora_engine: Any,
+                                                                 tiny_engine: Any) -> None:
+    """The tests above then cover the kernel's form (model/kernels/src/lora_delta.cc) where
+    the native kernels build, the XLA form elsewhere; an engine without LoRA has none."""
+    from multiserve.model.kernels import native
+
+    want = "native" if native.unavailable_reason() is None else "xla"
+    assert lora_engine.get_internal_state()["lora_kernel"] == want
+    assert tiny_engine.get_internal_state()["lora_kernel"] is None

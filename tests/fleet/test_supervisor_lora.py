@@ -79,3 +79,42 @@ async def test_load_and_unload_are_all_or_none(engines: list[Any], tmp_path: Pat
             a.continue_generation()
         r = await http.post("/unload_lora_adapter", json={"lora_name": "x"})
         assert r.status_code == 200 and _names(a) == _names(b) == []
+
+
+async def test_load_inplace_is_all_or_none(engines: list[Any], tmp_path: Path) -> None:
+    """load_inplace on every engine: where one refuses (its one slot still held by a live
+    request on the old version), the engines that replaced it load their old version back
+    in place; once nothing holds it, every engine serves the new version."""
+    from multiserve.fleet.supervisor import build_supervisor_app
+    from multiserve.fleet.supervisor_lora import add_lora_supervisor_routes
+
+    a, b = engines
+    app = build_supervisor_app(engines)
+    add_lora_supervisor_routes(app)
+    cfg = a.model_config
+    x, y = write_peft_dir(tmp_path / "x", cfg, 2, 1), write_peft_dir(tmp_path / "y", cfg, 2, 2)
+
+    def sources() -> list[list[str]]:
+        return [[s["source"] for s in e.list_lora_adapters()] for e in (a, b)]
+
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                 base_url="http://t") as http:
+        assert (await http.post("/load_lora_adapter", json={
+            "lora_name": "x", "lora_path": str(x)})).status_code == 200
+        body = {"lora_name": "x", "lora_path": str(y), "load_inplace": True}
+        a.pause_generation("in_place")
+        try:
+            a.submit_many([GenerateRequest(rid="held", input_ids=(5, 6, 7), lora_name="x",
+                                           sampling=SamplingParams(max_new_tokens=4))],
+                          [lambda d: None])
+            r = await http.post("/load_lora_adapter", json=body)
+            assert r.status_code == 409 and r.json()["failed_engines"] == [0], r.text
+            assert sources() == [[str(x)], [str(x)]]  # engine b put version x back
+        finally:
+            a.abort_request(abort_all=True)
+            a.continue_generation()
+        r = await http.post("/load_lora_adapter", json=body)
+        assert r.status_code == 200 and r.json()["success"], r.text
+        assert sources() == [[str(y)], [str(y)]]
+        assert (await http.post("/unload_lora_adapter", json={"lora_name": "x"})
+                ).status_code == 200

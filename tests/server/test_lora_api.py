@@ -134,3 +134,31 @@ def _unload_in_use_is_refused(http: httpx.Client) -> None:
         http.post("/continue_generation")
         waiting.join()
     assert answers[0].status_code == 200
+
+
+def test_load_inplace_replaces_a_loaded_adapter(server: Any) -> None:
+    """sglang's `load_inplace: true` (prime-rl's reload after a training step): the new
+    version under the same name from the next request on (no live request holds the old
+    one here, so it takes the one slot); without it the name is refused 409."""
+    eng, http, root = server
+    v1 = write_peft_dir(root / "v1", eng.model_config, 4, 7)
+    v2 = write_peft_dir(root / "v2", eng.model_config, 4, 8)
+    r = http.post("/load_lora_adapter", json={"lora_name": "p", "lora_path": str(v1)})
+    assert r.status_code == 200, r.text
+    try:
+        first = _generate(http, lora_path="p").json()["output_ids"]
+        r = http.post("/load_lora_adapter", json={"lora_name": "p", "lora_path": str(v2)})
+        assert r.status_code == 409 and "already loaded" in r.json()["message"]
+        r = http.post("/load_lora_adapter", json={"lora_name": "p", "lora_path": str(v2),
+                                                  "load_inplace": True})
+        assert r.status_code == 200 and r.json()["replaced"], r.text
+        assert r.json()["message"].startswith("replaced") and r.json()["slot"] == 1
+        assert r.json()["loaded_adapters"] == {"p": str(v2)}
+        second = _generate(http, lora_path="p").json()["output_ids"]
+        assert second != first
+        r = http.post("/load_lora_adapter", json={"lora_name": "p", "lora_path": str(v1),
+                                                  "load_inplace": True})
+        assert r.status_code == 200
+        assert _generate(http, lora_path="p").json()["output_ids"] == first
+    finally:
+        http.post("/unload_lora_adapter", json={"lora_name": "p"})

@@ -66,6 +66,7 @@ from multiserve.model.invariance.plan import Calibration, InvariancePlan
 from multiserve.model.invariance.workload import workload_for
 from multiserve.model.invariance.xla_options import step_options
 from multiserve.model.layers.kv_pool import KVPool, make_kv_pool
+from multiserve.model.layers.lora import native_lora
 from multiserve.model.lora_layout import lora_buffer_shapes
 from multiserve.model.sharding import kv_pool_sharding, make_mesh, shard_params
 from multiserve.multihost import ops
@@ -179,6 +180,14 @@ class Runner:
     def lora_enabled(self) -> bool:
         """The engine has LoRA buffers: its steps take each token's adapter slot."""
         return self.lora is not None
+
+    @property
+    def lora_kernel(self) -> str | None:
+        """The form of the steps' LoRA delta (model/layers/lora.py `native_lora`): "native"
+        or "xla"; None without LoRA buffers."""
+        if self.lora is None:
+            return None
+        return "native" if native_lora(self.plan, self.lora) else "xla"
 
     def write_lora(self, slot: int, adapter: LoraAdapter | None) -> None:
         """Copy `adapter` into LoRA slot `slot` (None: zero the slot). Between steps,

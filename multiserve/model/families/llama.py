@@ -25,7 +25,7 @@ import numpy as np
 from multiserve.config import ModelConfig
 from multiserve.model.layers.attention import paged_attention
 from multiserve.model.layers.forward_batch import ForwardBatch
-from multiserve.model.layers.lora import Adapt, layer_adapter
+from multiserve.model.layers.lora import Adapt, layer_adapter, native_lora
 from multiserve.model.invariance.plan import InvariancePlan, ProductPlan
 from multiserve.model.layers.kv_pool import KVPool, write_layer
 from multiserve.model.layers.norm import rms_norm
@@ -93,7 +93,7 @@ def project_together(h: jax.Array, w: dict[str, jax.Array | None],
     out = dense(h, None, None, together, w_p=panels, layer=layer)
     parts = [out[:, int(a):int(a) + n] for a, n in zip(starts[:-1], widths, strict=True)]
     if adapt is not None:
-        parts = [adapt(h, m, y) for m, y in zip(members, parts, strict=True)]
+        parts = list(adapt(h, tuple(members), tuple(parts)))
     return tuple(parts)
 
 
@@ -129,7 +129,7 @@ def layer_projection(w: dict[str, jax.Array | None], layer: int | jax.Array,
         panels = w[f"{name}_p"]  # the whole stack: the native kernel indexes the layer
         y = dense(h, w[name], w[f"{name}_t"], plan.product(name), w_p=panels,
                   layer=None if panels is None else layer, residual=residual)
-        return y if adapt is None else adapt(h, name, y)
+        return y if adapt is None else adapt(h, (name,), (y,))[0]
 
     return proj
 
@@ -228,8 +228,10 @@ def forward_hidden(params: Params, kv_pool: KVPool, batch: ForwardBatch, cfg: Mo
     lora = params.get("lora")  # LoRA buffers (model/layers/lora.py), absent without LoRA
     assert (lora is None) == (batch.lora_slots is None), "LoRA buffers need token slots"
 
+    native = lora is not None and native_lora(plan, lora)
+
     def adapter(layer: int | jax.Array) -> Adapt | None:
-        return None if lora is None else layer_adapter(lora, layer, batch.lora_slots)
+        return None if lora is None else layer_adapter(lora, layer, batch.lora_slots, native)
 
     if not scans(plan, num_tokens):
         for index, layer in enumerate(params["layers"]):

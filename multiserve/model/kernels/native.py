@@ -14,12 +14,18 @@
   rows; this one computes every row count with the same in-order sums, 1-row products
   included (its speed against XLA's: the calibration table of `multiserve doctor`,
   docs/performance.md §3).
+- the LoRA delta (src/lora_delta.cc, `lora_delta_native`): each token's low-rank product
+  with its own adapter's matrices, read in place from the adapter stacks (only the slots
+  the step's tokens use); `lora_apply_native`, what model/layers/lora.py calls, adds it to
+  the outputs of the projections of one x in one call.
 
-Both are row-invariant by construction (see the .cc files), which the calibration still
-verifies bitwise like any other candidate (model/invariance/calibration.py); they run only where the
-calibration chose them (`Formulation.kernel == "native"`, `AttentionPlan.kernel ==
-"native"`): never on another platform, never for float types other than float32 and bfloat16,
-never for operands split over a tensor-parallel group.
+All are row-invariant by construction (see the .cc files). The attention and products,
+which the calibration still verifies bitwise like any other candidate
+(model/invariance/calibration.py), run only where the calibration chose them
+(`Formulation.kernel == "native"`, `AttentionPlan.kernel == "native"`); the LoRA delta runs
+where the plan's attention is native (model/layers/lora.py `native_lora`; its invariance is
+what tests/engine/test_lora.py checks): never on another platform, never for float types
+other than float32 and bfloat16, never for operands split over a tensor-parallel group.
 
 bfloat16 forms (an engine of dtype bfloat16): `pack_panels` of a bfloat16 W packs k-pair
 panels that `row_gemm` / `grouped_row_gemm` read at half the bytes (src/row_gemm_bf16.cc,
@@ -68,6 +74,9 @@ ROW_GEMM_BF16_RESIDUAL = "multiserve_row_gemm_bf16_residual"
 GROUPED_ROW_GEMM = "multiserve_grouped_row_gemm"
 GROUPED_ROW_GEMM_BF16 = "multiserve_grouped_row_gemm_bf16"
 KV_WRITE = "multiserve_kv_write"
+LORA_DELTA = "multiserve_lora_delta"
+LORA_APPLY = "multiserve_lora_apply"
+LORA_MAX_RANK = 64  # the largest adapter rank lora_delta.cc takes
 # The bfloat16 product's instruction paths (row_gemm_bf16.cc), in the kernel's numbering:
 # "avx512_bf16" one VDPBF16PS per pair of k (bfloat16 x only, a CPU with AVX512_BF16);
 # "widen" bfloat16 -> float32 in registers, one FMA per k in order (any CPU; its bits are
@@ -79,7 +88,7 @@ HEAD_DIMS = (16, 32, 48, 64, 80, 96, 128, 256)  # the head sizes the kernel is i
 PANEL = 64  # columns per packed weight panel (row_gemm.cc)
 SOURCES = tuple(Path(__file__).parent / "src" / name
                 for name in ("paged_attention.cc", "row_gemm.cc", "row_gemm_bf16.cc",
-                             "kv_write.cc"))
+                             "kv_write.cc", "lora_delta.cc"))
 HEADERS = tuple(Path(__file__).parent / "src" / name  # hashed, not compiled
                 for name in ("parallel_for.h", "product_split.h"))
 FLAGS = ("-std=c++20", "-O3", "-march=native", "-ffp-contract=fast", "-fPIC", "-shared", "-w")
@@ -199,7 +208,9 @@ def _load() -> str | None:
                              (ROW_GEMM_BF16, lib.MultiserveRowGemmBf16),
                              (ROW_GEMM_BF16_RESIDUAL, lib.MultiserveRowGemmBf16Residual),
                              (GROUPED_ROW_GEMM_BF16, lib.MultiserveGroupedRowGemmBf16),
-                             (KV_WRITE, lib.MultiserveKvWrite)):
+                             (KV_WRITE, lib.MultiserveKvWrite),
+                             (LORA_DELTA, lib.MultiserveLoraDelta),
+                             (LORA_APPLY, lib.MultiserveLoraApply)):
             jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(symbol), platform="cpu")
         dot = bool(lib.MultiserveBf16DotAvailable())
     except (OSError, RuntimeError, AttributeError, ValueError) as exc:
@@ -360,6 +371,44 @@ def kv_write_native(pool: jax.Array, rows: jax.Array, layer: int | jax.Array,
                             input_output_aliases={0: 0})
     return call(pool, rows.astype(pool.dtype), jnp.asarray(layer, jnp.int32).reshape(1),
                 slots.astype(jnp.int32))
+
+
+def lora_delta_native(x: jax.Array, a: jax.Array, b: jax.Array, scale: jax.Array,
+                      slots: jax.Array, layer: int | jax.Array) -> jax.Array:
+    """float32 [T, N]: token t's (x[t] @ A[layer, s]) @ B[layer, s] * scale[s], s =
+    slots[t] (zeros where s is 0), for the LoRA stacks a [L, S, K, r] and b [L, S, r, N]
+    read in place (src/lora_delta.cc: in-order float32 sums, row-invariant by
+    construction). x, a and b all float32 or all bfloat16; r <= LORA_MAX_RANK."""
+    assert x.dtype == a.dtype == b.dtype and x.dtype in (jnp.float32, jnp.bfloat16), (
+        x.dtype, a.dtype, b.dtype)
+    assert a.shape[-1] <= LORA_MAX_RANK, a.shape
+    _require()
+    call = jax.ffi.ffi_call(LORA_DELTA, jax.ShapeDtypeStruct((x.shape[0], b.shape[-1]),
+                                                             jnp.float32))
+    return call(x, a, b, scale.astype(jnp.float32), slots.astype(jnp.int32),
+                jnp.asarray(layer, jnp.int32).reshape(1))
+
+
+def lora_apply_native(x: jax.Array, ys: tuple[jax.Array, ...], a: tuple[jax.Array, ...],
+                      b: tuple[jax.Array, ...], scale: jax.Array, slots: jax.Array,
+                      layer: int | jax.Array) -> tuple[jax.Array, ...]:
+    """Each ys[m] [T, N_m] with its LoRA delta added (`lora_delta_native` of a[m], b[m]):
+    for a token with an adapter y + d in float32, rounded once to y's dtype; a token of
+    slot 0 keeps y's bits. One call for projections of the same x (src/lora_delta.cc,
+    the applied form); x, ys, a and b all float32 or all bfloat16."""
+    assert len(ys) == len(a) == len(b) and ys
+    assert all(v.dtype == x.dtype for v in (*ys, *a, *b)), [v.dtype for v in (*ys, *a, *b)]
+    assert x.dtype in (jnp.float32, jnp.bfloat16) and max(m.shape[-1] for m in a) <= \
+        LORA_MAX_RANK
+    _require()
+    operands: list[jax.Array] = [x, slots.astype(jnp.int32), scale.astype(jnp.float32),
+                                 jnp.asarray(layer, jnp.int32).reshape(1)]
+    for y, am, bm in zip(ys, a, b, strict=True):
+        operands += [y, am, bm]
+    call = jax.ffi.ffi_call(LORA_APPLY, tuple(jax.ShapeDtypeStruct(y.shape, y.dtype)
+                                              for y in ys),
+                            input_output_aliases={4 + 3 * m: m for m in range(len(ys))})
+    return tuple(call(*operands))
 
 
 def paged_attention_native(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,

@@ -14,8 +14,15 @@ unloading an adapter writes into them and never recompiles a step program.
 Each token t carries its slot `slots[t]` (ForwardBatch.lora_slots). Invariants:
 - A base-model token (slot 0) gets the projection's output itself, selected (`jnp.where`),
   not that output plus a zero product: its bits are those of the engine without LoRA.
-- A token's delta reads only its own slot's matrices and its own activations: every op is
-  elementwise over tokens, and the two contractions (over K, then over r) are explicit
+- A token's delta reads only its own slot's matrices and its own activations, in one of
+  two forms (`native_lora` picks one per engine; both hold this invariant):
+  native (the CPU, where the plan's attention is the native kernel): the kernel of
+  model/kernels/src/lora_delta.cc (`lora_apply_native`), per token its slot's A then B
+  with in-order float32 sums, reading the stacks in place and only the slots in use,
+  the delta added to y in the kernel (a slot-0 token's y untouched), the projections of
+  one x (q, k, v; gate, up) in one call;
+  XLA (every other platform, a tensor-parallel engine, ranks above the kernel's): every
+  op is elementwise over tokens, and the two contractions (over K, then over r) are explicit
   pairwise trees of elementwise adds (`_tree_sum`) in float32, in a fixed order, each
   product materialized before its sum (no multiply-add contraction that XLA might do in
   one program and not in another). So a token's delta is the same bits whatever the
@@ -34,13 +41,16 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from multiserve.model.invariance.plan import InvariancePlan
+
 # tokens per static slice of a step (bounds the gathered [slice, K, r] and [slice, r, N]
 # operands); a slice's size never changes a token's bits (every op is elementwise over
 # tokens)
 CHUNK = 64
 
-# (x [T, K], layer matrix name, y [T, N]) -> y with each adapter token's delta added
-Adapt = Callable[[jax.Array, str, jax.Array], jax.Array]
+# (x [T, K], layer matrix names, their y [T, N] each) -> each y with each adapter token's
+# delta added (several projections of the same x at once: one native call)
+Adapt = Callable[[jax.Array, tuple[str, ...], tuple[jax.Array, ...]], tuple[jax.Array, ...]]
 
 
 def _tree_sum(x: jax.Array, axis: int) -> jax.Array:
@@ -83,15 +93,36 @@ def _rounded(x: jax.Array) -> jax.Array:
     return jax.lax.optimization_barrier(x)
 
 
+def native_lora(plan: InvariancePlan, lora: dict[str, jax.Array]) -> bool:
+    """Whether the forward's LoRA delta is the native CPU kernel: where the plan's attention
+    is the native CPU kernel (the CPU, the kernels built, attention not split over a
+    tensor-parallel group), the buffers are float32 or bfloat16 and their rank fits the
+    kernel. Fixed for an engine (its plan and buffers), so every step uses one form."""
+    from multiserve.model.kernels import native
+
+    a = lora["wq_a"]
+    return (plan.attention.kernel == "native" and a.shape[-1] <= native.LORA_MAX_RANK
+            and str(a.dtype) in native.DTYPES
+            and native.unavailable_reason(str(a.dtype)) is None)
+
+
 def layer_adapter(lora: dict[str, jax.Array], layer: int | jax.Array,
-                  slots: jax.Array) -> Adapt:
+                  slots: jax.Array, native: bool = False) -> Adapt:
     """The `Adapt` of one layer (its slice of each stacked buffer, `layer` static or
-    traced)."""
+    traced); `native`: the kernel form (`native_lora`), else the XLA form."""
     on = (slots > 0)[:, None]
 
-    def adapt(x: jax.Array, name: str, y: jax.Array) -> jax.Array:
-        d = lora_delta(x, lora[f"{name}_a"][layer], lora[f"{name}_b"][layer],
-                       lora["scale"], slots)
-        return jnp.where(on, (y.astype(jnp.float32) + _rounded(d)).astype(y.dtype), y)
+    def adapt(x: jax.Array, names: tuple[str, ...], ys: tuple[jax.Array, ...]
+              ) -> tuple[jax.Array, ...]:
+        a = tuple(lora[f"{name}_a"] for name in names)
+        b = tuple(lora[f"{name}_b"] for name in names)
+        if native and all(v.dtype == x.dtype for v in (*ys, *a)):
+            from multiserve.model.kernels.native import lora_apply_native
+
+            return lora_apply_native(x, ys, a, b, lora["scale"], slots, layer)
+        return tuple(
+            jnp.where(on, (y.astype(jnp.float32) + _rounded(
+                lora_delta(x, am[layer], bm[layer], lora["scale"], slots))).astype(y.dtype), y)
+            for y, am, bm in zip(ys, a, b, strict=True))
 
     return adapt

@@ -1,0 +1,93 @@
+"""The native LoRA delta kernel (model/kernels/src/lora_delta.cc): what the XLA form of
+model/layers/lora.py computes (float32 tolerance; bfloat16 operands widened), zero rows for
+slot 0, the layer read in place, and a token's delta the same bits whatever the step's
+size and whatever slots the other tokens use (float32 and bfloat16, vector and scalar
+ranks)."""
+
+from __future__ import annotations
+
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from multiserve.model.kernels import native
+from multiserve.model.layers.lora import lora_delta
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built() -> None:
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        pytest.skip("no C++ compiler on this machine: the engine uses the XLA formulation")
+    assert native.unavailable_reason() is None
+
+
+def _case(dtype: jnp.dtype, rank: int, tokens: int = 37, k: int = 96, n: int = 200,
+          layers: int = 3, slots: int = 5, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    a = rng.standard_normal((layers, slots, k, rank), np.float32) / np.sqrt(k)
+    b = rng.standard_normal((layers, slots, rank, n), np.float32)
+    a[:, 0] = 0.0
+    b[:, 0] = 0.0
+    scale = np.array([0.0, 2.0, 0.5, 1.0, 4.0], np.float32)[:slots]
+    x = rng.standard_normal((tokens, k), np.float32)
+    s = rng.integers(0, slots, tokens).astype(np.int32)
+    return (jnp.asarray(x, dtype), jnp.asarray(a, dtype), jnp.asarray(b, dtype),
+            jnp.asarray(scale), jnp.asarray(s))
+
+
+@pytest.mark.parametrize("dtype,rank", [(jnp.float32, 16), (jnp.float32, 12),
+                                        (jnp.bfloat16, 16), (jnp.bfloat16, 32)])
+def test_native_delta_matches_the_xla_form_and_is_row_invariant(dtype: jnp.dtype,
+                                                               rank: int) -> None:
+    x, a, b, scale, slots = _case(dtype, rank)
+    call = jax.jit(native.lora_delta_native)
+    for layer in (0, 2):
+        got = np.asarray(call(x, a, b, scale, slots, layer))
+        want = np.asarray(jax.jit(lora_delta)(x, a[layer], b[layer], scale, slots))
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+        assert not got[np.asarray(slots) == 0].any()  # slot 0: no adapter, a zero row
+        assert got[np.asarray(slots) > 0].any()
+        # each token alone, and the whole step with every other token's slot changed:
+        # the same bits
+        for t in (0, 5, 36):
+            alone = np.asarray(call(x[t:t + 1], a, b, scale, slots[t:t + 1], layer))
+            np.testing.assert_array_equal(alone[0], got[t])
+        other = jnp.where(jnp.arange(x.shape[0]) % 2 == 0, slots, (slots + 1) % 5)
+        mixed = np.asarray(call(x, a, b, scale, other.astype(jnp.int32), layer))
+        keep = np.arange(x.shape[0]) % 2 == 0
+        np.testing.assert_array_equal(mixed[keep], got[keep])
+        np.testing.assert_array_equal(np.asarray(call(x[:8], a, b, scale, slots[:8], layer)),
+                                      got[:8])
+
+
+@pytest.mark.parametrize("dtype,rank", [(jnp.float32, 16), (jnp.bfloat16, 16),
+                                        (jnp.float32, 12)])
+def test_applied_form_adds_each_delta_once_and_leaves_base_rows(dtype: jnp.dtype,
+                                                                rank: int) -> None:
+    """`lora_apply_native` on two projections of one x (N 200 and 64): a token with an
+    adapter gets round(y + d) (d the delta form's float32 bits), a slot-0 token y's own
+    bits; each token alone = in the step."""
+    x, a, b, scale, slots = _case(dtype, rank)
+    _, a2, b2, _, _ = _case(dtype, rank, n=64, seed=1)
+    rng = np.random.default_rng(3)
+    ys = (jnp.asarray(rng.standard_normal((x.shape[0], 200)), dtype),
+          jnp.asarray(rng.standard_normal((x.shape[0], 64)), dtype))
+    apply = jax.jit(native.lora_apply_native)
+    delta = jax.jit(native.lora_delta_native)
+    layer = 1
+    got = apply(x, ys, (a, a2), (b, b2), scale, slots, layer)
+    on = np.asarray(slots) > 0
+    for y, am, bm, out in zip(ys, (a, a2), (b, b2), got, strict=True):
+        d = delta(x, am, bm, scale, slots, layer)
+        want = (y.astype(jnp.float32) + d).astype(dtype)
+        np.testing.assert_array_equal(np.asarray(out[on]), np.asarray(want[on]))
+        np.testing.assert_array_equal(np.asarray(out[~on]), np.asarray(y[~on]))
+        assert not np.array_equal(np.asarray(out[on]), np.asarray(y[on]))
+    for t in (0, 5, 36):
+        alone = apply(x[t:t + 1], tuple(y[t:t + 1] for y in ys), (a, a2), (b, b2), scale,
+                      slots[t:t + 1], layer)
+        for one, out in zip(alone, got, strict=True):
+            np.testing.assert_array_equal(np.asarray(one[0]), np.asarray(out[t]))
