@@ -19,7 +19,7 @@ FIELDS = {f.name for f in dataclasses.fields(Req)}
 OWNERS = {"engine/sched/scheduler.py", "engine/sched/request.py"}
 MUTATORS = frozenset({"append", "extend", "pop", "clear", "insert", "remove", "update"})
 # objects that are not Reqs but have fields of the same names: (file, variable)
-NOT_REQS = {("engine/streams.py", "s")}
+NOT_REQS = {("engine/streams.py", "s"), ("multihost/session.py", "session")}
 
 
 def _base(node: ast.expr) -> str:

@@ -30,6 +30,11 @@ def main() -> int:
                                             precompile_bs_paddings=(8,),
                                             max_running_requests=8,
                                             chunked_prefill_size=64))
+    if os.environ.get("NODE_PLAN"):  # a plan pinned (the run this one is compared with)
+        from multiserve.model.invariance.plan import InvariancePlan
+
+        with open(os.environ["NODE_PLAN"]) as f:
+            cfg = cfg.with_updates(invariance_plan=InvariancePlan.from_json(json.load(f)))
     if not n and os.environ.get("REF_GLOO"):  # one process, the slice's collectives (gloo)
         import jax
 

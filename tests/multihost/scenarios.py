@@ -3,6 +3,9 @@ each scenario returns plain JSON data to compare across runs."""
 
 from __future__ import annotations
 
+import json
+import os
+
 from typing import Any
 
 from multiserve.config import EngineConfig
@@ -86,6 +89,10 @@ def run(name: str, cfg: EngineConfig, model_dir: str, perturbed_dir: str | None 
 
     engine = Engine(cfg)
     try:
+        plan_out = os.environ.get("NODE_PLAN_OUT")
+        if plan_out:  # the calibrated plan, for the runs compared with this one to pin
+            with open(plan_out, "w") as f:
+                json.dump(engine._core.runner.plan.to_json(), f)
         out = bits(engine)
         if name == "all":
             assert perturbed_dir is not None

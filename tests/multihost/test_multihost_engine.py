@@ -30,25 +30,36 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 
 @pytest.fixture(scope="module")
-def two_hosts(models: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
-              ) -> dict[str, Any]:
-    return run_slice(tmp_path_factory.mktemp("mh-2x2"), "all", 2, models[0],
-                     NODE_PERTURBED=str(models[1]))
+def plan_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where the one-process gloo run writes its calibrated plan, which every run compared
+    with it pins: the calibration picks among invariant formulations by their measured
+    speed, and the runs' plan keys differ (device counts), so each run calibrating on its
+    own could pick another formulation under another load (other bits, each invariant)."""
+    return tmp_path_factory.mktemp("mh-plan") / "plan.json"
 
 
 @pytest.fixture(scope="module")
-def one_process_gloo(models: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
-                     ) -> dict[str, Any]:
+def one_process_gloo(models: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory,
+                     plan_file: Path) -> dict[str, Any]:
     from tests.multihost.slice_procs import free_port_pair
 
     return run_slice(tmp_path_factory.mktemp("mh-1x4g"), "all", 0, models[0],
-                     NODE_PERTURBED=str(models[1]), REF_GLOO=str(free_port_pair()))
+                     NODE_PERTURBED=str(models[1]), REF_GLOO=str(free_port_pair()),
+                     NODE_PLAN_OUT=str(plan_file))
 
 
 @pytest.fixture(scope="module")
-def one_process(models: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
-                ) -> dict[str, Any]:
-    return run_slice(tmp_path_factory.mktemp("mh-1x4"), "bits", 0, models[0])
+def two_hosts(models: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory,
+              one_process_gloo: dict[str, Any], plan_file: Path) -> dict[str, Any]:
+    return run_slice(tmp_path_factory.mktemp("mh-2x2"), "all", 2, models[0],
+                     NODE_PERTURBED=str(models[1]), NODE_PLAN=str(plan_file))
+
+
+@pytest.fixture(scope="module")
+def one_process(models: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory,
+                one_process_gloo: dict[str, Any], plan_file: Path) -> dict[str, Any]:
+    return run_slice(tmp_path_factory.mktemp("mh-1x4"), "bits", 0, models[0],
+                     NODE_PLAN=str(plan_file))
 
 
 def test_ids_and_logprobs_equal_one_process_with_the_same_collectives(
@@ -90,7 +101,9 @@ def test_controls_reach_every_host_in_order(two_hosts: dict[str, Any],
 
 
 def test_four_hosts_of_one_device_give_the_same_bits(
-        models: tuple[Path, Path], tmp_path: Path, one_process_gloo: dict[str, Any]) -> None:
-    four = run_slice(tmp_path, "bits", 4, models[0], NODE_DEVICES="1")
+        models: tuple[Path, Path], tmp_path: Path, one_process_gloo: dict[str, Any],
+        plan_file: Path) -> None:
+    four = run_slice(tmp_path, "bits", 4, models[0], NODE_DEVICES="1",
+                     NODE_PLAN=str(plan_file))
     assert four["batch"] == one_process_gloo["batch"]
     assert four["alone"] == one_process_gloo["alone"]
