@@ -20,6 +20,9 @@ from multiserve.types import SamplingParams
 
 PROMPTS = [[5, 9, 13, 17, 21], [7, 3, 30, 44, 12, 6, 9, 19, 40, 8, 11], [14, 15, 16]]
 ROWS = [(0, None), (0, "a1"), (1, "a2"), (2, "a1"), (1, None), (2, "a2")]
+# the six rows' steps only: one token bucket and one row bucket (fewer, cheaper compiles)
+SMALL = dict(precompile_token_paddings=(64,), precompile_bs_paddings=(8,),
+             max_running_requests=8)
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True,
                         return_logprob=True)
 
@@ -28,7 +31,7 @@ def _engine(model: Path, **kw: Any) -> Iterator[Any]:
     from multiserve.config import EngineConfig
     from multiserve.engine.engine import Engine
 
-    eng = Engine(EngineConfig(model_path=str(model), **{**TINY_ENGINE, **kw},
+    eng = Engine(EngineConfig(model_path=str(model), **{**TINY_ENGINE, **SMALL, **kw},
                               max_loras_per_batch=2, max_lora_rank=8))
     cfg = eng.model_config
     eng.load_lora_adapter("a1", tensors=peft_tensors(cfg, 4, 1), r=4, lora_alpha=8)
