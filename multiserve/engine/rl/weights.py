@@ -260,14 +260,7 @@ class WeightManager:
             vals.delete()
         for a in replaced:
             a.delete()  # nothing else holds the engine's old params (staging copies)
-        with self._lock:
-            self._staged = None
-        cache = core.set_weight_version(staged.weight_version)
-        resumed = self._release_hold()
-        return ControlResult(True, f"weights updated to version {staged.weight_version!r}", {
-            "weight_version": staged.weight_version, "previous_weight_version": previous,
-            "tensors": staged.names, "source": staged.source, "aborted": aborted,
-            "released_hold": resumed, **cache})
+        return self._published(staged, previous, aborted)
 
     def _publish_from_host(self, staged: StagedWeights, abort_running: bool,
                            live: int) -> ControlResult:
@@ -277,9 +270,15 @@ class WeightManager:
         aborted = core.abort_started() if abort_running and live else 0
         previous = core.weight_version
         core.replace_param_leaves(dict(staged.full))
+        return self._published(staged, previous, aborted)
+
+    def _published(self, staged: StagedWeights, previous: str, aborted: int
+                   ) -> ControlResult:
+        """The end of either publish: the staging slot emptied, the new version set (the
+        prefix cache follows it), a held pause released, and the answer."""
         with self._lock:
             self._staged = None
-        cache = core.set_weight_version(staged.weight_version)
+        cache = self.core.set_weight_version(staged.weight_version)
         resumed = self._release_hold()
         return ControlResult(True, f"weights updated to version {staged.weight_version!r}", {
             "weight_version": staged.weight_version, "previous_weight_version": previous,
