@@ -56,7 +56,7 @@ DeviceOp = RunStep | ResetPrevIds | DropStepBuffers | PrimeDeferred | SetParams
 class Runner(Protocol):
     """What a follower calls on its runner (engine/device/runner.py's Runner)."""
 
-    def sampling_batch(self, rows: list[Any], num_rows: int) -> Any: ...
+    def sampling_zeros(self, num_rows: int) -> tuple[Any, Any, Any]: ...
 
     def run_packed(self, tokens: int, packed: np.ndarray, sampling_args: tuple[Any, ...],
                    wants_logprobs: bool, num_rows: int) -> Any: ...
@@ -79,10 +79,9 @@ def apply_op(runner: Runner, op: DeviceOp) -> Any:
     """Run `op` on this host's Runner (the follower's side of `Runner.mirror`)."""
     match op:
         case RunStep():
-            zeros = runner.sampling_batch([], op.num_rows)
-            arrays = tuple(mine if given is None else given for given, mine in (
-                (op.output_counts, zeros.output_counts), (op.prompt_mask, zeros.prompt_mask),
-                (op.token_mask, zeros.token_mask)))
+            arrays = tuple(mine if given is None else given for given, mine in zip(
+                (op.output_counts, op.prompt_mask, op.token_mask),
+                runner.sampling_zeros(op.num_rows), strict=True))
             return runner.run_packed(op.tokens, op.packed_step,
                                      (op.packed_sampling, *arrays), op.wants_logprobs,
                                      op.num_rows)

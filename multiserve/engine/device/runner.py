@@ -242,6 +242,12 @@ class Runner:
         sampler's rows); penalty-free steps reuse this engine's device-resident zeros."""
         return self._sampling.build(rows, num_rows)
 
+    def sampling_zeros(self, num_rows: int) -> tuple[Any, Any, Any]:
+        """The device zeros a penalty-free, mask-free step of `num_rows` rows samples
+        with: (output counts, prompt mask, token mask)."""
+        penalties, masks = self._sampling.zeros(num_rows)
+        return penalties.output_counts, penalties.prompt_mask, masks
+
     # ---- running -------------------------------------------------------------------
     def run(self, arrays: StepArrays, sb_host: sampling.SamplingBatch, wants_logprobs: bool,
             num_rows: int) -> StepOutput:

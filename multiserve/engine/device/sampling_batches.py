@@ -43,15 +43,21 @@ class SamplingBatches:
         `sampler_rows`); penalty-free steps reuse the device-resident zero [rows, V]
         arrays of that row count."""
         rows_padded = sampler_rows(num_rows)
+        penalties, masks = self.zeros(num_rows)
+        return sampling_host.build_sampling_batch(rows, rows_padded, self.vocab_size,
+                                                  zeros=penalties, no_masks=masks)
+
+    def zeros(self, num_rows: int) -> tuple[sampling_host.PenaltyZeros, jax.Array]:
+        """The device-resident zeros of a step of `num_rows` logits rows (its penalty
+        arrays and its token mask, at `sampler_rows`), made on first use."""
+        rows_padded = sampler_rows(num_rows)
         if rows_padded not in self._penalty_zeros:
             zeros = sampling_host.penalty_zeros(rows_padded, self.vocab_size)
             self._penalty_zeros[rows_padded] = sampling_host.PenaltyZeros(
                 *jax.device_put(tuple(zeros), self.sharding))
             self._mask_zeros[rows_padded] = jax.device_put(
                 sampling_host.mask_zeros(rows_padded, self.vocab_size), self.sharding)
-        return sampling_host.build_sampling_batch(rows, rows_padded, self.vocab_size,
-                                                  zeros=self._penalty_zeros[rows_padded],
-                                                  no_masks=self._mask_zeros[rows_padded])
+        return self._penalty_zeros[rows_padded], self._mask_zeros[rows_padded]
 
     def drop(self) -> None:
         """Delete the cached device zeros (memory release); `build` makes them again."""
