@@ -262,19 +262,10 @@ class Runner:
             self.mirror(ops.RunStep(tokens, num_rows, wants_logprobs, packed,
                                     sampling_args[0],
                                     *(ops.host_or_none(a) for a in sampling_args[1:])))
-        fused = self.step_programs.fused(tokens, num_rows)
-        if fused is not None:
-            next_ids, out, self.kv, *experts = fused(
-                self.compute_params, self.kv, self._prev_ids, packed, *sampling_args)
-            self.fused_steps += 1
-        else:
-            inputs = (self.compute_params, self.kv, self._prev_ids, packed)
-            hidden, row_tok, row_prev, self.kv, *experts = self.step_programs.forward(
-                arrays, inputs)(*inputs)
-            head_inputs = (self.compute_params, hidden, row_tok, row_prev, *sampling_args)
-            next_ids, out = self.step_programs.head(num_rows, sb_host,
-                                                    head_inputs)(*head_inputs)
-        return self._ran(next_ids, out, experts, num_rows, wants_logprobs)
+        programs = self.step_programs
+        return self._launch(tokens, num_rows, wants_logprobs, packed, sampling_args,
+                            lambda inputs: programs.forward(arrays, inputs),
+                            lambda inputs: programs.head(num_rows, sb_host, inputs))
 
     def run_packed(self, tokens: int, packed: np.ndarray, sampling_args: tuple[Any, ...],
                    wants_logprobs: bool, num_rows: int) -> StepOutput:
@@ -282,23 +273,32 @@ class Runner:
         for the same buckets: how a follower of a spanning engine runs the leader's step
         (multihost/ops.py). Only compiled programs (a spanning engine warms up fully)."""
         programs = self.step_programs
-        fused = programs.fused(tokens, num_rows)
+
+        def compiled(kind: ProgramKind, size: int) -> Any:
+            program = programs.set.get(kind, size)
+            assert program is not None, (kind, size)
+            return program
+
+        return self._launch(tokens, num_rows, wants_logprobs, packed, sampling_args,
+                            lambda _: compiled(ProgramKind.FORWARD, tokens),
+                            lambda _: compiled(ProgramKind.HEAD, num_rows))
+
+    def _launch(self, tokens: int, num_rows: int, wants_logprobs: bool, packed: np.ndarray,
+                sampling_args: tuple[Any, ...], forward_for: Callable[[tuple[Any, ...]], Any],
+                head_for: Callable[[tuple[Any, ...]], Any]) -> StepOutput:
+        """Run a step of buckets (`tokens`, `num_rows`) on its packed inputs: the fused
+        program where one is ready, else the forward then the head, each from
+        `forward_for` / `head_for` (given the program's arguments)."""
+        fused = self.step_programs.fused(tokens, num_rows)
         if fused is not None:
             next_ids, out, self.kv, *experts = fused(
                 self.compute_params, self.kv, self._prev_ids, packed, *sampling_args)
             self.fused_steps += 1
         else:
-            forward, head = (programs.set.get(ProgramKind.FORWARD, tokens),
-                             programs.set.get(ProgramKind.HEAD, num_rows))
-            assert forward is not None and head is not None, (tokens, num_rows)
-            hidden, row_tok, row_prev, self.kv, *experts = forward(
-                self.compute_params, self.kv, self._prev_ids, packed)
-            next_ids, out = head(self.compute_params, hidden, row_tok, row_prev,
-                                 *sampling_args)
-        return self._ran(next_ids, out, experts, num_rows, wants_logprobs)
-
-    def _ran(self, next_ids: jax.Array, out: sampling.SampleOutput, experts: list[Any],
-             num_rows: int, wants_logprobs: bool) -> StepOutput:
+            inputs = (self.compute_params, self.kv, self._prev_ids, packed)
+            hidden, row_tok, row_prev, self.kv, *experts = forward_for(inputs)(*inputs)
+            head_inputs = (self.compute_params, hidden, row_tok, row_prev, *sampling_args)
+            next_ids, out = head_for(head_inputs)(*head_inputs)
         self._prev_ids = next_ids
         return StepOutput(next_ids=next_ids, sample=out, num_rows=num_rows,
                           wants_logprobs=wants_logprobs,
