@@ -130,7 +130,7 @@ def one_token_rows(batch: ScheduledBatch, a: StepArrays, page_size: int) -> None
     a.from_prev[:n] = prev
     a.positions[:n] = starts
     a.token_seq[:n] = np.arange(n, dtype=np.int32)
-    a.out_slots[:n] = [row.req.pages[pos // page_size] * page_size + pos % page_size
+    a.out_slots[:n] = [slot_for(row.req.pages, pos, page_size)
                        for row, pos in zip(rows, starts, strict=True)]
     a.seq_lens[:n] = [pos + 1 for pos in starts]
     if a.lora_slots is not None:
