@@ -89,6 +89,18 @@ def all_finite(x: jax.Array) -> jax.Array:
     return jnp.isfinite(x).all()
 
 
+@jax.jit
+def _each_finite(xs: list[jax.Array]) -> jax.Array:
+    return jnp.stack([jnp.isfinite(x).all() for x in xs])
+
+
+def finite_each(xs: list[jax.Array]) -> list[bool]:
+    """Whether each array is all finite, in ONE compiled program for the whole list (one
+    compile per list of shapes, where a program per array shape cost a compile for each
+    distinct leaf shape of a model); the arrays must live on the same devices."""
+    return [bool(b) for b in np.asarray(_each_finite(list(xs)))] if xs else []
+
+
 class ParamLayout:
     """The params layout of one model config (see module docstring)."""
 

@@ -50,7 +50,7 @@ from multiserve.engine.rl.checks import (
     LeafPath,
     ParamLayout,
     WeightUpdateError,
-    all_finite,
+    finite_each,
     get_leaf,
     set_leaf,
 )
@@ -174,9 +174,11 @@ class WeightManager:
             for path, (idx, vals) in partial.items():
                 sh = get_leaf(self.shardings, path)
                 staged.partial[path] = (idx, self._place(vals, sh))
+            placed = list(staged.full.items()) + [
+                (p, v) for p, (_, v) in staged.partial.items()]
             bad = [] if device_only or self.on_host else [
-                p for p, a in list(staged.full.items()) + [
-                    (p, v) for p, (_, v) in staged.partial.items()] if not bool(all_finite(a))]
+                p for (p, _), ok in zip(placed, finite_each([a for _, a in placed]))
+                if not ok]
             if bad:
                 raise WeightUpdateError(f"tensor {'/'.join(bad[0])!r}: has NaN or inf values "
                                         f"(after the cast to {self.dtype})")
