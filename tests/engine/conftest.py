@@ -5,8 +5,8 @@ overlap on), `tiny_engine_no_overlap` (same, overlap off), `tiny_engine_pressure
 pool so small that decode must retract), `tiny_engine_spec` (n-gram speculation on),
 `tiny_engine_bf16` (the same model as a bfloat16 checkpoint, dtype "auto"),
 `tiny_engine_each_dtype` (a parametrized fixture: `tiny_engine`, then `tiny_engine_bf16`), and
-`default_engine` (the embedded SmolLM2 model
-with the DEFAULT EngineConfig; only max_total_tokens is lowered to save memory).
+`default_engine` (the embedded SmolLM2 model with the shipped main job's engine settings,
+configs/cpu-4.toml's [engine]; only its KV pool is smaller, as the validate run's).
 
 After every test, each engine the test used must be idle with all its KV back: the
 autouse `memory_integrity` fixture checks that (see `engine_helpers.assert_idle_and_clean`).
@@ -37,8 +37,16 @@ TINY_MODEL = ModelConfig(
     tie_word_embeddings=False, bos_token_id=1, eos_token_ids=(2,))
 
 
-# Default settings; only the KV pool is smaller than the CPU default (memory).
-DEFAULT_ENGINE = dict(max_total_tokens=16384, show_progress=False)
+def _shipped_engine() -> EngineConfig:
+    """The engine of the shipped main job (configs/cpu-4.toml's [engine], what
+    `scripts/fleet.sh` serves), on device 0, with tests/fleet/test_fleet_validate.py's KV
+    pool: the programs are those the validate run's fleet compiles, so either finds the
+    other's in the suite's persistent compilation cache."""
+    from multiserve.fleet.config_loader import load_fleet_config
+
+    fleet = load_fleet_config(Path(__file__).resolve().parents[2] / "configs" / "cpu-4.toml",
+                              {"engine.max_total_tokens": 4096, "engine.show_progress": False})
+    return fleet.engines[0]
 
 _USED: list[Any] = []  # engines handed to the current test
 
@@ -130,7 +138,13 @@ def _tiny_engine_bf16(tiny_model_dir_bf16: Path) -> Iterator[Any]:
 
 @pytest.fixture(scope="session")
 def _default_engine() -> Iterator[Any]:
-    yield from _engine(**DEFAULT_ENGINE)
+    from multiserve.engine.engine import Engine
+
+    eng = Engine(_shipped_engine())
+    try:
+        yield eng
+    finally:
+        eng.shutdown()
 
 
 def _used(eng: Any) -> Any:

@@ -1,5 +1,6 @@
-"""Pause-proof determinism on the embedded default model with the DEFAULT EngineConfig
-(issue 4; only max_total_tokens is lowered, for memory): a request paused in any mode at
+"""Pause-proof determinism on the embedded default model with the shipped main job's engine
+settings (configs/cpu-4.toml's [engine]: its buckets, chunked prefill, fused steps; only
+the KV pool is smaller, as in test_fleet_validate.py): a request paused in any mode at
 a given step and continued, or aborted and generated again, produces exactly the tokens
 of an uninterrupted run, greedy and seeded, alone and among 16 concurrent requests.
 
