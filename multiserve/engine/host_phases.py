@@ -19,7 +19,9 @@ phases by `lap(phase)`, each charged the time since the lap before it:
 - deliver: `EngineCore._deliver` of every request with output (its sink: a stream's
   queue, the bench's timeline).
 
-Host time of a pass = its wall time less `read_back`. Passes are split into decode
+Host time of a pass = its wall time less `read_back`; per decode step, a decode pass's
+host time over the decode steps its launched step ran (EngineConfig
+.decode_steps_per_dispatch: K per dispatch where the step runs K). Passes are split into decode
 passes (the step launched and the step read are both pure decode steps, or absent)
 and the others (with a prefill chunk), reported apart.
 

@@ -4,8 +4,9 @@ A step runs two programs (runner.py, step_programs.py): a forward over T tokens
 (`ProgramKind.FORWARD`, "T", one per token bucket) and a head over R logits rows
 (`ProgramKind.HEAD`, "R", one per row bucket); a decode step of b tokens and b rows may
 instead run one fused program (`ProgramKind.FUSED`, "S", b in the config's fused step sizes),
-which is primed only after its T and R are compiled and checked against them bit for bit
-(`needs`): one that differs is rejected, never chosen. They are compiled ahead
+and K such steps one several-step program (`ProgramKind.MULTI`, "M", while the config's
+decode_steps_per_dispatch K > 1); each is primed only after its T and R are compiled and
+checked against them bit for bit (`needs`): one that differs is rejected, never chosen. They are compiled ahead
 of time (`jax.jit(...).lower(...).compile()`) and the step calls the compiled executables
 directly, so a step never traces or compiles: a shape without a program is never chosen.
 

@@ -10,7 +10,10 @@ the program of each step; the programs' math is step_functions.py.
 
 A step is a forward over T tokens and a head over R logits rows (two programs), or one
 fused program where the step is a b-token, b-row decode step with a checked fused program
-(`StepPrograms.fused`). Every row's numerics are independent of T and R.
+(`StepPrograms.fused`); a decode step whose scheduler asked for K turns
+(ScheduledBatch.turns, only where `runs_turns` said a program is ready) runs K such steps
+in one several-step program (`StepPrograms.multi`), its outputs every turn's. Every row's
+numerics are independent of T and R.
 
 Invariants:
 - Steps call compiled executables, never `jax.jit` dispatch: a step cannot trace or

@@ -1,6 +1,6 @@
 """The math of one engine's step: the traced functions its programs are lowered from.
 
-Three programs' functions (step_programs.py compiles them, runner.py runs them):
+The programs' functions (step_programs.py compiles them, runner.py runs them):
 - `forward` (`_forward_impl`) over T tokens: the decoder (the model's family,
   model/families); it returns the final-normed hidden states of the logits rows in a fixed
   [max_rows, D] buffer, the rows' input ids and whether each came from the previous step;
@@ -10,7 +10,13 @@ Three programs' functions (step_programs.py compiles them, runner.py runs them):
   vocabulary and max_rows);
 - `step` (`_step_impl`): the forward, logits and sampler of a b-token, b-row step in ONE
   program, each boundary's arrays constrained to the sharding the separate programs pass
-  them in: the same computation as the three.
+  them in: the same computation as the three;
+- `multi` (`_multi_impl`): `turns` (EngineConfig.decode_steps_per_dispatch) decode steps
+  of b rows in ONE program, a `lax.scan` whose every turn is `step`'s computation
+  (`_step_arrays`) on the step arrays advanced on the device (`advance_turn`: positions and
+  sequence lengths + 1 a turn, each K/V slot read from the row's page-table row, the input
+  id the turn before sampled) and the sampler's position + 1 a turn, so each turn draws
+  what a single step at that position draws. Never with routing replay.
 With `routed_experts` (an engine started with enable_return_routed_experts on a MoE
 model), `forward` and `step` return one more output, last: the top-k expert ids of every
 token row in every MoE layer, [T, MoE layers, k] int32 (routing replay,

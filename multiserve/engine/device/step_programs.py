@@ -17,8 +17,14 @@ The programs (programs.ProgramKind):
   of the two: one execution instead of three saves each step's hand-offs between programs
   (docs/performance.md §20). Its prime checks it against the forward and head of its size
   bit for bit (`fused_step_agrees`); a program that differs is rejected and the step runs
-  the two.
-So |T| + |R| (+ fused) programs are compiled, not |T| x |R|, and a lone decode runs at
+  the two;
+- MULTI, one per fused step size b while `decode_steps_per_dispatch` K > 1 (none with
+  routing replay): K fused decode steps of b rows in one compiled loop, which a decode
+  step whose rows need no host decision between tokens runs instead of K dispatches
+  (engine/sched/scheduler.py `_turns`). Its prime checks it against K steps of the forward
+  and head of its size bit for bit, seeded and greedy (`multi_step_agrees`); a program
+  that differs is rejected and the steps run one per dispatch.
+So |T| + |R| (+ fused, + several-step) programs are compiled, not |T| x |R|, and a lone decode runs at
 T = R = 1.
 
 Invariants:

@@ -21,6 +21,10 @@ Invariants:
 - A waiting Req with `pending > 0` (retracted while a step that samples for it was
   in flight) is not admitted until the host has read that token.
 - Nothing writes a ScheduledBatch once `schedule()` returned it (frozen, rows too).
+- A step of K turns (`ScheduledBatch.turns`, `_turns`: decode rows that need no host
+  decision between tokens) holds every row's pages for its K positions before it is
+  launched; `launch` advances each row K positions, and `postprocess_turns` records its
+  K tokens a row in order, up to the first that ends the sample.
 - `launch(batch)` is called once the runner enqueued the step: only then do kv_len,
   pending and the prefix cache move, so a schedule that was never launched has no
   effect on state beyond page allocation (which `launch` makes permanent).
