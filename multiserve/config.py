@@ -134,7 +134,8 @@ class EngineConfig:
     it is used (engine/device/step_programs.py).
     `decode_steps_per_dispatch` K > 1: a decode-only step whose every row needs no
     per-token host decision runs K decode steps in ONE compiled loop (a program per fused
-    step size), each turn the fused step's computation, bitwise what K single steps give;
+    step size: `fused_step_paddings` and `fused_step_max` bound both), each turn the fused
+    step's computation, bitwise what K single steps give;
     checked against K single steps when primed (engine/device/step_programs.py).
     Otherwise (K = 1, or some row has a penalty, a grammar or min_new_tokens still ahead,
     or prompt chunks share the step) the step is a single step.
