@@ -37,6 +37,7 @@ Invariants:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -142,15 +143,17 @@ class StepFunctions:
         each boundary's arrays constrained to the sharding the two programs pass them in
         (so a tensor-parallel head's logits are gathered before the sampler, as there)."""
         return self._step_arrays(params, kv, prev_ids, unpack(packed, layout),
-                                 unpack(packed_sb, sample_layout), output_counts,
+                                 lambda: unpack(packed_sb, sample_layout), output_counts,
                                  prompt_mask, token_mask, num_rows)
 
     def _step_arrays(self, params: Any, kv: KVPool, prev_ids: jax.Array,
-                     arrays: dict[str, jax.Array], small_sb: sampling.SamplingBatch,
+                     arrays: dict[str, jax.Array],
+                     small_sb: Callable[[], sampling.SamplingBatch],
                      output_counts: jax.Array, prompt_mask: jax.Array,
                      token_mask: jax.Array, num_rows: int) -> tuple[Any, ...]:
-        """`_step_impl` on its packed inputs unpacked (the step arrays, the sampler's
-        small fields)."""
+        """`_step_impl` on its step arrays unpacked; `small_sb()` gives the sampler's small
+        fields, traced where the sampler starts (so a fused step's module is the one it
+        was before `multi` shared this body: the same persistent-cache keys)."""
         def replicated(*xs: jax.Array) -> tuple[jax.Array, ...]:
             return tuple(jax.lax.with_sharding_constraint(x, self.replicated) for x in xs)
 
@@ -158,7 +161,7 @@ class StepFunctions:
             params, kv, prev_ids, arrays)
         logits, tok, prev = replicated(*self._logits_impl(
             params, *replicated(hidden, row_tok, row_prev), num_rows=num_rows))
-        next_ids, out = _sample_fields(logits, tok, prev, small_sb, output_counts,
+        next_ids, out = _sample_fields(logits, tok, prev, small_sb(), output_counts,
                                        prompt_mask, token_mask, max_rows=self.max_rows)
         return (next_ids, out, kv, *experts)
 
@@ -181,7 +184,7 @@ class StepFunctions:
             kv, prev = carry
             next_ids, out, kv = self._step_arrays(
                 params, kv, prev, advance_turn(arrays, k, self.page_size),
-                small_sb.replace(position=small_sb.position + k), output_counts,
+                lambda: small_sb.replace(position=small_sb.position + k), output_counts,
                 prompt_mask, token_mask, num_rows)
             return (kv, next_ids), (next_ids, out)
 
