@@ -332,6 +332,7 @@ class Runner:
         multi = self.step_programs.multi(tokens, num_rows)
         assert multi is not None and turns == self.cfg.decode_steps_per_dispatch, \
             (tokens, num_rows, turns)
+        assert self.mirror is None, "a spanning engine's followers replay single steps"
         self._prev_ids, ids, out, self.kv = multi(self.compute_params, self.kv,
                                                   self._prev_ids, packed, *sampling_args)
         self.multi_steps += 1
