@@ -152,8 +152,8 @@ class StepFunctions:
                      output_counts: jax.Array, prompt_mask: jax.Array,
                      token_mask: jax.Array, num_rows: int) -> tuple[Any, ...]:
         """`_step_impl` on its step arrays unpacked; `small_sb()` gives the sampler's small
-        fields, traced where the sampler starts (so a fused step's module is the one it
-        was before `multi` shared this body: the same persistent-cache keys)."""
+        fields, traced where the sampler starts: the fused step's module keeps its op
+        order, which its persistent-cache key (a hash of the module's text) depends on."""
         def replicated(*xs: jax.Array) -> tuple[jax.Array, ...]:
             return tuple(jax.lax.with_sharding_constraint(x, self.replicated) for x in xs)
 
