@@ -88,6 +88,10 @@ def _fleet_args(p: argparse.ArgumentParser) -> None:
                         "from the request's prompt and output and earlier outputs of its prompt")
     p.add_argument("--speculative-num-draft-tokens", type=int, default=None,
                    help="the most draft tokens of one request in one step (default 8)")
+    p.add_argument("--decode-steps-per-dispatch", type=int, default=None,
+                   help="decode steps one dispatch runs in a compiled loop where no row "
+                        "needs the host between tokens (no penalty, grammar or "
+                        "min_new_tokens; outputs unchanged, bit for bit; default 1)")
     p.add_argument("--tool-call-parser", default=None,
                    help="tool-call format read from chat replies: hermes (qwen25), qwen3_coder, "
                         "llama3, mistral, pythonic, deepseekv3 (default: chosen from the chat "
@@ -190,6 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="n-gram speculative decoding on (every mode, --fleet included)")
     b.add_argument("--speculative-num-draft-tokens", type=int,
                    default=D.speculative_num_draft_tokens)
+    b.add_argument("--decode-steps-per-dispatch", type=int,
+                   default=D.decode_steps_per_dispatch,
+                   help="engine decode_steps_per_dispatch (default: EngineConfig's, 1)")
     b.add_argument("--group-size", type=int, default=D.group_size,
                    help="--workload grpo: samples per prompt")
     b.add_argument("--no-overlap", action="store_true")

@@ -23,6 +23,8 @@ SPECULATIVE_ALGORITHMS: tuple[str | None, ...] = (None, "ngram")
 # the share of a reporting device's memory for weights + KV when mem_fraction_static is None
 DEFAULT_MEM_FRACTION = 0.6
 MOE_SHARDING = ("tensor", "expert")  # how an engine's device group splits the experts
+# the most decode steps one dispatch may run (EngineConfig.decode_steps_per_dispatch)
+MAX_DECODE_STEPS_PER_DISPATCH = 64
 
 
 class ConfigError(ValueError):
@@ -130,6 +132,13 @@ class EngineConfig:
     size in both lists) and b <= `fused_step_max` (None: any), runs as ONE compiled
     program (forward, head and sampler), checked bitwise against the two programs before
     it is used (engine/device/step_programs.py).
+    `decode_steps_per_dispatch` K > 1: a decode-only step whose every row needs no
+    per-token host decision runs K decode steps in ONE compiled loop (a program per fused
+    step size: `fused_step_paddings` and `fused_step_max` bound both), each turn the fused
+    step's computation, bitwise what K single steps give;
+    checked against K single steps when primed (engine/device/step_programs.py).
+    Otherwise (K = 1, or some row has a penalty, a grammar or min_new_tokens still ahead,
+    or prompt chunks share the step) the step is a single step.
     """
 
     model_path: str | None = None
@@ -158,6 +167,9 @@ class EngineConfig:
     # only sizes up to this one are fused, whichever list they come from (None: no bound):
     # a bound stays valid when the paddings lists change, where an explicit list may not
     fused_step_max: int | None = None
+    # decode steps one dispatch runs in a compiled loop (1: one step per dispatch); where
+    # the loop runs and what stays the same: the class docstring
+    decode_steps_per_dispatch: int = 1
     attention_block_size: int = 128
     # how a MoE model's experts are split over the engine's device group: "tensor" (each
     # expert's intermediate dim) or "expert" (the experts); ignored by dense models
@@ -255,6 +267,10 @@ class EngineConfig:
         _require(self.fused_step_max is None or self.fused_step_max >= 1, "fused_step_max",
                  "must be >= 1 (or unset: no bound)")
         _require(self.chunked_prefill_size >= 1, "chunked_prefill_size", "must be >= 1")
+        _require(1 <= self.decode_steps_per_dispatch <= MAX_DECODE_STEPS_PER_DISPATCH,
+                 "decode_steps_per_dispatch",
+                 f"must be in [1, {MAX_DECODE_STEPS_PER_DISPATCH}], "
+                 f"got {self.decode_steps_per_dispatch}")
         _require(self.max_loras_per_batch >= 0, "max_loras_per_batch", "must be >= 0")
         _require(self.max_lora_rank >= 1, "max_lora_rank", "must be >= 1")
         object.__setattr__(self, "lora_paths", tuple(self.lora_paths))
@@ -288,6 +304,12 @@ class EngineConfig:
         if self.fused_step_max is not None:
             return tuple(b for b in sizes if b <= self.fused_step_max)
         return sizes
+
+    @property
+    def multi_step_sizes(self) -> tuple[int, ...]:
+        """The sizes whose decode steps may run `decode_steps_per_dispatch` steps in one
+        dispatch: the fused step sizes while it is above 1, else none."""
+        return self.fused_step_sizes if self.decode_steps_per_dispatch > 1 else ()
 
     def _paddings_in_both(self) -> tuple[int, ...]:
         return tuple(sorted(set(self.precompile_token_paddings)

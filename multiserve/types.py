@@ -185,6 +185,13 @@ class SamplingParams:
         return self.temperature == 0.0 or self.top_k == 1
 
     @property
+    def has_penalty(self) -> bool:
+        """A frequency, presence or repetition penalty applies (the sampler then reads
+        the output so far)."""
+        return (self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+    @property
     def wants_logprobs(self) -> bool:
         return (self.return_logprob or self.top_logprobs_num > 0
                 or self.token_ids_logprob is not None)

@@ -64,6 +64,8 @@ def fleet_config(options: BenchOptions) -> Any:
         if options.speculative_num_draft_tokens is not None:
             overrides["engine.speculative_num_draft_tokens"] = (
                 options.speculative_num_draft_tokens)
+    if options.decode_steps_per_dispatch is not None:
+        overrides["engine.decode_steps_per_dispatch"] = options.decode_steps_per_dispatch
     if options.no_progress:
         overrides["engine.show_progress"] = False
     return load_fleet_config(options.config or DEFAULT_CONFIG, overrides)

@@ -42,6 +42,7 @@ class BenchOptions:
     ab_speculation: bool = False
     speculative: bool = False
     speculative_num_draft_tokens: int | None = None
+    decode_steps_per_dispatch: int | None = None  # None: EngineConfig's
     group_size: int = 8
     no_overlap: bool = False
     ab_overlap: bool = False

@@ -70,7 +70,8 @@ def _engine_config(options: BenchOptions) -> Any:
     for name, value in (("precompile_token_paddings", options.token_paddings),
                         ("precompile_bs_paddings", options.bs_paddings),
                         ("chunked_prefill_size", options.chunked_prefill_size),
-                        ("max_total_tokens", options.max_total_tokens)):
+                        ("max_total_tokens", options.max_total_tokens),
+                        ("decode_steps_per_dispatch", options.decode_steps_per_dispatch)):
         if value is not None:
             changes[name] = value
     if options.ab_speculation or options.speculative:

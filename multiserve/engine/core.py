@@ -112,7 +112,8 @@ class EngineCore:
                                    max(cfg.precompile_token_paddings),
                                    max(cfg.precompile_bs_paddings),
                                    drafter=Drafter() if cfg.speculative_algorithm else None,
-                                   routed_experts=self.routed_experts)
+                                   routed_experts=self.routed_experts,
+                                   runs_turns=runner.runs_turns)
         self.in_flight: InFlightStep | None = None
         self.last_batch: ScheduledBatch | None = None
         self.pause_state = PauseState()
@@ -265,7 +266,7 @@ class EngineCore:
         arrays = build_step_arrays(batch, t_pad, runner.page_table_rows(t_pad), runner.max_rows,
                                    self.max_pages, self.page_size, runner.lora_enabled)
         if phases is not None:
-            phases.saw(batch.num_tokens == len(batch.rows), len(batch.rows))
+            phases.saw(batch.num_tokens == len(batch.rows), len(batch.rows), batch.turns)
             phases.lap("arrays")
         launched_at = time.perf_counter()
         if self._drained_at is not None:
@@ -276,7 +277,7 @@ class EngineCore:
         sb_host = runner.sampling_batch(specs, r_pad)
         if phases is not None:
             phases.lap("sampling_rows")
-        out = runner.run(arrays, sb_host, wants_lp, r_pad)
+        out = runner.run(arrays, sb_host, wants_lp, r_pad, batch.turns)
         if phases is not None:
             phases.lap("launch")
         decodes = any(not r.req.in_prefill and r.samples and (r.end - r.start == 1 or r.draft)
@@ -302,16 +303,30 @@ class EngineCore:
         # the step's cost: from when the device could start it (its launch, or the read
         # of the step before it) to its results read
         now = time.perf_counter()
+        # (a dispatch of several decode steps: the cost of one of them)
         self.scheduler.planner.step_costs.observe(
-            step.padded_tokens, now - max(step.launched_at, self._last_read_at))
+            step.padded_tokens, (now - max(step.launched_at, self._last_read_at)) / out.turns)
         self._last_read_at = now
         lp = StepLogprobs(out.sample) if out.wants_logprobs else None
+        if out.turns > 1:
+            self.last_batch = batch
+            deliver = self.scheduler.postprocess_turns(
+                batch, next_ids.tolist(),
+                [lp.turn(k) for k in range(out.turns)] if lp is not None else None,
+                self.weight_version, self.stop_rules)
+            self._deliver_all(deliver)
+            return
         if self.routed_experts is not None and step.out_slots is not None:
             # before postprocess: a sample it finishes copies its rows out (Req.keep_routing)
             self.routed_experts.record(step.out_slots, np.asarray(out.routed_experts))
         self.last_batch = batch
         deliver = self.scheduler.postprocess(batch, next_ids.tolist(), lp,
                                              self.weight_version, self.stop_rules)
+        self._deliver_all(deliver)
+
+    def _deliver_all(self, deliver: Sequence[Req]) -> None:
+        """After a step's postprocess: deliver each of `deliver`."""
+        phases = self.host_phases
         if phases is not None:
             phases.lap("postprocess")
         for req in deliver:

@@ -19,7 +19,9 @@ phases by `lap(phase)`, each charged the time since the lap before it:
 - deliver: `EngineCore._deliver` of every request with output (its sink: a stream's
   queue, the bench's timeline).
 
-Host time of a pass = its wall time less `read_back`. Passes are split into decode
+Host time of a pass = its wall time less `read_back`; per decode step, a decode pass's
+host time over the decode steps its launched step ran (EngineConfig
+.decode_steps_per_dispatch: K per dispatch where the step runs K). Passes are split into decode
 passes (the step launched and the step read are both pure decode steps, or absent)
 and the others (with a prefill chunk), reported apart.
 
@@ -48,10 +50,14 @@ class HostPhases:
     decode: list[list[float]] = field(default_factory=list)
     other: list[list[float]] = field(default_factory=list)
     rows: list[int] = field(default_factory=list)  # decode passes: rows launched
+    # decode passes: decode steps the launched step ran (EngineConfig
+    # .decode_steps_per_dispatch; 1 for a pass that launched none)
+    turns: list[int] = field(default_factory=list)
     _current: list[float] = field(default_factory=lambda: [0.0] * len(PHASES))
     _last: float | None = None  # perf_counter of the last lap (None: no pass yet)
     _is_decode: bool = True
     _rows: int = 0
+    _turns: int = 1
 
     def start(self) -> None:
         """A pass begins: the time since the previous pass ended is its `loop` phase."""
@@ -62,6 +68,7 @@ class HostPhases:
         self._last = now
         self._is_decode = True
         self._rows = 0
+        self._turns = 1
 
     def lap(self, phase: str) -> None:
         """Charge the time since the last lap to `phase`."""
@@ -70,28 +77,31 @@ class HostPhases:
         self._current[_INDEX[phase]] += now - self._last
         self._last = now
 
-    def saw(self, decode_only: bool, rows: int = 0) -> None:
+    def saw(self, decode_only: bool, rows: int = 0, turns: int = 1) -> None:
         """The pass launched or read a step; `decode_only`: it had no prefill chunk;
-        `rows`: its rows (a launched step's)."""
+        `rows`, `turns`: its rows and decode steps (a launched step's)."""
         self._is_decode = self._is_decode and decode_only
         self._rows = max(self._rows, rows)
+        self._turns = max(self._turns, turns)
 
     def end(self) -> None:
         """The pass is over: file it as a decode pass or another."""
         if self._is_decode:
             self.decode.append(self._current)
             self.rows.append(self._rows)
+            self.turns.append(self._turns)
         else:
             self.other.append(self._current)
 
     def summary(self) -> dict[str, Any]:
         """Mean ms per pass of each phase, host ms (wall less the wait) mean and p50, for
         the decode passes and for the others."""
-        return {"decode": _summary(self.decode, self.rows),
-                "other": _summary(self.other, [])}
+        return {"decode": _summary(self.decode, self.rows, self.turns),
+                "other": _summary(self.other, [], [])}
 
 
-def _summary(passes: list[list[float]], rows: list[int]) -> dict[str, Any]:
+def _summary(passes: list[list[float]], rows: list[int], turns: list[int]
+             ) -> dict[str, Any]:
     if not passes:
         return {"passes": 0}
     a = 1000.0 * np.asarray(passes)
@@ -103,4 +113,9 @@ def _summary(passes: list[list[float]], rows: list[int]) -> dict[str, Any]:
                            "wall_ms": float(a.sum(axis=1).mean())}
     if rows:
         out["rows_p50"] = float(np.median(rows))
+    if turns:  # host time per decode step: a pass that ran K steps in one dispatch / K
+        per_step = host / np.asarray(turns, np.float64)
+        out["host_per_step_ms"] = float(per_step.mean())
+        out["host_per_step_p50_ms"] = float(np.median(per_step))
+        out["turns_p50"] = float(np.median(turns))
     return out

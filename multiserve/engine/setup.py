@@ -100,8 +100,9 @@ def build_engine_parts(cfg: EngineConfig, progress: Any = None) -> EngineParts:
     devices = resolve_devices(cfg.device_indexes)
     leader = _spanning_leader(cfg, devices)
     if leader is not None:
-        # every host primes the same programs in the same order: all compiled before serving
-        cfg = cfg.with_updates(compile_in_background=False)
+        # every host primes the same programs in the same order: all compiled before serving;
+        # one decode step a dispatch (a follower replays single steps: multihost/ops.py)
+        cfg = cfg.with_updates(compile_in_background=False, decode_steps_per_dispatch=1)
     model_dir = None if cfg.model_path is None else resolve_model_dir(cfg.model_path)
     choice = resolve_dtype(cfg, devices, model_dir)
     dtype = jnp.dtype(choice.dtype)

@@ -78,7 +78,8 @@ def fleet_config_from_args(args: argparse.Namespace) -> FleetConfig:
     settings; with neither, configs/cpu-4.toml). `--port` (first engine port, 0 for
     ephemeral), `--supervisor-port`, `--host`, `--model`, `--max-request-bytes` and
     `--enable-memory-saver` (sets it; absent, the file decides), and the engine keys
-    `--speculative-algorithm` / `--speculative-num-draft-tokens` override the file;
+    `--speculative-algorithm` / `--speculative-num-draft-tokens` /
+    `--decode-steps-per-dispatch` override the file;
     `--engines N` with `--config` keeps the file's first N engines. `--api-key` (else
     $MULTISERVE_API_KEY) protects every endpoint. SGLang's flags (fleet/sglang_flags.py)
     override the file too; `--tp-size` without --config lays out `--engines` (default 1)
@@ -127,6 +128,8 @@ def fleet_config_from_args(args: argparse.Namespace) -> FleetConfig:
         engine["speculative_algorithm"] = args.speculative_algorithm
     if getattr(args, "speculative_num_draft_tokens", None) is not None:
         engine["speculative_num_draft_tokens"] = args.speculative_num_draft_tokens
+    if getattr(args, "decode_steps_per_dispatch", None) is not None:
+        engine["decode_steps_per_dispatch"] = args.decode_steps_per_dispatch
     if engine:
         data["engine"] = engine
     if getattr(args, "model", None) is not None:

@@ -53,7 +53,8 @@ def follow(link: FollowerLink, engine_cfg: EngineConfig, rank: int,
     link.ack(first.seq)
     cfg = engine_cfg.with_updates(invariance_plan=start.invariance_plan, dtype=start.dtype,
                                   max_total_tokens=start.max_total_tokens,
-                                  compile_in_background=False)
+                                  compile_in_background=False,
+                                  decode_steps_per_dispatch=1)
     t0 = time.monotonic()
     parts = build_engine_parts(cfg)
     _say(f"node {rank} follows the engine on devices {list(cfg.device_indexes)} "

@@ -23,10 +23,12 @@ def test_every_flag_is_a_field_with_the_fields_default() -> None:
 def test_the_options_hold_the_parsed_flags() -> None:
     o = bench_options("--num-prompts", "3", "--token-paddings", "64", "512", "--bs-paddings",
                       "8", "--peer", "llamacpp", "--no-interleave", "--temperature", "0.5",
-                      "--seed", "7", "--fleet", "--clients-per-port", "2", "--speculative")
+                      "--seed", "7", "--fleet", "--clients-per-port", "2", "--speculative",
+                      "--decode-steps-per-dispatch", "4")
     assert (o.num_prompts, o.token_paddings, o.bs_paddings) == (3, (64, 512), (8,))
     assert (o.peer, o.interleave, o.temperature, o.seed) == ("llamacpp", False, 0.5, 7)
     assert o.fleet and o.clients_per_port == 2 and o.speculative and not o.ab_speculation
+    assert o.decode_steps_per_dispatch == 4
     assert o.output_len is None and o.peer_dtype == "float32"  # the run decides these
     with pytest.raises(dataclasses.FrozenInstanceError):
         o.seed = 8  # type: ignore[misc]

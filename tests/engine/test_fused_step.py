@@ -1,11 +1,15 @@
 """Fused steps (EngineConfig.fused_step_paddings): a step padded to b tokens and b rows runs
 forward, head and sampler as ONE program, checked bit for bit against the forward and head
-programs when it is primed (engine/device/step_programs.py).
+programs when it is primed (engine/device/step_programs.py); and several decode steps per
+dispatch (EngineConfig.decode_steps_per_dispatch): a loop of such steps in one program,
+checked against as many single steps.
 
 Behaviour under test: outputs (ids, logprobs, top logprobs) are bitwise those of an engine
 without fused steps, in both compute dtypes, for greedy, seeded sampling and penalties,
-alone and batched; a fused program whose check fails is never used; one compiled while the
-engine's memory is released is checked and used once memory is resumed.
+alone and batched, with one step or four per dispatch; a fused or several-step program whose
+check fails is never used; one compiled while the engine's memory is released is checked
+and used once memory is resumed; a stop inside a dispatch's steps ends the output there,
+and a pause lands between dispatches.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from engine_helpers import WAIT_S
+from engine_helpers import WAIT_S, AtTokens, Collector, Trigger, assert_idle_and_clean
 
 from multiserve.config import EngineConfig
 from multiserve.engine.device.programs import ProgramKind, background_compiles_held
@@ -189,6 +193,95 @@ def test_the_check_sees_one_ulp(tiny_model_dir: Path) -> None:
         assert len(out.output_ids) == 4  # the pool the checks ran on still serves
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_four_steps_per_dispatch_give_the_outputs_of_single_steps(
+        dtype: str, request: pytest.FixtureRequest, trigger: Trigger) -> None:
+    """Greedy and seeded requests alone run 4 decode steps a dispatch (the penalised one and
+    the batch holding it run single steps; sizes 1 only, the fused and several-step
+    programs of one row: the fewest compiles); the outputs are bitwise those of single
+    steps. Then (float32): a stop token sampled inside a dispatch ends the output there;
+    a pause lands between dispatches; the prime's check sees one ulp."""
+    from multiserve.engine.engine import Engine
+
+    model = _model_dir(dtype, request)
+    engine = Engine(EngineConfig(model_path=model, dtype=dtype, compile_in_background=False,
+                                 decode_steps_per_dispatch=4,
+                                 **{**BUCKETS, "fused_step_paddings": (1,)}))
+    try:
+        outputs = _outputs(engine)
+        state = engine.get_internal_state()
+        assert state["compile"]["rejected"] == []
+        assert [c for c in state["compile"]["compiled"] if c[0] in "SM"] == ["S=1", "M=1"]
+        # greedy and seeded alone: 9 tokens after the prefill's, in 3 dispatches each
+        assert state["forward_ct_multi"] >= 6
+        assert outputs == _reference(dtype, model)
+        if dtype == "float32":
+            _check_stop_inside_a_dispatch(engine, outputs[0][0])
+            _check_pause_between_dispatches(engine, trigger, outputs[0][0])
+            _check_the_multi_check_sees_one_ulp(engine)
+            assert_idle_and_clean(engine)
+    finally:
+        engine.shutdown()
+
+
+def _check_stop_inside_a_dispatch(engine: Any, greedy_ids: tuple[int, ...]) -> None:
+    """The greedy request with a stop id its output reaches at index i (inside the second
+    dispatch, turns after it): the output ends at i, finish reason "stop"."""
+    stop = greedy_ids[6]
+    i = greedy_ids.index(stop)
+    assert 1 <= i <= 8, greedy_ids  # sampled by a dispatch, not the last of its turns
+    ids, params = _requests()[0]
+    before = engine.get_internal_state()["forward_ct_multi"]
+    out = engine.generate(input_ids=ids, sampling_params=params.with_updates(
+        stop_token_ids=(stop,)))
+    assert out.output_ids == greedy_ids[:i + 1]
+    assert out.finish_reason == "stop" and out.matched_stop == stop
+    assert engine.get_internal_state()["forward_ct_multi"] > before
+
+
+def _check_pause_between_dispatches(engine: Any, trigger: Trigger,
+                                    greedy_ids: tuple[int, ...]) -> None:
+    """Paused (retract) once the greedy request has 3 tokens, then continued: the same
+    output (re-prefilled from prompt and output, then 4 steps a dispatch again)."""
+    ids, params = _requests()[0]
+    hook = AtTokens(trigger, "r0", 3,
+                    lambda: engine.acontrol("pause_generation", mode="retract"))
+    col = Collector(engine, on_output=hook)
+    col.submit("r0", ids, params)
+    (res,) = hook.wait()
+    assert res.ok and res.details["retracted"] == 1
+    assert engine.get_internal_state()["engine_paused"]
+    assert engine.continue_generation().ok
+    assert col.wait()[("r0", 0)].output_ids == greedy_ids
+
+
+def _check_the_multi_check_sees_one_ulp(engine: Any) -> None:
+    """The prime's check on the real several-step program passes; on one whose last
+    turn's raw logprobs are one ulp off it fails."""
+    import jax
+    import numpy as np
+
+    from multiserve.engine.commands import Call
+
+    def nudged(program: Any) -> Any:
+        def run(*args: Any) -> Any:
+            last, ids, out, kv = program(*args)
+            logprob = np.asarray(out.logprob).copy()
+            logprob[-1] = np.nextafter(logprob[-1], np.float32(0))
+            return last, ids, out.replace(logprob=logprob), kv
+        return run
+
+    def check(core: Any) -> list[bool]:
+        runner = core.runner
+        program = runner.programs.get(ProgramKind.MULTI, 1)
+        verdicts = [runner.step_programs.multi_step_agrees(1, program),
+                    runner.step_programs.multi_step_agrees(1, nudged(program))]
+        jax.block_until_ready(runner.kv)
+        return verdicts
+
+    assert engine.call(Call(check)).result() == [True, False]
 
 
 def test_fused_step_sizes_must_be_in_both_paddings_lists() -> None:

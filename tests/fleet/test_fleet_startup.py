@@ -37,6 +37,9 @@ def test_engines_without_config_is_n_single_device_engines_with_defaults() -> No
     assert [s.port for s in cfg.servers] == [32000, 32001, 32002]
     assert cfg.platform == "auto" and cfg.supervisor.port == 31100
     assert cfg.engines[0].max_running_requests == 128  # EngineConfig's default
+    assert cfg.engines[0].decode_steps_per_dispatch == 1
+    cfg = fleet_config_from_args(args("--engines", "2", "--decode-steps-per-dispatch", "8"))
+    assert [e.decode_steps_per_dispatch for e in cfg.engines] == [8, 8]
 
 
 def test_no_arguments_means_the_shipped_cpu_4_config() -> None:

@@ -4,8 +4,9 @@ A step runs two programs (runner.py, step_programs.py): a forward over T tokens
 (`ProgramKind.FORWARD`, "T", one per token bucket) and a head over R logits rows
 (`ProgramKind.HEAD`, "R", one per row bucket); a decode step of b tokens and b rows may
 instead run one fused program (`ProgramKind.FUSED`, "S", b in the config's fused step sizes),
-which is primed only after its T and R are compiled and checked against them bit for bit
-(`needs`): one that differs is rejected, never chosen. They are compiled ahead
+and K such steps one several-step program (`ProgramKind.MULTI`, "M", while the config's
+decode_steps_per_dispatch K > 1); each is primed only after its T and R are compiled and
+checked against them bit for bit (`needs`): one that differs is rejected, never chosen. They are compiled ahead
 of time (`jax.jit(...).lower(...).compile()`) and the step calls the compiled executables
 directly, so a step never traces or compiles: a shape without a program is never chosen.
 
@@ -60,10 +61,14 @@ class ProgramKind(StrEnum):
     FORWARD = "T"  # the decoder over T tokens
     HEAD = "R"  # lm_head and sampler over R logits rows
     FUSED = "S"  # forward, head and sampler of a b-token, b-row decode step in one program
+    # EngineConfig.decode_steps_per_dispatch fused decode steps of b rows in one program
+    MULTI = "M"
 
 
-# compile order at equal size (`plan`): forward, head, then the fused step that needs both
-KINDS: tuple[ProgramKind, ...] = (ProgramKind.FORWARD, ProgramKind.HEAD, ProgramKind.FUSED)
+# compile order at equal size (`plan`): forward, head, then the fused step and the
+# several-step program that need both
+KINDS: tuple[ProgramKind, ...] = (ProgramKind.FORWARD, ProgramKind.HEAD, ProgramKind.FUSED,
+                                  ProgramKind.MULTI)
 
 
 class Program(Protocol):
@@ -75,9 +80,10 @@ class Program(Protocol):
 
 def needs(kind: ProgramKind, size: int) -> tuple[tuple[ProgramKind, int], ...]:
     """The programs a program is checked against when it is primed: a fused step (FUSED, b)
-    against the forward and head of its size, which it must equal bit for bit."""
+    against the forward and head of its size, which it must equal bit for bit; a
+    several-step program (MULTI, b) against as many steps of that forward and head."""
     return (((ProgramKind.FORWARD, size), (ProgramKind.HEAD, size))
-            if kind == ProgramKind.FUSED else ())
+            if kind in (ProgramKind.FUSED, ProgramKind.MULTI) else ())
 
 # Sets whose background thread is running. At interpreter exit each is stopped and its
 # compile in progress waited for (`stop_background_compiles`): a daemon thread still inside
@@ -148,14 +154,16 @@ class Plan:
 
 
 def plan(token_buckets: Sequence[int], row_buckets: Sequence[int], unroll_max_tokens: int,
-         background: bool, fused: Sequence[int] = ()) -> Plan:
+         background: bool, fused: Sequence[int] = (), multi: Sequence[int] = ()) -> Plan:
     """Split the programs: without `background` everything is `first` (the fused steps
     last); with it, `first` is the covering set (largest T and R, and every scanned T) and
-    `rest` the others, ordered by size (T, then R, then the fused step S at equal size: a
-    fused step is only ever a faster way to run a T and an R, never needed to serve)."""
+    `rest` the others, ordered by size (T, then R, then the fused step S and the
+    several-step program M at equal size: each is only ever a faster way to run a T and
+    an R, never needed to serve)."""
     forward, head = ProgramKind.FORWARD, ProgramKind.HEAD
     everything = ([(forward, t) for t in token_buckets] + [(head, r) for r in row_buckets]
-                  + [(ProgramKind.FUSED, b) for b in fused])
+                  + [(ProgramKind.FUSED, b) for b in fused]
+                  + [(ProgramKind.MULTI, b) for b in multi])
     if not background:
         return Plan(first=tuple(everything), rest=())
     first = {(forward, max(token_buckets)), (head, max(row_buckets))}

@@ -1,6 +1,6 @@
 """The math of one engine's step: the traced functions its programs are lowered from.
 
-Three programs' functions (step_programs.py compiles them, runner.py runs them):
+The programs' functions (step_programs.py compiles them, runner.py runs them):
 - `forward` (`_forward_impl`) over T tokens: the decoder (the model's family,
   model/families); it returns the final-normed hidden states of the logits rows in a fixed
   [max_rows, D] buffer, the rows' input ids and whether each came from the previous step;
@@ -10,7 +10,13 @@ Three programs' functions (step_programs.py compiles them, runner.py runs them):
   vocabulary and max_rows);
 - `step` (`_step_impl`): the forward, logits and sampler of a b-token, b-row step in ONE
   program, each boundary's arrays constrained to the sharding the separate programs pass
-  them in: the same computation as the three.
+  them in: the same computation as the three;
+- `multi` (`_multi_impl`): `turns` (EngineConfig.decode_steps_per_dispatch) decode steps
+  of b rows in ONE program, a `lax.scan` whose every turn is `step`'s computation
+  (`_step_arrays`) on the step arrays advanced on the device (`advance_turn`: positions and
+  sequence lengths + 1 a turn, each K/V slot read from the row's page-table row, the input
+  id the turn before sampled) and the sampler's position + 1 a turn, so each turn draws
+  what a single step at that position draws. Never with routing replay.
 With `routed_experts` (an engine started with enable_return_routed_experts on a MoE
 model), `forward` and `step` return one more output, last: the top-k expert ids of every
 token row in every MoE layer, [T, MoE layers, k] int32 (routing replay,
@@ -31,6 +37,7 @@ Invariants:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -79,12 +86,21 @@ class StepFunctions:
             self._step_impl, donate_argnums=(1,),
             static_argnames=("layout", "sample_layout", "num_rows"),
             out_shardings=(replicated, replicated, kv_out, *routed_out))
+        # `turns` decode steps in one program (no routing replay: `_multi_impl`)
+        self.multi = jax.jit(
+            self._multi_impl, donate_argnums=(1,),
+            static_argnames=("layout", "sample_layout", "num_rows", "turns"),
+            out_shardings=(replicated, replicated, replicated, kv_out))
 
     def _forward_impl(self, params: Any, kv: KVPool, prev_ids: jax.Array, packed: jax.Array,
                       *, layout: Layout) -> tuple[Any, ...]:
         """(hidden [max_rows, D], row ids, rows from the previous step, kv[, expert ids
         [T, MoE layers, k] with `routed_experts`])."""
-        arrays = unpack(packed, layout)
+        return self._forward_arrays(params, kv, prev_ids, unpack(packed, layout))
+
+    def _forward_arrays(self, params: Any, kv: KVPool, prev_ids: jax.Array,
+                        arrays: dict[str, jax.Array]) -> tuple[Any, ...]:
+        """`_forward_impl` on the step arrays unpacked."""
         from_prev = arrays["from_prev"]
         ids = jnp.where(from_prev >= 0, prev_ids[jnp.maximum(from_prev, 0)],
                         arrays["input_ids"])
@@ -126,17 +142,76 @@ class StepFunctions:
         """A fused step: `_forward_impl`, `_logits_impl` and `_sample_impl` in one program,
         each boundary's arrays constrained to the sharding the two programs pass them in
         (so a tensor-parallel head's logits are gathered before the sampler, as there)."""
+        return self._step_arrays(params, kv, prev_ids, unpack(packed, layout),
+                                 lambda: unpack(packed_sb, sample_layout), output_counts,
+                                 prompt_mask, token_mask, num_rows)
+
+    def _step_arrays(self, params: Any, kv: KVPool, prev_ids: jax.Array,
+                     arrays: dict[str, jax.Array],
+                     small_sb: Callable[[], sampling.SamplingBatch],
+                     output_counts: jax.Array, prompt_mask: jax.Array,
+                     token_mask: jax.Array, num_rows: int) -> tuple[Any, ...]:
+        """`_step_impl` on its step arrays unpacked; `small_sb()` gives the sampler's small
+        fields, traced where the sampler starts: the fused step's module keeps its op
+        order, which its persistent-cache key (a hash of the module's text) depends on."""
         def replicated(*xs: jax.Array) -> tuple[jax.Array, ...]:
             return tuple(jax.lax.with_sharding_constraint(x, self.replicated) for x in xs)
 
-        hidden, row_tok, row_prev, kv, *experts = self._forward_impl(
-            params, kv, prev_ids, packed, layout=layout)
+        hidden, row_tok, row_prev, kv, *experts = self._forward_arrays(
+            params, kv, prev_ids, arrays)
         logits, tok, prev = replicated(*self._logits_impl(
             params, *replicated(hidden, row_tok, row_prev), num_rows=num_rows))
-        next_ids, out = _sample_impl(logits, tok, prev, packed_sb, output_counts,
-                                     prompt_mask, token_mask, layout=sample_layout,
-                                     max_rows=self.max_rows)
+        next_ids, out = _sample_fields(logits, tok, prev, small_sb(), output_counts,
+                                       prompt_mask, token_mask, max_rows=self.max_rows)
         return (next_ids, out, kv, *experts)
+
+    def _multi_impl(self, params: Any, kv: KVPool, prev_ids: jax.Array, packed: jax.Array,
+                    packed_sb: jax.Array, output_counts: jax.Array, prompt_mask: jax.Array,
+                    token_mask: jax.Array, *, layout: Layout, sample_layout: Layout,
+                    num_rows: int, turns: int) -> tuple[Any, ...]:
+        """`turns` decode steps in one program: a loop whose turn k runs `_step_arrays`,
+        the fused step's computation, on the step of turn 0 advanced by k positions
+        (`advance_turn`), reading the ids turn k - 1 sampled; the sampler keyed by each
+        turn's position. Returns (the last turn's ids [max_rows], every turn's ids
+        [turns, max_rows], every turn's SampleOutput (leaves [turns, ...]), kv).
+        Only for a decode-only step without routing replay: token row b is batch row b,
+        logits row b, sequence row b (one_token_rows)."""
+        arrays = unpack(packed, layout)
+        small_sb = unpack(packed_sb, sample_layout)
+
+        def turn(carry: tuple[KVPool, jax.Array], k: jax.Array
+                 ) -> tuple[tuple[KVPool, jax.Array], tuple[jax.Array, Any]]:
+            kv, prev = carry
+            next_ids, out, kv = self._step_arrays(
+                params, kv, prev, advance_turn(arrays, k, self.page_size),
+                lambda: small_sb.replace(position=small_sb.position + k), output_counts,
+                prompt_mask, token_mask, num_rows)
+            return (kv, next_ids), (next_ids, out)
+
+        (kv, last), (ids, outs) = jax.lax.scan(turn, (kv, prev_ids),
+                                               jnp.arange(turns, dtype=jnp.int32))
+        return last, ids, outs, kv
+
+
+def advance_turn(arrays: dict[str, jax.Array], k: jax.Array,
+                 page_size: int) -> dict[str, jax.Array]:
+    """The step arrays of a decode-only step advanced by `k` turns (traced): each real
+    row (seq_len > 0) one position on per turn, its input the id the turn before sampled
+    into its own row of the previous ids (from turn 1 on), its K/V slot read from its
+    page-table row; padding rows as they were. At k = 0 the arrays unchanged: what
+    batch_arrays.one_token_rows writes for the step K single steps would run k steps
+    later, with every row's pages already in its table."""
+    seq_lens, page_table = arrays["seq_lens"], arrays["page_table"]
+    tokens = arrays["positions"].shape[0]
+    assert seq_lens.shape[0] == tokens, "a decode-only step: one sequence row per token"
+    real = seq_lens > 0
+    positions = jnp.where(real, arrays["positions"] + k, arrays["positions"])
+    rows = jnp.arange(tokens, dtype=jnp.int32)
+    pages = page_table[rows, positions // page_size]
+    slots = jnp.where(real, pages * page_size + positions % page_size, arrays["out_slots"])
+    from_prev = jnp.where(k > 0, jnp.where(real, rows, -1), arrays["from_prev"])
+    return {**arrays, "positions": positions, "out_slots": slots, "from_prev": from_prev,
+            "seq_lens": jnp.where(real, seq_lens + k, seq_lens)}
 
 
 def _sample_impl(logits: jax.Array, tok: jax.Array, prev: jax.Array, packed: jax.Array,
@@ -147,9 +222,17 @@ def _sample_impl(logits: jax.Array, tok: jax.Array, prev: jax.Array, packed: jax
     Penalties count output tokens; the host does not know the ids still on device: the
     sampler counts them for rows whose input came from the previous step (only when some
     row has a penalty: no [R, V] array is touched otherwise)."""
-    sb = unpack(packed, layout).replace(output_counts=output_counts, prompt_mask=prompt_mask,
-                                        token_mask=token_mask, unread_token=tok,
-                                        has_unread=prev)
+    return _sample_fields(logits, tok, prev, unpack(packed, layout), output_counts,
+                          prompt_mask, token_mask, max_rows=max_rows)
+
+
+def _sample_fields(logits: jax.Array, tok: jax.Array, prev: jax.Array,
+                   small_sb: sampling.SamplingBatch, output_counts: jax.Array,
+                   prompt_mask: jax.Array, token_mask: jax.Array, *,
+                   max_rows: int) -> tuple[jax.Array, Any]:
+    """`_sample_impl` on the sampler's small fields unpacked."""
+    sb = small_sb.replace(output_counts=output_counts, prompt_mask=prompt_mask,
+                          token_mask=token_mask, unread_token=tok, has_unread=prev)
     out = sampling.sample(logits, sb)
     rows = min(logits.shape[0], max_rows)
     next_ids = jnp.zeros(max_rows, jnp.int32).at[:rows].set(out.next_ids[:rows])

@@ -17,8 +17,14 @@ The programs (programs.ProgramKind):
   of the two: one execution instead of three saves each step's hand-offs between programs
   (docs/performance.md §20). Its prime checks it against the forward and head of its size
   bit for bit (`fused_step_agrees`); a program that differs is rejected and the step runs
-  the two.
-So |T| + |R| (+ fused) programs are compiled, not |T| x |R|, and a lone decode runs at
+  the two;
+- MULTI, one per fused step size b while `decode_steps_per_dispatch` K > 1 (none with
+  routing replay): K fused decode steps of b rows in one compiled loop, which a decode
+  step whose rows need no host decision between tokens runs instead of K dispatches
+  (engine/sched/scheduler.py `_turns`). Its prime checks it against K steps of the forward
+  and head of its size bit for bit, seeded and greedy (`multi_step_agrees`); a program
+  that differs is rejected and the steps run one per dispatch.
+So |T| + |R| (+ fused, + several-step) programs are compiled, not |T| x |R|, and a lone decode runs at
 T = R = 1.
 
 Invariants:
@@ -69,7 +75,8 @@ from multiserve.engine.sampling import sampler as sampling
 from multiserve.model.layers.kv_pool import KVPool
 from multiserve.types import MAX_TOP_LOGPROBS, SamplingParams
 
-FORWARD, HEAD, FUSED = ProgramKind.FORWARD, ProgramKind.HEAD, ProgramKind.FUSED
+FORWARD, HEAD, FUSED, MULTI = (ProgramKind.FORWARD, ProgramKind.HEAD, ProgramKind.FUSED,
+                               ProgramKind.MULTI)
 
 
 class ForwardProgram(Protocol):
@@ -84,6 +91,15 @@ class ForwardProgram(Protocol):
 class FusedProgram(Protocol):
     """A FUSED program: (params, kv, prev_ids, packed step, *sampling inputs) ->
     (next_ids [max_rows], SampleOutput, kv[, expert ids]); the KV pool is donated."""
+
+    def __call__(self, params: Any, kv: KVPool, prev_ids: jax.Array, packed: np.ndarray,
+                 *sb: Any) -> tuple[Any, ...]: ...
+
+
+class MultiProgram(Protocol):
+    """A MULTI program: a FUSED program's arguments -> (the last turn's ids [max_rows],
+    every turn's ids [turns, max_rows], every turn's SampleOutput (leaves [turns, ...]),
+    kv); the KV pool is donated."""
 
     def __call__(self, params: Any, kv: KVPool, prev_ids: jax.Array, packed: np.ndarray,
                  *sb: Any) -> tuple[Any, ...]: ...
@@ -158,7 +174,14 @@ class StepPrograms:
         steps."""
         return ([(FORWARD, t) for t in self.cfg.precompile_token_paddings]
                 + [(HEAD, r) for r in self.cfg.precompile_bs_paddings]
-                + [(FUSED, b) for b in self.cfg.fused_step_sizes])
+                + [(FUSED, b) for b in self.cfg.fused_step_sizes]
+                + [(MULTI, b) for b in self.multi_step_sizes])
+
+    @property
+    def multi_step_sizes(self) -> tuple[int, ...]:
+        """The sizes with a several-step program (EngineConfig.multi_step_sizes), none in
+        an engine with routing replay (its steps return each token's experts)."""
+        return () if self.functions.routed_experts else self.cfg.multi_step_sizes
 
     def compiled_buckets(self, kind: ProgramKind) -> Sequence[int]:
         """The sizes a step may pick for `kind`: the primed ones once warm-up began, every
@@ -178,7 +201,7 @@ class StepPrograms:
         all_scan = all(family.scans(invariance_plan, t) for t in tokens)
         return plan(tokens, self.cfg.precompile_bs_paddings,
                     max(tokens) if all_scan else family.unroll_max_tokens, background,
-                    self.cfg.fused_step_sizes)
+                    self.cfg.fused_step_sizes, self.multi_step_sizes)
 
     @property
     def cache_miss_count(self) -> int:
@@ -203,6 +226,13 @@ class StepPrograms:
         rows (buckets), or None: the step runs its forward and head programs."""
         if tokens == rows and tokens in self.set.ready(FUSED):
             return cast(FusedProgram | None, self.set.get(FUSED, tokens))
+        return None
+
+    def multi(self, tokens: int, rows: int) -> MultiProgram | None:
+        """The ready MULTI program of a decode step padded to `tokens` tokens and `rows`
+        logits rows (buckets), or None: the step runs one step per dispatch."""
+        if tokens == rows and tokens in self.set.ready(MULTI):
+            return cast(MultiProgram | None, self.set.get(MULTI, tokens))
         return None
 
     def program(self, kind: ProgramKind, size: int, inputs: tuple[Any, ...],
@@ -251,6 +281,9 @@ class StepPrograms:
         for size in self.cfg.fused_step_sizes:  # a forward's inputs, then a head's sampling
             (t_in, t_layout), (r_in, r_layout) = out[(FORWARD, size)], out[(HEAD, size)]
             out[(FUSED, size)] = ((*t_in, *r_in[4:]), (t_layout, r_layout))
+        for size in self.multi_step_sizes:  # a fused step's
+            (t_in, t_layout), (r_in, r_layout) = out[(FORWARD, size)], out[(HEAD, size)]
+            out[(MULTI, size)] = ((*t_in, *r_in[4:]), (t_layout, r_layout))
         return out
 
     def _compile(self, inputs: tuple[Any, ...], layout: Any, kind: ProgramKind,
@@ -266,6 +299,12 @@ class StepPrograms:
             t_layout, r_layout = layout
             return SHARE.compile(fns.step.lower(*inputs, layout=t_layout,
                                                 sample_layout=r_layout, num_rows=size),
+                                 self.devices, self.xla_options)
+        if kind == MULTI:
+            t_layout, r_layout = layout
+            return SHARE.compile(fns.multi.lower(*inputs, layout=t_layout,
+                                                 sample_layout=r_layout, num_rows=size,
+                                                 turns=self.cfg.decode_steps_per_dispatch),
                                  self.devices, self.xla_options)
         params, hidden, row_tok, row_prev, *sb = inputs
         logits = SHARE.compile(fns.logits.lower(params, hidden, row_tok, row_prev,
@@ -325,9 +364,11 @@ class StepPrograms:
         """
         state = self.state
         if not state.resident:
-            return None if kind == FUSED else True
+            return None if kind in (FUSED, MULTI) else True
         if kind == FUSED:
             return self.fused_step_agrees(size, cast(FusedProgram, program))
+        if kind == MULTI:
+            return self.multi_step_agrees(size, cast(MultiProgram, program))
         if kind == FORWARD:
             arrays = empty_step_arrays(size, state.page_table_rows(size), self.max_rows,
                                        self._prime_pages, state.lora_enabled)
@@ -377,10 +418,72 @@ class StepPrograms:
         pair = (*head(state.compute_params, hidden, row_tok, row_prev, *sb), *experts)
         next_ids, out, state.kv, *fused_experts = program(state.compute_params, state.kv,
                                                           prev_ids, step, *sb)
-        return all(np.asarray(a).tobytes() == np.asarray(b).tobytes()
-                   for a, b in zip(jax.tree.leaves(pair),
-                                   jax.tree.leaves((next_ids, out, *fused_experts)),
-                                   strict=True))
+        return _same_bits(pair, (next_ids, out, *fused_experts))
+
+    def multi_step_agrees(self, size: int, program: MultiProgram) -> bool:
+        """Run several-step `program` and as many single steps (the forward + head of its
+        size: `programs.needs`) on one decode step, and say whether every turn's outputs
+        (sampled ids, logprobs, ...) are bitwise those of its single step, and the last
+        turn's ids the next step's input. Twice: every row seeded-sampled, then every row
+        greedy (`_multi_check_params`). The step: `size` rows of one id at position 0,
+        each its own sequence, all rows alike (so the K/V every row writes into the
+        garbage page 0's slot of each position, read back by the later turns, is the same
+        whichever row's write lands last); the single steps are built on the host the
+        way batch_arrays builds the steps that follow (positions + 1, the ids from the
+        previous step's rows)."""
+        state = self.state
+        vocab = self.functions.model_cfg.vocab_size
+        turns = self.cfg.decode_steps_per_dispatch
+        forward, head = self.set.get(FORWARD, size), self.set.get(HEAD, size)
+        assert forward is not None and head is not None, "checked before its programs"
+        prev_ids = state.prev_ids
+        assert prev_ids is not None, "checked while memory is resident only"
+
+        def step_at(k: int) -> StepArrays:
+            arrays = empty_step_arrays(size, state.page_table_rows(size), self.max_rows,
+                                       self._prime_pages, state.lora_enabled)
+            arrays.input_ids[:] = min(1, vocab - 1)
+            if k > 0:
+                arrays.from_prev[:] = np.arange(size)
+            arrays.positions[:] = k
+            arrays.token_seq[:] = np.arange(size)
+            arrays.out_slots[:] = k % self.cfg.page_size  # page 0's slot of position k
+            arrays.seq_lens[:] = k + 1
+            arrays.logit_rows[:size] = np.arange(size)
+            return arrays
+
+        def sampling_at(params: SamplingParams, k: int) -> tuple[Any, ...]:
+            specs = [sampling_host.RowSpec(params=params, seed=77, sample_index=0,
+                                           position=1 + k, output_ids=(), prompt_ids=())
+                     for _ in range(size)]
+            return sampling_inputs(state.sampling_batch(specs, size))
+
+        for params in _multi_check_params():
+            last, ids, outs, state.kv = program(state.compute_params, state.kv, prev_ids,
+                                                step_inputs(step_at(0)),
+                                                *sampling_at(params, 0))
+            prev = prev_ids
+            for k in range(turns):
+                hidden, row_tok, row_prev, state.kv, *_ = forward(
+                    state.compute_params, state.kv, prev, step_inputs(step_at(k)))
+                prev, out = head(state.compute_params, hidden, row_tok, row_prev,
+                                 *sampling_at(params, k))
+                turn = jax.tree.map(lambda a, k=k: np.asarray(a)[k], (ids, outs))
+                if not _same_bits((prev, out), turn):
+                    return False
+            if not _same_bits(prev, last):
+                return False
+        return True
+
+
+def _multi_check_params() -> tuple[SamplingParams, ...]:
+    """The sampling of a several-step program's check, one run each: seeded sampling with
+    top-k / top-p / min-p; greedy. Both with logprobs and top logprobs (no penalties,
+    bans or grammar masks: steps with those never run several to a dispatch)."""
+    return (SamplingParams(temperature=0.8, top_k=50, top_p=0.9, min_p=0.01,
+                           return_logprob=True, top_logprobs_num=MAX_TOP_LOGPROBS),
+            SamplingParams(temperature=0.0, return_logprob=True,
+                           top_logprobs_num=MAX_TOP_LOGPROBS))
 
 
 def _check_rows(size: int, vocab: int) -> list[sampling_host.RowSpec]:
@@ -398,6 +501,12 @@ def _check_rows(size: int, vocab: int) -> list[sampling_host.RowSpec]:
                                   sample_index=0, position=1, output_ids=(1, 3 + b),
                                   prompt_ids=(2, 5, 7), token_mask=None if b % 2 else evens)
             for b in range(size)]
+
+
+def _same_bits(a: Any, b: Any) -> bool:
+    """Two pytrees of arrays (device or host) of one structure hold the same bytes."""
+    return all(np.asarray(x).tobytes() == np.asarray(y).tobytes()
+               for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
 
 
 def _abstract(tree: Any, host_sharding: Any) -> Any:

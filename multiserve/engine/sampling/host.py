@@ -59,8 +59,7 @@ def penalty_zeros(rows: int, vocab: int) -> PenaltyZeros:
 
 
 def _has_penalty(p: SamplingParams) -> bool:
-    return (p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
-            or p.repetition_penalty != 1.0)
+    return p.has_penalty
 
 
 def build_sampling_batch(rows: Sequence[RowSpec | None], R: int, vocab: int, *,

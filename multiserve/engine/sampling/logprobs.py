@@ -26,6 +26,11 @@ class StepLogprobs:
         self.top_logprobs = np.asarray(sample.top_logprobs)
         self.selected = np.asarray(sample.selected_logprobs)
 
+    def turn(self, k: int) -> StepLogprobs:
+        """Turn k's logprobs of a step that ran several decode steps (whose arrays have a
+        leading turn axis), already on the host: views, no copy."""
+        return StepLogprobs(_Turn(self, k))
+
     def _top(self, b: int, k: int) -> tuple[tuple[int, float], ...]:
         return tuple((int(self.top_ids[b, j]), float(self.top_logprobs[b, j]))
                      for j in range(k))
@@ -43,3 +48,11 @@ class StepLogprobs:
         id: `sampling.rows.prompt_row_params`)."""
         return TokenLogprob(token, float(self.selected[b, 0]),
                             self._top(b, params.top_logprobs_num))
+
+
+class _Turn:
+    """The sampler output fields of turn k of a several-step `StepLogprobs`."""
+
+    def __init__(self, steps: StepLogprobs, k: int) -> None:
+        self.logprob, self.top_ids = steps.logprob[k], steps.top_ids[k]
+        self.top_logprobs, self.selected_logprobs = steps.top_logprobs[k], steps.selected[k]

@@ -5,8 +5,9 @@ Position bookkeeping (the invariants the scheduler and runner rely on):
 - `kv_len`: positions [0, kv_len) have their K/V written, or written by a step already
   launched on the device (device order makes an in-flight write as good as done).
 - `pending`: tokens sampled by launched steps whose ids the host has not read yet
-  (0, 1 or 2 under overlap). While decoding: kv_len == len(prompt) + len(output) +
-  pending - 1, i.e. the next decode input is the newest token, at position kv_len.
+  (0, 1 or 2 under overlap; a step running K decode steps in one dispatch adds K). While
+  decoding: kv_len == len(prompt) + len(output) + pending - 1, i.e. the next decode input
+  is the newest token, at position kv_len.
 - `pages` cover positions [0, len(pages) * page_size) >= kv_len; the first
   `num_cached_pages` are shared through the prefix cache (ref-counted), the rest are
   owned by this Req alone.

@@ -21,6 +21,10 @@ Invariants:
 - A waiting Req with `pending > 0` (retracted while a step that samples for it was
   in flight) is not admitted until the host has read that token.
 - Nothing writes a ScheduledBatch once `schedule()` returned it (frozen, rows too).
+- A step of K turns (`ScheduledBatch.turns`, `_turns`: decode rows that need no host
+  decision between tokens) holds every row's pages for its K positions before it is
+  launched; `launch` advances each row K positions, and `postprocess_turns` records its
+  K tokens a row in order, up to the first that ends the sample.
 - `launch(batch)` is called once the runner enqueued the step: only then do kv_len,
   pending and the prefix cache move, so a schedule that was never launched has no
   effect on state beyond page allocation (which `launch` makes permanent).
@@ -36,7 +40,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Protocol
 
@@ -75,7 +79,8 @@ class Scheduler:
     def __init__(self, cfg: EngineConfig, allocator: PageAllocator, cache: PrefixCache,
                  max_context: int, max_tokens_per_step: int, max_rows: int,
                  drafter: DraftSource | None = None,
-                 routed_experts: RoutedExpertsTable | None = None) -> None:
+                 routed_experts: RoutedExpertsTable | None = None,
+                 runs_turns: Callable[[int], bool] | None = None) -> None:
         self.cfg = cfg
         self.allocator = allocator
         self.cache = cache
@@ -96,6 +101,9 @@ class Scheduler:
         # experts: each Req asking for them copies its rows out before its pages go
         # (`finish`, `retract`)
         self.routed_experts = routed_experts
+        # whether a decode-only step of n rows can run several decode steps in one
+        # dispatch now (the runner's `runs_turns`); None: never
+        self.runs_turns = runs_turns
 
     # ---- queries -------------------------------------------------------------------
     def has_work(self) -> bool:
@@ -235,7 +243,43 @@ class Scheduler:
         rows += self._prefill_rows(budget, self.max_rows - logit_rows)
         if not rows:
             return None
-        return ScheduledBatch.of(rows)
+        return ScheduledBatch.of(rows, self._turns(rows))
+
+    def _turns(self, rows: list[BatchRow]) -> int:
+        """How many decode steps the step of `rows` runs in one dispatch: the config's K
+        where every row is a decode row that needs no per-token host decision
+        (`_takes_turns`), the runner has the program, and every row's pages for K
+        positions are obtained (those obtained stay its own, for the steps to come,
+        whatever the answer); else 1. A stop inside the K turns is found afterwards
+        (`postprocess_turns`): the tokens sampled past it are dropped with its pages."""
+        k = self.cfg.decode_steps_per_dispatch
+        if k == 1 or self.runs_turns is None or not all(self._takes_turns(r, k) for r in rows):
+            return 1
+        if not self.runs_turns(len(rows)):
+            return 1
+        for row in rows:
+            req = row.req
+            need = pages_needed(row.start + k, self.page_size) - len(req.pages)
+            if need > 0:
+                got = self._obtain_pages(need)
+                if got is None:
+                    return 1
+                req.pages.extend(got)
+        return k
+
+    def _takes_turns(self, row: BatchRow, k: int) -> bool:
+        """Row `row` may run k decode steps without the host between them: a decode row
+        (one token, not a draft, not mid-prefill) whose sampler inputs do not depend on
+        its output (no penalty, grammar, min_new_tokens still ahead: no bans), that never
+        needs routing replay's ids, and whose k positions fit the context. EOS, stop ids,
+        stop strings and the length limit need nothing before the next token: they are
+        checked on the k tokens afterwards, in order."""
+        req = row.req
+        p = req.params
+        return (row.samples and not row.draft and row.end - row.start == 1
+                and not req.in_prefill and req.grammar is None and not p.has_penalty
+                and req.num_generated >= p.min_new_tokens and not req.want_routed_experts
+                and row.start + k < self.max_context)
 
     def wants_drafts(self) -> bool:
         """Whether the next step could verify drafts (DraftPlanner.wants_drafts, no prompt
@@ -281,7 +325,9 @@ class Scheduler:
             need = [r for r in decoding if r.kv_len >= len(r.pages) * ps]
             if len(need) <= self._free_pages_possible():
                 break
-            victims = [r for r in self.running if r.pending <= 1]
+            # (at most one dispatch's tokens in flight)
+            victims = [r for r in self.running
+                       if r.pending <= self.cfg.decode_steps_per_dispatch]
             if len(victims) <= 1:
                 break
             self.retract([victims[-1]])
@@ -399,9 +445,9 @@ class Scheduler:
         for b, row in enumerate(batch.rows):
             req = row.req
             was_prefill = req.in_prefill
-            req.kv_len = row.end
+            req.kv_len = row.end + batch.turns - 1
             if row.samples:
-                req.pending += 1
+                req.pending += batch.turns
                 req.last_out_row = b
             if was_prefill and not req.lora_slot:
                 num_full = row.end // self.page_size
@@ -459,6 +505,37 @@ class Scheduler:
                 deliver.append(req)
             elif req.stream:
                 deliver.append(req)
+        return deliver
+
+    def postprocess_turns(self, batch: ScheduledBatch, turn_ids: Sequence[Sequence[int]],
+                          logprobs: Sequence[StepLogprobSource] | None, weight_version: str,
+                          rules: StopRules) -> list[Req]:
+        """`postprocess` of a step that ran `batch.turns` decode steps (`turn_ids[k]`: the
+        ids turn k sampled, by row; `logprobs[k]`: its logprobs). Each row's tokens are
+        recorded in order, each judged by the stop rules as a single step's is, until one
+        ends the sample: the tokens after it were sampled past the end and are dropped,
+        and the finish gives back its pages, K/V past the end included. Returns the Reqs
+        with output to deliver now, in row order."""
+        deliver: list[Req] = []
+        for b, row in enumerate(batch.rows):
+            req = row.req
+            if req.finished:
+                continue
+            req.routed_read = max(req.routed_read, row.end + batch.turns - 1)
+            req.pending -= batch.turns
+            for k in range(batch.turns):
+                tok = int(turn_ids[k][b])
+                self._record_token(req, tok, logprobs[k] if logprobs is not None else None,
+                                   b, weight_version)
+                reason, matched = rules.verdict(req, tok)
+                if reason is not None:
+                    req.matched_stop = matched
+                    self.finish(req, reason)
+                    deliver.append(req)
+                    break
+            else:
+                if req.stream:
+                    deliver.append(req)
         return deliver
 
     @staticmethod
