@@ -1,6 +1,7 @@
 """Tensor-parallel forward on 2 and 4 virtual CPU devices equals the single-device forward
 (within 1e-4), for a config whose heads divide (attention sharded), a SmolLM2-like one whose
-heads do not (attention replicated, MLP and vocab sharded), and a qwen2 one (biases)."""
+heads do not (attention replicated, MLP and vocab sharded), and a qwen2 one (biases); no
+product splits its contraction (model/tensor_parallel.py)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from multiserve.model.invariance.plan import InvariancePlan
 from multiserve.model.invariance.workload import workload_for
 from multiserve.model.loading.param_layout import init_random_params
 from multiserve.model.sharding import kv_pool_sharding, make_mesh, param_specs, shard_params
+from multiserve.model.tensor_parallel import TensorParallel
 
 BASE = dict(vocab_size=256, intermediate_size=128, num_layers=2, rms_norm_eps=1e-5)
 CONFIGS = {
@@ -47,10 +49,10 @@ def plan_for(cfg: ModelConfig) -> InvariancePlan:
     return _PLANS[key]
 
 
-def run(params, cfg: ModelConfig, kv_sharding=None) -> dict:
+def run(params, cfg: ModelConfig, kv_sharding=None, tp=None) -> dict:
     rng = np.random.default_rng(0)
     sim = PagedSim(params, cfg, page_size=4, block_size=16, num_pages=128,
-                   kv_sharding=kv_sharding, plan=plan_for(cfg))
+                   kv_sharding=kv_sharding, plan=plan_for(cfg), tp=tp)
     for k in "abc":
         sim.add(k, [int(t) for t in rng.integers(3, cfg.vocab_size, 45)])
     got: dict = {}
@@ -69,7 +71,8 @@ def test_sharded_forward_matches_single_device(name: str, n: int) -> None:
     ref = run(jax.device_put(host, jax.devices()[0]), cfg)
     mesh = make_mesh(jax.devices()[:n])
     params = shard_params(host, cfg, mesh)
-    got = run(params, cfg, kv_sharding=kv_pool_sharding(cfg, mesh))
+    got = run(params, cfg, kv_sharding=kv_pool_sharding(cfg, mesh),
+              tp=TensorParallel.of(mesh, cfg))
     assert set(got) == set(ref)
     diff = max(float(np.max(np.abs(got[k] - ref[k]))) for k in ref)
     print(f"{name} n={n}: max|diff| = {diff:.2e}")
@@ -79,11 +82,19 @@ def test_sharded_forward_matches_single_device(name: str, n: int) -> None:
 def test_sharding_rule_follows_divisibility() -> None:
     mesh = make_mesh(jax.devices()[:2])
     smol = param_specs(CONFIGS["smollm_like"], mesh)  # 6 heads / 3 kv heads: kv 3 is odd
-    assert smol["layers"]["wq"] == P() and smol["layers"]["wo"] == P()
+    assert smol["layers"]["wq"] == P()
     assert smol["layers"]["w_gate"] == P(None, None, "tensor")
-    assert smol["layers"]["w_down"] == P(None, "tensor", None)
+    # the products back into the residual stream split their output (hidden 96 divides)
+    assert smol["layers"]["wo"] == P(None, None, "tensor")
+    assert smol["layers"]["w_down"] == P(None, None, "tensor")
     assert smol["embed"] == P("tensor", None)
     div = param_specs(CONFIGS["heads_divide"], mesh)
     assert div["layers"]["wk"] == P(None, None, "tensor")
+    # no layer matrix [L, in, out] of any config splits its contraction (the sums stay
+    # whole on one device: model/tensor_parallel.py)
+    for cfg in CONFIGS.values():
+        specs = param_specs(cfg, make_mesh(jax.devices()[:min(4, jax.device_count())]))
+        for key, spec in specs["layers"].items():
+            assert len(spec) < 3 or spec[1] is None, (key, spec)
     assert kv_pool_sharding(CONFIGS["heads_divide"], mesh).spec == P(None, "tensor", None, None)
     assert kv_pool_sharding(CONFIGS["smollm_like"], mesh).spec == P()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import os
-
+import re
 from typing import Any
 
 from multiserve.config import EngineConfig
@@ -83,6 +83,25 @@ def controls(engine: Any, perturbed_dir: str) -> dict[str, Any]:
     return res
 
 
+def collectives(engine: Any) -> dict[str, int]:
+    """How many compiled step programs the engine holds, and the cross-device collectives
+    in their optimized HLO by kind (all-reduce: a sum across devices; all-gather: bits
+    moved, none added)."""
+    from multiserve.engine.device.step_programs import HeadProgram
+
+    programs = engine._core.runner.step_programs  # noqa: SLF001 - the compiled programs
+    texts = []
+    for kind, size in programs.buckets():
+        program = programs.set.get(kind, size)
+        parts = ([program.logits, program.sampler] if isinstance(program, HeadProgram)
+                 else [program])
+        texts += [p.as_text() for p in parts if p is not None]
+    ops = [m.group(1) for t in texts
+           for m in re.finditer(r" (all-reduce|all-gather|reduce-scatter)(?:-start)?\(", t)]
+    return {"programs": len(texts), "all-reduce": ops.count("all-reduce"),
+            "all-gather": ops.count("all-gather"), "reduce-scatter": ops.count("reduce-scatter")}
+
+
 def run(name: str, cfg: EngineConfig, model_dir: str, perturbed_dir: str | None = None
         ) -> dict[str, Any]:
     from multiserve.engine.engine import Engine
@@ -94,6 +113,7 @@ def run(name: str, cfg: EngineConfig, model_dir: str, perturbed_dir: str | None 
             with open(plan_out, "w") as f:
                 json.dump(engine._core.runner.plan.to_json(), f)
         out = bits(engine)
+        out["collectives"] = collectives(engine)
         if name == "all":
             assert perturbed_dir is not None
             out["controls"] = controls(engine, perturbed_dir)
