@@ -83,23 +83,30 @@ def controls(engine: Any, perturbed_dir: str) -> dict[str, Any]:
     return res
 
 
-def collectives(engine: Any) -> dict[str, int]:
+def collectives(engine: Any) -> dict[str, Any]:
     """How many compiled step programs the engine holds, and the cross-device collectives
     in their optimized HLO by kind (all-reduce: a sum across devices; all-gather: bits
-    moved, none added)."""
+    moved, none added), with the JAX operations the all-reduces come from (a gather from
+    a table split over the devices is one: each device's rows, zeros elsewhere)."""
     from multiserve.engine.device.step_programs import HeadProgram
 
     programs = engine._core.runner.step_programs  # noqa: SLF001 - the compiled programs
     texts = []
     for kind, size in programs.buckets():
         program = programs.set.get(kind, size)
+        if program is None:  # not compiled (yet)
+            continue
         parts = ([program.logits, program.sampler] if isinstance(program, HeadProgram)
                  else [program])
-        texts += [p.as_text() for p in parts if p is not None]
-    ops = [m.group(1) for t in texts
-           for m in re.finditer(r" (all-reduce|all-gather|reduce-scatter)(?:-start)?\(", t)]
+        texts += [p.as_text() for p in parts]
+    lines = [line for t in texts for line in t.splitlines()]
+    ops = [m.group(1) for line in lines
+           for m in re.finditer(r" (all-reduce|all-gather|reduce-scatter)(?:-start)?\(", line)]
+    sources = sorted({m.group(1) for line in lines if re.search(r" all-reduce(-start)?\(", line)
+                      for m in re.finditer(r'op_name="[^"]*/(\w+)"', line)})
     return {"programs": len(texts), "all-reduce": ops.count("all-reduce"),
-            "all-gather": ops.count("all-gather"), "reduce-scatter": ops.count("reduce-scatter")}
+            "all-gather": ops.count("all-gather"), "reduce-scatter": ops.count("reduce-scatter"),
+            "all-reduce sources": sources}
 
 
 def run(name: str, cfg: EngineConfig, model_dir: str, perturbed_dir: str | None = None

@@ -200,14 +200,14 @@ class QwenMoeFamily:
                                   "w_up": P(None, None, t) if mlp else P(),
                                   "w_down": P(None, None, t) if split["hidden"] else P()}
         if "moe" in shapes:
-            split = expert_split(cfg, n, moe_sharding)
+            experts_split = expert_split(cfg, n, moe_sharding)
             experts = {
                 "intermediate": {"we_gate": P(None, None, None, t),
                                  "we_up": P(None, None, None, t),
                                  "we_down": P(None, None, None, t) if split["hidden"]
                                  else P()},
                 "experts": {k: P(None, t, None, None) for k in ("we_gate", "we_up", "we_down")},
-            }.get(split, {})
+            }.get(experts_split, {})
             specs["moe"] = {k: experts.get(k, P()) for k in shapes["moe"]}
         return specs
 
