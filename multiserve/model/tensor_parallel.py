@@ -8,16 +8,22 @@ order depends on its place in the reduced buffer, i.e. on the batch size) for gl
 between processes. A row's bits would then depend on its batch and its collectives.
 
 So no product of the model splits its contraction (model/families: `param_specs` split
-every matrix on its OUTPUT dimension, `tp_splits` says which), and every array a
-product must read whole is gathered first (`whole`: an all-gather moves bits, it adds
-none). Each output element is then one device's sum over the whole contraction, in its
-kernel's order, the order a one-device engine computes it in. The embedding lookup from a
-vocabulary-split table (`embed_rows`) takes each token's row from the device holding it
-(gathered, then selected: no masked sum). The logits of the vocabulary-split head are
-gathered before the sampler (engine/device/step_functions.py).
+every matrix on its OUTPUT dimension, `tp_splits` says which), every array a product
+must read whole is gathered first and the product's output after (`whole`: an all-gather
+moves bits, it adds none). Each output element is then one device's sum over the whole
+contraction, in its kernel's fixed order, whatever the batch and the collectives. The
+embedding lookup from a vocabulary-split table (`embed_rows`) takes each token's row from
+the device holding it: its bit pattern, zeros on the other devices, summed as integers
+(exact in any order). The logits of the vocabulary-split head are gathered before the
+sampler (engine/device/step_functions.py). A MoE split by experts (moe_sharding
+"expert") gathers each row's expert matrix from the expert-split stacks as GSPMD
+partitions that gather: a float all-reduce of one device's values and zeros, exact in
+any order.
 
 Invariant: the compiled step programs of an engine with a `TensorParallel` contain no
-all-reduce (tests/multihost/test_multihost_engine.py checks them on two processes).
+float all-reduce but expert parallelism's gathers (checked on a dense engine over two
+processes by tests/multihost/test_multihost_engine.py, on a MoE engine by
+tests/engine/test_moe_engine.py).
 """
 
 from __future__ import annotations
@@ -68,14 +74,20 @@ def whole(x: jax.Array, tp: TensorParallel | None) -> jax.Array:
 
 def embed_rows(embed: jax.Array, ids: jax.Array, tp: TensorParallel | None) -> jax.Array:
     """embed[ids] ([T, D]), replicated. From a vocabulary-split table: every device looks
-    its ids up in its own block of V / n rows (an id outside the block reads some row of
-    it), the [n, T, D] results are gathered, and each token takes the row of the device
-    holding its id: the table's own bits, moved, never summed."""
+    its ids up in its own block of V / n rows and keeps the rows of the ids it holds as
+    unsigned 32-bit integers of their bits, zeros for the others; the devices' [T, D]
+    integers are summed (an integer all-reduce, the buffer of a float32 one: one term is
+    nonzero, so every order gives exactly its bits) and read back as floats: the table's
+    own bits."""
     if tp is None or not tp.vocab_split:
         return embed[ids]
     n = tp.size
     per = embed.shape[0] // n
     blocks = tp.split(embed.reshape(n, per, embed.shape[1]))
-    local = tp.split(blocks[:, ids % per])  # [n, T, D]: device i's rows of block i
-    gathered = tp.whole(local)
-    return gathered[ids // per, jnp.arange(ids.shape[0])]
+    rows = tp.split(blocks[:, ids % per])  # [n, T, D]: device i's rows of block i
+    assert embed.dtype.itemsize <= 4, embed.dtype
+    word = jnp.dtype(f"uint{8 * embed.dtype.itemsize}")  # the float's bits, widened to
+    bits = jax.lax.bitcast_convert_type(rows, word).astype(jnp.uint32)  # a 32-bit sum
+    mine = jnp.arange(n)[:, None, None] == (ids // per)[None, :, None]
+    total = jnp.sum(jnp.where(mine, bits, jnp.uint32(0)), axis=0, dtype=jnp.uint32)
+    return jax.lax.bitcast_convert_type(tp.whole(total).astype(word), embed.dtype)

@@ -5,6 +5,8 @@ product splits its contraction (model/tensor_parallel.py)."""
 
 from __future__ import annotations
 
+import re
+
 import jax
 import numpy as np
 import pytest
@@ -98,3 +100,30 @@ def test_sharding_rule_follows_divisibility() -> None:
             assert len(spec) < 3 or spec[1] is None, (key, spec)
     assert kv_pool_sharding(CONFIGS["heads_divide"], mesh).spec == P(None, "tensor", None, None)
     assert kv_pool_sharding(CONFIGS["smollm_like"], mesh).spec == P()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_embedding_rows_from_a_vocabulary_split_table_are_its_bits(dtype: str) -> None:
+    """The lookup moves a row's bits from the device holding it (summed as integers
+    with the other devices' zeros): -0.0 and NaN survive, as no float sum would keep
+    -0.0; and its program holds no float all-reduce."""
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+
+    from multiserve.model.tensor_parallel import embed_rows
+
+    n = min(4, jax.device_count())
+    if n < 2:
+        pytest.skip("needs 2 devices (XLA_FLAGS from tests/conftest.py)")
+    mesh = make_mesh(jax.devices()[:n])
+    table = np.random.default_rng(1).standard_normal((64, 8)).astype(np.float32)
+    table[5, 3], table[7, 1] = -0.0, np.nan
+    table = np.asarray(jnp.asarray(table, dtype))
+    ids = jnp.asarray([5, 7, 0, 63, 16, 15, 32, 5], jnp.int32)
+    lookup = jax.jit(lambda e, i: embed_rows(e, i, TensorParallel(mesh, vocab_split=True)))
+    split = jax.device_put(table, NamedSharding(mesh, P("tensor", None)))
+    got = np.asarray(lookup(split, ids))
+    word = np.uint32 if dtype == "float32" else np.uint16
+    assert np.array_equal(got.view(word), table[np.asarray(ids)].view(word))
+    text = lookup.lower(split, ids).compile().as_text()
+    assert not re.search(r"= \(?(f32|bf16)\[[^ ]* all-reduce", text), text

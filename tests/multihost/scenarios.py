@@ -83,11 +83,14 @@ def controls(engine: Any, perturbed_dir: str) -> dict[str, Any]:
     return res
 
 
+FLOAT = re.compile(r"\b(f16|bf16|f32|f64)\[")
+
+
 def collectives(engine: Any) -> dict[str, Any]:
     """How many compiled step programs the engine holds, and the cross-device collectives
-    in their optimized HLO by kind (all-reduce: a sum across devices; all-gather: bits
-    moved, none added), with the JAX operations the all-reduces come from (a gather from
-    a table split over the devices is one: each device's rows, zeros elsewhere)."""
+    in their optimized HLO: all-gathers (bits moved, none added), all-reduces (sums across
+    devices), and of those the float ones with the JAX operations they come from (a gather
+    from a table split over the devices is one: each device's rows, zeros elsewhere)."""
     from multiserve.engine.device.step_programs import HeadProgram
 
     programs = engine._core.runner.step_programs  # noqa: SLF001 - the compiled programs
@@ -100,13 +103,17 @@ def collectives(engine: Any) -> dict[str, Any]:
                  else [program])
         texts += [p.as_text() for p in parts]
     lines = [line for t in texts for line in t.splitlines()]
-    ops = [m.group(1) for line in lines
-           for m in re.finditer(r" (all-reduce|all-gather|reduce-scatter)(?:-start)?\(", line)]
-    sources = sorted({m.group(1) for line in lines if re.search(r" all-reduce(-start)?\(", line)
+
+    def of(kind: str) -> list[str]:
+        return [line for line in lines if re.search(rf" {kind}(-start)?\(", line)]
+
+    floats = [line for line in of("all-reduce")
+              if FLOAT.search(line.split(" all-reduce")[0].split("=", 1)[1])]
+    sources = sorted({m.group(1) for line in floats
                       for m in re.finditer(r'op_name="[^"]*/(\w+)"', line)})
-    return {"programs": len(texts), "all-reduce": ops.count("all-reduce"),
-            "all-gather": ops.count("all-gather"), "reduce-scatter": ops.count("reduce-scatter"),
-            "all-reduce sources": sources}
+    return {"programs": len(texts), "all-gather": len(of("all-gather")),
+            "all-reduce": len(of("all-reduce")), "reduce-scatter": len(of("reduce-scatter")),
+            "float all-reduce": len(floats), "float all-reduce sources": sources}
 
 
 def run(name: str, cfg: EngineConfig, model_dir: str, perturbed_dir: str | None = None

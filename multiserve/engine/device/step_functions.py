@@ -27,7 +27,7 @@ Invariants:
   nothing device-resident is held here.
 - Every row's numerics are independent of T and R (model/invariance/primitives.py, attention.py, and
   the sampler's fixed-size row chunks), and of the collectives of a tensor-parallel
-  engine: no program sums across devices (model/tensor_parallel.py).
+  engine: no program sums a float across devices (model/tensor_parallel.py).
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ class StepFunctions:
         self.attention_block_size = attention_block_size
         self.max_rows = max_rows
         self.replicated = replicated
-        # several devices: the forward sums nothing across them (model/tensor_parallel.py)
+        # several devices: the forward sums no float across them (model/tensor_parallel.py)
         self.tp = TensorParallel.of(replicated.mesh, model_cfg)
         kv_out = KVPool(k=kv_sharding, v=kv_sharding)
         # explicit output shardings: warm-up lowers the heads from abstract inputs that

@@ -216,7 +216,7 @@ def forward_hidden(params: Params, kv_pool: KVPool, batch: ForwardBatch, cfg: Mo
     states of the `batch.logit_rows` rows [R, D], new kv_pool). `params` are compute params
     (`primitives.with_transposed`); `plan` says how each primitive computes this step's
     sizes (invariance/plan.py); `tp`: the engine's devices when it has several (the
-    forward then sums nothing across devices: model/tensor_parallel.py).
+    forward then sums no float across devices: model/tensor_parallel.py).
 
     Steps that `scans` keeps out of the scan (<= UNROLL_MAX_TOKENS tokens with some XLA
     product) unroll the layers (a Python loop over the per-layer tuple): each layer's
