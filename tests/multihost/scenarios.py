@@ -128,6 +128,7 @@ def run(name: str, cfg: EngineConfig, model_dir: str, perturbed_dir: str | None 
                 json.dump(engine._core.runner.plan.to_json(), f)
         out = bits(engine)
         out["collectives"] = collectives(engine)
+        out["plan_verified"] = engine._core.runner.plan.verified  # noqa: SLF001
         if name == "all":
             assert perturbed_dir is not None
             out["controls"] = controls(engine, perturbed_dir)

@@ -81,9 +81,10 @@ def test_bits_equal_one_process_with_default_collectives_and_batch_equals_alone(
     assert two_hosts["batch"][3]["ids"] != two_hosts["batch"][0]["ids"]
 
 
-def test_step_programs_sum_nothing_across_devices(two_hosts: dict[str, Any],
+def test_step_programs_sum_no_float_across_devices(two_hosts: dict[str, Any],
                                                   one_process: dict[str, Any]) -> None:
     for run in (two_hosts, one_process):
+        assert run["plan_verified"] is True  # calibrated on the devices' own shapes
         seen = run["collectives"]
         assert seen["programs"] >= 3, seen  # two token buckets, a head's two programs
         # the one all-reduce of a forward sums the embedding rows' bits as integers
