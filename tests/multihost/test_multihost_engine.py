@@ -82,7 +82,7 @@ def test_bits_equal_one_process_with_default_collectives_and_batch_equals_alone(
 
 
 def test_step_programs_sum_no_float_across_devices(two_hosts: dict[str, Any],
-                                                  one_process: dict[str, Any]) -> None:
+                                                   one_process: dict[str, Any]) -> None:
     for run in (two_hosts, one_process):
         assert run["plan_verified"] is True  # calibrated on the devices' own shapes
         seen = run["collectives"]
