@@ -251,14 +251,15 @@ def forward_hidden(params: Params, kv_pool: KVPool, batch: ForwardBatch, cfg: Mo
     else:
         weights = layer_weights(stacked, num_tokens, plan, cfg, stacked)
         # the native panels stay whole (the kernel indexes the layer); the rest is scanned
-        whole = {k: v for k, v in weights.items() if k.endswith("_p") and v is not None}
+        in_place = {k: v for k, v in weights.items() if k.endswith("_p") and v is not None}
         # bfloat16 stacks are not scanned: XLA:CPU widens a bfloat16 dynamic slice to
         # float32 and hoists the widening of the WHOLE stack out of the loop (a float32 copy
         # of every such matrix written at every step). A switch over the layer's static
         # slices copies only that layer, the same bytes.
         switched = {k: v for k, v in weights.items()
-                    if k not in whole and v is not None and v.dtype == jnp.bfloat16}
-        sliced = {k: v for k, v in weights.items() if k not in whole and k not in switched}
+                    if k not in in_place and v is not None and v.dtype == jnp.bfloat16}
+        sliced = {k: v for k, v in weights.items()
+                  if k not in in_place and k not in switched}
         by_layer = [lambda i=i: {k: v[i] for k, v in switched.items()}
                     for i in range(cfg.num_layers)]
 
@@ -266,7 +267,7 @@ def forward_hidden(params: Params, kv_pool: KVPool, batch: ForwardBatch, cfg: Mo
             x, kv = carry
             w, layer = xs
             own = jax.lax.switch(layer, by_layer) if switched else {}
-            x, kv = _layer(x, kv, layer, {**w, **own, **whole}, batch, cos, sin, cfg,
+            x, kv = _layer(x, kv, layer, {**w, **own, **in_place}, batch, cos, sin, cfg,
                            page_size=page_size, attn_block_size=attn_block_size, plan=plan,
                            adapt=adapter(layer), tp=tp)
             return (x, kv), None
