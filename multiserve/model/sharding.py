@@ -3,9 +3,11 @@ axis "tensor" (tensor parallelism over attention heads, MLP columns and the voca
 
 The rules are the model family's (`param_specs` of model/families/*). Dense rule: a
 dimension is sharded over "tensor" only where it divides by the mesh size, else the
-tensor is replicated. Attention (wq/wk/wv/wo, biases, KV pool heads) is sharded only when
-both num_heads and num_kv_heads divide (SmolLM2's 9/3 heads: replicated at 2 or 4 devices);
-the MLP shards its intermediate dim; embed/lm_head shard the vocabulary.
+tensor is replicated. Every matrix is split on its OUTPUT dimension, never on its
+contraction (no float sum across devices: model/tensor_parallel.py). Attention (wq/wk/wv,
+biases, KV pool heads) is sharded only when both num_heads and num_kv_heads divide
+(SmolLM2's 9/3 heads: replicated at 2 or 4 devices); gate/up shard the MLP's intermediate
+dim, o_proj and down_proj the hidden size; embed/lm_head shard the vocabulary.
 """
 
 from __future__ import annotations

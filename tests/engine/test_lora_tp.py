@@ -3,7 +3,7 @@ every device of the engine (not sharded: a rank-r A and B are small, and each de
 shard of a projection adds the columns of the replicated delta it holds), the delta
 takes the XLA form (the native kernel never runs on operands split over a group), and a
 mixed batch gives the one-device LoRA engine's greedy ids, logprobs within 1e-4 (the
-base products' sums are split over the devices)."""
+base products run XLA's formulations over per-device shapes, not the native kernels)."""
 
 from __future__ import annotations
 

@@ -29,6 +29,7 @@ from moe_checkpoints import make_model, save
 
 from multiserve.config import EngineConfig
 from multiserve.types import SamplingParams
+from tests.multihost.scenarios import collectives
 
 MAX_NEW = 12
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW, ignore_eos=True,
@@ -193,6 +194,13 @@ def test_moe_two_device_engine_matches_one_device(moe_dir: Path, reference: dict
         assert {d.id for d in we.sharding.device_set} == {0, 1}
         shard = we.addressable_shards[0].data.shape
         assert shard == ((2, 8, 64, 16) if moe_sharding == "tensor" else (2, 4, 64, 32))
+        # the compiled step programs sum no partial results across devices: expert
+        # parallelism's only float all-reduces are its gathers of the rows' expert
+        # matrices (each device's experts, zeros elsewhere: exact in any order)
+        seen = collectives(eng)
+        assert seen["all-gather"] > 0, seen
+        assert seen["float all-reduce sources"] == (
+            [] if moe_sharding == "tensor" else ["gather"]), seen
         got = _run(eng)
         assert {k: ids for k, (ids, _) in got.items()} == \
             {k: ids for k, (ids, _) in reference.items()}

@@ -31,7 +31,7 @@ def forward_program(dtype: Any) -> Any:
     name = str(jnp.dtype(dtype))
     if name not in _FORWARDS:
         _FORWARDS[name] = jax.jit(
-            forward, static_argnames=("cfg", "page_size", "attn_block_size", "plan"),
+            forward, static_argnames=("cfg", "page_size", "attn_block_size", "plan", "tp"),
             donate_argnums=(1,),
             compiler_options=step_options(jax.devices()[0].platform, name))
     return _FORWARDS[name]
@@ -79,7 +79,7 @@ class PagedSim:
 
     def __init__(self, params: Any, cfg: ModelConfig, *, page_size: int, block_size: int,
                  num_pages: int = 512, max_pages: int = 64, seed: int = 0,
-                 kv_sharding: Any = None, plan: Any = None) -> None:
+                 kv_sharding: Any = None, plan: Any = None, tp: Any = None) -> None:
         # every layout (plan None): the simulator may run any plan
         self.params = (params if is_compute_params(params)
                        else family_for(cfg).compute_params(params, cfg, None, ()))
@@ -94,7 +94,7 @@ class PagedSim:
         self.plan = plan if plan is not None else default_plan(
             cfg, dtype, page_size=page_size, block_size=block_size)
         self.fwd = partial(forward_program(dtype), cfg=cfg, page_size=page_size,
-                           attn_block_size=block_size, plan=self.plan)
+                           attn_block_size=block_size, plan=self.plan, tp=tp)
 
     def add(self, name: str, tokens: list[int]) -> None:
         self.seqs[name] = Seq(list(tokens))

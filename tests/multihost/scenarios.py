@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import os
-
+import re
 from typing import Any
 
 from multiserve.config import EngineConfig
@@ -83,6 +83,39 @@ def controls(engine: Any, perturbed_dir: str) -> dict[str, Any]:
     return res
 
 
+FLOAT = re.compile(r"\b(f16|bf16|f32|f64)\[")
+
+
+def collectives(engine: Any) -> dict[str, Any]:
+    """How many compiled step programs the engine holds, and the cross-device collectives
+    in their optimized HLO: all-gathers (bits moved, none added), all-reduces (sums across
+    devices), and of those the float ones with the JAX operations they come from (a gather
+    from a table split over the devices is one: each device's rows, zeros elsewhere)."""
+    from multiserve.engine.device.step_programs import HeadProgram
+
+    programs = engine._core.runner.step_programs  # noqa: SLF001 - the compiled programs
+    texts = []
+    for kind, size in programs.buckets():
+        program = programs.set.get(kind, size)
+        if program is None:  # not compiled (yet)
+            continue
+        parts = ([program.logits, program.sampler] if isinstance(program, HeadProgram)
+                 else [program])
+        texts += [p.as_text() for p in parts]
+    lines = [line for t in texts for line in t.splitlines()]
+
+    def of(kind: str) -> list[str]:
+        return [line for line in lines if re.search(rf" {kind}(-start)?\(", line)]
+
+    floats = [line for line in of("all-reduce")
+              if FLOAT.search(line.split(" all-reduce")[0].split("=", 1)[1])]
+    sources = sorted({m.group(1) for line in floats
+                      for m in re.finditer(r'op_name="[^"]*/(\w+)"', line)})
+    return {"programs": len(texts), "all-gather": len(of("all-gather")),
+            "all-reduce": len(of("all-reduce")), "reduce-scatter": len(of("reduce-scatter")),
+            "float all-reduce": len(floats), "float all-reduce sources": sources}
+
+
 def run(name: str, cfg: EngineConfig, model_dir: str, perturbed_dir: str | None = None
         ) -> dict[str, Any]:
     from multiserve.engine.engine import Engine
@@ -94,6 +127,8 @@ def run(name: str, cfg: EngineConfig, model_dir: str, perturbed_dir: str | None 
             with open(plan_out, "w") as f:
                 json.dump(engine._core.runner.plan.to_json(), f)
         out = bits(engine)
+        out["collectives"] = collectives(engine)
+        out["plan_verified"] = engine._core.runner.plan.verified  # noqa: SLF001
         if name == "all":
             assert perturbed_dir is not None
             out["controls"] = controls(engine, perturbed_dir)

@@ -2,11 +2,11 @@
 multi-controller JAX, gloo collectives), against the same 4-device mesh in one process.
 
 Checked: greedy and seeded ids and logprobs bit for bit equal to one process with the
-same collectives (gloo), and ids equal to one process with JAX's default in-process
-collectives (whose all-reduce sums in another order: logprobs differ in the last bits,
-docs/architecture.md §13); a request alone gives the batch's ids; pause (retract) and
-continue, abort and resubmit, flush, and a weight update from disk with requests paused
-mid-generation all give the one-process results.
+same collectives (gloo) and to one process with JAX's default in-process collectives (the
+step programs sum no float across devices: they hold no float all-reduce,
+model/tensor_parallel.py); a request alone gives the batch's ids and logprobs; pause
+(retract) and continue, abort and resubmit, flush, and a weight update from disk with
+requests paused mid-generation all give the one-process results.
 """
 
 from __future__ import annotations
@@ -71,12 +71,25 @@ def test_ids_and_logprobs_equal_one_process_with_the_same_collectives(
     assert two_hosts["alone"] == one_process_gloo["alone"]
 
 
-def test_ids_equal_one_process_with_default_collectives_and_batch_equals_alone(
+def test_bits_equal_one_process_with_default_collectives_and_batch_equals_alone(
         two_hosts: dict[str, Any], one_process: dict[str, Any]) -> None:
-    assert [o["ids"] for o in two_hosts["batch"]] == [o["ids"] for o in one_process["batch"]]
-    assert two_hosts["alone"]["ids"] == two_hosts["batch"][0]["ids"]
+    assert two_hosts["batch"] == one_process["batch"]
+    assert two_hosts["alone"] == one_process["alone"]
+    # alone, the first prompt's ids and logprobs are its batched ones, bit for bit
+    assert two_hosts["alone"] == two_hosts["batch"][0]
     # seeded samples differ from greedy ones (the seed reached the sampler on every host)
     assert two_hosts["batch"][3]["ids"] != two_hosts["batch"][0]["ids"]
+
+
+def test_step_programs_sum_no_float_across_devices(two_hosts: dict[str, Any],
+                                                   one_process: dict[str, Any]) -> None:
+    for run in (two_hosts, one_process):
+        assert run["plan_verified"] is True  # calibrated on the devices' own shapes
+        seen = run["collectives"]
+        assert seen["programs"] >= 3, seen  # two token buckets, a head's two programs
+        # the one all-reduce of a forward sums the embedding rows' bits as integers
+        assert seen["float all-reduce"] == 0 and seen["reduce-scatter"] == 0, seen
+        assert seen["all-gather"] > 0, seen  # the engine does span its devices
 
 
 def test_controls_reach_every_host_in_order(two_hosts: dict[str, Any],
@@ -85,14 +98,17 @@ def test_controls_reach_every_host_in_order(two_hosts: dict[str, Any],
     for key in ("pause", "continue", "flush", "pause_for_update", "continue_after_update"):
         assert mine[key] is True, key
     assert mine["update"][0] is True, mine["update"]
-    # retract + continue recomputes: the same ids as never paused (the "bits" greedy run)
+    # retract + continue recomputes: the same ids and logprobs as never paused (the
+    # "bits" greedy run)
     greedy = [o["ids"] for o in two_hosts["batch"][:3]]
+    logprobs = [o["logprobs"] for o in two_hosts["batch"][:3]]
     assert [o["ids"][:12] for o in mine["paused_then_continued"]] == greedy
-    assert [o["ids"] for o in mine["paused_then_continued"]] == [
-        o["ids"] for o in ref["paused_then_continued"]]
+    assert [o["logprobs"][:12] for o in mine["paused_then_continued"]] == logprobs
+    assert mine["paused_then_continued"] == ref["paused_then_continued"]
     assert mine["aborted_finish"] == "abort"
-    assert mine["resubmitted"]["ids"] == ref["resubmitted"]["ids"]
+    assert mine["resubmitted"] == ref["resubmitted"]
     assert mine["resubmitted"]["ids"][:12] == greedy[1]
+    assert mine["resubmitted"]["logprobs"][:12] == logprobs[1]
     assert all(o["error"] is None and o["finish"] == "length" for o in mine["mid_update"])
     # on the new weights: what one process computes on them, bit for bit
     assert mine["after_update"] == ref["after_update"]

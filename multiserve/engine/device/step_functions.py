@@ -32,7 +32,8 @@ Invariants:
 - The jitted functions are made per engine (closures over its config and shardings);
   nothing device-resident is held here.
 - Every row's numerics are independent of T and R (model/invariance/primitives.py, attention.py, and
-  the sampler's fixed-size row chunks).
+  the sampler's fixed-size row chunks), and of the collectives of a tensor-parallel
+  engine: no program sums a float across devices (model/tensor_parallel.py).
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ from multiserve.model.families.base import ModelFamily
 from multiserve.model.invariance.plan import InvariancePlan
 from multiserve.model.layers.forward_batch import ForwardBatch
 from multiserve.model.layers.kv_pool import KVPool
+from multiserve.model.tensor_parallel import TensorParallel
 
 
 class StepFunctions:
@@ -71,6 +73,8 @@ class StepFunctions:
         self.attention_block_size = attention_block_size
         self.max_rows = max_rows
         self.replicated = replicated
+        # several devices: the forward sums no float across them (model/tensor_parallel.py)
+        self.tp = TensorParallel.of(replicated.mesh, model_cfg)
         kv_out = KVPool(k=kv_sharding, v=kv_sharding)
         # explicit output shardings: warm-up lowers the heads from abstract inputs that
         # must match what a forward really returns
@@ -110,7 +114,7 @@ class StepFunctions:
                           logit_rows=arrays["logit_rows"],
                           lora_slots=arrays.get("lora_slots"))
         kw = dict(page_size=self.page_size, attn_block_size=self.attention_block_size,
-                  plan=self.plan)
+                  plan=self.plan, tp=self.tp)
         rows = arrays["logit_rows"]
         if self.routed_experts:
             hidden, kv, experts = self.family.forward_hidden_routed(params, kv, fb,

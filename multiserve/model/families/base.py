@@ -102,11 +102,12 @@ class ModelFamily(Protocol):
 
     def forward_hidden(self, params: dict[str, Any], kv_pool: Any, batch: Any,
                        cfg: ModelConfig, *, page_size: int, attn_block_size: int,
-                       plan: Any) -> tuple[Any, Any]: ...
+                       plan: Any, tp: Any = None) -> tuple[Any, Any]: ...
 
     def forward_hidden_routed(self, params: dict[str, Any], kv_pool: Any, batch: Any,
                               cfg: ModelConfig, *, page_size: int, attn_block_size: int,
-                              plan: Any) -> tuple[Any, Any, Any]:
+                              plan: Any, tp: Any = None
+                              ) -> tuple[Any, Any, Any]:
         """(as forward_hidden, expert ids [T, Lm, k] int32); ValueError for a dense family."""
         ...
 
@@ -127,7 +128,10 @@ class ModelFamily(Protocol):
 def tp_splits(cfg: ModelConfig, n: int) -> dict[str, bool]:
     """Which dimensions a tensor-parallel group of `n` devices splits (a dimension is split
     only where it divides by n): attention heads (both head counts must divide), the dense
-    MLP's intermediate dim, the vocabulary."""
+    MLP's intermediate dim, the vocabulary, and the hidden size (the output dimension of
+    the products back into the residual stream: o_proj, down_proj; no product splits its
+    contraction, model/tensor_parallel.py)."""
     return {"attention": n > 1 and cfg.num_heads % n == 0 and cfg.num_kv_heads % n == 0,
             "mlp": n > 1 and cfg.intermediate_size % n == 0,
-            "vocab": n > 1 and cfg.vocab_size % n == 0}
+            "vocab": n > 1 and cfg.vocab_size % n == 0,
+            "hidden": n > 1 and cfg.hidden_size % n == 0}

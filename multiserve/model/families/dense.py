@@ -102,7 +102,8 @@ def top_level_specs(cfg: ModelConfig) -> tuple[dict[str, HfTensorSpec], dict[str
 
 def attention_specs(cfg: ModelConfig, n: int) -> dict[str, Any]:
     """PartitionSpecs of the attention leaves stacked over L (heads split when both head
-    counts divide by n) and the top-level leaves (vocabulary split when it divides)."""
+    counts divide by n, o_proj's output when the hidden size does) and the top-level
+    leaves (vocabulary split when it divides)."""
     from jax.sharding import PartitionSpec as P
 
     split = tp_splits(cfg, n)
@@ -110,9 +111,12 @@ def attention_specs(cfg: ModelConfig, n: int) -> dict[str, Any]:
     attn = split["attention"]
     layers = {
         "wq": P(None, None, t) if attn else P(), "wk": P(None, None, t) if attn else P(),
-        "wv": P(None, None, t) if attn else P(), "wo": P(None, t, None) if attn else P(),
+        "wv": P(None, None, t) if attn else P(),
         "bq": P(None, t) if attn else P(), "bk": P(None, t) if attn else P(),
-        "bv": P(None, t) if attn else P()}
+        "bv": P(None, t) if attn else P(),
+        # on its output dimension like every matrix (model/tensor_parallel.py): its
+        # input, the heads' outputs, is gathered whole first
+        "wo": P(None, None, t) if split["hidden"] else P()}
     top = {"embed": P(t, None) if split["vocab"] else P(), "final_norm": P(),
            "lm_head": P(None, t) if split["vocab"] else P()}
     return {"layers": layers, **top}
@@ -124,16 +128,17 @@ def attention_products(cfg: ModelConfig, tp: int) -> list[ProductShape]:
     d, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     a = "out" if split["attention"] else ""
     return [ProductShape("wq", d, q, a), ProductShape("wk", d, kv, a),
-            ProductShape("wv", d, kv, a), ProductShape("wo", q, d, "in" if a else ""),
+            ProductShape("wv", d, kv, a),
+            ProductShape("wo", q, d, "out" if split["hidden"] else ""),
             ProductShape("head", d, cfg.vocab_size, "out" if split["vocab"] else "", "rows")]
 
 
 def dense_mlp_products(cfg: ModelConfig, tp: int) -> list[ProductShape]:
-    split = tp_splits(cfg, tp)["mlp"]
+    split = tp_splits(cfg, tp)
     d, f = cfg.hidden_size, cfg.intermediate_size
-    return [ProductShape("w_gate", d, f, "out" if split else ""),
-            ProductShape("w_up", d, f, "out" if split else ""),
-            ProductShape("w_down", f, d, "in" if split else "")]
+    return [ProductShape("w_gate", d, f, "out" if split["mlp"] else ""),
+            ProductShape("w_up", d, f, "out" if split["mlp"] else ""),
+            ProductShape("w_down", f, d, "out" if split["hidden"] else "")]
 
 
 class DenseFamily:
@@ -181,10 +186,11 @@ class DenseFamily:
         n = mesh.shape["tensor"]
         base = attention_specs(cfg, n)
         t = "tensor"
-        mlp = tp_splits(cfg, n)["mlp"]
+        split = tp_splits(cfg, n)
+        mlp = split["mlp"]
         base["layers"].update({"w_gate": P(None, None, t) if mlp else P(),
                                "w_up": P(None, None, t) if mlp else P(),
-                               "w_down": P(None, t, None) if mlp else P()})
+                               "w_down": P(None, None, t) if split["hidden"] else P()})
         shapes = self.param_shapes(cfg)
         specs: dict[str, Any] = {
             "layers": {k: base["layers"].get(k, P()) for k in shapes["layers"]},
@@ -221,15 +227,16 @@ class DenseFamily:
 
     def forward_hidden(self, params: dict[str, Any], kv_pool: Any, batch: Any,
                        cfg: ModelConfig, *, page_size: int, attn_block_size: int,
-                       plan: Any) -> tuple[Any, Any]:
+                       plan: Any, tp: Any = None) -> tuple[Any, Any]:
         from multiserve.model.families.llama import forward_hidden
 
         return forward_hidden(params, kv_pool, batch, cfg, page_size=page_size,
-                              attn_block_size=attn_block_size, plan=plan)
+                              attn_block_size=attn_block_size, plan=plan, tp=tp)
 
     def forward_hidden_routed(self, params: dict[str, Any], kv_pool: Any, batch: Any,
                               cfg: ModelConfig, *, page_size: int, attn_block_size: int,
-                              plan: Any) -> tuple[Any, Any, Any]:
+                              plan: Any, tp: Any = None
+                              ) -> tuple[Any, Any, Any]:
         raise ValueError(f"{cfg.architecture} is dense: it routes no tokens to experts")
 
     def lm_head(self, params: dict[str, Any], h: Any, plan: Any) -> Any:

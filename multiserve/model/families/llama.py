@@ -32,6 +32,7 @@ from multiserve.model.layers.norm import rms_norm
 from multiserve.model.layers.rope import apply_rope, rope_inv_freq
 from multiserve.model.kernels.native import PANEL
 from multiserve.model.layers.activation import swiglu
+from multiserve.model.tensor_parallel import TensorParallel, embed_rows, whole
 from multiserve.model.invariance.primitives import (
     FUSED_GROUPS,
     LAYER_MATRICES,
@@ -100,17 +101,20 @@ def project_together(h: jax.Array, w: dict[str, jax.Array | None],
 def _layer(x: jax.Array, kv: KVPool, layer: int | jax.Array, w: dict[str, jax.Array | None],
            batch: ForwardBatch, cos: jax.Array, sin: jax.Array, cfg: ModelConfig, *,
            page_size: int, attn_block_size: int, plan: InvariancePlan,
-           adapt: Adapt | None = None) -> tuple[jax.Array, KVPool]:
+           adapt: Adapt | None = None,
+           tp: TensorParallel | None = None) -> tuple[jax.Array, KVPool]:
     """One pre-norm decoder layer: attention over the paged pool, then a SwiGLU MLP.
     `w` holds this layer's params (`layer_weights`): each matrix as W [in, out], W^T and
     the native panels (the whole stack, indexed by `layer`), the layouts the plan does
-    not use at this step size None. `adapt`: the layer's LoRA adapters (None: none)."""
+    not use at this step size None. `adapt`: the layer's LoRA adapters (None: none).
+    `tp`: the engine's devices (None: one), for the gathers of model/tensor_parallel.py."""
     proj = layer_projection(w, layer, plan, adapt)
     x, kv = attention_block(x, kv, layer, w, proj, batch, cos, sin, cfg, page_size=page_size,
-                            attn_block_size=attn_block_size, plan=plan, adapt=adapt)
+                            attn_block_size=attn_block_size, plan=plan, adapt=adapt, tp=tp)
     h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps, plan.row_sum(cfg.hidden_size))
     gate, up = project_together(h, w, layer, plan, proj, "w_gateup", adapt)
-    x = proj(swiglu(gate, up), "w_down", residual=x)  # x + the MLP's output
+    # x + the MLP's output; down_proj reads its input whole and its output is gathered
+    x = whole(proj(whole(swiglu(gate, up), tp), "w_down", residual=x), tp)
     return x, kv
 
 
@@ -138,10 +142,12 @@ def attention_block(x: jax.Array, kv: KVPool, layer: int | jax.Array,
                     w: dict[str, jax.Array | None], proj: Projection, batch: ForwardBatch,
                     cos: jax.Array, sin: jax.Array, cfg: ModelConfig, *, page_size: int,
                     attn_block_size: int, plan: InvariancePlan,
-                    adapt: Adapt | None = None) -> tuple[jax.Array, KVPool]:
+                    adapt: Adapt | None = None,
+                    tp: TensorParallel | None = None) -> tuple[jax.Array, KVPool]:
     """The attention half of a pre-norm layer (every family's): x + attention(norm(x)),
     this step's K/V written into the pool. `adapt`: LoRA (the dense families only), which
-    `proj` applies to o_proj itself."""
+    `proj` applies to o_proj itself. `tp`: as `_layer`'s (o_proj reads the heads' outputs
+    whole; its output is gathered)."""
     t, hd = x.shape[0], cfg.head_dim
     norm = plan.row_sum(cfg.hidden_size)
     h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps, norm)
@@ -160,7 +166,8 @@ def attention_block(x: jax.Array, kv: KVPool, layer: int | jax.Array,
                      native=plan.attention.kernel == "native")
     attn = paged_attention(q, kv.k, kv.v, layer, batch, page_size=page_size,
                            block_size=attn_block_size, plan=plan.attention)
-    return proj(attn.reshape(t, cfg.num_heads * hd), "wo", residual=x), kv
+    heads = whole(attn.reshape(t, cfg.num_heads * hd), tp)
+    return whole(proj(heads, "wo", residual=x), tp), kv
 
 
 def layer_weights(layer: dict[str, jax.Array], num_tokens: int, plan: InvariancePlan,
@@ -203,12 +210,13 @@ def scans(plan: InvariancePlan, num_tokens: int) -> bool:
 
 
 def forward_hidden(params: Params, kv_pool: KVPool, batch: ForwardBatch, cfg: ModelConfig, *,
-                   page_size: int, attn_block_size: int,
-                   plan: InvariancePlan) -> tuple[jax.Array, KVPool]:
+                   page_size: int, attn_block_size: int, plan: InvariancePlan,
+                   tp: TensorParallel | None = None) -> tuple[jax.Array, KVPool]:
     """Run the new tokens of `batch` through the decoder; return (the final-normed hidden
     states of the `batch.logit_rows` rows [R, D], new kv_pool). `params` are compute params
     (`primitives.with_transposed`); `plan` says how each primitive computes this step's
-    sizes (invariance/plan.py).
+    sizes (invariance/plan.py); `tp`: the engine's devices when it has several (the
+    forward then sums no float across devices: model/tensor_parallel.py).
 
     Steps that `scans` keeps out of the scan (<= UNROLL_MAX_TOKENS tokens with some XLA
     product) unroll the layers (a Python loop over the per-layer tuple): each layer's
@@ -220,7 +228,7 @@ def forward_hidden(params: Params, kv_pool: KVPool, batch: ForwardBatch, cfg: Mo
     `scan_needs_transposes`); the native kernel's panels are passed whole (it indexes the
     layer), so an all-native step copies nothing."""
     assert is_compute_params(params), "forward needs primitives.with_transposed(params, cfg)"
-    x = params["embed"][batch.input_ids]
+    x = embed_rows(params["embed"], batch.input_ids, tp)
     freqs = batch.positions.astype(jnp.float32)[:, None] * jnp.asarray(rope_inv_freq(cfg))
     cos, sin = jnp.cos(freqs)[:, None, :], jnp.sin(freqs)[:, None, :]
     num_tokens = x.shape[0]
@@ -239,18 +247,19 @@ def forward_hidden(params: Params, kv_pool: KVPool, batch: ForwardBatch, cfg: Mo
                                 layer_weights(layer, num_tokens, plan, cfg, stacked),
                                 batch, cos, sin, cfg, page_size=page_size,
                                 attn_block_size=attn_block_size, plan=plan,
-                                adapt=adapter(index))
+                                adapt=adapter(index), tp=tp)
     else:
         weights = layer_weights(stacked, num_tokens, plan, cfg, stacked)
         # the native panels stay whole (the kernel indexes the layer); the rest is scanned
-        whole = {k: v for k, v in weights.items() if k.endswith("_p") and v is not None}
+        in_place = {k: v for k, v in weights.items() if k.endswith("_p") and v is not None}
         # bfloat16 stacks are not scanned: XLA:CPU widens a bfloat16 dynamic slice to
         # float32 and hoists the widening of the WHOLE stack out of the loop (a float32 copy
         # of every such matrix written at every step). A switch over the layer's static
         # slices copies only that layer, the same bytes.
         switched = {k: v for k, v in weights.items()
-                    if k not in whole and v is not None and v.dtype == jnp.bfloat16}
-        sliced = {k: v for k, v in weights.items() if k not in whole and k not in switched}
+                    if k not in in_place and v is not None and v.dtype == jnp.bfloat16}
+        sliced = {k: v for k, v in weights.items()
+                  if k not in in_place and k not in switched}
         by_layer = [lambda i=i: {k: v[i] for k, v in switched.items()}
                     for i in range(cfg.num_layers)]
 
@@ -258,9 +267,9 @@ def forward_hidden(params: Params, kv_pool: KVPool, batch: ForwardBatch, cfg: Mo
             x, kv = carry
             w, layer = xs
             own = jax.lax.switch(layer, by_layer) if switched else {}
-            x, kv = _layer(x, kv, layer, {**w, **own, **whole}, batch, cos, sin, cfg,
+            x, kv = _layer(x, kv, layer, {**w, **own, **in_place}, batch, cos, sin, cfg,
                            page_size=page_size, attn_block_size=attn_block_size, plan=plan,
-                           adapt=adapter(layer))
+                           adapt=adapter(layer), tp=tp)
             return (x, kv), None
 
         layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)

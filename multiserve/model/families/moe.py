@@ -38,6 +38,7 @@ from multiserve.config import ModelConfig
 from multiserve.model.invariance.plan import ProductPlan
 from multiserve.model.invariance.primitives import grouped
 from multiserve.model.layers.activation import swiglu
+from multiserve.model.tensor_parallel import TensorParallel, whole
 
 EXPERT_MATRICES = ("we_gate", "we_up", "we_down")  # [E, in, out] per MoE layer
 SHARED_MATRICES = ("ws_gate", "ws_up", "ws_down", "ws_router")  # qwen2_moe's shared expert
@@ -75,11 +76,13 @@ def moe_mlp(h: jax.Array, w: dict[str, jax.Array | None], moe_index: int,
 
 
 def moe_mlp_routed(h: jax.Array, w: dict[str, jax.Array | None], moe_index: int,
-                   proj: Any, cfg: ModelConfig, plans: dict[str, ProductPlan]
-                   ) -> tuple[jax.Array, jax.Array]:
+                   proj: Any, cfg: ModelConfig, plans: dict[str, ProductPlan],
+                   tp: TensorParallel | None = None) -> tuple[jax.Array, jax.Array]:
     """`moe_mlp` and the experts each token chose, [T, k] int32 in rank order (the
     router's top-k: the ids routing replay returns). The same computation: whether the
-    caller keeps the ids changes nothing else."""
+    caller keeps the ids changes nothing else. `tp`: the engine's devices when several
+    (the expert down product reads its input whole, its output is gathered:
+    model/tensor_parallel.py)."""
     t, k, e = h.shape[0], cfg.num_experts_per_tok, cfg.num_experts
     weights, experts = route(proj(h, "router"), cfg, h.dtype)
     pair_expert = experts.reshape(-1)  # [T*k], pair p = (token p // k, rank p % k)
@@ -91,8 +94,8 @@ def moe_mlp_routed(h: jax.Array, w: dict[str, jax.Array | None], moe_index: int,
     def expert_product(a: jax.Array, name: str) -> jax.Array:
         return grouped(a, groups, w[name], w[f"{name}_p"], plans[name], first)
 
-    act = swiglu(expert_product(xs, "we_gate"), expert_product(xs, "we_up"))
-    ys = expert_product(act, "we_down")
+    act = whole(swiglu(expert_product(xs, "we_gate"), expert_product(xs, "we_up")), tp)
+    ys = whole(expert_product(act, "we_down"), tp)
     # back to pair order (order is a permutation: scatter = exact), then by rank
     ys = jnp.zeros_like(ys).at[order].set(ys).reshape(t, k, -1)
     out = ys[:, 0] * weights[:, 0, None]

@@ -38,6 +38,7 @@ from multiserve.model.layers.rope import rope_inv_freq
 from multiserve.model.families.moe import EXPERT_MATRICES, SHARED_MATRICES, moe_mlp_routed
 from multiserve.model.kernels.native import pack_panels
 from multiserve.model.layers.activation import swiglu
+from multiserve.model.tensor_parallel import TensorParallel, embed_rows, whole
 from multiserve.model.invariance.primitives import (
     LAYOUT_SUFFIX,
     is_compute_params,
@@ -126,23 +127,25 @@ def _select(per_layer: dict[str, jax.Array], stacked: dict[str, jax.Array],
 
 def forward_hidden(params: dict[str, Any], kv_pool: KVPool, batch: ForwardBatch,
                    cfg: ModelConfig, *, page_size: int, attn_block_size: int,
-                   plan: InvariancePlan) -> tuple[jax.Array, KVPool]:
+                   plan: InvariancePlan,
+                   tp: TensorParallel | None = None) -> tuple[jax.Array, KVPool]:
     """As llama.forward_hidden, for a MoE family: (final-normed hidden states of the
     `batch.logit_rows` rows [R, D], new kv_pool)."""
     h, kv_pool, _ = _decoder(params, kv_pool, batch, cfg, page_size=page_size,
-                             attn_block_size=attn_block_size, plan=plan)
+                             attn_block_size=attn_block_size, plan=plan, tp=tp)
     return h, kv_pool
 
 
 def forward_hidden_routed(params: dict[str, Any], kv_pool: KVPool, batch: ForwardBatch,
                           cfg: ModelConfig, *, page_size: int, attn_block_size: int,
-                          plan: InvariancePlan) -> tuple[jax.Array, KVPool, jax.Array]:
+                          plan: InvariancePlan, tp: TensorParallel | None = None
+                          ) -> tuple[jax.Array, KVPool, jax.Array]:
     """`forward_hidden` and the routed experts of every token row of the batch (padding
     rows included): [T, Lm, k] int32, MoE layer j = the j-th of `cfg.moe_layers`, each
     row's k ids in the router's rank order. The hidden states and K/V are those of
     `forward_hidden` bit for bit (the same operations; only the ids are kept)."""
     h, kv_pool, routed = _decoder(params, kv_pool, batch, cfg, page_size=page_size,
-                                  attn_block_size=attn_block_size, plan=plan)
+                                  attn_block_size=attn_block_size, plan=plan, tp=tp)
     t, k = batch.input_ids.shape[0], max(cfg.num_experts_per_tok, 1)
     experts = jnp.stack(routed, axis=1) if routed else jnp.zeros((t, 0, k), jnp.int32)
     return h, kv_pool, experts
@@ -150,12 +153,13 @@ def forward_hidden_routed(params: dict[str, Any], kv_pool: KVPool, batch: Forwar
 
 def _decoder(params: dict[str, Any], kv_pool: KVPool, batch: ForwardBatch,
              cfg: ModelConfig, *, page_size: int, attn_block_size: int,
-             plan: InvariancePlan) -> tuple[jax.Array, KVPool, list[jax.Array]]:
+             plan: InvariancePlan, tp: TensorParallel | None
+             ) -> tuple[jax.Array, KVPool, list[jax.Array]]:
     """(final-normed hidden states of the logit rows, new kv_pool, the experts [T, k] of
     each MoE layer in layer order). A caller that drops the list traces no operation for
-    it: the ids are the routing's own values."""
+    it: the ids are the routing's own values. `tp`: as llama.forward_hidden's."""
     assert is_compute_params(params) and "mlp" in params, "needs moe_decoder.compute_params"
-    x = params["embed"][batch.input_ids]
+    x = embed_rows(params["embed"], batch.input_ids, tp)
     freqs = batch.positions.astype(jnp.float32)[:, None] * jnp.asarray(rope_inv_freq(cfg))
     cos, sin = jnp.cos(freqs)[:, None, :], jnp.sin(freqs)[:, None, :]
     t = x.shape[0]
@@ -169,7 +173,7 @@ def _decoder(params: dict[str, Any], kv_pool: KVPool, batch: ForwardBatch,
         w = _select(layer, params["stacked_layers"], ATTENTION_MATRICES, t, plan)
         x, kv_pool = attention_block(x, kv_pool, i, w, layer_projection(w, i, plan), batch,
                                      cos, sin, cfg, page_size=page_size,
-                                     attn_block_size=attn_block_size, plan=plan)
+                                     attn_block_size=attn_block_size, plan=plan, tp=tp)
         h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps, norm)
         if i in moe_index:
             j = moe_index[i]
@@ -180,7 +184,7 @@ def _decoder(params: dict[str, Any], kv_pool: KVPool, batch: ForwardBatch,
                 mw[m] = None if native else params["mlp"][i][m]
                 mw[f"{m}_p"] = stacked[f"{m}_p"] if native else None
             y, chosen = moe_mlp_routed(h, mw, j, layer_projection(mw, j, plan), cfg,
-                                       expert_plans)
+                                       expert_plans, tp)
             x = x + y
             routed.append(chosen)
         else:
@@ -188,6 +192,7 @@ def _decoder(params: dict[str, Any], kv_pool: KVPool, batch: ForwardBatch,
             mw = _select(params["mlp"][i], params["mlp_stacked"]["dense_mlp"],
                          DENSE_MLP_MATRICES, t, plan)
             proj = layer_projection(mw, j, plan)
-            x = proj(swiglu(proj(h, "w_gate"), proj(h, "w_up")), "w_down", residual=x)
+            act = whole(swiglu(proj(h, "w_gate"), proj(h, "w_up")), tp)
+            x = whole(proj(act, "w_down", residual=x), tp)
     return rms_norm(x[batch.logit_rows], params["final_norm"], cfg.rms_norm_eps,
                     norm), kv_pool, routed

@@ -187,7 +187,8 @@ class QwenMoeFamily:
         n = mesh.shape["tensor"]
         base = attention_specs(cfg, n)
         t = "tensor"
-        mlp = tp_splits(cfg, n)["mlp"]
+        split = tp_splits(cfg, n)
+        mlp = split["mlp"]
         shapes = self.param_shapes(cfg)
         specs: dict[str, Any] = {
             "layers": {k: base["layers"].get(k, P()) for k in shapes["layers"]},
@@ -197,15 +198,16 @@ class QwenMoeFamily:
         if "dense_mlp" in shapes:
             specs["dense_mlp"] = {"w_gate": P(None, None, t) if mlp else P(),
                                   "w_up": P(None, None, t) if mlp else P(),
-                                  "w_down": P(None, t, None) if mlp else P()}
+                                  "w_down": P(None, None, t) if split["hidden"] else P()}
         if "moe" in shapes:
-            split = expert_split(cfg, n, moe_sharding)
+            experts_split = expert_split(cfg, n, moe_sharding)
             experts = {
                 "intermediate": {"we_gate": P(None, None, None, t),
                                  "we_up": P(None, None, None, t),
-                                 "we_down": P(None, None, t, None)},
+                                 "we_down": P(None, None, None, t) if split["hidden"]
+                                 else P()},
                 "experts": {k: P(None, t, None, None) for k in ("we_gate", "we_up", "we_down")},
-            }.get(split, {})
+            }.get(experts_split, {})
             specs["moe"] = {k: experts.get(k, P()) for k in shapes["moe"]}
         return specs
 
@@ -227,9 +229,10 @@ class QwenMoeFamily:
                        ) -> list[ProductShape]:
         d, f = cfg.hidden_size, cfg.moe_intermediate_size
         inter = expert_split(cfg, tp, moe_sharding) == "intermediate"
+        down = inter and tp_splits(cfg, tp)["hidden"]
         return [ProductShape("we_gate", d, f, "out" if inter else ""),
                 ProductShape("we_up", d, f, "out" if inter else ""),
-                ProductShape("we_down", f, d, "in" if inter else "")]
+                ProductShape("we_down", f, d, "out" if down else "")]
 
     # ---- compute ---------------------------------------------------------------------
     def compute_params(self, params: dict[str, Any], cfg: ModelConfig, plan: Any,
@@ -244,19 +247,20 @@ class QwenMoeFamily:
 
     def forward_hidden(self, params: dict[str, Any], kv_pool: Any, batch: Any,
                        cfg: ModelConfig, *, page_size: int, attn_block_size: int,
-                       plan: Any) -> tuple[Any, Any]:
+                       plan: Any, tp: Any = None) -> tuple[Any, Any]:
         from multiserve.model.families.moe_decoder import forward_hidden
 
         return forward_hidden(params, kv_pool, batch, cfg, page_size=page_size,
-                              attn_block_size=attn_block_size, plan=plan)
+                              attn_block_size=attn_block_size, plan=plan, tp=tp)
 
     def forward_hidden_routed(self, params: dict[str, Any], kv_pool: Any, batch: Any,
                               cfg: ModelConfig, *, page_size: int, attn_block_size: int,
-                              plan: Any) -> tuple[Any, Any, Any]:
+                              plan: Any, tp: Any = None
+                              ) -> tuple[Any, Any, Any]:
         from multiserve.model.families.moe_decoder import forward_hidden_routed
 
         return forward_hidden_routed(params, kv_pool, batch, cfg, page_size=page_size,
-                                     attn_block_size=attn_block_size, plan=plan)
+                                     attn_block_size=attn_block_size, plan=plan, tp=tp)
 
     def lm_head(self, params: dict[str, Any], h: Any, plan: Any) -> Any:
         from multiserve.model.families.llama import lm_head
