@@ -1,8 +1,8 @@
 """`multiserve doctor --target cuda|tpu` (doctor_target.py) on this CPU-only machine: the
-whole model forward and the engine's FORWARD and FUSED step programs of the default model
-and of the 1B-shaped random bfloat16 model lower for each accelerator with `jax.export`,
-with that platform's Pallas attention kernel in the program, and the report names the
-kernels the target starts from."""
+whole model forward and the engine's FORWARD, FUSED and MULTI (K decode steps in one loop)
+step programs of the default model and of the 1B-shaped random bfloat16 model lower for
+each accelerator with `jax.export`, with that platform's Pallas attention kernel in the
+program, and the report names the kernels the target starts from."""
 
 from __future__ import annotations
 
@@ -30,11 +30,13 @@ def test_doctor_target_lowers_both_models(target: str, kernel: str,
         assert {p["name"] for p in model["products"]} >= {"wq", "w_down", "head"}
         assert model["problems"] and "not calibrated" in model["problems"][0]
         # the model forward of a decode step (unrolled decoder) and of the largest mixed
-        # step (scanned), then the engine's FORWARD and FUSED programs of a decode step,
-        # each holding the Pallas kernel
+        # step (scanned), then the engine's FORWARD, FUSED and MULTI (4 turns of the fused
+        # step) programs of a decode step, each holding the Pallas kernel
         assert [(e["tokens"], e["scanned"]) for e in model["exports"]] == [
-            (16, False), (512, True), (16, False), (16, False)]
+            (16, False), (512, True), (16, False), (16, False), (16, False)]
         assert "FUSED" in model["exports"][3]["what"]
+        multi = model["exports"][4]["what"]
+        assert "MULTI" in multi and "4 turns" in multi
         assert all(e["pallas_calls"] >= 1 for e in model["exports"])
 
 
@@ -42,4 +44,5 @@ def test_doctor_target_text(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["doctor", "--target", "cuda"]) == 0
     out = capsys.readouterr().out
     assert "attention kernel: pallas_gpu" in out and "LOWERED: True" in out
-    assert out.count("lowered for cuda") == 8
+    assert out.count("lowered for cuda") == 10
+    assert out.count("engine MULTI program of 16 tokens, 16 rows, 4 turns") == 2
