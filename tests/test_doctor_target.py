@@ -6,18 +6,31 @@ program, and the report names the kernels the target starts from."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import io
 import json
+from typing import Any
 
 import pytest
 
 from multiserve.cli import main
+from multiserve.doctor_target import print_target_report
+
+
+@functools.cache
+def _doctor_json(target: str) -> tuple[int, dict[str, Any]]:
+    """(exit code, report) of `multiserve doctor --target <target> --json`: run once per
+    target, its report read by both tests (the text is rendered from the same report)."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = main(["doctor", "--target", target, "--json"])
+    return rc, json.loads(out.getvalue())
 
 
 @pytest.mark.parametrize("target,kernel", [("cuda", "pallas_gpu"), ("tpu", "pallas_tpu")])
-def test_doctor_target_lowers_both_models(target: str, kernel: str,
-                                          capsys: pytest.CaptureFixture[str]) -> None:
-    rc = main(["doctor", "--target", target, "--json"])
-    report = json.loads(capsys.readouterr().out)
+def test_doctor_target_lowers_both_models(target: str, kernel: str) -> None:
+    rc, report = _doctor_json(target)
     failures = [e["error"] for m in report["models"] for e in m["exports"] if e["error"]]
     assert rc == 0 and report["lowered"], failures
     assert report["target"] == target and report["host_platform"] == "cpu"
@@ -41,7 +54,7 @@ def test_doctor_target_lowers_both_models(target: str, kernel: str,
 
 
 def test_doctor_target_text(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["doctor", "--target", "cuda"]) == 0
+    print_target_report(_doctor_json("cuda")[1])
     out = capsys.readouterr().out
     assert "attention kernel: pallas_gpu" in out and "LOWERED: True" in out
     assert out.count("lowered for cuda") == 10
