@@ -1,9 +1,11 @@
 """The engine's own step programs lowered for an accelerator this machine does not have
-(`multiserve doctor --target`): the FORWARD program of a token bucket and the FUSED decode
-step (forward, logits head and sampler in one program) of engine/device/step_functions.py,
-exported with `jax.export` for the target platform from abstract inputs shaped as
-engine/device/step_programs.py shapes a bucket's (its padding inputs, one device,
-replicated), with the target's starting plan (model/target_export.py)."""
+(`multiserve doctor --target`): the FORWARD program of a token bucket, the FUSED decode
+step (forward, logits head and sampler in one program) and the MULTI program (K turns of
+the fused step in one compiled loop, EngineConfig.decode_steps_per_dispatch) of
+engine/device/step_functions.py, exported with `jax.export` for the target platform from
+abstract inputs shaped as engine/device/step_programs.py shapes a bucket's (its padding
+inputs, one device, replicated), with the target's starting plan
+(model/target_export.py)."""
 
 from __future__ import annotations
 
@@ -20,9 +22,11 @@ from multiserve.model.target_export import ExportResult, abstract_compute_params
 
 def export_step_programs(cfg: ModelConfig, dtype: str, platform: str, plan: InvariancePlan,
                          ec: EngineConfig, *, forward_tokens: int, fused_rows: int,
-                         max_pages: int, num_pages: int) -> dict[str, ExportResult]:
+                         max_pages: int, num_pages: int,
+                         multi_turns: int) -> dict[str, ExportResult]:
     """{"forward": the FORWARD program of `forward_tokens` tokens, "fused": the FUSED
-    step of `fused_rows` decode rows}, each lowered for `platform` (or its error)."""
+    step of `fused_rows` decode rows, "multi": the MULTI program of `multi_turns` turns of
+    that fused step}, each lowered for `platform` (or its error)."""
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
     from multiserve.engine.device.batch_arrays import empty_step_arrays
@@ -66,9 +70,14 @@ def export_step_programs(cfg: ModelConfig, dtype: str, platform: str, plan: Inva
                                  {"layout": layout})}
     sb_host = SamplingBatches(cfg.vocab_size, replicated).build([], fused_rows)
     t_inputs, t_layout = forward_inputs(fused_rows)
-    out["fused"] = export_for(
-        fns.step, platform, fused_rows, fused_rows, family.scans(plan, fused_rows),
-        (*t_inputs, *spec(sampling_inputs(sb_host))),
-        {"layout": t_layout, "sample_layout": layout_of(small_sampling_fields(sb_host)),
-         "num_rows": fused_rows})
+    # the MULTI program takes the FUSED program's inputs and static arguments, plus `turns`
+    fused_inputs = (*t_inputs, *spec(sampling_inputs(sb_host)))
+    fused_static = {"layout": t_layout,
+                    "sample_layout": layout_of(small_sampling_fields(sb_host)),
+                    "num_rows": fused_rows}
+    scanned = family.scans(plan, fused_rows)
+    out["fused"] = export_for(fns.step, platform, fused_rows, fused_rows, scanned,
+                              fused_inputs, fused_static)
+    out["multi"] = export_for(fns.multi, platform, fused_rows, fused_rows, scanned,
+                              fused_inputs, {**fused_static, "turns": multi_turns})
     return out

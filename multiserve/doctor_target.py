@@ -4,8 +4,9 @@ model, SmolLM2-135M) and (b) the ~1B-shaped random bfloat16 model (bench/random_
 it prints the attention kernel and the product formulations the target starts from
 (model/target_export.py: `target_plan`) and lowers, with `jax.export` for that platform, the
 whole model forward (model/families/forward.py) of a decode step and of the largest mixed
-step, and the engine's own FORWARD and FUSED step programs of a decode step
-(doctor_steps.py). A lowering that fails is printed with its error, never raised."""
+step, and the engine's own FORWARD, FUSED and MULTI step programs of a decode step (MULTI:
+MULTI_TURNS turns of the fused step in one loop; doctor_steps.py). A lowering that fails is
+printed with its error, never raised."""
 
 from __future__ import annotations
 
@@ -16,6 +17,9 @@ from typing import Any
 TARGETS = ("cuda", "tpu")
 DEVICE_PLATFORM = {"cuda": "gpu", "tpu": "tpu"}  # jax.export platform -> jax device platform
 DECODE_ROWS = 16
+# the MULTI program's turns (EngineConfig.decode_steps_per_dispatch; any K > 1 lowers the
+# same loop body, only its trip count differs)
+MULTI_TURNS = 4
 NUM_PAGES = 4096  # the abstract pool's pages (any count lowers the same program shape)
 
 
@@ -39,7 +43,7 @@ def _model_report(label: str, cfg: Any, dtype: str, target: str) -> dict[str, An
                               max_pages=max_pages, num_pages=NUM_PAGES) for t, r in steps]
     programs = export_step_programs(cfg, dtype, target, plan, ec, forward_tokens=DECODE_ROWS,
                                     fused_rows=DECODE_ROWS, max_pages=max_pages,
-                                    num_pages=NUM_PAGES)
+                                    num_pages=NUM_PAGES, multi_turns=MULTI_TURNS)
     per_block, per_split = pinned_blocks(ec.page_size)
     return {
         "model": label, "dtype": dtype,
@@ -55,8 +59,9 @@ def _model_report(label: str, cfg: Any, dtype: str, target: str) -> dict[str, An
         "problems": list(plan.problems),
         "exports": [_export_json(f"model forward T={e.tokens} R={e.rows}", e)
                     for e in exports] + [
-            _export_json(f"engine {name.upper()} program of {e.tokens} tokens, {e.rows} rows",
-                         e) for name, e in programs.items()],
+            _export_json(f"engine {name.upper()} program of {e.tokens} tokens, {e.rows} rows"
+                         + (f", {MULTI_TURNS} turns" if name == "multi" else ""), e)
+            for name, e in programs.items()],
     }
 
 
@@ -88,8 +93,9 @@ def _print_report(rep: dict[str, Any], target: str) -> None:
             print(f"{what}: FAILED to lower for {target}: {e['error'].splitlines()[0][:600]}")
 
 
-def doctor_target(args: argparse.Namespace) -> int:
-    """Both models on `args.target`; exit 1 if any forward failed to lower."""
+def target_report(target: str, model: str | None, dtype: str) -> dict[str, Any]:
+    """The report of `doctor --target` (what `--json` prints): both models on `target`,
+    "lowered" False if any program failed to lower."""
     import jax
 
     from multiserve.bench.random_model import SIZES
@@ -97,26 +103,36 @@ def doctor_target(args: argparse.Namespace) -> int:
     from multiserve.model.loading.hf import load_hf_config
     from multiserve.model.loading.loader import resolve_model_dir
 
-    target = args.target
-    model_dir = resolve_model_dir(args.model)
-    choice = choose_dtype(args.dtype, DEVICE_PLATFORM[target],
-                          None if args.model is None else model_dir, None, None)
+    model_dir = resolve_model_dir(model)
+    choice = choose_dtype(dtype, DEVICE_PLATFORM[target],
+                          None if model is None else model_dir, None, None)
     reports = [
-        _model_report(args.model or "the default model (SmolLM2-135M)",
+        _model_report(model or "the default model (SmolLM2-135M)",
                       load_hf_config(model_dir), choice.dtype, target),
         _model_report("random 1B shape (bench/random_model.py '1b')", SIZES["1b"], "bfloat16",
                       target),
     ]
     reports[0]["dtype_reason"] = choice.reason
-    ok = all(e["lowered"] for r in reports for e in r["exports"])
-    if args.json:
-        print(json.dumps({"target": target, "jax": jax.__version__,
-                          "host_platform": jax.devices()[0].platform, "models": reports,
-                          "lowered": ok}, indent=1))
-        return 0 if ok else 1
-    print(f"target: {target}, lowered here by jax.export (host: {jax.devices()[0].platform}, "
-          f"jax {jax.__version__}); nothing runs, nothing is calibrated")
-    for rep in reports:
+    return {"target": target, "jax": jax.__version__,
+            "host_platform": jax.devices()[0].platform, "models": reports,
+            "lowered": all(e["lowered"] for r in reports for e in r["exports"])}
+
+
+def print_target_report(report: dict[str, Any]) -> None:
+    """`target_report`'s report as text (what `doctor --target` prints without `--json`)."""
+    target = report["target"]
+    print(f"target: {target}, lowered here by jax.export (host: {report['host_platform']}, "
+          f"jax {report['jax']}); nothing runs, nothing is calibrated")
+    for rep in report["models"]:
         _print_report(rep, target)
-    print(f"\nLOWERED: {ok}")
-    return 0 if ok else 1
+    print(f"\nLOWERED: {report['lowered']}")
+
+
+def doctor_target(args: argparse.Namespace) -> int:
+    """Both models on `args.target`; exit 1 if any program failed to lower."""
+    report = target_report(args.target, args.model, args.dtype)
+    if args.json:
+        print(json.dumps(report, indent=1))
+    else:
+        print_target_report(report)
+    return 0 if report["lowered"] else 1

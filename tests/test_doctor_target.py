@@ -1,23 +1,36 @@
 """`multiserve doctor --target cuda|tpu` (doctor_target.py) on this CPU-only machine: the
-whole model forward and the engine's FORWARD and FUSED step programs of the default model
-and of the 1B-shaped random bfloat16 model lower for each accelerator with `jax.export`,
-with that platform's Pallas attention kernel in the program, and the report names the
-kernels the target starts from."""
+whole model forward and the engine's FORWARD, FUSED and MULTI (K decode steps in one loop)
+step programs of the default model and of the 1B-shaped random bfloat16 model lower for
+each accelerator with `jax.export`, with that platform's Pallas attention kernel in the
+program, and the report names the kernels the target starts from."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import io
 import json
+from typing import Any
 
 import pytest
 
 from multiserve.cli import main
+from multiserve.doctor_target import print_target_report
+
+
+@functools.cache
+def _doctor_json(target: str) -> tuple[int, dict[str, Any]]:
+    """(exit code, report) of `multiserve doctor --target <target> --json`: run once per
+    target, its report read by both tests (the text is rendered from the same report)."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = main(["doctor", "--target", target, "--json"])
+    return rc, json.loads(out.getvalue())
 
 
 @pytest.mark.parametrize("target,kernel", [("cuda", "pallas_gpu"), ("tpu", "pallas_tpu")])
-def test_doctor_target_lowers_both_models(target: str, kernel: str,
-                                          capsys: pytest.CaptureFixture[str]) -> None:
-    rc = main(["doctor", "--target", target, "--json"])
-    report = json.loads(capsys.readouterr().out)
+def test_doctor_target_lowers_both_models(target: str, kernel: str) -> None:
+    rc, report = _doctor_json(target)
     failures = [e["error"] for m in report["models"] for e in m["exports"] if e["error"]]
     assert rc == 0 and report["lowered"], failures
     assert report["target"] == target and report["host_platform"] == "cpu"
@@ -30,16 +43,19 @@ def test_doctor_target_lowers_both_models(target: str, kernel: str,
         assert {p["name"] for p in model["products"]} >= {"wq", "w_down", "head"}
         assert model["problems"] and "not calibrated" in model["problems"][0]
         # the model forward of a decode step (unrolled decoder) and of the largest mixed
-        # step (scanned), then the engine's FORWARD and FUSED programs of a decode step,
-        # each holding the Pallas kernel
+        # step (scanned), then the engine's FORWARD, FUSED and MULTI (4 turns of the fused
+        # step) programs of a decode step, each holding the Pallas kernel
         assert [(e["tokens"], e["scanned"]) for e in model["exports"]] == [
-            (16, False), (512, True), (16, False), (16, False)]
+            (16, False), (512, True), (16, False), (16, False), (16, False)]
         assert "FUSED" in model["exports"][3]["what"]
+        multi = model["exports"][4]["what"]
+        assert "MULTI" in multi and "4 turns" in multi
         assert all(e["pallas_calls"] >= 1 for e in model["exports"])
 
 
 def test_doctor_target_text(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["doctor", "--target", "cuda"]) == 0
+    print_target_report(_doctor_json("cuda")[1])
     out = capsys.readouterr().out
     assert "attention kernel: pallas_gpu" in out and "LOWERED: True" in out
-    assert out.count("lowered for cuda") == 8
+    assert out.count("lowered for cuda") == 10
+    assert out.count("engine MULTI program of 16 tokens, 16 rows, 4 turns") == 2
