@@ -18,6 +18,7 @@ import numpy as np
 from multiserve.config import EngineConfig, ModelConfig
 from multiserve.model.invariance.plan import InvariancePlan
 from multiserve.model.target_export import ExportResult, abstract_compute_params, export_for
+from multiserve.model.sharding import AXIS
 
 
 def export_step_programs(cfg: ModelConfig, dtype: str, platform: str, plan: InvariancePlan,
@@ -42,7 +43,7 @@ def export_step_programs(cfg: ModelConfig, dtype: str, platform: str, plan: Inva
     from multiserve.model.families import family_for
     from multiserve.model.layers.kv_pool import KVPool
 
-    replicated = NamedSharding(Mesh(np.array(jax.devices()[:1]), ("tp",)), PartitionSpec())
+    replicated = NamedSharding(Mesh(np.array(jax.devices()[:1]), (AXIS,)), PartitionSpec())
     max_rows = max(ec.precompile_bs_paddings)
     family = family_for(cfg)
     fns = StepFunctions(family, cfg, plan, ec.page_size, ec.attention_block_size, max_rows,
