@@ -156,3 +156,39 @@ def test_sampling_rows_are_stored_alike_with_and_without_padding_rows() -> None:
     assert (dense.seed_hi[1], dense.seed_lo[1]) == (2**8, 1)
     assert list(dense.banned_ids[1][:3]) == [2, 7, -1]
     assert bool(dense.any_logprobs) and bool(dense.any_sampled) and bool(dense.any_filter)
+
+
+def test_sampler_fields_kept_per_params_store_what_each_row_asks() -> None:
+    """The sampler's per-row fields come from each SamplingParams' kept `sampler_fields`
+    (computed once per params object): the stored rows equal, value for value, element
+    stores of each params' own fields with greedy folded in and a top_k outside
+    (0, vocab) off; a params changed by `with_updates` carries its own fields."""
+    vocab = 64
+    cases = [SamplingParams(temperature=0.0, top_k=5, top_p=0.5, min_p=0.2),
+             SamplingParams(temperature=0.7, top_k=1, top_p=0.9),  # greedy by top_k
+             SamplingParams(temperature=0.1, top_k=vocab, top_p=0.3, min_p=0.1),
+             SamplingParams(temperature=1, top_k=-1, frequency_penalty=0.3,
+                            presence_penalty=-0.2, repetition_penalty=1.1),
+             SamplingParams(temperature=1.3, top_k=vocab - 1, top_logprobs_num=3)]
+    specs = [RowSpec(params=p, seed=7 * i, sample_index=i, position=i, output_ids=(1,),
+                     prompt_ids=(2,)) for i, p in enumerate(cases)]
+    sb = build_sampling_batch(specs, 8, vocab)
+    for i, p in enumerate(cases):
+        greedy = p.temperature == 0.0 or p.top_k == 1
+        want = {"temperature": 0.0 if greedy else p.temperature,
+                "top_k": 0 if greedy or not 0 < p.top_k < vocab else p.top_k,
+                "top_p": 1.0 if greedy else p.top_p, "min_p": 0.0 if greedy else p.min_p,
+                "frequency_penalty": p.frequency_penalty,
+                "presence_penalty": p.presence_penalty,
+                "repetition_penalty": p.repetition_penalty,
+                "top_logprobs_num": p.top_logprobs_num}
+        for name, value in want.items():
+            stored = np.asarray(getattr(sb, name))
+            one = np.zeros(1, stored.dtype)
+            one[0] = value  # the element store the kept fields must match bit for bit
+            assert stored[i].tobytes() == one[0].tobytes(), (i, name, stored[i], value)
+    assert bool(sb.any_penalty) and bool(sb.any_logprobs) and bool(sb.any_filter)
+    kept = cases[2].sampler_fields
+    assert cases[2].sampler_fields is kept  # computed once for this params object
+    changed = cases[2].with_updates(temperature=0.0)
+    assert changed.sampler_fields.floats[0] == 0.0 and kept.floats[0] == 0.1
