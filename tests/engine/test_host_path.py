@@ -22,9 +22,19 @@ from multiserve.engine.device.batch_arrays import (
 )
 from multiserve.engine.frozen_build import built
 from multiserve.engine.host_phases import PHASES, WAIT_PHASES, HostPhases
-from multiserve.engine.sampling.host import RowSpec, build_sampling_batch
+from multiserve.engine.sampling.host import (
+    RowSpec,
+    build_sampling_batch,
+    mask_words,
+    mask_zeros,
+    penalty_zeros,
+)
+from multiserve.engine.sampling.rows import step_rows
+from multiserve.engine.sampling.sampler import SamplingBatch
+from multiserve.engine.sampling.steady_rows import SteadyRows
 from multiserve.engine.sched.batch import BatchRow
 from multiserve.engine.sched.request import Req
+from multiserve.engine.sched.stop_rules import StopRules
 from multiserve.types import GenerateRequest, OutputDelta, SamplingParams
 
 
@@ -192,3 +202,61 @@ def test_sampler_fields_kept_per_params_store_what_each_row_asks() -> None:
     assert cases[2].sampler_fields is kept  # computed once for this params object
     changed = cases[2].with_updates(temperature=0.0)
     assert changed.sampler_fields.floats[0] == 0.0 and kept.floats[0] == 0.1
+
+
+def test_a_kept_plain_decode_steps_sampler_inputs_equal_a_rebuild() -> None:
+    """SteadyRows reuses a plain decode step's SamplingBatch for the next plain steps of
+    the same samples: every reuse equals, field for field and bit for bit, what
+    step_rows + build_sampling_batch build for that step, including a sample whose
+    min_new_tokens bans end part-way, rows that change when a request joins or ends,
+    and a penalised sample that keeps its step from being kept at all."""
+    sim = Sim(num_pages=64, max_tokens=64, max_rows=8)
+    rules = StopRules(frozenset([2]), 256, None)
+    vocab, rows_padded = 128, 8
+    zeros, no_masks = penalty_zeros(rows_padded, vocab), mask_zeros(rows_padded, vocab)
+
+    def zeros_for(num_rows: int) -> tuple[Any, Any, Any]:
+        assert num_rows == rows_padded
+        return zeros.output_counts, zeros.prompt_mask, no_masks
+
+    def req(rid: str, n: int, **params: Any) -> Req:
+        params.setdefault("ignore_eos", True)
+        return Req(rid, 0, list(range(3, 3 + n)),
+                   SamplingParams(max_new_tokens=params.pop("max_new", 12), **params),
+                   7 + n, lambda _: None)
+
+    sim.add(req("greedy", 5, temperature=0.0),
+            req("sampled", 6, temperature=0.8, top_k=7, top_p=0.9, top_logprobs_num=2),
+            req("banned", 7, min_new_tokens=4, stop_token_ids=(9,), max_new=9))
+    steady, reused, kept_penalised, reused_banned = SteadyRows(), 0, False, False
+    for step in range(30):
+        if step == 6:
+            sim.add(req("late", 4, temperature=0.5))
+        if step == 16:
+            sim.add(req("penalised", 3, frequency_penalty=0.5, max_new=4))
+        batch = sim.sched.schedule()
+        if batch is None:
+            break
+        specs, wants_lp = step_rows(batch, rules, mask_words(vocab))
+        fresh = build_sampling_batch(specs, rows_padded, vocab, zeros=zeros,
+                                     no_masks=no_masks)
+        got = steady.reuse(batch, rows_padded, zeros_for)
+        if got is None:
+            steady.keep(batch, rows_padded, specs, fresh, wants_lp)
+            kept_penalised |= steady._small is not None and any(
+                r.req.params.has_penalty for r in batch.rows)
+        else:
+            reused += 1
+            reused_banned |= any(r.req.rid == "banned" for r in batch.rows)
+            assert got[1] == wants_lp
+            for f in dataclasses.fields(SamplingBatch):
+                a, b = np.asarray(getattr(got[0], f.name)), np.asarray(getattr(fresh, f.name))
+                assert a.dtype == b.dtype and a.tobytes() == b.tobytes(), (step, f.name)
+        sim.sched.launch(batch)
+        for row in batch.rows:  # the model-free read of Sim.step
+            if row.samples:
+                row.req.pending -= 1
+                row.req.output_ids.append(10 + len(row.req.output_ids))
+                if len(row.req.output_ids) >= row.req.params.max_new_tokens:
+                    sim.finish(row.req)
+    assert reused >= 5 and reused_banned and not kept_penalised
