@@ -1,6 +1,8 @@
 """The step's host path (issue 50, item 3): the per-phase host timer (engine/host_phases.py)
-on a real tiny engine, and the values the step path builds without their frozen
-__init__ (engine/frozen_build.py) equal to what the constructor builds."""
+on a real tiny engine, the values the step path builds without their frozen __init__
+(engine/frozen_build.py) equal to what the constructor builds, and the sampler inputs
+it keeps (SamplingParams.sampler_fields, engine/sampling/steady_rows.py) equal to a
+rebuild."""
 
 from __future__ import annotations
 
@@ -82,7 +84,11 @@ def test_host_phases_tile_each_pass_of_a_real_run(tiny_engine: Any) -> None:
             return phases
         return tiny_engine.call(Call(run)).result()
 
+    def reused() -> int:
+        return tiny_engine.call(Call(lambda core: core.steady_rows.reused)).result()
+
     switch(True)
+    reused_before = reused()
     outs: list[queue.SimpleQueue[Any]] = []
     for i in range(4):
         q: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -111,6 +117,9 @@ def test_host_phases_tile_each_pass_of_a_real_run(tiny_engine: Any) -> None:
     assert set(phases.turns) == {1} and decode["turns_p50"] == 1
     assert decode["host_per_step_ms"] == pytest.approx(decode["host_ms"])
     assert wall == pytest.approx(sum(decode["phase_ms"].values()))
+    # the steady decode steps of the same four samples took the step before's sampler
+    # inputs (engine/sampling/steady_rows.py)
+    assert reused() > reused_before
 
 
 def test_a_decode_steps_arrays_are_what_row_by_row_writes() -> None:

@@ -53,6 +53,7 @@ class SteadyRows:
         self._small: SamplingBatch | None = None  # None: nothing kept
         self._wants_logprobs = False
         self._banned_before: tuple[Req, ...] = ()  # kept rows with a min_new_tokens
+        self.reused = 0  # steps given a reused batch (a count for tests and probes)
 
     def reuse(self, batch: ScheduledBatch, num_rows: int,
               zeros_for: ZerosFor) -> tuple[SamplingBatch, bool] | None:
@@ -68,6 +69,7 @@ class SteadyRows:
         position = np.zeros(small.position.shape[0], np.int32)
         position[:len(batch.rows)] = [row.end for row in batch.rows]
         counts, prompt_mask, token_mask = zeros_for(num_rows)
+        self.reused += 1
         return (small.replace(position=position, output_counts=counts,
                               prompt_mask=prompt_mask, token_mask=token_mask),
                 self._wants_logprobs)
