@@ -6,11 +6,12 @@ sharing), padded to 64 tokens and rows (the bench's largest bucket), then times 
 of the step's host stages for STEPS steps in the order EngineCore runs them: schedule,
 build_step_arrays, step_rows, the SamplingBatch (both as the core runs them: the step
 before's reused where SteadyRows can, engine/sampling/steady_rows.py), packing the two
-program inputs, Scheduler.launch, Scheduler.postprocess, and each Req's next delta handed to a sink that
-only keeps it. It prints the median ms of each stage (the first 50 steps dropped) and their
-sum. Without a device nothing shares the cores with it, so it shows what the host's own
-work costs where `multiserve bench --host-phases` shows it inside the engine, under the
-device step's threads (docs/performance.md §23). Run it under `flock /tmp/bench.lock`.
+program inputs, Scheduler.launch, Scheduler.postprocess, and each Req's next delta handed
+to a sink that only keeps it. It prints the median ms of each stage (the first 50 steps
+dropped) and their sum. Without a device nothing shares the cores with it, so it shows
+what the host's own work costs where `multiserve bench --host-phases` shows it inside the
+engine, under the device step's threads (docs/performance.md §23). Run it under
+`flock /tmp/bench.lock`.
 """
 
 from __future__ import annotations
