@@ -19,15 +19,7 @@ import functools
 import struct
 from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import (
-    TYPE_CHECKING,
-    Any,
-    Literal,
-    NamedTuple,
-    Protocol,
-    get_args,
-    runtime_checkable,
-)
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Protocol, get_args, runtime_checkable
 
 if TYPE_CHECKING:
     from multiserve.grammar.grammar import Grammar
