@@ -9,7 +9,8 @@ Invariants:
 - Nothing here imports jax, numpy-on-device code or anything under `engine/`/`model/`:
   the server package imports this module and must stay device-agnostic.
 - Every record is immutable (frozen dataclasses) except where noted; outputs are
-  snapshots, never views of live engine state.
+  snapshots, never views of live engine state. (A SamplingParams keeps one value derived
+  from its fields, `sampler_fields`, computed on first use.)
 """
 
 from __future__ import annotations
