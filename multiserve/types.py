@@ -9,16 +9,18 @@ Invariants:
 - Nothing here imports jax, numpy-on-device code or anything under `engine/`/`model/`:
   the server package imports this module and must stay device-agnostic.
 - Every record is immutable (frozen dataclasses) except where noted; outputs are
-  snapshots, never views of live engine state.
+  snapshots, never views of live engine state. (A SamplingParams keeps one value derived
+  from its fields, `sampler_fields`, computed on first use.)
 """
 
 from __future__ import annotations
 
 import enum
+import functools
 import struct
 from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, Protocol, get_args, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Protocol, get_args, runtime_checkable
 
 if TYPE_CHECKING:
     from multiserve.grammar.grammar import Grammar
@@ -68,6 +70,19 @@ def is_asleep(reason: str) -> bool:
 MAX_TOP_LOGPROBS = 20
 MAX_TOKEN_IDS_LOGPROB = 32
 MAX_STOP_TOKEN_IDS = 64
+
+
+class SamplerFields(NamedTuple):
+    """What a `SamplingParams` puts in every sampler row it governs, the same at every step
+    of every sample of its request (engine/sampling/host.py stores them), with greedy
+    folded in: a greedy row has temperature 0, top_k 0, top_p 1 and min_p 0 (no filter)."""
+
+    # temperature, top_p, min_p, frequency / presence / repetition penalty
+    floats: tuple[float, float, float, float, float, float]
+    top_k: int  # 0: off; the sampler also turns off a top_k >= the vocabulary
+    top_logprobs_num: int
+    has_penalty: bool
+    wants_logprobs: bool
 
 
 class SamplingParamsError(ValueError):
@@ -195,6 +210,21 @@ class SamplingParams:
     def wants_logprobs(self) -> bool:
         return (self.return_logprob or self.top_logprobs_num > 0
                 or self.token_ids_logprob is not None)
+
+    @functools.cached_property
+    def sampler_fields(self) -> SamplerFields:
+        """This params' part of a sampler row. Computed on first use and kept in the
+        instance: the params are frozen, so nothing invalidates it (a changed request
+        is a new SamplingParams, `with_updates`)."""
+        greedy = self.is_greedy
+        return SamplerFields(
+            floats=(0.0 if greedy else self.temperature, 1.0 if greedy else self.top_p,
+                    0.0 if greedy else self.min_p, self.frequency_penalty,
+                    self.presence_penalty, self.repetition_penalty),
+            top_k=0 if greedy or self.top_k <= 0 else self.top_k,
+            top_logprobs_num=self.top_logprobs_num,
+            has_penalty=self.has_penalty,
+            wants_logprobs=self.wants_logprobs)
 
     def with_updates(self, **changes: Any) -> SamplingParams:
         from dataclasses import replace

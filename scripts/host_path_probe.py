@@ -4,12 +4,14 @@
 decoding requests (prompt i: 40 + i tokens; sampled at the default temperature; no prefix
 sharing), padded to 64 tokens and rows (the bench's largest bucket), then times each
 of the step's host stages for STEPS steps in the order EngineCore runs them: schedule,
-build_step_arrays, step_rows, the SamplingBatch, packing the two program inputs,
-Scheduler.launch, Scheduler.postprocess, and each Req's next delta handed to a sink that
-only keeps it. It prints the median ms of each stage (the first 50 steps dropped) and their
-sum. Without a device nothing shares the cores with it, so it shows what the host's own
-work costs where `multiserve bench --host-phases` shows it inside the engine, under the
-device step's threads (docs/performance.md §23). Run it under `flock /tmp/bench.lock`.
+build_step_arrays, step_rows, the SamplingBatch (both as the core runs them: the step
+before's reused where SteadyRows can, engine/sampling/steady_rows.py), packing the two
+program inputs, Scheduler.launch, Scheduler.postprocess, and each Req's next delta handed
+to a sink that only keeps it. It prints the median ms of each stage (the first 50 steps
+dropped) and their sum. Without a device nothing shares the cores with it, so it shows
+what the host's own work costs where `multiserve bench --host-phases` shows it inside the
+engine, under the device step's threads (docs/performance.md §23). Run it under
+`flock /tmp/bench.lock`.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from multiserve.engine.sampling.host import (
     penalty_zeros,
 )
 from multiserve.engine.sampling.rows import step_rows
+from multiserve.engine.sampling.steady_rows import SteadyRows
 from multiserve.engine.sched.page_allocator import PageAllocator
 from multiserve.engine.sched.prefix_cache import PrefixCache
 from multiserve.engine.sched.request import Req
@@ -66,6 +69,11 @@ def probe(rows: int, steps: int) -> dict[str, float]:
     padded = 64  # the step's token and row bucket
     assert rows <= padded, rows
     zeros, no_masks = penalty_zeros(padded, VOCAB), mask_zeros(padded, VOCAB)
+    steady = SteadyRows()
+
+    def zeros_for(_: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return zeros.output_counts, zeros.prompt_mask, no_masks
+
     took: dict[str, list[float]] = {s: [] for s in STAGES}
     for _ in range(steps):
         t = [time.perf_counter()]
@@ -74,9 +82,15 @@ def probe(rows: int, steps: int) -> dict[str, float]:
         t.append(time.perf_counter())
         arrays = build_step_arrays(batch, padded, padded, 128, 256, PAGE)
         t.append(time.perf_counter())
-        specs, _ = step_rows(batch, rules, mask_words(VOCAB))
-        t.append(time.perf_counter())
-        sb = build_sampling_batch(specs, padded, VOCAB, zeros=zeros, no_masks=no_masks)
+        reused = steady.reuse(batch, padded, zeros_for)
+        if reused is None:  # the engine core's path (engine/core.py `_launch`)
+            specs, wants_lp = step_rows(batch, rules, mask_words(VOCAB))
+            t.append(time.perf_counter())
+            sb = build_sampling_batch(specs, padded, VOCAB, zeros=zeros, no_masks=no_masks)
+            steady.keep(batch, padded, specs, sb, wants_lp)
+        else:
+            t.append(time.perf_counter())
+            sb = reused[0]
         t.append(time.perf_counter())
         step_inputs(arrays)
         sampling_inputs(sb)

@@ -7,7 +7,8 @@ owns the Reqs), the runner, the step in flight, step counters, the pause state, 
 weight version. Its other jobs live beside it, each in its own module:
 - what a step computes, its logits rows included: `Scheduler.schedule` (a complete
   ScheduledBatch, engine/sched/batch.py, with its RowPlan, engine/sched/row_plan.py);
-- which sampler row each logits row is: engine/sampling/rows.py (`step_rows`);
+- which sampler row each logits row is: engine/sampling/rows.py (`step_rows`), kept
+  across plain decode steps of the same samples by engine/sampling/steady_rows.py;
 - a step's logprobs on the host: engine/sampling/logprobs.py (`StepLogprobs`);
 - when a sample ends: engine/sched/stop_rules.py (`StopRules`);
 - recording a step's results on the Reqs: `Scheduler.postprocess`;
@@ -60,6 +61,7 @@ from multiserve.engine.routed_experts import RoutedExpertsTable
 from multiserve.engine.sampling.host import mask_words
 from multiserve.engine.sampling.logprobs import StepLogprobs
 from multiserve.engine.sampling.rows import step_rows
+from multiserve.engine.sampling.steady_rows import SteadyRows
 from multiserve.engine.sched.admission import AdmissionLimits, check_admission
 from multiserve.engine.sched.batch import ScheduledBatch
 from multiserve.engine.sched.page_allocator import PageAllocator
@@ -135,6 +137,9 @@ class EngineCore:
         self.initial_available = self.scheduler.available_kv_tokens()
         self.admission = AdmissionLimits.from_config(cfg, self.initial_available)
         self._fault: str | None = None  # the next step raises this (inject_fault)
+        # a plain decode step's sampler inputs, reused by the next plain steps of the
+        # same samples (engine/sampling/steady_rows.py)
+        self.steady_rows = SteadyRows()
         # a measuring aid (engine/host_phases.py): None, the step path only tests it
         self.host_phases: HostPhases | None = None
 
@@ -272,9 +277,14 @@ class EngineCore:
         if self._drained_at is not None:
             # the step before was read first: the host's work since delayed this launch
             self.scheduler.planner.step_costs.observe_host(launched_at - self._drained_at)
-        specs, wants_lp = step_rows(batch, self.stop_rules,
-                                    mask_words(self.model_cfg.vocab_size))
-        sb_host = runner.sampling_batch(specs, r_pad)
+        kept = self.steady_rows.reuse(batch, r_pad, runner.sampling_zeros)
+        if kept is not None:
+            sb_host, wants_lp = kept
+        else:
+            specs, wants_lp = step_rows(batch, self.stop_rules,
+                                        mask_words(self.model_cfg.vocab_size))
+            sb_host = runner.sampling_batch(specs, r_pad)
+            self.steady_rows.keep(batch, r_pad, specs, sb_host, wants_lp)
         if phases is not None:
             phases.lap("sampling_rows")
         out = runner.run(arrays, sb_host, wants_lp, r_pad, batch.turns)

@@ -1,6 +1,8 @@
 """The step's host path (issue 50, item 3): the per-phase host timer (engine/host_phases.py)
-on a real tiny engine, and the values the step path builds without their frozen
-__init__ (engine/frozen_build.py) equal to what the constructor builds."""
+on a real tiny engine, the values the step path builds without their frozen __init__
+(engine/frozen_build.py) equal to what the constructor builds, and the sampler inputs
+it keeps (SamplingParams.sampler_fields, engine/sampling/steady_rows.py) equal to a
+rebuild."""
 
 from __future__ import annotations
 
@@ -22,9 +24,19 @@ from multiserve.engine.device.batch_arrays import (
 )
 from multiserve.engine.frozen_build import built
 from multiserve.engine.host_phases import PHASES, WAIT_PHASES, HostPhases
-from multiserve.engine.sampling.host import RowSpec, build_sampling_batch
+from multiserve.engine.sampling.host import (
+    RowSpec,
+    build_sampling_batch,
+    mask_words,
+    mask_zeros,
+    penalty_zeros,
+)
+from multiserve.engine.sampling.rows import step_rows
+from multiserve.engine.sampling.sampler import SamplingBatch
+from multiserve.engine.sampling.steady_rows import SteadyRows
 from multiserve.engine.sched.batch import BatchRow
 from multiserve.engine.sched.request import Req
+from multiserve.engine.sched.stop_rules import StopRules
 from multiserve.types import GenerateRequest, OutputDelta, SamplingParams
 
 
@@ -72,7 +84,11 @@ def test_host_phases_tile_each_pass_of_a_real_run(tiny_engine: Any) -> None:
             return phases
         return tiny_engine.call(Call(run)).result()
 
+    def reused() -> int:
+        return tiny_engine.call(Call(lambda core: core.steady_rows.reused)).result()
+
     switch(True)
+    reused_before = reused()
     outs: list[queue.SimpleQueue[Any]] = []
     for i in range(4):
         q: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -101,6 +117,9 @@ def test_host_phases_tile_each_pass_of_a_real_run(tiny_engine: Any) -> None:
     assert set(phases.turns) == {1} and decode["turns_p50"] == 1
     assert decode["host_per_step_ms"] == pytest.approx(decode["host_ms"])
     assert wall == pytest.approx(sum(decode["phase_ms"].values()))
+    # the steady decode steps of the same four samples took the step before's sampler
+    # inputs (engine/sampling/steady_rows.py)
+    assert reused() > reused_before
 
 
 def test_a_decode_steps_arrays_are_what_row_by_row_writes() -> None:
@@ -156,3 +175,97 @@ def test_sampling_rows_are_stored_alike_with_and_without_padding_rows() -> None:
     assert (dense.seed_hi[1], dense.seed_lo[1]) == (2**8, 1)
     assert list(dense.banned_ids[1][:3]) == [2, 7, -1]
     assert bool(dense.any_logprobs) and bool(dense.any_sampled) and bool(dense.any_filter)
+
+
+def test_sampler_fields_kept_per_params_store_what_each_row_asks() -> None:
+    """The sampler's per-row fields come from each SamplingParams' kept `sampler_fields`
+    (computed once per params object): the stored rows equal, value for value, element
+    stores of each params' own fields with greedy folded in and a top_k outside
+    (0, vocab) off; a params changed by `with_updates` carries its own fields."""
+    vocab = 64
+    cases = [SamplingParams(temperature=0.0, top_k=5, top_p=0.5, min_p=0.2),
+             SamplingParams(temperature=0.7, top_k=1, top_p=0.9),  # greedy by top_k
+             SamplingParams(temperature=0.1, top_k=vocab, top_p=0.3, min_p=0.1),
+             SamplingParams(temperature=1, top_k=-1, frequency_penalty=0.3,
+                            presence_penalty=-0.2, repetition_penalty=1.1),
+             SamplingParams(temperature=1.3, top_k=vocab - 1, top_logprobs_num=3)]
+    specs = [RowSpec(params=p, seed=7 * i, sample_index=i, position=i, output_ids=(1,),
+                     prompt_ids=(2,)) for i, p in enumerate(cases)]
+    sb = build_sampling_batch(specs, 8, vocab)
+    for i, p in enumerate(cases):
+        greedy = p.temperature == 0.0 or p.top_k == 1
+        want = {"temperature": 0.0 if greedy else p.temperature,
+                "top_k": 0 if greedy or not 0 < p.top_k < vocab else p.top_k,
+                "top_p": 1.0 if greedy else p.top_p, "min_p": 0.0 if greedy else p.min_p,
+                "frequency_penalty": p.frequency_penalty,
+                "presence_penalty": p.presence_penalty,
+                "repetition_penalty": p.repetition_penalty,
+                "top_logprobs_num": p.top_logprobs_num}
+        for name, value in want.items():
+            stored = np.asarray(getattr(sb, name))
+            one = np.zeros(1, stored.dtype)
+            one[0] = value  # the element store the kept fields must match bit for bit
+            assert stored[i].tobytes() == one[0].tobytes(), (i, name, stored[i], value)
+    assert bool(sb.any_penalty) and bool(sb.any_logprobs) and bool(sb.any_filter)
+    kept = cases[2].sampler_fields
+    assert cases[2].sampler_fields is kept  # computed once for this params object
+    changed = cases[2].with_updates(temperature=0.0)
+    assert changed.sampler_fields.floats[0] == 0.0 and kept.floats[0] == 0.1
+
+
+def test_a_kept_plain_decode_steps_sampler_inputs_equal_a_rebuild() -> None:
+    """SteadyRows reuses a plain decode step's SamplingBatch for the next plain steps of
+    the same samples: every reuse equals, field for field and bit for bit, what
+    step_rows + build_sampling_batch build for that step, including a sample whose
+    min_new_tokens bans end part-way, rows that change when a request joins or ends,
+    and a penalised sample that keeps its step from being kept at all."""
+    sim = Sim(num_pages=64, max_tokens=64, max_rows=8)
+    rules = StopRules(frozenset([2]), 256, None)
+    vocab, rows_padded = 128, 8
+    zeros, no_masks = penalty_zeros(rows_padded, vocab), mask_zeros(rows_padded, vocab)
+
+    def zeros_for(num_rows: int) -> tuple[Any, Any, Any]:
+        assert num_rows == rows_padded
+        return zeros.output_counts, zeros.prompt_mask, no_masks
+
+    def req(rid: str, n: int, **params: Any) -> Req:
+        params.setdefault("ignore_eos", True)
+        return Req(rid, 0, list(range(3, 3 + n)),
+                   SamplingParams(max_new_tokens=params.pop("max_new", 12), **params),
+                   7 + n, lambda _: None)
+
+    sim.add(req("greedy", 5, temperature=0.0),
+            req("sampled", 6, temperature=0.8, top_k=7, top_p=0.9, top_logprobs_num=2),
+            req("banned", 7, min_new_tokens=4, stop_token_ids=(9,), max_new=9))
+    steady, reused, kept_penalised, reused_banned = SteadyRows(), 0, False, False
+    for step in range(30):
+        if step == 6:
+            sim.add(req("late", 4, temperature=0.5))
+        if step == 16:
+            sim.add(req("penalised", 3, frequency_penalty=0.5, max_new=4))
+        batch = sim.sched.schedule()
+        if batch is None:
+            break
+        specs, wants_lp = step_rows(batch, rules, mask_words(vocab))
+        fresh = build_sampling_batch(specs, rows_padded, vocab, zeros=zeros,
+                                     no_masks=no_masks)
+        got = steady.reuse(batch, rows_padded, zeros_for)
+        if got is None:
+            steady.keep(batch, rows_padded, specs, fresh, wants_lp)
+            kept_penalised |= steady._small is not None and any(
+                r.req.params.has_penalty for r in batch.rows)
+        else:
+            reused += 1
+            reused_banned |= any(r.req.rid == "banned" for r in batch.rows)
+            assert got[1] == wants_lp
+            for f in dataclasses.fields(SamplingBatch):
+                a, b = np.asarray(getattr(got[0], f.name)), np.asarray(getattr(fresh, f.name))
+                assert a.dtype == b.dtype and a.tobytes() == b.tobytes(), (step, f.name)
+        sim.sched.launch(batch)
+        for row in batch.rows:  # the model-free read of Sim.step
+            if row.samples:
+                row.req.pending -= 1
+                row.req.output_ids.append(10 + len(row.req.output_ids))
+                if len(row.req.output_ids) >= row.req.params.max_new_tokens:
+                    sim.finish(row.req)
+    assert reused >= 5 and reused_banned and not kept_penalised

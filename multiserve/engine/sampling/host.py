@@ -58,10 +58,6 @@ def penalty_zeros(rows: int, vocab: int) -> PenaltyZeros:
     return PenaltyZeros(np.zeros((rows, vocab), np.int32), np.zeros((rows, vocab), np.bool_))
 
 
-def _has_penalty(p: SamplingParams) -> bool:
-    return p.has_penalty
-
-
 def build_sampling_batch(rows: Sequence[RowSpec | None], R: int, vocab: int, *,
                          max_banned: int = MAX_BANNED_IDS,
                          zeros: PenaltyZeros | None = None,
@@ -88,42 +84,39 @@ def build_sampling_batch(rows: Sequence[RowSpec | None], R: int, vocab: int, *,
     banned = np.full((R, max_banned), -1, i32)
     top_n = np.zeros(R, i32)
     lp_ids = np.full((R, MAX_TOKEN_IDS_LOGPROB), -1, i32)
-    penalised = [i for i, row in enumerate(rows) if row is not None and _has_penalty(row.params)]
+    # the rows present, and their params' fixed fields (SamplingParams.sampler_fields,
+    # computed once per params object: only seeds, sample indexes and positions are
+    # gathered from the specs every step)
+    live = [i for i, row in enumerate(rows) if row is not None]
+    specs = cast("list[RowSpec]", [rows[i] for i in live])
+    fields = [row.params.sampler_fields for row in specs]
+    penalised = [i for i, f in zip(live, fields) if f.has_penalty]
     if penalised:
         counts, prompt_mask = penalty_zeros(R, vocab)
     else:
         counts, prompt_mask = zeros if zeros is not None else penalty_zeros(R, vocab)
     assert counts.shape == (R, vocab) and prompt_mask.shape == (R, vocab)
-    # one pass per field over the rows present, one store of its list: a slice store
-    # when they are rows 0..n-1 (a decode step), else an index store; float32 stores
-    # round Python floats as element stores do
-    live = [i for i, row in enumerate(rows) if row is not None]
+    # one store per field of the rows present: a slice store when they are rows 0..n-1
+    # (a decode step), else an index store; float32 stores round Python floats as
+    # element stores do
     at: slice | list[int] = slice(0, len(live)) if len(live) == len(rows) else live
-    specs = cast("list[RowSpec]", [rows[i] for i in live])
-    params = [row.params for row in specs]
-    greedy = [p.is_greedy for p in params]
-    temperature[at] = [0.0 if g else p.temperature for p, g in zip(params, greedy)]
-    top_k[at] = [0 if g or not 0 < p.top_k < vocab else p.top_k
-                 for p, g in zip(params, greedy)]
-    top_p[at] = [1.0 if g else p.top_p for p, g in zip(params, greedy)]
-    min_p[at] = [0.0 if g else p.min_p for p, g in zip(params, greedy)]
-    freq[at] = [p.frequency_penalty for p in params]
-    pres[at] = [p.presence_penalty for p in params]
-    rep[at] = [p.repetition_penalty for p in params]
+    floats = np.array([f.floats for f in fields], f32).reshape(len(fields), 6).T
+    temperature[at], top_p[at], min_p[at], freq[at], pres[at], rep[at] = floats
+    top_k[at] = [k if k < vocab else 0 for k in [f.top_k for f in fields]]
+    top_n[at] = [f.top_logprobs_num for f in fields]
     seeds = [row.seed for row in specs]
     assert all(0 <= seed < 2**63 for seed in seeds), seeds
     seed_hi[at] = [seed >> 32 for seed in seeds]
     seed_lo[at] = [seed & 0xFFFFFFFF for seed in seeds]
     sample_index[at] = [row.sample_index for row in specs]
     position[at] = [row.position for row in specs]
-    top_n[at] = [p.top_logprobs_num for p in params]
     for i, row in zip(live, specs):
         if row.ban_ids:
             assert len(row.ban_ids) <= max_banned, (len(row.ban_ids), max_banned)
             banned[i, :len(row.ban_ids)] = row.ban_ids
         if row.params.token_ids_logprob is not None:
             lp_ids[i, :len(row.params.token_ids_logprob)] = row.params.token_ids_logprob
-    any_logprobs = any(p.wants_logprobs for p in params)
+    any_logprobs = any(f.wants_logprobs for f in fields)
     for i in penalised:
         row = rows[i]
         assert row is not None

@@ -79,6 +79,7 @@ def step_rows(batch: ScheduledBatch, rules: StopRules,
                            position=row.end,
                            output_ids=[*req.output_ids, *row.draft] if k else req.output_ids,
                            prompt_ids=req.prompt_ids, ban_ids=rules.ban_ids(req, k),
-                           token_mask=grammar_mask(req, mask_words)))
-        wants_lp = wants_lp or req.params.wants_logprobs
+                           token_mask=(grammar_mask(req, mask_words)
+                                       if req.grammar is not None else None)))
+        wants_lp = wants_lp or req.params.sampler_fields.wants_logprobs
     return specs, wants_lp
