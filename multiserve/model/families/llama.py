@@ -91,10 +91,9 @@ def project_together(h: jax.Array, w: dict[str, jax.Array | None],
     starts = np.cumsum([0] + [-(-n // PANEL) * PANEL for n in widths])
     together = ProductPlan(group, first.k, int(starts[-1]), first.by_rows)
     out = dense(h, None, None, together, w_p=panels, layer=layer)
-    parts = [out[:, int(a):int(a) + n] for a, n in zip(starts[:-1], widths, strict=True)]
-    if adapt is not None:
-        parts = list(adapt(h, tuple(members), tuple(parts)))
-    return tuple(parts)
+    if adapt is not None:  # in place in the whole product, each member at its columns
+        out = adapt(h, tuple(members), out, tuple(int(a) for a in starts[:-1]))
+    return tuple(out[:, int(a):int(a) + n] for a, n in zip(starts[:-1], widths, strict=True))
 
 
 def _layer(x: jax.Array, kv: KVPool, layer: int | jax.Array, w: dict[str, jax.Array | None],
@@ -129,7 +128,7 @@ def layer_projection(w: dict[str, jax.Array | None], layer: int | jax.Array,
         panels = w[f"{name}_p"]  # the whole stack: the native kernel indexes the layer
         y = dense(h, w[name], w[f"{name}_t"], plan.product(name), w_p=panels,
                   layer=None if panels is None else layer, residual=residual)
-        return y if adapt is None else adapt(h, (name,), (y,))[0]
+        return y if adapt is None else adapt(h, (name,), y, (0,))
 
     return proj
 
