@@ -56,6 +56,10 @@ inline float widen(uint16_t v) {
   return f;
 }
 
+inline vf splat(float v) {  // every lane v's bits (one broadcast, no add)
+  return vf{v, v, v, v, v, v, v, v, v, v, v, v, v, v, v, v};
+}
+
 inline vf load(const float* p) {
   vf v;
   std::memcpy(&v, p, sizeof v);
@@ -158,7 +162,7 @@ void shrink_vec(Problem<E>& pr, size_t m, int64_t first) {
     vf av[RV];
     for (int v = 0; v < RV; ++v) av[v] = load(ar + k * pr.r + LANES * v);
     for (int i = 0; i < NT; ++i) {
-      const vf xv = vf{} + widen(xr[i][k]);
+      const vf xv = splat(widen(xr[i][k]));
       for (int v = 0; v < RV; ++v) acc[i][v] += xv * av[v];
     }
   }
@@ -208,7 +212,7 @@ void expand_vec(Problem<E>& pr, size_t m, int64_t first, int64_t n0) {
     vf bv[CV];
     for (int v = 0; v < CV; ++v) bv[v] = load(br + j * mod.n + LANES * v);
     for (int i = 0; i < NT; ++i) {
-      const vf xv = vf{} + xa[i][j];
+      const vf xv = splat(xa[i][j]);
       for (int v = 0; v < CV; ++v) acc[i][v] += xv * bv[v];
     }
   }
@@ -250,11 +254,37 @@ void in_blocks(int64_t first, int64_t count, F f) {
   }
 }
 
-constexpr int64_t TILE = 256;  // columns of one expand item
+constexpr int64_t TILE = 256;  // columns of B expanded at a time (a tile's B stays in L1)
 
-// Every projection's deltas for the active tokens: the shrinks (one item per run of one
-// slot and projection: its A read once), then the expands (one item per run, projection
-// and tile of TILE columns: its B tile read once, kept in L1 for the run's blocks).
+// One item: a run of tokens of one slot and one projection: the shrink of every token
+// of the run (A read once), then the expand tile by tile (each B tile read once from
+// memory, kept in L1 for the run's register blocks).
+template <typename E>
+void run_item(Problem<E>& pr, int64_t start, int64_t count, size_t m) {
+  in_blocks(start, count, [&pr, m](int64_t first, int nt) {
+    switch (nt) {
+      case 8: shrink_block<E, 8>(pr, m, first); break;
+      case 4: shrink_block<E, 4>(pr, m, first); break;
+      case 2: shrink_block<E, 2>(pr, m, first); break;
+      default: shrink_block<E, 1>(pr, m, first); break;
+    }
+  });
+  const int64_t n = pr.modules[m].n;
+  for (int64_t c0 = 0; c0 < n; c0 += TILE) {
+    const int64_t c1 = std::min(c0 + TILE, n);
+    in_blocks(start, count, [&pr, m, c0, c1](int64_t first, int nt) {
+      switch (nt) {
+        case 8: expand_block<E, 8>(pr, m, first, c0, c1); break;
+        case 4: expand_block<E, 4>(pr, m, first, c0, c1); break;
+        case 2: expand_block<E, 2>(pr, m, first, c0, c1); break;
+        default: expand_block<E, 1>(pr, m, first, c0, c1); break;
+      }
+    });
+  }
+}
+
+// Every projection's deltas for the active tokens: one item per (run of one slot,
+// projection), spread over the pool (one hand-off a call).
 template <typename E>
 void run(ffi::ThreadPool& pool, Problem<E>& pr) {
   if (pr.tok.empty()) return;
@@ -264,44 +294,14 @@ void run(ffi::ThreadPool& pool, Problem<E>& pr) {
   int64_t cols = 0;
   for (const auto& mod : pr.modules) cols += mod.n;
   const int64_t tokens = static_cast<int64_t>(pr.tok.size());
-  // ~ multiply-adds / 64 (the unit of product_split.h), and the A / B bytes read
-  const int64_t units = std::max<int64_t>(
-      1, (tokens * (nm * pr.k * pr.r + cols * pr.r)) / 64 +
-             nr * (nm * pr.k + cols) * pr.r * static_cast<int64_t>(sizeof(E)) / 64);
+  // ~ multiply-adds / 64 (the unit of product_split.h), plus the A and B bytes read / 64
+  const int64_t units =
+      (tokens * (nm * pr.k * pr.r + cols * pr.r)) / 64 +
+      nr * (nm * pr.k + cols) * pr.r * static_cast<int64_t>(sizeof(E)) / 64;
   for_each_item(pool, nr * nm, units, false, [&pr, nm](int64_t lo, int64_t hi) {
-    for (int64_t it = lo; it < hi; ++it) {
-      const auto [start, count] = pr.runs[it / nm];
-      const size_t m = static_cast<size_t>(it % nm);
-      in_blocks(start, count, [&pr, m](int64_t first, int nt) {
-        switch (nt) {
-          case 8: shrink_block<E, 8>(pr, m, first); break;
-          case 4: shrink_block<E, 4>(pr, m, first); break;
-          case 2: shrink_block<E, 2>(pr, m, first); break;
-          default: shrink_block<E, 1>(pr, m, first); break;
-        }
-      });
-    }
-  });
-  // expand items: (run, module, tile)
-  std::vector<std::pair<int64_t, int64_t>> tiles;  // (module, first column)
-  for (int64_t m = 0; m < nm; ++m)
-    for (int64_t c = 0; c < pr.modules[m].n; c += TILE) tiles.emplace_back(m, c);
-  const int64_t nt_items = static_cast<int64_t>(tiles.size());
-  for_each_item(pool, nr * nt_items, units, false,
-                [&pr, &tiles, nt_items](int64_t lo, int64_t hi) {
-    for (int64_t it = lo; it < hi; ++it) {
-      const auto [start, count] = pr.runs[it / nt_items];
-      const auto [m, c0] = tiles[it % nt_items];
-      const int64_t c1 = std::min(c0 + TILE, pr.modules[m].n);
-      in_blocks(start, count, [&pr, m, c0, c1](int64_t first, int nt) {
-        switch (nt) {
-          case 8: expand_block<E, 8>(pr, m, first, c0, c1); break;
-          case 4: expand_block<E, 4>(pr, m, first, c0, c1); break;
-          case 2: expand_block<E, 2>(pr, m, first, c0, c1); break;
-          default: expand_block<E, 1>(pr, m, first, c0, c1); break;
-        }
-      });
-    }
+    for (int64_t it = lo; it < hi; ++it)
+      run_item(pr, pr.runs[it / nm].first, pr.runs[it / nm].second,
+               static_cast<size_t>(it % nm));
   });
 }
 
