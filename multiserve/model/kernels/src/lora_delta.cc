@@ -9,21 +9,28 @@
 // reads only its own slot's matrices (the per-token gathered product: a step with one
 // adapter in use reads one adapter, whatever the slot count).
 //
-// The APPLIED form (MultiserveLoraApply, what the forward calls): the same deltas for
-// several projections of the same x at once (a layer's q, k, v; or gate, up), each added
-// to its projection's output y [T, N] (an operand aliased to the result): for a token with
-// an adapter, y'[t, n] = round(float(y[t, n]) + d[t, n]) (d materialized in float32
-// first, then one float32 add, rounded once to y's dtype, to nearest even); a token of
-// slot 0 is not touched, so its y' is y's bits exactly. One call instead of a call and
-// an XLA fusion per projection.
+// The APPLIED form (MultiserveLoraApply, what the forward calls): the deltas of every
+// projection of the same x at once (a layer's q, k, v; or gate, up; or o; or down), each
+// added in place to ITS columns of one output y [T, W] (an operand aliased to the result:
+// the fused product's output whole, projection m at column offsets[m], an attribute), so
+// no projection's columns are copied into a buffer of their own: for a token with an
+// adapter, y'[t, c] = round(float(y[t, c]) + d[t, n]) for c = offsets[m] + n (d
+// materialized in float32 first, then one float32 add, rounded once to y's dtype, to
+// nearest even); a token of slot 0, and a column no projection covers, is not touched,
+// so its y' is y's bits exactly. One call a layer position.
+//
+// Work: the tokens with an adapter sorted by slot, in runs of one slot; one item per
+// (run, projection), spread over the pool (one hand-off a call): the shrink of every token
+// of the run (register blocks of up to 8 tokens, each A row loaded once for the block; A
+// read from memory once per item), then the expand tile by tile (256 columns: the tile's
+// B read from memory once, kept in L1 for the run's blocks). So a step reads
+// each adapter in use once per projection, whatever its token count.
 //
 // Row invariance BY CONSTRUCTION: xa[j] = sum over k = 0, 1, .., K-1 in that order of
 // x[t, k] * A[k, j], one fused multiply-add per step into a running sum from zero; then
 // d[n] = sum over j = 0, .., R-1 in order of xa[j] * B[j, n] the same way; then one
-// multiply by the scale. Tokens are sorted by slot and computed in register blocks of up
-// to TB tokens of one slot (each matrix row loaded once for the block), blocks spread
-// over threads, which only decides which core and which registers hold a token's sums,
-// never their order. So a token's delta depends only on
+// multiply by the scale. Runs, blocks, tiles and threads only decide which core and which
+// registers hold a token's sums, never their order. So a token's delta depends only on
 // its x row, its slot's A, B and scale: not on T, on the other tokens or their adapters,
 // nor on the thread count. (Built with -ffp-contract=fast: `acc += a * b` is one FMA, in
 // the vector and the scalar loops alike, so the vector path (R a multiple of 16) and the
