@@ -81,7 +81,9 @@ def project_together(h: jax.Array, w: dict[str, jax.Array | None],
     """h times each member of `group` (FUSED_GROUPS): one native product of the group's
     panels `<group>_p` where `w` holds them (then sliced per member: each member's columns
     start at a panel boundary), else one product per member through `proj`. `adapt`:
-    each member's LoRA (model/layers/lora.py), which `proj` applies itself."""
+    each member's LoRA (model/layers/lora.py): on the whole product before it is sliced
+    (every member at its first column, one native call, no copy of a member's columns),
+    or applied by `proj` to each member's own product."""
     members = FUSED_GROUPS[group]
     panels = w.get(f"{group}_p")
     if panels is None:
