@@ -4,11 +4,13 @@ weights, plan and KV pool, in one process, rounds alternating in order.
 
     PYTHONPATH=. python scripts/ab_lora_step.py [--dtype bfloat16] [--tokens 1 64]
 
-The engine has 4 adapters of rank 16 on all seven target modules (bench/lora_bench.py's
-random ones); at T tokens token t uses adapter 1 + t mod 4 (the bench's round-robin).
-Each round times 10 forwards of each form (the KV pool donated and threaded through);
-prints per T the median and best ms a forward of each form and the median of the
-per-round differences (LoRA - base, ms).
+The engine has 4 adapters of rank 16 on all seven target modules (the random ones of
+multiserve/bench/lora_bench.py); at T tokens token t uses adapter 1 + t mod 4 (the
+bench's round-robin). Each round times 10 forwards of each form (the KV pool donated and
+threaded through); prints per T the median and best ms a forward of each form, the
+median of the per-round differences (LoRA - base, ms) and the sha256 of the LoRA form's
+hidden states (the same bits before and after a change to the kernel: compare them).
+AB_LORA_HLO=prefix writes each compiled program's optimized HLO to prefix-<form>-<T>.txt.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ ADAPTERS, RANK = 4, 16
 
 
 def measure(core: Any, tokens: tuple[int, ...], rounds: int) -> str:
+    """One line per T (the engine thread: its weights, plan and KV pool)."""
     runner = core.runner
     family, cfg = runner.family, runner.model_cfg
     kw = dict(page_size=core.page_size, attn_block_size=core.cfg.attention_block_size,
@@ -43,7 +46,7 @@ def measure(core: Any, tokens: tuple[int, ...], rounds: int) -> str:
         return family.forward_hidden(params, kv, batch, cfg, **kw)
 
     jitted = jax.jit(fwd, donate_argnums=(1,))
-    lines = []
+    lines: list[str] = []
     for t in tokens:
         shape = B.step_shape(core, [90] * t, 64)
         a = B.decode_arrays(shape, runner.page_table_rows(shape.tokens), runner.max_rows,
@@ -61,7 +64,7 @@ def measure(core: Any, tokens: tuple[int, ...], rounds: int) -> str:
         without = {k: v for k, v in with_lora.items() if k != "lora"}
         forms = {"base": (without, base), "lora": (with_lora, lora)}
         times: dict[str, list[float]] = {k: [] for k in forms}
-        compiled = {}
+        compiled: dict[str, Any] = {}
         for name, (p, b) in forms.items():  # compiled with the engine's XLA options
             compiled[name] = jitted.lower(p, runner.kv, b).compile(
                 compiler_options=runner.step_programs.xla_options)
