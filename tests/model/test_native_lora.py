@@ -67,27 +67,33 @@ def test_native_delta_matches_the_xla_form_and_is_row_invariant(dtype: jnp.dtype
                                         (jnp.float32, 12)])
 def test_applied_form_adds_each_delta_once_and_leaves_base_rows(dtype: jnp.dtype,
                                                                 rank: int) -> None:
-    """`lora_apply_native` on two projections of one x (N 200 and 64): a token with an
-    adapter gets round(y + d) (d the delta form's float32 bits), a slot-0 token y's own
-    bits; each token alone = in the step."""
+    """`lora_apply_native` on two projections of one x (N 200 and 64) in one output row
+    of 280 columns (at 0 and 208, as a fused product's members): a token with an adapter
+    gets round(y + d) in each projection's columns (d the delta form's float32 bits), a
+    slot-0 token and the columns no projection covers y's own bits; each token alone =
+    in the step."""
     x, a, b, scale, slots = _case(dtype, rank)
     _, a2, b2, _, _ = _case(dtype, rank, n=64, seed=1)
     rng = np.random.default_rng(3)
-    ys = (jnp.asarray(rng.standard_normal((x.shape[0], 200)), dtype),
-          jnp.asarray(rng.standard_normal((x.shape[0], 64)), dtype))
-    apply = jax.jit(native.lora_apply_native)
+    y = jnp.asarray(rng.standard_normal((x.shape[0], 280)), dtype)
+    offsets = (0, 208)
+    apply = jax.jit(native.lora_apply_native, static_argnums=(4,))
     delta = jax.jit(native.lora_delta_native)
     layer = 1
-    got = apply(x, ys, (a, a2), (b, b2), scale, slots, layer)
+    got = np.asarray(apply(x, y, (a, a2), (b, b2), offsets, scale, slots, layer))
     on = np.asarray(slots) > 0
-    for y, am, bm, out in zip(ys, (a, a2), (b, b2), got, strict=True):
+    covered = np.zeros(280, bool)
+    for am, bm, start in zip((a, a2), (b, b2), offsets, strict=True):
+        cols = slice(start, start + bm.shape[-1])
+        covered[cols] = True
+        part = y[:, cols]
         d = delta(x, am, bm, scale, slots, layer)
-        want = (y.astype(jnp.float32) + d).astype(dtype)
-        np.testing.assert_array_equal(np.asarray(out[on]), np.asarray(want[on]))
-        np.testing.assert_array_equal(np.asarray(out[~on]), np.asarray(y[~on]))
-        assert not np.array_equal(np.asarray(out[on]), np.asarray(y[on]))
+        want = np.asarray((part.astype(jnp.float32) + d).astype(dtype))
+        np.testing.assert_array_equal(got[on, cols], want[on])
+        assert not np.array_equal(got[on, cols], np.asarray(part)[on])
+    np.testing.assert_array_equal(got[~on], np.asarray(y)[~on])
+    np.testing.assert_array_equal(got[:, ~covered], np.asarray(y)[:, ~covered])
     for t in (0, 5, 36):
-        alone = apply(x[t:t + 1], tuple(y[t:t + 1] for y in ys), (a, a2), (b, b2), scale,
+        alone = apply(x[t:t + 1], y[t:t + 1], (a, a2), (b, b2), offsets, scale,
                       slots[t:t + 1], layer)
-        for one, out in zip(alone, got, strict=True):
-            np.testing.assert_array_equal(np.asarray(one[0]), np.asarray(out[t]))
+        np.testing.assert_array_equal(np.asarray(alone)[0], got[t])

@@ -82,7 +82,9 @@ def project_together(h: jax.Array, w: dict[str, jax.Array | None],
     """h times each member of `group` (FUSED_GROUPS): one native product of the group's
     panels `<group>_p` where `w` holds them (then sliced per member: each member's columns
     start at a panel boundary), else one product per member through `proj`. `adapt`:
-    each member's LoRA (model/layers/lora.py), which `proj` applies itself."""
+    each member's LoRA (model/layers/lora.py): on the whole product before it is sliced
+    (every member at its first column, one native call, no copy of a member's columns),
+    or applied by `proj` to each member's own product."""
     members = FUSED_GROUPS[group]
     panels = w.get(f"{group}_p")
     if panels is None:
@@ -92,10 +94,9 @@ def project_together(h: jax.Array, w: dict[str, jax.Array | None],
     starts = np.cumsum([0] + [-(-n // PANEL) * PANEL for n in widths])
     together = ProductPlan(group, first.k, int(starts[-1]), first.by_rows)
     out = dense(h, None, None, together, w_p=panels, layer=layer)
-    parts = [out[:, int(a):int(a) + n] for a, n in zip(starts[:-1], widths, strict=True)]
-    if adapt is not None:
-        parts = list(adapt(h, tuple(members), tuple(parts)))
-    return tuple(parts)
+    if adapt is not None:  # in place in the whole product, each member at its columns
+        out = adapt(h, tuple(members), out, tuple(int(a) for a in starts[:-1]))
+    return tuple(out[:, int(a):int(a) + n] for a, n in zip(starts[:-1], widths, strict=True))
 
 
 def _layer(x: jax.Array, kv: KVPool, layer: int | jax.Array, w: dict[str, jax.Array | None],
@@ -133,7 +134,7 @@ def layer_projection(w: dict[str, jax.Array | None], layer: int | jax.Array,
         panels = w[f"{name}_p"]  # the whole stack: the native kernel indexes the layer
         y = dense(h, w[name], w[f"{name}_t"], plan.product(name), w_p=panels,
                   layer=None if panels is None else layer, residual=residual)
-        return y if adapt is None else adapt(h, (name,), (y,))[0]
+        return y if adapt is None else adapt(h, (name,), y, (0,))
 
     return proj
 

@@ -17,7 +17,8 @@
 - the LoRA delta (src/lora_delta.cc, `lora_delta_native`): each token's low-rank product
   with its own adapter's matrices, read in place from the adapter stacks (only the slots
   the step's tokens use); `lora_apply_native`, what model/layers/lora.py calls, adds it to
-  the outputs of the projections of one x in one call.
+  the outputs of every projection of one x in one call, in place in their (fused)
+  product's output.
 
 All are row-invariant by construction (see the .cc files). The attention and products,
 which the calibration still verifies bitwise like any other candidate
@@ -389,26 +390,29 @@ def lora_delta_native(x: jax.Array, a: jax.Array, b: jax.Array, scale: jax.Array
                 jnp.asarray(layer, jnp.int32).reshape(1))
 
 
-def lora_apply_native(x: jax.Array, ys: tuple[jax.Array, ...], a: tuple[jax.Array, ...],
-                      b: tuple[jax.Array, ...], scale: jax.Array, slots: jax.Array,
-                      layer: int | jax.Array) -> tuple[jax.Array, ...]:
-    """Each ys[m] [T, N_m] with its LoRA delta added (`lora_delta_native` of a[m], b[m]):
-    for a token with an adapter y + d in float32, rounded once to y's dtype; a token of
-    slot 0 keeps y's bits. One call for projections of the same x (src/lora_delta.cc,
-    the applied form); x, ys, a and b all float32 or all bfloat16."""
-    assert len(ys) == len(a) == len(b) and ys
-    assert all(v.dtype == x.dtype for v in (*ys, *a, *b)), [v.dtype for v in (*ys, *a, *b)]
+def lora_apply_native(x: jax.Array, y: jax.Array, a: tuple[jax.Array, ...],
+                      b: tuple[jax.Array, ...], offsets: tuple[int, ...], scale: jax.Array,
+                      slots: jax.Array, layer: int | jax.Array) -> jax.Array:
+    """y [T, W] with the LoRA delta of each projection m (`lora_delta_native` of a[m],
+    b[m]) added to its columns [offsets[m], offsets[m] + N_m): for a token with an adapter
+    y + d in float32, rounded once to y's dtype; a token of slot 0, and every column no
+    projection covers, keep y's bits. One call for every projection of the same x, y
+    whole (a fused product's output: src/lora_delta.cc, the applied form, y aliased to
+    the result); x, y, a and b all float32 or all bfloat16."""
+    assert len(a) == len(b) == len(offsets) and a
+    assert all(v.dtype == x.dtype for v in (y, *a, *b)), [v.dtype for v in (y, *a, *b)]
     assert x.dtype in (jnp.float32, jnp.bfloat16) and max(m.shape[-1] for m in a) <= \
         LORA_MAX_RANK
+    assert all(0 <= o and o + bm.shape[-1] <= y.shape[1] for o, bm in zip(offsets, b,
+                                                                            strict=True))
     _require()
     operands: list[jax.Array] = [x, slots.astype(jnp.int32), scale.astype(jnp.float32),
-                                 jnp.asarray(layer, jnp.int32).reshape(1)]
-    for y, am, bm in zip(ys, a, b, strict=True):
-        operands += [y, am, bm]
-    call = jax.ffi.ffi_call(LORA_APPLY, tuple(jax.ShapeDtypeStruct(y.shape, y.dtype)
-                                              for y in ys),
-                            input_output_aliases={4 + 3 * m: m for m in range(len(ys))})
-    return tuple(call(*operands))
+                                 jnp.asarray(layer, jnp.int32).reshape(1), y]
+    for am, bm in zip(a, b, strict=True):
+        operands += [am, bm]
+    call = jax.ffi.ffi_call(LORA_APPLY, jax.ShapeDtypeStruct(y.shape, y.dtype),
+                            input_output_aliases={4: 0})
+    return call(*operands, offsets=np.asarray(offsets, np.int64))
 
 
 def paged_attention_native(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,

@@ -19,8 +19,9 @@ Each token t carries its slot `slots[t]` (ForwardBatch.lora_slots). Invariants:
   native (the CPU, where the plan's attention is the native kernel): the kernel of
   model/kernels/src/lora_delta.cc (`lora_apply_native`), per token its slot's A then B
   with in-order float32 sums, reading the stacks in place and only the slots in use,
-  the delta added to y in the kernel (a slot-0 token's y untouched), the projections of
-  one x (q, k, v; gate, up) in one call;
+  the delta added to y in the kernel (a slot-0 token's y untouched), every projection
+  of one x (q, k, v; gate, up) in one call on their fused product's output whole, each
+  at its column offset (no copy of a projection's columns into a buffer of its own);
   XLA (every other platform, a tensor-parallel engine, ranks above the kernel's): every
   op is elementwise over tokens, and the two contractions (over K, then over r) are explicit
   pairwise trees of elementwise adds (`_tree_sum`) in float32, in a fixed order, each
@@ -48,9 +49,10 @@ from multiserve.model.invariance.plan import InvariancePlan
 # tokens)
 CHUNK = 64
 
-# (x [T, K], layer matrix names, their y [T, N] each) -> each y with each adapter token's
-# delta added (several projections of the same x at once: one native call)
-Adapt = Callable[[jax.Array, tuple[str, ...], tuple[jax.Array, ...]], tuple[jax.Array, ...]]
+# (x [T, K], layer matrix names, y [T, W], each name's first column in y) -> y with each
+# adapter token's delta of each projection added to that projection's columns (every
+# projection of the same x at once, in their fused product's output: one native call)
+Adapt = Callable[[jax.Array, tuple[str, ...], jax.Array, tuple[int, ...]], jax.Array]
 
 
 def _tree_sum(x: jax.Array, axis: int) -> jax.Array:
@@ -112,17 +114,21 @@ def layer_adapter(lora: dict[str, jax.Array], layer: int | jax.Array,
     traced); `native`: the kernel form (`native_lora`), else the XLA form."""
     on = (slots > 0)[:, None]
 
-    def adapt(x: jax.Array, names: tuple[str, ...], ys: tuple[jax.Array, ...]
-              ) -> tuple[jax.Array, ...]:
+    def adapt(x: jax.Array, names: tuple[str, ...], y: jax.Array,
+              offsets: tuple[int, ...]) -> jax.Array:
         a = tuple(lora[f"{name}_a"] for name in names)
         b = tuple(lora[f"{name}_b"] for name in names)
-        if native and all(v.dtype == x.dtype for v in (*ys, *a)):
+        if native and all(v.dtype == x.dtype for v in (y, *a)):
             from multiserve.model.kernels.native import lora_apply_native
 
-            return lora_apply_native(x, ys, a, b, lora["scale"], slots, layer)
-        return tuple(
-            jnp.where(on, (y.astype(jnp.float32) + _rounded(
-                lora_delta(x, am[layer], bm[layer], lora["scale"], slots))).astype(y.dtype), y)
-            for y, am, bm in zip(ys, a, b, strict=True))
+            return lora_apply_native(x, y, a, b, offsets, lora["scale"], slots, layer)
+        for am, bm, start in zip(a, b, offsets, strict=True):
+            n = bm.shape[-1]
+            part = y[:, start:start + n]
+            part = jnp.where(on, (part.astype(jnp.float32) + _rounded(
+                lora_delta(x, am[layer], bm[layer], lora["scale"], slots))).astype(y.dtype),
+                part)
+            y = part if n == y.shape[1] else jax.lax.dynamic_update_slice(y, part, (0, start))
+        return y
 
     return adapt

@@ -9,21 +9,28 @@
 // reads only its own slot's matrices (the per-token gathered product: a step with one
 // adapter in use reads one adapter, whatever the slot count).
 //
-// The APPLIED form (MultiserveLoraApply, what the forward calls): the same deltas for
-// several projections of the same x at once (a layer's q, k, v; or gate, up), each added
-// to its projection's output y [T, N] (an operand aliased to the result): for a token with
-// an adapter, y'[t, n] = round(float(y[t, n]) + d[t, n]) (d materialized in float32
-// first, then one float32 add, rounded once to y's dtype, to nearest even); a token of
-// slot 0 is not touched, so its y' is y's bits exactly. One call instead of a call and
-// an XLA fusion per projection.
+// The APPLIED form (MultiserveLoraApply, what the forward calls): the deltas of every
+// projection of the same x at once (a layer's q, k, v; or gate, up; or o; or down), each
+// added in place to ITS columns of one output y [T, W] (an operand aliased to the result:
+// the fused product's output whole, projection m at column offsets[m], an attribute), so
+// no projection's columns are copied into a buffer of their own: for a token with an
+// adapter, y'[t, c] = round(float(y[t, c]) + d[t, n]) for c = offsets[m] + n (d
+// materialized in float32 first, then one float32 add, rounded once to y's dtype, to
+// nearest even); a token of slot 0, and a column no projection covers, is not touched,
+// so its y' is y's bits exactly. One call a layer position.
+//
+// Work: the tokens with an adapter sorted by slot, in runs of one slot; one item per
+// (run, projection), spread over the pool (one hand-off a call): the shrink of every token
+// of the run (register blocks of up to 8 tokens, each A row loaded once for the block; A
+// read from memory once per item), then the expand tile by tile (256 columns: the tile's
+// B read from memory once, kept in L1 for the run's blocks). So a step reads
+// each adapter in use once per projection, whatever its token count.
 //
 // Row invariance BY CONSTRUCTION: xa[j] = sum over k = 0, 1, .., K-1 in that order of
 // x[t, k] * A[k, j], one fused multiply-add per step into a running sum from zero; then
 // d[n] = sum over j = 0, .., R-1 in order of xa[j] * B[j, n] the same way; then one
-// multiply by the scale. Tokens are sorted by slot and computed in register blocks of up
-// to TB tokens of one slot (each matrix row loaded once for the block), blocks spread
-// over threads, which only decides which core and which registers hold a token's sums,
-// never their order. So a token's delta depends only on
+// multiply by the scale. Runs, blocks, tiles and threads only decide which core and which
+// registers hold a token's sums, never their order. So a token's delta depends only on
 // its x row, its slot's A, B and scale: not on T, on the other tokens or their adapters,
 // nor on the thread count. (Built with -ffp-contract=fast: `acc += a * b` is one FMA, in
 // the vector and the scalar loops alike, so the vector path (R a multiple of 16) and the
@@ -47,7 +54,6 @@ typedef float vf __attribute__((vector_size(64)));
 typedef uint16_t vh __attribute__((vector_size(32)));
 typedef uint32_t vu __attribute__((vector_size(64)));
 constexpr int LANES = 16;
-constexpr int TB = 8;  // the most tokens of one slot per block
 
 inline float widen(float v) { return v; }
 inline float widen(uint16_t v) {
@@ -55,6 +61,10 @@ inline float widen(uint16_t v) {
   float f;
   std::memcpy(&f, &u, sizeof f);
   return f;
+}
+
+inline vf splat(float v) {  // every lane v's bits (one broadcast, no add)
+  return vf{v, v, v, v, v, v, v, v, v, v, v, v, v, v, v, v};
 }
 
 inline vf load(const float* p) {
@@ -71,16 +81,30 @@ inline vf load(const uint16_t* p) {
   return v;
 }
 
+// One projection of a call: its adapter stacks' layer and where its columns lie in y / d.
 template <typename E>
-struct Problem {
-  const E* x;      // [T, K]
+struct Module {
   const E* a;      // [S, K, R] of the chosen layer
   const E* b;      // [S, R, N] of the chosen layer
-  const float* scale;  // [S]
+  int64_t n;       // its columns
+  int64_t offset;  // its first column in the output rows
+};
+
+// One call: the projections of one x, the tokens with an adapter sorted by slot, and the
+// runs of one slot among them.
+template <typename E>
+struct Problem {
+  const E* x;            // [T, K]
+  const float* scale;    // [S]
   const int32_t* slots;  // [T]
-  float* d;        // [T, N] float32 (the delta form), or nullptr (the applied form)
-  void* y;         // the applied form: [T, N] of x's type, d added in place
-  int64_t k, r, n;
+  float* d;              // [T, width] float32 (the delta form), or nullptr (applied form)
+  E* y;                  // the applied form: [T, width] of x's type, d added in place
+  int64_t k, r, width;
+  std::vector<Module<E>> modules;
+  std::vector<int64_t> tok;                       // active tokens, by slot then position
+  std::vector<std::pair<int64_t, int64_t>> runs;  // (start, count) in tok: one slot each
+  std::vector<float> xa;  // [tok, modules, 64]: each active token's x @ A of each module
+  float* xa_of(int64_t i, size_t m) { return xa.data() + (i * modules.size() + m) * 64; }
 };
 
 // d materialized as computed: the compiler may not contract the scale's multiply with
@@ -96,42 +120,46 @@ inline void from_float(float v, uint16_t* out) {  // round to nearest even (no N
   std::memcpy(&u, &v, sizeof u);
   *out = static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
+inline void store(vf v, float* out) { std::memcpy(out, &v, sizeof v); }
+inline void store(vf v, uint16_t* out) {  // 16 lanes, each rounded as from_float does
+  vu u;
+  std::memcpy(&u, &v, sizeof u);
+  const vh h = __builtin_convertvector((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16, vh);
+  std::memcpy(out, &h, sizeof h);
+}
 
-// Columns [n0, n0 + 16) of token t: d = acc * scale, stored (delta form) or added to y.
+// Columns [c, c + 16) of token t (c counted in the output row): d = acc * scale, stored
+// (delta form) or added to y (one float32 add, rounded once to y's type).
 template <typename E>
-inline void store16(const Problem<E>& pr, int64_t t, int64_t n0, vf acc, float sc) {
+inline void store16(const Problem<E>& pr, int64_t t, int64_t c, vf acc, float sc) {
   vf d = acc * sc;
   materialize(d);
   if (pr.d != nullptr) {
-    std::memcpy(pr.d + t * pr.n + n0, &d, sizeof d);
+    store(d, pr.d + t * pr.width + c);
     return;
   }
-  E* y = static_cast<E*>(pr.y) + t * pr.n + n0;
-  float lanes[LANES];
-  std::memcpy(lanes, &d, sizeof d);
-  for (int c = 0; c < LANES; ++c) {
-    float sum = to_float(y[c]) + lanes[c];
-    from_float(sum, y + c);
-  }
+  E* y = pr.y + t * pr.width + c;
+  store(load(y) + d, y);
 }
 
 template <typename E>
-inline void store1(const Problem<E>& pr, int64_t t, int64_t n, float acc, float sc) {
+inline void store1(const Problem<E>& pr, int64_t t, int64_t c, float acc, float sc) {
   float d = acc * sc;
   materialize(d);
   if (pr.d != nullptr) {
-    pr.d[t * pr.n + n] = d;
+    pr.d[t * pr.width + c] = d;
     return;
   }
-  E* y = static_cast<E*>(pr.y) + t * pr.n + n;
+  E* y = pr.y + t * pr.width + c;
   from_float(to_float(*y) + d, y);
 }
 
-// The shrink of one block: xa[i][:] = x[tok[i]] @ A[slot] for its NT tokens (all of one
-// slot: each A row loaded once for all of them), RV vectors of 16 ranks each.
+// The shrink of NT tokens of one slot (tok[0..NT)): xa = x @ A[slot] of module m, RV
+// vectors of 16 ranks each (each A row loaded once for all of them).
 template <typename E, int RV, int NT>
-void shrink_vec(const Problem<E>& pr, const int64_t* tok, float (*xa)[64]) {
-  const E* ar = pr.a + pr.slots[tok[0]] * pr.k * pr.r;
+void shrink_vec(Problem<E>& pr, size_t m, int64_t first) {
+  const int64_t* tok = pr.tok.data() + first;
+  const E* ar = pr.modules[m].a + pr.slots[tok[0]] * pr.k * pr.r;
   const E* xr[NT];
   for (int i = 0; i < NT; ++i) xr[i] = pr.x + tok[i] * pr.k;
   vf acc[NT][RV];
@@ -141,141 +169,170 @@ void shrink_vec(const Problem<E>& pr, const int64_t* tok, float (*xa)[64]) {
     vf av[RV];
     for (int v = 0; v < RV; ++v) av[v] = load(ar + k * pr.r + LANES * v);
     for (int i = 0; i < NT; ++i) {
-      const vf xv = vf{} + widen(xr[i][k]);
+      const vf xv = splat(widen(xr[i][k]));
       for (int v = 0; v < RV; ++v) acc[i][v] += xv * av[v];
     }
   }
-  for (int i = 0; i < NT; ++i) std::memcpy(xa[i], acc[i], sizeof acc[i]);
+  for (int i = 0; i < NT; ++i) std::memcpy(pr.xa_of(first + i, m), acc[i], sizeof acc[i]);
 }
 
 // The same sums one element at a time (any R up to 64).
 template <typename E>
-void shrink_scalar(const Problem<E>& pr, const int64_t* tok, int count, float (*xa)[64]) {
-  for (int i = 0; i < count; ++i) {
-    const E* xr = pr.x + tok[i] * pr.k;
-    const E* ar = pr.a + pr.slots[tok[i]] * pr.k * pr.r;
+void shrink_scalar(Problem<E>& pr, size_t m, int64_t first, int count) {
+  for (int64_t i = first; i < first + count; ++i) {
+    const E* xr = pr.x + pr.tok[i] * pr.k;
+    const E* ar = pr.modules[m].a + pr.slots[pr.tok[i]] * pr.k * pr.r;
+    float* xa = pr.xa_of(i, m);
     for (int64_t j = 0; j < pr.r; ++j) {
       float acc = 0.0f;
       for (int64_t k = 0; k < pr.k; ++k) acc += widen(xr[k]) * widen(ar[k * pr.r + j]);
-      xa[i][j] = acc;
-    }
-  }
-}
-
-// The expand of one block: d[tok[i], :] = (xa[i] @ B[slot]) * scale[slot] for its NT
-// tokens of one slot, 32 columns at a time (each B row loaded once for all of them),
-// then 16, then one.
-template <typename E, int NT>
-void expand(const Problem<E>& pr, const int64_t* tok, const float (*xa)[64]) {
-  const int32_t s = pr.slots[tok[0]];
-  const E* br = pr.b + s * pr.r * pr.n;
-  const float sc = pr.scale[s];
-  int64_t n0 = 0;
-  for (; n0 + 2 * LANES <= pr.n; n0 += 2 * LANES) {
-    vf acc[NT][2];
-    for (int i = 0; i < NT; ++i) acc[i][0] = acc[i][1] = vf{};
-    for (int64_t j = 0; j < pr.r; ++j) {
-      const vf b0 = load(br + j * pr.n + n0), b1 = load(br + j * pr.n + n0 + LANES);
-      for (int i = 0; i < NT; ++i) {
-        const vf xv = vf{} + xa[i][j];
-        acc[i][0] += xv * b0;
-        acc[i][1] += xv * b1;
-      }
-    }
-    for (int i = 0; i < NT; ++i) {
-      store16(pr, tok[i], n0, acc[i][0], sc);
-      store16(pr, tok[i], n0 + LANES, acc[i][1], sc);
-    }
-  }
-  for (int i = 0; i < NT; ++i) {
-    int64_t n = n0;
-    for (; n + LANES <= pr.n; n += LANES) {
-      vf acc = vf{};
-      for (int64_t j = 0; j < pr.r; ++j) acc += (vf{} + xa[i][j]) * load(br + j * pr.n + n);
-      store16(pr, tok[i], n, acc, sc);
-    }
-    for (; n < pr.n; ++n) {
-      float acc = 0.0f;
-      for (int64_t j = 0; j < pr.r; ++j) acc += xa[i][j] * widen(br[j * pr.n + n]);
-      store1(pr, tok[i], n, acc, sc);
+      xa[j] = acc;
     }
   }
 }
 
 template <typename E, int NT>
-void run_block_of(const Problem<E>& pr, const int64_t* tok) {
-  float xa[NT][64];
+void shrink_block(Problem<E>& pr, size_t m, int64_t first) {
   switch (pr.r % LANES == 0 ? pr.r / LANES : 0) {
-    case 1: shrink_vec<E, 1, NT>(pr, tok, xa); break;
-    case 2: shrink_vec<E, 2, NT>(pr, tok, xa); break;
-    case 3: shrink_vec<E, 3, NT>(pr, tok, xa); break;
-    case 4: shrink_vec<E, 4, NT>(pr, tok, xa); break;
-    default: shrink_scalar<E>(pr, tok, NT, xa); break;
+    case 1: shrink_vec<E, 1, NT>(pr, m, first); break;
+    case 2: shrink_vec<E, 2, NT>(pr, m, first); break;
+    case 3: shrink_vec<E, 3, NT>(pr, m, first); break;
+    case 4: shrink_vec<E, 4, NT>(pr, m, first); break;
+    default: shrink_scalar<E>(pr, m, first, NT); break;
   }
-  expand<E, NT>(pr, tok, xa);
 }
 
-// One block: `count` (1..TB) tokens of one slot, in register blocks of 8, 4, 2, 1.
-template <typename E>
-void run_block(const Problem<E>& pr, const int64_t* tok, int count) {
+// The expand of NT tokens of one slot over CV * 16 columns from column n0 of module m:
+// d = (xa @ B[slot]) * scale (each B row's CV vectors loaded once for all NT tokens).
+template <typename E, int NT, int CV>
+void expand_vec(Problem<E>& pr, size_t m, int64_t first, int64_t n0) {
+  const Module<E>& mod = pr.modules[m];
+  const int64_t* tok = pr.tok.data() + first;
+  const int32_t s = pr.slots[tok[0]];
+  const E* br = mod.b + s * pr.r * mod.n + n0;
+  const float* xa[NT];
+  for (int i = 0; i < NT; ++i) xa[i] = pr.xa_of(first + i, m);
+  vf acc[NT][CV];
+  for (int i = 0; i < NT; ++i)
+    for (int v = 0; v < CV; ++v) acc[i][v] = vf{};
+  for (int64_t j = 0; j < pr.r; ++j) {
+    vf bv[CV];
+    for (int v = 0; v < CV; ++v) bv[v] = load(br + j * mod.n + LANES * v);
+    for (int i = 0; i < NT; ++i) {
+      const vf xv = splat(xa[i][j]);
+      for (int v = 0; v < CV; ++v) acc[i][v] += xv * bv[v];
+    }
+  }
+  const float sc = pr.scale[s];
+  for (int i = 0; i < NT; ++i)
+    for (int v = 0; v < CV; ++v) store16(pr, tok[i], mod.offset + n0 + LANES * v, acc[i][v], sc);
+}
+
+// Columns [n0, n1) of module m for NT tokens: 16-column vectors CV at a time (NT * CV
+// accumulators: 16 of them), then one vector, then one column at a time.
+template <typename E, int NT>
+void expand_block(Problem<E>& pr, size_t m, int64_t first, int64_t n0, int64_t n1) {
+  constexpr int CV = 16 / NT;
+  int64_t n = n0;
+  for (; n + CV * LANES <= n1; n += CV * LANES) expand_vec<E, NT, CV>(pr, m, first, n);
+  for (; n + LANES <= n1; n += LANES) expand_vec<E, NT, 1>(pr, m, first, n);
+  if (n == n1) return;
+  const Module<E>& mod = pr.modules[m];
+  for (int64_t i = first; i < first + NT; ++i) {
+    const int32_t s = pr.slots[pr.tok[i]];
+    const E* br = mod.b + s * pr.r * mod.n;
+    const float* xa = pr.xa_of(i, m);
+    for (int64_t c = n; c < n1; ++c) {
+      float acc = 0.0f;
+      for (int64_t j = 0; j < pr.r; ++j) acc += xa[j] * widen(br[j * mod.n + c]);
+      store1(pr, pr.tok[i], mod.offset + c, acc, pr.scale[s]);
+    }
+  }
+}
+
+// A run's tokens in register blocks of 8, 4, 2, 1: f(first, NT) per block.
+template <typename F>
+void in_blocks(int64_t first, int64_t count, F f) {
   while (count > 0) {
     const int nt = count >= 8 ? 8 : count >= 4 ? 4 : count >= 2 ? 2 : 1;
-    switch (nt) {
-      case 8: run_block_of<E, 8>(pr, tok); break;
-      case 4: run_block_of<E, 4>(pr, tok); break;
-      case 2: run_block_of<E, 2>(pr, tok); break;
-      default: run_block_of<E, 1>(pr, tok); break;
-    }
-    tok += nt;
+    f(first, nt);
+    first += nt;
     count -= nt;
   }
 }
 
-// The tokens with an adapter, in order (error: a slot out of [0, slots)).
-ffi::Error active_tokens(const int32_t* slots, int64_t t_dim, int64_t s_dim,
-                         std::vector<int64_t>& active) {
-  active.reserve(t_dim);
-  for (int64_t t = 0; t < t_dim; ++t) {
-    if (slots[t] < 0 || slots[t] >= s_dim)
-      return ffi::Error::InvalidArgument("lora: slot out of range");
-    if (slots[t] != 0) active.push_back(t);
+constexpr int64_t TILE = 256;  // columns of B expanded at a time (a tile's B stays in L1)
+
+// One item: a run of tokens of one slot and one projection: the shrink of every token
+// of the run (A read once), then the expand tile by tile (each B tile read once from
+// memory, kept in L1 for the run's register blocks).
+template <typename E>
+void run_item(Problem<E>& pr, int64_t start, int64_t count, size_t m) {
+  in_blocks(start, count, [&pr, m](int64_t first, int nt) {
+    switch (nt) {
+      case 8: shrink_block<E, 8>(pr, m, first); break;
+      case 4: shrink_block<E, 4>(pr, m, first); break;
+      case 2: shrink_block<E, 2>(pr, m, first); break;
+      default: shrink_block<E, 1>(pr, m, first); break;
+    }
+  });
+  const int64_t n = pr.modules[m].n;
+  for (int64_t c0 = 0; c0 < n; c0 += TILE) {
+    const int64_t c1 = std::min(c0 + TILE, n);
+    in_blocks(start, count, [&pr, m, c0, c1](int64_t first, int nt) {
+      switch (nt) {
+        case 8: expand_block<E, 8>(pr, m, first, c0, c1); break;
+        case 4: expand_block<E, 4>(pr, m, first, c0, c1); break;
+        case 2: expand_block<E, 2>(pr, m, first, c0, c1); break;
+        default: expand_block<E, 1>(pr, m, first, c0, c1); break;
+      }
+    });
   }
-  // by slot (then position): a block's tokens share their adapter's matrices
-  std::stable_sort(active.begin(), active.end(),
-                   [slots](int64_t p, int64_t q) { return slots[p] < slots[q]; });
-  return ffi::Error::Success();
 }
 
-// One projection's deltas for the `active` tokens (delta form: d; applied form: y).
+// Every projection's deltas for the active tokens: one item per (run of one slot,
+// projection), spread over the pool (one hand-off a call).
 template <typename E>
-void run(ffi::ThreadPool& pool, const void* x, const ffi::AnyBuffer& a,
-         const ffi::AnyBuffer& b, const float* scale, const int32_t* slots, int64_t layer,
-         float* d, void* y, const std::vector<int64_t>& active) {
-  const auto ad = a.dimensions(), bd = b.dimensions();
-  const int64_t s_dim = ad[1], k = ad[2], r = ad[3], n = bd[3];
-  const Problem<E> pr{static_cast<const E*>(x),
-                      static_cast<const E*>(a.untyped_data()) + layer * s_dim * k * r,
-                      static_cast<const E*>(b.untyped_data()) + layer * s_dim * r * n,
-                      scale, slots, d, y, k, r, n};
-  // blocks: runs of up to TB tokens of one slot, (start, size) in `active`
-  std::vector<std::pair<int64_t, int>> blocks;
-  const int64_t count = static_cast<int64_t>(active.size());
+void run(ffi::ThreadPool& pool, Problem<E>& pr) {
+  if (pr.tok.empty()) return;
+  const int64_t nm = static_cast<int64_t>(pr.modules.size());
+  const int64_t nr = static_cast<int64_t>(pr.runs.size());
+  pr.xa.assign(pr.tok.size() * pr.modules.size() * 64, 0.0f);
+  int64_t cols = 0;
+  for (const auto& mod : pr.modules) cols += mod.n;
+  const int64_t tokens = static_cast<int64_t>(pr.tok.size());
+  // ~ multiply-adds / 64 (the unit of product_split.h), plus the A and B bytes read / 64
+  const int64_t units =
+      (tokens * (nm * pr.k * pr.r + cols * pr.r)) / 64 +
+      nr * (nm * pr.k + cols) * pr.r * static_cast<int64_t>(sizeof(E)) / 64;
+  for_each_item(pool, nr * nm, units, false, [&pr, nm](int64_t lo, int64_t hi) {
+    for (int64_t it = lo; it < hi; ++it)
+      run_item(pr, pr.runs[it / nm].first, pr.runs[it / nm].second,
+               static_cast<size_t>(it % nm));
+  });
+}
+
+// The tokens with an adapter, by slot (then position), and the runs of one slot among
+// them (error: a slot out of [0, slots)).
+template <typename E>
+ffi::Error active_tokens(Problem<E>& pr, int64_t t_dim, int64_t s_dim) {
+  pr.tok.reserve(t_dim);
+  for (int64_t t = 0; t < t_dim; ++t) {
+    if (pr.slots[t] < 0 || pr.slots[t] >= s_dim)
+      return ffi::Error::InvalidArgument("lora: slot out of range");
+    if (pr.slots[t] != 0) pr.tok.push_back(t);
+  }
+  const int32_t* slots = pr.slots;
+  std::stable_sort(pr.tok.begin(), pr.tok.end(),
+                   [slots](int64_t p, int64_t q) { return slots[p] < slots[q]; });
+  const int64_t count = static_cast<int64_t>(pr.tok.size());
   for (int64_t i = 0; i < count;) {
-    int size = 1;
-    while (size < TB && i + size < count && slots[active[i + size]] == slots[active[i]])
-      ++size;
-    blocks.emplace_back(i, size);
+    int64_t size = 1;
+    while (i + size < count && slots[pr.tok[i + size]] == slots[pr.tok[i]]) ++size;
+    pr.runs.emplace_back(i, size);
     i += size;
   }
-  const int64_t* tok = active.data();
-  const auto* bl = blocks.data();
-  // ~ multiply-adds / 64 per token, the unit of product_split.h's threshold
-  const int64_t units = count * std::max<int64_t>(1, (k * r + r * n) / 64);
-  for_each_item(pool, static_cast<int64_t>(blocks.size()), units, false,
-                [&pr, tok, bl](int64_t lo, int64_t hi) {
-                  for (int64_t i = lo; i < hi; ++i)
-                    run_block(pr, tok + bl[i].first, bl[i].second);
-                });
+  return ffi::Error::Success();
 }
 
 // a [L, S, K, R <= 64] and b [L, S, R, N] of one projection, against x [T, K], scale [S]
@@ -286,6 +343,31 @@ bool shapes_fit(const ffi::AnyBuffer& x, const ffi::AnyBuffer& a, const ffi::Any
          ad[1] == bd[1] && ad[1] == s_dim && ad[2] == xd[1] && ad[3] == bd[2] &&
          ad[3] <= 64 && a.element_type() == x.element_type() &&
          b.element_type() == x.element_type();
+}
+
+// The projection (a, b) at `layer`, its columns from `offset`.
+template <typename E>
+Module<E> module_of(const ffi::AnyBuffer& a, const ffi::AnyBuffer& b, int64_t layer,
+                    int64_t offset) {
+  const auto ad = a.dimensions(), bd = b.dimensions();
+  return Module<E>{static_cast<const E*>(a.untyped_data()) + layer * ad[1] * ad[2] * ad[3],
+                   static_cast<const E*>(b.untyped_data()) + layer * bd[1] * bd[2] * bd[3],
+                   bd[3], offset};
+}
+
+template <typename E>
+ffi::Error delta(ffi::ThreadPool& pool, const ffi::AnyBuffer& x, const ffi::AnyBuffer& a,
+                 const ffi::AnyBuffer& b, const float* scale, const int32_t* slots,
+                 int64_t layer, float* out) {
+  const auto xd = x.dimensions();
+  const int64_t s_dim = a.dimensions()[1], n = b.dimensions()[3];
+  Problem<E> pr{static_cast<const E*>(x.untyped_data()), scale, slots, out, nullptr,
+                xd[1], a.dimensions()[3], n, {module_of<E>(a, b, layer, 0)}, {}, {}, {}};
+  if (auto err = active_tokens(pr, xd[0], s_dim); !err.success()) return err;
+  for (int64_t t = 0; t < xd[0]; ++t)
+    if (slots[t] == 0) std::memset(out + t * n, 0, n * sizeof(float));
+  run(pool, pr);
+  return ffi::Error::Success();
 }
 
 ffi::Error LoraDeltaImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer a,
@@ -304,62 +386,61 @@ ffi::Error LoraDeltaImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer 
   const int64_t l = layer.typed_data()[0];
   if (l < 0 || l >= a.dimensions()[0])
     return ffi::Error::InvalidArgument("lora_delta: layer out of range");
-  std::vector<int64_t> active;
-  if (auto err = active_tokens(slots.typed_data(), xd[0], s_dim, active); !err.success())
-    return err;
-  const int64_t n = dd[1];
-  float* out = d->typed_data();
-  for (int64_t t = 0; t < xd[0]; ++t)
-    if (slots.typed_data()[t] == 0) std::memset(out + t * n, 0, n * sizeof(float));
   if (et == ffi::DataType::F32)
-    run<float>(pool, x.untyped_data(), a, b, scale.typed_data(), slots.typed_data(), l, out,
-               nullptr, active);
-  else
-    run<uint16_t>(pool, x.untyped_data(), a, b, scale.typed_data(), slots.typed_data(), l,
-                  out, nullptr, active);
+    return delta<float>(pool, x, a, b, scale.typed_data(), slots.typed_data(), l,
+                        d->typed_data());
+  return delta<uint16_t>(pool, x, a, b, scale.typed_data(), slots.typed_data(), l,
+                         d->typed_data());
+}
+
+template <typename E>
+ffi::Error apply(ffi::ThreadPool& pool, const ffi::AnyBuffer& x, const int32_t* slots,
+                 const float* scale, int64_t s_dim, int64_t layer, void* y, int64_t width,
+                 const ffi::RemainingArgs& rest, ffi::Span<const int64_t> offsets) {
+  const auto xd = x.dimensions();
+  Problem<E> pr{static_cast<const E*>(x.untyped_data()), scale, slots, nullptr,
+                static_cast<E*>(y), xd[1], 0, width, {}, {}, {}, {}};
+  for (size_t m = 0; m < offsets.size(); ++m) {
+    auto a = rest.get<ffi::AnyBuffer>(2 * m);
+    auto b = rest.get<ffi::AnyBuffer>(2 * m + 1);
+    if (!a.has_value() || !b.has_value())
+      return ffi::Error::InvalidArgument("lora_apply: buffers expected");
+    if (!shapes_fit(x, *a, *b, s_dim) || layer < 0 || layer >= a->dimensions()[0] ||
+        offsets[m] < 0 || offsets[m] + b->dimensions()[3] > width ||
+        (m > 0 && a->dimensions()[3] != pr.r))
+      return ffi::Error::InvalidArgument("lora_apply: projection shapes or types differ, "
+                                         "or its columns fall outside y");
+    pr.r = a->dimensions()[3];
+    pr.modules.push_back(module_of<E>(*a, *b, layer, offsets[m]));
+  }
+  if (auto err = active_tokens(pr, xd[0], s_dim); !err.success()) return err;
+  run(pool, pr);
   return ffi::Error::Success();
 }
 
-// x, slots, scale, layer, then (y, a, b) per projection; results: each y with its
-// deltas added (the y operands aliased to them).
+// x, slots, scale, layer, y, then (a, b) per projection, its first column in y from
+// `offsets`; the result: y with every delta added (y aliased to it).
 ffi::Error LoraApplyImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> slots,
                          ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::S32> layer,
-                         ffi::RemainingArgs rest, ffi::RemainingRets outs) {
-  const auto xd = x.dimensions(), td = slots.dimensions();
+                         ffi::AnyBuffer y, ffi::RemainingArgs rest,
+                         ffi::Result<ffi::AnyBuffer> out,
+                         ffi::Span<const int64_t> offsets) {
+  const auto xd = x.dimensions(), td = slots.dimensions(), yd = y.dimensions();
   const int64_t s_dim = scale.dimensions()[0];
   const auto et = x.element_type();
-  if (td.size() != 1 || td[0] != xd[0] || rest.size() % 3 != 0 ||
-      rest.size() / 3 != outs.size() ||
-      (et != ffi::DataType::F32 && et != ffi::DataType::BF16))
+  if (td.size() != 1 || td[0] != xd[0] || rest.size() != 2 * offsets.size() ||
+      offsets.size() == 0 || (et != ffi::DataType::F32 && et != ffi::DataType::BF16) ||
+      yd.size() != 2 || yd[0] != xd[0] || y.element_type() != et ||
+      out->element_type() != et || out->untyped_data() != y.untyped_data())
     return ffi::Error::InvalidArgument("lora_apply: x [T, K] (float32 or bfloat16), "
-                                       "slots [T], scale [S], layer, then (y, a, b) per "
-                                       "projection, one result each");
+                                       "slots [T], scale [S], layer, y [T, W] aliased to "
+                                       "the result, then (a, b) per offset");
   const int64_t l = layer.typed_data()[0];
-  std::vector<int64_t> active;
-  if (auto err = active_tokens(slots.typed_data(), xd[0], s_dim, active); !err.success())
-    return err;
-  for (size_t m = 0; m < outs.size(); ++m) {
-    auto y = rest.get<ffi::AnyBuffer>(3 * m);
-    auto a = rest.get<ffi::AnyBuffer>(3 * m + 1);
-    auto b = rest.get<ffi::AnyBuffer>(3 * m + 2);
-    auto out = outs.get<ffi::AnyBuffer>(m);
-    if (!y.has_value() || !a.has_value() || !b.has_value() || !out.has_value())
-      return ffi::Error::InvalidArgument("lora_apply: buffers expected");
-    const auto yd = y->dimensions();
-    if (!shapes_fit(x, *a, *b, s_dim) || l < 0 || l >= a->dimensions()[0] ||
-        yd.size() != 2 || yd[0] != xd[0] || yd[1] != b->dimensions()[3] ||
-        y->element_type() != et || (*out)->element_type() != et ||
-        (*out)->untyped_data() != y->untyped_data())
-      return ffi::Error::InvalidArgument("lora_apply: projection shapes or types differ, "
-                                         "or its y is not aliased to its result");
-    if (et == ffi::DataType::F32)
-      run<float>(pool, x.untyped_data(), *a, *b, scale.typed_data(), slots.typed_data(), l,
-                 nullptr, (*out)->untyped_data(), active);
-    else
-      run<uint16_t>(pool, x.untyped_data(), *a, *b, scale.typed_data(), slots.typed_data(),
-                    l, nullptr, (*out)->untyped_data(), active);
-  }
-  return ffi::Error::Success();
+  if (et == ffi::DataType::F32)
+    return apply<float>(pool, x, slots.typed_data(), scale.typed_data(), s_dim, l,
+                        out->untyped_data(), yd[1], rest, offsets);
+  return apply<uint16_t>(pool, x, slots.typed_data(), scale.typed_data(), s_dim, l,
+                         out->untyped_data(), yd[1], rest, offsets);
 }
 
 }  // namespace
@@ -382,5 +463,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MultiserveLoraApply, LoraApplyImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .RemainingArgs()
-                                  .RemainingRets());
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<ffi::Span<const int64_t>>("offsets"));
