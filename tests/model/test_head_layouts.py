@@ -46,3 +46,32 @@ def test_a_native_head_holds_no_transposed_copy_and_gives_the_same_bits(tied: bo
     a = np.asarray(jax.jit(lambda p, x: lm_head(p, x, plan))(lean, h))
     b = np.asarray(jax.jit(lambda p, x: lm_head(p, x, plan))(full, h))
     assert a.tobytes() == b.tobytes()
+
+
+def test_a_head_in_an_xla_layout_keeps_no_per_layer_copy_of_native_layers() -> None:
+    """Layers native at every size, the head "plain" at one row count (a plan the
+    calibration can pick by speed): the head keeps its [D, V] layout, and no layer matrix
+    is copied per layer (those copies are for layers the plan runs with XLA's products:
+    425 MB an engine of SmolLM2-135M); the logits at the plain size are the full params'."""
+    from multiserve.model.families import family_for
+    from multiserve.model.invariance.plan import Formulation
+    from multiserve.model.invariance.primitives import LAYER_MATRICES
+
+    cfg = TINY_LLAMA
+    params = jax.device_put(init_random_params(cfg, seed=3))
+    native = products_on(default_plan(cfg), "native")
+    plan = replace(native, products=tuple(
+        replace(p, by_rows=tuple((m, Formulation("plain", m) if m == 8 else f)
+                                 for m, f in p.by_rows)) if p.name == "head" else p
+        for p in native.products))
+    assert plan_kernels(plan) == {"native", "plain"}
+    assert plan_kernels(plan, LAYER_MATRICES) == {"native"}
+    lean = family_for(cfg).compute_params(params, cfg, plan, (1, 8, 64))
+    assert all(name not in layer for layer in lean["layers"] for name in LAYER_MATRICES)
+    assert lean["head_w"] is not None and lean["head_wp"] is not None
+    full = with_transposed(params, cfg)  # every layout
+    h = jax.numpy.asarray(np.random.default_rng(0).standard_normal((8, cfg.hidden_size)),
+                          jax.numpy.float32)
+    a = np.asarray(jax.jit(lambda p, x: lm_head(p, x, plan))(lean, h))
+    b = np.asarray(jax.jit(lambda p, x: lm_head(p, x, plan))(full, h))
+    assert a.tobytes() == b.tobytes()

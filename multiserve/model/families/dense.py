@@ -216,13 +216,14 @@ class DenseFamily:
         transposes too: for code that runs several plans), the layer matrices the plan runs
         natively alike at every step size fused (`llama.fused_groups`)."""
         from multiserve.model.families.llama import fused_groups, plan_kernels, scan_needs_transposes
-        from multiserve.model.invariance.primitives import with_transposed
+        from multiserve.model.invariance.primitives import LAYER_MATRICES, with_transposed
 
         if plan is None:
             return with_transposed(params, cfg, stacked_t=True)
         return with_transposed(params, cfg,
                                stacked_t=scan_needs_transposes(plan, cfg, token_sizes),
-                               kernels=plan_kernels(plan),
+                               kernels=plan_kernels(plan, LAYER_MATRICES),
+                               head_kernels=plan_kernels(plan, ("head",)),
                                fused=fused_groups(plan, tuple(token_sizes)))
 
     def forward_hidden(self, params: dict[str, Any], kv_pool: Any, batch: Any,

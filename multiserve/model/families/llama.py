@@ -58,10 +58,13 @@ def scan_needs_transposes(plan: InvariancePlan, cfg: ModelConfig,
                for name in LAYER_MATRICES for t in scanned)
 
 
-def plan_kernels(plan: InvariancePlan) -> frozenset[str]:
-    """The product kernels the plan uses anywhere: the weight layouts the compute params
-    must hold (`primitives.with_transposed(..., kernels=)`)."""
-    return frozenset(f.kernel for p in plan.products for _, f in p.by_rows)
+def plan_kernels(plan: InvariancePlan, names: tuple[str, ...] | None = None
+                 ) -> frozenset[str]:
+    """The product kernels the plan uses for the products `names` (None: anywhere): the
+    weight layouts the compute params must hold (`primitives.with_transposed(...,
+    kernels=, head_kernels=)`)."""
+    return frozenset(f.kernel for p in plan.products for _, f in p.by_rows
+                     if names is None or p.name in names)
 
 
 def fused_groups(plan: InvariancePlan, token_sizes: tuple[int, ...]) -> tuple[str, ...]:
@@ -193,7 +196,7 @@ def layer_weights(layer: dict[str, jax.Array], num_tokens: int, plan: Invariance
         used = base + LAYOUT_SUFFIX[kernel]
         source = stacked if kernel == "native" else layer
         assert used in source, (f"the plan's {used} layout is missing from the compute "
-                                "params (with_transposed(kernels=plan_kernels(plan)); the "
+                                "params (with_transposed(kernels=plan_kernels(plan, LAYER_MATRICES)); the "
                                 "scanned decoder's NT product also needs stacked_t=True)")
         for sfx in LAYOUT_SUFFIX.values():
             out[base + sfx] = source[used] if base + sfx == used else None

@@ -184,7 +184,8 @@ LAYOUT_SUFFIX = {"plain": "", "nt": "_t", "native": "_p"}  # kernel -> weight la
 def with_transposed(params: dict[str, Any], cfg: ModelConfig, stacked_t: bool = False,
                     kernels: frozenset[str] = frozenset(LAYOUT_SUFFIX),
                     matrices: tuple[str, ...] = LAYER_MATRICES,
-                    fused: tuple[str, ...] = ()) -> dict[str, Any]:
+                    fused: tuple[str, ...] = (),
+                    head_kernels: frozenset[str] | None = None) -> dict[str, Any]:
     """The compute params the forward runs on, derived from the canonical pytree (matrices
     [in, out] stacked over layers, see param_layout), holding each layer matrix in the
     layouts of the product `kernels` the invariance plan uses (`llama.plan_kernels`; by
@@ -212,7 +213,10 @@ def with_transposed(params: dict[str, Any], cfg: ModelConfig, stacked_t: bool = 
     projections only; its MLP groups have their own layouts, moe_decoder.py).
     `fused`: FUSED_GROUPS whose members the plan runs natively alike at every step size:
     their panels are stacked side by side as `<group>_p` [L, P1 + P2 (+ P3), ...] (the
-    panel axis, -3, in both panel layouts) instead of each member's own `<name>_p` (never both: no weight is held twice)."""
+    panel axis, -3, in both panel layouts) instead of each member's own `<name>_p` (never both: no weight is held twice).
+    `head_kernels`: the kernels of the head's product where they are not `kernels` (None:
+    the same), so a head run in an XLA layout at some size keeps no per-layer copy of the
+    layer matrices, which `kernels` alone decides."""
     layers = params["layers"]
     keep_t = "nt" in kernels or stacked_t  # else no layer matrix is transposed at all
     to_transpose: dict[str, Any] = ({name: layers[name] for name in matrices}
@@ -245,12 +249,13 @@ def with_transposed(params: dict[str, Any], cfg: ModelConfig, stacked_t: bool = 
         out["head_w"], out["head_wt"] = head, params["embed"]
     else:
         out["head_w"], out["head_wt"] = params["lm_head"], head
-    if "native" in kernels:
+    head_kernels = kernels if head_kernels is None else head_kernels
+    if "native" in head_kernels:
         out["head_wp"] = pack_tree(out["head_w"])
     # a transposed head copy in a layout no kernel of the plan reads is dropped (None): the
     # canonical head (embed, or lm_head) always stays
     for key, kernel in (("head_w", "plain"), ("head_wt", "nt")):
-        if kernel not in kernels and out[key] is head:
+        if kernel not in head_kernels and out[key] is head:
             head.delete()
             out[key] = None
     return out
