@@ -78,15 +78,10 @@ def _is_array(x: Any) -> bool:
 
 
 def _check_finite(name: str, x: Any, where: str = "") -> None:
-    ok = bool(all_finite(x)) if isinstance(x, jax.Array) else bool(
+    ok = finite_each([x])[0] if isinstance(x, jax.Array) else bool(
         np.isfinite(np.asarray(x)).all())
     if not ok:
         raise WeightUpdateError(f"{where}tensor {name!r}: has NaN or inf values")
-
-
-@jax.jit
-def all_finite(x: jax.Array) -> jax.Array:
-    return jnp.isfinite(x).all()
 
 
 @jax.jit
