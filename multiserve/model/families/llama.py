@@ -196,8 +196,9 @@ def layer_weights(layer: dict[str, jax.Array], num_tokens: int, plan: Invariance
         used = base + LAYOUT_SUFFIX[kernel]
         source = stacked if kernel == "native" else layer
         assert used in source, (f"the plan's {used} layout is missing from the compute "
-                                "params (with_transposed(kernels=plan_kernels(plan, LAYER_MATRICES)); the "
-                                "scanned decoder's NT product also needs stacked_t=True)")
+                                "params (with_transposed(kernels=plan_kernels(plan, "
+                                "LAYER_MATRICES)); the scanned decoder's NT product also "
+                                "needs stacked_t=True)")
         for sfx in LAYOUT_SUFFIX.values():
             out[base + sfx] = source[used] if base + sfx == used else None
     return out

@@ -77,12 +77,14 @@ def _group_layouts(group: dict[str, jax.Array], matrices: tuple[str, ...],
     return (split_layers(per) if per else ()), stacked
 
 
-def compute_params(params: dict[str, Any], cfg: ModelConfig,
-                   kernels: frozenset[str]) -> dict[str, Any]:
+def compute_params(params: dict[str, Any], cfg: ModelConfig, kernels: frozenset[str],
+                   head_kernels: frozenset[str]) -> dict[str, Any]:
     """The compute params (module docstring) holding the layouts of `kernels` (the plan's
-    kernels anywhere, `llama.plan_kernels`)."""
+    kernels of its layer matrices, `llama.plan_kernels`) and, for the head, of
+    `head_kernels` (the head's own)."""
     attention = {k: v for k, v in params.items() if k not in ("dense_mlp", "moe")}
-    out = with_transposed(attention, cfg, kernels=kernels, matrices=ATTENTION_MATRICES)
+    out = with_transposed(attention, cfg, kernels=kernels, matrices=ATTENTION_MATRICES,
+                          head_kernels=head_kernels)
     mlp: list[dict[str, jax.Array]] = [{} for _ in range(cfg.num_layers)]
     mlp_stacked: dict[str, Any] = {}
     if cfg.dense_mlp_layers:

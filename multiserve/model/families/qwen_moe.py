@@ -242,8 +242,11 @@ class QwenMoeFamily:
         from multiserve.model.families.llama import plan_kernels
         from multiserve.model.families.moe_decoder import compute_params
 
-        kernels = frozenset(KERNELS) if plan is None else plan_kernels(plan)
-        return compute_params(params, cfg, kernels)
+        if plan is None:
+            return compute_params(params, cfg, frozenset(KERNELS), frozenset(KERNELS))
+        matrices = tuple(p.name for p in plan.products if p.name != "head")
+        return compute_params(params, cfg, plan_kernels(plan, matrices),
+                              plan_kernels(plan, ("head",)))
 
     def forward_hidden(self, params: dict[str, Any], kv_pool: Any, batch: Any,
                        cfg: ModelConfig, *, page_size: int, attn_block_size: int,
