@@ -341,7 +341,7 @@ def test_sampled_runs_are_reproducible_per_seed(tiny_dir: Path) -> None:
     engine = Engine(EngineConfig(model_path=str(tiny_dir), precompile_token_paddings=(64,),
                                  precompile_bs_paddings=(64,), max_running_requests=64,
                                  chunked_prefill_size=64, max_total_tokens=4096,
-                                 show_progress=False))
+                                 show_progress=False, fused_step_max=2))
     prompts = [[5, 6, 7], [5, 6, 7], [8, 9, 10, 11]]
 
     def ids(desc: str, seed: int) -> list[list[int]]:

@@ -31,7 +31,7 @@ TINY_MODEL = ModelConfig(
 TINY_ENGINE = dict(
     precompile_token_paddings=(64,), precompile_bs_paddings=(64,), max_running_requests=64,
     chunked_prefill_size=64, page_size=8, max_total_tokens=16384, max_context_len=4096,
-    show_progress=False)
+    show_progress=False, fused_step_max=2)  # fused programs as configs/cpu-4.toml: none at 64
 
 
 # --- engines ---------------------------------------------------------------------------------

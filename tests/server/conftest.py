@@ -26,7 +26,7 @@ from loopback_server import engine_server
 ENGINE_KW: dict[str, Any] = dict(
     max_running_requests=64, precompile_bs_paddings=(64,), precompile_token_paddings=(64, 256),
     chunked_prefill_size=256, max_total_tokens=16384, max_context_len=2048,
-    show_progress=False)
+    show_progress=False, fused_step_max=2)  # fused programs as configs/cpu-4.toml: none at 64
 
 
 @pytest.fixture(scope="session")
@@ -135,7 +135,7 @@ def idle_engine(served: Served) -> Iterator[Served]:
 DEFAULT_KW: dict[str, Any] = dict(
     max_running_requests=8, precompile_bs_paddings=(8,), precompile_token_paddings=(8, 512),
     chunked_prefill_size=512, max_total_tokens=8192, max_context_len=2048,
-    compile_in_background=False, show_progress=False)
+    compile_in_background=False, show_progress=False, fused_step_max=2)
 
 
 @pytest.fixture(scope="session")

@@ -28,7 +28,7 @@ LAYERS, TOP_K = 3, 2
 MOE_ENGINE_KW: dict[str, Any] = dict(
     max_running_requests=64, precompile_bs_paddings=(64,), precompile_token_paddings=(64, 256),
     chunked_prefill_size=256, max_total_tokens=16384, max_context_len=2048,
-    show_progress=False)
+    show_progress=False, fused_step_max=2)
 BUDGET = 512  # tokens: far more than those made between the interruption's requests
 
 
