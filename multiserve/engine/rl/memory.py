@@ -102,7 +102,7 @@ class MemoryManager:
         if "weights" in newly:
             details["discarded_staged_weights"] = self.weights.drop_staged()
             self.host_params = jax.tree.map(lambda a: np.array(a, copy=True), core.params)
-            for leaf in jax.tree.leaves(core.swap_params(None)):
+            for leaf in jax.tree.leaves(core.swap_params(None)):  # the held leaves
                 leaf.delete()
             details["weights_host_bytes"] = _nbytes(self.host_params)
         details["memory_released"] = sorted(core.released_tags)

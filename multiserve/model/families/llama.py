@@ -58,6 +58,15 @@ def scan_needs_transposes(plan: InvariancePlan, cfg: ModelConfig,
                for name in LAYER_MATRICES for t in scanned)
 
 
+def scan_needs_plain(plan: InvariancePlan, token_sizes: tuple[int, ...]) -> bool:
+    """Whether the scanned decoder (the step sizes `scans` sends there) uses the plain
+    product somewhere, so it reads the canonical stacked matrices (`with_transposed`'s
+    `stacked_plain`)."""
+    scanned = [t for t in token_sizes if scans(plan, t)]
+    return any(plan.product(name).formulation(t).kernel == "plain"
+               for name in LAYER_MATRICES for t in scanned)
+
+
 def plan_kernels(plan: InvariancePlan, names: tuple[str, ...] | None = None
                  ) -> frozenset[str]:
     """The product kernels the plan uses for the products `names` (None: anywhere): the
