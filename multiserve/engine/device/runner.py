@@ -1,7 +1,8 @@
 """Runner: the device state of one engine, and the launch of its steps.
 
-Owns the device state of one engine: sharded params (and their compute form, the layouts
-the invariance plan's kernels read), the model's family (model/families: the runner talks
+Owns the device state of one engine: sharded params (their compute form, the layouts the
+invariance plan's kernels read, and the canonical leaves that form does not hold exactly:
+see the invariant on `params`), the model's family (model/families: the runner talks
 only to that interface: compute params, forward to hidden states, head), the KV pool
 (donated to every step, updated in place), the device buffer of the last step's sampled
 ids, and the sampler's cached device zeros (sampling_batches.py). It asks its
