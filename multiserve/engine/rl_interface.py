@@ -67,6 +67,11 @@ class RLInterface:
         layout come rebuilt, as new arrays (Runner.params), at each read."""
         return self.runner.params
 
+    def param(self, path: tuple[str, ...]) -> Any:
+        """One leaf of the canonical params by path (Runner.param: held, or rebuilt alone);
+        None while released."""
+        return self.runner.param(path)
+
     @property
     def param_specs(self) -> Any:
         """Shape, dtype and sharding of every canonical leaf (nothing is read or rebuilt)."""

@@ -193,6 +193,17 @@ class Runner:
             self.huge_pages_thread = huge_pages.in_background(
                 self._compute, partial(self.huge_page_advice.__setitem__, "weights"))
 
+    def param(self, path: tuple[str, ...]) -> jax.Array | None:
+        """One canonical leaf by path (None while released): the held array, or that leaf
+        alone rebuilt from its compute layout (`family.canonical_leaf`), with its sharding."""
+        if self._held is None:
+            return None
+        from multiserve.engine.rl.checks import get_leaf
+
+        leaf = self.family.canonical_leaf(self._held, self._compute, self.model_cfg, path)
+        spec = get_leaf(self._param_specs, path)
+        return leaf if leaf.sharding == spec.sharding else jax.device_put(leaf, spec.sharding)
+
     @property
     def held_params(self) -> Any:
         """The canonical leaves held as they are (the canonical pytree less the leaves

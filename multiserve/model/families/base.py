@@ -20,7 +20,8 @@ interface (`families.family_for(cfg)`), never to a family's forward directly:
   (`lm_head`), and which step sizes run a scanned decoder (`scans`) and up to which size
   the decoder runs unrolled (`unroll_max_tokens`), for the warm-up's order;
 - which canonical leaves an engine need not hold beside the compute params, because these
-  rebuild them exactly (`params_to_hold`), and their rebuilding (`canonical_params`);
+  rebuild them exactly (`params_to_hold`), and their rebuilding (`canonical_params`,
+  `canonical_leaf`);
 - what a weight update from disk must agree on (`config_fields`).
 
 Module-level imports here are plain data (no jax), so the loaders stay jax-free.
@@ -113,6 +114,12 @@ class ModelFamily(Protocol):
                          cfg: ModelConfig) -> dict[str, Any]:
         """The whole canonical params from `params_to_hold`'s tree and `compute`, the
         leaves left out rebuilt bit for bit (new arrays)."""
+        ...
+
+    def canonical_leaf(self, held: dict[str, Any], compute: dict[str, Any],
+                       cfg: ModelConfig, path: tuple[str, ...]) -> Any:
+        """One leaf of `canonical_params` by path: the held one, or that one alone rebuilt
+        (a read-back rebuilds nothing else)."""
         ...
 
     def forward_hidden(self, params: dict[str, Any], kv_pool: Any, batch: Any,

@@ -249,11 +249,26 @@ class DenseFamily:
 
         shapes = layer_param_shapes(cfg)
         layers = held["layers"]
-        missing = {k: s for k, s in shapes.items() if k not in layers and len(s) == 2}
-        rebuilt = canonical_layer_matrices(compute["stacked_layers"], missing) \
+        matrices = {k: s for k, s in shapes.items() if len(s) == 2}
+        missing = tuple(k for k in matrices if k not in layers)
+        rebuilt = canonical_layer_matrices(compute["stacked_layers"], matrices, missing) \
             if missing else {}
         return {**held, "layers": {k: layers[k] if k in layers else rebuilt[k]
                                    for k in shapes}}
+
+    def canonical_leaf(self, held: dict[str, Any], compute: dict[str, Any],
+                       cfg: ModelConfig, path: tuple[str, ...]) -> Any:
+        """`canonical_params`' leaf at `path`: held, or that layer matrix alone rebuilt."""
+        from multiserve.model.invariance.primitives import canonical_layer_matrices
+
+        if path[0] == "layers" and len(path) == 2 and path[1] not in held["layers"]:
+            matrices = {k: s for k, s in layer_param_shapes(cfg).items() if len(s) == 2}
+            return canonical_layer_matrices(compute["stacked_layers"], matrices,
+                                            (path[1],))[path[1]]
+        leaf: Any = held
+        for key in path:
+            leaf = leaf[key]
+        return leaf
 
     def forward_hidden(self, params: dict[str, Any], kv_pool: Any, batch: Any,
                        cfg: ModelConfig, *, page_size: int, attn_block_size: int,

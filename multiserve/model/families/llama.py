@@ -237,9 +237,10 @@ def forward_hidden(params: Params, kv_pool: KVPool, batch: ForwardBatch, cfg: Mo
     matmuls read its own arrays in place, where a scan slices (copies) every layer's
     weights out of the stacked arrays at every step, a large share of a one-token step.
     The price is compile time (several times a scanned program's, docs/performance.md §6),
-    paid at warm-up. Every other step scans the canonical stacked layers (and their
-    stacked transposes where the plan uses the NT product at that size:
-    `scan_needs_transposes`); the native kernel's panels are passed whole (it indexes the
+    paid at warm-up. Every other step scans the stacked layers (the canonical stacked
+    matrices where the plan uses the plain product at a scanned size, `scan_needs_plain`;
+    their stacked transposes where it uses the NT product, `scan_needs_transposes`; the
+    norms and biases); the native kernel's panels are passed whole (it indexes the
     layer), so an all-native step copies nothing."""
     assert is_compute_params(params), "forward needs primitives.with_transposed(params, cfg)"
     x = embed_rows(params["embed"], batch.input_ids, tp)

@@ -258,6 +258,13 @@ class QwenMoeFamily:
                          cfg: ModelConfig) -> dict[str, Any]:
         return held
 
+    def canonical_leaf(self, held: dict[str, Any], compute: dict[str, Any],
+                       cfg: ModelConfig, path: tuple[str, ...]) -> Any:
+        leaf: Any = held
+        for key in path:
+            leaf = leaf[key]
+        return leaf
+
     def forward_hidden(self, params: dict[str, Any], kv_pool: Any, batch: Any,
                        cfg: ModelConfig, *, page_size: int, attn_block_size: int,
                        plan: Any, tp: Any = None) -> tuple[Any, Any]:

@@ -271,12 +271,15 @@ def with_transposed(params: dict[str, Any], cfg: ModelConfig, stacked_t: bool = 
 
 
 def canonical_layer_matrices(stacked: dict[str, jax.Array],
-                             shapes: dict[str, tuple[int, int]]) -> dict[str, jax.Array]:
-    """The stacked layer matrices W [L, in, out] of `shapes` ({name: (in, out)}) that
-    `with_transposed` holds only as native panels (absent from `stacked`, the compute
-    params' `stacked_layers`), rebuilt from their panels (`<name>_p`, or their columns of a
-    fused group's `<group>_p`) bit for bit (`unpack_panels`: a pure layout move)."""
-    missing = {name: kn for name, kn in shapes.items() if name not in stacked}
+                             shapes: dict[str, tuple[int, int]],
+                             names: tuple[str, ...] | None = None) -> dict[str, jax.Array]:
+    """The stacked layer matrices W [L, in, out] that `with_transposed` holds only as
+    native panels (absent from `stacked`, the compute params' `stacked_layers`), rebuilt
+    from their panels (`<name>_p`, or their columns of a fused group's `<group>_p`) bit for
+    bit (`unpack_panels`: a pure layout move). `shapes`: {name: (in, out)} of every layer
+    matrix; `names`: the ones to rebuild (None: every one absent from `stacked`)."""
+    missing = {name: shapes[name] for name in (names if names is not None else shapes)
+               if name not in stacked}
     sources: dict[str, tuple[str, int]] = {}  # name -> (its panel stack, first panel)
     for group, members in FUSED_GROUPS.items():
         first = 0
