@@ -2,9 +2,10 @@
 
 Usage: python scripts/fleet_memory.py TREE HOME OUT.json
 
-Starts `multiserve serve --config TREE/configs/cpu-4.toml` with TREE on PYTHONPATH, HOME
-set to HOME (an empty directory: no kernel, calibration or compile cache, so the
-calibration is fresh) and MALLOC_ARENA_MAX=2 (as scripts/fleet.sh), then reads the
+Starts `multiserve serve --config configs/cpu-4.toml` of the source tree TREE (on
+PYTHONPATH), HOME set to HOME (an empty directory: no kernel, calibration or compile
+cache, so the calibration is fresh) and MALLOC_ARENA_MAX=2 (as scripts/fleet.sh), then
+reads the
 process's VmRSS / VmHWM at READY, once every engine's step programs are compiled, and
 after 2 rounds of 16 concurrent 200-token chats (4 a port); writes them, every engine's
 "memory" and "determinism" blocks and the supervisor's /get_server_info to OUT.json. Uses
