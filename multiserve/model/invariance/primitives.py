@@ -38,7 +38,13 @@ import jax.numpy as jnp
 
 from multiserve.config import ModelConfig
 from multiserve.model.invariance.plan import ProductPlan, RowSumPlan
-from multiserve.model.kernels.native import PANEL, grouped_row_gemm, pack_panels, row_gemm, unpack_panels
+from multiserve.model.kernels.native import (
+    PANEL,
+    grouped_row_gemm,
+    pack_panels,
+    row_gemm,
+    unpack_panels,
+)
 
 # the matrices of one layer that get a transposed copy ("<name>_t", [L, out, in])
 LAYER_MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
@@ -201,8 +207,9 @@ def with_transposed(params: dict[str, Any], cfg: ModelConfig, stacked_t: bool = 
     - `stacked_layers`: the canonical stacked layer arrays (shared, no copy), which the
       scanned decoder of large steps reads (without `stacked_plain` and with "native", the
       layer matrices are not among them: no scanned size reads W [in, out] stacked, and
-      their panels hold them exactly, `canonical_layer_matrices`); with `stacked_t` (the plan uses the NT product
-      at a scanned size) also the stacked transposes `<name>_t` [L, out, in]; with
+      their panels hold them exactly, `canonical_layer_matrices`); with `stacked_t` (the
+      plan uses the NT product at a scanned size) also the stacked transposes `<name>_t`
+      [L, out, in]; with
       "native" the stacked panels `<name>_p` [L, N/64, K, 64] (bfloat16 weights: k-pair
       panels [L, N/64, ceil(K/2), 128], pack_panels), which the native kernel
       indexes by layer itself (no per-layer copy, none in a scan either);
