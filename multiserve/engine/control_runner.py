@@ -157,9 +157,9 @@ class ControlRunner:
         raise TypeError(f"not an RL command: {cmd!r}")
 
     def _read(self, name: str, truncate_size: int) -> ControlResult:
-        params, source = self.memory.readable_params()
+        leaf_at, source = self.memory.readable_leaves()
         try:
-            out = self.weights.layout.read(params, name, truncate_size)
+            out = self.weights.layout.read(leaf_at, name, truncate_size)
         except WeightUpdateError as e:
             return ControlResult(False, str(e), {"name": name})
         return ControlResult(True, f"{name}: shape {out['shape']}", {

@@ -477,7 +477,7 @@ class EngineCore:
         """Device buffers given back by a memory release: "weights" while the runner has no
         params, "kv_cache" while it has no KV pool (derived from the runner, never stored)."""
         runner = self.runner
-        return frozenset(tag for tag, gone in (("weights", runner.params is None),
+        return frozenset(tag for tag, gone in (("weights", runner.held_params is None),
                                                ("kv_cache", runner.kv is None)) if gone)
 
     def set_weight_version(self, version: str) -> dict[str, Any]:

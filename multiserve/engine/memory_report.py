@@ -1,9 +1,12 @@
 """What one engine holds in memory: get_internal_state's (and so get_server_info's) "memory".
 
 `memory_report(runner, pool)` counts, from the live objects, never from estimates:
-- weights: the bytes of the device arrays the steps read (`Runner.compute_params`), split
-  into the canonical params and the extra copies the invariance plan runs on (transposed
-  and fused matrices);
+- weights: the bytes of the device arrays held for the weights (`Runner.held_params` and
+  `Runner.compute_params`): the canonical params' size (each leaf once, in whichever
+  layout it is held), the extra copies the invariance plan runs on beyond that (transposed
+  matrices, panel padding, a head in a second layout), and how much of the params is held
+  in the canonical layout itself (the rest only in a compute layout, e.g. an all-native
+  plan's layer matrices as panels: Runner's invariant on `params`);
 - the KV pool: its bytes, the tokens it serves (page 0, the padding sink, counted apart),
   bytes per token, and how its size was chosen (engine/kv_sizing.py);
 - the compiled step programs: how many executables (a sampler shared by several row
@@ -92,15 +95,20 @@ def memory_report(runner: Runner, pool: PoolSize | None) -> dict[str, Any]:
     not known, e.g. a runner built outside engine/setup.py)."""
     page = runner.cfg.page_size
     per_token = kv_bytes_per_token(runner.model_cfg, runner.dtype)
-    params = array_bytes(runner.params)
-    weights = array_bytes((runner.params, runner.compute_params))
+    held = runner.held_params
+    canonical = array_bytes(held)
+    params = 0 if held is None else sum(
+        math.prod(s.sharding.shard_shape(s.shape)) * s.dtype.itemsize
+        * len(s.sharding.device_set) for s in jax.tree.leaves(runner.param_specs))
+    weights = array_bytes((held, runner.compute_params))
     kv = array_bytes(runner.kv)
-    released = [name for name, held in (("weights", runner.params is not None),
-                                        ("kv_cache", runner.kv is not None)) if not held]
+    released = [name for name, kept in (("weights", held is not None),
+                                        ("kv_cache", runner.kv is not None)) if not kept]
     return {
         "weights_bytes": weights,
         "weights_params_bytes": params,
         "weights_copies_bytes": weights - params,
+        "weights_canonical_bytes": canonical,
         "kv_pool_bytes": kv,
         "kv_pool_tokens": (runner.num_pages - 1) * page,  # page 0 excluded (padding sink)
         "kv_pool_padding_tokens": page,

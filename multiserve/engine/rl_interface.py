@@ -63,8 +63,19 @@ class RLInterface:
     @property
     def params(self) -> Any:
         """The canonical params pytree on the devices (None while released). Read only:
-        replace it with `swap_params`."""
+        replace it with `swap_params`. The leaves the runner holds only in a compute
+        layout come rebuilt, as new arrays (Runner.params), at each read."""
         return self.runner.params
+
+    def param(self, path: tuple[str, ...]) -> Any:
+        """One leaf of the canonical params by path (Runner.param: held, or rebuilt alone);
+        None while released."""
+        return self.runner.param(path)
+
+    @property
+    def param_specs(self) -> Any:
+        """Shape, dtype and sharding of every canonical leaf (nothing is read or rebuilt)."""
+        return self.runner.param_specs
 
     @property
     def kv_pool(self) -> KVPool | None:
@@ -125,9 +136,10 @@ class RLInterface:
     # ---- device buffers (between steps) ----------------------------------------------------
     def swap_params(self, params: Any) -> Any:
         """Put `params` (None: the weights are released) on the runner, which re-derives
-        the compute form the step runs on; returns the tree it replaced."""
+        the compute form the step runs on; returns the canonical leaves it held before
+        (Runner.held_params: nothing is rebuilt)."""
         assert self._core.in_flight is None, "params change only between steps"
-        old = self.runner.params
+        old = self.runner.held_params
         self.runner.params = params
         self.runner.prime_deferred()
         return old

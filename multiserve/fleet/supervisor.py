@@ -226,7 +226,7 @@ def build_supervisor_app(engines: Sequence[EngineClient], *, restart: RestartFn 
 # the byte and token counts of an engine's "memory" block (engine/memory_report.py) that
 # add up over engines
 _MEMORY_SUMS = ("weights_bytes", "weights_params_bytes", "weights_copies_bytes",
-                "kv_pool_bytes", "kv_pool_tokens")
+                "weights_canonical_bytes", "kv_pool_bytes", "kv_pool_tokens")
 
 
 def engines_memory_total(states: Sequence[dict[str, Any]]) -> dict[str, int]:

@@ -120,14 +120,16 @@ def _opt_int() -> dict[str, Any]:
 
 
 ENGINE_MEMORY_SCHEMA: dict[str, Any] = {
-    "type": "object", "description": "what the engine holds: weights (params and the extra "
-    "copies its kernels run on), the KV pool (bytes = (kv_pool_tokens + "
+    "type": "object", "description": "what the engine holds: weights (the params' size, "
+    "the extra copies its kernels run on, the bytes held in the canonical layout itself), "
+    "the KV pool (bytes = (kv_pool_tokens + "
     "kv_pool_padding_tokens) x kv_bytes_per_token; how its size was chosen), the compiled "
     "step programs (count; XLA's scratch per program; generated code bytes, null where the "
     "backend does not report them); released parts count 0",
     "properties": {
         **{k: _int() for k in ("weights_bytes", "weights_params_bytes",
-                               "weights_copies_bytes", "kv_pool_bytes", "kv_pool_tokens",
+                               "weights_copies_bytes", "weights_canonical_bytes",
+                               "kv_pool_bytes", "kv_pool_tokens",
                                "kv_pool_padding_tokens", "kv_bytes_per_token")},
         "kv_pool_rule": {"anyOf": [{"type": "string", "enum": ["explicit", "device memory",
                                                                "host memory"]},

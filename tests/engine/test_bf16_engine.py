@@ -113,6 +113,16 @@ def test_auto_serves_the_bf16_checkpoint_natively_with_its_bits(
     bits = _device_bits(engine)
     _same_bits(bits["embed"], params["embed"])
     _same_bits(bits["w_down"], params["layers"]["w_down"][1])
+    # every layer matrix (held as bfloat16 k-pair panels where the plan is all-native, and
+    # rebuilt from them for the read) reads back with the checkpoint's bits
+    from multiserve.model.families.dense import ATTENTION_HF_NAMES, MLP_HF_NAMES
+
+    for key, suffix, transposed in ATTENTION_HF_NAMES + MLP_HF_NAMES:
+        if key in params["layers"] and transposed:
+            read = engine.get_weights_by_name(f"model.layers.0.{suffix}", 1 << 20)
+            assert read.ok and read.details["dtype"] == "bfloat16", read
+            _same_bits(np.asarray(read.details["values"], np.float32).T,
+                       params["layers"][key][0])
 
 
 def test_a_batch_equals_each_request_alone(engine: Any, reference: dict) -> None:

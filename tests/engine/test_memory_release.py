@@ -107,7 +107,8 @@ def test_release_frees_every_device_buffer_and_resume_restores(engine: Any,
     gc.collect()
     # The engine keeps no host copy: each one is freed, or (CPU) adopted as the device buffer.
     assert engine._control_runner.memory.host_params is None
-    device_ptrs = {a.unsafe_buffer_pointer() for a in jax.tree.leaves(engine._core.runner.params)}
+    device_ptrs = {a.unsafe_buffer_pointer()
+                   for a in jax.tree.leaves(engine._core.runner.held_params)}
     for r in host:
         assert r() is None or r().ctypes.data in device_ptrs
     assert engine.resume_memory_occupation().details["already_resident"]
@@ -186,8 +187,9 @@ def test_tags_release_and_resume_separately(engine: Any, reference: dict) -> Non
     assert (mem["kv_pool_bytes"], mem["released"]) == (0, ["kv_cache"])
     assert mem["weights_bytes"] == held["weights_bytes"] > 0
     # weights only: the params and their transposed copies (tied head: an alias of embed)
-    runner = engine._core.runner  # canonical params + the per-layer compute copies
-    n_params = len({id(a) for a in jax.tree.leaves((runner.params, runner.compute_params))})
+    runner = engine._core.runner  # the held canonical leaves + the compute layouts
+    n_params = len({id(a) for a in jax.tree.leaves((runner.held_params,
+                                                    runner.compute_params))})
     assert len(_live_on(engine.devices, engine.foreign_arrays)) == n_params
     assert engine.get_weights_by_name("model.norm.weight", 4).details["from"] == "device"
     res = engine.release_memory_occupation(tags="weights")

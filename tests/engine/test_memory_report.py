@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 from conftest import TINY_MODEL
 from engine_helpers import TINY_ENGINE
 
@@ -32,6 +33,29 @@ def test_memory_block_counts_weights_kv_and_programs(tiny_engine: Any) -> None:
     assert mem["weights_params_bytes"] == _param_bytes()
     assert mem["weights_bytes"] == mem["weights_params_bytes"] + mem["weights_copies_bytes"]
     assert mem["weights_copies_bytes"] >= 0
+    # each weight held once: a layer matrix the plan reads only as native panels is not
+    # kept canonically (its panels rebuild it, bit for bit)
+    from conftest import tiny_params
+
+    from multiserve.engine.commands import Call
+    from multiserve.model.families.llama import scan_needs_plain
+    from multiserve.model.invariance.primitives import LAYER_MATRICES
+
+    runner = tiny_engine._core.runner  # noqa: SLF001 - what the engine holds
+    kernels = {f.kernel for p in runner.plan.products if p.name in LAYER_MATRICES
+               for _, f in p.by_rows}
+    dropped = [m for m in LAYER_MATRICES if m not in runner.held_params["layers"]]
+    sizes = TINY_ENGINE["precompile_token_paddings"]
+    native_only = kernels == {"native"} and not scan_needs_plain(runner.plan, sizes)
+    assert dropped == (list(LAYER_MATRICES) if native_only else [])
+    layer_bytes = sum(math.prod(param_shapes(TINY_MODEL)["layers"][m]) * 4 for m in dropped)
+    assert mem["weights_canonical_bytes"] == _param_bytes() - layer_bytes
+    host = tiny_params(TINY_MODEL)
+    rebuilt = tiny_engine.call(Call(lambda core: jax.tree.map(
+        np.asarray, core.runner.params))).result()
+    assert jax.tree.structure(rebuilt) == jax.tree.structure(host)
+    for got, want in zip(jax.tree.leaves(rebuilt), jax.tree.leaves(host), strict=True):
+        assert np.array_equal(got.view(np.uint32), want.astype(np.float32).view(np.uint32))
     assert mem["kv_bytes_per_token"] == TINY_F32_TOKEN
     assert mem["kv_pool_tokens"] == TINY_ENGINE["max_total_tokens"] == state["max_total_tokens"]
     assert mem["kv_pool_padding_tokens"] == TINY_ENGINE["page_size"]

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import jax
 import numpy as np
 import pytest
 from engine_helpers import TINY_VOCAB, AtTokens, Collector, Trigger
@@ -224,6 +225,15 @@ def test_partial_update_and_two_phase(engine: Any, original: tuple, tmp_path: Pa
     other = engine.get_weights_by_name(Q0.replace("layers.0", "layers.1"), 2)
     np.testing.assert_array_equal(np.asarray(other.details["values"], np.float32),
                                   params["layers"]["wq"][1].T[:2])
+    # the engine's whole params are those of a full update with the same values, bit for
+    # bit (the leaves held only as panels rebuilt, updated and packed again exactly)
+    wq = np.array(params["layers"]["wq"], np.float32)
+    wq[0] = new_q0.T
+    want = {**params, "layers": {**params["layers"], "wq": wq}}
+    got = engine.call(Call(lambda core: jax.tree.map(np.asarray, core.runner.params))).result()
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert np.array_equal(a.view(np.uint32), np.asarray(b, np.float32).view(np.uint32))
 
     v1_dir = save_hf_dir(tmp_path / "v1", cfg, perturbed(params, 1))
     staged = engine.stage_weights_from_disk(str(v1_dir), "v1")

@@ -201,3 +201,22 @@ def test_a_failed_build_says_why_and_leaves_no_files(tmp_path, monkeypatch) -> N
     with pytest.raises(RuntimeError, match="undeclared_name"):
         native_kernels._compile_to(cxx, out)  # noqa: SLF001
     assert list(out.parent.iterdir()) == []  # no .so, no objects, no temporaries
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_unpack_panels_is_the_exact_inverse_of_pack_panels(dtype: str) -> None:
+    """unpack_panels(pack_panels(W)) is W bit for bit (any finite bit pattern: signed
+    zeros, subnormals; weights are never NaN or inf, a weight update refuses them), stacked
+    or not, with an odd K and an N that is no multiple of the 64-column panel (the padding
+    is dropped)."""
+    bits = jnp.uint32 if dtype == "float32" else jnp.uint16
+    exponent = 0x7F800000 if dtype == "float32" else 0x7F80  # all ones: NaN or inf
+    rng = np.random.default_rng(7)
+    for shape in [(37, 100), (3, 64, 128), (2, 5, 129)]:
+        raw = rng.integers(0, exponent << 1, shape, dtype=np.uint64)
+        raw = np.where(raw & exponent == exponent, raw ^ exponent, raw)  # finite only
+        w = jnp.asarray(raw.astype(np.dtype(bits.dtype))).view(jnp.dtype(dtype))
+        k, n = shape[-2:]
+        back = native_kernels.unpack_panels(native_kernels.pack_panels(w), k, n)
+        assert back.shape == w.shape and back.dtype == w.dtype
+        assert np.array_equal(np.asarray(back.view(bits)), np.asarray(w.view(bits))), shape

@@ -1,7 +1,8 @@
 """Runner: the device state of one engine, and the launch of its steps.
 
-Owns the device state of one engine: sharded params (and their compute form, the layouts
-the invariance plan's kernels read), the model's family (model/families: the runner talks
+Owns the device state of one engine: sharded params (their compute form, the layouts the
+invariance plan's kernels read, and the canonical leaves that form does not hold exactly:
+see the invariant on `params`), the model's family (model/families: the runner talks
 only to that interface: compute params, forward to hidden states, head), the KV pool
 (donated to every step, updated in place), the device buffer of the last step's sampled
 ids, and the sampler's cached device zeros (sampling_batches.py). It asks its
@@ -25,7 +26,13 @@ Invariants:
 - The jitted functions are created per Runner (closures over this engine's config and
   shardings); nothing device-resident is cached at module level.
 - `params` is the canonical pytree (what weight updates and memory release read and
-  replace); assigning it re-derives the compute params, so the two never disagree.
+  replace); assigning it re-derives the compute params, so the two never disagree. Each
+  weight is held once where the plan allows: a canonical leaf the compute params hold only
+  in a layout no step reads it from canonically (an all-native plan's layer matrices, held
+  as the native kernel's panels) is not kept (`held_params`: what is); reading `params`
+  rebuilds such leaves from their layout bit for bit, as new arrays with the leaf's
+  sharding (the family's `params_to_hold` / `canonical_params`), so an update of some
+  leaves gives the bits of a full update.
 - LoRA (cfg.max_loras_per_batch > 0): the adapter buffers (`lora`, model/lora_layout.py,
   replicated) live beside the params and reach the programs as `compute_params["lora"]`;
   without LoRA that key is absent, so the programs are exactly those of an engine built
@@ -122,6 +129,8 @@ class Runner:
         # get_internal_state()["determinism"]: made once (immutable, read by any thread)
         self.determinism: dict[str, Any] = self.calibration.summary()
         self._compute: Any = None
+        self._held: Any = None  # params_to_hold's tree (None while released)
+        self._param_specs: Any = None
         # the weights' last huge-page advice, written by its thread when done
         # (device/huge_pages.py)
         self.huge_page_advice: dict[str, huge_pages.HugePageAdvice] = {}
@@ -160,18 +169,52 @@ class Runner:
     # ---- params ---------------------------------------------------------------------
     @property
     def params(self) -> Any:
-        """The canonical params pytree on the device (None while released)."""
-        return self._params
+        """The canonical params pytree on the device (None while released): the held
+        leaves, and those held only in a compute layout rebuilt (new arrays, each with its
+        leaf's sharding; module doc). Read it for weight updates and read-backs, not per
+        step."""
+        if self._held is None:
+            return None
+        full = self.family.canonical_params(self._held, self._compute, self.model_cfg)
+        return jax.tree.map(lambda a, spec: a if a.sharding == spec.sharding
+                            else jax.device_put(a, spec.sharding), full, self._param_specs)
 
     @params.setter
     def params(self, value: Any) -> None:
-        self._params = value
-        self._compute = None  # drop the old transposed copies before making new ones
+        self._held = None
+        self._compute = None  # drop the old layouts before making new ones
         if value is not None:
+            self._param_specs = jax.tree.map(
+                lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), value)
             self._compute = self.family.compute_params(value, self.model_cfg, self.plan,
                                                        self.cfg.precompile_token_paddings)
+            # the leaves left out are freed with the caller's tree
+            self._held = self.family.params_to_hold(value, self._compute)
             self.huge_pages_thread = huge_pages.in_background(
                 self._compute, partial(self.huge_page_advice.__setitem__, "weights"))
+
+    def param(self, path: tuple[str, ...]) -> jax.Array | None:
+        """One canonical leaf by path (None while released): the held array, or that leaf
+        alone rebuilt from its compute layout (`family.canonical_leaf`), with its sharding."""
+        if self._held is None:
+            return None
+        from multiserve.engine.rl.checks import get_leaf
+
+        leaf = self.family.canonical_leaf(self._held, self._compute, self.model_cfg, path)
+        spec = get_leaf(self._param_specs, path)
+        return leaf if leaf.sharding == spec.sharding else jax.device_put(leaf, spec.sharding)
+
+    @property
+    def held_params(self) -> Any:
+        """The canonical leaves held as they are (the canonical pytree less the leaves
+        held only in a compute layout; None while released). Nothing is rebuilt."""
+        return self._held
+
+    @property
+    def param_specs(self) -> Any:
+        """The canonical pytree's shape, dtype and sharding of every leaf (fixed at start;
+        read while released too)."""
+        return self._param_specs
 
     @property
     def compute_params(self) -> Any:

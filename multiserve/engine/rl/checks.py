@@ -16,7 +16,7 @@ small device-to-host slice; it runs on any thread.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -251,26 +251,29 @@ class ParamLayout:
                                         f"{b!r}")
 
     # ---- reading weights back -----------------------------------------------------------------
-    def read(self, params: Any, name: str, truncate_size: int) -> dict[str, Any]:
+    def read(self, leaf_at: Callable[[LeafPath], Any], name: str,
+             truncate_size: int) -> dict[str, Any]:
         """The first `truncate_size` rows (dim 0) of tensor `name` (HF name, HF
-        orientation; or a pytree path like "embed" / "layers/wq") from `params` (device
-        or host pytree)."""
+        orientation; or a pytree path like "embed" / "layers/wq"), its leaf given by
+        `leaf_at(path)` (from the device params or their host copy; only that leaf is
+        asked for)."""
         spec = self.specs.get(name)
         if spec is not None:
-            leaf = get_leaf(params, spec.path)
+            leaf = leaf_at(spec.path)
             x = leaf[spec.index] if spec.index else leaf
             shape = spec.hf_shape
             x = x[:, :truncate_size].T if spec.transposed else x[:truncate_size]
         else:
             path = tuple(p for p in name.replace(".", "/").split("/") if p)
             try:
-                leaf = get_leaf(params, path)
+                shape_or_group = get_leaf(self.shapes, path)
             except (KeyError, TypeError):
                 raise WeightUpdateError(f"tensor {name!r}: not a parameter of this model "
                                         "(give an HF name such as "
                                         "'model.layers.0.self_attn.q_proj.weight')") from None
-            if isinstance(leaf, Mapping):
+            if isinstance(shape_or_group, Mapping):
                 raise WeightUpdateError(f"tensor {name!r}: names a group, not a tensor")
+            leaf = leaf_at(path)
             shape, x = tuple(leaf.shape), leaf[:truncate_size]
         values = np.asarray(jax.device_get(x))
         return {"name": name, "shape": list(shape), "dtype": str(values.dtype),

@@ -34,12 +34,14 @@ Invariants:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
 
+from multiserve.engine.rl.checks import LeafPath, get_leaf
 from multiserve.engine.rl.weights import WeightManager
 from multiserve.model.layers.kv_pool import KVPool, make_kv_pool
 from multiserve.model.sharding import kv_pool_sharding
@@ -102,7 +104,7 @@ class MemoryManager:
         if "weights" in newly:
             details["discarded_staged_weights"] = self.weights.drop_staged()
             self.host_params = jax.tree.map(lambda a: np.array(a, copy=True), core.params)
-            for leaf in jax.tree.leaves(core.swap_params(None)):
+            for leaf in jax.tree.leaves(core.swap_params(None)):  # the held leaves
                 leaf.delete()
             details["weights_host_bytes"] = _nbytes(self.host_params)
         details["memory_released"] = sorted(core.released_tags)
@@ -166,12 +168,14 @@ class MemoryManager:
         asleep = "; still asleep" if core.released_tags else ""
         return ControlResult(True, f"resumed {todo}{asleep}", details)
 
-    def readable_params(self) -> tuple[Any, str]:
-        """(params, where from) for reading weights back: the device tree, or the host
-        copy while the weights are released."""
+    def readable_leaves(self) -> tuple[Callable[[LeafPath], Any], str]:
+        """(leaf by path, where from) for reading weights back: the device params' leaf
+        (RLInterface.param: only that leaf is rebuilt where it is held in a compute layout
+        only), or the host copy's while the weights are released."""
         if self.host_params is None:
-            return self.core.params, "device"
-        return self.host_params, "host copy (weights released)"
+            return self.core.param, "device"
+        host = self.host_params
+        return (lambda path: get_leaf(host, path)), "host copy (weights released)"
 
     def _restore(self, kv: KVPool, saved: _PreservedKV) -> KVPool:
         ps = self.core.page_size

@@ -105,7 +105,7 @@ class WeightManager:
         self.shapes, self.paths = self.layout.shapes, self.layout.paths
         self.shardings = param_shardings(self.model_cfg, runner.mesh, runner.cfg.moe_sharding)
         for path in self.paths:  # the live params must have exactly this layout
-            leaf = get_leaf(core.params, path)
+            leaf = get_leaf(core.param_specs, path)
             assert tuple(leaf.shape) == get_leaf(self.shapes, path), path
             assert leaf.dtype == self.dtype, path
             assert leaf.sharding == get_leaf(self.shardings, path), path

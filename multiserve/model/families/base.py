@@ -19,6 +19,9 @@ interface (`families.family_for(cfg)`), never to a family's forward directly:
   layer, [T, len(cfg.moe_layers), k] int32, for routing replay), the output head
   (`lm_head`), and which step sizes run a scanned decoder (`scans`) and up to which size
   the decoder runs unrolled (`unroll_max_tokens`), for the warm-up's order;
+- which canonical leaves an engine need not hold beside the compute params, because these
+  rebuild them exactly (`params_to_hold`), and their rebuilding (`canonical_params`,
+  `canonical_leaf`);
 - what a weight update from disk must agree on (`config_fields`).
 
 Module-level imports here are plain data (no jax), so the loaders stay jax-free.
@@ -99,6 +102,25 @@ class ModelFamily(Protocol):
 
     def compute_params(self, params: dict[str, Any], cfg: ModelConfig, plan: Any,
                        token_sizes: tuple[int, ...]) -> dict[str, Any]: ...
+
+    def params_to_hold(self, params: dict[str, Any], compute: dict[str, Any]
+                       ) -> dict[str, Any]:
+        """The leaves of the canonical `params` an engine keeps beside their compute form
+        `compute` (`compute_params(params, ...)`): all but those `compute` holds in a
+        layout that rebuilds them exactly, which no step reads in the canonical form."""
+        ...
+
+    def canonical_params(self, held: dict[str, Any], compute: dict[str, Any],
+                         cfg: ModelConfig) -> dict[str, Any]:
+        """The whole canonical params from `params_to_hold`'s tree and `compute`, the
+        leaves left out rebuilt bit for bit (new arrays)."""
+        ...
+
+    def canonical_leaf(self, held: dict[str, Any], compute: dict[str, Any],
+                       cfg: ModelConfig, path: tuple[str, ...]) -> Any:
+        """One leaf of `canonical_params` by path: the held one, or that one alone rebuilt
+        (a read-back rebuilds nothing else)."""
+        ...
 
     def forward_hidden(self, params: dict[str, Any], kv_pool: Any, batch: Any,
                        cfg: ModelConfig, *, page_size: int, attn_block_size: int,

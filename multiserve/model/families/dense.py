@@ -215,7 +215,12 @@ class DenseFamily:
         """`primitives.with_transposed` for `plan` (None: every layout, stacked
         transposes too: for code that runs several plans), the layer matrices the plan runs
         natively alike at every step size fused (`llama.fused_groups`)."""
-        from multiserve.model.families.llama import fused_groups, plan_kernels, scan_needs_transposes
+        from multiserve.model.families.llama import (
+            fused_groups,
+            plan_kernels,
+            scan_needs_plain,
+            scan_needs_transposes,
+        )
         from multiserve.model.invariance.primitives import LAYER_MATRICES, with_transposed
 
         if plan is None:
@@ -224,7 +229,46 @@ class DenseFamily:
                                stacked_t=scan_needs_transposes(plan, cfg, token_sizes),
                                kernels=plan_kernels(plan, LAYER_MATRICES),
                                head_kernels=plan_kernels(plan, ("head",)),
-                               fused=fused_groups(plan, tuple(token_sizes)))
+                               fused=fused_groups(plan, tuple(token_sizes)),
+                               stacked_plain=scan_needs_plain(plan, tuple(token_sizes)))
+
+    def params_to_hold(self, params: dict[str, Any], compute: dict[str, Any]
+                       ) -> dict[str, Any]:
+        """`params` without the layer matrices `compute` holds only as native panels (not
+        in its `stacked_layers`: `with_transposed`'s `stacked_plain`)."""
+        stacked = compute["stacked_layers"]
+        return {**params, "layers": {k: v for k, v in params["layers"].items()
+                                     if k in stacked}}
+
+    def canonical_params(self, held: dict[str, Any], compute: dict[str, Any],
+                         cfg: ModelConfig) -> dict[str, Any]:
+        """The canonical params from `params_to_hold`'s tree and `compute`: the layer
+        matrices it left out rebuilt from their panels, bit for bit
+        (`primitives.canonical_layer_matrices`)."""
+        from multiserve.model.invariance.primitives import canonical_layer_matrices
+
+        shapes = layer_param_shapes(cfg)
+        layers = held["layers"]
+        matrices = {k: s for k, s in shapes.items() if len(s) == 2}
+        missing = tuple(k for k in matrices if k not in layers)
+        rebuilt = canonical_layer_matrices(compute["stacked_layers"], matrices, missing) \
+            if missing else {}
+        return {**held, "layers": {k: layers[k] if k in layers else rebuilt[k]
+                                   for k in shapes}}
+
+    def canonical_leaf(self, held: dict[str, Any], compute: dict[str, Any],
+                       cfg: ModelConfig, path: tuple[str, ...]) -> Any:
+        """`canonical_params`' leaf at `path`: held, or that layer matrix alone rebuilt."""
+        from multiserve.model.invariance.primitives import canonical_layer_matrices
+
+        if path[0] == "layers" and len(path) == 2 and path[1] not in held["layers"]:
+            matrices = {k: s for k, s in layer_param_shapes(cfg).items() if len(s) == 2}
+            return canonical_layer_matrices(compute["stacked_layers"], matrices,
+                                            (path[1],))[path[1]]
+        leaf: Any = held
+        for key in path:
+            leaf = leaf[key]
+        return leaf
 
     def forward_hidden(self, params: dict[str, Any], kv_pool: Any, batch: Any,
                        cfg: ModelConfig, *, page_size: int, attn_block_size: int,

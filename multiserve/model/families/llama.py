@@ -58,6 +58,15 @@ def scan_needs_transposes(plan: InvariancePlan, cfg: ModelConfig,
                for name in LAYER_MATRICES for t in scanned)
 
 
+def scan_needs_plain(plan: InvariancePlan, token_sizes: tuple[int, ...]) -> bool:
+    """Whether the scanned decoder (the step sizes `scans` sends there) uses the plain
+    product somewhere, so it reads the canonical stacked matrices (`with_transposed`'s
+    `stacked_plain`)."""
+    scanned = [t for t in token_sizes if scans(plan, t)]
+    return any(plan.product(name).formulation(t).kernel == "plain"
+               for name in LAYER_MATRICES for t in scanned)
+
+
 def plan_kernels(plan: InvariancePlan, names: tuple[str, ...] | None = None
                  ) -> frozenset[str]:
     """The product kernels the plan uses for the products `names` (None: anywhere): the
@@ -228,9 +237,10 @@ def forward_hidden(params: Params, kv_pool: KVPool, batch: ForwardBatch, cfg: Mo
     matmuls read its own arrays in place, where a scan slices (copies) every layer's
     weights out of the stacked arrays at every step, a large share of a one-token step.
     The price is compile time (several times a scanned program's, docs/performance.md §6),
-    paid at warm-up. Every other step scans the canonical stacked layers (and their
-    stacked transposes where the plan uses the NT product at that size:
-    `scan_needs_transposes`); the native kernel's panels are passed whole (it indexes the
+    paid at warm-up. Every other step scans the stacked layers (the canonical stacked
+    matrices where the plan uses the plain product at a scanned size, `scan_needs_plain`;
+    their stacked transposes where it uses the NT product, `scan_needs_transposes`; the
+    norms and biases); the native kernel's panels are passed whole (it indexes the
     layer), so an all-native step copies nothing."""
     assert is_compute_params(params), "forward needs primitives.with_transposed(params, cfg)"
     x = embed_rows(params["embed"], batch.input_ids, tp)

@@ -248,6 +248,23 @@ class QwenMoeFamily:
         return compute_params(params, cfg, plan_kernels(plan, matrices),
                               plan_kernels(plan, ("head",)))
 
+    def params_to_hold(self, params: dict[str, Any], compute: dict[str, Any]
+                       ) -> dict[str, Any]:
+        """All of `params` (this family's compute params keep no layout that rebuilds
+        them)."""
+        return params
+
+    def canonical_params(self, held: dict[str, Any], compute: dict[str, Any],
+                         cfg: ModelConfig) -> dict[str, Any]:
+        return held
+
+    def canonical_leaf(self, held: dict[str, Any], compute: dict[str, Any],
+                       cfg: ModelConfig, path: tuple[str, ...]) -> Any:
+        leaf: Any = held
+        for key in path:
+            leaf = leaf[key]
+        return leaf
+
     def forward_hidden(self, params: dict[str, Any], kv_pool: Any, batch: Any,
                        cfg: ModelConfig, *, page_size: int, attn_block_size: int,
                        plan: Any, tp: Any = None) -> tuple[Any, Any]:

@@ -30,6 +30,7 @@ with the operand's size). Max/min reductions are exact and need nothing.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import jax
@@ -37,7 +38,13 @@ import jax.numpy as jnp
 
 from multiserve.config import ModelConfig
 from multiserve.model.invariance.plan import ProductPlan, RowSumPlan
-from multiserve.model.kernels.native import grouped_row_gemm, pack_panels, row_gemm
+from multiserve.model.kernels.native import (
+    PANEL,
+    grouped_row_gemm,
+    pack_panels,
+    row_gemm,
+    unpack_panels,
+)
 
 # the matrices of one layer that get a transposed copy ("<name>_t", [L, out, in])
 LAYER_MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
@@ -185,7 +192,8 @@ def with_transposed(params: dict[str, Any], cfg: ModelConfig, stacked_t: bool = 
                     kernels: frozenset[str] = frozenset(LAYOUT_SUFFIX),
                     matrices: tuple[str, ...] = LAYER_MATRICES,
                     fused: tuple[str, ...] = (),
-                    head_kernels: frozenset[str] | None = None) -> dict[str, Any]:
+                    head_kernels: frozenset[str] | None = None,
+                    stacked_plain: bool = True) -> dict[str, Any]:
     """The compute params the forward runs on, derived from the canonical pytree (matrices
     [in, out] stacked over layers, see param_layout), holding each layer matrix in the
     layouts of the product `kernels` the invariance plan uses (`llama.plan_kernels`; by
@@ -197,8 +205,11 @@ def with_transposed(params: dict[str, Any], cfg: ModelConfig, stacked_t: bool = 
       copies every layer's matrices out of the stack at every step (a large share of a
       one-token step on XLA:CPU: docs/performance.md §6).
     - `stacked_layers`: the canonical stacked layer arrays (shared, no copy), which the
-      scanned decoder of large steps reads; with `stacked_t` (the plan uses the NT product
-      at a scanned size) also the stacked transposes `<name>_t` [L, out, in]; with
+      scanned decoder of large steps reads (without `stacked_plain` and with "native", the
+      layer matrices are not among them: no scanned size reads W [in, out] stacked, and
+      their panels hold them exactly, `canonical_layer_matrices`); with `stacked_t` (the
+      plan uses the NT product at a scanned size) also the stacked transposes `<name>_t`
+      [L, out, in]; with
       "native" the stacked panels `<name>_p` [L, N/64, K, 64] (bfloat16 weights: k-pair
       panels [L, N/64, ceil(K/2), 128], pack_panels), which the native kernel
       indexes by layer itself (no per-layer copy, none in a scan either);
@@ -216,7 +227,9 @@ def with_transposed(params: dict[str, Any], cfg: ModelConfig, stacked_t: bool = 
     panel axis, -3, in both panel layouts) instead of each member's own `<name>_p` (never both: no weight is held twice).
     `head_kernels`: the kernels of the head's product where they are not `kernels` (None:
     the same), so a head run in an XLA layout at some size keeps no per-layer copy of the
-    layer matrices, which `kernels` alone decides."""
+    layer matrices, which `kernels` alone decides.
+    `stacked_plain`: the scanned decoder runs some layer matrix on the plain product at
+    some step size (`llama.scan_needs_plain`), so it reads the canonical stacks."""
     layers = params["layers"]
     keep_t = "nt" in kernels or stacked_t  # else no layer matrix is transposed at all
     to_transpose: dict[str, Any] = ({name: layers[name] for name in matrices}
@@ -240,6 +253,9 @@ def with_transposed(params: dict[str, Any], cfg: ModelConfig, stacked_t: bool = 
             parts = [packed.pop(f"{m}_p") for m in FUSED_GROUPS[group]]
             packed[f"{group}_p"] = jnp.concatenate(parts, axis=-3)
         stacked.update(packed)
+        if not stacked_plain:  # each matrix is held once, as its panels
+            for name in matrices:
+                del stacked[name]
     out["stacked_layers"] = stacked
     out["layers"] = split_layers(per_layer)
     if not stacked_t:
@@ -259,6 +275,40 @@ def with_transposed(params: dict[str, Any], cfg: ModelConfig, stacked_t: bool = 
             head.delete()
             out[key] = None
     return out
+
+
+def canonical_layer_matrices(stacked: dict[str, jax.Array],
+                             shapes: dict[str, tuple[int, int]],
+                             names: tuple[str, ...] | None = None) -> dict[str, jax.Array]:
+    """The stacked layer matrices W [L, in, out] that `with_transposed` holds only as
+    native panels (absent from `stacked`, the compute params' `stacked_layers`), rebuilt
+    from their panels (`<name>_p`, or their columns of a fused group's `<group>_p`) bit for
+    bit (`unpack_panels`: a pure layout move). `shapes`: {name: (in, out)} of every layer
+    matrix; `names`: the ones to rebuild (None: every one absent from `stacked`)."""
+    missing = {name: shapes[name] for name in (names if names is not None else shapes)
+               if name not in stacked}
+    sources: dict[str, tuple[str, int]] = {}  # name -> (its panel stack, first panel)
+    for group, members in FUSED_GROUPS.items():
+        first = 0
+        for member in members:
+            if member in missing and f"{group}_p" in stacked:
+                sources[member] = (f"{group}_p", first)
+            first += -(-shapes[member][1] // PANEL) if member in shapes else 0
+    for name in missing:
+        sources.setdefault(name, (f"{name}_p", 0))
+        assert sources[name][0] in stacked, f"{name}: neither W nor its panels are held"
+    return _unpack_stacks({name: stacked[src] for name, (src, _) in sources.items()},
+                          tuple((name, sources[name][1], *missing[name]) for name in missing))
+
+
+@partial(jax.jit, static_argnums=1)
+def _unpack_stacks(panels: dict[str, jax.Array], where: tuple[tuple[str, int, int, int], ...]
+                   ) -> dict[str, jax.Array]:
+    """{name: unpack_panels of its panels [first, first + ceil(n / 64)) on the panel axis}
+    for each (name, first, k, n) of `where`."""
+    return {name: unpack_panels(jax.lax.slice_in_dim(
+        panels[name], first, first + -(-n // PANEL), axis=panels[name].ndim - 3), k, n)
+        for name, first, k, n in where}
 
 
 def is_compute_params(params: dict[str, Any]) -> bool:

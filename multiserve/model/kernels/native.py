@@ -284,6 +284,26 @@ def pack_panels(w: jax.Array) -> jax.Array:
     return jnp.moveaxis(w, -2, -3)
 
 
+def unpack_panels(panels: jax.Array, k: int, n: int) -> jax.Array:
+    """The exact inverse of `pack_panels`: panels (float32 [..., P, K, 64] or bfloat16
+    k-pair panels [..., P, ceil(K / 2), 128]) -> W [..., K, N], the padding (columns past
+    N, an odd K's zero row) dropped. Moves values and never rounds: the bits of W come
+    back."""
+    lead = panels.shape[:-3]
+    count = panels.shape[-3]
+    assert count == -(-n // PANEL), (panels.shape, n)
+    if panels.dtype == jnp.bfloat16:
+        pairs = panels.shape[-2]
+        assert pairs == (k + 1) // 2 and panels.shape[-1] == 2 * PANEL, (panels.shape, k)
+        w = panels.reshape(*lead, count, pairs, PANEL, 2)  # [.., p, j, c, e]
+        w = jnp.swapaxes(w, -1, -2)  # [.., p, j, e, c]
+        w = jnp.moveaxis(w, -4, -2)  # [.., j, e, p, c]
+        return w.reshape(*lead, 2 * pairs, count * PANEL)[..., :k, :n]
+    assert panels.shape[-2:] == (k, PANEL), (panels.shape, k)
+    w = jnp.moveaxis(panels, -3, -2)  # [.., K, p, c]
+    return w.reshape(*lead, k, count * PANEL)[..., :n]
+
+
 def _bf16_product(target: str, x: jax.Array, panels: jax.Array, index: jax.Array,
                   n: int, out_dtype: jnp.dtype | None, path: str | None,
                   residual: jax.Array | None = None) -> jax.Array:
