@@ -51,6 +51,10 @@ from multiserve.model.layers.forward_batch import ForwardBatch
 PAD_SIZES = (2, 4, 8, 16, 32, 64)  # extra row counts a small step may be padded to
 TIMING_RUNS = 3
 MIN_PROBED_ROWS = 96  # row results a candidate is checked on, at least (small sizes: more runs)
+# A product's row holds one result per output column, each its own sum: a wide product
+# checks as many sums in fewer rows. Its rows checked, at least: this many results over its
+# width (the MIN_PROBED_ROWS of a 64-column product; never more rows than that).
+MIN_PROBED_RESULTS = MIN_PROBED_ROWS * 64
 # (primitive, candidate description) -> treat this candidate's rows as different
 Distort = Callable[[str, dict[str, Any]], bool]
 
@@ -76,15 +80,17 @@ def distortion(distort: Distort | None, primitive: str, desc: dict[str, Any]) ->
     return hash((primitive, *sorted(desc.items()))) | 1
 
 
-def placements(size: int, total: int, rng: np.random.Generator) -> list[np.ndarray]:
+def placements(size: int, total: int, rng: np.random.Generator,
+               min_rows: int = MIN_PROBED_ROWS) -> list[np.ndarray]:
     """Which probe rows sit where in the runs of one candidate: the first `size` rows, the
-    last `size` rows, then random choices in random order until at least MIN_PROBED_ROWS
+    last `size` rows, then random choices in random order until at least `min_rows` row
     results are checked (each row at several positions; a difference that shows only for
-    some data, e.g. an FMA contracted in one kernel and not in another, needs many rows)."""
+    some data, e.g. an FMA contracted in one kernel and not in another, needs many sums).
+    At least 3 placements whatever the size."""
     if size >= total:
         return [np.arange(total), np.arange(total)[::-1].copy(), rng.permutation(total)]
     out = [np.arange(size), np.arange(total - size, total)]
-    while len(out) * size < MIN_PROBED_ROWS or len(out) < 3:
+    while len(out) * size < min_rows or len(out) < 3:
         out.append(rng.permutation(total)[:size])
     return out
 
@@ -124,6 +130,12 @@ def timed_candidates(pending: Sequence[Pending]) -> list[Candidate]:
     seconds = timed([fn for *_, fn in pending])
     return [Candidate(desc, rows, runs, t)
             for (desc, rows, runs, _), t in zip(pending, seconds, strict=True)]
+
+
+def product_rows(width: int) -> int:
+    """The rows a product of `width` output columns is checked on, at least: as many sums as
+    MIN_PROBED_RESULTS (a 64-column product's MIN_PROBED_ROWS; wider ones fewer rows)."""
+    return max(1, min(MIN_PROBED_ROWS, -(-MIN_PROBED_RESULTS // width)))
 
 
 def host(a: np.ndarray, dtype: Any) -> np.ndarray:
@@ -204,7 +216,7 @@ def probe_product(use: ProductUse, dtype: Any, device: Any, distort: Distort | N
             desc = {"kernel": kernel, "rows": rows}
             flip = distortion(distort, "product", {"name": use.name, **desc})
             runs = []
-            for placement in placements(rows, top, rng):
+            for placement in placements(rows, top, rng, product_rows(use.local_n)):
                 res = np.asarray(fn(jax.device_put(x[placement], device), w, w_t, w_p))
                 runs.append(row_hashes(res, placement, flip))
             xs = jax.device_put(x[:rows], device)
@@ -248,7 +260,7 @@ def probe_grouped(use: GroupedUse, dtype: Any, device: Any, distort: Distort | N
             desc = {"kernel": kernel, "rows": rows}
             flip = distortion(distort, "grouped", {"name": use.name, **desc})
             runs = []
-            for placement in placements(rows, top, rng):
+            for placement in placements(rows, top, rng, product_rows(use.local_n)):
                 res = np.asarray(fn(jax.device_put(x[placement], device),
                                     jnp.asarray(experts[placement]), w, w_p))
                 runs.append(row_hashes(res, placement, flip))

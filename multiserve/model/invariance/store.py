@@ -31,7 +31,7 @@ from multiserve.model.layers.attention_pallas import forced_kernel
 
 log = logging.getLogger("multiserve.calibration")
 
-PROBE_VERSION = 9  # bump when a probe or the selection changes: old cache entries are ignored
+PROBE_VERSION = 10  # bump when a probe or the selection changes: old cache entries are ignored
 
 
 def cache_dir() -> Path:
