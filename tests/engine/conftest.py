@@ -28,6 +28,7 @@ from engine_helpers import (
     assert_idle_and_clean,
     restore,
 )
+from shipped_engine import shipped_engine_config
 
 from multiserve.config import EngineConfig, ModelConfig
 
@@ -36,17 +37,6 @@ TINY_MODEL = ModelConfig(
     num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=2048,
     tie_word_embeddings=False, bos_token_id=1, eos_token_ids=(2,))
 
-
-def _shipped_engine() -> EngineConfig:
-    """The engine of the shipped main job (configs/cpu-4.toml's [engine], what
-    `scripts/fleet.sh` serves), on device 0, with tests/fleet/test_fleet_validate.py's KV
-    pool: the programs are those the validate run's fleet compiles, so either finds the
-    other's in the suite's persistent compilation cache."""
-    from multiserve.fleet.config_loader import load_fleet_config
-
-    fleet = load_fleet_config(Path(__file__).resolve().parents[2] / "configs" / "cpu-4.toml",
-                              {"engine.max_total_tokens": 4096, "engine.show_progress": False})
-    return fleet.engines[0]
 
 _USED: list[Any] = []  # engines handed to the current test
 
@@ -140,7 +130,7 @@ def _tiny_engine_bf16(tiny_model_dir_bf16: Path) -> Iterator[Any]:
 def _default_engine() -> Iterator[Any]:
     from multiserve.engine.engine import Engine
 
-    eng = Engine(_shipped_engine())
+    eng = Engine(shipped_engine_config())
     try:
         yield eng
     finally:

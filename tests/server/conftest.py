@@ -22,6 +22,7 @@ import httpx
 import openai
 import pytest
 from loopback_server import engine_server
+from shipped_engine import shipped_engine_config
 
 ENGINE_KW: dict[str, Any] = dict(
     max_running_requests=64, precompile_bs_paddings=(64,), precompile_token_paddings=(64, 256),
@@ -129,21 +130,13 @@ def idle_engine(served: Served) -> Iterator[Served]:
     served.wait_state(_idle)
 
 
-# The embedded default model behind a real server, shared by the default-model server tests
-# (tool calls, structured outputs): decode steps at T=8, prefills at 512 (a decode step on
-# the 512 bucket alone costs ~10x a T=8 one).
-DEFAULT_KW: dict[str, Any] = dict(
-    max_running_requests=8, precompile_bs_paddings=(8,), precompile_token_paddings=(8, 512),
-    chunked_prefill_size=512, max_total_tokens=8192, max_context_len=2048,
-    compile_in_background=False, show_progress=False, fused_step_max=2)
-
-
 @pytest.fixture(scope="session")
 def default_server_url() -> Iterator[str]:
-    from multiserve.config import EngineConfig
     from multiserve.engine.engine import Engine
 
-    eng = Engine(EngineConfig(**DEFAULT_KW))
+    # the shipped main job's engine (tests/shipped_engine.py): its programs and plan are the
+    # validate run's and the engine tests' default engine's, found in the suite's caches
+    eng = Engine(shipped_engine_config(compile_in_background=False))
     with engine_server(eng) as url:
         yield url
     eng.shutdown()
