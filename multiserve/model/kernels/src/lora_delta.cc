@@ -209,6 +209,7 @@ void shrink_scalar(Problem<E>& pr, size_t m, int64_t first, int count) {
 // alone would wait on one sum's latency; the rank lanes past R (R not a multiple of 16)
 // are loaded as zeros, so every R takes this one path.
 constexpr int CHAINS = 4;
+constexpr int64_t PREFETCH = 1024;  // elements read ahead of a stream (2 KB in bfloat16)
 
 typedef uint16_t lane_mask;  // rank lanes of one vector: bit j set for a rank below R
 
@@ -275,6 +276,7 @@ __attribute__((always_inline)) inline void pair_step(vf (&acc)[NT][RV],
                                                      const lane_mask* lanes, int64_t p,
                                                      bool odd_end) {
   pairs_t av[RV];
+  __builtin_prefetch(row0 + PREFETCH);
   for (int v = 0; v < RV; ++v) av[v] = a_pairs(row0 + LANES * v, row1 + LANES * v, lanes[v]);
   for (int i = 0; i < NT; ++i) {
     const pairs_t xv = x_pair(odd_end ? xr[i][2 * p] : pair_of(xr[i], p));
@@ -465,7 +467,10 @@ void run_item(Problem<E>& pr, int64_t start, int64_t count, size_t m) {
   thread_local std::vector<float> stage;
   stage.resize(pr.r * mod.n);
   float* st = stage.data();
-  for (int64_t i = 0; i < pr.r * mod.n; ++i) st[i] = widen(b[i]);
+  for (int64_t i = 0; i < pr.r * mod.n; i += 32) {
+    __builtin_prefetch(b + i + PREFETCH);
+    for (int64_t e = i; e < std::min(i + 32, pr.r * mod.n); ++e) st[e] = widen(b[e]);
+  }
   for (int64_t c0 = 0; c0 < mod.n; c0 += TILE)
     expand_tile(pr, start, count, m, c0, std::min(c0 + TILE, mod.n),
                 BRows<float>{st, mod.n, 0});
