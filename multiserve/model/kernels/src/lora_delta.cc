@@ -223,13 +223,14 @@ inline pairs_t a_pairs(const uint16_t* row0, const uint16_t* row1, lane_mask lan
   const __m512i idx = _mm512_set_epi16(
       47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
       39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  const __mmask16 mask = static_cast<__mmask16>(lanes);
   __m512i lo, hi;
   if (lanes == 0xFFFF) {  // a whole rank vector: plain loads
     lo = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row0)));
     hi = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row1)));
   } else {
-    lo = _mm512_castsi256_si512(_mm256_maskz_loadu_epi16(static_cast<__mmask16>(lanes), row0));
-    hi = _mm512_castsi256_si512(_mm256_maskz_loadu_epi16(static_cast<__mmask16>(lanes), row1));
+    lo = _mm512_castsi256_si512(_mm256_maskz_loadu_epi16(mask, row0));
+    hi = _mm512_castsi256_si512(_mm256_maskz_loadu_epi16(mask, row1));
   }
   return reinterpret_cast<pairs_t>(_mm512_permutex2var_epi16(lo, idx, hi));
 }
@@ -323,7 +324,8 @@ void shrink_bf16(Problem<uint16_t>& pr, size_t m, int64_t first) {
     const int64_t n = std::min<int64_t>(LANES, pr.r - LANES * v);
     lanes[v] = static_cast<lane_mask>((1u << n) - 1u);
   }
-  // chains stepped together: as many as keep the sums within 8 registers
+  // chains stepped together: up to 8 sums in registers (a block with more runs its chains
+  // one at a time); which chains step together never changes a chain's sum
   constexpr int G = NT * RV <= 2 ? 4 : NT * RV <= 4 ? 2 : 1;
   vf part[CHAINS][NT][RV];
   for (int c0 = 0; c0 < CHAINS; c0 += G)
