@@ -2,7 +2,7 @@
 model/layers/lora.py computes (float32 tolerance; bfloat16 operands widened), zero rows for
 slot 0, the layer read in place, and a token's delta the same bits whatever the step's
 size and whatever slots the other tokens use (float32 and bfloat16, vector and scalar
-ranks)."""
+ranks, an odd K)."""
 
 from __future__ import annotations
 
@@ -38,11 +38,14 @@ def _case(dtype: jnp.dtype, rank: int, tokens: int = 37, k: int = 96, n: int = 2
             jnp.asarray(scale), jnp.asarray(s))
 
 
-@pytest.mark.parametrize("dtype,rank", [(jnp.float32, 16), (jnp.float32, 12),
-                                        (jnp.bfloat16, 16), (jnp.bfloat16, 32)])
+@pytest.mark.parametrize("dtype,rank,k", [(jnp.float32, 16, 96), (jnp.float32, 12, 96),
+                                          (jnp.bfloat16, 16, 96), (jnp.bfloat16, 32, 96),
+                                          (jnp.bfloat16, 12, 103)])
 def test_native_delta_matches_the_xla_form_and_is_row_invariant(dtype: jnp.dtype,
-                                                               rank: int) -> None:
-    x, a, b, scale, slots = _case(dtype, rank)
+                                                               rank: int, k: int) -> None:
+    """(bfloat16, rank 12, K 103: the pair sums' partial rank vector, the pairs left over
+    after four equal chains and an odd K's last element)"""
+    x, a, b, scale, slots = _case(dtype, rank, k=k)
     call = jax.jit(native.lora_delta_native)
     for layer in (0, 2):
         got = np.asarray(call(x, a, b, scale, slots, layer))

@@ -398,7 +398,7 @@ def lora_delta_native(x: jax.Array, a: jax.Array, b: jax.Array, scale: jax.Array
                       slots: jax.Array, layer: int | jax.Array) -> jax.Array:
     """float32 [T, N]: token t's (x[t] @ A[layer, s]) @ B[layer, s] * scale[s], s =
     slots[t] (zeros where s is 0), for the LoRA stacks a [L, S, K, r] and b [L, S, r, N]
-    read in place (src/lora_delta.cc: in-order float32 sums, row-invariant by
+    read in place (src/lora_delta.cc: float32 sums in an order fixed by K and r, row-invariant by
     construction). x, a and b all float32 or all bfloat16; r <= LORA_MAX_RANK."""
     assert x.dtype == a.dtype == b.dtype and x.dtype in (jnp.float32, jnp.bfloat16), (
         x.dtype, a.dtype, b.dtype)

@@ -18,7 +18,8 @@ Each token t carries its slot `slots[t]` (ForwardBatch.lora_slots). Invariants:
   two forms (`native_lora` picks one per engine; both hold this invariant):
   native (the CPU, where the plan's attention is the native kernel): the kernel of
   model/kernels/src/lora_delta.cc (`lora_apply_native`), per token its slot's A then B
-  with in-order float32 sums, reading the stacks in place and only the slots in use,
+  with float32 sums in an order fixed by the shapes (in order over k in float32, pairs
+  of k in four fixed chains in bfloat16), reading the stacks in place and only the slots in use,
   the delta added to y in the kernel (a slot-0 token's y untouched), every projection
   of one x (q, k, v; gate, up) in one call on their fused product's output whole, each
   at its column offset (no copy of a projection's columns into a buffer of its own);

@@ -4,8 +4,8 @@
 // delta[t, :] = ((x[t] @ A[layer, s]) @ B[layer, s]) * scale[s] with s = slots[t], for
 // x [T, K], the adapter stacks a [L, S, K, R] and b [L, S, R, N] (read in place: the layer
 // is a scalar operand, as in row_gemm.cc), scale [S] and slots [T]; float32 out [T, N].
-// x, a and b are all float32 or all bfloat16 (widened in registers); every sum is
-// float32. A token of slot 0 (no adapter) gets a zero row and costs nothing; a token
+// x, a and b are all float32 or all bfloat16; every sum is float32 (bfloat16 products
+// are exact in float32). A token of slot 0 (no adapter) gets a zero row and costs nothing; a token
 // reads only its own slot's matrices (the per-token gathered product: a step with one
 // adapter in use reads one adapter, whatever the slot count).
 //
@@ -22,12 +22,15 @@
 // Work: the tokens with an adapter sorted by slot, in runs of one slot; one item per
 // (run, projection), spread over the pool (one hand-off a call): the shrink of every token
 // of the run (register blocks of up to 8 tokens, each A row loaded once for the block; A
-// read from memory once per item), then the expand tile by tile (256 columns: the tile's
-// B read from memory once, kept in L1 for the run's blocks). So a step reads
-// each adapter in use once per projection, whatever its token count.
+// read from memory once per item), then the expand tile by tile (256 columns; a run of
+// several tokens first copies its slot's B whole into a float32 stage, one sequential
+// read from memory, and its blocks read the stage from cache). So a step reads each
+// adapter in use once per projection, whatever its token count.
 //
 // Row invariance BY CONSTRUCTION: xa[j] = sum over k = 0, 1, .., K-1 in that order of
-// x[t, k] * A[k, j], one fused multiply-add per step into a running sum from zero; then
+// x[t, k] * A[k, j], one fused multiply-add per step into a running sum from zero (in
+// bfloat16: pairs of k, in four chains of fixed extent combined in a fixed order, see
+// shrink_bf16; the order is still a function of K alone); then
 // d[n] = sum over j = 0, .., R-1 in order of xa[j] * B[j, n] the same way; then one
 // multiply by the scale. Runs, blocks, tiles and threads only decide which core and which
 // registers hold a token's sums, never their order. So a token's delta depends only on
@@ -36,9 +39,14 @@
 // the vector and the scalar loops alike, so the vector path (R a multiple of 16) and the
 // scalar one give the same bits.)
 
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -191,8 +199,156 @@ void shrink_scalar(Problem<E>& pr, size_t m, int64_t first, int count) {
   }
 }
 
+// The bfloat16 shrink: x and A are both bfloat16, so x @ A is sums of products of pairs
+// (k, k + 1), one `vdpbf16ps` step each (the pair's two exact products added to the
+// running float32 sum, with the instruction's own rounding, flushing subnormals). Its
+// order, fixed by K alone: the P = K / 2 pairs in CHAINS contiguous segments of
+// P / CHAINS pairs each (the last segment also the pairs left over and an odd K's last
+// element, a pair of its own with a zero), each an in-order sum from zero, then
+// xa = (s0 + s1) + (s2 + s3). Independent chains keep the FMA units busy where one token
+// alone would wait on one sum's latency; the rank lanes past R (R not a multiple of 16)
+// are loaded as zeros, so every R takes this one path.
+constexpr int CHAINS = 4;
+constexpr int64_t PREFETCH = 1024;  // elements read ahead of a stream (2 KB in bfloat16)
+
+typedef uint16_t lane_mask;  // rank lanes of one vector: bit j set for a rank below R
+
+#if defined(__AVX512BF16__)
+typedef __m512bh pairs_t;
+inline vf dot_pairs(vf acc, pairs_t a, pairs_t x) {
+  return reinterpret_cast<vf>(_mm512_dpbf16_ps(reinterpret_cast<__m512>(acc), a, x));
+}
+// A[k, lanes] and A[k + 1, lanes] interleaved: (A[k, j], A[k + 1, j]) in lanes 2j, 2j + 1
+inline pairs_t a_pairs(const uint16_t* row0, const uint16_t* row1, lane_mask lanes) {
+  const __m512i idx = _mm512_set_epi16(
+      47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+      39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  const __mmask16 mask = static_cast<__mmask16>(lanes);
+  __m512i lo, hi;
+  if (lanes == 0xFFFF) {  // a whole rank vector: plain loads
+    lo = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row0)));
+    hi = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row1)));
+  } else {
+    lo = _mm512_castsi256_si512(_mm256_maskz_loadu_epi16(mask, row0));
+    hi = _mm512_castsi256_si512(_mm256_maskz_loadu_epi16(mask, row1));
+  }
+  return reinterpret_cast<pairs_t>(_mm512_permutex2var_epi16(lo, idx, hi));
+}
+inline pairs_t x_pair(uint32_t both) {
+  return reinterpret_cast<pairs_t>(_mm512_set1_epi32(static_cast<int>(both)));
+}
+#else
+// without avx512_bf16: the pair's two products added in turn (odd element first, as the
+// instruction's definition), one FMA each
+struct pairs_t { vf even, odd; };
+inline vf dot_pairs(vf acc, pairs_t a, pairs_t x) {
+  acc += a.odd * x.odd;
+  return acc + a.even * x.even;
+}
+inline vf masked_row(const uint16_t* row, lane_mask lanes) {
+  float v[LANES];
+  for (int j = 0; j < LANES; ++j) v[j] = (lanes >> j) & 1 ? widen(row[j]) : 0.0f;
+  return load(v);
+}
+inline pairs_t a_pairs(const uint16_t* row0, const uint16_t* row1, lane_mask lanes) {
+  return pairs_t{masked_row(row0, lanes), masked_row(row1, lanes)};
+}
+inline pairs_t x_pair(uint32_t both) {
+  return pairs_t{splat(widen(static_cast<uint16_t>(both))),
+                 splat(widen(static_cast<uint16_t>(both >> 16)))};
+}
+#endif
+
+// x[2p], x[2p + 1] as one 32-bit pair (2p + 1 < K)
+inline uint32_t pair_of(const uint16_t* x, int64_t p) {
+  uint32_t both;
+  std::memcpy(&both, x + 2 * p, sizeof both);
+  return both;
+}
+
+// One pair step of NT tokens' RV rank vectors: acc += the pair (x[2p], x[2p + 1]) times
+// A's rows 2p and 2p + 1 (row1 the same row as row0 for an odd K's last element, whose
+// x pair has a zero second)
+template <int RV, int NT>
+__attribute__((always_inline)) inline void pair_step(vf (&acc)[NT][RV],
+                                                     const uint16_t* const* xr,
+                                                     const uint16_t* row0,
+                                                     const uint16_t* row1,
+                                                     const lane_mask* lanes, int64_t p,
+                                                     bool odd_end) {
+  pairs_t av[RV];
+  __builtin_prefetch(row0 + PREFETCH);
+  for (int v = 0; v < RV; ++v) av[v] = a_pairs(row0 + LANES * v, row1 + LANES * v, lanes[v]);
+  for (int i = 0; i < NT; ++i) {
+    const pairs_t xv = x_pair(odd_end ? xr[i][2 * p] : pair_of(xr[i], p));
+    for (int v = 0; v < RV; ++v) acc[i][v] = dot_pairs(acc[i][v], av[v], xv);
+  }
+}
+
+// Chains [c0, c0 + G) of the shrink of NT tokens, RV rank vectors: part[c][i][v] their
+// segments' sums, the chains stepped together (G * NT * RV independent sums).
+template <int RV, int NT, int G>
+void shrink_chains(const uint16_t* const* xr, const uint16_t* ar, int64_t k, int64_t r,
+                   const lane_mask* lanes, int c0, vf (*part)[NT][RV]) {
+  const int64_t pairs = k / 2, len = pairs / CHAINS;
+  vf acc[G][NT][RV];
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < NT; ++i)
+      for (int v = 0; v < RV; ++v) acc[g][i][v] = vf{};
+  for (int64_t s = 0; s < len; ++s)
+    for (int g = 0; g < G; ++g) {
+      const int64_t p = (c0 + g) * len + s;
+      pair_step<RV, NT>(acc[g], xr, ar + 2 * p * r, ar + (2 * p + 1) * r, lanes, p, false);
+    }
+  if (c0 + G == CHAINS) {  // the last chain's end: the pairs past CHAINS * len, odd K's last
+    for (int64_t p = CHAINS * len; p < pairs; ++p)
+      pair_step<RV, NT>(acc[G - 1], xr, ar + 2 * p * r, ar + (2 * p + 1) * r, lanes, p,
+                        false);
+    if (k % 2 == 1)
+      pair_step<RV, NT>(acc[G - 1], xr, ar + (k - 1) * r, ar + (k - 1) * r, lanes, pairs,
+                        true);
+  }
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < NT; ++i)
+      for (int v = 0; v < RV; ++v) part[c0 + g][i][v] = acc[g][i][v];
+}
+
+template <int RV, int NT>
+void shrink_bf16(Problem<uint16_t>& pr, size_t m, int64_t first) {
+  const int64_t* tok = pr.tok.data() + first;
+  const uint16_t* ar = pr.modules[m].a + pr.slots[tok[0]] * pr.k * pr.r;
+  const uint16_t* xr[NT];
+  for (int i = 0; i < NT; ++i) xr[i] = pr.x + tok[i] * pr.k;
+  lane_mask lanes[RV];
+  for (int v = 0; v < RV; ++v) {
+    const int64_t n = std::min<int64_t>(LANES, pr.r - LANES * v);
+    lanes[v] = static_cast<lane_mask>((1u << n) - 1u);
+  }
+  // chains stepped together: up to 8 sums in registers (a block with more runs its chains
+  // one at a time); which chains step together never changes a chain's sum
+  constexpr int G = NT * RV <= 2 ? 4 : NT * RV <= 4 ? 2 : 1;
+  vf part[CHAINS][NT][RV];
+  for (int c0 = 0; c0 < CHAINS; c0 += G)
+    shrink_chains<RV, NT, G>(xr, ar, pr.k, pr.r, lanes, c0, part);
+  static_assert(CHAINS == 4, "the combination below is of four chains");
+  for (int i = 0; i < NT; ++i)
+    for (int v = 0; v < RV; ++v) {
+      const vf sum = (part[0][i][v] + part[1][i][v]) + (part[2][i][v] + part[3][i][v]);
+      std::memcpy(pr.xa_of(first + i, m) + LANES * v, &sum, sizeof sum);
+    }
+}
+
 template <typename E, int NT>
 void shrink_block(Problem<E>& pr, size_t m, int64_t first) {
+  if constexpr (std::is_same_v<E, uint16_t>) {
+    switch ((pr.r + LANES - 1) / LANES) {
+      case 1: shrink_bf16<1, NT>(pr, m, first); break;
+      case 2: shrink_bf16<2, NT>(pr, m, first); break;
+      case 3: shrink_bf16<3, NT>(pr, m, first); break;
+      default: shrink_bf16<4, NT>(pr, m, first); break;
+    }
+    return;
+  }
   switch (pr.r % LANES == 0 ? pr.r / LANES : 0) {
     case 1: shrink_vec<E, 1, NT>(pr, m, first); break;
     case 2: shrink_vec<E, 2, NT>(pr, m, first); break;
@@ -202,14 +358,23 @@ void shrink_block(Problem<E>& pr, size_t m, int64_t first) {
   }
 }
 
+// Where an expand reads B[slot] of one projection: element (j, c) at p[j * stride + c -
+// col0] (the stack itself, or a tile of it staged in float32)
+template <typename S>
+struct BRows {
+  const S* p;
+  int64_t stride, col0;
+  const S* at(int64_t j, int64_t c) const { return p + j * stride + (c - col0); }
+};
+
 // The expand of NT tokens of one slot over CV * 16 columns from column n0 of module m:
 // d = (xa @ B[slot]) * scale (each B row's CV vectors loaded once for all NT tokens).
-template <typename E, int NT, int CV>
-void expand_vec(Problem<E>& pr, size_t m, int64_t first, int64_t n0) {
+template <typename E, typename S, int NT, int CV>
+void expand_vec(Problem<E>& pr, size_t m, int64_t first, int64_t n0, const BRows<S>& rows) {
   const Module<E>& mod = pr.modules[m];
   const int64_t* tok = pr.tok.data() + first;
   const int32_t s = pr.slots[tok[0]];
-  const E* br = mod.b + s * pr.r * mod.n + n0;
+  const S* br = rows.at(0, n0);
   const float* xa[NT];
   for (int i = 0; i < NT; ++i) xa[i] = pr.xa_of(first + i, m);
   vf acc[NT][CV];
@@ -217,7 +382,7 @@ void expand_vec(Problem<E>& pr, size_t m, int64_t first, int64_t n0) {
     for (int v = 0; v < CV; ++v) acc[i][v] = vf{};
   for (int64_t j = 0; j < pr.r; ++j) {
     vf bv[CV];
-    for (int v = 0; v < CV; ++v) bv[v] = load(br + j * mod.n + LANES * v);
+    for (int v = 0; v < CV; ++v) bv[v] = load(br + j * rows.stride + LANES * v);
     for (int i = 0; i < NT; ++i) {
       const vf xv = splat(xa[i][j]);
       for (int v = 0; v < CV; ++v) acc[i][v] += xv * bv[v];
@@ -230,21 +395,22 @@ void expand_vec(Problem<E>& pr, size_t m, int64_t first, int64_t n0) {
 
 // Columns [n0, n1) of module m for NT tokens: 16-column vectors CV at a time (NT * CV
 // accumulators: 16 of them), then one vector, then one column at a time.
-template <typename E, int NT>
-void expand_block(Problem<E>& pr, size_t m, int64_t first, int64_t n0, int64_t n1) {
+template <typename E, typename S, int NT>
+void expand_block(Problem<E>& pr, size_t m, int64_t first, int64_t n0, int64_t n1,
+                  const BRows<S>& rows) {
   constexpr int CV = 16 / NT;
   int64_t n = n0;
-  for (; n + CV * LANES <= n1; n += CV * LANES) expand_vec<E, NT, CV>(pr, m, first, n);
-  for (; n + LANES <= n1; n += LANES) expand_vec<E, NT, 1>(pr, m, first, n);
+  for (; n + CV * LANES <= n1; n += CV * LANES)
+    expand_vec<E, S, NT, CV>(pr, m, first, n, rows);
+  for (; n + LANES <= n1; n += LANES) expand_vec<E, S, NT, 1>(pr, m, first, n, rows);
   if (n == n1) return;
   const Module<E>& mod = pr.modules[m];
   for (int64_t i = first; i < first + NT; ++i) {
     const int32_t s = pr.slots[pr.tok[i]];
-    const E* br = mod.b + s * pr.r * mod.n;
     const float* xa = pr.xa_of(i, m);
     for (int64_t c = n; c < n1; ++c) {
       float acc = 0.0f;
-      for (int64_t j = 0; j < pr.r; ++j) acc += xa[j] * widen(br[j * mod.n + c]);
+      for (int64_t j = 0; j < pr.r; ++j) acc += xa[j] * widen(*rows.at(j, c));
       store1(pr, pr.tok[i], mod.offset + c, acc, pr.scale[s]);
     }
   }
@@ -263,9 +429,26 @@ void in_blocks(int64_t first, int64_t count, F f) {
 
 constexpr int64_t TILE = 256;  // columns of B expanded at a time (a tile's B stays in L1)
 
+// The expand of a run's tokens over columns [c0, c1) of module m, B read through `rows`.
+template <typename E, typename S>
+void expand_tile(Problem<E>& pr, int64_t start, int64_t count, size_t m, int64_t c0,
+                 int64_t c1, const BRows<S>& rows) {
+  in_blocks(start, count, [&pr, m, c0, c1, &rows](int64_t first, int nt) {
+    switch (nt) {
+      case 8: expand_block<E, S, 8>(pr, m, first, c0, c1, rows); break;
+      case 4: expand_block<E, S, 4>(pr, m, first, c0, c1, rows); break;
+      case 2: expand_block<E, S, 2>(pr, m, first, c0, c1, rows); break;
+      default: expand_block<E, S, 1>(pr, m, first, c0, c1, rows); break;
+    }
+  });
+}
+
 // One item: a run of tokens of one slot and one projection: the shrink of every token
-// of the run (A read once), then the expand tile by tile (each B tile read once from
-// memory, kept in L1 for the run's register blocks).
+// of the run (A read once), then the expand tile by tile. A run of several tokens first
+// stages its slot's B [R, N] whole in float32 (read in order from memory, one stream,
+// each element widened once); its register blocks then read the stage from cache. One
+// token reads B where it lies. The stage holds B's exact values, so which way a run goes
+// never changes a sum.
 template <typename E>
 void run_item(Problem<E>& pr, int64_t start, int64_t count, size_t m) {
   in_blocks(start, count, [&pr, m](int64_t first, int nt) {
@@ -276,18 +459,23 @@ void run_item(Problem<E>& pr, int64_t start, int64_t count, size_t m) {
       default: shrink_block<E, 1>(pr, m, first); break;
     }
   });
-  const int64_t n = pr.modules[m].n;
-  for (int64_t c0 = 0; c0 < n; c0 += TILE) {
-    const int64_t c1 = std::min(c0 + TILE, n);
-    in_blocks(start, count, [&pr, m, c0, c1](int64_t first, int nt) {
-      switch (nt) {
-        case 8: expand_block<E, 8>(pr, m, first, c0, c1); break;
-        case 4: expand_block<E, 4>(pr, m, first, c0, c1); break;
-        case 2: expand_block<E, 2>(pr, m, first, c0, c1); break;
-        default: expand_block<E, 1>(pr, m, first, c0, c1); break;
-      }
-    });
+  const Module<E>& mod = pr.modules[m];
+  const E* b = mod.b + pr.slots[pr.tok[start]] * pr.r * mod.n;
+  if (count == 1) {
+    for (int64_t c0 = 0; c0 < mod.n; c0 += TILE)
+      expand_tile(pr, start, count, m, c0, std::min(c0 + TILE, mod.n), BRows<E>{b, mod.n, 0});
+    return;
   }
+  thread_local std::vector<float> stage;
+  stage.resize(pr.r * mod.n);
+  float* st = stage.data();
+  for (int64_t i = 0; i < pr.r * mod.n; i += 32) {
+    __builtin_prefetch(b + i + PREFETCH);
+    for (int64_t e = i; e < std::min(i + 32, pr.r * mod.n); ++e) st[e] = widen(b[e]);
+  }
+  for (int64_t c0 = 0; c0 < mod.n; c0 += TILE)
+    expand_tile(pr, start, count, m, c0, std::min(c0 + TILE, mod.n),
+                BRows<float>{st, mod.n, 0});
 }
 
 // Every projection's deltas for the active tokens: one item per (run of one slot,
