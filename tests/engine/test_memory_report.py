@@ -11,7 +11,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from conftest import TINY_MODEL
+from conftest import TINY_MODEL, tiny_params
 from engine_helpers import TINY_ENGINE
 
 from multiserve.model.loading.param_layout import param_shapes
@@ -35,8 +35,6 @@ def test_memory_block_counts_weights_kv_and_programs(tiny_engine: Any) -> None:
     assert mem["weights_copies_bytes"] >= 0
     # each weight held once: a layer matrix the plan reads only as native panels is not
     # kept canonically (its panels rebuild it, bit for bit)
-    from conftest import tiny_params
-
     from multiserve.engine.commands import Call
     from multiserve.model.families.llama import scan_needs_plain
     from multiserve.model.invariance.primitives import LAYER_MATRICES
