@@ -149,8 +149,9 @@ def _measure(engine: Any, options: BenchOptions, cfg: Any, names: list[str | Non
 
 def combined(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """One side's runs together: tok/s all tokens over the summed walls, TTFT and ITL p50
-    the median of the runs' and p99 the largest, each run's tok/s, and whether every run
-    gave the same output ids (greedy: the engine's determinism)."""
+    the median of the runs' and p99 the largest, each run's tok/s, whether every run
+    gave the same output ids (greedy: the engine's determinism) and the prompt tokens
+    served from the prefix cache."""
     tokens = sum(int(r["output_tokens"]) for r in runs)
     wall = sum(float(r["wall_s"]) for r in runs)
     return {
@@ -164,6 +165,10 @@ def combined(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "exact_length": all(bool(r["exact_length"]) for r in runs),
         "finish_reasons": sorted({f for r in runs for f in r["finish_reasons"]}),
         "outputs_identical": all(r["output_ids"] == runs[0]["output_ids"] for r in runs),
+        # prompt tokens served from the prefix cache (batch mode: every run starts cold,
+        # later prompts reuse the chat template's preamble; the single stream's one
+        # prompt: none)
+        "cached_prompt_tokens": sum(int(r.get("cached_prompt_tokens", 0)) for r in runs),
     }
 
 

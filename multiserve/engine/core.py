@@ -197,6 +197,7 @@ class EngineCore:
         else:
             slot = self.loras.free_slot(adapter.name, busy, replacing=old is not None)
         self.runner.write_lora(slot, adapter)
+        self.scheduler.lora_slot_written(slot)
         if old is not None:
             self.loras.remove(adapter.name)
             if slot != old:
@@ -219,6 +220,7 @@ class EngineCore:
                               "request(s); unload it once they finish (or abort them)")
         self.loras.remove(name)
         self.runner.write_lora(slot, None)
+        self.scheduler.lora_slot_written(slot)
         return {"name": name, "slot": slot}
 
     def has_work(self) -> bool:

@@ -8,6 +8,8 @@ own slot (model/layers/lora.py), on the tiny random Llama.
   and bfloat16;
 - an adapter changes the output (the delta reaches the logits), a PEFT directory and the
   same tensors in memory give the same bits, and loading never compiles a step program;
+- a LoRA request reuses cached prefix pages of its own adapter version only, with the
+  bits it computes without them;
 - refusals change nothing: rank above max_lora_rank, an unsupported module, a wrong shape,
   a full slot table, an unknown adapter, unloading an adapter live requests use.
 """
@@ -206,6 +208,27 @@ def test_greedy_ids_and_logprobs_match_transformers_with_peft(
             assert base_ids != want_ids
     finally:
         lora_engine.unload_lora_adapter("hf")
+
+
+def test_prefix_reuse_is_per_adapter_version(lora_engine: Any) -> None:
+    """A LoRA request reuses the full pages its adapter's same version computed for its
+    prompt, with the bits it computes without them; another adapter, the base model and a
+    reload of the same adapter never match them."""
+    prompt = [(5 * i) % 80 + 2 for i in range(36)]  # 4 full pages of 8, in no other test
+
+    def run(name: str | None) -> tuple[tuple[Any, ...], int]:
+        out = lora_engine.generate(input_ids=prompt, sampling_params=_params(False),
+                                   lora_name=name)
+        return _bits(out), out.cached_tokens
+
+    first, hit = run("a1")
+    assert hit == 0
+    assert run("a1") == (first, 32)
+    assert run("a2")[1] == 0 and run(None)[1] == 0
+    cfg = lora_engine.model_config  # a1 reloaded with its tensors: a new version, its slot
+    assert lora_engine.load_lora_adapter("a1", tensors=peft_tensors(cfg, 4, 1), r=4,
+                                         lora_alpha=8, load_inplace=True)["slot"] == 1
+    assert run("a1") == (first, 0)
 
 
 def test_adapters_survive_memory_release(lora_engine: Any) -> None:

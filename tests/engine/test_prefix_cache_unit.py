@@ -140,3 +140,22 @@ def test_integrity_catches_a_leak_and_a_wrong_ref_count() -> None:
     a.allocate(1)  # a page nobody accounts for
     with pytest.raises(AssertionError, match="accounting"):
         _check(c, a, [pages], private=0)
+
+
+def test_roots_are_namespaces_that_never_share_a_page() -> None:
+    """The same ids cached under the base model's root 0 and under two adapter versions'
+    roots (-1, -2): each lookup finds only its own root's pages; extending a matched
+    prefix stays under its root."""
+    c, a = _cache()
+    ids = list(range(30, 42))  # 3 full pages
+    base = _hold(c, a, ids)
+    assert c.match(ids, len(ids), root=-1) == []
+    v1 = a.allocate(2)
+    assert c.insert(ids, v1, 0, 2, root=-1) == 2
+    assert c.match(ids, len(ids), root=-1) == v1
+    assert c.match(ids, len(ids), root=-2) == []
+    assert c.match(ids, len(ids)) == base
+    v1.append(a.allocate(1)[0])  # the version's request extends its 2 cached pages
+    assert c.insert(ids, v1, 2, 3, root=-1) == 3
+    assert c.match(ids, len(ids), root=-1) == v1 and not set(v1) & set(base)
+    _check(c, a, [base, v1], private=0)

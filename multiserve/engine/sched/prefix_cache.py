@@ -1,8 +1,11 @@
 """Prefix cache: a radix tree over full KV pages, with ref counts and LRU eviction.
 
-Each cached page is a node keyed by (parent node id, the page's token ids); the root
-is node 0, so a lookup walks from the root one full page at a time and the key is
-exact (no hash collisions). Only FULL pages are cached; a request always recomputes
+Each cached page is a node keyed by (parent node id, the page's token ids); a lookup
+walks from a root one full page at a time and the key is exact (no hash collisions).
+Roots are namespaces of K/V that the same token ids give different values in: root 0 is
+the base model's; a negative root is one version of one LoRA adapter (the scheduler's
+`lora_slot_written`). Node ids are positive, so two roots never share a node: a lookup
+from one root never reaches a page computed under another. Only FULL pages are cached; a request always recomputes
 at least its last token (it needs that token's logits).
 
 Invariants:
@@ -73,13 +76,15 @@ class PrefixCache:
         """How many of these cached pages are evictable now (no live holder)."""
         return sum(1 for p in pages if self._by_page[p].ref == 0)
 
-    def match(self, token_ids: Sequence[int], max_tokens: int) -> list[int]:
-        """Pages of the longest cached full-page prefix of token_ids[:max_tokens]."""
+    def match(self, token_ids: Sequence[int], max_tokens: int, root: int = 0) -> list[int]:
+        """Pages of the longest cached full-page prefix of token_ids[:max_tokens] under
+        `root` (the module docstring)."""
+        assert root <= 0, root
         pages: list[int] = []
         if not self.enabled:
             return pages
         ps = self.page_size
-        parent = 0
+        parent = root
         for start in range(0, max_tokens - ps + 1, ps):
             node = self._by_key.get((parent, tuple(token_ids[start:start + ps])))
             if node is None:
@@ -109,8 +114,9 @@ class PrefixCache:
 
     # ---- insertion -----------------------------------------------------------------
     def insert(self, token_ids: Sequence[int], pages: list[int], num_cached: int,
-               num_full: int) -> int:
-        """Cache full pages [num_cached, num_full) of a Req (token_ids covers them).
+               num_full: int, root: int = 0) -> int:
+        """Cache full pages [num_cached, num_full) of a Req (token_ids covers them) under
+        `root`, the root its leading cached pages (if any) were matched under.
 
         The Req holds a reference on every returned cached page. Where the same content
         is already cached under another page (a concurrent identical prefix), the Req
@@ -118,8 +124,9 @@ class PrefixCache:
         place; returns the new number of cached leading pages."""
         if not self.enabled or num_full <= num_cached:
             return num_cached
+        assert root <= 0, root
         ps = self.page_size
-        parent = self._by_page[pages[num_cached - 1]].node_id if num_cached else 0
+        parent = self._by_page[pages[num_cached - 1]].node_id if num_cached else root
         for i in range(num_cached, num_full):
             key = (parent, tuple(token_ids[i * ps:(i + 1) * ps]))
             node = self._by_key.get(key)

@@ -89,8 +89,8 @@ class Req:
     # delivered as the output's `error` unless the finish path gives one
     error: str | None = None
     # the LoRA adapter slot this sample runs with (0: the base model), set at admission
-    # (EngineCore.add); such a sample neither reads nor fills the prefix cache (its K/V
-    # are the adapter's)
+    # (EngineCore.add); such a sample reads and fills only its adapter version's part of
+    # the prefix cache (its K/V are the adapter's: Scheduler `_cache_root`)
     lora_slot: int = 0
     lora_name: str | None = None  # the request's adapter (None: the base model)
     lora_optional: bool = False  # an unknown lora_name runs the base model (not refused)

@@ -34,6 +34,13 @@ Invariants:
   weights: while any of them holds it the prefix cache is suspended (so no other Req
   matches or extends it); when the last gives it back (finish, abort, retract:
   `release_kv`) the cache is emptied and reopened.
+- The prefix cache is namespaced by adapter version (engine/sched/prefix_cache.py roots):
+  a base-model Req (LoRA slot 0) matches and fills root 0; a LoRA Req its slot's root,
+  new each time that slot is written (`lora_slot_written`). A slot is written only while
+  no live Req uses it (engine/core.py `load_lora`, `unload_lora`), so every Req matches
+  and fills the root of the version it computes with, and K/V of an adapter version is
+  never matched by another version, another adapter or the base model; a replaced
+  version's pages are never matched again and age out by LRU.
 """
 
 from __future__ import annotations
@@ -94,6 +101,10 @@ class Scheduler:
         self.new_token_ratio = cfg.init_new_token_ratio
         self.num_retractions = 0
         self._stale_kv: set[Req] = set()  # hold K/V computed with replaced weights
+        # LoRA slot -> the prefix-cache root of the adapter version it holds (negative:
+        # module docstring), and the next root to hand out
+        self._lora_roots: dict[int, int] = {}
+        self._next_lora_root = -1
         # speculative decoding (engine/spec/): which rows verify drafts, the step costs
         # that decide it, the speculation totals; `drafter` None: off
         self.planner = DraftPlanner(cfg, max_rows, max_context, drafter)
@@ -136,6 +147,22 @@ class Scheduler:
             return None
         return self.allocator.allocate(n)
 
+    def lora_slot_written(self, slot: int) -> None:
+        """LoRA slot `slot` now holds another adapter version (or none): Reqs admitted
+        with it from now on match and fill a new prefix-cache root. Between steps, while
+        no live Req uses the slot."""
+        assert slot > 0, slot
+        self._lora_roots[slot] = self._next_lora_root
+        self._next_lora_root -= 1
+
+    def _cache_root(self, req: Req) -> int:
+        """The prefix-cache root of `req`'s K/V (module docstring)."""
+        if not req.lora_slot:
+            return 0
+        if req.lora_slot not in self._lora_roots:
+            self.lora_slot_written(req.lora_slot)
+        return self._lora_roots[req.lora_slot]
+
     def _free_pages_possible(self) -> int:
         return self.allocator.num_free + self.cache.num_evictable_pages
 
@@ -144,9 +171,8 @@ class Scheduler:
         into the prefix cache; everything else returns to the free list."""
         if req.pages:
             known = min(req.kv_len, len(req.prompt_ids) + len(req.output_ids))
-            num_full = 0 if req.lora_slot else known // self.page_size
             num_cached = self.cache.insert(req.fill_ids, req.pages, req.num_cached_pages,
-                                           num_full)
+                                           known // self.page_size, self._cache_root(req))
             self.cache.release(req.pages[:num_cached])
             self.allocator.free(req.pages[num_cached:])
         req.pages = []
@@ -395,9 +421,8 @@ class Scheduler:
         fill = req.fill_ids
         total = len(fill)
         # prompt logprobs need the logits of every prompt position: no prefix reuse
-        # an adapter's K/V are not the base model's: no prefix reuse either
-        hit_pages = ([] if req.needs_prompt_logprobs or req.lora_slot
-                     else self.cache.match(fill, total - 1))
+        hit_pages = ([] if req.needs_prompt_logprobs
+                     else self.cache.match(fill, total - 1, self._cache_root(req)))
         hit = len(hit_pages) * self.page_size
         chunk = min(budget, total - hit)
         new_pages = pages_needed(hit + chunk, self.page_size) - len(hit_pages)
@@ -449,10 +474,11 @@ class Scheduler:
             if row.samples:
                 req.pending += batch.turns
                 req.last_out_row = b
-            if was_prefill and not req.lora_slot:
+            if was_prefill:
                 num_full = row.end // self.page_size
                 req.num_cached_pages = self.cache.insert(
-                    req.fill_ids, req.pages, req.num_cached_pages, num_full)
+                    req.fill_ids, req.pages, req.num_cached_pages, num_full,
+                    self._cache_root(req))
             else:
                 decoded = True
         if decoded:
