@@ -33,8 +33,11 @@ def test_memory_block_counts_weights_kv_and_programs(tiny_engine: Any) -> None:
     assert mem["weights_params_bytes"] == _param_bytes()
     assert mem["weights_bytes"] == mem["weights_params_bytes"] + mem["weights_copies_bytes"]
     assert mem["weights_copies_bytes"] >= 0
-    # each weight held once: a layer matrix the plan reads only as native panels is not
-    # kept canonically (its panels rebuild it, bit for bit)
+    # each weight held once: where the plan holds every layer matrix as native panels and
+    # no scanned step size reads the canonical stacks (the plain product), the canonical
+    # matrices are not kept (the panels rebuild them, bit for bit); which kernels the
+    # calibration picks at each size depends on its timings, so the rule is checked, not
+    # one outcome
     from multiserve.engine.commands import Call
     from multiserve.model.families.llama import scan_needs_plain
     from multiserve.model.invariance.primitives import LAYER_MATRICES
@@ -44,8 +47,8 @@ def test_memory_block_counts_weights_kv_and_programs(tiny_engine: Any) -> None:
                for _, f in p.by_rows}
     dropped = [m for m in LAYER_MATRICES if m not in runner.held_params["layers"]]
     sizes = TINY_ENGINE["precompile_token_paddings"]
-    native_only = kernels == {"native"} and not scan_needs_plain(runner.plan, sizes)
-    assert dropped == (list(LAYER_MATRICES) if native_only else [])
+    held_once = "native" in kernels and not scan_needs_plain(runner.plan, sizes)
+    assert dropped == (list(LAYER_MATRICES) if held_once else [])
     layer_bytes = sum(math.prod(param_shapes(TINY_MODEL)["layers"][m]) * 4 for m in dropped)
     assert mem["weights_canonical_bytes"] == _param_bytes() - layer_bytes
     host = tiny_params(TINY_MODEL)
