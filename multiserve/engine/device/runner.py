@@ -82,6 +82,11 @@ from multiserve.model.sharding import kv_pool_sharding, make_mesh, shard_params
 from multiserve.multihost import ops
 
 
+def _placed_as(a: jax.Array, spec: jax.ShapeDtypeStruct) -> jax.Array:
+    """`a` with `spec`'s sharding (a rebuilt canonical leaf may come with its layout's)."""
+    return a if a.sharding == spec.sharding else jax.device_put(a, spec.sharding)
+
+
 def cast_params(params: Any, dtype: Any) -> Any:
     """Host (numpy) params cast to the engine's compute dtype (norms included)."""
     return jax.tree.map(lambda a: np.asarray(a).astype(np.dtype(dtype), copy=False), params)
@@ -176,8 +181,7 @@ class Runner:
         if self._held is None:
             return None
         full = self.family.canonical_params(self._held, self._compute, self.model_cfg)
-        return jax.tree.map(lambda a, spec: a if a.sharding == spec.sharding
-                            else jax.device_put(a, spec.sharding), full, self._param_specs)
+        return jax.tree.map(_placed_as, full, self._param_specs)
 
     @params.setter
     def params(self, value: Any) -> None:
@@ -202,7 +206,7 @@ class Runner:
 
         leaf = self.family.canonical_leaf(self._held, self._compute, self.model_cfg, path)
         spec = get_leaf(self._param_specs, path)
-        return leaf if leaf.sharding == spec.sharding else jax.device_put(leaf, spec.sharding)
+        return _placed_as(leaf, spec)
 
     @property
     def held_params(self) -> Any:

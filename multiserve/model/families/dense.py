@@ -69,6 +69,11 @@ def layer_param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return {**attention_layer_shapes(cfg), **mlp_shapes(cfg)}
 
 
+def _layer_matrix_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The layer matrices of `layer_param_shapes` ([in, out] a layer; its norms are [D])."""
+    return {k: s for k, s in layer_param_shapes(cfg).items() if len(s) == 2}
+
+
 def top_level(cfg: ModelConfig) -> dict[str, Any]:
     """embed, final_norm and (untied) lm_head shapes."""
     shapes: dict[str, Any] = {"embed": (cfg.vocab_size, cfg.hidden_size),
@@ -249,7 +254,7 @@ class DenseFamily:
 
         shapes = layer_param_shapes(cfg)
         layers = held["layers"]
-        matrices = {k: s for k, s in shapes.items() if len(s) == 2}
+        matrices = _layer_matrix_shapes(cfg)
         missing = tuple(k for k in matrices if k not in layers)
         rebuilt = canonical_layer_matrices(compute["stacked_layers"], matrices, missing) \
             if missing else {}
@@ -262,7 +267,7 @@ class DenseFamily:
         from multiserve.model.invariance.primitives import canonical_layer_matrices
 
         if path[0] == "layers" and len(path) == 2 and path[1] not in held["layers"]:
-            matrices = {k: s for k, s in layer_param_shapes(cfg).items() if len(s) == 2}
+            matrices = _layer_matrix_shapes(cfg)
             return canonical_layer_matrices(compute["stacked_layers"], matrices,
                                             (path[1],))[path[1]]
         leaf: Any = held
