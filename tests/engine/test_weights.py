@@ -128,6 +128,9 @@ def test_invalid_update_changes_nothing_and_names_the_tensor(
         "name": ({**good, "model.layers.9.mlp.up_proj.weight": good[DOWN1]},
                  "'model.layers.9.mlp.up_proj.weight': not a parameter"),
         "nan": ({**good, last: np.full_like(good[last], np.nan)}, "NaN or inf"),
+        # finite as given, inf once cast to the engine's float32: the placed arrays' check
+        "overflow": ({**good, last: np.full(good[last].shape, 1e300, np.float64)},
+                     "NaN or inf values (after the cast to float32)"),
         "tree": ({"layers": {"wq": params["layers"]["wq"][:, :3]}}, "'layers/wq': shape"),
     }
     for name, (tensors, needle) in cases.items():
@@ -354,3 +357,25 @@ async def test_supervisor_fleet_update_is_all_or_nothing(
             assert r.status_code == 200, r.text
     finally:
         _restore(tiny_engine_no_overlap, tiny_model_dir)
+
+
+def test_finite_each_reads_every_shard_in_place() -> None:
+    """The placed arrays' NaN / inf check on CPU devices (read on the host): every dtype's
+    inf and NaN found wherever they sit, in any shard of a sharded array."""
+    import jax
+    import ml_dtypes
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from multiserve.engine.rl.checks import finite_each
+
+    mesh = Mesh(np.array(jax.devices()[:2]), ("x",))
+    split = NamedSharding(mesh, PartitionSpec("x"))
+    for dtype in (np.float32, ml_dtypes.bfloat16, np.float16):
+        for bad in (np.inf, -np.inf, np.nan):
+            x = np.ones((4, 3), dtype)
+            x[3, 2] = bad  # in the second device's shard
+            y = np.ones((4, 3), dtype)
+            got = finite_each([jax.device_put(x, split), jax.device_put(y, split),
+                               jax.device_put(x), jax.device_put(y)])
+            assert got == [False, True, False, True], (dtype, bad, got)
+    assert finite_each([]) == []

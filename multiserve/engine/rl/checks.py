@@ -89,11 +89,44 @@ def _each_finite(xs: list[jax.Array]) -> jax.Array:
     return jnp.stack([jnp.isfinite(x).all() for x in xs])
 
 
+_HOST_CHUNK = 1 << 22  # elements tested at a time on the host (bounds the mask's memory)
+
+
+def _host_finite(a: np.ndarray) -> bool:
+    """Whether host array `a` is all finite, read in place chunk by chunk; a bfloat16
+    value is finite where its exponent bits are not all ones (inf and NaN are)."""
+    v = a.reshape(-1)
+    bf16 = v.dtype == np.dtype(ml_dtypes.bfloat16)
+    if bf16:
+        v = v.view(np.uint16)
+    for i in range(0, v.size, _HOST_CHUNK):
+        part = v[i:i + _HOST_CHUNK]
+        if not (((part & 0x7F80) != 0x7F80).all() if bf16 else np.isfinite(part).all()):
+            return False
+    return True
+
+
+def _in_host_memory(x: jax.Array) -> bool:
+    """Whether every shard of `x` lives in this process's memory (CPU devices): its values
+    can then be read in place, with no program to compile."""
+    return x.is_fully_addressable and all(d.platform == "cpu" for d in x.devices())
+
+
 def finite_each(xs: list[jax.Array]) -> list[bool]:
-    """Whether each array is all finite, in ONE compiled program for the whole list (one
-    compile per list of shapes, where a program per array shape cost a compile for each
-    distinct leaf shape of a model); the arrays must live on the same devices."""
-    return [bool(b) for b in np.asarray(_each_finite(list(xs)))] if xs else []
+    """Whether each array is all finite. Arrays on CPU devices are read in place on the
+    host (each shard once: a compiled check costs a compile per list of shapes, seconds
+    for a model's tree, and the values are already in this memory); the others in ONE
+    compiled program for all of them (one compile per list of shapes, where a program per
+    array shape cost a compile for each distinct leaf shape of a model), which must
+    live on the same devices."""
+    out: list[bool | None] = [
+        all(_host_finite(np.asarray(s.data)) for s in x.addressable_shards if s.replica_id == 0)
+        if _in_host_memory(x) else None for x in xs]
+    rest = [x for x, ok in zip(xs, out, strict=True) if ok is None]
+    if rest:
+        found = iter(bool(b) for b in np.asarray(_each_finite(rest)))
+        out = [next(found) if ok is None else ok for ok in out]
+    return [bool(ok) for ok in out]
 
 
 class ParamLayout:

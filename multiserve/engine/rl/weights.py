@@ -212,7 +212,10 @@ class WeightManager:
             return jax.device_put(y, sharding, may_alias=False)
         # A private copy: on CPU, device_put adopts aligned numpy buffers even with
         # may_alias=False, and the caller may mutate (or overwrite the file of) its arrays.
-        arr = np.array(x, dtype=self.dtype, copy=True)
+        # A value out of the dtype's range becomes inf, which the check after placing
+        # reports as the update's error (no numpy warning besides).
+        with np.errstate(over="ignore"):
+            arr = np.array(x, dtype=self.dtype, copy=True)
         return jax.device_put(arr, sharding)
 
     # ---- engine thread: publish / discard --------------------------------------------------
