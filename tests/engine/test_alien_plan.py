@@ -31,8 +31,11 @@ from multiserve.types import SamplingParams
 # No fused programs: a fused program runs only once its priming check found it gives the
 # bits of the forward and head programs it replaces, so the outputs checked here are those
 # programs' bits with or without it (the check itself: tests/engine/test_fused_step.py);
-# each fused program is a compile of the three together.
-ENGINE = dict(precompile_token_paddings=(1, 4, 16, 64), precompile_bs_paddings=(1, 4, 16),
+# each fused program is a compile of the three together. Token buckets: 1 (a lone decode
+# row: every product padded to the plan's 16 rows), 16 (the batch's decode rows and the
+# prompts: the padded size itself) and 64 (several prompts at once); each bucket is a
+# forward program of the XLA formulations (~10 s to compile here).
+ENGINE = dict(precompile_token_paddings=(1, 16, 64), precompile_bs_paddings=(1, 4, 16),
               max_running_requests=16, chunked_prefill_size=64, page_size=8,
               max_total_tokens=4096, max_context_len=512, show_progress=False,
               compile_in_background=False, fused_step_paddings=())
