@@ -26,6 +26,7 @@
 #include <cstring>
 
 #include "product_split.h"
+#include "row_panel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -214,6 +215,13 @@ ffi::Error GroupedRowGemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
 }
 
 }  // namespace
+
+void multiserve::row_gemm_panel(const float* x, int64_t k, const float* panels, int64_t p,
+                                float* y, const float* res) {
+  block<1>(x, k, panels + p * k * PANEL, y + p * PANEL, 0, 0);
+  if (res == nullptr) return;
+  for (int64_t c = p * PANEL; c < (p + 1) * PANEL; ++c) y[c] = res[c] + y[c];
+}
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MultiserveGroupedRowGemm, GroupedRowGemmImpl,
                               ffi::Ffi::Bind()

@@ -37,6 +37,7 @@
 #endif
 
 #include "product_split.h"
+#include "row_panel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -411,6 +412,22 @@ ffi::Error GroupedRowGemmBf16Impl(ffi::ThreadPool pool, ffi::AnyBuffer x,
 }
 
 }  // namespace
+
+void multiserve::row_gemm_bf16_panel(const Bf16Row& row, int64_t p) {
+  Problem pr;
+  pr.x = row.x;
+  pr.x_bf16 = row.x_bf16;
+  pr.wp = row.panels;
+  pr.out = Out{row.y, row.y_bf16, row.panels_count * PANEL, row.res};
+  pr.m = 1;
+  pr.k = row.k;
+  pr.k2 = (row.k + 1) / 2;
+  pr.panels = row.panels_count;
+  pr.path = static_cast<Path>(row.path);
+  run_block(pr, p, 0);
+}
+
+bool multiserve::row_gemm_bf16_dot_available() { return dot_available(); }
 
 // 1 where this build and CPU run the kDot path (AVX512_BF16), else 0 (kWiden only).
 extern "C" int MultiserveBf16DotAvailable() { return dot_available() ? 1 : 0; }
