@@ -14,16 +14,18 @@
 //
 // Work: the product's items (one panel each, spread over the pool as the product spreads
 // them), each item's panel computed by row_panel.h's entry point, then the members'
-// deltas of that panel's columns (so the adapter's B streams on every core together with
-// W's panels). xa = x @ A of a member is computed once a call, by the first thread whose
-// panel needs it (claimed at the item's start, before its product block). A thread whose
-// panel needs an xa that another thread is still computing leaves that panel's delta
-// pending, never waits: the caller adds the pending deltas after every item is done.
+// deltas of that panel's columns, so the adapter's B streams on every core together with
+// W's panels (each item prefetches its B columns before its product block). xa = x @ A
+// of a member is computed once a call, by the first thread whose panel needs it: claimed
+// at the item's start, A prefetched through the product block's k loop, summed after it;
+// a thread that needs an xa another thread claimed waits for it (never circularly: a
+// thread computes its own claims before it waits on any).
 
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <thread>
 #include <type_traits>
 
 #include "lora_math.h"
@@ -39,7 +41,6 @@ namespace {
 
 constexpr int64_t PANEL = 64;       // columns per product panel
 constexpr int64_t MAX_MEMBERS = 8;  // projections in one call
-constexpr int64_t MAX_PANELS = 1024;  // panels the pending flags track
 
 // One LoRA member: its slot's A [K, R] and B [R, N], its columns in y.
 template <typename E>
@@ -64,7 +65,6 @@ struct Call {
   Member<E> member[MAX_MEMBERS];
   alignas(64) float xa[MAX_MEMBERS][64];
   std::atomic<int> state[MAX_MEMBERS];
-  bool pending[MAX_PANELS][MAX_MEMBERS];  // written by the panel's thread only
 };
 
 // Columns [c0, c1) of member m that fall in panel p (c0 >= c1: none).
@@ -75,11 +75,11 @@ inline void columns_in(const Member<E>& mem, int64_t p, int64_t& c0, int64_t& c1
 }
 
 template <typename E>
-void product_panel(Call<E>& call, int64_t p) {
+void product_panel(Call<E>& call, int64_t p, multiserve::Warm warm) {
   if constexpr (std::is_same_v<E, float>) {
     if (!call.bf16_panels) {
       multiserve::row_gemm_panel(call.x, call.k, static_cast<const float*>(call.panels), p,
-                                 call.y, call.res);
+                                 call.y, call.res, warm);
       return;
     }
   }
@@ -87,7 +87,7 @@ void product_panel(Call<E>& call, int64_t p) {
   const multiserve::Bf16Row row{call.x, e_bf16, static_cast<const uint16_t*>(call.panels),
                                 call.k, call.panels_count, call.y, e_bf16,
                                 reinterpret_cast<const uint16_t*>(call.res), call.path};
-  multiserve::row_gemm_bf16_panel(row, p);
+  multiserve::row_gemm_bf16_panel(row, p, warm);
 }
 
 template <typename E>
@@ -107,46 +107,57 @@ void add_delta(Call<E>& call, int64_t m, int64_t p) {
                                        c1 - c0, call.scale, call.y + c0);
 }
 
-// One work item: panel p's product, then the deltas of the members it covers.
+// One work item: panel p's product, then the deltas of the members it covers. A member's
+// xa not yet claimed is claimed here, its A prefetched during the product's k loop and
+// summed after it (from cache); a member claimed by another thread is waited for (that
+// thread computes its claims right after its own product block, before it waits on
+// anything, so no wait is circular).
 template <typename E>
 void run_panel(Call<E>& call, int64_t p) {
-  bool covers[MAX_MEMBERS] = {};
+  bool covers[MAX_MEMBERS] = {}, claimed[MAX_MEMBERS] = {};
+  multiserve::Warm warm;
   for (int64_t m = 0; m < call.members; ++m) {
     const Member<E>& mem = call.member[m];
     int64_t c0, c1;
     columns_in(mem, p, c0, c1);
     if (c0 >= c1) continue;
     covers[m] = true;
-    // B's rows of these columns into L2 while the product streams its panel
+    // B's rows of these columns (their cache lines) on their way while the product
+    // streams its panel (prefetcht0: on this machine's Zen 5 prefetcht1 did not bring
+    // them in time, docs/performance.md §24)
     for (int64_t j = 0; j < call.r; ++j) {
-      const char* row = reinterpret_cast<const char*>(mem.b + j * mem.n + (c0 - mem.offset));
-      const int64_t bytes = (c1 - c0) * static_cast<int64_t>(sizeof(E));
-      for (int64_t o = 0; o < bytes + 63; o += 64) __builtin_prefetch(row + o, 0, 2);
+      const E* row = mem.b + j * mem.n + (c0 - mem.offset);
+      const uintptr_t first = reinterpret_cast<uintptr_t>(row) & ~uintptr_t{63};
+      const uintptr_t last = reinterpret_cast<uintptr_t>(row + (c1 - c0)) - 1;
+      for (uintptr_t line = first; line <= last; line += 64)
+        __builtin_prefetch(reinterpret_cast<const void*>(line), 0, 3);
     }
     int expected = kNotStarted;
     if (call.state[m].load(std::memory_order_acquire) == kNotStarted &&
         call.state[m].compare_exchange_strong(expected, kComputing,
                                               std::memory_order_acq_rel)) {
-      compute_xa(call, m);
-      call.state[m].store(kReady, std::memory_order_release);
+      claimed[m] = true;
+      if (warm.start == nullptr)
+        warm = multiserve::Warm{mem.a, call.k * call.r * static_cast<int64_t>(sizeof(E))};
     }
   }
-  product_panel(call, p);
+  product_panel(call, p, warm);
+  for (int64_t m = 0; m < call.members; ++m) {
+    if (!claimed[m]) continue;
+    compute_xa(call, m);
+    call.state[m].store(kReady, std::memory_order_release);
+  }
   for (int64_t m = 0; m < call.members; ++m) {
     if (!covers[m]) continue;
-    if (call.state[m].load(std::memory_order_acquire) == kReady)
-      add_delta(call, m, p);
-    else
-      call.pending[p][m] = true;
+    while (call.state[m].load(std::memory_order_acquire) != kReady) std::this_thread::yield();
+    add_delta(call, m, p);
   }
 }
 
-// The dense product with the slot's deltas: every panel over the pool, then the pending
-// deltas on the caller (every xa is ready once every item is done).
+// The dense product with the slot's deltas: every panel over the pool.
 template <typename E>
 void run(ffi::ThreadPool& pool, Call<E>& call) {
   for (int64_t m = 0; m < call.members; ++m) call.state[m].store(kNotStarted);
-  std::memset(call.pending, 0, call.panels_count * sizeof call.pending[0]);
   int64_t lora_bytes = 0;  // A and B of the slot, in units of 64 bytes below
   for (int64_t m = 0; m < call.members; ++m)
     lora_bytes += (call.k + call.member[m].n) * call.r * static_cast<int64_t>(sizeof(E));
@@ -156,9 +167,6 @@ void run(ffi::ThreadPool& pool, Call<E>& call) {
   for_each_item(pool, call.panels_count, units, false, [c](int64_t b, int64_t e) {
     for (int64_t p = b; p < e; ++p) run_panel(*c, p);
   });
-  for (int64_t p = 0; p < call.panels_count; ++p)
-    for (int64_t m = 0; m < call.members; ++m)
-      if (call.pending[p][m]) add_delta(call, m, p);
 }
 
 template <typename E>
@@ -170,7 +178,7 @@ ffi::Error fused(ffi::ThreadPool& pool, const ffi::AnyBuffer& x, const ffi::AnyB
   const bool bf16_panels = panels.element_type() == ffi::DataType::BF16;
   const int64_t k = xd[1], count = wd[1];
   const int64_t panel_elems = wd[2] * wd[3];
-  static thread_local Call<E> call;  // large (the pending flags): one per calling thread
+  Call<E> call;
   call.x = static_cast<const E*>(x.untyped_data());
   call.y = static_cast<E*>(y);
   call.res = nullptr;
@@ -236,7 +244,7 @@ ffi::Error RowGemmLoraImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffe
   const int64_t members = static_cast<int64_t>(offsets.size());
   if (xd.size() != 2 || xd[0] != 1 || wd.size() != 4 || (!f32 && !bf16) ||
       wd[3] != (f32 ? PANEL : 2 * PANEL) || wd[2] != (f32 ? xd[1] : (xd[1] + 1) / 2) ||
-      wd[1] > MAX_PANELS || yd.size() != 2 || yd[0] != 1 || yd[1] != wd[1] * PANEL ||
+      yd.size() != 2 || yd[0] != 1 || yd[1] != wd[1] * PANEL ||
       y->element_type() != et || slots.dimensions().size() != 1 ||
       slots.dimensions()[0] != 1 || members == 0 || members > MAX_MEMBERS ||
       static_cast<int64_t>(rest.size()) != 2 * members + (residual ? 1 : 0))

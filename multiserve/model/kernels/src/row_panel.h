@@ -10,11 +10,19 @@
 
 namespace multiserve {
 
+// Bytes the caller will read next, prefetched into L2 at an even rate through a panel's
+// k loop (the products' own warming of their next panel, applied to another region).
+// Prefetches change no arithmetic.
+struct Warm {
+  const void* start = nullptr;  // nullptr: none
+  int64_t bytes = 0;
+};
+
 // y[64p, 64p + 64) = x @ columns [64p, 64p + 64) of W, then with `res` (not nullptr)
 // res + that in float32 (one add, as XLA adds a float32 residual to the product): x [K],
 // `panels` the chosen layer's float32 panels [P, K, 64], y and res rows of P * 64.
 void row_gemm_panel(const float* x, int64_t k, const float* panels, int64_t p, float* y,
-                    const float* res);
+                    const float* res, Warm warm = {});
 
 // One row against bfloat16 k-pair panels [P, ceil(K / 2), 128] of the chosen layer.
 struct Bf16Row {
@@ -29,7 +37,7 @@ struct Bf16Row {
 };
 
 // y[64p, 64p + 64) of `row`: store_row's rounding and residual add, as the dense product.
-void row_gemm_bf16_panel(const Bf16Row& row, int64_t p);
+void row_gemm_bf16_panel(const Bf16Row& row, int64_t p, Warm warm = {});
 
 // Whether `path` 0 (kDot) runs in this build and CPU.
 bool row_gemm_bf16_dot_available();
