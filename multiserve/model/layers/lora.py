@@ -45,6 +45,11 @@ import jax.numpy as jnp
 
 from multiserve.model.invariance.plan import InvariancePlan, ProductPlan
 
+# Whether `LayerLora.product` fuses the delta into the product's call at one-token steps
+# (read at trace time; scripts/ab_lora_step.py traces a program with it off to compare
+# the two forms, bits and time, in one process)
+FUSED_AT_ONE_TOKEN = True
+
 # tokens per static slice of a step (bounds the gathered [slice, K, r] and [slice, r, N]
 # operands); a slice's size never changes a token's bits (every op is elementwise over
 # tokens)
@@ -148,7 +153,7 @@ class LayerLora:
         product's row is the same bits at every row count (src/row_gemm.cc)."""
         form = plan.formulation(x.shape[0])
         a = tuple(self.lora[f"{name}_a"] for name in names)
-        if (not self.native or x.shape[0] != 1 or panels is None or form.kernel != "native"
+        if (not FUSED_AT_ONE_TOKEN or not self.native or x.shape[0] != 1 or panels is None or form.kernel != "native"
                 or any(v.dtype != x.dtype for v in (panels, *a))
                 or (residual is not None and residual.dtype != x.dtype)):
             return None
