@@ -12,20 +12,17 @@
 // those of the product call followed by the lora_apply call, whatever the thread count.
 // A slot-0 row, and every column no member covers, keeps the product's bits.
 //
-// Work: the product's items (one panel each, spread over the pool as the product spreads
-// them), each item's panel computed by row_panel.h's entry point, then the members'
-// deltas of that panel's columns, so the adapter's B streams on every core together with
-// W's panels (each item prefetches its B columns before its product block). xa = x @ A
-// of a member is computed once a call, by the first thread whose panel needs it: claimed
-// at the item's start, A prefetched through the product block's k loop, summed after it;
-// a thread that needs an xa another thread claimed waits for it (never circularly: a
-// thread computes its own claims before it waits on any).
+// Work: the panels in one contiguous run per thread (product_split.h), each panel
+// computed by row_panel.h's entry point, then the members' deltas of that panel's columns,
+// so the adapter's B streams on every core together with W's panels (each panel
+// prefetches its B columns before its product block). A run computes xa = x @ A of a
+// member when its first panel needs it (A prefetched through that panel's product k
+// loop, summed after it): a member whose columns span both runs is summed by both, the
+// same bits, with no thread waiting on another.
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
-#include <thread>
 #include <type_traits>
 
 #include "lora_math.h"
@@ -50,8 +47,6 @@ struct Member {
   int64_t n, offset;
 };
 
-enum XaState : int { kNotStarted = 0, kComputing = 1, kReady = 2 };
-
 template <typename E>
 struct Call {
   const E* x;       // [K]
@@ -63,8 +58,6 @@ struct Call {
   float scale;      // of the row's slot
   int64_t members;  // 0 for a slot-0 row: the product alone
   Member<E> member[MAX_MEMBERS];
-  alignas(64) float xa[MAX_MEMBERS][64];
-  std::atomic<int> state[MAX_MEMBERS];
 };
 
 // Columns [c0, c1) of member m that fall in panel p (c0 >= c1: none).
@@ -75,7 +68,7 @@ inline void columns_in(const Member<E>& mem, int64_t p, int64_t& c0, int64_t& c1
 }
 
 template <typename E>
-void product_panel(Call<E>& call, int64_t p, multiserve::Warm warm) {
+void product_panel(const Call<E>& call, int64_t p, multiserve::Warm warm) {
   if constexpr (std::is_same_v<E, float>) {
     if (!call.bf16_panels) {
       multiserve::row_gemm_panel(call.x, call.k, static_cast<const float*>(call.panels), p,
@@ -91,30 +84,33 @@ void product_panel(Call<E>& call, int64_t p, multiserve::Warm warm) {
 }
 
 template <typename E>
-void compute_xa(Call<E>& call, int64_t m) {
+void compute_xa(const Call<E>& call, int64_t m, float* xa) {
   const E* xr[1] = {call.x};
-  float* out[1] = {call.xa[m]};
+  float* out[1] = {xa};
   multiserve::lora_math::shrink<E, 1>(xr, call.member[m].a, call.k, call.r, out);
 }
 
 // Member m's delta over its columns in panel p, added to y.
 template <typename E>
-void add_delta(Call<E>& call, int64_t m, int64_t p) {
+void add_delta(const Call<E>& call, int64_t m, int64_t p, const float* xa) {
   const Member<E>& mem = call.member[m];
   int64_t c0, c1;
   columns_in(mem, p, c0, c1);
-  multiserve::lora_math::apply_columns(call.xa[m], mem.b + (c0 - mem.offset), mem.n, call.r,
-                                       c1 - c0, call.scale, call.y + c0);
+  multiserve::lora_math::apply_columns(xa, mem.b + (c0 - mem.offset), mem.n, call.r, c1 - c0,
+                                       call.scale, call.y + c0);
 }
 
-// One work item: panel p's product, then the deltas of the members it covers. A member's
-// xa not yet claimed is claimed here, its A prefetched during the product's k loop and
-// summed after it (from cache); a member claimed by another thread is waited for (that
-// thread computes its claims right after its own product block, before it waits on
-// anything, so no wait is circular).
+// xa of each member for one thread's run of panels: computed by the run when a panel
+// first needs it (A prefetched during that panel's product k loop, summed after it).
+struct RunXa {
+  alignas(64) float xa[MAX_MEMBERS][64];
+  bool have[MAX_MEMBERS] = {};
+};
+
+// One work item: panel p's product, then the deltas of the members it covers.
 template <typename E>
-void run_panel(Call<E>& call, int64_t p) {
-  bool covers[MAX_MEMBERS] = {}, claimed[MAX_MEMBERS] = {};
+void run_panel(const Call<E>& call, RunXa& run, int64_t p) {
+  bool covers[MAX_MEMBERS] = {}, fresh[MAX_MEMBERS] = {};
   multiserve::Warm warm;
   for (int64_t m = 0; m < call.members; ++m) {
     const Member<E>& mem = call.member[m];
@@ -132,40 +128,35 @@ void run_panel(Call<E>& call, int64_t p) {
       for (uintptr_t line = first; line <= last; line += 64)
         __builtin_prefetch(reinterpret_cast<const void*>(line), 0, 3);
     }
-    int expected = kNotStarted;
-    if (call.state[m].load(std::memory_order_acquire) == kNotStarted &&
-        call.state[m].compare_exchange_strong(expected, kComputing,
-                                              std::memory_order_acq_rel)) {
-      claimed[m] = true;
+    if (!run.have[m]) {
+      fresh[m] = true;
       if (warm.start == nullptr)
         warm = multiserve::Warm{mem.a, call.k * call.r * static_cast<int64_t>(sizeof(E))};
     }
   }
   product_panel(call, p, warm);
   for (int64_t m = 0; m < call.members; ++m) {
-    if (!claimed[m]) continue;
-    compute_xa(call, m);
-    call.state[m].store(kReady, std::memory_order_release);
-  }
-  for (int64_t m = 0; m < call.members; ++m) {
-    if (!covers[m]) continue;
-    while (call.state[m].load(std::memory_order_acquire) != kReady) std::this_thread::yield();
-    add_delta(call, m, p);
+    if (fresh[m]) {
+      compute_xa(call, m, run.xa[m]);
+      run.have[m] = true;
+    }
+    if (covers[m]) add_delta(call, m, p, run.xa[m]);
   }
 }
 
-// The dense product with the slot's deltas: every panel over the pool.
+// The dense product with the slot's deltas: the panels in one contiguous run per thread
+// (product_split.h), each run with the xa its panels need.
 template <typename E>
-void run(ffi::ThreadPool& pool, Call<E>& call) {
-  for (int64_t m = 0; m < call.members; ++m) call.state[m].store(kNotStarted);
+void run(ffi::ThreadPool& pool, const Call<E>& call) {
   int64_t lora_bytes = 0;  // A and B of the slot, in units of 64 bytes below
   for (int64_t m = 0; m < call.members; ++m)
     lora_bytes += (call.k + call.member[m].n) * call.r * static_cast<int64_t>(sizeof(E));
   const int64_t k_rows = call.bf16_panels ? (call.k + 1) / 2 : call.k;
   const int64_t units = work_units(call.panels_count, 1, k_rows) + lora_bytes / 64;
-  Call<E>* c = &call;
-  for_each_item(pool, call.panels_count, units, false, [c](int64_t b, int64_t e) {
-    for (int64_t p = b; p < e; ++p) run_panel(*c, p);
+  const Call<E>* c = &call;
+  for_each_item(pool, call.panels_count, units, true, [c](int64_t b, int64_t e) {
+    RunXa run;
+    for (int64_t p = b; p < e; ++p) run_panel(*c, run, p);
   });
 }
 
