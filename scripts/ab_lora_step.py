@@ -73,8 +73,11 @@ def measure(core: Any, tokens: tuple[int, ...], rounds: int, separate: bool) -> 
         compiled: dict[str, Any] = {}
         for name, (p, b) in forms.items():  # compiled with the engine's XLA options
             lora_layer.FUSED_AT_ONE_TOKEN = name != "lora-separate"
+            # its own jit: a traced program is cached per function, flag or no flag
+            own = jitted if name != "lora-separate" else jax.jit(
+                lambda p, kv, b: fwd(p, kv, b), donate_argnums=(1,))
             try:
-                compiled[name] = jitted.lower(p, runner.kv, b).compile(
+                compiled[name] = own.lower(p, runner.kv, b).compile(
                     compiler_options=runner.step_programs.xla_options)
             finally:
                 lora_layer.FUSED_AT_ONE_TOKEN = True
