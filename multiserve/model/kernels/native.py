@@ -18,7 +18,9 @@
   with its own adapter's matrices, read in place from the adapter stacks (only the slots
   the step's tokens use); `lora_apply_native`, what model/layers/lora.py calls, adds it to
   the outputs of every projection of one x in one call, in place in their (fused)
-  product's output.
+  product's output. At one token, `row_gemm_lora` (src/row_gemm_lora.cc) is the product
+  and that applied delta in ONE call with the same bits: each panel's product, then the
+  delta of its columns (both forms' per-element code is src/lora_math.h).
 
 All are row-invariant by construction (see the .cc files). The attention and products,
 which the calibration still verifies bitwise like any other candidate

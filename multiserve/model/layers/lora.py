@@ -22,7 +22,12 @@ Each token t carries its slot `slots[t]` (ForwardBatch.lora_slots). Invariants:
   of k in four fixed chains in bfloat16), reading the stacks in place and only the slots in use,
   the delta added to y in the kernel (a slot-0 token's y untouched), every projection
   of one x (q, k, v; gate, up) in one call on their fused product's output whole, each
-  at its column offset (no copy of a projection's columns into a buffer of its own);
+  at its column offset (no copy of a projection's columns into a buffer of its own); at
+  a one-token step where the plan's product is native, inside the product's own call
+  instead (`LayerLora.product`, model/kernels/src/row_gemm_lora.cc: each panel's
+  product, then the delta of its columns, with lora_delta.cc's per-element code from
+  model/kernels/src/lora_math.h), the same bits as the product then the delta's call,
+  so a token's bits are the same alone (one token) as in a batch;
   XLA (every other platform, a tensor-parallel engine, ranks above the kernel's): every
   op is elementwise over tokens, and the two contractions (over K, then over r) are explicit
   pairwise trees of elementwise adds (`_tree_sum`) in float32, in a fixed order, each

@@ -27,6 +27,10 @@
 // read from memory, and its blocks read the stage from cache). So a step reads each
 // adapter in use once per projection, whatever its token count.
 //
+// The per-token arithmetic (shrink, expand sums, scale, add and rounding) is
+// lora_math.h's, which row_gemm_lora.cc (the product with this applied delta in its
+// epilogue, at one token) runs too: the two forms give a token the same bits.
+//
 // Row invariance BY CONSTRUCTION: xa[j] = sum over k = 0, 1, .., K-1 in that order of
 // x[t, k] * A[k, j], one fused multiply-add per step into a running sum from zero (in
 // bfloat16: pairs of k, in four chains of fixed extent combined in a fixed order, see
