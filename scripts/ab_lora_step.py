@@ -139,7 +139,8 @@ def main() -> None:
         for i in range(ADAPTERS):
             engine.load_lora_adapter(adapter_name(i), tensors=random_adapter_tensors(
                 engine.model_config, RANK, 1000 + i), r=RANK, lora_alpha=float(RANK))
-        print(engine.call(Call(lambda core: measure(core, buckets, args.rounds, args.separate))).result())
+        print(engine.call(Call(lambda core: measure(core, buckets, args.rounds,
+                                                    args.separate))).result())
     finally:
         engine.shutdown()
 

@@ -60,6 +60,7 @@ FUSED_AT_ONE_TOKEN = True
 # tokens)
 CHUNK = 64
 
+
 def _tree_sum(x: jax.Array, axis: int) -> jax.Array:
     """Sum over `axis` as a fixed pairwise tree of elementwise adds (zero-padded to a
     power of two): the order depends only on the axis' length."""
@@ -151,15 +152,15 @@ class LayerLora:
                 residual: jax.Array | None = None) -> jax.Array | None:
         """`dense(x, .., plan, w_p=panels, layer=, residual=)` then `self(x, names, that,
         offsets)` as ONE native call with the same bits (native.row_gemm_lora), where it
-        applies: a one-token step (T static), the plan's product native at one row, the
-        kernel form of LoRA, and x, the panels, the adapters and the residual of one
-        dtype. None elsewhere: the caller runs the two calls. Computed at one row where
-        the plan pads the row to more (a timing choice of the calibration): the native
-        product's row is the same bits at every row count (src/row_gemm.cc)."""
+        applies: a one-token step (T static), the plan's product native, the kernel form
+        of LoRA, and x, the panels, the adapters and the residual of one dtype. None
+        elsewhere: the caller runs the two calls. Computed at one row where the plan pads
+        the row to more (a timing choice of the calibration): the native product's row is
+        the same bits at every row count (src/row_gemm.cc)."""
         form = plan.formulation(x.shape[0])
         a = tuple(self.lora[f"{name}_a"] for name in names)
-        if (not FUSED_AT_ONE_TOKEN or not self.native or x.shape[0] != 1 or panels is None or form.kernel != "native"
-                or any(v.dtype != x.dtype for v in (panels, *a))
+        if (not FUSED_AT_ONE_TOKEN or not self.native or x.shape[0] != 1 or panels is None
+                or form.kernel != "native" or any(v.dtype != x.dtype for v in (panels, *a))
                 or (residual is not None and residual.dtype != x.dtype)):
             return None
         from multiserve.model.kernels.native import row_gemm_lora
