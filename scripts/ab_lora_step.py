@@ -2,7 +2,7 @@
 every token on an adapter, against the same decoder without LoRA, on one engine's
 weights, plan and KV pool, in one process, rounds alternating in order.
 
-    PYTHONPATH=. python scripts/ab_lora_step.py [--dtype bfloat16] [--tokens 1 64]
+    PYTHONPATH=. python scripts/ab_lora_step.py [--dtype bfloat16] [--tokens 1 64] [--separate]
 
 The engine has 4 adapters of rank 16 on all seven target modules (the random ones of
 multiserve/bench/lora_bench.py); at T tokens token t uses adapter 1 + t mod 4 (the
@@ -10,6 +10,9 @@ bench's round-robin). Each round times 10 forwards of each form (the KV pool don
 threaded through); prints per T the median and best ms a forward of each form, the
 median of the per-round differences (LoRA - base, ms) and the sha256 of the LoRA form's
 hidden states (the same bits before and after a change to the kernel: compare them).
+--separate adds a third form: the LoRA step traced with lora.FUSED_AT_ONE_TOKEN off (at
+T=1 the delta in calls of its own after the products, as at T > 1), timed in the same
+rounds, its hidden states' sha256 compared with the fused form's (the same bits).
 AB_LORA_HLO=prefix writes each compiled program's optimized HLO to prefix-<form>-<T>.txt.
 """
 
@@ -30,12 +33,13 @@ from multiserve.bench.lora_bench import adapter_name, random_adapter_tensors
 from multiserve.config import EngineConfig
 from multiserve.engine.commands import Call
 from multiserve.engine.engine import Engine
+from multiserve.model.layers import lora as lora_layer
 from multiserve.model.layers.forward_batch import ForwardBatch
 
 ADAPTERS, RANK = 4, 16
 
 
-def measure(core: Any, tokens: tuple[int, ...], rounds: int) -> str:
+def measure(core: Any, tokens: tuple[int, ...], rounds: int, separate: bool) -> str:
     """One line per T (the engine thread: its weights, plan and KV pool)."""
     runner = core.runner
     family, cfg = runner.family, runner.model_cfg
@@ -63,32 +67,54 @@ def measure(core: Any, tokens: tuple[int, ...], rounds: int) -> str:
         with_lora = runner.compute_params
         without = {k: v for k, v in with_lora.items() if k != "lora"}
         forms = {"base": (without, base), "lora": (with_lora, lora)}
+        if separate:  # the same LoRA step with the delta in calls of its own
+            forms["lora-separate"] = (with_lora, lora)
         times: dict[str, list[float]] = {k: [] for k in forms}
         compiled: dict[str, Any] = {}
         for name, (p, b) in forms.items():  # compiled with the engine's XLA options
-            compiled[name] = jitted.lower(p, runner.kv, b).compile(
-                compiler_options=runner.step_programs.xla_options)
+            lora_layer.FUSED_AT_ONE_TOKEN = name != "lora-separate"
+            # its own jit: a traced program is cached per function, flag or no flag
+            own = jitted if name != "lora-separate" else jax.jit(
+                lambda p, kv, b: fwd(p, kv, b), donate_argnums=(1,))
+            try:
+                compiled[name] = own.lower(p, runner.kv, b).compile(
+                    compiler_options=runner.step_programs.xla_options)
+            finally:
+                lora_layer.FUSED_AT_ONE_TOKEN = True
             h, runner.kv = compiled[name](p, runner.kv, b)
             jax.block_until_ready(h)
             if os.environ.get("AB_LORA_HLO"):  # the optimized program, for a look
                 with open(f"{os.environ['AB_LORA_HLO']}-{name}-{t}.txt", "w") as f:
                     f.write(compiled[name].as_text())
         for i in range(rounds):
-            for name in (("base", "lora") if i % 2 == 0 else ("lora", "base")):
+            for name in (list(forms) if i % 2 == 0 else list(forms)[::-1]):
                 p, b = forms[name]
                 t0 = time.perf_counter()
                 for _ in range(10):
                     h, runner.kv = compiled[name](p, runner.kv, b)
                 jax.block_until_ready(h)
                 times[name].append((time.perf_counter() - t0) / 10 * 1e3)
-        h, runner.kv = compiled["lora"](*forms["lora"][:1], runner.kv, forms["lora"][1])
-        digest = hashlib.sha256(np.asarray(h).tobytes()).hexdigest()[:12]
-        diff = np.median(np.array(times["lora"]) - np.array(times["base"]))
+        digests = {}
+        for name in forms:
+            if name != "base":
+                h, runner.kv = compiled[name](*forms[name][:1], runner.kv, forms[name][1])
+                digests[name] = hashlib.sha256(np.asarray(h).tobytes()).hexdigest()[:12]
+
+        def diff(a: str, b: str) -> float:
+            return float(np.median(np.array(times[a]) - np.array(times[b])))
+
         lines.append(f"T={shape.tokens}: " + " | ".join(
             f"{k}: median {np.median(v):.3f} best {min(v):.3f} ms" for k, v in times.items())
-            + f" | lora - base median {diff:.3f} ms, ratio base/lora "
+            + f" | lora - base median {diff('lora', 'base'):.3f} ms, ratio base/lora "
               f"{np.median(times['base']) / np.median(times['lora']):.3f} | LoRA "
-              f"hidden sha256 {digest}")
+              f"hidden sha256 {digests['lora']}")
+        if separate:
+            same = digests["lora"] == digests["lora-separate"]
+            lines.append(f"  separate form: lora-separate - base median "
+                         f"{diff('lora-separate', 'base'):.3f} ms, lora - lora-separate "
+                         f"median {diff('lora', 'lora-separate'):.3f} ms | sha256 "
+                         f"{digests['lora-separate']} ({'same' if same else 'DIFFERENT'} "
+                         "bits)")
     return "\n".join(lines)
 
 
@@ -97,6 +123,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--separate", action="store_true",
+                    help="also time the LoRA step with the delta in calls of its own "
+                         "(lora.FUSED_AT_ONE_TOKEN off: differs at T=1) and compare bits")
     args = ap.parse_args()
     buckets = tuple(sorted(set(args.tokens)))
     engine = Engine(EngineConfig(dtype=args.dtype, show_progress=False,
@@ -110,7 +139,8 @@ def main() -> None:
         for i in range(ADAPTERS):
             engine.load_lora_adapter(adapter_name(i), tensors=random_adapter_tensors(
                 engine.model_config, RANK, 1000 + i), r=RANK, lora_alpha=float(RANK))
-        print(engine.call(Call(lambda core: measure(core, buckets, args.rounds))).result())
+        print(engine.call(Call(lambda core: measure(core, buckets, args.rounds,
+                                                    args.separate))).result())
     finally:
         engine.shutdown()
 

@@ -33,7 +33,10 @@ from multiserve.types import InvalidRequest, SamplingParams
 PROMPTS = [[5, 9, 13, 17, 21], [7, 3, 30, 44, 12, 6, 9, 19, 40, 8, 11], [14, 15, 16],
            [(7 * i) % 90 + 3 for i in range(40)]]
 # the LoRA engines' token buckets: a row alone decodes at T=8, in the mixed batch at T=64
-LORA_ENGINE = {**TINY_ENGINE, "precompile_token_paddings": (8, 64)}
+# 1: a request alone decodes in one-token steps, whose LoRA delta runs inside the
+# product's call (row_gemm_lora.cc), where the mixed batches' steps of 8 run the product
+# and the delta as two calls: the tests below compare the two forms' bits
+LORA_ENGINE = {**TINY_ENGINE, "precompile_token_paddings": (1, 8, 64)}
 
 
 @pytest.fixture(scope="module")

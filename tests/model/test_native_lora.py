@@ -100,3 +100,65 @@ def test_applied_form_adds_each_delta_once_and_leaves_base_rows(dtype: jnp.dtype
         alone = apply(x[t:t + 1], y[t:t + 1], (a, a2), (b, b2), offsets, scale,
                       slots[t:t + 1], layer)
         np.testing.assert_array_equal(np.asarray(alone)[0], got[t])
+
+
+@pytest.mark.parametrize("dtype,path", [(jnp.float32, None), (jnp.bfloat16, "avx512_bf16"),
+                                        (jnp.bfloat16, "widen")])
+def test_product_with_the_delta_in_its_epilogue_is_product_then_apply(dtype: jnp.dtype,
+                                                                     path: str | None) -> None:
+    """`row_gemm_lora` at one row (src/row_gemm_lora.cc) = `row_gemm` then
+    `lora_apply_native`, bit for bit: three members at panel-aligned offsets as q|k|v (N 130,
+    64 and 40: partial panels; the second slot's adapter of rank 12 in rank-16 stacks; odd
+    K) without a residual, and one member over the whole output with a residual (o, down);
+    a slot-0 row gets the product's own bits. K is large enough that the product's panels
+    spread over the pool's threads (product_split.h), as the engine's layer matrices."""
+    if path is not None and path not in native.bf16_paths_available():
+        pytest.skip(f"the {path} path does not run on this CPU")
+    k, widths, layers, slots_n = 1601, (130, 64, 40), 2, 3
+    rng = np.random.default_rng(7)
+    offsets = (0, 192, 256)
+    n = offsets[-1] + widths[-1]
+    a = [rng.standard_normal((layers, slots_n, k, 16), np.float32) / np.sqrt(k)
+         for _ in widths]
+    b = [rng.standard_normal((layers, slots_n, 16, w), np.float32) for w in widths]
+    for am, bm in zip(a, b, strict=True):
+        am[:, 0], bm[:, 0] = 0.0, 0.0
+        am[:, 2, :, 12:], bm[:, 2, 12:] = 0.0, 0.0  # slot 2: an adapter of rank 12
+    a = tuple(jnp.asarray(v, dtype) for v in a)
+    b = tuple(jnp.asarray(v, dtype) for v in b)
+    scale = jnp.asarray([0.0, 2.0, 0.75], jnp.float32)
+    w = jnp.asarray(rng.standard_normal((layers, k, n), np.float32) / np.sqrt(k), dtype)
+    panels = jax.vmap(native.pack_panels)(w)
+    x = jnp.asarray(rng.standard_normal((1, k)), dtype)
+    res_whole = jnp.asarray(rng.standard_normal((1, n)), dtype)
+
+    @jax.jit
+    def separate(x, slots, res, layer):
+        y = native.row_gemm(x, panels, n, layer, path=path,
+                            residual=res if dtype == jnp.bfloat16 else None)
+        if res is not None and dtype == jnp.float32:
+            y = res + y  # the float32 product's residual, as primitives.product adds it
+        members = (0, 1, 2) if res is None else (1,)
+        return native.lora_apply_native(
+            x, y, tuple(a[i] for i in members), tuple(b[i] for i in members),
+            offsets if res is None else (offsets[1],), scale, slots, layer)
+
+    @jax.jit
+    def fused(x, slots, res, layer):
+        members = (0, 1, 2) if res is None else (1,)
+        return native.row_gemm_lora(
+            x, panels, n, layer, tuple(a[i] for i in members),
+            tuple(b[i] for i in members), offsets if res is None else (offsets[1],),
+            scale, slots, residual=res, path=path)
+
+    for res in (None, res_whole):
+        plain = native.row_gemm(x, panels, n, 1, path=path)
+        for slot in (0, 1, 2):
+            s = jnp.asarray([slot], jnp.int32)
+            want = np.asarray(separate(x, s, res, 1))
+            got = np.asarray(fused(x, s, res, 1))
+            np.testing.assert_array_equal(got, want)
+            if slot == 0 and res is None:
+                np.testing.assert_array_equal(got, np.asarray(plain))
+            if slot > 0:  # the deltas are there
+                assert not np.array_equal(got, np.asarray(separate(x, s * 0, res, 1)))

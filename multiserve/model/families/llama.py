@@ -105,9 +105,15 @@ def project_together(h: jax.Array, w: dict[str, jax.Array | None],
     widths = [plan.product(m).n for m in members]
     starts = np.cumsum([0] + [-(-n // PANEL) * PANEL for n in widths])
     together = ProductPlan(group, first.k, int(starts[-1]), first.by_rows)
-    out = dense(h, None, None, together, w_p=panels, layer=layer)
-    if adapt is not None:  # in place in the whole product, each member at its columns
-        out = adapt(h, tuple(members), out, tuple(int(a) for a in starts[:-1]))
+    offsets = tuple(int(a) for a in starts[:-1])
+    # with LoRA, in place in the whole product, each member at its columns: at one token
+    # inside the product's own call (`LayerLora.product`), else a call after it
+    out = None if adapt is None else adapt.product(h, tuple(members), panels, together,
+                                                   offsets)
+    if out is None:
+        out = dense(h, None, None, together, w_p=panels, layer=layer)
+        if adapt is not None:
+            out = adapt(h, tuple(members), out, offsets)
     return tuple(out[:, int(a):int(a) + n] for a, n in zip(starts[:-1], widths, strict=True))
 
 
@@ -144,6 +150,10 @@ def layer_projection(w: dict[str, jax.Array | None], layer: int | jax.Array,
 
     def proj(h: jax.Array, name: str, residual: jax.Array | None = None) -> jax.Array:
         panels = w[f"{name}_p"]  # the whole stack: the native kernel indexes the layer
+        if adapt is not None:  # one token: the delta in the product's own call
+            fused = adapt.product(h, (name,), panels, plan.product(name), (0,), residual)
+            if fused is not None:
+                return fused
         y = dense(h, w[name], w[f"{name}_t"], plan.product(name), w_p=panels,
                   layer=None if panels is None else layer, residual=residual)
         return y if adapt is None else adapt(h, (name,), y, (0,))

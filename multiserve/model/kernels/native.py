@@ -18,7 +18,9 @@
   with its own adapter's matrices, read in place from the adapter stacks (only the slots
   the step's tokens use); `lora_apply_native`, what model/layers/lora.py calls, adds it to
   the outputs of every projection of one x in one call, in place in their (fused)
-  product's output.
+  product's output. At one token, `row_gemm_lora` (src/row_gemm_lora.cc) is the product
+  and that applied delta in ONE call with the same bits: each panel's product, then the
+  delta of its columns (both forms' per-element code is src/lora_math.h).
 
 All are row-invariant by construction (see the .cc files). The attention and products,
 which the calibration still verifies bitwise like any other candidate
@@ -77,6 +79,7 @@ GROUPED_ROW_GEMM_BF16 = "multiserve_grouped_row_gemm_bf16"
 KV_WRITE = "multiserve_kv_write"
 LORA_DELTA = "multiserve_lora_delta"
 LORA_APPLY = "multiserve_lora_apply"
+ROW_GEMM_LORA = "multiserve_row_gemm_lora"
 LORA_MAX_RANK = 64  # the largest adapter rank lora_delta.cc takes
 # The bfloat16 product's instruction paths (row_gemm_bf16.cc), in the kernel's numbering:
 # "avx512_bf16" one VDPBF16PS per pair of k (bfloat16 x only, a CPU with AVX512_BF16);
@@ -89,9 +92,10 @@ HEAD_DIMS = (16, 32, 48, 64, 80, 96, 128, 256)  # the head sizes the kernel is i
 PANEL = 64  # columns per packed weight panel (row_gemm.cc)
 SOURCES = tuple(Path(__file__).parent / "src" / name
                 for name in ("paged_attention.cc", "row_gemm.cc", "row_gemm_bf16.cc",
-                             "kv_write.cc", "lora_delta.cc"))
+                             "kv_write.cc", "lora_delta.cc", "row_gemm_lora.cc"))
 HEADERS = tuple(Path(__file__).parent / "src" / name  # hashed, not compiled
-                for name in ("parallel_for.h", "product_split.h"))
+                for name in ("parallel_for.h", "product_split.h", "lora_math.h",
+                             "row_panel.h"))
 FLAGS = ("-std=c++20", "-O3", "-march=native", "-ffp-contract=fast", "-fPIC", "-shared", "-w")
 
 _LOCK = threading.Lock()
@@ -211,7 +215,8 @@ def _load() -> str | None:
                              (GROUPED_ROW_GEMM_BF16, lib.MultiserveGroupedRowGemmBf16),
                              (KV_WRITE, lib.MultiserveKvWrite),
                              (LORA_DELTA, lib.MultiserveLoraDelta),
-                             (LORA_APPLY, lib.MultiserveLoraApply)):
+                             (LORA_APPLY, lib.MultiserveLoraApply),
+                             (ROW_GEMM_LORA, lib.MultiserveRowGemmLora)):
             jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(symbol), platform="cpu")
         dot = bool(lib.MultiserveBf16DotAvailable())
     except (OSError, RuntimeError, AttributeError, ValueError) as exc:
@@ -433,6 +438,47 @@ def lora_apply_native(x: jax.Array, y: jax.Array, a: tuple[jax.Array, ...],
     call = jax.ffi.ffi_call(LORA_APPLY, jax.ShapeDtypeStruct(y.shape, y.dtype),
                             input_output_aliases={4: 0})
     return call(*operands, offsets=np.asarray(offsets, np.int64))
+
+
+def row_gemm_lora(x: jax.Array, panels: jax.Array, n: int, layer: int | jax.Array,
+                  a: tuple[jax.Array, ...], b: tuple[jax.Array, ...],
+                  offsets: tuple[int, ...], scale: jax.Array, slots: jax.Array, *,
+                  residual: jax.Array | None = None, path: str | None = None) -> jax.Array:
+    """One row: `row_gemm(x, panels, n, layer, residual=residual)` followed by
+    `lora_apply_native(x, that, a, b, offsets, scale, slots, layer)`, in ONE call with the
+    same bits (src/row_gemm_lora.cc: each panel's product, then the deltas of its
+    columns): x [1, K], panels the layer stack (float32, or bfloat16 with x bfloat16),
+    a, b, y and `residual` ([1, n]: the result is residual + x @ W before the deltas) of
+    x's dtype; `path` as in `row_gemm` (bfloat16). -> [1, n]."""
+    assert x.ndim == 2 and x.shape[0] == 1 and panels.ndim == 4, (x.shape, panels.shape)
+    assert len(a) == len(b) == len(offsets) and a
+    assert all(v.dtype == x.dtype for v in (panels, *a, *b)), [v.dtype for v in (panels, *a)]
+    assert x.dtype in (jnp.float32, jnp.bfloat16) and max(m.shape[-1] for m in a) <= \
+        LORA_MAX_RANK
+    assert all(0 <= o and o + bm.shape[-1] <= n for o, bm in zip(offsets, b, strict=True))
+    _require()
+    width = panels.shape[1] * PANEL
+    operands: list[jax.Array] = [x, panels, jnp.asarray(layer, jnp.int32).reshape(1),
+                                 slots.astype(jnp.int32).reshape(1),
+                                 scale.astype(jnp.float32)]
+    if residual is not None:
+        assert residual.dtype == x.dtype and residual.shape == (1, n), residual.shape
+        if width > n:  # the padding columns are dropped below: any addend will do
+            residual = jnp.pad(residual, ((0, 0), (0, width - n)))
+        operands.append(residual)
+    for am, bm in zip(a, b, strict=True):
+        operands += [am, bm]
+    index = 1
+    if x.dtype == jnp.bfloat16:
+        path = path or bf16_product_path()
+        if path not in bf16_paths_available():
+            raise RuntimeError(f"bfloat16 product path {path!r} does not run here "
+                               f"(available: {', '.join(bf16_paths_available())})")
+        index = BF16_PATHS.index(path)
+    out = jax.ffi.ffi_call(ROW_GEMM_LORA, jax.ShapeDtypeStruct((1, width), x.dtype))(
+        *operands, offsets=np.asarray(offsets, np.int64), path=np.int64(index),
+        residual=np.int64(residual is not None))
+    return out if width == n else out[:, :n]
 
 
 def paged_attention_native(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,

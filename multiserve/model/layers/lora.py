@@ -22,7 +22,12 @@ Each token t carries its slot `slots[t]` (ForwardBatch.lora_slots). Invariants:
   of k in four fixed chains in bfloat16), reading the stacks in place and only the slots in use,
   the delta added to y in the kernel (a slot-0 token's y untouched), every projection
   of one x (q, k, v; gate, up) in one call on their fused product's output whole, each
-  at its column offset (no copy of a projection's columns into a buffer of its own);
+  at its column offset (no copy of a projection's columns into a buffer of its own); at
+  a one-token step where the plan's product is native, inside the product's own call
+  instead (`LayerLora.product`, model/kernels/src/row_gemm_lora.cc: each panel's
+  product, then the delta of its columns, with lora_delta.cc's per-element code from
+  model/kernels/src/lora_math.h), the same bits as the product then the delta's call,
+  so a token's bits are the same alone (one token) as in a batch;
   XLA (every other platform, a tensor-parallel engine, ranks above the kernel's): every
   op is elementwise over tokens, and the two contractions (over K, then over r) are explicit
   pairwise trees of elementwise adds (`_tree_sum`) in float32, in a fixed order, each
@@ -38,22 +43,22 @@ Each token t carries its slot `slots[t]` (ForwardBatch.lora_slots). Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 
-from multiserve.model.invariance.plan import InvariancePlan
+from multiserve.model.invariance.plan import InvariancePlan, ProductPlan
+
+# Whether `LayerLora.product` fuses the delta into the product's call at one-token steps
+# (read at trace time; scripts/ab_lora_step.py traces a program with it off to compare
+# the two forms, bits and time, in one process)
+FUSED_AT_ONE_TOKEN = True
 
 # tokens per static slice of a step (bounds the gathered [slice, K, r] and [slice, r, N]
 # operands); a slice's size never changes a token's bits (every op is elementwise over
 # tokens)
 CHUNK = 64
-
-# (x [T, K], layer matrix names, y [T, W], each name's first column in y) -> y with each
-# adapter token's delta of each projection added to that projection's columns (every
-# projection of the same x at once, in their fused product's output: one native call)
-Adapt = Callable[[jax.Array, tuple[str, ...], jax.Array, tuple[int, ...]], jax.Array]
 
 
 def _tree_sum(x: jax.Array, axis: int) -> jax.Array:
@@ -109,20 +114,30 @@ def native_lora(plan: InvariancePlan, lora: dict[str, jax.Array]) -> bool:
             and native.unavailable_reason(str(a.dtype)) is None)
 
 
-def layer_adapter(lora: dict[str, jax.Array], layer: int | jax.Array,
-                  slots: jax.Array, native: bool = False) -> Adapt:
-    """The `Adapt` of one layer (its slice of each stacked buffer, `layer` static or
-    traced); `native`: the kernel form (`native_lora`), else the XLA form."""
-    on = (slots > 0)[:, None]
+@dataclass(frozen=True)
+class LayerLora:
+    """One layer's LoRA adapters in the forward (`lora`'s stacks read at `layer`, static or
+    traced; each token's slot in `slots`; `native`: the kernel form, `native_lora`).
+    Called as an `Adapt`: y with each adapter token's delta of each projection added to
+    that projection's columns (every projection of the same x at once, in their fused
+    product's output: one native call). `product`: at a one-token step, the native product
+    with the delta in its epilogue (one call in place of the product's and this one's)."""
 
-    def adapt(x: jax.Array, names: tuple[str, ...], y: jax.Array,
-              offsets: tuple[int, ...]) -> jax.Array:
+    lora: dict[str, jax.Array]
+    layer: int | jax.Array
+    slots: jax.Array
+    native: bool = False
+
+    def __call__(self, x: jax.Array, names: tuple[str, ...], y: jax.Array,
+                 offsets: tuple[int, ...]) -> jax.Array:
+        lora, layer, slots = self.lora, self.layer, self.slots
         a = tuple(lora[f"{name}_a"] for name in names)
         b = tuple(lora[f"{name}_b"] for name in names)
-        if native and all(v.dtype == x.dtype for v in (y, *a)):
+        if self.native and all(v.dtype == x.dtype for v in (y, *a)):
             from multiserve.model.kernels.native import lora_apply_native
 
             return lora_apply_native(x, y, a, b, offsets, lora["scale"], slots, layer)
+        on = (slots > 0)[:, None]
         for am, bm, start in zip(a, b, offsets, strict=True):
             n = bm.shape[-1]
             part = y[:, start:start + n]
@@ -132,4 +147,34 @@ def layer_adapter(lora: dict[str, jax.Array], layer: int | jax.Array,
             y = part if n == y.shape[1] else jax.lax.dynamic_update_slice(y, part, (0, start))
         return y
 
-    return adapt
+    def product(self, x: jax.Array, names: tuple[str, ...], panels: jax.Array | None,
+                plan: ProductPlan, offsets: tuple[int, ...],
+                residual: jax.Array | None = None) -> jax.Array | None:
+        """`dense(x, .., plan, w_p=panels, layer=, residual=)` then `self(x, names, that,
+        offsets)` as ONE native call with the same bits (native.row_gemm_lora), where it
+        applies: a one-token step (T static), the plan's product native, the kernel form
+        of LoRA, and x, the panels, the adapters and the residual of one dtype. None
+        elsewhere: the caller runs the two calls. Computed at one row where the plan pads
+        the row to more (a timing choice of the calibration): the native product's row is
+        the same bits at every row count (src/row_gemm.cc)."""
+        form = plan.formulation(x.shape[0])
+        a = tuple(self.lora[f"{name}_a"] for name in names)
+        if (not FUSED_AT_ONE_TOKEN or not self.native or x.shape[0] != 1 or panels is None
+                or form.kernel != "native" or any(v.dtype != x.dtype for v in (panels, *a))
+                or (residual is not None and residual.dtype != x.dtype)):
+            return None
+        from multiserve.model.kernels.native import row_gemm_lora
+
+        b = tuple(self.lora[f"{name}_b"] for name in names)
+        return row_gemm_lora(x, panels, plan.n, self.layer, a, b, offsets,
+                             self.lora["scale"], self.slots, residual=residual)
+
+
+Adapt = LayerLora
+
+
+def layer_adapter(lora: dict[str, jax.Array], layer: int | jax.Array,
+                  slots: jax.Array, native: bool = False) -> LayerLora:
+    """The `LayerLora` of one layer (its slice of each stacked buffer, `layer` static or
+    traced); `native`: the kernel form (`native_lora`), else the XLA form."""
+    return LayerLora(lora, layer, slots, native)

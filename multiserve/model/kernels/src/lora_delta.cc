@@ -27,6 +27,10 @@
 // read from memory, and its blocks read the stage from cache). So a step reads each
 // adapter in use once per projection, whatever its token count.
 //
+// The per-token arithmetic (shrink, expand sums, scale, add and rounding) is
+// lora_math.h's, which row_gemm_lora.cc (the product with this applied delta in its
+// epilogue, at one token) runs too: the two forms give a token the same bits.
+//
 // Row invariance BY CONSTRUCTION: xa[j] = sum over k = 0, 1, .., K-1 in that order of
 // x[t, k] * A[k, j], one fused multiply-add per step into a running sum from zero (in
 // bfloat16: pairs of k, in four chains of fixed extent combined in a fixed order, see
@@ -39,10 +43,6 @@
 // the vector and the scalar loops alike, so the vector path (R a multiple of 16) and the
 // scalar one give the same bits.)
 
-#if defined(__AVX512BF16__)
-#include <immintrin.h>
-#endif
-
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -50,6 +50,7 @@
 #include <utility>
 #include <vector>
 
+#include "lora_math.h"
 #include "product_split.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -58,36 +59,7 @@ using multiserve::for_each_item;
 
 namespace {
 
-typedef float vf __attribute__((vector_size(64)));
-typedef uint16_t vh __attribute__((vector_size(32)));
-typedef uint32_t vu __attribute__((vector_size(64)));
-constexpr int LANES = 16;
-
-inline float widen(float v) { return v; }
-inline float widen(uint16_t v) {
-  const uint32_t u = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-
-inline vf splat(float v) {  // every lane v's bits (one broadcast, no add)
-  return vf{v, v, v, v, v, v, v, v, v, v, v, v, v, v, v, v};
-}
-
-inline vf load(const float* p) {
-  vf v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-inline vf load(const uint16_t* p) {
-  vh h;
-  std::memcpy(&h, p, sizeof h);
-  const vu u = __builtin_convertvector(h, vu) << 16;
-  vf v;
-  std::memcpy(&v, &u, sizeof v);
-  return v;
-}
+using namespace multiserve::lora_math;
 
 // One projection of a call: its adapter stacks' layer and where its columns lie in y / d.
 template <typename E>
@@ -115,248 +87,41 @@ struct Problem {
   float* xa_of(int64_t i, size_t m) { return xa.data() + (i * modules.size() + m) * 64; }
 };
 
-// d materialized as computed: the compiler may not contract the scale's multiply with
-// the add that follows (an FMA would round once where this rounds twice)
-inline void materialize(vf& v) { asm("" : "+v"(v)); }
-inline void materialize(float& v) { asm("" : "+x"(v)); }
-
-inline float to_float(float v) { return v; }
-inline float to_float(uint16_t v) { return widen(v); }
-inline void from_float(float v, float* out) { *out = v; }
-inline void from_float(float v, uint16_t* out) {  // round to nearest even (no NaN here)
-  uint32_t u;
-  std::memcpy(&u, &v, sizeof u);
-  *out = static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-inline void store(vf v, float* out) { std::memcpy(out, &v, sizeof v); }
-inline void store(vf v, uint16_t* out) {  // 16 lanes, each rounded as from_float does
-  vu u;
-  std::memcpy(&u, &v, sizeof u);
-  const vh h = __builtin_convertvector((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16, vh);
-  std::memcpy(out, &h, sizeof h);
-}
-
 // Columns [c, c + 16) of token t (c counted in the output row): d = acc * scale, stored
 // (delta form) or added to y (one float32 add, rounded once to y's type).
 template <typename E>
 inline void store16(const Problem<E>& pr, int64_t t, int64_t c, vf acc, float sc) {
-  vf d = acc * sc;
-  materialize(d);
-  if (pr.d != nullptr) {
+  const vf d = scaled(acc, sc);
+  if (pr.d != nullptr)
     store(d, pr.d + t * pr.width + c);
-    return;
-  }
-  E* y = pr.y + t * pr.width + c;
-  store(load(y) + d, y);
+  else
+    add_to(pr.y + t * pr.width + c, d);
 }
 
 template <typename E>
 inline void store1(const Problem<E>& pr, int64_t t, int64_t c, float acc, float sc) {
-  float d = acc * sc;
-  materialize(d);
-  if (pr.d != nullptr) {
+  const float d = scaled(acc, sc);
+  if (pr.d != nullptr)
     pr.d[t * pr.width + c] = d;
-    return;
-  }
-  E* y = pr.y + t * pr.width + c;
-  from_float(to_float(*y) + d, y);
+  else
+    add_to(pr.y + t * pr.width + c, d);
 }
 
-// The shrink of NT tokens of one slot (tok[0..NT)): xa = x @ A[slot] of module m, RV
-// vectors of 16 ranks each (each A row loaded once for all of them).
-template <typename E, int RV, int NT>
-void shrink_vec(Problem<E>& pr, size_t m, int64_t first) {
+// The shrink of NT tokens of one slot (tok[first .. first + NT)) of module m
+// (lora_math.h's `shrink`: each A row loaded once for all of them).
+template <typename E, int NT>
+void shrink_block(Problem<E>& pr, size_t m, int64_t first) {
   const int64_t* tok = pr.tok.data() + first;
   const E* ar = pr.modules[m].a + pr.slots[tok[0]] * pr.k * pr.r;
   const E* xr[NT];
-  for (int i = 0; i < NT; ++i) xr[i] = pr.x + tok[i] * pr.k;
-  vf acc[NT][RV];
-  for (int i = 0; i < NT; ++i)
-    for (int v = 0; v < RV; ++v) acc[i][v] = vf{};
-  for (int64_t k = 0; k < pr.k; ++k) {
-    vf av[RV];
-    for (int v = 0; v < RV; ++v) av[v] = load(ar + k * pr.r + LANES * v);
-    for (int i = 0; i < NT; ++i) {
-      const vf xv = splat(widen(xr[i][k]));
-      for (int v = 0; v < RV; ++v) acc[i][v] += xv * av[v];
-    }
-  }
-  for (int i = 0; i < NT; ++i) std::memcpy(pr.xa_of(first + i, m), acc[i], sizeof acc[i]);
-}
-
-// The same sums one element at a time (any R up to 64).
-template <typename E>
-void shrink_scalar(Problem<E>& pr, size_t m, int64_t first, int count) {
-  for (int64_t i = first; i < first + count; ++i) {
-    const E* xr = pr.x + pr.tok[i] * pr.k;
-    const E* ar = pr.modules[m].a + pr.slots[pr.tok[i]] * pr.k * pr.r;
-    float* xa = pr.xa_of(i, m);
-    for (int64_t j = 0; j < pr.r; ++j) {
-      float acc = 0.0f;
-      for (int64_t k = 0; k < pr.k; ++k) acc += widen(xr[k]) * widen(ar[k * pr.r + j]);
-      xa[j] = acc;
-    }
-  }
-}
-
-// The bfloat16 shrink: x and A are both bfloat16, so x @ A is sums of products of pairs
-// (k, k + 1), one `vdpbf16ps` step each (the pair's two exact products added to the
-// running float32 sum, with the instruction's own rounding, flushing subnormals). Its
-// order, fixed by K alone: the P = K / 2 pairs in CHAINS contiguous segments of
-// P / CHAINS pairs each (the last segment also the pairs left over and an odd K's last
-// element, a pair of its own with a zero), each an in-order sum from zero, then
-// xa = (s0 + s1) + (s2 + s3). Independent chains keep the FMA units busy where one token
-// alone would wait on one sum's latency; the rank lanes past R (R not a multiple of 16)
-// are loaded as zeros, so every R takes this one path.
-constexpr int CHAINS = 4;
-constexpr int64_t PREFETCH = 1024;  // elements read ahead of a stream (2 KB in bfloat16)
-
-typedef uint16_t lane_mask;  // rank lanes of one vector: bit j set for a rank below R
-
-#if defined(__AVX512BF16__)
-typedef __m512bh pairs_t;
-inline vf dot_pairs(vf acc, pairs_t a, pairs_t x) {
-  return reinterpret_cast<vf>(_mm512_dpbf16_ps(reinterpret_cast<__m512>(acc), a, x));
-}
-// A[k, lanes] and A[k + 1, lanes] interleaved: (A[k, j], A[k + 1, j]) in lanes 2j, 2j + 1
-inline pairs_t a_pairs(const uint16_t* row0, const uint16_t* row1, lane_mask lanes) {
-  const __m512i idx = _mm512_set_epi16(
-      47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
-      39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-  const __mmask16 mask = static_cast<__mmask16>(lanes);
-  __m512i lo, hi;
-  if (lanes == 0xFFFF) {  // a whole rank vector: plain loads
-    lo = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row0)));
-    hi = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row1)));
-  } else {
-    lo = _mm512_castsi256_si512(_mm256_maskz_loadu_epi16(mask, row0));
-    hi = _mm512_castsi256_si512(_mm256_maskz_loadu_epi16(mask, row1));
-  }
-  return reinterpret_cast<pairs_t>(_mm512_permutex2var_epi16(lo, idx, hi));
-}
-inline pairs_t x_pair(uint32_t both) {
-  return reinterpret_cast<pairs_t>(_mm512_set1_epi32(static_cast<int>(both)));
-}
-#else
-// without avx512_bf16: the pair's two products added in turn (odd element first, as the
-// instruction's definition), one FMA each
-struct pairs_t { vf even, odd; };
-inline vf dot_pairs(vf acc, pairs_t a, pairs_t x) {
-  acc += a.odd * x.odd;
-  return acc + a.even * x.even;
-}
-inline vf masked_row(const uint16_t* row, lane_mask lanes) {
-  float v[LANES];
-  for (int j = 0; j < LANES; ++j) v[j] = (lanes >> j) & 1 ? widen(row[j]) : 0.0f;
-  return load(v);
-}
-inline pairs_t a_pairs(const uint16_t* row0, const uint16_t* row1, lane_mask lanes) {
-  return pairs_t{masked_row(row0, lanes), masked_row(row1, lanes)};
-}
-inline pairs_t x_pair(uint32_t both) {
-  return pairs_t{splat(widen(static_cast<uint16_t>(both))),
-                 splat(widen(static_cast<uint16_t>(both >> 16)))};
-}
-#endif
-
-// x[2p], x[2p + 1] as one 32-bit pair (2p + 1 < K)
-inline uint32_t pair_of(const uint16_t* x, int64_t p) {
-  uint32_t both;
-  std::memcpy(&both, x + 2 * p, sizeof both);
-  return both;
-}
-
-// One pair step of NT tokens' RV rank vectors: acc += the pair (x[2p], x[2p + 1]) times
-// A's rows 2p and 2p + 1 (row1 the same row as row0 for an odd K's last element, whose
-// x pair has a zero second)
-template <int RV, int NT>
-__attribute__((always_inline)) inline void pair_step(vf (&acc)[NT][RV],
-                                                     const uint16_t* const* xr,
-                                                     const uint16_t* row0,
-                                                     const uint16_t* row1,
-                                                     const lane_mask* lanes, int64_t p,
-                                                     bool odd_end) {
-  pairs_t av[RV];
-  __builtin_prefetch(row0 + PREFETCH);
-  for (int v = 0; v < RV; ++v) av[v] = a_pairs(row0 + LANES * v, row1 + LANES * v, lanes[v]);
+  float* out[NT];
   for (int i = 0; i < NT; ++i) {
-    const pairs_t xv = x_pair(odd_end ? xr[i][2 * p] : pair_of(xr[i], p));
-    for (int v = 0; v < RV; ++v) acc[i][v] = dot_pairs(acc[i][v], av[v], xv);
+    xr[i] = pr.x + tok[i] * pr.k;
+    out[i] = pr.xa_of(first + i, m);
   }
+  shrink<E, NT>(xr, ar, pr.k, pr.r, out);
 }
 
-// Chains [c0, c0 + G) of the shrink of NT tokens, RV rank vectors: part[c][i][v] their
-// segments' sums, the chains stepped together (G * NT * RV independent sums).
-template <int RV, int NT, int G>
-void shrink_chains(const uint16_t* const* xr, const uint16_t* ar, int64_t k, int64_t r,
-                   const lane_mask* lanes, int c0, vf (*part)[NT][RV]) {
-  const int64_t pairs = k / 2, len = pairs / CHAINS;
-  vf acc[G][NT][RV];
-  for (int g = 0; g < G; ++g)
-    for (int i = 0; i < NT; ++i)
-      for (int v = 0; v < RV; ++v) acc[g][i][v] = vf{};
-  for (int64_t s = 0; s < len; ++s)
-    for (int g = 0; g < G; ++g) {
-      const int64_t p = (c0 + g) * len + s;
-      pair_step<RV, NT>(acc[g], xr, ar + 2 * p * r, ar + (2 * p + 1) * r, lanes, p, false);
-    }
-  if (c0 + G == CHAINS) {  // the last chain's end: the pairs past CHAINS * len, odd K's last
-    for (int64_t p = CHAINS * len; p < pairs; ++p)
-      pair_step<RV, NT>(acc[G - 1], xr, ar + 2 * p * r, ar + (2 * p + 1) * r, lanes, p,
-                        false);
-    if (k % 2 == 1)
-      pair_step<RV, NT>(acc[G - 1], xr, ar + (k - 1) * r, ar + (k - 1) * r, lanes, pairs,
-                        true);
-  }
-  for (int g = 0; g < G; ++g)
-    for (int i = 0; i < NT; ++i)
-      for (int v = 0; v < RV; ++v) part[c0 + g][i][v] = acc[g][i][v];
-}
-
-template <int RV, int NT>
-void shrink_bf16(Problem<uint16_t>& pr, size_t m, int64_t first) {
-  const int64_t* tok = pr.tok.data() + first;
-  const uint16_t* ar = pr.modules[m].a + pr.slots[tok[0]] * pr.k * pr.r;
-  const uint16_t* xr[NT];
-  for (int i = 0; i < NT; ++i) xr[i] = pr.x + tok[i] * pr.k;
-  lane_mask lanes[RV];
-  for (int v = 0; v < RV; ++v) {
-    const int64_t n = std::min<int64_t>(LANES, pr.r - LANES * v);
-    lanes[v] = static_cast<lane_mask>((1u << n) - 1u);
-  }
-  // chains stepped together: up to 8 sums in registers (a block with more runs its chains
-  // one at a time); which chains step together never changes a chain's sum
-  constexpr int G = NT * RV <= 2 ? 4 : NT * RV <= 4 ? 2 : 1;
-  vf part[CHAINS][NT][RV];
-  for (int c0 = 0; c0 < CHAINS; c0 += G)
-    shrink_chains<RV, NT, G>(xr, ar, pr.k, pr.r, lanes, c0, part);
-  static_assert(CHAINS == 4, "the combination below is of four chains");
-  for (int i = 0; i < NT; ++i)
-    for (int v = 0; v < RV; ++v) {
-      const vf sum = (part[0][i][v] + part[1][i][v]) + (part[2][i][v] + part[3][i][v]);
-      std::memcpy(pr.xa_of(first + i, m) + LANES * v, &sum, sizeof sum);
-    }
-}
-
-template <typename E, int NT>
-void shrink_block(Problem<E>& pr, size_t m, int64_t first) {
-  if constexpr (std::is_same_v<E, uint16_t>) {
-    switch ((pr.r + LANES - 1) / LANES) {
-      case 1: shrink_bf16<1, NT>(pr, m, first); break;
-      case 2: shrink_bf16<2, NT>(pr, m, first); break;
-      case 3: shrink_bf16<3, NT>(pr, m, first); break;
-      default: shrink_bf16<4, NT>(pr, m, first); break;
-    }
-    return;
-  }
-  switch (pr.r % LANES == 0 ? pr.r / LANES : 0) {
-    case 1: shrink_vec<E, 1, NT>(pr, m, first); break;
-    case 2: shrink_vec<E, 2, NT>(pr, m, first); break;
-    case 3: shrink_vec<E, 3, NT>(pr, m, first); break;
-    case 4: shrink_vec<E, 4, NT>(pr, m, first); break;
-    default: shrink_scalar<E>(pr, m, first, NT); break;
-  }
-}
 
 // Where an expand reads B[slot] of one projection: element (j, c) at p[j * stride + c -
 // col0] (the stack itself, or a tile of it staged in float32)
@@ -378,16 +143,7 @@ void expand_vec(Problem<E>& pr, size_t m, int64_t first, int64_t n0, const BRows
   const float* xa[NT];
   for (int i = 0; i < NT; ++i) xa[i] = pr.xa_of(first + i, m);
   vf acc[NT][CV];
-  for (int i = 0; i < NT; ++i)
-    for (int v = 0; v < CV; ++v) acc[i][v] = vf{};
-  for (int64_t j = 0; j < pr.r; ++j) {
-    vf bv[CV];
-    for (int v = 0; v < CV; ++v) bv[v] = load(br + j * rows.stride + LANES * v);
-    for (int i = 0; i < NT; ++i) {
-      const vf xv = splat(xa[i][j]);
-      for (int v = 0; v < CV; ++v) acc[i][v] += xv * bv[v];
-    }
-  }
+  expand_sums<S, NT, CV>(xa, br, rows.stride, pr.r, acc);
   const float sc = pr.scale[s];
   for (int i = 0; i < NT; ++i)
     for (int v = 0; v < CV; ++v) store16(pr, tok[i], mod.offset + n0 + LANES * v, acc[i][v], sc);
@@ -409,9 +165,8 @@ void expand_block(Problem<E>& pr, size_t m, int64_t first, int64_t n0, int64_t n
     const int32_t s = pr.slots[pr.tok[i]];
     const float* xa = pr.xa_of(i, m);
     for (int64_t c = n; c < n1; ++c) {
-      float acc = 0.0f;
-      for (int64_t j = 0; j < pr.r; ++j) acc += xa[j] * widen(*rows.at(j, c));
-      store1(pr, pr.tok[i], mod.offset + c, acc, pr.scale[s]);
+      store1(pr, pr.tok[i], mod.offset + c, expand_sum(xa, rows.at(0, c), rows.stride, pr.r),
+             pr.scale[s]);
     }
   }
 }

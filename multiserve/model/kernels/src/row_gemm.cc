@@ -26,6 +26,7 @@
 #include <cstring>
 
 #include "product_split.h"
+#include "row_panel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -50,6 +51,7 @@ inline vf load(const float* p) {
 struct WarmRows {
   const float* rows = nullptr;  // nullptr: none
   int64_t every = 1, count = 0;
+  bool to_l1 = false;  // prefetcht0 (row_panel.h's Warm) instead of prefetcht1
 };
 
 // rows [m0, m0 + R) of one panel: R x 64 accumulators in registers, k in order
@@ -68,7 +70,10 @@ inline void block(const float* x, int64_t k_dim, const float* panel, float* y, i
     if (WARM && --countdown == 0) {
       countdown = warm.every;
       if (left > 0) {
-        for (int c = 0; c < PANEL * 4; c += 64) __builtin_prefetch(next_row + c, 0, 2);
+        if (warm.to_l1)
+          for (int c = 0; c < PANEL * 4; c += 64) __builtin_prefetch(next_row + c, 0, 3);
+        else
+          for (int c = 0; c < PANEL * 4; c += 64) __builtin_prefetch(next_row + c, 0, 2);
         next_row += PANEL * sizeof(float);
         --left;
       }
@@ -214,6 +219,23 @@ ffi::Error GroupedRowGemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
 }
 
 }  // namespace
+
+void multiserve::row_gemm_panel(const float* x, int64_t k, const float* panels, int64_t p,
+                                float* y, const float* res, Warm warm) {
+  const float* panel = panels + p * k * PANEL;
+  if (warm.start == nullptr) {
+    block<1>(x, k, panel, y + p * PANEL, 0, 0);
+  } else {  // WarmRows' unit: 256 bytes a step
+    WarmRows rows;
+    rows.rows = static_cast<const float*>(warm.start);
+    rows.count = (warm.bytes + PANEL * 4 - 1) / (PANEL * 4);
+    rows.every = std::max<int64_t>(1, k / std::max<int64_t>(1, rows.count));
+    rows.to_l1 = true;
+    block<1, true>(x, k, panel, y + p * PANEL, 0, 0, rows);
+  }
+  if (res == nullptr) return;
+  for (int64_t c = p * PANEL; c < (p + 1) * PANEL; ++c) y[c] = res[c] + y[c];
+}
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MultiserveGroupedRowGemm, GroupedRowGemmImpl,
                               ffi::Ffi::Bind()

@@ -37,6 +37,7 @@
 #endif
 
 #include "product_split.h"
+#include "row_panel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -134,18 +135,24 @@ inline void store_row(const Out& out, int64_t row, int64_t col, const vf (&acc)[
 struct WarmRows {
   const uint16_t* rows = nullptr;  // nullptr: none
   int64_t every = 1, count = 0;
+  bool to_l1 = false;  // prefetcht0 (row_panel.h's Warm) instead of prefetcht1
 };
 
 struct Warmer {
   const char* next;
   int64_t countdown = 1, left, every;
+  bool to_l1;
   explicit Warmer(const WarmRows& w)
-      : next(reinterpret_cast<const char*>(w.rows)), left(w.count), every(w.every) {}
+      : next(reinterpret_cast<const char*>(w.rows)), left(w.count), every(w.every),
+        to_l1(w.to_l1) {}
   inline void step() {
     if (--countdown != 0) return;
     countdown = every;
     if (left <= 0) return;
-    for (int c = 0; c < PAIR_ROW * 2; c += 64) __builtin_prefetch(next + c, 0, 2);
+    if (to_l1)
+      for (int c = 0; c < PAIR_ROW * 2; c += 64) __builtin_prefetch(next + c, 0, 3);
+    else
+      for (int c = 0; c < PAIR_ROW * 2; c += 64) __builtin_prefetch(next + c, 0, 2);
     next += PAIR_ROW * sizeof(uint16_t);
     --left;
   }
@@ -411,6 +418,29 @@ ffi::Error GroupedRowGemmBf16Impl(ffi::ThreadPool pool, ffi::AnyBuffer x,
 }
 
 }  // namespace
+
+void multiserve::row_gemm_bf16_panel(const Bf16Row& row, int64_t p, Warm warm) {
+  Problem pr;
+  pr.x = row.x;
+  pr.x_bf16 = row.x_bf16;
+  pr.wp = row.panels;
+  pr.out = Out{row.y, row.y_bf16, row.panels_count * PANEL, row.res};
+  pr.m = 1;
+  pr.k = row.k;
+  pr.k2 = (row.k + 1) / 2;
+  pr.panels = row.panels_count;
+  pr.path = static_cast<Path>(row.path);
+  WarmRows rows;  // Warmer's unit: 256 bytes a step
+  if (warm.start != nullptr) {
+    rows.rows = static_cast<const uint16_t*>(warm.start);
+    rows.count = (warm.bytes + PAIR_ROW * 2 - 1) / (PAIR_ROW * 2);
+    rows.every = std::max<int64_t>(1, pr.k2 / std::max<int64_t>(1, rows.count));
+    rows.to_l1 = true;
+  }
+  block_rows(1, pr, pr.wp + p * pr.k2 * PAIR_ROW, p * PANEL, 0, rows);
+}
+
+bool multiserve::row_gemm_bf16_dot_available() { return dot_available(); }
 
 // 1 where this build and CPU run the kDot path (AVX512_BF16), else 0 (kWiden only).
 extern "C" int MultiserveBf16DotAvailable() { return dot_available() ? 1 : 0; }
