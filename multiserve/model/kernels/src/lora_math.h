@@ -63,7 +63,25 @@ inline vf load(const uint16_t* p) {
 
 // d materialized as computed: the compiler may not contract the scale's multiply with
 // the add that follows (an FMA would round once where this rounds twice)
-inline void materialize(vf& v) { asm("" : "+v"(v)); }
+// The 64-byte vector is one register with AVX-512, two with AVX only, four with SSE only:
+// the empty asm takes it in whatever registers hold it (values untouched).
+inline void materialize(vf& v) {
+#if defined(__AVX512F__)
+  asm("" : "+v"(v));
+#elif defined(__AVX__)
+  typedef float half_t __attribute__((vector_size(32)));
+  half_t h[2];
+  std::memcpy(h, &v, sizeof v);
+  asm("" : "+x"(h[0]), "+x"(h[1]));
+  std::memcpy(&v, h, sizeof v);
+#else
+  typedef float quarter_t __attribute__((vector_size(16)));
+  quarter_t q[4];
+  std::memcpy(q, &v, sizeof v);
+  asm("" : "+x"(q[0]), "+x"(q[1]), "+x"(q[2]), "+x"(q[3]));
+  std::memcpy(&v, q, sizeof v);
+#endif
+}
 inline void materialize(float& v) { asm("" : "+x"(v)); }
 
 inline float to_float(float v) { return v; }
