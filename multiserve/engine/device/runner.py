@@ -71,6 +71,7 @@ from multiserve.engine.lora_adapters import LoraAdapter
 from multiserve.engine.sampling import host as sampling_host
 from multiserve.engine.sampling import sampler as sampling
 from multiserve.model.families import family_for
+from multiserve.model.families.base import get_leaf
 from multiserve.model.invariance.calibration import calibrate
 from multiserve.model.invariance.plan import Calibration, InvariancePlan
 from multiserve.model.invariance.workload import workload_for
@@ -202,11 +203,8 @@ class Runner:
         alone rebuilt from its compute layout (`family.canonical_leaf`), with its sharding."""
         if self._held is None:
             return None
-        from multiserve.engine.rl.checks import get_leaf
-
         leaf = self.family.canonical_leaf(self._held, self._compute, self.model_cfg, path)
-        spec = get_leaf(self._param_specs, path)
-        return _placed_as(leaf, spec)
+        return _placed_as(leaf, get_leaf(self._param_specs, path))
 
     @property
     def held_params(self) -> Any:

@@ -29,6 +29,7 @@ from multiserve.config import ModelConfig
 from multiserve.model.loading import safetensors_io
 from multiserve.model.errors import ModelLoadError
 from multiserve.model.families import family_for
+from multiserve.model.families.base import get_leaf
 from multiserve.model.loading.hf_names import HfTensorSpec, hf_tensor_specs
 from multiserve.model.loading.param_layout import param_shapes
 
@@ -42,12 +43,6 @@ Partial = dict[LeafPath, tuple[np.ndarray, Any]]
 
 class WeightUpdateError(ValueError):
     """An update was refused or is invalid; the message names the tensor or the reason."""
-
-
-def get_leaf(tree: Mapping[str, Any], path: LeafPath) -> Any:
-    for k in path:
-        tree = tree[k]
-    return tree
 
 
 def set_leaf(tree: dict[str, Any], path: LeafPath, value: Any) -> None:

@@ -19,7 +19,7 @@ from typing import Any
 
 from multiserve.config import ModelConfig
 from multiserve.model.errors import ModelLoadError
-from multiserve.model.families.base import HfTensorSpec, ProductShape, tp_splits
+from multiserve.model.families.base import HfTensorSpec, ProductShape, get_leaf, tp_splits
 
 # (our layer key, HF suffix under model.layers.{i}., transposed)
 ATTENTION_HF_NAMES: tuple[tuple[str, str, bool], ...] = (
@@ -270,10 +270,7 @@ class DenseFamily:
             matrices = _layer_matrix_shapes(cfg)
             return canonical_layer_matrices(compute["stacked_layers"], matrices,
                                             (path[1],))[path[1]]
-        leaf: Any = held
-        for key in path:
-            leaf = leaf[key]
-        return leaf
+        return get_leaf(held, path)
 
     def forward_hidden(self, params: dict[str, Any], kv_pool: Any, batch: Any,
                        cfg: ModelConfig, *, page_size: int, attn_block_size: int,

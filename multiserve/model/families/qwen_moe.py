@@ -29,7 +29,7 @@ from typing import Any
 
 from multiserve.config import ModelConfig
 from multiserve.model.errors import ModelLoadError
-from multiserve.model.families.base import HfTensorSpec, ProductShape, tp_splits
+from multiserve.model.families.base import HfTensorSpec, ProductShape, get_leaf, tp_splits
 from multiserve.model.families.dense import (
     ATTENTION_HF_NAMES,
     CONFIG_FIELDS,
@@ -260,10 +260,7 @@ class QwenMoeFamily:
 
     def canonical_leaf(self, held: dict[str, Any], compute: dict[str, Any],
                        cfg: ModelConfig, path: tuple[str, ...]) -> Any:
-        leaf: Any = held
-        for key in path:
-            leaf = leaf[key]
-        return leaf
+        return get_leaf(held, path)
 
     def forward_hidden(self, params: dict[str, Any], kv_pool: Any, batch: Any,
                        cfg: ModelConfig, *, page_size: int, attn_block_size: int,
