@@ -48,9 +48,15 @@ def array_bytes(tree: Any) -> int:
     seen: dict[int, int] = {}
     for a in jax.tree.leaves(tree):
         if isinstance(a, jax.Array) and not a.is_deleted():
-            shard = math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize
-            seen[id(a)] = shard * len(a.sharding.device_set)
+            seen[id(a)] = placed_bytes(a)
     return sum(seen.values())
+
+
+def placed_bytes(a: jax.Array | jax.ShapeDtypeStruct) -> int:
+    """Bytes an array of this shape, dtype and sharding takes on its devices (its shard on
+    each of them)."""
+    shard = math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize
+    return shard * len(a.sharding.device_set)
 
 
 def executables(runner: Runner) -> Iterator[Any]:
@@ -98,8 +104,7 @@ def memory_report(runner: Runner, pool: PoolSize | None) -> dict[str, Any]:
     held = runner.held_params
     canonical = array_bytes(held)
     params = 0 if held is None else sum(
-        math.prod(s.sharding.shard_shape(s.shape)) * s.dtype.itemsize
-        * len(s.sharding.device_set) for s in jax.tree.leaves(runner.param_specs))
+        placed_bytes(s) for s in jax.tree.leaves(runner.param_specs))
     weights = array_bytes((held, runner.compute_params))
     kv = array_bytes(runner.kv)
     released = [name for name, kept in (("weights", held is not None),
