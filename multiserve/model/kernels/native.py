@@ -95,7 +95,7 @@ SOURCES = tuple(Path(__file__).parent / "src" / name
                              "kv_write.cc", "lora_delta.cc", "row_gemm_lora.cc"))
 HEADERS = tuple(Path(__file__).parent / "src" / name  # hashed, not compiled
                 for name in ("parallel_for.h", "product_split.h", "lora_math.h",
-                             "row_panel.h"))
+                             "lora_operands.h", "row_panel.h"))
 FLAGS = ("-std=c++20", "-O3", "-march=native", "-ffp-contract=fast", "-fPIC", "-shared", "-w")
 
 _LOCK = threading.Lock()
@@ -318,12 +318,8 @@ def _bf16_product(target: str, x: jax.Array, panels: jax.Array, index: jax.Array
     assert panels.ndim == 4 and panels.shape[2] == (x.shape[1] + 1) // 2, (x.shape,
                                                                            panels.shape)
     _require()
-    path = path or bf16_product_path()
-    if x.dtype == jnp.float32:
-        path = "widen"  # no bfloat16 instruction takes float32 operands
-    if path not in bf16_paths_available():
-        raise RuntimeError(f"bfloat16 product path {path!r} does not run here (available: "
-                           f"{', '.join(bf16_paths_available())})")
+    # no bfloat16 instruction takes float32 operands
+    path_index = _bf16_path_index("widen" if x.dtype == jnp.float32 else path)
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     assert out_dtype in (jnp.float32, jnp.bfloat16), out_dtype
     m, width = x.shape[0], panels.shape[1] * PANEL
@@ -331,12 +327,27 @@ def _bf16_product(target: str, x: jax.Array, panels: jax.Array, index: jax.Array
     if residual is not None:
         assert out_dtype == jnp.bfloat16 and residual.dtype == jnp.bfloat16, residual.dtype
         assert residual.shape == (m, n), (residual.shape, m, n)
-        if width > n:  # the padding columns' sums are dropped below: any addend will do
-            residual = jnp.pad(residual, ((0, 0), (0, width - n)))
-        operands = (*operands, residual)
+        operands = (*operands, _padded_to(residual, width))
     out = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((m, width), out_dtype))(
-        *operands, path=np.int64(BF16_PATHS.index(path)))
+        *operands, path=np.int64(path_index))
     return out if out.shape[1] == n else out[:, :n]
+
+
+def _bf16_path_index(path: str | None) -> int:
+    """The kernel's number of bfloat16 product path `path` (None: this process's,
+    `bf16_product_path`); a path this build and CPU do not run raises."""
+    path = path or bf16_product_path()
+    if path not in bf16_paths_available():
+        raise RuntimeError(f"bfloat16 product path {path!r} does not run here (available: "
+                           f"{', '.join(bf16_paths_available())})")
+    return BF16_PATHS.index(path)
+
+
+def _padded_to(residual: jax.Array, width: int) -> jax.Array:
+    """A residual [M, n] widened with zero columns to the product's padded width (the
+    padding columns' sums are dropped after the call: any addend will do)."""
+    n = residual.shape[1]
+    return residual if width == n else jnp.pad(residual, ((0, 0), (0, width - n)))
 
 
 def row_gemm(x: jax.Array, panels: jax.Array, n: int,
@@ -463,20 +474,12 @@ def row_gemm_lora(x: jax.Array, panels: jax.Array, n: int, layer: int | jax.Arra
                                  scale.astype(jnp.float32)]
     if residual is not None:
         assert residual.dtype == x.dtype and residual.shape == (1, n), residual.shape
-        if width > n:  # the padding columns are dropped below: any addend will do
-            residual = jnp.pad(residual, ((0, 0), (0, width - n)))
-        operands.append(residual)
+        operands.append(_padded_to(residual, width))
     for am, bm in zip(a, b, strict=True):
         operands += [am, bm]
-    index = 1
-    if x.dtype == jnp.bfloat16:
-        path = path or bf16_product_path()
-        if path not in bf16_paths_available():
-            raise RuntimeError(f"bfloat16 product path {path!r} does not run here "
-                               f"(available: {', '.join(bf16_paths_available())})")
-        index = BF16_PATHS.index(path)
+    path_index = _bf16_path_index(path) if x.dtype == jnp.bfloat16 else 1  # f32: unused
     out = jax.ffi.ffi_call(ROW_GEMM_LORA, jax.ShapeDtypeStruct((1, width), x.dtype))(
-        *operands, offsets=np.asarray(offsets, np.int64), path=np.int64(index),
+        *operands, offsets=np.asarray(offsets, np.int64), path=np.int64(path_index),
         residual=np.int64(residual is not None))
     return out if width == n else out[:, :n]
 

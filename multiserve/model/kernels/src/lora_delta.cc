@@ -51,11 +51,14 @@
 #include <vector>
 
 #include "lora_math.h"
+#include "lora_operands.h"
 #include "product_split.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 using multiserve::for_each_item;
+using multiserve::lora_module;
+using multiserve::lora_shapes_fit;
 
 namespace {
 
@@ -63,12 +66,7 @@ using namespace multiserve::lora_math;
 
 // One projection of a call: its adapter stacks' layer and where its columns lie in y / d.
 template <typename E>
-struct Module {
-  const E* a;      // [S, K, R] of the chosen layer
-  const E* b;      // [S, R, N] of the chosen layer
-  int64_t n;       // its columns
-  int64_t offset;  // its first column in the output rows
-};
+using Module = multiserve::LoraModule<E>;
 
 // One call: the projections of one x, the tokens with an adapter sorted by slot, and the
 // runs of one slot among them.
@@ -278,26 +276,6 @@ ffi::Error active_tokens(Problem<E>& pr, int64_t t_dim, int64_t s_dim) {
   return ffi::Error::Success();
 }
 
-// a [L, S, K, R <= 64] and b [L, S, R, N] of one projection, against x [T, K], scale [S]
-bool shapes_fit(const ffi::AnyBuffer& x, const ffi::AnyBuffer& a, const ffi::AnyBuffer& b,
-                int64_t s_dim) {
-  const auto xd = x.dimensions(), ad = a.dimensions(), bd = b.dimensions();
-  return xd.size() == 2 && ad.size() == 4 && bd.size() == 4 && ad[0] == bd[0] &&
-         ad[1] == bd[1] && ad[1] == s_dim && ad[2] == xd[1] && ad[3] == bd[2] &&
-         ad[3] <= 64 && a.element_type() == x.element_type() &&
-         b.element_type() == x.element_type();
-}
-
-// The projection (a, b) at `layer`, its columns from `offset`.
-template <typename E>
-Module<E> module_of(const ffi::AnyBuffer& a, const ffi::AnyBuffer& b, int64_t layer,
-                    int64_t offset) {
-  const auto ad = a.dimensions(), bd = b.dimensions();
-  return Module<E>{static_cast<const E*>(a.untyped_data()) + layer * ad[1] * ad[2] * ad[3],
-                   static_cast<const E*>(b.untyped_data()) + layer * bd[1] * bd[2] * bd[3],
-                   bd[3], offset};
-}
-
 template <typename E>
 ffi::Error delta(ffi::ThreadPool& pool, const ffi::AnyBuffer& x, const ffi::AnyBuffer& a,
                  const ffi::AnyBuffer& b, const float* scale, const int32_t* slots,
@@ -305,7 +283,7 @@ ffi::Error delta(ffi::ThreadPool& pool, const ffi::AnyBuffer& x, const ffi::AnyB
   const auto xd = x.dimensions();
   const int64_t s_dim = a.dimensions()[1], n = b.dimensions()[3];
   Problem<E> pr{static_cast<const E*>(x.untyped_data()), scale, slots, out, nullptr,
-                xd[1], a.dimensions()[3], n, {module_of<E>(a, b, layer, 0)}, {}, {}, {}};
+                xd[1], a.dimensions()[3], n, {lora_module<E>(a, b, layer, 0)}, {}, {}, {}};
   if (auto err = active_tokens(pr, xd[0], s_dim); !err.success()) return err;
   for (int64_t t = 0; t < xd[0]; ++t)
     if (slots[t] == 0) std::memset(out + t * n, 0, n * sizeof(float));
@@ -320,8 +298,8 @@ ffi::Error LoraDeltaImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer 
   const auto xd = x.dimensions(), td = slots.dimensions(), dd = d->dimensions();
   const int64_t s_dim = scale.dimensions()[0];
   const auto et = x.element_type();
-  if (!shapes_fit(x, a, b, s_dim) || td.size() != 1 || td[0] != xd[0] || dd.size() != 2 ||
-      dd[0] != xd[0] || dd[1] != b.dimensions()[3] ||
+  if (!lora_shapes_fit(x, a, b, s_dim) || td.size() != 1 || td[0] != xd[0] ||
+      dd.size() != 2 || dd[0] != xd[0] || dd[1] != b.dimensions()[3] ||
       (et != ffi::DataType::F32 && et != ffi::DataType::BF16))
     return ffi::Error::InvalidArgument("lora_delta: x [T, K], a [L, S, K, R <= 64], "
                                        "b [L, S, R, N] (all float32 or all bfloat16), "
@@ -348,13 +326,13 @@ ffi::Error apply(ffi::ThreadPool& pool, const ffi::AnyBuffer& x, const int32_t* 
     auto b = rest.get<ffi::AnyBuffer>(2 * m + 1);
     if (!a.has_value() || !b.has_value())
       return ffi::Error::InvalidArgument("lora_apply: buffers expected");
-    if (!shapes_fit(x, *a, *b, s_dim) || layer < 0 || layer >= a->dimensions()[0] ||
+    if (!lora_shapes_fit(x, *a, *b, s_dim) || layer < 0 || layer >= a->dimensions()[0] ||
         offsets[m] < 0 || offsets[m] + b->dimensions()[3] > width ||
         (m > 0 && a->dimensions()[3] != pr.r))
       return ffi::Error::InvalidArgument("lora_apply: projection shapes or types differ, "
                                          "or its columns fall outside y");
     pr.r = a->dimensions()[3];
-    pr.modules.push_back(module_of<E>(*a, *b, layer, offsets[m]));
+    pr.modules.push_back(lora_module<E>(*a, *b, layer, offsets[m]));
   }
   if (auto err = active_tokens(pr, xd[0], s_dim); !err.success()) return err;
   run(pool, pr);

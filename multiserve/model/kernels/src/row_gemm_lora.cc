@@ -26,6 +26,7 @@
 #include <type_traits>
 
 #include "lora_math.h"
+#include "lora_operands.h"
 #include "product_split.h"
 #include "row_panel.h"
 #include "xla/ffi/api/ffi.h"
@@ -39,13 +40,10 @@ namespace {
 constexpr int64_t PANEL = 64;       // columns per product panel
 constexpr int64_t MAX_MEMBERS = 8;  // projections in one call
 
-// One LoRA member: its slot's A [K, R] and B [R, N], its columns in y.
+// One LoRA member: its slot's A [K, R] and B [R, N] (lora_operands.h's projection at the
+// row's slot), its columns in y.
 template <typename E>
-struct Member {
-  const E* a;
-  const E* b;
-  int64_t n, offset;
-};
+using Member = multiserve::LoraModule<E>;
 
 template <typename E>
 struct Call {
@@ -173,11 +171,8 @@ ffi::Error fused(ffi::ThreadPool& pool, const ffi::AnyBuffer& x, const ffi::AnyB
   call.x = static_cast<const E*>(x.untyped_data());
   call.y = static_cast<E*>(y);
   call.res = nullptr;
-  call.panels = bf16_panels
-                    ? static_cast<const void*>(static_cast<const uint16_t*>(
-                          panels.untyped_data()) + layer * count * panel_elems)
-                    : static_cast<const void*>(static_cast<const float*>(
-                          panels.untyped_data()) + layer * count * panel_elems);
+  const int64_t panel_bytes = panel_elems * (bf16_panels ? 2 : 4);  // bfloat16 or float32
+  call.panels = static_cast<const char*>(panels.untyped_data()) + layer * count * panel_bytes;
   call.bf16_panels = bf16_panels;
   call.k = k;
   call.panels_count = count;
@@ -201,20 +196,16 @@ ffi::Error fused(ffi::ThreadPool& pool, const ffi::AnyBuffer& x, const ffi::AnyB
     if (!a.has_value() || !b.has_value())
       return ffi::Error::InvalidArgument("row_gemm_lora: (a, b) buffers expected");
     const auto ad = a->dimensions(), bd = b->dimensions();
-    if (ad.size() != 4 || bd.size() != 4 || ad[0] != bd[0] || ad[1] != bd[1] ||
-        ad[1] != s_dim || ad[2] != k || ad[3] != bd[2] || ad[3] > 64 ||
-        a->element_type() != x.element_type() || b->element_type() != x.element_type() ||
-        layer >= ad[0] || offsets[m] < 0 || offsets[m] + bd[3] > count * PANEL ||
-        (m > 0 && ad[3] != call.r))
+    if (!multiserve::lora_shapes_fit(x, *a, *b, s_dim) || layer >= ad[0] || offsets[m] < 0 ||
+        offsets[m] + bd[3] > count * PANEL || (m > 0 && ad[3] != call.r))
       return ffi::Error::InvalidArgument("row_gemm_lora: a [L, S, K, R <= 64] and b [L, S, "
                                          "R, N] of x's type, one R, columns inside y");
     call.r = ad[3];
     if (slot == 0) continue;  // the product alone
-    const E* a0 = static_cast<const E*>(a->untyped_data());
-    const E* b0 = static_cast<const E*>(b->untyped_data());
-    call.member[call.members++] = Member<E>{
-        a0 + (layer * ad[1] + slot) * ad[2] * ad[3],
-        b0 + (layer * bd[1] + slot) * bd[2] * bd[3], bd[3], offsets[m]};
+    Member<E> mem = multiserve::lora_module<E>(*a, *b, layer, offsets[m]);
+    mem.a += slot * ad[2] * ad[3];
+    mem.b += slot * bd[2] * bd[3];
+    call.member[call.members++] = mem;
   }
   run(pool, call);
   return ffi::Error::Success();
