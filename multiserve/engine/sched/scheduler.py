@@ -156,12 +156,9 @@ class Scheduler:
         self._next_lora_root -= 1
 
     def _cache_root(self, req: Req) -> int:
-        """The prefix-cache root of `req`'s K/V (module docstring)."""
-        if not req.lora_slot:
-            return 0
-        if req.lora_slot not in self._lora_roots:
-            self.lora_slot_written(req.lora_slot)
-        return self._lora_roots[req.lora_slot]
+        """The prefix-cache root of `req`'s K/V (module docstring). A Req's slot holds an
+        adapter only once EngineCore wrote it, which gave the slot its root."""
+        return self._lora_roots[req.lora_slot] if req.lora_slot else 0
 
     def _free_pages_possible(self) -> int:
         return self.allocator.num_free + self.cache.num_evictable_pages
