@@ -7,11 +7,19 @@ caches (the persistent compilation cache, the plan cache)."""
 
 from __future__ import annotations
 
+import tomllib
 from pathlib import Path
 from typing import Any
 
 CPU4 = Path(__file__).resolve().parents[1] / "configs" / "cpu-4.toml"
 KV_TOKENS = 4096  # test_fleet_validate.py's pool
+# The shipped main job's fused step programs (configs/cpu-4.toml's fused_step_max: only
+# for decodes of a few rows), which the suite's test engines take too: at larger buckets
+# they run the two-program step the shipped fleet runs there and compile no fused program
+# (each is a whole forward + sampler: the suite's most expensive compile). The fused
+# programs' bits are checked by tests/engine/test_fused_step.py, by the default-model
+# engines (test_determinism.py, the fleet tests) and by every engine's prime where it has one.
+SHIPPED_FUSED_STEP_MAX: int = tomllib.loads(CPU4.read_text())["engine"]["fused_step_max"]
 
 
 def shipped_engine_config(**overrides: Any) -> Any:

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 from bench_args import bench_options
+from shipped_engine import SHIPPED_FUSED_STEP_MAX
 from tiny_model import ENGINE_FLAGS, save_tiny_model
 
 from multiserve.bench import peer as peer_mod
@@ -341,7 +342,7 @@ def test_sampled_runs_are_reproducible_per_seed(tiny_dir: Path) -> None:
     engine = Engine(EngineConfig(model_path=str(tiny_dir), precompile_token_paddings=(64,),
                                  precompile_bs_paddings=(64,), max_running_requests=64,
                                  chunked_prefill_size=64, max_total_tokens=4096,
-                                 show_progress=False, fused_step_max=2))
+                                 show_progress=False, fused_step_max=SHIPPED_FUSED_STEP_MAX))
     prompts = [[5, 6, 7], [5, 6, 7], [8, 9, 10, 11]]
 
     def ids(desc: str, seed: int) -> list[list[int]]:

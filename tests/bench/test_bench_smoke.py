@@ -11,6 +11,7 @@ import math
 
 import pytest
 from bench_args import bench_options
+from shipped_engine import SHIPPED_FUSED_STEP_MAX
 
 from multiserve.bench.prompts import BENCH_PROMPTS, bench_prompts
 from multiserve.bench.stats import Timeline, agreement, percentile, summarize, summarize_rounds
@@ -190,7 +191,7 @@ def test_hf_peer_matches_engine_greedy_on_tiny_model(tmp_path) -> None:  # noqa:
     eng = Engine(EngineConfig(model_path=str(tmp_path), precompile_token_paddings=(64,),
                               precompile_bs_paddings=(64,), max_running_requests=64,
                               chunked_prefill_size=64, max_total_tokens=2048,
-                              show_progress=False, fused_step_max=2))
+                              show_progress=False, fused_step_max=SHIPPED_FUSED_STEP_MAX))
     try:
         outs = eng.generate(input_ids=prompts, sampling_params=SamplingParams(
             max_new_tokens=6, temperature=0.0, ignore_eos=True))

@@ -18,24 +18,19 @@ import time
 from collections.abc import Callable, Coroutine, Iterator, Sequence
 from typing import Any
 
+from shipped_engine import SHIPPED_FUSED_STEP_MAX
+
 from multiserve.engine.commands import CheckIntegrity
 from multiserve.engine.streams import assembling
 from multiserve.types import GenerateRequest, RequestOutput, SamplingParams
 
 TINY_VOCAB = 512  # tiny test model: a small vocabulary keeps the sampler cheap
-# Fused step programs as the shipped main job has them (configs/cpu-4.toml's
-# fused_step_max): only for decodes of 1-2 rows, so an engine test at larger buckets runs
-# the two-program step the shipped fleet runs there and compiles no fused program (each
-# is a whole forward + sampler: the suite's most expensive compile). The fused programs'
-# bits are checked by tests/engine/test_fused_step.py, by the default-model engines
-# (test_determinism.py, the fleet tests) and by every engine's prime where it has one.
-FUSED_STEP_MAX = 2
 # EngineConfig fields of the shared tiny engines (conftest): small buckets, chunked
-# prefill forced small (32 tokens), 8-token pages.
+# prefill forced small (32 tokens), 8-token pages, the shipped fused step programs.
 TINY_ENGINE: dict[str, Any] = dict(
     precompile_token_paddings=(64, 128), precompile_bs_paddings=(64,),
     max_running_requests=64, chunked_prefill_size=32, page_size=8, max_total_tokens=8192,
-    max_context_len=1024, show_progress=False, fused_step_max=FUSED_STEP_MAX)
+    max_context_len=1024, show_progress=False, fused_step_max=SHIPPED_FUSED_STEP_MAX)
 WAIT_S = 120.0  # upper bound for any single wait in these tests (never reached when healthy)
 
 Key = tuple[str, int]

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 from engine_helpers import WAIT_S
+from shipped_engine import SHIPPED_FUSED_STEP_MAX
 
 from multiserve.config import EngineConfig
 from multiserve.engine.device.programs import background_compiles_held, plan
@@ -29,7 +30,7 @@ from multiserve.types import SamplingParams
 BUCKETS: dict[str, Any] = dict(
     precompile_token_paddings=(1, 8, 64, 128), precompile_bs_paddings=(1, 8, 64),
     max_running_requests=64, chunked_prefill_size=64, page_size=8, max_total_tokens=8192,
-    max_context_len=1024, show_progress=False, fused_step_max=2)
+    max_context_len=1024, show_progress=False, fused_step_max=SHIPPED_FUSED_STEP_MAX)
 
 
 def _requests() -> list[tuple[list[int], SamplingParams]]:

@@ -14,6 +14,7 @@ from typing import Any
 
 import httpx
 import pytest
+from shipped_engine import SHIPPED_FUSED_STEP_MAX
 
 from multiserve.config import EngineConfig, ModelConfig
 from multiserve.engine.commands import InjectFault
@@ -31,7 +32,7 @@ TINY_MODEL = ModelConfig(
 TINY_ENGINE = dict(
     precompile_token_paddings=(64,), precompile_bs_paddings=(64,), max_running_requests=64,
     chunked_prefill_size=64, page_size=8, max_total_tokens=16384, max_context_len=4096,
-    show_progress=False, fused_step_max=2)  # fused programs as configs/cpu-4.toml: none at 64
+    show_progress=False, fused_step_max=SHIPPED_FUSED_STEP_MAX)
 
 
 # --- engines ---------------------------------------------------------------------------------

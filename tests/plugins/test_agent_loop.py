@@ -19,13 +19,14 @@ from typing import Any
 
 import pytest
 from loopback_server import engine_server
+from shipped_engine import SHIPPED_FUSED_STEP_MAX
 
 from plugins.rollout import AgentLoop, ChatTurns, RolloutError, Trajectory
 
 ENGINE_KW: dict[str, Any] = dict(
     max_running_requests=8, precompile_bs_paddings=(8,), precompile_token_paddings=(64, 256),
     chunked_prefill_size=256, max_total_tokens=4096, max_context_len=2048,
-    show_progress=False, fused_step_max=2)  # fused programs as configs/cpu-4.toml: none at 8
+    show_progress=False, fused_step_max=SHIPPED_FUSED_STEP_MAX)
 ADD = {"type": "function", "function": {
     "name": "add", "description": "Add two integers.",
     "parameters": {"type": "object", "required": ["a", "b"],

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from shipped_engine import SHIPPED_FUSED_STEP_MAX
 
 from plugins.rollout import RolloutClient, RolloutError, RolloutResult
 
@@ -24,7 +25,7 @@ pytestmark = pytest.mark.slow
 ENGINE_KW: dict[str, Any] = dict(
     page_size=16, max_total_tokens=4096, max_running_requests=64, max_context_len=2048,
     chunked_prefill_size=256, precompile_bs_paddings=(64,), precompile_token_paddings=(64, 256),
-    show_progress=False, fused_step_max=2)  # fused programs as configs/cpu-4.toml: none at 64
+    show_progress=False, fused_step_max=SHIPPED_FUSED_STEP_MAX)
 QUESTIONS = ["What is the capital of France?", "Name three primary colours.",
              "Write a haiku about the sea.", "What is 12 times 7?",
              "Who wrote Hamlet?", "Give me a synonym for happy."]

@@ -22,12 +22,12 @@ import httpx
 import openai
 import pytest
 from loopback_server import engine_server
-from shipped_engine import shipped_engine_config
+from shipped_engine import SHIPPED_FUSED_STEP_MAX, shipped_engine_config
 
 ENGINE_KW: dict[str, Any] = dict(
     max_running_requests=64, precompile_bs_paddings=(64,), precompile_token_paddings=(64, 256),
     chunked_prefill_size=256, max_total_tokens=16384, max_context_len=2048,
-    show_progress=False, fused_step_max=2)  # fused programs as configs/cpu-4.toml: none at 64
+    show_progress=False, fused_step_max=SHIPPED_FUSED_STEP_MAX)
 
 
 @pytest.fixture(scope="session")

@@ -20,6 +20,7 @@ import pytest
 import torch
 from loopback_server import engine_server
 from moe_checkpoints import hf_router_topk, make_model, save
+from shipped_engine import SHIPPED_FUSED_STEP_MAX
 
 torch.set_num_threads(1)  # several busy threads on 2 shared cores slow torch 10x
 PROMPT = [17, 301, 45, 99, 250, 8, 400, 12, 77]
@@ -28,7 +29,7 @@ LAYERS, TOP_K = 3, 2
 MOE_ENGINE_KW: dict[str, Any] = dict(
     max_running_requests=64, precompile_bs_paddings=(64,), precompile_token_paddings=(64, 256),
     chunked_prefill_size=256, max_total_tokens=16384, max_context_len=2048,
-    show_progress=False, fused_step_max=2)
+    show_progress=False, fused_step_max=SHIPPED_FUSED_STEP_MAX)
 BUDGET = 512  # tokens: far more than those made between the interruption's requests
 
 
