@@ -4,7 +4,9 @@ every global device (so it all-reduces), run as one process of a slice or alone.
 `python platform_probe.py RANK NNODES ADDR PER_HOST COLLECTIVES`: NNODES 0 is one process
 with PER_HOST devices; COLLECTIVES "gloo" (the slice's) or "default" (JAX's in-process
 CPU collectives; one process only). Prints `RESULT <hex of the float32 bits>` from the
-first host.
+first host, which then waits for its stdin to close: its process hosts JAX's coordination
+service, and a follower still running when that goes is aborted by its JAX client, so the
+test closes the leader's stdin only once every follower has exited.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ def main() -> None:
         global_state.client.wait_at_barrier("probe-done", 60_000)
     if int(rank) == 0:
         print("RESULT", bits, flush=True)
+        sys.stdin.read()  # the followers have exited when the test closes it
     sys.stdout.flush()
     os._exit(0)  # not JAX's exit barrier: the test only needs the bits
 

@@ -20,14 +20,19 @@ WAIT_S = 120.0
 
 
 def _bits(nnodes: int, per_host: int, collectives: str) -> str:
+    """Rank 0's RESULT; the followers are waited for first (the leader outlives them)."""
     addr = f"127.0.0.1:{free_port_pair()}"
     procs = [subprocess.Popen([sys.executable, str(PROBE), str(r), str(nnodes), addr,
                                str(per_host), collectives], env=env(),
-                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
              for r in range(max(nnodes, 1))]
-    outs = [p.communicate(timeout=WAIT_S)[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs), outs
-    return next(line.split()[1] for line in outs[0].splitlines() if line.startswith("RESULT"))
+    outs = {r: procs[r].communicate(timeout=WAIT_S) for r in [*range(1, len(procs)), 0]}
+    codes = {r: p.returncode for r, p in enumerate(procs)}
+    assert all(c == 0 for c in codes.values()), (
+        codes, {r: (o[-500:], e[-2000:]) for r, (o, e) in outs.items()})
+    return next(line.split()[1] for line in outs[0][0].splitlines()
+                if line.startswith("RESULT"))
 
 
 def test_two_processes_give_the_bits_of_one_with_the_same_collectives() -> None:
