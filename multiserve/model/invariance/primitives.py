@@ -35,6 +35,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from multiserve.config import ModelConfig
 from multiserve.model.invariance.plan import ProductPlan, RowSumPlan
@@ -173,16 +174,35 @@ def _transpose_last(a: jax.Array) -> jax.Array:
     return jnp.swapaxes(a, -1, -2)
 
 
-# jitted helpers over pytrees of stacked arrays (shared with moe_decoder's compute params)
-transpose_tree = jax.jit(lambda tree: jax.tree.map(_transpose_last, tree))  # [.., N, K]
-pack_tree = jax.jit(lambda tree: jax.tree.map(pack_panels, tree))  # native kernel panels
+# Helpers over pytrees of stacked arrays (shared with moe_decoder's compute params). Each
+# runs one small program per leaf, compiled once per leaf shape: one program over a whole
+# tree compiles far longer for the same moves (docs/performance.md §27), and engines that
+# build at once (a fleet) each compiled it.
+_transposed = jax.jit(_transpose_last)
+_packed = jax.jit(pack_panels)
 
 
-@jax.jit
+def transpose_tree(tree: Any) -> Any:
+    """Every leaf [.., K, N] as [.., N, K] (a copy)."""
+    return jax.tree.map(_transposed, tree)
+
+
+def pack_tree(tree: Any) -> Any:
+    """Every leaf as the native kernels' panels (`pack_panels`)."""
+    return jax.tree.map(_packed, tree)
+
+
+_layer_of = jax.jit(lambda a, i: a[i])  # one stacked array's layer i (i traced)
+
+
 def split_layers(layers: dict[str, jax.Array]) -> tuple[dict[str, jax.Array], ...]:
-    """Stacked [L, ...] layer params -> one dict of separate arrays per layer."""
+    """Stacked [L, ...] layer params -> one dict of separate arrays per layer (copies, each
+    keeping its source's sharding minus the layer axis). One small program per array
+    shape, run once per layer and array: one program over the whole tree (L x arrays
+    outputs) compiles ~10x longer for the same copies (docs/performance.md §27)."""
     num_layers = next(iter(layers.values())).shape[0]
-    return tuple({name: a[i] for name, a in layers.items()} for i in range(num_layers))
+    return tuple({name: _layer_of(a, np.int32(i)) for name, a in layers.items()}
+                 for i in range(num_layers))
 
 
 LAYOUT_SUFFIX = {"plain": "", "nt": "_t", "native": "_p"}  # kernel -> weight layout name
