@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from multiserve.model import lora_layout
 from multiserve.model.kernels import native
 
 LAYERS, SLOTS, RANK = 30, 5, 16
@@ -43,8 +44,10 @@ FORMS = {"base": ("product", 0), "separate": ("separate", 1), "fused0": ("fused"
 
 
 def step(x: jax.Array, slots: jax.Array, form: str, w: dict[str, jax.Array],
-         a: dict[str, jax.Array], b: dict[str, jax.Array], scale: jax.Array) -> jax.Array:
-    """Every layer's four products of one form, each output the next one's input."""
+         a: dict[str, jax.Array], b: dict[str, jax.Array], scale: jax.Array,
+         bp: dict[str, jax.Array]) -> jax.Array:
+    """Every layer's four products of one form, each output the next one's input (`bp`:
+    B panel by panel, model/lora_layout.py `b_panels`, as the runner holds it)."""
     dt = x.dtype
     for layer in range(LAYERS):
         for name, (members, offsets, n, adds) in PRODUCTS.items():
@@ -53,7 +56,7 @@ def step(x: jax.Array, slots: jax.Array, form: str, w: dict[str, jax.Array],
             am, bm = tuple(a[m] for m in members), tuple(b[m] for m in members)
             if form == "fused":
                 y = native.row_gemm_lora(xin, w[name], n, layer, am, bm, offsets, scale, slots,
-                                         residual=res)
+                                         residual=res, b_panels=tuple(bp[m] for m in members))
             else:
                 y = native.row_gemm(xin, w[name], n, layer,
                                     residual=res if dt == jnp.bfloat16 else None)
@@ -83,11 +86,12 @@ def main() -> None:
     a = {m: rnd(LAYERS, SLOTS, k, RANK) for m, (k, _) in PROJECTIONS.items()}
     b = {m: rnd(LAYERS, SLOTS, RANK, n) for m, (_, n) in PROJECTIONS.items()}
     scale = jnp.ones((SLOTS,), jnp.float32)
+    bp = {m: jnp.asarray(lora_layout.b_panels(np.asarray(v))) for m, v in b.items()}
     x0 = rnd(1, 2 * INTER, sc=1.0)
     forms = {k: v for k, v in FORMS.items()
              if v[0] != "fused" or hasattr(native, "row_gemm_lora")}
     programs: dict[str, Any] = {
-        k: jax.jit(lambda x, s, w, a, b, f=f: step(x, s, f, w, a, b, scale))
+        k: jax.jit(lambda x, s, w, a, b, f=f: step(x, s, f, w, a, b, scale, bp))
         for k, (f, _) in forms.items()}
     slots = {k: jnp.asarray([s], jnp.int32) for k, (_, s) in forms.items()}
     out = {k: np.asarray(programs[k](x0, slots[k], w, a, b)) for k in forms}
