@@ -456,8 +456,7 @@ def row_gemm_lora(x: jax.Array, panels: jax.Array, n: int, layer: int | jax.Arra
                   a: tuple[jax.Array, ...], b: tuple[jax.Array, ...],
                   offsets: tuple[int, ...], scale: jax.Array, slots: jax.Array, *,
                   residual: jax.Array | None = None, path: str | None = None,
-                  b_panels: tuple[jax.Array, ...] | None = None,
-                  split_rows: int = 1) -> jax.Array:
+                  b_panels: tuple[jax.Array, ...] | None = None) -> jax.Array:
     """One row: `row_gemm(x, panels, n, layer, residual=residual)` followed by
     `lora_apply_native(x, that, a, b, offsets, scale, slots, layer)`, in ONE call with the
     same bits (src/row_gemm_lora.cc: each panel's product, then the delta of its
@@ -466,10 +465,7 @@ def row_gemm_lora(x: jax.Array, panels: jax.Array, n: int, layer: int | jax.Arra
     x's dtype; `path` as in `row_gemm` (bfloat16); `offsets` multiples of 64 in order
     (members from panel boundaries, as the fused products' columns). The kernel reads B
     panel by panel: `b_panels` (model/lora_layout.py `b_panels` of each b: the runner's
-    `<m>_bp` buffers); None: made from `b` here (a copy in the program). `split_rows`: the
-    panels spread over the pool's threads as a product of that many rows would (the plan's
-    rows where it pads the one row: the split the calibration timed); one row is computed
-    whatever it is, and no thread changes a bit. -> [1, n]."""
+    `<m>_bp` buffers); None: made from `b` here (a copy in the program). -> [1, n]."""
     assert x.ndim == 2 and x.shape[0] == 1 and panels.ndim == 4, (x.shape, panels.shape)
     assert len(a) == len(b) == len(offsets) and a
     assert all(v.dtype == x.dtype for v in (panels, *a, *b)), [v.dtype for v in (panels, *a)]
@@ -495,7 +491,7 @@ def row_gemm_lora(x: jax.Array, panels: jax.Array, n: int, layer: int | jax.Arra
     out = jax.ffi.ffi_call(ROW_GEMM_LORA, jax.ShapeDtypeStruct((1, width), x.dtype))(
         *operands, offsets=np.asarray(offsets, np.int64),
         widths=np.asarray([bm.shape[-1] for bm in b], np.int64), path=np.int64(path_index),
-        residual=np.int64(residual is not None), split_rows=np.int64(split_rows))
+        residual=np.int64(residual is not None))
     return out if width == n else out[:, :n]
 
 

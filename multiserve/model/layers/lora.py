@@ -157,10 +157,7 @@ class LayerLora:
         of LoRA, and x, the panels, the adapters and the residual of one dtype. None
         elsewhere: the caller runs the two calls. Computed at one row where the plan pads
         the row to more (a timing choice of the calibration): the native product's row is
-        the same bits at every row count (src/row_gemm.cc); the call then splits its
-        panels over the threads as the plan's padded product does (`split_rows`), so the
-        LoRA step streams the weights as the base step does whichever rows the plan
-        chose."""
+        the same bits at every row count (src/row_gemm.cc)."""
         form = plan.formulation(x.shape[0])
         a = tuple(self.lora[f"{name}_a"] for name in names)
         if (not FUSED_AT_ONE_TOKEN or not self.native or x.shape[0] != 1 or panels is None
@@ -174,7 +171,7 @@ class LayerLora:
         b_panels = tuple(self.lora[f"{name}_bp"] for name in names)
         return row_gemm_lora(x, panels, plan.n, self.layer, a, b, offsets,
                              self.lora["scale"], self.slots, residual=residual,
-                             b_panels=b_panels, split_rows=form.rows)
+                             b_panels=b_panels)
 
 
 Adapt = LayerLora

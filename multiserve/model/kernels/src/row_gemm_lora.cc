@@ -66,7 +66,6 @@ struct Call {
   const void* panels;  // the chosen layer's panels (float32 or bfloat16 k-pair)
   bool bf16_panels;
   int64_t k, r, panels_count, path;
-  int64_t split_rows;  // the thread split of a product of this many rows (one row computed)
   float scale;      // of the row's slot
   int64_t members;  // 0 for a slot-0 row: the product alone
   Member<E> member[MAX_MEMBERS];
@@ -154,16 +153,14 @@ void run_panel(const Call<E>& call, RunXa& run, int64_t p) {
 }
 
 // The dense product with the slot's deltas: the panels in one contiguous run per thread
-// (product_split.h), each run with the xa its panels need; split over the pool as the
-// plan's product of `split_rows` rows would be (where the calibration pads the row, the
-// split it timed), plus the adapter's bytes.
+// (product_split.h), each run with the xa its panels need.
 template <typename E>
 void run(ffi::ThreadPool& pool, const Call<E>& call) {
   int64_t lora_bytes = 0;  // A and B of the slot, in units of 64 bytes below
   for (int64_t m = 0; m < call.members; ++m)
     lora_bytes += (call.k + call.member[m].n) * call.r * static_cast<int64_t>(sizeof(E));
   const int64_t k_rows = call.bf16_panels ? (call.k + 1) / 2 : call.k;
-  const int64_t units = work_units(call.panels_count, call.split_rows, k_rows) + lora_bytes / 64;
+  const int64_t units = work_units(call.panels_count, 1, k_rows) + lora_bytes / 64;
   const Call<E>* c = &call;
   for_each_item(pool, call.panels_count, units, true, [c](int64_t b, int64_t e) {
     RunXa run;
@@ -176,7 +173,7 @@ ffi::Error fused(ffi::ThreadPool& pool, const ffi::AnyBuffer& x, const ffi::AnyB
                  int64_t layer, int32_t slot, const float* scale, int64_t s_dim, int64_t path,
                  bool residual, const ffi::RemainingArgs& rest,
                  ffi::Span<const int64_t> offsets, ffi::Span<const int64_t> widths,
-                 int64_t split_rows, void* y) {
+                 void* y) {
   const auto xd = x.dimensions(), wd = panels.dimensions();
   const bool bf16_panels = panels.element_type() == ffi::DataType::BF16;
   const int64_t k = xd[1], count = wd[1];
@@ -191,7 +188,6 @@ ffi::Error fused(ffi::ThreadPool& pool, const ffi::AnyBuffer& x, const ffi::AnyB
   call.k = k;
   call.panels_count = count;
   call.path = path;
-  call.split_rows = split_rows;
   call.scale = scale[slot];
   call.members = 0;
   call.r = 0;
@@ -236,14 +232,12 @@ ffi::Error fused(ffi::ThreadPool& pool, const ffi::AnyBuffer& x, const ffi::AnyB
 // x [1, K], panels, layer, slots [1], scale [S], then (residual only) res [1, P * 64],
 // then (a, b panels) per member; the result y [1, P * 64] of x's type. Attributes: offsets
 // (a member's first column in y: multiples of 64, in order), widths (a member's N), path
-// (bfloat16 panels: 0 kDot, 1 kWiden), residual (0, 1), split_rows (the row count whose
-// thread split the call takes: the plan's rows at one token).
+// (bfloat16 panels: 0 kDot, 1 kWiden), residual (0, 1).
 ffi::Error RowGemmLoraImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer panels,
                            ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> slots,
                            ffi::Buffer<ffi::F32> scale, ffi::RemainingArgs rest,
                            ffi::Result<ffi::AnyBuffer> y, ffi::Span<const int64_t> offsets,
-                           ffi::Span<const int64_t> widths, int64_t path, int64_t residual,
-                           int64_t split_rows) {
+                           ffi::Span<const int64_t> widths, int64_t path, int64_t residual) {
   const auto xd = x.dimensions(), wd = panels.dimensions(), yd = y->dimensions();
   const auto et = x.element_type(), pt = panels.element_type();
   const bool f32 = et == ffi::DataType::F32 && pt == ffi::DataType::F32;
@@ -261,8 +255,6 @@ ffi::Error RowGemmLoraImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffe
                                        "members expected");
   if (bf16 && path != 0 && path != 1)
     return ffi::Error::InvalidArgument("row_gemm_lora: path 0 (dot) or 1 (widen) expected");
-  if (split_rows < 1)
-    return ffi::Error::InvalidArgument("row_gemm_lora: split_rows >= 1 expected");
   if (bf16 && path == 0 && !multiserve::row_gemm_bf16_dot_available())
     return ffi::Error::InvalidArgument("row_gemm_lora: the dot path needs AVX512_BF16");
   const int64_t l = layer.typed_data()[0];
@@ -272,9 +264,9 @@ ffi::Error RowGemmLoraImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffe
     return ffi::Error::InvalidArgument("row_gemm_lora: layer or slot out of range");
   if (f32)
     return fused<float>(pool, x, panels, l, s, scale.typed_data(), s_dim, path,
-                        residual != 0, rest, offsets, widths, split_rows, y->untyped_data());
+                        residual != 0, rest, offsets, widths, y->untyped_data());
   return fused<uint16_t>(pool, x, panels, l, s, scale.typed_data(), s_dim, path,
-                         residual != 0, rest, offsets, widths, split_rows, y->untyped_data());
+                         residual != 0, rest, offsets, widths, y->untyped_data());
 }
 
 }  // namespace
@@ -292,5 +284,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MultiserveRowGemmLora, RowGemmLoraImpl,
                                   .Attr<ffi::Span<const int64_t>>("offsets")
                                   .Attr<ffi::Span<const int64_t>>("widths")
                                   .Attr<int64_t>("path")
-                                  .Attr<int64_t>("residual")
-                                  .Attr<int64_t>("split_rows"));
+                                  .Attr<int64_t>("residual"));
