@@ -3,7 +3,7 @@
 adapters of 4 slots, one row, each product's output fed to the next; in one process,
 forms alternating in order, rounds of 10 programs each:
 
-    PYTHONPATH=. python scripts/ab_lora_fused_kernel.py [--dtype bfloat16] [--rounds 12]
+    PYTHONPATH=. python scripts/ab_lora_fused_kernel.py [--dtype bfloat16] [--rounds 12] [--apart]
 
 - base:     `row_gemm` alone (slot 0: no LoRA work anywhere);
 - separate: `row_gemm`, then `lora_apply_native` (slot 1), as at T > 1;
@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from multiserve.model import lora_layout
 from multiserve.model.kernels import native
 
 LAYERS, SLOTS, RANK = 30, 5, 16
@@ -38,22 +39,29 @@ PRODUCTS = {"qkv": (("q", "k", "v"), (0, HIDDEN, HIDDEN + KV), HIDDEN + 2 * KV, 
             "o": (("o",), (0,), HIDDEN, True),
             "gu": (("g", "u"), (0, INTER), 2 * INTER, False),
             "d": (("d",), (0,), HIDDEN, True)}
+# --apart: q, k and v as three products (where the plan's one-token rows differ between
+# them, `llama.fused_groups` does not fuse q|k|v)
+APART = {"q": (("q",), (0,), HIDDEN, False), "k": (("k",), (0,), KV, False),
+         "v": (("v",), (0,), KV, False),
+         **{k: v for k, v in PRODUCTS.items() if k != "qkv"}}
 FORMS = {"base": ("product", 0), "separate": ("separate", 1), "fused0": ("fused", 0),
          "fused": ("fused", 1)}
 
 
 def step(x: jax.Array, slots: jax.Array, form: str, w: dict[str, jax.Array],
-         a: dict[str, jax.Array], b: dict[str, jax.Array], scale: jax.Array) -> jax.Array:
-    """Every layer's four products of one form, each output the next one's input."""
+         a: dict[str, jax.Array], b: dict[str, jax.Array], scale: jax.Array,
+         bp: dict[str, jax.Array], products: dict[str, Any]) -> jax.Array:
+    """Every layer's four products of one form, each output the next one's input (`bp`:
+    B panel by panel, model/lora_layout.py `b_panels`, as the runner holds it)."""
     dt = x.dtype
     for layer in range(LAYERS):
-        for name, (members, offsets, n, adds) in PRODUCTS.items():
+        for name, (members, offsets, n, adds) in products.items():
             k = PROJECTIONS[members[0]][0]
             xin, res = x[:, :k], (x[:, :n] if adds else None)
             am, bm = tuple(a[m] for m in members), tuple(b[m] for m in members)
             if form == "fused":
                 y = native.row_gemm_lora(xin, w[name], n, layer, am, bm, offsets, scale, slots,
-                                         residual=res)
+                                         residual=res, b_panels=tuple(bp[m] for m in members))
             else:
                 y = native.row_gemm(xin, w[name], n, layer,
                                     residual=res if dt == jnp.bfloat16 else None)
@@ -70,7 +78,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--rounds", type=int, default=12)
+    ap.add_argument("--apart", action="store_true", help="q, k and v as three products")
     args = ap.parse_args()
+    products = APART if args.apart else PRODUCTS
     dt = jnp.dtype(args.dtype)
     rng = np.random.default_rng(0)
 
@@ -79,15 +89,16 @@ def main() -> None:
 
     pack = jax.jit(jax.vmap(native.pack_panels))
     w = {name: pack(rnd(LAYERS, PROJECTIONS[ms[0]][0], n))
-         for name, (ms, _, n, _) in PRODUCTS.items()}
+         for name, (ms, _, n, _) in products.items()}
     a = {m: rnd(LAYERS, SLOTS, k, RANK) for m, (k, _) in PROJECTIONS.items()}
     b = {m: rnd(LAYERS, SLOTS, RANK, n) for m, (_, n) in PROJECTIONS.items()}
     scale = jnp.ones((SLOTS,), jnp.float32)
+    bp = {m: jnp.asarray(lora_layout.b_panels(np.asarray(v))) for m, v in b.items()}
     x0 = rnd(1, 2 * INTER, sc=1.0)
     forms = {k: v for k, v in FORMS.items()
              if v[0] != "fused" or hasattr(native, "row_gemm_lora")}
     programs: dict[str, Any] = {
-        k: jax.jit(lambda x, s, w, a, b, f=f: step(x, s, f, w, a, b, scale))
+        k: jax.jit(lambda x, s, w, a, b, f=f: step(x, s, f, w, a, b, scale, bp, products))
         for k, (f, _) in forms.items()}
     slots = {k: jnp.asarray([s], jnp.int32) for k, (_, s) in forms.items()}
     out = {k: np.asarray(programs[k](x0, slots[k], w, a, b)) for k in forms}

@@ -269,9 +269,19 @@ def test_bf16_mixed_rows_equal_each_alone_and_base_rows_equal_no_lora(
 def test_a_cpu_engine_computes_the_delta_with_the_native_kernel(lora_engine: Any,
                                                                  tiny_engine: Any) -> None:
     """The tests above then cover the kernel's form (model/kernels/src/lora_delta.cc) where
-    the native kernels build, the XLA form elsewhere; an engine without LoRA has none."""
+    the native kernels build, the XLA form elsewhere; an engine without LoRA has none. The
+    native form's copy of B panel by panel (`<m>_bp`, read by the one-token kernel) holds
+    B's values after the loads, reloads and unloads above."""
+    from multiserve.engine.commands import Call
     from multiserve.model.kernels import native
+    from multiserve.model.lora_layout import LORA_MODULES, b_panels
 
     want = "native" if native.unavailable_reason() is None else "xla"
     assert lora_engine.get_internal_state()["lora_kernel"] == want
     assert tiny_engine.get_internal_state()["lora_kernel"] is None
+    lora = lora_engine.call(Call(lambda core: core.runner.lora)).result()
+    assert ("wq_bp" in lora) == (want == "native")
+    for m in LORA_MODULES if want == "native" else ():
+        b = np.asarray(lora[f"{m}_b"])
+        assert np.any(b[:, 1]), m  # slot 1 holds an adapter
+        np.testing.assert_array_equal(np.asarray(lora[f"{m}_bp"]), b_panels(b))

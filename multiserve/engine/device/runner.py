@@ -36,8 +36,10 @@ Invariants:
 - LoRA (cfg.max_loras_per_batch > 0): the adapter buffers (`lora`, model/lora_layout.py,
   replicated) live beside the params and reach the programs as `compute_params["lora"]`;
   without LoRA that key is absent, so the programs are exactly those of an engine built
-  before LoRA existed. Their shapes never change (`write_lora` copies into a slot), and
-  memory release keeps them (they are small): a resumed engine has its adapters.
+  before LoRA existed. Where the steps' LoRA form is the native kernel they include B's
+  panel copies `<m>_bp`, written with `<m>_b` in every `write_lora`. Their shapes never
+  change (`write_lora` copies into a slot), and memory release keeps them (they are
+  small): a resumed engine has its adapters.
 - An engine spanning hosts (multiserve/multihost/) has `mirror` set on its leader: every
   device operation after warm-up (a step, the step buffers, priming, a weight update) is
   handed to `mirror` as a `DeviceOp` (multihost/ops.py) BEFORE it runs here, so every
@@ -78,7 +80,7 @@ from multiserve.model.invariance.workload import workload_for
 from multiserve.model.invariance.xla_options import step_options
 from multiserve.model.layers.kv_pool import KVPool, make_kv_pool
 from multiserve.model.layers.lora import native_lora
-from multiserve.model.lora_layout import lora_buffer_shapes
+from multiserve.model.lora_layout import b_panels, lora_b_panel_shapes, lora_buffer_shapes
 from multiserve.model.sharding import kv_pool_sharding, make_mesh, shard_params
 from multiserve.multihost import ops
 
@@ -150,11 +152,17 @@ class Runner:
             if model_cfg.num_experts > 0:
                 raise ValueError("max_loras_per_batch: LoRA adapters are supported on the "
                                  "dense families only, not on a mixture-of-experts model")
+            shapes = lora_buffer_shapes(model_cfg, cfg.max_loras_per_batch + 1,
+                                        cfg.max_lora_rank)
             self.lora = {k: jax.device_put(np.zeros(shape, np.float32 if k == "scale"
                                                     else np.dtype(dtype)), self.replicated)
-                         for k, shape in lora_buffer_shapes(
-                             model_cfg, cfg.max_loras_per_batch + 1,
-                             cfg.max_lora_rank).items()}
+                         for k, shape in shapes.items()}
+            if native_lora(self.plan, self.lora):  # B's panel copies for the native kernel
+                self.lora.update({k: jax.device_put(np.zeros(shape, np.dtype(dtype)),
+                                                    self.replicated)
+                                  for k, shape in lora_b_panel_shapes(
+                                      model_cfg, cfg.max_loras_per_batch + 1,
+                                      cfg.max_lora_rank).items()})
         self.kv: KVPool | None = make_kv_pool(model_cfg, num_pages, cfg.page_size, dtype,
                                               sharding=kv_sharding)
         self._prev_ids: jax.Array | None = None
@@ -248,6 +256,8 @@ class Runner:
         for key, buf in self.lora.items():
             if key == "scale":
                 value = np.float32(adapter.scale if adapter is not None else 0.0)
+            elif adapter is not None and key.endswith("_bp"):  # B's panel copy of `<m>_b`
+                value = b_panels(adapter.buffers[key[:-1]].astype(buf.dtype))
             elif adapter is not None:
                 value = adapter.buffers[key].astype(buf.dtype)
             else:

@@ -65,6 +65,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from multiserve.cache_files import cache_root, exclusive
+from multiserve.model import lora_layout
 from multiserve.model.layers.forward_batch import ForwardBatch
 
 log = logging.getLogger("multiserve.native_kernels")
@@ -454,19 +455,28 @@ def lora_apply_native(x: jax.Array, y: jax.Array, a: tuple[jax.Array, ...],
 def row_gemm_lora(x: jax.Array, panels: jax.Array, n: int, layer: int | jax.Array,
                   a: tuple[jax.Array, ...], b: tuple[jax.Array, ...],
                   offsets: tuple[int, ...], scale: jax.Array, slots: jax.Array, *,
-                  residual: jax.Array | None = None, path: str | None = None) -> jax.Array:
+                  residual: jax.Array | None = None, path: str | None = None,
+                  b_panels: tuple[jax.Array, ...] | None = None) -> jax.Array:
     """One row: `row_gemm(x, panels, n, layer, residual=residual)` followed by
     `lora_apply_native(x, that, a, b, offsets, scale, slots, layer)`, in ONE call with the
-    same bits (src/row_gemm_lora.cc: each panel's product, then the deltas of its
+    same bits (src/row_gemm_lora.cc: each panel's product, then the delta of its
     columns): x [1, K], panels the layer stack (float32, or bfloat16 with x bfloat16),
     a, b, y and `residual` ([1, n]: the result is residual + x @ W before the deltas) of
-    x's dtype; `path` as in `row_gemm` (bfloat16). -> [1, n]."""
+    x's dtype; `path` as in `row_gemm` (bfloat16); `offsets` multiples of 64 in order
+    (members from panel boundaries, as the fused products' columns). The kernel reads B
+    panel by panel: `b_panels` (model/lora_layout.py `b_panels` of each b: the runner's
+    `<m>_bp` buffers); None: made from `b` here (a copy in the program). -> [1, n]."""
     assert x.ndim == 2 and x.shape[0] == 1 and panels.ndim == 4, (x.shape, panels.shape)
     assert len(a) == len(b) == len(offsets) and a
     assert all(v.dtype == x.dtype for v in (panels, *a, *b)), [v.dtype for v in (panels, *a)]
     assert x.dtype in (jnp.float32, jnp.bfloat16) and max(m.shape[-1] for m in a) <= \
         LORA_MAX_RANK
-    assert all(0 <= o and o + bm.shape[-1] <= n for o, bm in zip(offsets, b, strict=True))
+    assert all(0 <= o and o % PANEL == 0 and o + bm.shape[-1] <= n
+               for o, bm in zip(offsets, b, strict=True))
+    if b_panels is None:
+        b_panels = tuple(lora_layout.b_panels(bm, jnp) for bm in b)
+    assert all(bp.shape == (*bm.shape[:2], -(-bm.shape[-1] // PANEL), bm.shape[2], PANEL)
+               and bp.dtype == bm.dtype for bp, bm in zip(b_panels, b, strict=True))
     _require()
     width = panels.shape[1] * PANEL
     operands: list[jax.Array] = [x, panels, jnp.asarray(layer, jnp.int32).reshape(1),
@@ -475,11 +485,12 @@ def row_gemm_lora(x: jax.Array, panels: jax.Array, n: int, layer: int | jax.Arra
     if residual is not None:
         assert residual.dtype == x.dtype and residual.shape == (1, n), residual.shape
         operands.append(_padded_to(residual, width))
-    for am, bm in zip(a, b, strict=True):
-        operands += [am, bm]
+    for am, bp in zip(a, b_panels, strict=True):
+        operands += [am, bp]
     path_index = _bf16_path_index(path) if x.dtype == jnp.bfloat16 else 1  # f32: unused
     out = jax.ffi.ffi_call(ROW_GEMM_LORA, jax.ShapeDtypeStruct((1, width), x.dtype))(
-        *operands, offsets=np.asarray(offsets, np.int64), path=np.int64(path_index),
+        *operands, offsets=np.asarray(offsets, np.int64),
+        widths=np.asarray([bm.shape[-1] for bm in b], np.int64), path=np.int64(path_index),
         residual=np.int64(residual is not None))
     return out if width == n else out[:, :n]
 

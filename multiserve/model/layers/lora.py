@@ -5,6 +5,7 @@ Device buffers (model/lora_layout.py `lora_buffer_shapes`; the runner holds them
 forward reads them as `params["lora"]`): for every target module m of `LORA_MODULES`
 (model/lora_layout.py),
 `<m>_a` [L, S, K, r] and `<m>_b` [L, S, r, N] (A and B of each slot, stored [in, out]),
+with the native form also `<m>_bp`, B panel by panel (the one-token kernel's copy),
 and `scale` [S] float32 (lora_alpha / r, or lora_alpha / sqrt(r) with rsLoRA). S =
 max_loras_per_batch + 1 slots of r = max_lora_rank; slot 0 is "no adapter" (all zeros,
 never written); an adapter of a smaller rank is zero-padded, a module it does not target
@@ -160,14 +161,17 @@ class LayerLora:
         form = plan.formulation(x.shape[0])
         a = tuple(self.lora[f"{name}_a"] for name in names)
         if (not FUSED_AT_ONE_TOKEN or not self.native or x.shape[0] != 1 or panels is None
+                or any(f"{name}_bp" not in self.lora for name in names)
                 or form.kernel != "native" or any(v.dtype != x.dtype for v in (panels, *a))
                 or (residual is not None and residual.dtype != x.dtype)):
             return None
         from multiserve.model.kernels.native import row_gemm_lora
 
         b = tuple(self.lora[f"{name}_b"] for name in names)
+        b_panels = tuple(self.lora[f"{name}_bp"] for name in names)
         return row_gemm_lora(x, panels, plan.n, self.layer, a, b, offsets,
-                             self.lora["scale"], self.slots, residual=residual)
+                             self.lora["scale"], self.slots, residual=residual,
+                             b_panels=b_panels)
 
 
 Adapt = LayerLora

@@ -1,6 +1,6 @@
-// The LoRA adapter stacks as multiserve's LoRA kernels take them (lora_delta.cc,
-// row_gemm_lora.cc): the shape check of one projection's (a, b) against x, and the
-// projection at one layer of the stacks, read in place.
+// The LoRA adapter stacks as lora_delta.cc takes them: the shape check of one
+// projection's (a, b) against x, and the projection at one layer of the stacks, read in
+// place. (row_gemm_lora.cc reads B from its panel copy and checks its own operands.)
 
 #ifndef MULTISERVE_NATIVE_LORA_OPERANDS_H_
 #define MULTISERVE_NATIVE_LORA_OPERANDS_H_

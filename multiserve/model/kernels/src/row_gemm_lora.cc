@@ -12,13 +12,23 @@
 // those of the product call followed by the lora_apply call, whatever the thread count.
 // A slot-0 row, and every column no member covers, keeps the product's bits.
 //
+// B is read from its panel copy (the runner's `<m>_bp` [L, S, P, R, 64], written beside
+// `<m>_b` [L, S, R, N] when an adapter is loaded: model/lora_layout.py `b_panels`): the
+// R x 64 values of B that one product panel's columns need lie in one contiguous block,
+// the same values as B's rows at those columns, summed in the same order, so the bits
+// are those of B read by rows. Members start at panel boundaries (the fused products'
+// layout), so a panel's columns belong to one member at most.
+//
 // Work: the panels in one contiguous run per thread (product_split.h), each panel
-// computed by row_panel.h's entry point, then the members' deltas of that panel's columns,
-// so the adapter's B streams on every core together with W's panels (each panel
-// prefetches its B columns before its product block). A run computes xa = x @ A of a
-// member when its first panel needs it (A prefetched through that panel's product k
-// loop, summed after it): a member whose columns span both runs is summed by both, the
-// same bits, with no thread waiting on another.
+// computed by row_panel.h's entry point, then its member's delta over the panel's
+// columns, so the adapter's B streams on every core together with W's panels (each
+// panel's B block, 2 KB in bfloat16 at rank 16, prefetched before its product block:
+// prefetcht0, which on this machine's Zen 5 brought the lines in time where prefetcht1
+// did not, and which measured faster than spreading them through the k loop,
+// docs/performance.md §24). A run computes xa = x @ A of a member when its first panel
+// needs it (A prefetched through that panel's product k loop, summed after it): a member
+// whose columns span both runs is summed by both, the same bits, with no thread waiting
+// on another.
 
 #include <algorithm>
 #include <cstdint>
@@ -26,7 +36,6 @@
 #include <type_traits>
 
 #include "lora_math.h"
-#include "lora_operands.h"
 #include "product_split.h"
 #include "row_panel.h"
 #include "xla/ffi/api/ffi.h"
@@ -40,10 +49,14 @@ namespace {
 constexpr int64_t PANEL = 64;       // columns per product panel
 constexpr int64_t MAX_MEMBERS = 8;  // projections in one call
 
-// One LoRA member: its slot's A [K, R] and B [R, N] (lora_operands.h's projection at the
-// row's slot), its columns in y.
+// One LoRA member at the row's slot: A [K, R], B's panels [ceil(N / 64), R, 64], its N
+// columns in y from `offset` (a multiple of 64).
 template <typename E>
-using Member = multiserve::LoraModule<E>;
+struct Member {
+  const E* a;
+  const E* bp;
+  int64_t n, offset;
+};
 
 template <typename E>
 struct Call {
@@ -88,13 +101,19 @@ void compute_xa(const Call<E>& call, int64_t m, float* xa) {
   multiserve::lora_math::shrink<E, 1>(xr, call.member[m].a, call.k, call.r, out);
 }
 
+// Member m's block of B for its columns in panel p: [R, 64], row j = B[j, those columns]
+template <typename E>
+inline const E* b_block(const Call<E>& call, const Member<E>& mem, int64_t p) {
+  return mem.bp + (p - mem.offset / PANEL) * call.r * PANEL;
+}
+
 // Member m's delta over its columns in panel p, added to y.
 template <typename E>
 void add_delta(const Call<E>& call, int64_t m, int64_t p, const float* xa) {
   const Member<E>& mem = call.member[m];
   int64_t c0, c1;
   columns_in(mem, p, c0, c1);
-  multiserve::lora_math::apply_columns(xa, mem.b + (c0 - mem.offset), mem.n, call.r, c1 - c0,
+  multiserve::lora_math::apply_columns(xa, b_block(call, mem, p), PANEL, call.r, c1 - c0,
                                        call.scale, call.y + c0);
 }
 
@@ -105,41 +124,32 @@ struct RunXa {
   bool have[MAX_MEMBERS] = {};
 };
 
-// One work item: panel p's product, then the deltas of the members it covers.
+// One work item: panel p's product, then the delta of the member it covers (if any).
 template <typename E>
 void run_panel(const Call<E>& call, RunXa& run, int64_t p) {
-  bool covers[MAX_MEMBERS] = {}, fresh[MAX_MEMBERS] = {};
-  multiserve::Warm warm;
-  for (int64_t m = 0; m < call.members; ++m) {
-    const Member<E>& mem = call.member[m];
+  int64_t covered = -1;
+  for (int64_t m = 0; m < call.members && covered < 0; ++m) {
     int64_t c0, c1;
-    columns_in(mem, p, c0, c1);
-    if (c0 >= c1) continue;
-    covers[m] = true;
-    // B's rows of these columns (their cache lines) on their way while the product
-    // streams its panel (prefetcht0: on this machine's Zen 5 prefetcht1 did not bring
-    // them in time, docs/performance.md §24)
-    for (int64_t j = 0; j < call.r; ++j) {
-      const E* row = mem.b + j * mem.n + (c0 - mem.offset);
-      const uintptr_t first = reinterpret_cast<uintptr_t>(row) & ~uintptr_t{63};
-      const uintptr_t last = reinterpret_cast<uintptr_t>(row + (c1 - c0)) - 1;
-      for (uintptr_t line = first; line <= last; line += 64)
-        __builtin_prefetch(reinterpret_cast<const void*>(line), 0, 3);
-    }
-    if (!run.have[m]) {
-      fresh[m] = true;
-      if (warm.start == nullptr)
-        warm = multiserve::Warm{mem.a, call.k * call.r * static_cast<int64_t>(sizeof(E))};
-    }
+    columns_in(call.member[m], p, c0, c1);
+    if (c0 < c1) covered = m;
+  }
+  multiserve::Warm warm;
+  if (covered >= 0) {
+    const Member<E>& mem = call.member[covered];
+    const E* block = b_block(call, mem, p);
+    const int64_t block_bytes = call.r * PANEL * static_cast<int64_t>(sizeof(E));
+    for (int64_t off = 0; off < block_bytes; off += 64)
+      __builtin_prefetch(reinterpret_cast<const char*>(block) + off, 0, 3);
+    if (!run.have[covered])
+      warm = multiserve::Warm{mem.a, call.k * call.r * static_cast<int64_t>(sizeof(E))};
   }
   product_panel(call, p, warm);
-  for (int64_t m = 0; m < call.members; ++m) {
-    if (fresh[m]) {
-      compute_xa(call, m, run.xa[m]);
-      run.have[m] = true;
-    }
-    if (covers[m]) add_delta(call, m, p, run.xa[m]);
+  if (covered < 0) return;
+  if (!run.have[covered]) {
+    compute_xa(call, covered, run.xa[covered]);
+    run.have[covered] = true;
   }
+  add_delta(call, covered, p, run.xa[covered]);
 }
 
 // The dense product with the slot's deltas: the panels in one contiguous run per thread
@@ -162,7 +172,8 @@ template <typename E>
 ffi::Error fused(ffi::ThreadPool& pool, const ffi::AnyBuffer& x, const ffi::AnyBuffer& panels,
                  int64_t layer, int32_t slot, const float* scale, int64_t s_dim, int64_t path,
                  bool residual, const ffi::RemainingArgs& rest,
-                 ffi::Span<const int64_t> offsets, void* y) {
+                 ffi::Span<const int64_t> offsets, ffi::Span<const int64_t> widths,
+                 void* y) {
   const auto xd = x.dimensions(), wd = panels.dimensions();
   const bool bf16_panels = panels.element_type() == ffi::DataType::BF16;
   const int64_t k = xd[1], count = wd[1];
@@ -192,33 +203,41 @@ ffi::Error fused(ffi::ThreadPool& pool, const ffi::AnyBuffer& x, const ffi::AnyB
   }
   for (size_t m = 0; m < offsets.size(); ++m) {
     auto a = rest.get<ffi::AnyBuffer>(first_pair + 2 * m);
-    auto b = rest.get<ffi::AnyBuffer>(first_pair + 2 * m + 1);
-    if (!a.has_value() || !b.has_value())
-      return ffi::Error::InvalidArgument("row_gemm_lora: (a, b) buffers expected");
-    const auto ad = a->dimensions(), bd = b->dimensions();
-    if (!multiserve::lora_shapes_fit(x, *a, *b, s_dim) || layer >= ad[0] || offsets[m] < 0 ||
-        offsets[m] + bd[3] > count * PANEL || (m > 0 && ad[3] != call.r))
-      return ffi::Error::InvalidArgument("row_gemm_lora: a [L, S, K, R <= 64] and b [L, S, "
-                                         "R, N] of x's type, one R, columns inside y");
+    auto bp = rest.get<ffi::AnyBuffer>(first_pair + 2 * m + 1);
+    if (!a.has_value() || !bp.has_value())
+      return ffi::Error::InvalidArgument("row_gemm_lora: (a, b panels) buffers expected");
+    const auto ad = a->dimensions(), bd = bp->dimensions();
+    const int64_t n = widths[m];
+    if (ad.size() != 4 || bd.size() != 5 || ad[1] != s_dim || ad[2] != k || ad[3] > 64 ||
+        bd[0] != ad[0] || bd[1] != s_dim || bd[2] != (n + PANEL - 1) / PANEL ||
+        bd[3] != ad[3] || bd[4] != PANEL || a->element_type() != x.element_type() ||
+        bp->element_type() != x.element_type() || layer >= ad[0] || n < 1 ||
+        offsets[m] % PANEL != 0 || offsets[m] < (m > 0 ? offsets[m - 1] + widths[m - 1] : 0) ||
+        offsets[m] + n > count * PANEL || (m > 0 && ad[3] != call.r))
+      return ffi::Error::InvalidArgument(
+          "row_gemm_lora: a [L, S, K, R <= 64] and b panels [L, S, ceil(N / 64), R, 64] of "
+          "x's type, one R, members from panel boundaries in order, columns inside y");
     call.r = ad[3];
     if (slot == 0) continue;  // the product alone
-    Member<E> mem = multiserve::lora_module<E>(*a, *b, layer, offsets[m]);
-    mem.a += slot * ad[2] * ad[3];
-    mem.b += slot * bd[2] * bd[3];
-    call.member[call.members++] = mem;
+    const int64_t a_slot = ad[2] * ad[3], b_slot = bd[2] * bd[3] * bd[4];
+    call.member[call.members++] = Member<E>{
+        static_cast<const E*>(a->untyped_data()) + (layer * s_dim + slot) * a_slot,
+        static_cast<const E*>(bp->untyped_data()) + (layer * s_dim + slot) * b_slot, n,
+        offsets[m]};
   }
   run(pool, call);
   return ffi::Error::Success();
 }
 
 // x [1, K], panels, layer, slots [1], scale [S], then (residual only) res [1, P * 64],
-// then (a, b) per member; the result y [1, P * 64] of x's type. Attributes: offsets (a
-// member's first column in y), path (bfloat16 panels: 0 kDot, 1 kWiden), residual (0, 1).
+// then (a, b panels) per member; the result y [1, P * 64] of x's type. Attributes: offsets
+// (a member's first column in y: multiples of 64, in order), widths (a member's N), path
+// (bfloat16 panels: 0 kDot, 1 kWiden), residual (0, 1).
 ffi::Error RowGemmLoraImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer panels,
                            ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> slots,
                            ffi::Buffer<ffi::F32> scale, ffi::RemainingArgs rest,
                            ffi::Result<ffi::AnyBuffer> y, ffi::Span<const int64_t> offsets,
-                           int64_t path, int64_t residual) {
+                           ffi::Span<const int64_t> widths, int64_t path, int64_t residual) {
   const auto xd = x.dimensions(), wd = panels.dimensions(), yd = y->dimensions();
   const auto et = x.element_type(), pt = panels.element_type();
   const bool f32 = et == ffi::DataType::F32 && pt == ffi::DataType::F32;
@@ -229,6 +248,7 @@ ffi::Error RowGemmLoraImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffe
       yd.size() != 2 || yd[0] != 1 || yd[1] != wd[1] * PANEL ||
       y->element_type() != et || slots.dimensions().size() != 1 ||
       slots.dimensions()[0] != 1 || members == 0 || members > MAX_MEMBERS ||
+      static_cast<int64_t>(widths.size()) != members ||
       static_cast<int64_t>(rest.size()) != 2 * members + (residual ? 1 : 0))
     return ffi::Error::InvalidArgument("row_gemm_lora: x [1, K] and panels (both float32 "
                                        "or both bfloat16), y [1, P * 64], one slot, 1 to 8 "
@@ -244,9 +264,9 @@ ffi::Error RowGemmLoraImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffe
     return ffi::Error::InvalidArgument("row_gemm_lora: layer or slot out of range");
   if (f32)
     return fused<float>(pool, x, panels, l, s, scale.typed_data(), s_dim, path,
-                        residual != 0, rest, offsets, y->untyped_data());
+                        residual != 0, rest, offsets, widths, y->untyped_data());
   return fused<uint16_t>(pool, x, panels, l, s, scale.typed_data(), s_dim, path,
-                         residual != 0, rest, offsets, y->untyped_data());
+                         residual != 0, rest, offsets, widths, y->untyped_data());
 }
 
 }  // namespace
@@ -262,5 +282,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MultiserveRowGemmLora, RowGemmLoraImpl,
                                   .RemainingArgs()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<ffi::Span<const int64_t>>("offsets")
+                                  .Attr<ffi::Span<const int64_t>>("widths")
                                   .Attr<int64_t>("path")
                                   .Attr<int64_t>("residual"));
