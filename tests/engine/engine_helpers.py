@@ -60,24 +60,28 @@ class Collector:
             self.on_output(out)
 
     def submit(self, rid: str, input_ids: Sequence[int], params: SamplingParams,
-               stream: bool = True) -> None:
+               stream: bool = True, lora_name: str | None = None) -> None:
         with self._cv:
             self.expected += params.n
         self.engine.submit(GenerateRequest(rid=rid, input_ids=tuple(input_ids),
-                                           sampling=params, stream=stream),
+                                           sampling=params, stream=stream,
+                                           lora_name=lora_name),
                            assembling(self._sink))
 
     def submit_all(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[
-            SamplingParams], prefix: str = "r", together: bool = True) -> list[str]:
-        """Submit one request per prompt (rids prefix0, prefix1, ...). `together`: hold the
+            SamplingParams], prefix: str = "r", together: bool = True,
+                   lora_names: Sequence[str | None] | None = None) -> list[str]:
+        """Submit one request per prompt (rids prefix0, prefix1, ...; `lora_names`: each
+        one's adapter, None = the base model). `together`: hold the
         engine (in-place pause) while submitting, so all start in the same step and none
         runs ahead of the rest (a slow test thread would otherwise stagger them, and a
         pause hook on r0 could fire before the last request is even submitted)."""
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        names = list(lora_names) if lora_names is not None else [None] * len(prompts)
         rids = [f"{prefix}{i}" for i in range(len(prompts))]
         with held(self.engine) if together else contextlib.nullcontext():
-            for rid, ids, p in zip(rids, prompts, plist, strict=True):
-                self.submit(rid, ids, p)
+            for rid, ids, p, name in zip(rids, prompts, plist, names, strict=True):
+                self.submit(rid, ids, p, lora_name=name)
         return rids
 
     def wait(self, timeout: float = WAIT_S) -> dict[Key, RequestOutput]:

@@ -5,7 +5,8 @@ own slot (model/layers/lora.py), on the tiny random Llama.
   shared `tiny_engine`), ids and logprobs;
 - a batch mixing the base model and two adapters gives every row exactly the ids and
   logprobs it gets alone (there at T=8, in the batch at T=64), greedy and seeded, float32
-  and bfloat16;
+  and bfloat16; and the same bits when paused mid-generation (retract, in place) and
+  continued, or aborted and submitted again;
 - an adapter changes the output (the delta reaches the logits), a PEFT directory and the
   same tensors in memory give the same bits, and loading never compiles a step program;
 - a LoRA request reuses cached prefix pages of its own adapter version only, with the
@@ -24,7 +25,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from engine_helpers import TINY_ENGINE
+from engine_helpers import TINY_ENGINE, AtTokens, Collector, Trigger, ids_and_logprobs
 from lora_checkpoints import BLOCKS, peft_tensors
 
 from multiserve.engine.lora_adapters import LoraRefused
@@ -92,6 +93,44 @@ def test_mixed_batch_rows_equal_each_alone_and_base_rows_equal_no_lora(
             assert got == want, p
         else:  # the adapter reaches the output
             assert got != want, (p, name)
+
+
+MIXED = [(0, None), (1, "a1"), (2, "a2"), (3, "a1"), (0, "a2"), (3, None)]
+
+
+def _submit_mixed(col: Collector) -> None:
+    col.submit_all([PROMPTS[p] for p, _ in MIXED],
+                   [_params(i % 2 == 1) for i in range(len(MIXED))],
+                   lora_names=[name for _, name in MIXED])
+
+
+@pytest.mark.parametrize("mode", ["retract", "in_place", "abort"])
+def test_mixed_adapter_rows_keep_their_bits_across_a_pause_or_an_abort(
+        lora_engine: Any, trigger: Trigger, mode: str) -> None:
+    """Base and adapter rows, greedy and seeded (even / odd index), paused after r1 (an
+    adapter row) has 5 tokens: continued, each row's ids and logprobs are those of the
+    uninterrupted batch; aborted, each row's partial output is a prefix of them and the
+    batch submitted again gives them whole."""
+    col = Collector(lora_engine)
+    _submit_mixed(col)
+    want = ids_and_logprobs(col.wait())
+    hook = AtTokens(trigger, "r1", 5,
+                    lambda: lora_engine.acontrol("pause_generation", mode=mode))
+    col = Collector(lora_engine, on_output=hook)
+    _submit_mixed(col)
+    (res,) = hook.wait()
+    assert res.ok
+    if mode == "abort":
+        partial = ids_and_logprobs(col.wait())
+        assert any(len(ids) < 12 for ids, _ in partial.values())
+        for key, (ids, lps) in partial.items():
+            assert (ids, lps) == (want[key][0][:len(ids)], want[key][1][:len(ids)]), key
+        assert lora_engine.continue_generation().ok
+        col = Collector(lora_engine)
+        _submit_mixed(col)
+    else:
+        assert lora_engine.continue_generation().ok
+    assert ids_and_logprobs(col.wait()) == want
 
 
 def test_a_peft_directory_gives_the_bits_of_its_tensors_in_memory(
