@@ -423,7 +423,7 @@ class Runner:
         of the leaf it replaces, then the params swapped and the replaced leaves freed.
         Between steps, on the engine thread: how an engine spanning hosts updates weights
         (every host places its own shards of the same host values)."""
-        from multiserve.engine.rl.checks import get_leaf, set_leaf
+        from multiserve.engine.rl.checks import set_leaf
 
         if self.mirror is not None:
             self.mirror(ops.SetParams(leaves))
