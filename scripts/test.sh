@@ -3,6 +3,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+# Bytecode caches on: the suite starts ~100 Python processes (3 workers, fleets, multi-host
+# followers, CLI runs, peers), each importing jax, numpy, torch and the tests; with
+# PYTHONDONTWRITEBYTECODE set (some container images set it) and a new venv holding no .pyc,
+# every one of them compiled every module from source again (collection alone: 16.5 CPU-s
+# a process against 10.6 with the caches; docs/performance.md §27). Python writes them
+# atomically, so concurrent processes are safe.
+unset PYTHONDONTWRITEBYTECODE
 # The Tunix plugin's venv (scripts/tunix-env.sh), built in the background while the suite
 # runs; tests/plugins/test_tunix_venv.py waits for it and runs the Tunix test there.
 bash scripts/tunix-env.sh > .venv-tunix.log 2>&1 &
