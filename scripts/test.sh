@@ -3,12 +3,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-# Bytecode caches on: the suite starts ~100 Python processes (3 workers, fleets, multi-host
-# followers, CLI runs, peers), each importing jax, numpy, torch and the tests; with
-# PYTHONDONTWRITEBYTECODE set (some container images set it) and a new venv holding no .pyc,
-# every one of them compiled every module from source again (collection alone: 16.5 CPU-s
-# a process against 10.6 with the caches; docs/performance.md §27). Python writes them
-# atomically, so concurrent processes are safe.
+# Bytecode caches on: the suite's Python processes (3 workers, each collecting every test
+# module, and the fleets, multi-host followers, CLI runs and peers the tests start) import
+# jax, numpy, torch and the package; with PYTHONDONTWRITEBYTECODE set (some container
+# images set it) and a new venv holding no .pyc, each of them compiled every module it
+# imports from source (a worker's collection 16.5 CPU-s against 7.3 with the caches;
+# docs/performance.md §27). Python writes them atomically: concurrent processes are safe.
 unset PYTHONDONTWRITEBYTECODE
 # The Tunix plugin's venv (scripts/tunix-env.sh), built in the background while the suite
 # runs; tests/plugins/test_tunix_venv.py waits for it and runs the Tunix test there.
