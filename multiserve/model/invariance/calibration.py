@@ -51,6 +51,7 @@ from multiserve.model.invariance.plan import (
 )
 from multiserve.model.invariance.probes import Distort
 from multiserve.model.invariance.workload import AttentionUse, Workload, default_workload
+from multiserve.model.invariance.xla_options import step_options
 from multiserve.model.kernels import native as native_kernels
 from multiserve.model.layers.attention import QUERY_CHUNKS
 
@@ -133,9 +134,11 @@ def _choose(workload: Workload, device: Any, distort: Distort | None, memo: bool
             ) -> tuple[InvariancePlan, list[dict[str, Any]]]:
     """Probe every primitive of `workload` and choose its plan; also the probe table."""
     dtype = jnp.dtype(workload.dtype)
-    # what a probe's result depends on besides its shape (the kernels' build among them)
+    # what a probe's result depends on besides its shape (the kernels' build and the
+    # programs' XLA options among them)
     backend = (device.platform, getattr(device, "device_kind", ""), str(dtype),
-               native_kernels.build_id() if device.platform == "cpu" else None)
+               native_kernels.build_id() if device.platform == "cpu" else None,
+               tuple(sorted(step_options(device.platform, str(dtype)).items())))
     if device.platform == "cpu" and dtype == jnp.bfloat16:  # the bfloat16 product's bits
         backend += (native_kernels.bf16_product_path(),)
     probed = _PROBES if memo and distort is None else {}

@@ -3,7 +3,8 @@
 `$MULTISERVE_CACHE_DIR/invariance/` (default ~/.cache/multiserve/invariance): one JSON file
 per plan, named by the hash of its key (`backend_key`: what decides kernels: platform,
 device kind, CPU model and flags, whether the native kernels build (for bfloat16 also the
-instruction path of its products), jax/jaxlib, XLA_FLAGS, dtype, every shape and size),
+instruction path of its products), jax/jaxlib, XLA_FLAGS, the programs' XLA options
+(xla_options.py), dtype, every shape and size),
 and under probes/ one per product, grouped or row-sum probe, named by the hash of
 `probe_file_key` (the probe's shape and sizes, the software and CPU). Every file is {"key": its key, ...}: an entry written for another key, or unreadable, is
 ignored (unreadable: warned) and made again. One process makes an entry at a time (a lock
@@ -27,6 +28,7 @@ from multiserve.cache_files import cache_root, exclusive
 from multiserve.model.invariance.choice import Candidate
 from multiserve.model.invariance.workload import Workload
 from multiserve.model.kernels import native as native_kernels
+from multiserve.model.invariance.xla_options import step_options
 from multiserve.model.layers.attention_pallas import forced_kernel
 
 log = logging.getLogger("multiserve.calibration")
@@ -49,6 +51,8 @@ def backend_key(device: Any, workload: Workload) -> dict[str, Any]:
         "jax": jax.__version__,
         "jaxlib": jaxlib.__version__,
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        # the options its probes and steps compile with: their machine code
+        "xla_options": step_options(device.platform, workload.dtype),
         "workload": asdict(workload),
     }
     forced = forced_kernel()
