@@ -27,8 +27,8 @@ import jax
 from multiserve.cache_files import cache_root, exclusive
 from multiserve.model.invariance.choice import Candidate
 from multiserve.model.invariance.workload import Workload
-from multiserve.model.kernels import native as native_kernels
 from multiserve.model.invariance.xla_options import step_options
+from multiserve.model.kernels import native as native_kernels
 from multiserve.model.layers.attention_pallas import forced_kernel
 
 log = logging.getLogger("multiserve.calibration")
