@@ -18,6 +18,7 @@ from multiserve.bench.options import (
     WORKLOADS,
     BenchOptions,
 )
+from multiserve.collector import tune_collector
 from multiserve.fleet.sglang_flags import add_sglang_flags
 
 
@@ -254,6 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    tune_collector()  # this process is ours (collector.py)
     args = build_parser().parse_args(argv)
     return int(args.func(args) or 0)
 

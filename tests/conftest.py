@@ -37,12 +37,11 @@ _TESTS = Path(__file__).resolve().parent
 # Python's cyclic collector: each full collection scans every tracked object not frozen, and
 # the suite's processes hold millions (jax, torch, transformers, the engines' programs). Off
 # while the test modules are imported (collection: 10 full collections of the growing heap,
-# 2.0 of a worker's 6.1 CPU-s), then everything imported is frozen (`pytest_collection`);
-# the first generation's threshold raised 700 -> 10,000 allocations, so the full
+# 2.0 of a worker's 6.1 CPU-s), then everything imported is frozen (`pytest_collection`)
+# and the thresholds are the command line's (multiserve/collector.py), so the full
 # collections that follow each module's freeze (below) come ~14x less often. No test
 # depends on when garbage is collected: memory is returned at the module and directory
 # boundaries, which collect explicitly.
-GC_THRESHOLDS = (10_000, 10, 10)
 
 
 def _top_dir(item: pytest.Item) -> str:
@@ -76,14 +75,16 @@ def pytest_configure(config: pytest.Config) -> None:
 @pytest.hookimpl(hookwrapper=True)
 def pytest_collection(session: pytest.Session):  # type: ignore[no-untyped-def]
     """Collection with the cyclic collector off; then one collection, what survived (every
-    module imported) frozen, and the collector on at GC_THRESHOLDS."""
+    module imported) frozen, and the collector on at the command line's thresholds."""
     gc.disable()
     try:
         yield
     finally:
         gc.collect()
         gc.freeze()
-        gc.set_threshold(*GC_THRESHOLDS)
+        from multiserve.collector import tune_collector
+
+        tune_collector()
         gc.enable()
 
 

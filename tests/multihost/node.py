@@ -22,6 +22,9 @@ def main() -> int:
     total = per_host * max(n, 1) if n else int(os.environ.get("REF_DEVICES", "4"))
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={per_host if n else total}"
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    from multiserve.collector import tune_collector
+
+    tune_collector()  # a host process, as `multiserve serve` sets it (multiserve/cli.py)
     from multiserve.config import EngineConfig
     from multiserve.reliability.tiny_model import tiny_engine_fields
 
