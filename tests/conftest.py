@@ -34,15 +34,6 @@ import pytest  # noqa: E402
 
 _TESTS = Path(__file__).resolve().parent
 
-# Python's cyclic collector: each full collection scans every tracked object not frozen, and
-# the suite's processes hold millions (jax, torch, transformers, the engines' programs). Off
-# while the test modules are imported (collection: 10 full collections of the growing heap,
-# 2.0 of a worker's 6.1 CPU-s), then everything imported is frozen (`pytest_collection`)
-# and the thresholds are the command line's (multiserve/collector.py), so the full
-# collections that follow each module's freeze (below) come ~14x less often. No test
-# depends on when garbage is collected: memory is returned at the module and directory
-# boundaries, which collect explicitly.
-
 
 def _top_dir(item: pytest.Item) -> str:
     return Path(item.path).resolve().relative_to(_TESTS).parts[0]
@@ -72,6 +63,14 @@ def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(_SessionFixtureNotes(), "multiserve-session-fixture-notes")
 
 
+# Python's cyclic collector: each full collection scans every tracked object not frozen, and
+# the suite's processes hold millions (jax, torch, transformers, the engines' programs). Off
+# while the test modules are imported (collection: 10 full collections of the growing heap,
+# 2.0 of a worker's 6.1 CPU-s), then everything imported is frozen and the thresholds are
+# the command line's (multiserve/collector.py), so the full collections that follow each
+# module's freeze (`pytest_runtest_teardown`) come ~14x less often. No test depends on when
+# garbage is collected: memory is returned at the module and directory boundaries, which
+# collect explicitly.
 @pytest.hookimpl(hookwrapper=True)
 def pytest_collection(session: pytest.Session):  # type: ignore[no-untyped-def]
     """Collection with the cyclic collector off; then one collection, what survived (every
