@@ -69,3 +69,60 @@ def test_the_plan_key_names_the_options(dtype: str) -> None:
     device = jax.devices()[0]
     key = backend_key(device, Workload(dtype=dtype, products=(), row_sums=(), attention=use))
     assert key["xla_options"] == step_options(device.platform, dtype)
+
+
+def test_the_cache_keys_name_only_the_xla_flags_that_can_change_a_program(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The host platform's device count configures no compile, and a flag the step options
+    set per compile is overridden by them: neither splits the calibration's plan or probe
+    caches (a fleet of 2 engines reuses a fleet of 4's probes); any other flag does."""
+    from multiserve.model.invariance.store import backend_key, probe_file_key
+    from multiserve.model.invariance.workload import AttentionUse, Workload
+    from multiserve.model.invariance.xla_options import compile_flags
+
+    use = AttentionUse(kv_heads=2, group=2, head_dim=16, page_size=4, block_size=8,
+                       sizes=(1, 4))
+    device = jax.devices()[0]
+
+    def keys(flags: str, dtype: str) -> tuple[dict, dict]:
+        monkeypatch.setenv("XLA_FLAGS", flags)
+        workload = Workload(dtype=dtype, products=(), row_sums=(), attention=use)
+        return (backend_key(device, workload),
+                probe_file_key((device.platform, device.device_kind, dtype, "product", 64)))
+
+    fast_math = "--xla_cpu_enable_fast_math=true"
+    for dtype in DTYPES:
+        plain = keys("--xla_force_host_platform_device_count=2", dtype)
+        assert keys("--xla_force_host_platform_device_count=4 "
+                    "--xla_allow_excess_precision=false", dtype) == plain
+        assert keys("--xla_allow_excess_precision=true", dtype) == plain  # overridden
+        other = keys(f"--xla_force_host_platform_device_count=4 {fast_math}", dtype)
+        assert other[0] != plain[0] and other[1] != plain[1]
+        assert other[0]["xla_flags"] == other[1]["xla_flags"] == fast_math
+    # an option the step options set only for float32 on the CPU
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_use_fusion_emitters=false")
+    assert compile_flags("cpu", "float32") == ""
+    assert compile_flags("cpu", "bfloat16") == "--xla_cpu_use_fusion_emitters=false"
+
+
+_OVERRIDE_SCRIPT = """
+import jax, jax.numpy as jnp
+lowered = jax.jit(lambda x: jnp.exp(x * 3.0) + jnp.sin(x)).lower(jnp.ones(8, jnp.float32))
+print(["fusion" in lowered.compile(compiler_options=o).as_text()
+       for o in ({}, {"xla_disable_all_hlo_passes": False})])
+"""
+
+
+def test_an_option_passed_to_a_compile_overrides_the_same_xla_flag() -> None:
+    """What `compile_flags` relies on, on the installed XLA: with every HLO pass disabled
+    by XLA_FLAGS, a compile passing the option back on fuses again."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "XLA_FLAGS": "--xla_disable_all_hlo_passes=true",
+           "JAX_PLATFORMS": "cpu", "JAX_ENABLE_COMPILATION_CACHE": "false"}
+    out = subprocess.run([sys.executable, "-c", _OVERRIDE_SCRIPT], capture_output=True,
+                         text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split("\n")[-2] == "[False, True]", out.stdout

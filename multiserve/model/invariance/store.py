@@ -3,8 +3,9 @@
 `$MULTISERVE_CACHE_DIR/invariance/` (default ~/.cache/multiserve/invariance): one JSON file
 per plan, named by the hash of its key (`backend_key`: what decides kernels: platform,
 device kind, CPU model and flags, whether the native kernels build (for bfloat16 also the
-instruction path of its products), jax/jaxlib, XLA_FLAGS, the programs' XLA options
-(xla_options.py), dtype, every shape and size),
+instruction path of its products), jax/jaxlib, the XLA_FLAGS that can change a program
+(`xla_options.compile_flags`), the programs' XLA options (xla_options.py), dtype, every
+shape and size),
 and under probes/ one per product, grouped or row-sum probe, named by the hash of
 `probe_file_key` (the probe's shape and sizes, the software and CPU). Every file is {"key": its key, ...}: an entry written for another key, or unreadable, is
 ignored (unreadable: warned) and made again. One process makes an entry at a time (a lock
@@ -27,7 +28,7 @@ import jax
 from multiserve.cache_files import cache_root, exclusive
 from multiserve.model.invariance.choice import Candidate
 from multiserve.model.invariance.workload import Workload
-from multiserve.model.invariance.xla_options import step_options
+from multiserve.model.invariance.xla_options import compile_flags, step_options
 from multiserve.model.kernels import native as native_kernels
 from multiserve.model.layers.attention_pallas import forced_kernel
 
@@ -50,7 +51,7 @@ def backend_key(device: Any, workload: Workload) -> dict[str, Any]:
         "device_kind": getattr(device, "device_kind", ""),
         "jax": jax.__version__,
         "jaxlib": jaxlib.__version__,
-        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "xla_flags": compile_flags(device.platform, workload.dtype),
         # the options its probes and steps compile with: their machine code
         "xla_options": step_options(device.platform, workload.dtype),
         "workload": asdict(workload),
@@ -70,12 +71,13 @@ def backend_key(device: Any, workload: Workload) -> dict[str, Any]:
 
 
 def probe_file_key(key: tuple[Any, ...]) -> dict[str, Any]:
-    """What a stored probe's result depends on: the probe's key (backend, dtype, shape,
-    sizes, sharding) and the software and CPU it ran on."""
+    """What a stored probe's result depends on: the probe's key (platform, device kind,
+    dtype, the rest of its backend, shape, sizes, sharding) and the software and CPU it
+    ran on."""
     import jaxlib
 
     return {"probe_version": PROBE_VERSION, "probe": repr(key), "jax": jax.__version__,
-            "jaxlib": jaxlib.__version__, "xla_flags": os.environ.get("XLA_FLAGS", ""),
+            "jaxlib": jaxlib.__version__, "xla_flags": compile_flags(key[0], key[2]),
             "cpu": native_kernels.cpu_facts()}
 
 

@@ -36,6 +36,7 @@ options (store.py): a plan verified under other options is never reused.
 from __future__ import annotations
 
 import functools
+import os
 
 _OPTIONS: dict[str, bool | int] = {"xla_allow_excess_precision": False}
 _GPU_FLOAT32_OPTIONS: dict[str, bool | int] = {"xla_gpu_enable_triton_gemm": False,
@@ -51,6 +52,22 @@ def step_options(platform: str, dtype: str) -> dict[str, bool | int]:
     if platform == "cpu" and dtype == "float32":
         return {**_OPTIONS, **{k: v for k, v in _CPU_FLOAT32_OPTIONS.items() if _known(k)}}
     return dict(_OPTIONS)
+
+
+# XLA_FLAGS entries that configure no compile: how many virtual devices the CPU platform
+# makes (a fleet of 2 engines and one of 4, or a test slice's host, compile the same code).
+_NOT_COMPILE_FLAGS = ("xla_force_host_platform_device_count",)
+
+
+def compile_flags(platform: str, dtype: str) -> str:
+    """XLA_FLAGS as far as they can change the machine code of a program compiled with
+    `step_options(platform, dtype)`: without the flags that configure no compile
+    (`_NOT_COMPILE_FLAGS`) and without those the options set per compile (an option
+    passed to a compile overrides the flag). For the calibration's cache keys (store.py)."""
+    dropped = {*_NOT_COMPILE_FLAGS, *step_options(platform, dtype)}
+    kept = [flag for flag in os.environ.get("XLA_FLAGS", "").split()
+            if flag.removeprefix("--").partition("=")[0] not in dropped]
+    return " ".join(kept)
 
 
 @functools.cache
