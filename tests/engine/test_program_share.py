@@ -128,3 +128,46 @@ def test_without_the_hook_an_engine_compiles_its_own_programs_and_generates(
         assert _outputs(other) == _outputs(tiny_engine)
     finally:
         other.shutdown()
+
+
+def test_first_alone_runs_an_equal_key_after_the_one_inside() -> None:
+    """`first_alone`: a thread whose key is inside another thread's body waits until that
+    body ends, then runs its own; an unequal key never waits."""
+    import threading
+
+    from multiserve.engine.device.program_share import SHARE
+
+    if not SHARE._active("cpu"):  # noqa: SLF001
+        pytest.skip("program sharing is off here")
+    key = ("test_first_alone", object())
+    inside, release, log = threading.Event(), threading.Event(), []
+
+    def first() -> None:
+        with SHARE.first_alone(key, "cpu"):
+            inside.set()
+            release.wait(60)
+            log.append("first done")
+
+    def second(k: Any) -> None:
+        with SHARE.first_alone(k, "cpu"):
+            log.append(f"body of {k[0]}")
+
+    a = threading.Thread(target=first)
+    a.start()
+    assert inside.wait(60)
+    other = threading.Thread(target=second, args=(("unequal",),))
+    other.start()
+    other.join(60)
+    assert log == ["body of unequal"]  # ran while the first body is still inside
+    b = threading.Thread(target=second, args=(key,))
+    b.start()
+    running = SHARE._in_flight[key]  # noqa: SLF001
+    deadline = time.monotonic() + 60
+    while not running._cond._waiters and time.monotonic() < deadline:  # noqa: SLF001
+        time.sleep(0.01)  # until b waits on the first body
+    assert running._cond._waiters and log == ["body of unequal"]  # noqa: SLF001
+    release.set()
+    a.join(60)
+    b.join(60)
+    assert log == ["body of unequal", "first done", "body of test_first_alone"]
+    assert key not in SHARE._in_flight  # noqa: SLF001

@@ -17,7 +17,9 @@ Two parts:
   checks the 1-device case).
 - **Single flight** (`ProgramShare.compile`): while one engine compiles a program, the others
   that need the same program (same HLO text, platform, device kind and group size) wait
-  for it, then compile it too, which is a cache hit (milliseconds).
+  for it, then compile it too, which is a cache hit (milliseconds). `first_alone` is the
+  same wait for work that compiles through `jax.jit` on its first call (the weights'
+  canonical layout rebuilt by every engine of a fleet updating its weights at once).
 
 Invariants:
 - Only used where both hold: the persistent cache is on and the key is device-free;
@@ -49,7 +51,8 @@ import inspect
 import logging
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Hashable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -188,21 +191,34 @@ class ProgramShare:
                 options: dict[str, bool | int]) -> Any:
         """The executable of `lowered` for `devices` (its mesh's devices, in order), compiled
         with XLA `options` (`xla_options.step_options`)."""
-        if not self._active(devices[0].platform):
-            return lowered.compile(compiler_options=options)
         d0 = devices[0]
+        if not self._active(d0.platform):
+            return lowered.compile(compiler_options=options)
         key = (d0.platform, d0.device_kind, len(devices), tuple(sorted(options.items())),
                hashlib.sha256(lowered.as_text().encode()).hexdigest())
+        with self.first_alone(key, d0.platform):
+            return lowered.compile(compiler_options=options)
+
+    @contextmanager
+    def first_alone(self, key: Hashable, platform: str) -> Iterator[None]:
+        """Runs the body at once, unless another thread is inside the body of an equal `key`:
+        then after it (the programs that one compiled are then cache hits here). `key` names
+        the programs the body compiles (an unequal key only costs the compile, an equal one
+        only the wait). Waits only where sharing is active."""
+        if not self._active(platform):
+            yield
+            return
         with self._lock:
             running = self._in_flight.get(key)
             if running is None:
                 mine = self._in_flight[key] = threading.Event()
         if running is not None:
-            running.wait()  # another engine compiles it: ours is then a cache hit
-            return lowered.compile(compiler_options=options)
+            running.wait()
+            yield
+            return
         try:
-            return lowered.compile(compiler_options=options)
-        finally:  # kept in the cache, or failed: either way the waiters compile now
+            yield
+        finally:  # compiled and cached, or failed: either way the waiters go on now
             with self._lock:
                 del self._in_flight[key]
             mine.set()

@@ -63,6 +63,7 @@ from jax.sharding import PartitionSpec as P
 from multiserve.config import EngineConfig, ModelConfig
 from multiserve.engine.device import huge_pages
 from multiserve.engine.device.batch_arrays import StepArrays
+from multiserve.engine.device.program_share import SHARE
 from multiserve.engine.device.programs import ProgramKind, ProgramSet, smallest_fit
 from multiserve.engine.device.sampling_batches import SamplingBatches
 from multiserve.engine.device.step_functions import StepFunctions
@@ -189,7 +190,11 @@ class Runner:
         step."""
         if self._held is None:
             return None
-        full = self.family.canonical_params(self._held, self._compute, self.model_cfg)
+        # the fleet's engines updating their weights at once rebuild with one program
+        key = ("canonical_params", self.model_cfg, self.plan, str(jnp.dtype(self.dtype)),
+               len(self.devices))
+        with SHARE.first_alone(key, self.devices[0].platform):
+            full = self.family.canonical_params(self._held, self._compute, self.model_cfg)
         return jax.tree.map(_placed_as, full, self._param_specs)
 
     @params.setter
