@@ -26,7 +26,8 @@ def run_modes(params, cfg: ModelConfig, target: list[int], probe: list[int], *,
     out: dict[str, dict[int, np.ndarray]] = {}
 
     def sim() -> PagedSim:
-        s = PagedSim(params, cfg, page_size=page_size, block_size=block, num_pages=1024,
+        # 7 sequences of <= 634 tokens in all (<= 166 pages of 4), scattered over the pool
+        s = PagedSim(params, cfg, page_size=page_size, block_size=block, num_pages=256,
                      max_pages=64, seed=int(rng.integers(1 << 30)))
         s.add("x", target)
         for k, v in others.items():

@@ -314,9 +314,9 @@ class StepPrograms:
     def _sampler(self, rows: int, sb: list[Any], layout: Layout) -> jax.stages.Compiled:
         """The sampler program over `rows` rows (compiled once per engine and row count,
         any thread; `sb`: the abstract sampling inputs, `layout` their packed layout). It
-        depends only on (rows, vocabulary, max_rows) and the XLA options (`xla_options`:
-        the same on a CPU for every dtype): engines of one vocabulary share it through the
-        compilation caches, whatever their model."""
+        depends only on (rows, vocabulary, max_rows) and the XLA options (`xla_options`,
+        which differ by dtype on the CPU: xla_options.step_options): engines of one
+        vocabulary and dtype share it through the compilation caches, whatever their model."""
         with self._samplers_lock:  # one lock per row count: other counts compile meanwhile
             lock = self._sampler_locks.setdefault(rows, threading.Lock())
         with lock:
