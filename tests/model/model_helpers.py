@@ -67,6 +67,13 @@ TINY_LLAMA = ModelConfig(
     rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_ids=(2,))
 
 
+def every_layout(params: Any, cfg: ModelConfig) -> Any:
+    """Canonical `params` in the compute form with every layout (plan None): what a
+    PagedSim runs, whatever plan it is given. Pass it to several simulators of the same
+    weights to make it once (~3x the weights' bytes each time)."""
+    return family_for(cfg).compute_params(params, cfg, None, ())
+
+
 @dataclass
 class Seq:
     tokens: list[int]
@@ -80,9 +87,7 @@ class PagedSim:
     def __init__(self, params: Any, cfg: ModelConfig, *, page_size: int, block_size: int,
                  num_pages: int = 512, max_pages: int = 64, seed: int = 0,
                  kv_sharding: Any = None, plan: Any = None, tp: Any = None) -> None:
-        # every layout (plan None): the simulator may run any plan
-        self.params = (params if is_compute_params(params)
-                       else family_for(cfg).compute_params(params, cfg, None, ()))
+        self.params = params if is_compute_params(params) else every_layout(params, cfg)
         self.cfg = cfg
         self.ps, self.bs, self.max_pages = page_size, block_size, max_pages
         dtype = self.params["embed"].dtype

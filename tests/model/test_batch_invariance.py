@@ -8,10 +8,9 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from model_helpers import TINY_LLAMA, PagedSim
+from model_helpers import TINY_LLAMA, PagedSim, every_layout
 
 from multiserve.config import ModelConfig
-from multiserve.model.families import family_for
 from multiserve.model.loading.loader import numpy_dtype
 from multiserve.model.loading.param_layout import init_random_params
 
@@ -20,9 +19,7 @@ def run_modes(params, cfg: ModelConfig, target: list[int], probe: list[int], *,
               page_size: int, block: int) -> dict[str, dict[int, np.ndarray]]:
     """Logits at the `probe` positions of `target`, computed in several batchings."""
     rng = np.random.default_rng(123)
-    # every simulator below runs on one compute layout of the weights (a PagedSim given
-    # canonical params makes its own: every layout, ~3x the weights' bytes, each time)
-    params = family_for(cfg).compute_params(params, cfg, None, ())
+    params = every_layout(params, cfg)  # once, for every simulator below
     n = len(target)
     others = {f"o{i}": [int(t) for t in rng.integers(3, cfg.vocab_size, int(rng.integers(50, 90)))]
               for i in range(6)}
