@@ -149,6 +149,18 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--target", choices=("cuda", "tpu"), default=None,
                    help="lower the model forward for this accelerator with jax.export, "
                    "without one, and print the kernels it would start from")
+    d.add_argument("--compile", action="store_true",
+                   help="with --target tpu: compile every step program with the TPU "
+                   "compiler (libtpu) for --topology and print what each holds and moves")
+    d.add_argument("--topology", default="v5e:2x2",
+                   help="with --compile: the TPU topology (v5e:2x2, v6e:2x2, v5p:2x2x1, "
+                   "v4:2x2x1); the engine spans its first --tp chips")
+    d.add_argument("--context", type=int, default=1024,
+                   help="with --compile: tokens per sequence row of the floors (and the "
+                   "page tables' width)")
+    d.add_argument("--random-sizes", nargs="*", default=["1b"], dest="sizes",
+                   help="with --compile: the random model shapes compiled besides --model "
+                   "(bench/random_model.py sizes)")
     d.set_defaults(func=_cmd_doctor)
     D = BENCH_DEFAULTS  # every flag's default: a field of BenchOptions (bench/options.py)
     b = sub.add_parser("bench", help="offline throughput on the default model")

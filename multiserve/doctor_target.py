@@ -129,7 +129,16 @@ def print_target_report(report: dict[str, Any]) -> None:
 
 
 def doctor_target(args: argparse.Namespace) -> int:
-    """Both models on `args.target`; exit 1 if any program failed to lower."""
+    """Both models on `args.target`; exit 1 if any program failed to lower. With
+    `--compile` (tpu only): doctor_compile.py."""
+    if getattr(args, "compile", False):
+        if args.target != "tpu":
+            print(f"--compile: the TPU compiler only (no deviceless compiler for "
+                  f"{args.target} here)")
+            return 2
+        from multiserve.doctor_compile import doctor_compile
+
+        return doctor_compile(args)
     report = target_report(args.target, args.model, args.dtype)
     if args.json:
         print(json.dumps(report, indent=1))

@@ -97,7 +97,7 @@ def pytest_collection(session: pytest.Session):  # type: ignore[no-untyped-def]
 # of a plain one-process run.
 _LONG_FIRST = ("chaos/test_chaos.py", "fleet/test_fleet_four.py", "engine",
                "fleet/test_fleet_validate.py", "multihost/test_multihost_engine.py",
-               "model/test_batch_invariance.py",
+               "model/test_batch_invariance.py", "test_doctor_compile.py",
                "model/test_moe.py", "model/test_pallas_attention.py",
                "model/test_native_kernels.py",
                "reliability/test_schema_fuzz.py", "model/test_default_model.py",

@@ -66,25 +66,6 @@ class ExportResult:
     error: str | None = None
 
 
-def _abstract(tree: Any) -> Any:
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
-
-
-def abstract_compute_params(cfg: ModelConfig, dtype: Any, plan: InvariancePlan) -> Any:
-    """The compute params (the family's `compute_params` for `plan`) as abstract shapes of
-    `dtype`: no weights are made."""
-    from multiserve.model.families import family_for
-    from multiserve.model.loading.param_layout import param_shapes
-
-    family = family_for(cfg)
-    dt = jnp.dtype(dtype)
-    canonical = jax.tree.map(lambda s: jax.ShapeDtypeStruct(tuple(s), dt), param_shapes(cfg),
-                             is_leaf=lambda s: isinstance(s, tuple))
-    sizes = tuple(t for t, _ in plan.attention.by_tokens)
-    return _abstract(jax.eval_shape(lambda p: family.compute_params(p, cfg, plan, sizes),
-                                    canonical))
-
-
 def export_for(fn: Any, platform: str, tokens: int, rows: int, scanned: bool,
                args: tuple[Any, ...], static: dict[str, Any]) -> ExportResult:
     """`jax.export` of the jitted `fn` at abstract `args` (and static keyword arguments
@@ -113,8 +94,10 @@ def export_forward(cfg: ModelConfig, dtype: Any, platform: str, plan: Invariance
     from multiserve.model.layers.forward_batch import ForwardBatch
     from multiserve.model.layers.kv_pool import KVPool
 
+    from multiserve.model.abstract_params import abstract_params
+
     dt = jnp.dtype(dtype)
-    params = abstract_compute_params(cfg, dt, plan)
+    params = abstract_params(cfg, dt, plan).compute
     pool_shape = (cfg.num_layers, cfg.num_kv_heads, num_pages * page_size, cfg.head_dim)
     pool = KVPool(k=jax.ShapeDtypeStruct(pool_shape, dt), v=jax.ShapeDtypeStruct(pool_shape, dt))
     i32 = np.int32

@@ -47,12 +47,16 @@ class TensorParallel:
 
     mesh: Mesh
     vocab_split: bool
+    attention_split: bool = False  # heads (and the KV pool's heads) split over the devices
 
     @staticmethod
     def of(mesh: Mesh, cfg: ModelConfig) -> TensorParallel | None:
         """The engine's TensorParallel; None on one device (nothing to move)."""
         n = mesh.shape[AXIS]
-        return None if n == 1 else TensorParallel(mesh, tp_splits(cfg, n)["vocab"])
+        if n == 1:
+            return None
+        split = tp_splits(cfg, n)
+        return TensorParallel(mesh, split["vocab"], split["attention"])
 
     @property
     def size(self) -> int:

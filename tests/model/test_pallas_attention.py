@@ -125,6 +125,35 @@ def test_rows_are_batch_invariant_bitwise(kernel: str, blocks: str) -> None:
     np.testing.assert_array_equal(shuffled, full[perm])
 
 
+@pytest.mark.parametrize("split", [True, False])
+def test_tensor_parallel_kernel_matches_one_device(split: bool) -> None:
+    """Over 2 devices the kernel runs in a shard_map (attention_pallas.py): each device
+    over its own KV heads (`split`) or over all of them; the rows are bitwise those of
+    one device."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from multiserve.model.sharding import make_mesh
+    from multiserve.model.tensor_parallel import TensorParallel
+
+    q, k, v = _pools("float32")
+    mesh = make_mesh(jax.devices()[:2])
+    tp = TensorParallel(mesh, False, split)
+    heads = NamedSharding(mesh, P(None, "tensor", None) if split else P())
+    pool = NamedSharding(mesh, P(None, "tensor", None, None) if split else P())
+
+    def run(q, k, v, tp):  # type: ignore[no-untyped-def]
+        return attention_pallas.paged_attention_pallas(
+            q, k, v, jnp.int32(1), _batch(POS, SEQ), page_size=PAGE, kernel="pallas_tpu",
+            interpret=True, tp=tp)
+
+    one = np.asarray(jax.jit(lambda q, k, v: run(q, k, v, None))(q, k, v))
+    many = jax.jit(lambda q, k, v: run(q, k, v, tp))(jax.device_put(q, heads),
+                                                       jax.device_put(k, pool),
+                                                       jax.device_put(v, pool))
+    np.testing.assert_array_equal(np.asarray(many), one)
+
+
 def test_the_calibration_chooses_a_forced_pallas_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     from multiserve.model.invariance.calibration import calibrate
     from multiserve.model.invariance.probes import pallas_attention_kernel

@@ -280,7 +280,7 @@ def with_transposed(params: dict[str, Any], cfg: ModelConfig, stacked_t: bool = 
     out["layers"] = split_layers(per_layer)
     if not stacked_t:
         for a in done.values():
-            a.delete()  # the stacked transposes were only the source of the per-layer copies
+            _free(a)  # the stacked transposes were only the source of the per-layer copies
     if cfg.tie_word_embeddings:
         out["head_w"], out["head_wt"] = head, params["embed"]
     else:
@@ -292,9 +292,16 @@ def with_transposed(params: dict[str, Any], cfg: ModelConfig, stacked_t: bool = 
     # canonical head (embed, or lm_head) always stays
     for key, kernel in (("head_w", "plain"), ("head_wt", "nt")):
         if kernel not in head_kernels and out[key] is head:
-            head.delete()
+            _free(head)
             out[key] = None
     return out
+
+
+def _free(a: jax.Array) -> None:
+    """Free a device array made here and not kept (a traced one, under an abstract
+    conversion: model/abstract_params.py, has no buffer)."""
+    if not isinstance(a, jax.core.Tracer):
+        a.delete()
 
 
 def canonical_layer_matrices(stacked: dict[str, jax.Array],

@@ -53,11 +53,19 @@ Costs and limits:
 from __future__ import annotations
 
 import os
+from functools import partial
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from multiserve.model.layers.forward_batch import ForwardBatch
+
+if TYPE_CHECKING:
+    from multiserve.model.tensor_parallel import TensorParallel
+
+AXIS = "tensor"  # the mesh's one axis (model/sharding.py)
 
 PALLAS_KERNELS = ("pallas_gpu", "pallas_tpu")
 KERNEL_PLATFORM = {"pallas_gpu": "gpu", "pallas_tpu": "tpu"}  # where it runs compiled
@@ -105,15 +113,36 @@ def _layer_pages(pool: jax.Array, layer: int | jax.Array, page_size: int) -> jax
 
 def paged_attention_pallas(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
                            layer: int | jax.Array, batch: ForwardBatch, *, page_size: int,
-                           kernel: str, interpret: bool) -> jax.Array:
+                           kernel: str, interpret: bool,
+                           tp: TensorParallel | None = None) -> jax.Array:
     """q [T, H, hd] (already rotated) -> attention output [T, H, hd] in q's dtype, by the
-    Pallas kernel `kernel` (module docstring)."""
+    Pallas kernel `kernel` (module docstring). On several devices (`tp`) the kernel runs
+    in a `shard_map` (a Mosaic or Triton call is never partitioned by the compiler): each
+    device over its own heads and its own heads of the pool where attention is split,
+    else every device over all of them (the same values everywhere)."""
+    call = partial(_kernel_call, page_size=page_size, kernel=kernel, interpret=interpret)
+    layer_ids = jnp.asarray(layer, jnp.int32)
+    if tp is None:
+        return call(q, k_pool, v_pool, layer_ids, batch.positions, batch.token_seq,
+                    batch.page_table)
+    heads = P(None, AXIS, None) if tp.attention_split else P()
+    pool = P(None, AXIS, None, None) if tp.attention_split else P()
+    return jax.shard_map(call, mesh=tp.mesh,
+                         in_specs=(heads, pool, pool, P(), P(), P(), P()),
+                         out_specs=heads, check_vma=False)(
+        q, k_pool, v_pool, layer_ids, batch.positions, batch.token_seq, batch.page_table)
+
+
+def _kernel_call(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer: jax.Array,
+                 positions: jax.Array, token_seq: jax.Array, page_table: jax.Array, *,
+                 page_size: int, kernel: str, interpret: bool) -> jax.Array:
+    """`paged_attention_pallas` on one device's heads."""
     head_dim = q.shape[2]
     scale = 1.0 / float(head_dim) ** 0.5
     k_pages = _layer_pages(k_pool, layer, page_size)
     v_pages = _layer_pages(v_pool, layer, page_size)
-    rows = batch.page_table[batch.token_seq]  # [T, max_pages]: each token's own table
-    lengths = (batch.positions + 1).astype(jnp.int32)
+    rows = page_table[token_seq]  # [T, max_pages]: each token's own table
+    lengths = (positions + 1).astype(jnp.int32)
     per_block, per_split = pinned_blocks(page_size)
     qs = q.astype(jnp.float32) * scale
     if kernel == "pallas_gpu":

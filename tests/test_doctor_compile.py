@@ -1,0 +1,85 @@
+"""`multiserve doctor --target tpu --compile` (doctor_compile.py): the engine's step
+programs compiled by the real TPU compiler (libtpu, installed by the test extra) for
+compile-only v5e and v6e chips from this CPU, and what the compiled programs say they
+hold and move. A small model (2 layers, 8 heads / 4 KV of 64: the 1B shape's head
+width) and few buckets keep it to seconds a program; the report's fields are the
+compiler's own figures, so these tests fail on any compile error and on a program that
+stops donating its pool or sums a float across chips."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import pytest
+
+from multiserve.config import EngineConfig, ModelConfig
+from multiserve.doctor_compile import compile_model, print_compile_report
+
+SMALL = ModelConfig(architecture="llama", vocab_size=4096, hidden_size=512,
+                    intermediate_size=1024, num_layers=2, num_heads=8, num_kv_heads=4,
+                    head_dim=64, tie_word_embeddings=True)
+EC = EngineConfig(precompile_token_paddings=(1, 16, 64), precompile_bs_paddings=(1, 16),
+                  max_running_requests=16, chunked_prefill_size=64)
+KV_PAGES = 1025  # 16 rows at the 1024-token context of the floors, and page 0
+KINDS = {"TPU v5 lite": "v5e:2x2", "TPU v6 lite": "v6e:2x2"}
+
+
+@functools.cache
+def _report(topology: str, tp: int, which: tuple[tuple[str, int], ...]) -> dict[str, Any]:
+    return compile_model("small", SMALL, "bfloat16", topology, tp, ec=EC, kv_pages=KV_PAGES,
+                         which=list(which))
+
+
+def _program(report: dict[str, Any], kind: str, size: int) -> dict[str, Any]:
+    return next(p for p in report["programs"] if (p["kind"], p["size"]) == (kind, size))
+
+
+# every kind on v5e; a decode forward and the fused step on v6e
+PROGRAMS = {"v5e:2x2": (("forward", 1), ("forward", 16), ("fused", 16), ("multi", 16)),
+            "v6e:2x2": (("forward", 16), ("fused", 16))}
+
+
+@pytest.mark.parametrize("topology", sorted(PROGRAMS))
+def test_step_programs_compile_for_the_tpu(topology: str) -> None:
+    report = _report(topology, 1, PROGRAMS[topology])
+    errors = [p["error"] for p in report["programs"] if p["error"]]
+    assert report["compiled"], errors
+    assert KINDS[report["device_kind"]] == topology
+    pool = report["kv"]["bytes"]
+    assert pool == 2 * SMALL.num_layers * SMALL.num_kv_heads * SMALL.head_dim * 2 \
+        * KV_PAGES * EC.page_size
+    for p in report["programs"]:
+        h = p["hbm"]
+        # the pool is donated: its outputs reuse its buffers, so HBM never holds two pools
+        assert h["aliased"] >= pool and h["arguments"] >= pool, (p["kind"], p["size"], h)
+        assert p["bytes_accessed"] > 0 and p["flops"] > 0 and p["floor"] > 0
+        assert p["ratio"] == pytest.approx(p["bytes_accessed"] / p["floor"], rel=1e-3)
+        assert p["top_ops"] and p["top_ops"][0]["bytes"] >= p["top_ops"][-1]["bytes"]
+    # an unrolled decoder: one Mosaic attention kernel per layer
+    assert _program(report, "forward", 16)["pallas_calls"] == SMALL.num_layers
+    assert _program(report, "forward", 16)["scanned"] is False
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tensor_parallel_programs_compile_without_float_sums(tp: int) -> None:
+    """Over 2 and 4 v5e chips (attention split: 4 KV heads divide): the Pallas kernel runs
+    in a shard_map, and the collectives are gathers and the embedding's integer sum."""
+    report = _report("v5e:2x2", tp, (("forward", 16), ("fused", 16)))
+    assert report["compiled"], [p["error"] for p in report["programs"]]
+    assert report["kv"]["bytes_per_chip"] * tp == report["kv"]["bytes"]
+    assert report["params"]["held_bytes_per_chip"] < report["params"]["held_bytes"]
+    for p in report["programs"]:
+        ops = {(c["op"], c["dtype"]) for c in p["collectives"]}
+        assert ("all-gather", "bf16") in ops, ops
+        assert not {o for o in ops if o[0] in ("all-reduce", "reduce-scatter")
+                    and o[1] in ("f32", "bf16", "f16")}, ops  # no float sum across chips
+
+
+def test_compile_report_text(capsys: pytest.CaptureFixture[str]) -> None:
+    report = _report("v5e:2x2", 4, (("forward", 16), ("fused", 16)))
+    print_compile_report({"topology": "v5e:2x2", "tp": 4, "host_platform": "cpu",
+                          "jax": "?", "models": [report], "compiled": report["compiled"]})
+    out = capsys.readouterr().out
+    assert "TPU v5 lite x4" in out and "COMPILED: True" in out
+    assert out.count("ratio ") == 2 and "all-gather bf16 x" in out
