@@ -24,6 +24,10 @@ import argparse
 import json
 from typing import Any
 
+# HBM per chip by device kind (Google Cloud's published figures, GiB); a compile-only
+# device reports none, and the compiler compiles a program larger than its chip
+HBM_PER_CHIP = {"TPU v5 lite": 16 << 30, "TPU v6 lite": 32 << 30, "TPU v5": 95 << 30,
+                "TPU v4": 32 << 30}
 DEFAULT_CONTEXT = 1024
 DEFAULT_KV_PAGES = 4096
 MULTI_TURNS = 4
@@ -54,7 +58,7 @@ def _floor(cfg: Any, dtype: str, kind: str, tokens: int, rows: int, canonical: A
             "fused": forward + head + logits, "multi": forward + head + logits}[kind]
 
 
-def _program_json(p: Any, cost: Any, floor: int) -> dict[str, Any]:
+def _program_json(p: Any, cost: Any, floor: int, hbm: int | None) -> dict[str, Any]:
     out: dict[str, Any] = {"kind": p.kind, "size": p.size, "tokens": p.tokens, "rows": p.rows,
                            "scanned": p.scanned, "seconds": round(cost.seconds, 1),
                            "compiled": cost.error is None, "error": cost.error}
@@ -63,7 +67,8 @@ def _program_json(p: Any, cost: Any, floor: int) -> dict[str, Any]:
     h, ops = cost.hbm, cost.ops
     out.update({
         "hbm": {"arguments": h.arguments, "outputs": h.outputs, "temporaries": h.temporaries,
-                "aliased": h.aliased, "code": h.code, "peak": h.peak},
+                "aliased": h.aliased, "code": h.code, "peak": h.peak,
+                "fits": None if hbm is None else h.peak <= hbm},
         "bytes_accessed": cost.bytes_accessed, "flops": cost.flops, "floor": floor,
         "ratio": round(cost.bytes_accessed / floor, 3) if floor else None,
         "pallas_calls": ops.pallas_calls, "loops": ops.loops,
@@ -97,7 +102,8 @@ def compile_model(label: str, cfg: Any, dtype: str, topology: str, tp: int, *,
         raise ValueError(f"--tp {tp}: topology {topology} has {len(devices)} chips")
     mesh = make_mesh(devices[:tp])
     plan = target_plan(default_workload(cfg, dtype, page_size=ec.page_size,
-                                        block_size=ec.attention_block_size), "tpu")
+                                        block_size=ec.attention_block_size), "tpu",
+                       cfg.tie_word_embeddings)
     params = abstract_params(cfg, dtype, plan, mesh)
     canonical = canonical_shapes(cfg, dtype, mesh)
     kv_shards = tp if attention_sharded(cfg, mesh) else 1
@@ -111,11 +117,13 @@ def compile_model(label: str, cfg: Any, dtype: str, topology: str, tp: int, *,
     for p in programs:
         cost = compile_cost(p.fn, p.args, p.static, options)
         rows.append(_program_json(p, cost, _floor(cfg, dtype, p.kind, p.tokens, p.rows,
-                                                  canonical, context, kv_shards)))
+                                                  canonical, context, kv_shards),
+                                  HBM_PER_CHIP.get(devices[0].device_kind)))
     kv_total = kv_pages * ec.page_size * kv_bytes_per_token(cfg, dtype)
     return {
         "model": label, "dtype": dtype, "topology": topology,
         "device_kind": devices[0].device_kind, "tp": tp, "context": context,
+        "hbm_per_chip": HBM_PER_CHIP.get(devices[0].device_kind),
         "shape": {"layers": cfg.num_layers, "hidden": cfg.hidden_size,
                   "heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads,
                   "head_dim": cfg.head_dim, "vocab": cfg.vocab_size},
@@ -188,8 +196,10 @@ def print_compile_report(report: dict[str, Any]) -> None:
                 print(f"{what}: FAILED to compile: {r['error'].splitlines()[0][:600]}")
                 continue
             h = r["hbm"]
+            fits = {None: "", True: "", False: " DOES NOT FIT"}[h["fits"]]
             print(f"{what}: HBM args {_gb(h['arguments'])}, out {_gb(h['outputs'])}, temp "
-                  f"{_gb(h['temporaries'])}, aliased {_gb(h['aliased'])} | accessed "
+                  f"{_gb(h['temporaries'])}, aliased {_gb(h['aliased'])}, peak "
+                  f"{_gb(h['peak'])}{fits} | accessed "
                   f"{_gb(r['bytes_accessed'])}, {r['flops'] / 1e9:.1f} GFLOP | floor "
                   f"{_gb(r['floor'])}, ratio {r['ratio']}x | {r['pallas_calls']} kernel "
                   f"calls, {r['seconds']} s")

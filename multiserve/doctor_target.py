@@ -33,7 +33,7 @@ def _model_report(label: str, cfg: Any, dtype: str, target: str) -> dict[str, An
 
     ec = EngineConfig()
     workload = default_workload(cfg, dtype)
-    plan = target_plan(workload, target)
+    plan = target_plan(workload, target, cfg.tie_word_embeddings)
     max_pages = -(-(ec.max_context_len or cfg.max_position_embeddings) // ec.page_size)
     # a 16-row decode step, and the largest mixed step (prefill chunks and decode rows)
     steps = [(DECODE_ROWS, DECODE_ROWS),

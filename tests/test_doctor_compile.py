@@ -46,6 +46,8 @@ def test_step_programs_compile_for_the_tpu(topology: str) -> None:
     errors = [p["error"] for p in report["programs"] if p["error"]]
     assert report["compiled"], errors
     assert KINDS[report["device_kind"]] == topology
+    # the TPU plan holds each weight once: the compute params are the checkpoint's bytes
+    assert report["params"]["held_bytes"] <= 1.05 * report["params"]["checkpoint_bytes"]
     pool = report["kv"]["bytes"]
     assert pool == 2 * SMALL.num_layers * SMALL.num_kv_heads * SMALL.head_dim * 2 \
         * KV_PAGES * EC.page_size
@@ -53,6 +55,7 @@ def test_step_programs_compile_for_the_tpu(topology: str) -> None:
         h = p["hbm"]
         # the pool is donated: its outputs reuse its buffers, so HBM never holds two pools
         assert h["aliased"] >= pool and h["arguments"] >= pool, (p["kind"], p["size"], h)
+        assert h["fits"] is True
         assert p["bytes_accessed"] > 0 and p["flops"] > 0 and p["floor"] > 0
         assert p["ratio"] == pytest.approx(p["bytes_accessed"] / p["floor"], rel=1e-3)
         assert p["top_ops"] and p["top_ops"][0]["bytes"] >= p["top_ops"][-1]["bytes"]

@@ -1,7 +1,7 @@
 """Random-weight Llama-shaped models in Hugging Face format, with the default model's
 tokenizer: benchmark and device-check models that need no download and no embedded GGUF.
 
-`python -m multiserve.bench.random_model OUT --size tiny|small|1b [--dtype bfloat16]`
+`python -m multiserve.bench.random_model OUT --size tiny|small|1b|8b [--dtype bfloat16]`
 writes config.json, model.safetensors and the tokenizer files to OUT;
 `cached_random_model(size)` is that directory in the cache (`multiserve bench
 --random-model SIZE`), written by its first caller.
@@ -10,7 +10,12 @@ Sizes (vocabulary: the default tokenizer's 49152 ids, so any chat-templated prom
 - tiny: 2 layers, hidden 64 (the tests' tiny model; compiles in seconds);
 - small: 4 layers, hidden 512 (~37M parameters; a CPU stand-in for the 1B shape);
 - 1b: Llama-3.2-1B's shape (16 layers, hidden 2048, MLP 8192, 32 query and 8 KV heads of
-  64, tied embeddings), ~1.07B parameters (4.3 GB in float32, 2.1 GB in bfloat16).
+  64, tied embeddings), ~1.07B parameters (4.3 GB in float32, 2.1 GB in bfloat16);
+- 8b: Llama-3.1-8B's shape (32 layers, hidden 4096, MLP 14336, 32 query and 8 KV heads of
+  128, Llama 3's vocabulary of 128256 ids, untied head, llama3 rope scaling), ~8.03B
+  parameters (16.1 GB in bfloat16): the TPU compile report's large shape (`multiserve
+  doctor --target tpu --compile --random-sizes 8b`); written out, its ids past the
+  tokenizer's 49152 decode to nothing.
 
 Invariant: the same (size, seed, dtype) always writes the same weights. The weights are
 N(0, 0.02^2) (norms 1 + N(0, 0.1^2)): outputs are meaningless, shapes and speed are real.
@@ -25,7 +30,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from multiserve.config import ModelConfig
+from multiserve.config import ModelConfig, RopeScaling
 
 TOKENIZER_VOCAB = 49152  # SmolLM2's tokenizer (the default model's)
 _COMMON = dict(architecture="llama", vocab_size=TOKENIZER_VOCAB, bos_token_id=1,
@@ -39,6 +44,10 @@ SIZES: dict[str, ModelConfig] = {
     "1b": ModelConfig(hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32,
                       num_kv_heads=8, head_dim=64, tie_word_embeddings=True,
                       rope_theta=500000.0, **_COMMON),
+    "8b": ModelConfig(**{**_COMMON, "vocab_size": 128256}, hidden_size=4096,
+                      intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
+                      head_dim=128, tie_word_embeddings=False, rope_theta=500000.0,
+                      rope_scaling=RopeScaling(8.0, 1.0, 4.0, 8192)),
 }
 _DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
 

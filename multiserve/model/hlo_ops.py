@@ -12,10 +12,11 @@ a loop body once.
 
 Labels: the opcode; a fusion as `fusion(<its root op>)` (so the K/V writes show as
 `fusion(scatter)` or `fusion(dynamic-update-slice)`), a custom call as
-`custom-call(<target>)` (a Pallas TPU kernel: `tpu_custom_call`). An op whose result
-shares its operand's buffer (an in-place update of a donated pool) is counted here at its
-operands and result all the same: what the compiler's total does with it is the
-compiler's (the report says which ops are in place).
+`custom-call(<target>)` (a Pallas TPU kernel: `tpu_custom_call`, whose bytes here are
+its operands' and result's whole: what it reads of them is its CostEstimate's). A slice
+counts the bytes it reads and writes (its result's, twice); an in-place update (a
+scatter or dynamic-update-slice into a donated pool: its result the shape of the operand
+it updates) counts its update's bytes, read and written, not the buffer's.
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ class Instruction:
     operands: tuple[str, ...]
     attributes: str  # the text after the operand list
     root: bool
+    operands_text: str = ""  # the operand list as written (a parameter's number)
 
 
 @dataclass(frozen=True)
@@ -128,7 +130,7 @@ def parse(text: str) -> tuple[dict[str, list[Instruction]], str]:
             operands, attributes = _split_operands(m.group(5))
             current.append(Instruction(m.group(2), m.group(4), m.group(3),
                                        tuple(_OPERAND.findall(operands)), attributes,
-                                       bool(m.group(1))))
+                                       bool(m.group(1)), operands.strip()))
     return computations, entry
 
 
@@ -161,6 +163,75 @@ def _label(ins: Instruction, computations: dict[str, list[Instruction]]) -> str:
     return ins.opcode
 
 
+_SLICES = ("slice", "dynamic-slice")
+_UPDATES = ("dynamic-update-slice", "scatter")
+
+
+def _fusion_reads(ins: Instruction, computations: dict[str, list[Instruction]],
+                  sizes: dict[str, int]) -> list[int]:
+    """The bytes a fusion reads of each operand: the whole operand, or where the fused
+    computation only slices it (every use of its parameter a slice, directly or in a
+    nested fusion), the slices."""
+    reads = [sizes.get(o, 0) for o in ins.operands]
+    for pos in range(len(reads)):
+        sliced = _sliced_read(ins, pos, computations)
+        if sliced is not None:
+            reads[pos] = min(reads[pos], sliced)
+    return reads
+
+
+def _sliced_read(fusion: Instruction, pos: int,
+                 computations: dict[str, list[Instruction]]) -> int | None:
+    """The bytes `fusion` reads of its operand `pos` where it only slices it, else None."""
+    m = re.search(r"calls=%?([\w.\-]+)", fusion.attributes)
+    body = computations.get(m.group(1), []) if m else []
+    param = next((i for i in body if i.opcode == "parameter"
+                  and _parameter_number(i) == pos), None)
+    if param is None:
+        return None
+    total = 0
+    for user in (u for u in body if param.name in u.operands):
+        if user.opcode in _SLICES:
+            total += shape_bytes(user.shape)
+        elif user.opcode == "fusion" and user.operands.count(param.name) == 1:
+            inner = _sliced_read(user, user.operands.index(param.name), computations)
+            if inner is None:
+                return None
+            total += inner
+        else:
+            return None
+    return total if total else None
+
+
+def _parameter_number(ins: Instruction) -> int | None:
+    """n of a fused computation's `parameter(n)`."""
+    return int(ins.operands_text) if ins.operands_text.isdigit() else None
+
+
+def _moved(ins: Instruction, label: str, sizes: dict[str, int],
+           computations: dict[str, list[Instruction]]) -> int:
+    """The bytes one execution of `ins` reads and writes (module docstring): its operands
+    and its result; a slice at its result (read, then written); an in-place update (its
+    result the shape of its largest operand, which it updates) at its other operands
+    (read, then written into the buffer); an asynchronous op at its start, at the smaller
+    of its start's arrays (read and written), its done at nothing."""
+    if ins.opcode.endswith("-done"):
+        return 0
+    out = shape_bytes(ins.shape)
+    operands = [sizes.get(o, 0) for o in ins.operands]
+    root = label.removeprefix("fusion(").removesuffix(")")
+    if ins.opcode.endswith("-start"):
+        arrays = [shape_bytes(f"{t}[{d}]") for t, d in _ARRAY.findall(ins.shape) if d]
+        return 2 * min(arrays) if arrays else out
+    if root in _SLICES:
+        return 2 * out
+    if root in _UPDATES and operands and out == max(operands):
+        return 2 * (sum(operands) - max(operands))
+    if ins.opcode == "fusion":
+        operands = _fusion_reads(ins, computations, sizes)
+    return out + sum(operands)
+
+
 def hlo_ops(text: str, top: int = 12) -> HloOps:
     """The ops of an optimized HLO module's text (module docstring): the `top` largest
     labels by bytes, every collective, the Mosaic kernel calls and the loops."""
@@ -191,7 +262,7 @@ def hlo_ops(text: str, top: int = 12) -> HloOps:
             if ins.opcode in _NO_BYTES or ins.opcode == "conditional":
                 continue
             label = _label(ins, computations)
-            moved = shape_bytes(ins.shape) + sum(sizes.get(o, 0) for o in ins.operands)
+            moved = _moved(ins, label, sizes, computations)
             by_label[label] += moved * times
             counts[label] += times
             if label == "custom-call(tpu_custom_call)":

@@ -35,7 +35,12 @@ class NoTpuCompiler(RuntimeError):
 
 
 def topology_devices(name: str) -> list[Any]:
-    """The compile-only TPU devices of topology `name` (module docstring)."""
+    """The compile-only TPU devices of topology `name` (module docstring). libtpu's
+    lock file (one process per TPU host) is waived: compile-only devices own no chip, so
+    several processes (a doctor beside a test run) may compile at once."""
+    import os
+
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     from jax.experimental import topologies
 
     try:

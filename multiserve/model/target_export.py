@@ -37,10 +37,16 @@ TARGET_ATTENTION = {"cuda": "pallas_gpu", "tpu": "pallas_tpu"}  # jax.export pla
 PALLAS_CALL_TARGET = {"cuda": "__gpu$xla.gpu.triton", "tpu": "tpu_custom_call"}
 
 
-def target_plan(workload: Workload, platform: str) -> InvariancePlan:
+def target_plan(workload: Workload, platform: str, tied_head: bool = False) -> InvariancePlan:
     """The plan an engine of `workload` starts from on `platform` ("cuda" or "tpu"), before
-    its device calibrates it (module docstring)."""
-    products = tuple(ProductPlan(u.name, u.k, u.n, tuple((m, Formulation("plain", m))
+    its device calibrates it (module docstring). Every product reads its weights in the
+    canonical layout, once: the layer matrices W [in, out] by the plain product, from
+    static slices of their stacks (`layer_copies` off), and a head tied to the embedding
+    (`tied_head`) by the NT product against the embedding [V, D] itself."""
+    def kernel(name: str) -> str:
+        return "nt" if name == "head" and tied_head else "plain"
+
+    products = tuple(ProductPlan(u.name, u.k, u.n, tuple((m, Formulation(kernel(u.name), m))
                                                           for m in u.sizes))
                      for u in workload.products)
     row_sums = tuple(RowSumPlan(width, tuple((m, m) for m in counts))
@@ -50,7 +56,7 @@ def target_plan(workload: Workload, platform: str) -> InvariancePlan:
                               TARGET_ATTENTION[platform])
     return InvariancePlan(products, row_sums, attention, verified=False, problems=(
         f"not calibrated: no {platform} device here; products and row sums are probed "
-        "on the device (plain shown)",))
+        "on the device (plain shown)",), layer_copies=False)
 
 
 @dataclass(frozen=True)

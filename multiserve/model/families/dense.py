@@ -230,12 +230,18 @@ class DenseFamily:
 
         if plan is None:
             return with_transposed(params, cfg, stacked_t=True)
+        kernels = plan_kernels(plan, LAYER_MATRICES)
+        # without per-layer copies the unrolled decoder reads the stacks too
+        stacks = not plan.layer_copies
         return with_transposed(params, cfg,
-                               stacked_t=scan_needs_transposes(plan, cfg, token_sizes),
-                               kernels=plan_kernels(plan, LAYER_MATRICES),
+                               stacked_t=(scan_needs_transposes(plan, cfg, token_sizes)
+                                          or (stacks and "nt" in kernels)),
+                               kernels=kernels,
                                head_kernels=plan_kernels(plan, ("head",)),
                                fused=fused_groups(plan, tuple(token_sizes)),
-                               stacked_plain=scan_needs_plain(plan, tuple(token_sizes)))
+                               stacked_plain=(scan_needs_plain(plan, tuple(token_sizes))
+                                              or (stacks and "plain" in kernels)),
+                               layer_copies=plan.layer_copies)
 
     def params_to_hold(self, params: dict[str, Any], compute: dict[str, Any]
                        ) -> dict[str, Any]:

@@ -194,15 +194,21 @@ def attention_block(x: jax.Array, kv: KVPool, layer: int | jax.Array,
 
 
 def layer_weights(layer: dict[str, jax.Array], num_tokens: int, plan: InvariancePlan,
-                   cfg: ModelConfig, stacked: dict[str, jax.Array]
-                   ) -> dict[str, jax.Array | None]:
+                   cfg: ModelConfig, stacked: dict[str, jax.Array],
+                   index: int | None = None) -> dict[str, jax.Array | None]:
     """One layer's params for a T-token step: of each matrix only the layout the plan's
-    kernel uses at this T (`<name>` or `<name>_t` from `layer`; the native kernel's panels
-    `<name>_p` are the whole stack from `stacked`: the kernel indexes the layer); the
-    others are None, so the program does not take them as inputs."""
-    out: dict[str, jax.Array | None] = {k: v for k, v in layer.items()
-                                        if not any(k == base + sfx for base in LAYER_MATRICES
-                                                   for sfx in LAYOUT_SUFFIX.values())}
+    kernel uses at this T (`<name>` or `<name>_t` from `layer`, or where the plan keeps no
+    per-layer copies (`layer_copies` off) the static slice `index` of its stack; the
+    native kernel's panels `<name>_p` are the whole stack from `stacked`: the kernel
+    indexes the layer); the others are None, so the program does not take them as
+    inputs."""
+    def matrix(k: str) -> bool:
+        return any(k == base + sfx for base in LAYER_MATRICES for sfx in LAYOUT_SUFFIX.values())
+
+    out: dict[str, jax.Array | None] = {k: v for k, v in layer.items() if not matrix(k)}
+    if index is not None:  # no per-layer copies: the norms and biases from their stacks
+        out.update({k: v[index] for k, v in stacked.items()
+                    if not matrix(k) and k not in out and not k.endswith("_p")})
     for group in FUSED_GROUPS:
         out[f"{group}_p"] = stacked.get(f"{group}_p")  # whole stack; None: not fused
     together = {m for g, ms in FUSED_GROUPS.items() if out[f"{g}_p"] is not None for m in ms}
@@ -214,12 +220,16 @@ def layer_weights(layer: dict[str, jax.Array], num_tokens: int, plan: Invariance
         kernel = plan.product(base).formulation(num_tokens).kernel
         used = base + LAYOUT_SUFFIX[kernel]
         source = stacked if kernel == "native" else layer
-        assert used in source, (f"the plan's {used} layout is missing from the compute "
-                                "params (with_transposed(kernels=plan_kernels(plan, "
-                                "LAYER_MATRICES)); the scanned decoder's NT product also "
-                                "needs stacked_t=True)")
+        if used in source:
+            value = source[used]
+        else:
+            assert index is not None and used in stacked, (
+                f"the plan's {used} layout is missing from the compute params "
+                "(with_transposed(kernels=plan_kernels(plan, LAYER_MATRICES)); the scanned "
+                "decoder's NT product, or no per-layer copies, also needs stacked_t=True)")
+            value = stacked[used][index]  # a static slice: read in place (layer_copies)
         for sfx in LAYOUT_SUFFIX.values():
-            out[base + sfx] = source[used] if base + sfx == used else None
+            out[base + sfx] = value if base + sfx == used else None
     return out
 
 
@@ -269,7 +279,7 @@ def forward_hidden(params: Params, kv_pool: KVPool, batch: ForwardBatch, cfg: Mo
     if not scans(plan, num_tokens):
         for index, layer in enumerate(params["layers"]):
             x, kv_pool = _layer(x, kv_pool, index,
-                                layer_weights(layer, num_tokens, plan, cfg, stacked),
+                                layer_weights(layer, num_tokens, plan, cfg, stacked, index),
                                 batch, cos, sin, cfg, page_size=page_size,
                                 attn_block_size=attn_block_size, plan=plan,
                                 adapt=adapter(index), tp=tp)
@@ -282,7 +292,8 @@ def forward_hidden(params: Params, kv_pool: KVPool, batch: ForwardBatch, cfg: Mo
         # of every such matrix written at every step). A switch over the layer's static
         # slices copies only that layer, the same bytes.
         switched = {k: v for k, v in weights.items()
-                    if k not in in_place and v is not None and v.dtype == jnp.bfloat16}
+                    if k not in in_place and v is not None and v.dtype == jnp.bfloat16
+                    and plan.layer_copies}  # XLA:CPU's; an accelerator slices in place
         sliced = {k: v for k, v in weights.items()
                   if k not in in_place and k not in switched}
         by_layer = [lambda i=i: {k: v[i] for k, v in switched.items()}

@@ -192,7 +192,8 @@ def _choose(workload: Workload, device: Any, distort: Distort | None, memo: bool
                                     for t, c in sorted(sel.choice.items())), shared, kernel,
                               interpret and kernel != "xla")
     plan = InvariancePlan(tuple(products), tuple(row_sums), attention,
-                          verified=not problems, problems=tuple(problems))
+                          verified=not problems, problems=tuple(problems),
+                          layer_copies=device.platform == "cpu")
     return plan, table
 
 

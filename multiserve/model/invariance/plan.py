@@ -133,6 +133,12 @@ class InvariancePlan:
     attention: AttentionPlan
     verified: bool
     problems: tuple[str, ...] = ()
+    # Whether the backend's compiler copies a slice of a stacked weight (XLA:CPU does:
+    # docs/performance.md §6), so the unrolled decoder reads per-layer copies of the layer
+    # matrices and the scanned one switches over a bfloat16 stack's static slices. False
+    # (an accelerator, which reads a slice in place): both decoders read slices of the
+    # stacked canonical matrices, each matrix held once (llama.py, primitives.py)
+    layer_copies: bool = True
 
     def product(self, name: str) -> ProductPlan:
         for p in self.products:
@@ -152,6 +158,7 @@ class InvariancePlan:
         return {
             "verified": self.verified,
             "problems": list(self.problems),
+            "layer_copies": self.layer_copies,
             "products": [{"name": p.name, "k": p.k, "n": p.n,
                           "by_rows": [[m, f.kernel, f.rows] for m, f in p.by_rows]}
                          for p in self.products],
@@ -176,7 +183,8 @@ class InvariancePlan:
                                     bool(d["attention"]["shared_keys"]),
                                     str(d["attention"].get("kernel", "xla")),
                                     bool(d["attention"].get("interpret", False))),
-            verified=bool(d["verified"]), problems=tuple(d.get("problems", ())))
+            verified=bool(d["verified"]), problems=tuple(d.get("problems", ())),
+            layer_copies=bool(d.get("layer_copies", True)))
 
 
 @dataclass(frozen=True)

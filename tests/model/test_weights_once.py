@@ -1,0 +1,83 @@
+"""Weights held once (InvariancePlan.layer_copies off: an accelerator's plan): the compute
+params hold no per-layer copy of a layer matrix and no copy of the head (a tied head is
+the NT product against the embedding itself), the bytes an engine holds are the
+checkpoint's, and the forward, unrolled and scanned, gives bitwise the logits and K/V of
+the plan with per-layer copies (XLA:CPU's), on a mixed step of prefill chunks and decode
+rows. Run here on the CPU with XLA's products, as a TPU runs them."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from model_helpers import TINY_LLAMA, forward_program, products_on
+
+from multiserve.model.abstract_params import abstract_params
+from multiserve.model.families import family_for
+from multiserve.model.invariance.calibration import default_plan
+from multiserve.model.invariance.plan import Formulation
+from multiserve.model.invariance.primitives import LAYER_MATRICES
+from multiserve.model.layers.forward_batch import ForwardBatch
+from multiserve.model.layers.kv_pool import make_kv_pool
+from multiserve.model.loading.param_layout import init_random_params
+
+PAGE, BLOCK, WIDTH = 4, 8, 40  # WIDTH: pages per sequence
+PAGES = 1 + 3 * WIDTH
+
+
+def _plan(cfg, copies: bool):  # type: ignore[no-untyped-def]
+    """XLA's products (plain; a tied head NT), with or without per-layer copies."""
+    plan = products_on(default_plan(cfg), "plain")
+    if cfg.tie_word_embeddings:
+        plan = replace(plan, products=tuple(
+            replace(p, by_rows=tuple((m, Formulation("nt", m)) for m, _ in p.by_rows))
+            if p.name == "head" else p for p in plan.products))
+    return replace(plan, layer_copies=copies)
+
+
+def _step(tokens: int) -> ForwardBatch:
+    """A mixed step: a prefill chunk of sequence 0 (positions 0..tokens-3) and decode rows
+    of sequences 1 and 2 (positions 9 and 17); each sequence on its own pages."""
+    n = tokens - 2
+    seq = np.array([0] * n + [1, 2], np.int32)
+    pos = np.array(list(range(n)) + [9, 17], np.int32)
+    table = 1 + WIDTH * np.arange(3, dtype=np.int32)[:, None] + np.arange(WIDTH, dtype=np.int32)
+    slots = table[seq, pos // PAGE] * PAGE + pos % PAGE
+    return ForwardBatch(input_ids=jnp.asarray((np.arange(tokens) * 7) % 256, jnp.int32),
+                        positions=jnp.asarray(pos), token_seq=jnp.asarray(seq),
+                        out_slots=jnp.asarray(slots, jnp.int32),
+                        page_table=jnp.asarray(table),
+                        seq_lens=jnp.asarray([n, 10, 18], jnp.int32),
+                        logit_rows=jnp.asarray([n - 1, n, n + 1], jnp.int32))
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_one_layout_per_matrix_and_the_same_bits(tied: bool) -> None:
+    cfg = replace(TINY_LLAMA, tie_word_embeddings=tied)
+    family = family_for(cfg)
+    params = jax.device_put(init_random_params(cfg, seed=5, scale=0.3))
+    once, copies = _plan(cfg, False), _plan(cfg, True)
+    sizes = (8, 128)  # 8 tokens unrolled, 128 scanned (llama.UNROLL_MAX_TOKENS)
+    lean = family.compute_params(params, cfg, once, sizes)
+    full = family.compute_params(params, cfg, copies, sizes)
+    assert all(m not in layer and f"{m}_t" not in layer
+               for layer in lean["layers"] for m in LAYER_MATRICES)
+    assert all(lean["stacked_layers"][m] is params["layers"][m] for m in LAYER_MATRICES)
+    assert lean["head_w" if tied else "head_wt"] is None  # no transposed head
+    held = abstract_params(cfg, "float32", once)
+    assert held.held_bytes == held.checkpoint_bytes
+    assert abstract_params(cfg, "float32", copies).held_bytes > 1.5 * held.checkpoint_bytes
+    fwd = forward_program(jnp.float32)
+    for tokens in sizes:
+        assert family.scans(once, tokens) == (tokens == 128)
+        outs = []
+        for plan, compute in ((once, lean), (copies, full)):
+            pool = make_kv_pool(cfg, PAGES, PAGE, jnp.float32)
+            logits, pool = fwd(compute, pool, _step(tokens), cfg=cfg, page_size=PAGE,
+                               attn_block_size=BLOCK, plan=plan)
+            outs.append([np.asarray(a) for a in (logits, pool.k, pool.v)])
+        for a, b in zip(*outs, strict=True):
+            assert a.tobytes() == b.tobytes()
