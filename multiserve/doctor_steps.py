@@ -73,11 +73,12 @@ def step_programs(cfg: ModelConfig, dtype: str, plan: InvariancePlan, ec: Engine
         step_tree,
     )
     from multiserve.model.families import family_for
-    from multiserve.model.layers.kv_pool import KVPool
+    from multiserve.model.layers.kv_pool import KVPool, pool_layout, pool_shape
     from multiserve.model.sharding import kv_pool_sharding
 
     replicated = NamedSharding(mesh, PartitionSpec())
-    kv_sharding = kv_pool_sharding(cfg, mesh)
+    layout = pool_layout(plan.attention.kernel)
+    kv_sharding = kv_pool_sharding(cfg, mesh, layout)
     max_rows = max(ec.precompile_bs_paddings)
     family = family_for(cfg)
     fns = StepFunctions(family, cfg, plan, ec.page_size, ec.attention_block_size, max_rows,
@@ -88,10 +89,9 @@ def step_programs(cfg: ModelConfig, dtype: str, plan: InvariancePlan, ec: Engine
         return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
                                                            sharding=replicated), tree)
 
-    pool = jax.ShapeDtypeStruct(
-        (cfg.num_layers, cfg.num_kv_heads, num_pages * ec.page_size, cfg.head_dim), dt,
-        sharding=kv_sharding)
-    kv = KVPool(k=pool, v=pool)
+    pool = jax.ShapeDtypeStruct(pool_shape(cfg, num_pages * ec.page_size, layout), dt,
+                                sharding=kv_sharding)
+    kv = KVPool(k=pool, v=pool, layout=layout)
     prev = jax.ShapeDtypeStruct((max_rows,), jnp.int32, sharding=replicated)
     hidden = jax.ShapeDtypeStruct((max_rows, cfg.hidden_size), dt, sharding=replicated)
     row_ids = jax.ShapeDtypeStruct((max_rows,), jnp.int32, sharding=replicated)

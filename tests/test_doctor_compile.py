@@ -1,14 +1,23 @@
 """`multiserve doctor --target tpu --compile` (doctor_compile.py): the engine's step
 programs compiled by the real TPU compiler (libtpu, installed by the test extra) for
 compile-only v5e and v6e chips from this CPU, and what the compiled programs say they
-hold and move. A small model (2 layers, 8 heads / 4 KV of 64: the 1B shape's head
-width) and few buckets keep it to seconds a program; the report's fields are the
-compiler's own figures, so these tests fail on any compile error and on a program that
-stops donating its pool or sums a float across chips."""
+hold and move. The model is four layers of the 1B shape (bench/random_model.py '1b':
+hidden 2048, MLP 8192, 32 / 8 heads of 64) with a small vocabulary, and few buckets keep
+it to seconds a program; the report's figures are the compiler's own, so these tests
+fail on any compile error, on a program that stops donating its pool, holds a weight
+twice, sums a float across chips, or moves more than twice its floor.
+
+The margin: the goal is 1.3x the floor for the 1B shape (16 layers), which `doctor
+--compile` measures at 1.03-1.09x for decode at 1, 16 and 64 rows (docs/performance.md
+§31). At four layers XLA:TPU still routes some layers' weights through VMEM copies
+(`slice-start`, `ConcatBitcast`, `copy-start` in the report's ops), which it counts as
+bytes moved: 1.2-1.9x here, so 2.0x is the bound of these small programs; a pool copied
+or padded once a step (the old layout: 10-23x) fails it by far."""
 
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -16,28 +25,33 @@ import pytest
 from multiserve.config import EngineConfig, ModelConfig
 from multiserve.doctor_compile import compile_model, print_compile_report
 
-SMALL = ModelConfig(architecture="llama", vocab_size=4096, hidden_size=512,
-                    intermediate_size=1024, num_layers=2, num_heads=8, num_kv_heads=4,
+SMALL = ModelConfig(architecture="llama", vocab_size=4096, hidden_size=2048,
+                    intermediate_size=8192, num_layers=4, num_heads=32, num_kv_heads=8,
                     head_dim=64, tie_word_embeddings=True)
 EC = EngineConfig(precompile_token_paddings=(1, 16, 64), precompile_bs_paddings=(1, 16),
                   max_running_requests=16, chunked_prefill_size=64)
-KV_PAGES = 1025  # 16 rows at the 1024-token context of the floors, and page 0
+# 16 rows at the 1024-token context of the floors, 8x over: a pool small enough for
+# VMEM would be copied there whole, which no engine's pool is
+KV_PAGES = 8193
+RATIO = 2.0  # the floors' bound for these programs (module docstring)
 KINDS = {"TPU v5 lite": "v5e:2x2", "TPU v6 lite": "v6e:2x2"}
 
 
 @functools.cache
-def _report(topology: str, tp: int, which: tuple[tuple[str, int], ...]) -> dict[str, Any]:
-    return compile_model("small", SMALL, "bfloat16", topology, tp, ec=EC, kv_pages=KV_PAGES,
-                         which=list(which))
+def _report(topology: str, tp: int, which: tuple[tuple[str, int], ...],
+            layers: int = SMALL.num_layers) -> dict[str, Any]:
+    return compile_model("small", replace(SMALL, num_layers=layers), "bfloat16", topology,
+                         tp, ec=EC, kv_pages=KV_PAGES, which=list(which))
 
 
 def _program(report: dict[str, Any], kind: str, size: int) -> dict[str, Any]:
     return next(p for p in report["programs"] if (p["kind"], p["size"]) == (kind, size))
 
 
-# every kind on v5e; a decode forward and the fused step on v6e
+# every kind on v5e (the fused and several-step programs hold the head and sampler); a
+# decode forward on v6e
 PROGRAMS = {"v5e:2x2": (("forward", 1), ("forward", 16), ("fused", 16), ("multi", 16)),
-            "v6e:2x2": (("forward", 16), ("fused", 16))}
+            "v6e:2x2": (("forward", 16), ("forward", 64))}
 
 
 @pytest.mark.parametrize("topology", sorted(PROGRAMS))
@@ -58,17 +72,20 @@ def test_step_programs_compile_for_the_tpu(topology: str) -> None:
         assert h["fits"] is True
         assert p["bytes_accessed"] > 0 and p["flops"] > 0 and p["floor"] > 0
         assert p["ratio"] == pytest.approx(p["bytes_accessed"] / p["floor"], rel=1e-3)
+        assert p["ratio"] <= RATIO, (p["kind"], p["size"], p["ratio"], p["top_ops"][:4])
         assert p["top_ops"] and p["top_ops"][0]["bytes"] >= p["top_ops"][-1]["bytes"]
-    # an unrolled decoder: one Mosaic attention kernel per layer
-    assert _program(report, "forward", 16)["pallas_calls"] == SMALL.num_layers
-    assert _program(report, "forward", 16)["scanned"] is False
+    # an unrolled decoder: one Mosaic attention kernel per layer, every kernel carrying
+    # its cost estimate (the compiler's count covers the kernels: it is above the weights)
+    forward = _program(report, "forward", 16)
+    assert forward["pallas_calls"] == SMALL.num_layers and forward["scanned"] is False
+    assert forward["bytes_accessed"] >= forward["floor"]
 
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_tensor_parallel_programs_compile_without_float_sums(tp: int) -> None:
     """Over 2 and 4 v5e chips (attention split: 4 KV heads divide): the Pallas kernel runs
     in a shard_map, and the collectives are gathers and the embedding's integer sum."""
-    report = _report("v5e:2x2", tp, (("forward", 16), ("fused", 16)))
+    report = _report("v5e:2x2", tp, (("forward", 16),), layers=2)
     assert report["compiled"], [p["error"] for p in report["programs"]]
     assert report["kv"]["bytes_per_chip"] * tp == report["kv"]["bytes"]
     assert report["params"]["held_bytes_per_chip"] < report["params"]["held_bytes"]
@@ -80,9 +97,9 @@ def test_tensor_parallel_programs_compile_without_float_sums(tp: int) -> None:
 
 
 def test_compile_report_text(capsys: pytest.CaptureFixture[str]) -> None:
-    report = _report("v5e:2x2", 4, (("forward", 16), ("fused", 16)))
+    report = _report("v5e:2x2", 4, (("forward", 16),), layers=2)
     print_compile_report({"topology": "v5e:2x2", "tp": 4, "host_platform": "cpu",
                           "jax": "?", "models": [report], "compiled": report["compiled"]})
     out = capsys.readouterr().out
     assert "TPU v5 lite x4" in out and "COMPILED: True" in out
-    assert out.count("ratio ") == 2 and "all-gather bf16 x" in out
+    assert out.count("ratio ") == 1 and "all-gather bf16 x" in out

@@ -60,8 +60,11 @@ def shard_params(params: dict[str, Any], cfg: ModelConfig, mesh: Mesh,
     return jax.device_put(params, param_shardings(cfg, mesh, moe_sharding))
 
 
-def kv_pool_sharding(cfg: ModelConfig, mesh: Mesh) -> NamedSharding:
-    """Sharding of each of KVPool.k / .v ([L, KV, slots, hd]): KV heads over "tensor" when
-    attention is sharded, else replicated."""
-    spec = P(None, AXIS, None, None) if attention_sharded(cfg, mesh) else P()
-    return NamedSharding(mesh, spec)
+def kv_pool_sharding(cfg: ModelConfig, mesh: Mesh, layout: str = "heads") -> NamedSharding:
+    """Sharding of each of KVPool.k / .v (layers/kv_pool.py: "heads" [L, KV, slots, hd],
+    "lanes" [L, slots, KV * hd]): KV heads over "tensor" when attention is sharded (each
+    device a contiguous run of heads' lanes in "lanes"), else replicated."""
+    if not attention_sharded(cfg, mesh):
+        return NamedSharding(mesh, P())
+    return NamedSharding(mesh, P(None, None, AXIS) if layout == "lanes"
+                         else P(None, AXIS, None, None))

@@ -23,7 +23,7 @@ from multiserve.model.families import family_for
 from multiserve.model.families.forward import forward
 from multiserve.model.layers.forward_batch import ForwardBatch
 from multiserve.model.invariance.plan import InvariancePlan
-from multiserve.model.layers.kv_pool import make_kv_pool
+from multiserve.model.layers.kv_pool import make_kv_pool, pool_layout
 from multiserve.model.invariance.primitives import is_compute_params
 from multiserve.model.invariance.xla_options import step_options
 
@@ -85,7 +85,8 @@ def greedy_token_ids(params: Any, cfg: ModelConfig, prompt_ids: Sequence[int],
     total = len(prompt_ids) + max_new_tokens
     num_pages = -(-total // page_size)
     pages = np.arange(1, num_pages + 1, dtype=np.int32)  # page 0 is the garbage page
-    kv = make_kv_pool(cfg, num_pages + 1, page_size, dtype)
+    kv = make_kv_pool(cfg, num_pages + 1, page_size, dtype,
+                      layout=pool_layout(plan.attention.kernel))
     step = _step_program(jax.devices()[0].platform, str(jnp.dtype(dtype)))
     run = partial(step, cfg=cfg, page_size=page_size, attn_block_size=attn_block_size,
                   plan=plan)

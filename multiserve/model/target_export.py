@@ -95,17 +95,18 @@ def export_forward(cfg: ModelConfig, dtype: Any, platform: str, plan: Invariance
     """`jax.export` of the forward of one step (`tokens` new tokens, `rows` logit rows, a
     page table of `rows` sequences x `max_pages`) for `platform`, on abstract params in
     `dtype` and a pool of `num_pages` pages. A lowering error is returned, not raised."""
+    from multiserve.model.abstract_params import abstract_params
     from multiserve.model.families import family_for
     from multiserve.model.families.forward import forward
     from multiserve.model.layers.forward_batch import ForwardBatch
-    from multiserve.model.layers.kv_pool import KVPool
-
-    from multiserve.model.abstract_params import abstract_params
+    from multiserve.model.layers.kv_pool import KVPool, pool_layout, pool_shape
 
     dt = jnp.dtype(dtype)
     params = abstract_params(cfg, dt, plan).compute
-    pool_shape = (cfg.num_layers, cfg.num_kv_heads, num_pages * page_size, cfg.head_dim)
-    pool = KVPool(k=jax.ShapeDtypeStruct(pool_shape, dt), v=jax.ShapeDtypeStruct(pool_shape, dt))
+    layout = pool_layout(plan.attention.kernel)
+    shape = pool_shape(cfg, num_pages * page_size, layout)
+    pool = KVPool(k=jax.ShapeDtypeStruct(shape, dt), v=jax.ShapeDtypeStruct(shape, dt),
+                  layout=layout)
     i32 = np.int32
     batch = ForwardBatch(*(jax.ShapeDtypeStruct(s, i32) for s in (
         (tokens,), (tokens,), (tokens,), (tokens,), (rows, max_pages), (rows,), (rows,))))

@@ -17,7 +17,7 @@ from multiserve.model.invariance.calibration import default_plan
 from multiserve.model.families import family_for
 from multiserve.model.families.forward import forward
 from multiserve.model.layers.forward_batch import ForwardBatch
-from multiserve.model.layers.kv_pool import make_kv_pool
+from multiserve.model.layers.kv_pool import make_kv_pool, pool_layout
 from multiserve.model.invariance.primitives import is_compute_params
 from multiserve.model.invariance.xla_options import step_options
 
@@ -91,13 +91,15 @@ class PagedSim:
         self.cfg = cfg
         self.ps, self.bs, self.max_pages = page_size, block_size, max_pages
         dtype = self.params["embed"].dtype
-        self.kv = make_kv_pool(cfg, num_pages, page_size, dtype, sharding=kv_sharding)
-        rng = np.random.default_rng(seed)
-        self.free = [int(p) for p in rng.permutation(np.arange(1, num_pages))]  # not page 0
-        self.seqs: dict[str, Seq] = {}
         # the plan of a default engine on this machine, unless the test gives one
         self.plan = plan if plan is not None else default_plan(
             cfg, dtype, page_size=page_size, block_size=block_size)
+        # the pool in the layout the plan's attention kernel reads (kv_pool.py)
+        self.kv = make_kv_pool(cfg, num_pages, page_size, dtype, sharding=kv_sharding,
+                               layout=pool_layout(self.plan.attention.kernel))
+        rng = np.random.default_rng(seed)
+        self.free = [int(p) for p in rng.permutation(np.arange(1, num_pages))]  # not page 0
+        self.seqs: dict[str, Seq] = {}
         self.fwd = partial(forward_program(dtype), cfg=cfg, page_size=page_size,
                            attn_block_size=block_size, plan=self.plan, tp=tp)
 

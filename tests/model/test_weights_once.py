@@ -1,9 +1,9 @@
 """Weights held once (InvariancePlan.layer_copies off: an accelerator's plan): the compute
 params hold no per-layer copy of a layer matrix and no copy of the head (a tied head is
 the NT product against the embedding itself), the bytes an engine holds are the
-checkpoint's, and the forward, unrolled and scanned, gives bitwise the logits and K/V of
-the plan with per-layer copies (XLA:CPU's), on a mixed step of prefill chunks and decode
-rows. Run here on the CPU with XLA's products, as a TPU runs them."""
+checkpoint's, and the forward (unrolled at every size) gives bitwise the logits and K/V
+of the plan with per-layer copies (XLA:CPU's: unrolled, then scanned), on a mixed step of
+prefill chunks and decode rows. Run here on the CPU with XLA's products, as a TPU runs them."""
 
 from __future__ import annotations
 
@@ -60,7 +60,9 @@ def test_one_layout_per_matrix_and_the_same_bits(tied: bool) -> None:
     family = family_for(cfg)
     params = jax.device_put(init_random_params(cfg, seed=5, scale=0.3))
     once, copies = _plan(cfg, False), _plan(cfg, True)
-    sizes = (8, 128)  # 8 tokens unrolled, 128 scanned (llama.UNROLL_MAX_TOKENS)
+    # without copies the decoder is unrolled at every size (an accelerator's); with them
+    # (XLA:CPU's) 128 tokens scan (llama.UNROLL_MAX_TOKENS): both forms, the same bits
+    sizes = (8, 128)
     lean = family.compute_params(params, cfg, once, sizes)
     full = family.compute_params(params, cfg, copies, sizes)
     assert all(m not in layer and f"{m}_t" not in layer
@@ -72,7 +74,8 @@ def test_one_layout_per_matrix_and_the_same_bits(tied: bool) -> None:
     assert abstract_params(cfg, "float32", copies).held_bytes > 1.5 * held.checkpoint_bytes
     fwd = forward_program(jnp.float32)
     for tokens in sizes:
-        assert family.scans(once, tokens) == (tokens == 128)
+        assert not family.scans(once, tokens)
+        assert family.scans(copies, tokens) == (tokens == 128)
         outs = []
         for plan, compute in ((once, lean), (copies, full)):
             pool = make_kv_pool(cfg, PAGES, PAGE, jnp.float32)

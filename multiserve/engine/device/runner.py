@@ -79,7 +79,7 @@ from multiserve.model.invariance.calibration import calibrate
 from multiserve.model.invariance.plan import Calibration, InvariancePlan
 from multiserve.model.invariance.workload import workload_for
 from multiserve.model.invariance.xla_options import step_options
-from multiserve.model.layers.kv_pool import KVPool, make_kv_pool
+from multiserve.model.layers.kv_pool import KVPool, make_kv_pool, pool_layout
 from multiserve.model.layers.lora import native_lora
 from multiserve.model.lora_layout import b_panels, lora_b_panel_shapes, lora_buffer_shapes
 from multiserve.model.sharding import kv_pool_sharding, make_mesh, shard_params
@@ -146,7 +146,9 @@ class Runner:
         self.huge_pages_thread: threading.Thread | None = None
         self.params = shard_params(cast_params(params_host, dtype), model_cfg, self.mesh,
                                    cfg.moe_sharding)
-        kv_sharding = kv_pool_sharding(model_cfg, self.mesh)
+        # the pool in the layout the plan's attention kernel reads in place
+        self.kv_layout = pool_layout(self.plan.attention.kernel)
+        kv_sharding = kv_pool_sharding(model_cfg, self.mesh, self.kv_layout)
         # the LoRA adapter buffers (None: no LoRA), slot 0 all zeros
         self.lora: dict[str, jax.Array] | None = None
         if cfg.max_loras_per_batch > 0:
@@ -165,7 +167,7 @@ class Runner:
                                       model_cfg, cfg.max_loras_per_batch + 1,
                                       cfg.max_lora_rank).items()})
         self.kv: KVPool | None = make_kv_pool(model_cfg, num_pages, cfg.page_size, dtype,
-                                              sharding=kv_sharding)
+                                              sharding=kv_sharding, layout=self.kv_layout)
         self._prev_ids: jax.Array | None = None
         self.reset_prev_ids()
         self._sampling = SamplingBatches(model_cfg.vocab_size, self.replicated)

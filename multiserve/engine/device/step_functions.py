@@ -52,7 +52,7 @@ from multiserve.engine.sampling import sampler as sampling
 from multiserve.model.families.base import ModelFamily
 from multiserve.model.invariance.plan import InvariancePlan
 from multiserve.model.layers.forward_batch import ForwardBatch
-from multiserve.model.layers.kv_pool import KVPool
+from multiserve.model.layers.kv_pool import KVPool, pool_layout
 from multiserve.model.tensor_parallel import TensorParallel
 
 
@@ -75,7 +75,8 @@ class StepFunctions:
         self.replicated = replicated
         # several devices: the forward sums no float across them (model/tensor_parallel.py)
         self.tp = TensorParallel.of(replicated.mesh, model_cfg)
-        kv_out = KVPool(k=kv_sharding, v=kv_sharding)
+        kv_out = KVPool(k=kv_sharding, v=kv_sharding,
+                        layout=pool_layout(plan.attention.kernel))
         # explicit output shardings: warm-up lowers the heads from abstract inputs that
         # must match what a forward really returns
         self.forward = jax.jit(

@@ -44,7 +44,7 @@ import numpy as np
 from multiserve.engine.rl.checks import LeafPath
 from multiserve.engine.rl.weights import WeightManager
 from multiserve.model.families.base import get_leaf
-from multiserve.model.layers.kv_pool import KVPool, make_kv_pool
+from multiserve.model.layers.kv_pool import KVPool, make_kv_pool, read_slots, write_slots
 from multiserve.model.sharding import kv_pool_sharding
 from multiserve.types import MEMORY_TAGS, ControlResult
 
@@ -55,7 +55,7 @@ if TYPE_CHECKING:
 @dataclass
 class _PreservedKV:
     pages: np.ndarray  # page ids, ascending
-    k: np.ndarray  # [L, kv_heads, len(pages) * page_size, head_dim]
+    k: np.ndarray  # every layer's (and head's) slots of the pages (kv_pool.read_slots)
     v: np.ndarray
 
     @property
@@ -72,7 +72,8 @@ class MemoryManager:
         self.core = core
         self.weights = weights
         runner = core.runner  # read for its fixed settings only
-        self.kv_sharding = kv_pool_sharding(core.model_cfg, runner.mesh)
+        self.kv_layout = runner.kv_layout
+        self.kv_sharding = kv_pool_sharding(core.model_cfg, runner.mesh, self.kv_layout)
         self.replicated = runner.replicated
         self.num_pages, self.dtype = runner.num_pages, runner.dtype
         self.host_params: Any = None
@@ -123,8 +124,8 @@ class MemoryManager:
             slots = (pages[:, None] * ps + np.arange(ps)).reshape(-1)
             kv = core.kv_pool
             assert kv is not None
-            self.preserved = _PreservedKV(pages, np.array(kv.k[:, :, slots], copy=True),
-                                          np.array(kv.v[:, :, slots], copy=True))
+            self.preserved = _PreservedKV(pages, read_slots(kv.k, kv.layout, slots),
+                                          read_slots(kv.v, kv.layout, slots))
             out["preserved_requests"] = held.requests
             out["preserved_kv_pages"] = len(pages)
         else:
@@ -156,7 +157,7 @@ class MemoryManager:
             self.host_params = None
         if "kv_cache" in todo:
             kv = make_kv_pool(core.model_cfg, self.num_pages, core.page_size, self.dtype,
-                              sharding=self.kv_sharding)
+                              sharding=self.kv_sharding, layout=self.kv_layout)
             if self.preserved is not None:
                 kv = self._restore(kv, self.preserved)
                 details["restored_kv_pages"] = len(self.preserved.pages)
@@ -185,10 +186,12 @@ class MemoryManager:
         k, v = jax.device_put((saved.k, saved.v), self.kv_sharding)
         sh = self.kv_sharding
 
+        layout = kv.layout
+
         def put(pool_k: jax.Array, pool_v: jax.Array, s: jax.Array, nk: jax.Array,
                 nv: jax.Array) -> tuple[jax.Array, jax.Array]:
-            return pool_k.at[:, :, s].set(nk), pool_v.at[:, :, s].set(nv)
+            return write_slots(pool_k, layout, s, nk), write_slots(pool_v, layout, s, nv)
 
         fn = jax.jit(put, donate_argnums=(0, 1), out_shardings=(sh, sh))
         new_k, new_v = fn(kv.k, kv.v, slots_dev, k, v)
-        return type(kv)(k=new_k, v=new_v)
+        return kv.replace(k=new_k, v=new_v)

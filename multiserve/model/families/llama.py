@@ -234,10 +234,15 @@ def layer_weights(layer: dict[str, jax.Array], num_tokens: int, plan: Invariance
 
 
 def scans(plan: InvariancePlan, num_tokens: int) -> bool:
-    """Whether a T-token step runs the scanned decoder: above UNROLL_MAX_TOKENS, and at any
-    size where every layer matrix uses the native kernel (it reads its layer of the stack
-    in place, so a scan copies no weights: it runs as fast as the unrolled decoder and
-    compiles far quicker, docs/performance.md §6)."""
+    """Whether a T-token step runs the scanned decoder: on the CPU (`plan.layer_copies`)
+    above UNROLL_MAX_TOKENS, and at any size where every layer matrix uses the native
+    kernel (it reads its layer of the stack in place, so a scan copies no weights: it runs
+    as fast as the unrolled decoder and compiles far quicker, docs/performance.md §6). On
+    an accelerator never: its unrolled decoder copies nothing either, and the compiler's
+    cost analysis counts a loop body once, so only an unrolled program's count is the
+    step's (the TPU compile report's floors, doctor_compile.py)."""
+    if not plan.layer_copies:
+        return False
     return num_tokens > UNROLL_MAX_TOKENS or all(
         plan.product(base).formulation(num_tokens).kernel == "native"
         for base in LAYER_MATRICES)

@@ -47,6 +47,7 @@ from multiserve.model.kernels import native as native_kernels
 from multiserve.model.layers.attention import paged_attention
 from multiserve.model.layers.attention_pallas import KERNEL_PLATFORM, forced_kernel
 from multiserve.model.layers.forward_batch import ForwardBatch
+from multiserve.model.layers.kv_pool import pool_layout, to_lanes
 
 PAD_SIZES = (2, 4, 8, 16, 32, 64)  # extra row counts a small step may be padded to
 TIMING_RUNS = 3
@@ -351,6 +352,8 @@ class AttentionProbe:
         plan = AttentionPlan(((tokens, (chunk, padded)),), shared, kernel,
                              self.interpret and kernel.startswith("pallas"))
         table, k_pool, v_pool, num_seqs = self.table, self.k_pool, self.v_pool, self.num_seqs
+        if pool_layout(kernel) == "lanes":  # the same values in the kernel's layout
+            k_pool, v_pool = to_lanes(k_pool), to_lanes(v_pool)
 
         def attend_rows(qs: jax.Array, ps: jax.Array, ss: jax.Array) -> jax.Array:
             n = qs.shape[0]
