@@ -161,6 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--random-sizes", nargs="*", default=["1b"], dest="sizes",
                    help="with --compile: the random model shapes compiled besides --model "
                    "(bench/random_model.py sizes)")
+    d.add_argument("--programs", nargs="*", default=None, metavar="KIND:SIZE",
+                   help="with --compile: only these programs (forward:16 fused:64 "
+                   "logits:16 sampler:16 multi:16; default: every program of an engine)")
     d.set_defaults(func=_cmd_doctor)
     D = BENCH_DEFAULTS  # every flag's default: a field of BenchOptions (bench/options.py)
     b = sub.add_parser("bench", help="offline throughput on the default model")

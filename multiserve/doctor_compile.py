@@ -85,13 +85,14 @@ def compile_model(label: str, cfg: Any, dtype: str, topology: str, tp: int, *,
     ((kind, size) pairs; None: every program of an engine of `ec`, default EngineConfig())
     compiled for the first `tp` chips of `topology`."""
     import jax.numpy as jnp
+    import numpy as np
 
     from multiserve.config import EngineConfig
     from multiserve.doctor_steps import engine_programs, step_programs
     from multiserve.model.abstract_params import abstract_params, canonical_shapes
     from multiserve.model.invariance.workload import default_workload
     from multiserve.model.invariance.xla_options import step_options
-    from multiserve.model.layers.kv_pool import kv_bytes_per_token
+    from multiserve.model.layers.kv_pool import kv_bytes_per_token, pool_layout, pool_shape
     from multiserve.model.sharding import attention_sharded, make_mesh
     from multiserve.model.target_compile import compile_cost, topology_devices
     from multiserve.model.target_export import target_plan
@@ -119,7 +120,13 @@ def compile_model(label: str, cfg: Any, dtype: str, topology: str, tp: int, *,
         rows.append(_program_json(p, cost, _floor(cfg, dtype, p.kind, p.tokens, p.rows,
                                                   canonical, context, kv_shards),
                                   HBM_PER_CHIP.get(devices[0].device_kind)))
-    kv_total = kv_pages * ec.page_size * kv_bytes_per_token(cfg, dtype)
+    # what the pool holds in HBM: its values, and the zero lanes of a padded "lanes" row
+    # (kv_pool.lanes_width); the floors count the values
+    layout = pool_layout(plan.attention.kernel)
+    kv_total = 2 * int(np.prod(pool_shape(cfg, kv_pages * ec.page_size, layout,
+                                          attention_sharded(cfg, mesh)))) \
+        * jnp.dtype(dtype).itemsize
+    kv_values = kv_pages * ec.page_size * kv_bytes_per_token(cfg, dtype)
     return {
         "model": label, "dtype": dtype, "topology": topology,
         "device_kind": devices[0].device_kind, "tp": tp, "context": context,
@@ -132,16 +139,17 @@ def compile_model(label: str, cfg: Any, dtype: str, topology: str, tp: int, *,
                    "held_bytes": params.held_bytes,
                    "held_bytes_per_chip": params.held_bytes_per_chip},
         "kv": {"pages": kv_pages, "page_size": ec.page_size, "bytes": kv_total,
-               "bytes_per_chip": kv_total // kv_shards},
+               "values_bytes": kv_values, "bytes_per_chip": kv_total // kv_shards},
         "programs": rows,
         "compiled": all(r["compiled"] for r in rows)}
 
 
 def compile_report(model: str | None, dtype: str, topology: str, tp: int,
-                   context: int, sizes: tuple[str, ...]) -> dict[str, Any]:
+                   context: int, sizes: tuple[str, ...],
+                   which: list[tuple[str, int]] | None = None) -> dict[str, Any]:
     """`doctor --target tpu --compile`'s report: the model `model` names (None: the
     embedded default model) in `dtype` ("auto": as a TPU engine resolves it) and the random
-    shapes `sizes` in bfloat16."""
+    shapes `sizes` in bfloat16; the programs `which` (None: every program)."""
     import jax
 
     from multiserve.bench.random_model import SIZES
@@ -152,9 +160,11 @@ def compile_report(model: str | None, dtype: str, topology: str, tp: int,
     model_dir = resolve_model_dir(model)
     choice = choose_dtype(dtype, "tpu", None if model is None else model_dir, None, None)
     models = [compile_model(model or "the default model (SmolLM2-135M)",
-                            load_hf_config(model_dir), choice.dtype, topology, tp)]
+                            load_hf_config(model_dir), choice.dtype, topology, tp,
+                            context=context, which=which)]
     models += [compile_model(f"random {s} shape (bench/random_model.py {s!r})", SIZES[s],
-                             "bfloat16", topology, tp) for s in sizes]
+                             "bfloat16", topology, tp, context=context, which=which)
+               for s in sizes]
     return {"target": "tpu", "topology": topology, "tp": tp, "jax": jax.__version__,
             "host_platform": jax.devices()[0].platform, "models": models,
             "compiled": all(m["compiled"] for m in models)}
@@ -187,7 +197,10 @@ def print_compile_report(report: dict[str, Any]) -> None:
         print(f"params: checkpoint {_gb(p['checkpoint_bytes'])}, held "
               f"{_gb(p['held_bytes'])} ({p['held_bytes'] / p['checkpoint_bytes']:.2f}x), "
               f"{_gb(p['held_bytes_per_chip'])} per chip; KV pool {kv['pages']} pages of "
-              f"{kv['page_size']}: {_gb(kv['bytes'])}, {_gb(kv['bytes_per_chip'])} per chip; "
+              f"{kv['page_size']}: {_gb(kv['bytes'])}"
+              + (f" (values {_gb(kv['values_bytes'])})" if kv["values_bytes"] != kv["bytes"]
+                 else "")
+              + f", {_gb(kv['bytes_per_chip'])} per chip; "
               f"floors at context {m['context']}")
         for r in m["programs"]:
             what = (f"{r['kind'].upper()} {r['size']}"
@@ -220,10 +233,20 @@ def doctor_compile(args: argparse.Namespace) -> int:
 
     import jax
 
+    from multiserve.model.target_compile import NoTpuCompiler
+
     if not os.environ.get("JAX_PLATFORMS"):
         jax.config.update("jax_platforms", "cpu")
-    report = compile_report(args.model, args.dtype, args.topology, args.tp, args.context,
-                            tuple(args.sizes))
+    which = None
+    if args.programs:
+        which = [(kind, int(size)) for kind, _, size in
+                 (p.partition(":") for p in args.programs)]
+    try:
+        report = compile_report(args.model, args.dtype, args.topology, args.tp,
+                                args.context, tuple(args.sizes), which)
+    except NoTpuCompiler as e:
+        print(f"doctor --compile: {e}")
+        return 1
     if args.json:
         print(json.dumps(report, indent=1))
     else:

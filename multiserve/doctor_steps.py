@@ -74,7 +74,7 @@ def step_programs(cfg: ModelConfig, dtype: str, plan: InvariancePlan, ec: Engine
     )
     from multiserve.model.families import family_for
     from multiserve.model.layers.kv_pool import KVPool, pool_layout, pool_shape
-    from multiserve.model.sharding import kv_pool_sharding
+    from multiserve.model.sharding import attention_sharded, kv_pool_sharding
 
     replicated = NamedSharding(mesh, PartitionSpec())
     layout = pool_layout(plan.attention.kernel)
@@ -89,8 +89,9 @@ def step_programs(cfg: ModelConfig, dtype: str, plan: InvariancePlan, ec: Engine
         return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
                                                            sharding=replicated), tree)
 
-    pool = jax.ShapeDtypeStruct(pool_shape(cfg, num_pages * ec.page_size, layout), dt,
-                                sharding=kv_sharding)
+    pool = jax.ShapeDtypeStruct(
+        pool_shape(cfg, num_pages * ec.page_size, layout, attention_sharded(cfg, mesh)), dt,
+        sharding=kv_sharding)
     kv = KVPool(k=pool, v=pool, layout=layout)
     prev = jax.ShapeDtypeStruct((max_rows,), jnp.int32, sharding=replicated)
     hidden = jax.ShapeDtypeStruct((max_rows, cfg.hidden_size), dt, sharding=replicated)

@@ -103,3 +103,14 @@ def test_compile_report_text(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert "TPU v5 lite x4" in out and "COMPILED: True" in out
     assert out.count("ratio ") == 1 and "all-gather bf16 x" in out
+
+
+def test_the_command_refuses_what_it_cannot_compile(capsys: pytest.CaptureFixture[str]) -> None:
+    """`doctor --compile` is the TPU compiler's: another target is refused, and a topology
+    libtpu does not know is an error naming it (exit 1), not a traceback."""
+    from multiserve.cli import main
+
+    assert main(["doctor", "--target", "cuda", "--compile"]) == 2
+    assert "the TPU compiler only" in capsys.readouterr().out
+    assert main(["doctor", "--target", "tpu", "--compile", "--topology", "v9x:3x3"]) == 1
+    assert "no TPU compiler for topology 'v9x:3x3'" in capsys.readouterr().out

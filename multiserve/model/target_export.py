@@ -6,9 +6,11 @@ would start from.
 The target's plan (`target_plan`) is what is known without its device: the attention
 kernel invariant by construction on that platform (layers/attention_pallas.py: "pallas_gpu"
 on cuda, "pallas_tpu" on tpu; the choice the calibration makes there unless the kernel's
-rows fail to verify), and for the products and row sums the plain formulation at every
-size, unpadded: the device's own probe decides those (plain or nt, and any padding), so
-the plan is marked unverified, with that reason.
+rows fail to verify), and for the products and row sums the formulation that reads the
+canonical weights at every size, unpadded (the plain product; a tied head the NT product
+against the embedding), each weight held once (`layer_copies` off): the device's own
+probe decides those (plain or nt, and any padding), so the plan is marked unverified,
+with that reason.
 """
 
 from __future__ import annotations

@@ -83,7 +83,7 @@ def _attend(kernel: str, interpret: bool = True):  # type: ignore[no-untyped-def
             k, v = to_lanes(k), to_lanes(v)
         plan = AttentionPlan(((n, (1, n)),), False, kernel, interpret and kernel != "xla")
         return paged_attention(q, k, v, layer, _batch(pos, seq), page_size=PAGE,
-                               block_size=BLOCK, plan=plan)
+                               block_size=BLOCK, plan=plan, kv_heads=KV)
 
     return jax.jit(run)
 
@@ -149,12 +149,12 @@ def test_tensor_parallel_kernel_matches_one_device() -> None:
     tp = TensorParallel(mesh, False, split)
     heads = NamedSharding(mesh, P(None, "tensor", None) if split else P())
     pool = NamedSharding(mesh, P(None, None, "tensor") if split else P())
-    k, v = to_lanes(k), to_lanes(v)  # the TPU kernel's pool layout
+    k, v = to_lanes(k, split), to_lanes(v, split)  # the TPU kernel's pool layout
 
     def run(q, k, v, tp):  # type: ignore[no-untyped-def]
         return attention_pallas.paged_attention_pallas(
             q, k, v, jnp.int32(1), _batch(POS, SEQ), page_size=PAGE, kernel="pallas_tpu",
-            interpret=True, tp=tp)
+            interpret=True, tp=tp, kv_heads=KV)
 
     one = np.asarray(jax.jit(lambda q, k, v: run(q, k, v, None))(q, k, v))
     many = jax.jit(lambda q, k, v: run(q, k, v, tp))(jax.device_put(q, heads),

@@ -1,7 +1,8 @@
 """Our ragged paged attention TPU kernel (model/layers/attention_tpu.py) in Pallas
 interpret mode on the CPU, at the engine's page size (16) and the kernel's pinned blocks
 (8-token query blocks, 128-position key blocks), on the TPU's "lanes" pool: head_dim 64
-(two kv heads in each 128-lane window) and 128 (one).
+(two kv heads in each 128-lane window), 128 (one), and three heads of 64 (SmolLM2's: a
+row padded to 256 lanes, read as a fourth, zero head).
 
 Against the XLA formulation (layers/attention.py, on the same values in the "heads"
 layout) over a mixed step: a prefill chunk spanning three query blocks and several key
@@ -55,11 +56,11 @@ def _xla(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
 def _kernel(q: jax.Array, k: jax.Array, v: jax.Array, pos: jax.Array,
             seq: jax.Array) -> jax.Array:
     return ragged_attention_tpu(q, k, v, jnp.int32(0), pos, seq, jnp.asarray(TABLE),
-                                page_size=PAGE, interpret=True)
+                                page_size=PAGE, kv_heads=q.shape[1] // 2, interpret=True)
 
 
 @pytest.mark.parametrize("head_dim,kv,dtype", [(64, 2, "float32"), (64, 2, "bfloat16"),
-                                               (128, 1, "float32")])
+                                               (128, 1, "float32"), (64, 3, "float32")])
 def test_matches_the_xla_formulation(head_dim: int, kv: int, dtype: str) -> None:
     q, k, v = _case(head_dim, kv, dtype)
     ref = _xla(q, k, v)

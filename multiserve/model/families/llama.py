@@ -188,7 +188,8 @@ def attention_block(x: jax.Array, kv: KVPool, layer: int | jax.Array,
     kv = write_layer(kv, layer, batch.out_slots, k, v,
                      native=plan.attention.kernel == "native")
     attn = paged_attention(q, kv.k, kv.v, layer, batch, page_size=page_size,
-                           block_size=attn_block_size, plan=plan.attention, tp=tp)
+                           block_size=attn_block_size, plan=plan.attention, tp=tp,
+                           kv_heads=cfg.num_kv_heads)
     heads = whole(attn.reshape(t, cfg.num_heads * hd), tp)
     return whole(proj(heads, "wo", residual=x), tp), kv
 

@@ -362,7 +362,7 @@ class AttentionProbe:
                                  page_table=table, seq_lens=jnp.zeros(num_seqs, jnp.int32),
                                  logit_rows=jnp.zeros(1, jnp.int32))
             return paged_attention(qs, k_pool, v_pool, 0, batch, page_size=use.page_size,
-                                   block_size=use.block_size, plan=plan)
+                                   block_size=use.block_size, plan=plan, kv_heads=use.kv_heads)
 
         attend = probe_jit(attend_rows, self.dtype, self.device)
 

@@ -146,18 +146,21 @@ def _chunk_attention(q: jax.Array, pos: jax.Array, seq: jax.Array, k_pool: jax.A
 
 def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer: int | jax.Array,
                     batch: ForwardBatch, *, page_size: int, block_size: int,
-                    plan: AttentionPlan, tp: Any = None) -> jax.Array:
+                    plan: AttentionPlan, tp: Any = None,
+                    kv_heads: int | None = None) -> jax.Array:
     """q [T, H, hd] (already rotated) -> attention output [T, H, hd] in q's dtype.
 
     k_pool/v_pool are the whole pool [L, KV, slots, hd]; `layer` (an int or traced
     scalar) selects the layer inside the gathers, so no per-layer copy of the pool is made.
-    `tp`: the engine's TensorParallel (None: one device), for a Pallas kernel's shard_map.
+    `tp`: the engine's TensorParallel (None: one device), for a Pallas kernel's shard_map;
+    `kv_heads`: the model's KV heads (the TPU kernel's pool rows may be padded).
     """
     if plan.kernel == "native":
         return paged_attention_native(q, k_pool, v_pool, layer, batch, page_size=page_size)
     if plan.kernel in PALLAS_KERNELS:
         return paged_attention_pallas(q, k_pool, v_pool, layer, batch, page_size=page_size,
-                                      kernel=plan.kernel, interpret=plan.interpret, tp=tp)
+                                      kernel=plan.kernel, interpret=plan.interpret, tp=tp,
+                                      kv_heads=kv_heads)
     num_tokens, num_heads, head_dim = q.shape
     kv_heads = k_pool.shape[1]
     group = num_heads // kv_heads

@@ -104,14 +104,19 @@ def _layer_pages(pool: jax.Array, layer: int | jax.Array, page_size: int) -> jax
 
 def paged_attention_pallas(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
                            layer: int | jax.Array, batch: ForwardBatch, *, page_size: int,
-                           kernel: str, interpret: bool,
-                           tp: TensorParallel | None = None) -> jax.Array:
+                           kernel: str, interpret: bool, tp: TensorParallel | None = None,
+                           kv_heads: int | None = None) -> jax.Array:
     """q [T, H, hd] (already rotated) -> attention output [T, H, hd] in q's dtype, by the
     Pallas kernel `kernel` (module docstring). On several devices (`tp`) the kernel runs
     in a `shard_map` (a Mosaic or Triton call is never partitioned by the compiler): each
     device over its own heads and its own heads of the pool where attention is split,
-    else every device over all of them (the same values everywhere)."""
-    call = partial(_kernel_call, page_size=page_size, kernel=kernel, interpret=interpret)
+    else every device over all of them (the same values everywhere). `kv_heads`: the
+    model's KV heads (the TPU kernel's "lanes" pool does not say: its rows may be
+    padded)."""
+    if tp is not None and tp.attention_split and kv_heads is not None:
+        kv_heads //= tp.size  # each device's own
+    call = partial(_kernel_call, page_size=page_size, kernel=kernel, interpret=interpret,
+                   kv_heads=kv_heads)
     layer_ids = jnp.asarray(layer, jnp.int32)
     if tp is None:
         return call(q, k_pool, v_pool, layer_ids, batch.positions, batch.token_seq,
@@ -128,7 +133,8 @@ def paged_attention_pallas(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
 
 def _kernel_call(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer: jax.Array,
                  positions: jax.Array, token_seq: jax.Array, page_table: jax.Array, *,
-                 page_size: int, kernel: str, interpret: bool) -> jax.Array:
+                 page_size: int, kernel: str, interpret: bool,
+                 kv_heads: int | None) -> jax.Array:
     """`paged_attention_pallas` on one device's heads."""
     head_dim = q.shape[2]
     scale = 1.0 / float(head_dim) ** 0.5
@@ -148,8 +154,10 @@ def _kernel_call(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer: jax.
     elif kernel == "pallas_tpu":
         from multiserve.model.layers.attention_tpu import ragged_attention_tpu
 
+        assert kv_heads is not None, "the TPU kernel needs the model's KV head count"
         return ragged_attention_tpu(q, k_pool, v_pool, layer, positions, token_seq,
-                                    page_table, page_size=page_size, interpret=interpret)
+                                    page_table, page_size=page_size, kv_heads=kv_heads,
+                                    interpret=interpret)
     else:
         raise ValueError(f"not a Pallas attention kernel: {kernel!r} (one of {PALLAS_KERNELS})")
     return out.astype(q.dtype)

@@ -10,18 +10,17 @@ the pool's bytes are its values'). The new tokens' K/V are already in the pool.
 The call (`ragged_attention_tpu`): q [T, H, hd], the step's positions, each token's
 sequence row and the page table. The kernel's grid is (query blocks of QUERY_BLOCK
 consecutive tokens, lane windows of the pool). A lane window is `window` lanes: one head
-(head_dim >= 128) or the heads sharing a 128-lane row (head_dim 64: two); each query head
-is placed in its kv head's lanes of the window with zeros in the others', so its scores
-against the window's keys are its own head's, and its output is read back from its own
-lanes. Per query block, each run of consecutive tokens of one sequence reads its
-sequence's key blocks (KEY_BLOCK_TOKENS consecutive positions, whole pages, aligned to
-position 0) once, by DMA from the pool into VMEM, up to the run's last position, and
-every token of the run takes the blocks up to its own position: a 512-token prefill
-chunk reads each key block once per 8 tokens, a decode row once.
+(head_dim >= 128), the heads sharing a 128-lane row (head_dim 64: two), or a whole row
+that 128 lanes do not tile; each head takes its own lanes of a fetched block (a static
+lane slice in VMEM). Per query block, each run of consecutive tokens of one sequence
+fetches its sequence's key blocks (KEY_BLOCK_TOKENS consecutive positions, whole pages,
+aligned to position 0) once, by DMA from the pool into VMEM, up to the run's last
+position, and every token of the run takes the blocks up to its own position: a
+512-token prefill chunk reads each key block once per 8 tokens, a decode row once.
 
 Batch invariance, by construction: a token's result is an online softmax over ITS OWN key
 blocks 0 .. position // KEY_BLOCK_TOKENS, in that order, each block's scores and values
-computed for that token alone (its own [rows, window] product with the block), the causal
+computed for that token alone (its own [group, head_dim] product with the block), the causal
 mask within its last block: what shares its query block, its run, its step or its bucket
 never enters a token's arithmetic. The block sizes are pinned here, never chosen by
 token count. Tested in Pallas interpret mode against the XLA formulation and bitwise
@@ -180,14 +179,17 @@ def _kernel(layer_ref, pos_ref, seq_ref, table_ref,  # scalar prefetch (SMEM)
 
 def ragged_attention_tpu(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
                          layer: jax.Array, positions: jax.Array, token_seq: jax.Array,
-                         page_table: jax.Array, *, page_size: int,
+                         page_table: jax.Array, *, page_size: int, kv_heads: int,
                          interpret: bool = False) -> jax.Array:
     """q [T, H, hd] (rotated) -> attention output [T, H, hd] in q's dtype, over the pool
-    k_pool / v_pool [L, slots, KV * hd] (module docstring); `layer` a scalar."""
+    k_pool / v_pool [L, slots, lanes] of `kv_heads` heads (module docstring; lanes past
+    them are zero padding, kv_pool.lanes_width); `layer` a scalar."""
     num_tokens, num_heads, head_dim = q.shape
     width = k_pool.shape[2]
-    kv_heads = width // head_dim
     group = num_heads // kv_heads
+    slots = width // head_dim  # heads' places in a row: the padding's read as zero heads
+    if slots > kv_heads:  # queries of the padding's heads: zeros, their outputs dropped
+        q = jnp.pad(q, ((0, 0), (0, (slots - kv_heads) * group), (0, 0)))
     window = window_of(width, head_dim)
     per_window = window // head_dim  # kv heads in a window
     windows = width // window
@@ -233,4 +235,5 @@ def ragged_attention_tpu(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
         interpret=pltpu.InterpretParams() if interpret else False)
     out = call(jnp.asarray(layer, jnp.int32).reshape(1), pos, seq,
                page_table.astype(jnp.int32).reshape(-1), q_win, k_pool, v_pool)
-    return out[:num_tokens].reshape(num_tokens, num_heads, head_dim)
+    out = out[:num_tokens].reshape(num_tokens, slots * group, head_dim)
+    return out[:, :num_heads]

@@ -6,7 +6,8 @@ Two layouts (`KVPool.layout`), each the one its attention kernel reads in place:
   page_size + offset; one page of one head is a contiguous [page_size, head_dim] slab,
   which is what attention gathers);
 - "lanes" (the TPU kernel, layers/attention_tpu.py): each [num_layers, num_slots,
-  kv_heads * head_dim], a slot's every head side by side in the lanes: a page of one
+  lanes_width] (kv_heads * head_dim, padded to whole 128-lane tiles on one device), a
+  slot's every head side by side in the lanes: a page of one
   layer is one contiguous [page_size, KV * hd] slab of the whole pool, and a head_dim of
   64 fills 128-lane rows with two heads (XLA:TPU tiles an array's last dimension by 128
   lanes: a [.., 64] minor dimension would hold twice its bytes), so the kernel reads a
@@ -37,10 +38,25 @@ def pool_layout(attention_kernel: str) -> str:
     return "lanes" if attention_kernel == "pallas_tpu" else "heads"
 
 
-def pool_shape(cfg: ModelConfig, num_slots: int, layout: str) -> tuple[int, ...]:
-    """The shape of each of K and V in `layout` (module docstring)."""
+LANE_TILE = 128  # XLA:TPU's lane tile: a "lanes" row is a whole number of them
+
+
+def lanes_width(kv_heads: int, head_dim: int, split: bool = False) -> int:
+    """The lanes of one "lanes" pool row: every head's, padded with zero lanes to whole
+    128-lane tiles (SmolLM2's 3 x 64 -> 256: the bytes HBM's tiling holds anyway, and a
+    row the kernel reads as it lies, where a 192-lane row is copied into the kernel's
+    layout at every call), unpadded when the heads are `split` over devices (each device
+    its own heads' lanes: a pad would land on the last device only)."""
+    width = kv_heads * head_dim
+    return width if split else -(-width // LANE_TILE) * LANE_TILE
+
+
+def pool_shape(cfg: ModelConfig, num_slots: int, layout: str,
+               split: bool = False) -> tuple[int, ...]:
+    """The shape of each of K and V in `layout` (module docstring); `split`: the pool's
+    heads are split over the devices (sharding.kv_pool_sharding)."""
     if layout == "lanes":
-        return (cfg.num_layers, num_slots, cfg.num_kv_heads * cfg.head_dim)
+        return (cfg.num_layers, num_slots, lanes_width(cfg.num_kv_heads, cfg.head_dim, split))
     assert layout == "heads", layout
     return (cfg.num_layers, cfg.num_kv_heads, num_slots, cfg.head_dim)
 
@@ -50,11 +66,13 @@ def slot_axis(layout: str) -> int:
     return 1 if layout == "lanes" else 2
 
 
-def to_lanes(heads: jax.Array) -> jax.Array:
-    """A "heads" pool array [L, KV, slots, hd] as the "lanes" layout [L, slots, KV * hd]
-    (the same values; a copy)."""
+def to_lanes(heads: jax.Array, split: bool = False) -> jax.Array:
+    """A "heads" pool array [L, KV, slots, hd] as the "lanes" layout [L, slots,
+    lanes_width] (the same values, zero lanes after them; a copy)."""
     num_layers, kv_heads, slots, head_dim = heads.shape
-    return jnp.transpose(heads, (0, 2, 1, 3)).reshape(num_layers, slots, kv_heads * head_dim)
+    rows = jnp.transpose(heads, (0, 2, 1, 3)).reshape(num_layers, slots, kv_heads * head_dim)
+    pad = lanes_width(kv_heads, head_dim, split) - kv_heads * head_dim
+    return jnp.pad(rows, ((0, 0), (0, 0), (0, pad))) if pad else rows
 
 
 @struct.dataclass
@@ -83,7 +101,9 @@ def make_kv_pool(cfg: ModelConfig, num_pages: int, page_size: int, dtype,
     created directly with that sharding, never materialised on one device first.
     """
     assert num_pages >= 2 and page_size >= 1, (num_pages, page_size)
-    shape = pool_shape(cfg, num_pages * page_size, layout)
+    split = isinstance(sharding, jax.sharding.NamedSharding) and any(
+        axis is not None for axis in sharding.spec)
+    shape = pool_shape(cfg, num_pages * page_size, layout, split)
     dtype = jnp.dtype(dtype)
 
     def zeros() -> jax.Array:
@@ -102,10 +122,15 @@ def write_layer(kv: KVPool, layer: int | jax.Array, slots: jax.Array, k: jax.Arr
     attention is the native kernel) is written by `kv_write_native`: XLA:CPU has no bf16
     arithmetic and would convert the whole pool to float32 and back on every write. Both
     copy the rows' bits, so the pool's contents are the same either way."""
-    if kv.layout == "lanes":  # whole rows [T, KV * hd]: one in-place scatter a layer
-        t = k.shape[0]
-        return kv.replace(k=kv.k.at[layer, slots].set(k.reshape(t, -1).astype(kv.k.dtype)),
-                          v=kv.v.at[layer, slots].set(v.reshape(t, -1).astype(kv.v.dtype)))
+    if kv.layout == "lanes":  # whole rows [T, lanes]: one in-place scatter a layer
+        t, pad = k.shape[0], kv.k.shape[2] - k.shape[1] * k.shape[2]
+
+        def row(x: jax.Array) -> jax.Array:
+            x = x.reshape(t, -1).astype(kv.k.dtype)
+            return jnp.pad(x, ((0, 0), (0, pad))) if pad else x
+
+        return kv.replace(k=kv.k.at[layer, slots].set(row(k)),
+                          v=kv.v.at[layer, slots].set(row(v)))
     if native and kv.k.dtype != jnp.float32:
         from multiserve.model.kernels.native import kv_write_native
 
