@@ -48,10 +48,11 @@ def _program(report: dict[str, Any], kind: str, size: int) -> dict[str, Any]:
     return next(p for p in report["programs"] if (p["kind"], p["size"]) == (kind, size))
 
 
-# every kind on v5e (the fused and several-step programs hold the head and sampler); a
-# decode forward on v6e
-PROGRAMS = {"v5e:2x2": (("forward", 1), ("forward", 16), ("fused", 16), ("multi", 16)),
-            "v6e:2x2": (("forward", 16), ("forward", 64))}
+# on v5e decode forwards and the fused step (forward, head and sampler: every kind of
+# program but the several-step loop of it, which `doctor --compile` compiles); a decode
+# forward on v6e: seconds a program, within the suite's budget
+PROGRAMS = {"v5e:2x2": (("forward", 1), ("forward", 16), ("fused", 16)),
+            "v6e:2x2": (("forward", 16),)}
 
 
 @pytest.mark.parametrize("topology", sorted(PROGRAMS))

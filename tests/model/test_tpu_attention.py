@@ -59,8 +59,8 @@ def _kernel(q: jax.Array, k: jax.Array, v: jax.Array, pos: jax.Array,
                                 page_size=PAGE, kv_heads=q.shape[1] // 2, interpret=True)
 
 
-@pytest.mark.parametrize("head_dim,kv,dtype", [(64, 2, "float32"), (64, 2, "bfloat16"),
-                                               (128, 1, "float32"), (64, 3, "float32")])
+@pytest.mark.parametrize("head_dim,kv,dtype", [(64, 2, "float32"), (128, 1, "float32"),
+                                               (64, 3, "float32")])
 def test_matches_the_xla_formulation(head_dim: int, kv: int, dtype: str) -> None:
     q, k, v = _case(head_dim, kv, dtype)
     ref = _xla(q, k, v)
@@ -84,6 +84,9 @@ def test_rows_are_batch_invariant_bitwise() -> None:
 
     everything = np.arange(len(SEQ))
     full = run(everything)
+    # a bfloat16 pool against the XLA formulation (module docstring's tolerance)
+    ref = np.asarray(_xla(q, *_case(64, 2, "bfloat16")[1:]).astype(jnp.float32))
+    assert float(np.max(np.abs(full.astype(np.float32) - ref))) <= 2e-2
     for i in np.nonzero(SEQ != 0)[0]:  # each decode row alone
         np.testing.assert_array_equal(run(np.array([i]))[0], full[i])
     chunk = np.nonzero(SEQ == 0)[0]  # the prefill chunk alone: other query blocks
