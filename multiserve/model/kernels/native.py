@@ -95,9 +95,9 @@ SOURCES = tuple(Path(__file__).parent / "src" / name
                 for name in ("paged_attention.cc", "row_gemm.cc", "row_gemm_bf16.cc",
                              "kv_write.cc", "lora_delta.cc", "row_gemm_lora.cc"))
 HEADERS = tuple(Path(__file__).parent / "src" / name  # hashed, not compiled
-                for name in ("parallel_for.h", "product_split.h", "lora_math.h",
+                for name in ("float_ops.h", "parallel_for.h", "product_split.h", "lora_math.h",
                              "lora_operands.h", "row_panel.h"))
-FLAGS = ("-std=c++20", "-O3", "-march=native", "-ffp-contract=fast", "-fPIC", "-shared", "-w")
+FLAGS = ("-std=c++20", "-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared", "-w")
 
 _LOCK = threading.Lock()
 # "error": None once registered, else why not; "so": the file; "bf16_path": this process's

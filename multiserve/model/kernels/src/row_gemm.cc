@@ -11,7 +11,8 @@
 // tiling (6-row blocks, the last one smaller; 64-column panels; panels spread over
 // threads) only decides which core computes an element and which registers hold it,
 // never the order of its sum. So a row's bits do not depend on M, on the other rows or
-// on the thread count. (Built with -ffp-contract=fast: the compiler fuses `acc += a * b`.)
+// on the thread count. (Each step is float_ops.h's explicit `fmadd`: one FMA where the
+// build has FMA, the same operation in every register block's size.)
 //
 // The GROUPED product (mixture-of-experts experts) is the same computation with one weight
 // matrix per row: y[m] = x[m] @ W[groups[m]], W given as panels wp[G, N / 64, K, 64] (an
@@ -25,6 +26,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "float_ops.h"
 #include "product_split.h"
 #include "row_panel.h"
 #include "xla/ffi/api/ffi.h"
@@ -35,7 +37,8 @@ using multiserve::work_units;
 
 namespace {
 
-typedef float vf __attribute__((vector_size(64)));
+using multiserve::float_ops::fmadd;
+using multiserve::float_ops::vf;
 constexpr int NV = 4;         // vectors per panel row
 constexpr int PANEL = 16 * NV;  // columns per panel
 constexpr int MR = 6;         // rows per register block
@@ -82,7 +85,7 @@ inline void block(const float* x, int64_t k_dim, const float* panel, float* y, i
     for (int j = 0; j < NV; ++j) b[j] = load(panel + k * PANEL + 16 * j);
     for (int r = 0; r < R; ++r) {
       const vf a = vf{} + xr[r][k];
-      for (int j = 0; j < NV; ++j) acc[r][j] += a * b[j];
+      for (int j = 0; j < NV; ++j) acc[r][j] = fmadd(a, b[j], acc[r][j]);
     }
   }
   for (int r = 0; r < R; ++r)

@@ -14,7 +14,8 @@
 //     denormal inputs and outputs flushed to zero). Each y[m, n] is the accumulator from
 //     zero, then pair 0, pair 1, .., in order.
 //   - kWiden (any AVX2 / AVX-512F CPU, and every float32 x): each bfloat16 widened to
-//     float32 in registers (exact), then one fused multiply-add per k, k = 0, 1, .., K - 1 in
+//     float32 in registers (exact), then one fused multiply-add per k (float_ops.h's
+//     `fmadd`), k = 0, 1, .., K - 1 in
 //     order from zero: exactly row_gemm.cc's sum over the widened operands, so its bits are
 //     the float32 kernel's on x.astype(float32) and W.astype(float32).
 // Row invariance BY CONSTRUCTION on either path: the tiling (6-row blocks, 64-column panels,
@@ -36,6 +37,7 @@
 #include <immintrin.h>
 #endif
 
+#include "float_ops.h"
 #include "product_split.h"
 #include "row_panel.h"
 #include "xla/ffi/api/ffi.h"
@@ -46,7 +48,8 @@ using multiserve::work_units;
 
 namespace {
 
-typedef float vf __attribute__((vector_size(64)));
+using multiserve::float_ops::fmadd;
+using multiserve::float_ops::vf;
 typedef uint32_t vu __attribute__((vector_size(64)));
 typedef uint16_t vh __attribute__((vector_size(32)));
 constexpr int NV = 4;              // vectors per panel row
@@ -177,12 +180,12 @@ void block_widen(const X* x, int64_t k_dim, const uint16_t* panel, const Out& ou
     for (int j = 0; j < NV; ++j) b[j] = even_k(load_u(row + 32 * j));
     for (int r = 0; r < R; ++r) {
       const vf a = vf{} + x_at(xr[r], 2 * p);
-      for (int j = 0; j < NV; ++j) acc[r][j] += a * b[j];
+      for (int j = 0; j < NV; ++j) acc[r][j] = fmadd(a, b[j], acc[r][j]);
     }
     for (int j = 0; j < NV; ++j) b[j] = odd_k(load_u(row + 32 * j));
     for (int r = 0; r < R; ++r) {
       const vf a = vf{} + x_at(xr[r], 2 * p + 1);
-      for (int j = 0; j < NV; ++j) acc[r][j] += a * b[j];
+      for (int j = 0; j < NV; ++j) acc[r][j] = fmadd(a, b[j], acc[r][j]);
     }
   }
   if (k_dim % 2) {  // the last k alone (its pair's high half is padding)
@@ -191,7 +194,7 @@ void block_widen(const X* x, int64_t k_dim, const uint16_t* panel, const Out& ou
     for (int j = 0; j < NV; ++j) b[j] = even_k(load_u(row + 32 * j));
     for (int r = 0; r < R; ++r) {
       const vf a = vf{} + x_at(xr[r], 2 * pairs);
-      for (int j = 0; j < NV; ++j) acc[r][j] += a * b[j];
+      for (int j = 0; j < NV; ++j) acc[r][j] = fmadd(a, b[j], acc[r][j]);
     }
   }
   for (int r = 0; r < R; ++r) store_row(out, m0 + r, col, acc[r]);
