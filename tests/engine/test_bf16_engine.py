@@ -101,14 +101,18 @@ def test_auto_serves_the_bf16_checkpoint_natively_with_its_bits(
     assert state["dtype"] == "bfloat16"
     choice = state["dtype_choice"]
     assert choice["requested"] == "auto" and choice["dtype"] == "bfloat16"
-    assert "checkpoint" in choice["reason"] and native_kernels.bf16_product_path() in \
-        choice["reason"]
+    candidates = native_kernels.bf16_path_candidates()
+    assert "checkpoint" in choice["reason"] and ", ".join(candidates) in choice["reason"]
     det = state["determinism"]
     assert det["verified"], det["problems"]
-    assert det["key"]["bf16_product_path"] == native_kernels.bf16_product_path()
+    assert det["key"]["bf16_paths"] == list(candidates)
     assert det["plan"]["attention"]["kernel"] == "native"
-    kernels = {k for p in det["plan"]["products"] for _, k, _ in p["by_rows"]}
+    kernels = {k for p in det["plan"]["products"] for _, k, *_ in p["by_rows"]}
     assert "native" in kernels, kernels
+    # ONE instruction path, the calibration's, in every native product at every size
+    paths = {tuple(path) for p in det["plan"]["products"]
+             for _, k, _, *path in p["by_rows"] if k == "native"}
+    assert paths == {(det["plan"]["bf16_path"],)} and det["plan"]["bf16_path"] in candidates
     _, params = _checkpoint(tiny_model_dir_bf16)
     bits = _device_bits(engine)
     _same_bits(bits["embed"], params["embed"])

@@ -103,7 +103,7 @@ def test_applied_form_adds_each_delta_once_and_leaves_base_rows(dtype: jnp.dtype
 
 
 @pytest.mark.parametrize("dtype,path", [(jnp.float32, None), (jnp.bfloat16, "avx512_bf16"),
-                                        (jnp.bfloat16, "widen")])
+                                        (jnp.bfloat16, "widen"), (jnp.bfloat16, "amx")])
 def test_product_with_the_delta_in_its_epilogue_is_product_then_apply(dtype: jnp.dtype,
                                                                      path: str | None) -> None:
     """`row_gemm_lora` at one row (src/row_gemm_lora.cc) = `row_gemm` then
