@@ -65,6 +65,8 @@ def backend_key(device: Any, workload: Workload) -> dict[str, Any]:
         key["cpu"] = native_kernels.cpu_facts()
         # a plan naming the native kernels is only valid where they build, as built
         key["native_kernels"] = native_kernels.build_id()
+        if key["native_kernels"] is not None:  # their split and prefetch: the probes' times
+            key["product_tuning"] = native_kernels.tuned().key()
         if workload.dtype == "bfloat16":  # the instruction paths its probes may choose
             key["bf16_paths"] = list(native_kernels.bf16_path_candidates())
     return key

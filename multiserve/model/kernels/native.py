@@ -67,6 +67,7 @@ import numpy as np
 
 from multiserve.cache_files import cache_root, exclusive
 from multiserve.model import lora_layout
+from multiserve.model.kernels import product_tuning
 from multiserve.model.invariance.plan import BF16_PATHS
 from multiserve.model.layers.forward_batch import ForwardBatch
 
@@ -99,11 +100,13 @@ SOURCES = tuple(Path(__file__).parent / "src" / name
                 for name in ("paged_attention.cc", "row_gemm.cc", "row_gemm_bf16.cc",
                              "kv_write.cc", "lora_delta.cc", "row_gemm_lora.cc"))
 HEADERS = tuple(Path(__file__).parent / "src" / name  # hashed, not compiled
-                for name in ("float_ops.h", "parallel_for.h", "product_split.h", "lora_math.h",
+                for name in ("amx_panel.h", "float_ops.h", "parallel_for.h", "product_split.h",
+                             "lora_math.h",
                              "lora_operands.h", "row_panel.h"))
 FLAGS = ("-std=c++20", "-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared", "-w")
 
 _LOCK = threading.Lock()
+_LIB: list[ctypes.CDLL] = []  # the loaded kernels (once registered)
 # "error": None once registered, else why not; "so": the file; "bf16_paths": the BF16_PATHS
 # this CPU and build run, comma-separated; "bf16_forced": MULTISERVE_BF16_PATH's path or
 # None (fixed at load)
@@ -195,7 +198,18 @@ def unavailable_reason(dtype: str = "float32") -> str | None:
             if _STATE["error"] is not None:
                 log.warning("native CPU kernels unavailable (%s); using XLA's "
                             "formulations", _STATE["error"])
-        return _STATE["error"]
+        error = _STATE["error"]
+    if error is None:  # the machine's split and prefetch, set once (outside the lock:
+        tuned()        # its measurement runs products)
+    return error
+
+
+def tuned() -> product_tuning.ProductTuning:
+    """The products' split and prefetch on this machine (product_tuning.py), set in the
+    loaded kernels once per process; the kernels must be loaded."""
+    lib = _LIB[0]
+    cache_file = cache_root() / "kernels" / f"{_STATE['so']}.tuning.json"
+    return product_tuning.ensure(lib, cache_file, lambda: product_tuning.measure(lib))
 
 
 def _load() -> str | None:
@@ -229,6 +243,7 @@ def _load() -> str | None:
     except (OSError, RuntimeError, AttributeError, ValueError) as exc:
         return f"build or load failed: {exc}"
     _STATE["so"] = path.name
+    _LIB.append(lib)
     _STATE["bf16_paths"] = ",".join(p for p in BF16_PATHS if runs[p])
     forced = os.environ.get(BF16_PATH_ENV, "") or None
     if forced is not None and not runs.get(forced, False):

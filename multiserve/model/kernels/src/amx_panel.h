@@ -125,12 +125,19 @@ inline void release() {
   state.loaded = false;
 }
 
+// Bytes to prefetch into L2 while a block runs, spread evenly over its k blocks (the next
+// panel's share, or the stream ahead: row_gemm_bf16.cc's WarmRows). Changes no arithmetic.
+struct Ahead {
+  const char* start = nullptr;  // nullptr: none
+  int64_t bytes = 0;
+};
+
 // acc[r * 64 + c] = row r's sums (module comment) for rows r < `rows` (<= 16) of x (bfloat16
 // [rows, K], row r at x + r * ldx) against the panel's 64 columns (k-pair panel
 // [ceil(K / 2), 128], row_gemm_bf16.cc's layout). The caller calls `release` at the end of
 // its work range.
 inline void panel_block(const uint16_t* x, int64_t ldx, int64_t k, const uint16_t* panel,
-                        int rows, float* acc) {
+                        int rows, float* acc, Ahead ahead = {}) {
   const int64_t pairs = (k + 1) / 2;
   const int64_t full = k / (2 * PAIRS);  // blocks whose elements all lie below K
   const int64_t rest = pairs - full * PAIRS;  // pairs of the last, shorter block (0..16)
@@ -141,8 +148,15 @@ inline void panel_block(const uint16_t* x, int64_t ldx, int64_t k, const uint16_
   _tile_zero(3);
   const int64_t x_stride = ldx * static_cast<int64_t>(sizeof(uint16_t));
   constexpr int64_t panel_stride = PAIR_ROW * sizeof(uint16_t);
+  const int64_t steps = full + (rest > 0 ? 1 : 0);
+  const int64_t lines = (ahead.bytes / 64 + steps - 1) / std::max<int64_t>(1, steps);
+  const char* next = ahead.start;
   for (int64_t b = 0; b < full; ++b) {
     const uint16_t* w = panel + b * PAIRS * PAIR_ROW;
+    if (next != nullptr) {
+      for (int64_t l = 0; l < lines; ++l) __builtin_prefetch(next + 64 * l, 0, 2);
+      next += 64 * lines;
+    }
     _tile_loadd(4, x + 2 * PAIRS * b, x_stride);
     _tile_loadd(5, w, panel_stride);
     _tile_dpbf16ps(0, 4, 5);

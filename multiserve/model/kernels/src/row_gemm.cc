@@ -135,7 +135,9 @@ inline bool warms_next_panel(int64_t m) { return m > MR; }
 
 inline int64_t blocks_of(int64_t m) { return (m + MR - 1) / MR; }
 
-// Register block i of panel p: rows [i MR, min((i + 1) MR, m)).
+// Register block i of panel p: rows [i MR, min((i + 1) MR, m)). One block per panel: the
+// machine's `ahead_bytes` of the weight stream prefetched, a panel row a step (past the
+// panel's end, the next one's in memory; a prefetch never faults).
 void run_block(const Problem& pr, int64_t p, int64_t i) {
   const float* panel = pr.wp + p * pr.k * PANEL;
   const int64_t blocks = blocks_of(pr.m);
@@ -145,6 +147,9 @@ void run_block(const Problem& pr, int64_t p, int64_t i) {
     warm.rows = panel + (pr.k + i * share) * PANEL;
     warm.every = blocks;
     warm.count = std::min(share, pr.k - i * share);
+  } else if (blocks == 1 && multiserve::product_tuning().ahead_bytes > 0) {
+    warm.rows = panel + multiserve::product_tuning().ahead_bytes / sizeof(float);
+    warm.count = pr.k;
   }
   const int64_t m0 = i * MR;
   block_rows(std::min<int64_t>(MR, pr.m - m0), pr.x, pr.k, panel, pr.y + p * PANEL,
@@ -222,6 +227,12 @@ ffi::Error GroupedRowGemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
 }
 
 }  // namespace
+
+// The machine's product tuning (product_split.h), set by native.py before any product runs.
+extern "C" void MultiserveSetProductTuning(int64_t split_units, int64_t ahead_bytes) {
+  multiserve::product_tuning().split_units = split_units;
+  multiserve::product_tuning().ahead_bytes = ahead_bytes;
+}
 
 void multiserve::row_gemm_panel(const float* x, int64_t k, const float* panels, int64_t p,
                                 float* y, const float* res, Warm warm) {

@@ -257,9 +257,11 @@ void block_dot(const uint16_t* x, int64_t k_dim, const uint16_t* panel, const Ou
 // kAmx: rows [m0, m0 + rows) (rows <= 16) of one panel on the tiles (amx_panel.h), then
 // store_row's epilogue per row.
 void block_amx(const uint16_t* x, int64_t k_dim, const uint16_t* panel, const Out& out,
-               int64_t col, int64_t m0, int rows) {
+               int64_t col, int64_t m0, int rows, const WarmRows& warm) {
   alignas(64) static thread_local float acc[multiserve::amx::ROWS][PANEL];
-  multiserve::amx::panel_block(x + m0 * k_dim, k_dim, k_dim, panel, rows, &acc[0][0]);
+  const multiserve::amx::Ahead ahead{reinterpret_cast<const char*>(warm.rows),
+                                     warm.rows == nullptr ? 0 : warm.count * PAIR_ROW * 2};
+  multiserve::amx::panel_block(x + m0 * k_dim, k_dim, k_dim, panel, rows, &acc[0][0], ahead);
   for (int r = 0; r < rows; ++r) {
     vf row[NV];
     std::memcpy(row, acc[r], sizeof row);
@@ -283,7 +285,7 @@ void block_rows_of(int64_t r, const Problem& pr, const uint16_t* panel, int64_t 
 #if defined(MULTISERVE_AMX_BUILT)
   if (pr.path == kAmx) {
     block_amx(static_cast<const uint16_t*>(pr.x), pr.k, panel, pr.out, col, m0,
-              static_cast<int>(r));
+              static_cast<int>(r), warm);
     return;
   }
 #endif
@@ -343,6 +345,10 @@ void run_block(const Problem& pr, int64_t p, int64_t i) {
     warm.rows = panel + (pr.k2 + i * share) * PAIR_ROW;
     warm.every = blocks;
     warm.count = std::min(share, pr.k2 - i * share);
+  } else if (blocks == 1 && multiserve::product_tuning().ahead_bytes > 0) {
+    // one block: the machine's `ahead_bytes` of the stream, a pair row a step (row_gemm.cc)
+    warm.rows = panel + multiserve::product_tuning().ahead_bytes / sizeof(uint16_t);
+    warm.count = pr.k2;
   }
   const int64_t rows = block_rows_for(pr.path), m0 = i * rows;
   block_rows(std::min<int64_t>(rows, pr.m - m0), pr, panel, p * PANEL, m0, warm);
