@@ -209,7 +209,8 @@ def tuned() -> product_tuning.ProductTuning:
     loaded kernels once per process; the kernels must be loaded."""
     lib = _LIB[0]
     cache_file = cache_root() / "kernels" / f"{_STATE['so']}.tuning.json"
-    return product_tuning.ensure(lib, cache_file, lambda: product_tuning.measure(lib))
+    return product_tuning.ensure(lib, cache_file,
+                                 lambda: product_tuning.measure(lib, pack_panels, row_gemm))
 
 
 def _load() -> str | None:

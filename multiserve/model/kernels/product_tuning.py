@@ -151,13 +151,12 @@ def choose_ahead(times: dict[int, float]) -> int:
     return best if times[best] * GAIN <= times[0] else 0
 
 
-def measure(lib: ctypes.CDLL) -> ProductTuning:
-    """Time one-row products of layer stacks (module docstring) on this machine; the
-    kernels are loaded (native.py) and `lib` sets their tuning for each setting timed."""
+def measure(lib: ctypes.CDLL, pack: Any, product: Any) -> ProductTuning:
+    """Time one-row products of layer stacks (module docstring) on this machine: `lib` the
+    loaded kernels (it sets their tuning for each setting timed), `pack` and `product`
+    native.py's pack_panels and row_gemm."""
     import jax
     import jax.numpy as jnp
-
-    from multiserve.model.kernels import native
 
     t0 = time.monotonic()
     rng = np.random.default_rng(0)
@@ -167,7 +166,7 @@ def measure(lib: ctypes.CDLL) -> ProductTuning:
         layer_bytes = K * panels * 64 * 2
         layers = max(2, STACK_BYTES // layer_bytes)
         w = rng.standard_normal((panels * 64, K)).astype(np.float32).T / np.sqrt(K)
-        one = native.pack_panels(jnp.asarray(w, jnp.bfloat16))
+        one = pack(jnp.asarray(w, jnp.bfloat16))
         return jnp.broadcast_to(one, (layers, *one.shape)) + jnp.zeros((), jnp.bfloat16)
 
     def per_product(panels_stack: jax.Array) -> Any:
@@ -176,7 +175,7 @@ def measure(lib: ctypes.CDLL) -> ProductTuning:
         @jax.jit
         def run(a: jax.Array, p: jax.Array) -> jax.Array:
             def body(i: Any, acc: jax.Array) -> jax.Array:
-                return acc + native.row_gemm(a, p, n, i, out_dtype=jnp.float32)[0, 0]
+                return acc + product(a, p, n, i, out_dtype=jnp.float32)[0, 0]
             return jax.lax.fori_loop(0, p.shape[0], body, jnp.zeros((), jnp.float32))
 
         def seconds() -> float:
