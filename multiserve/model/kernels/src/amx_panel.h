@@ -15,10 +15,10 @@
 // invariance by construction, like the other two paths, with bits of its own.
 //
 // The tiles: C0..C3 (tmm0-3) hold the block's rows x 64 columns of float32 sums (16
-// columns each); tmm4 a block of x (rows x 16 pairs), tmm5 16 pair rows of one 16-column
-// group of the panel (the panel's VNNI layout is the tile's: a pair row of a 16-column group
-// is 64 contiguous bytes, the panel's pair rows 256 bytes apart), tmm6 / tmm7 the same for
-// the last block when it is shorter (x staged with zeros past K). A thread loads a tile
+// columns each); tmm4 and tmm7 blocks of x (rows x 16 pairs, in turn), tmm5 and tmm6 16
+// pair rows of one 16-column group of the panel (the panel's VNNI layout is the tile's: a
+// pair row of a 16-column group is 64 contiguous bytes, the panel's pair rows 256 bytes
+// apart), in turn; a shorter last block is staged with zero pairs after it. A thread loads a tile
 // configuration when a block needs another one than it holds (`configure`: once per work
 // range at a steady shape) and releases the tiles at the end of its range (`release`: no
 // tile state left for a context switch to save).
@@ -26,6 +26,7 @@
 #ifndef MULTISERVE_NATIVE_AMX_PANEL_H_
 #define MULTISERVE_NATIVE_AMX_PANEL_H_
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 
@@ -94,20 +95,17 @@ inline TileState& tile_state() {
   return state;
 }
 
-// The tiles shaped for blocks of `rows` rows whose last block has `rest` pairs (0: none).
-inline void configure(int rows, int64_t rest) {
+// The tiles shaped for blocks of `rows` rows: C0..C3 (tmm0-3) rows x 16 float32, x blocks
+// (tmm4, tmm7) rows x 16 pairs, panel blocks (tmm5, tmm6) 16 pair rows x 16 columns.
+inline void configure(int rows) {
   TileConfig cfg;
-  for (int t = 0; t < 5; ++t) {
+  for (const int t : {0, 1, 2, 3, 4, 7}) {
     cfg.rows[t] = static_cast<uint8_t>(rows);
     cfg.colsb[t] = 64;
   }
-  cfg.rows[5] = PAIRS;
-  cfg.colsb[5] = 64;
-  if (rest > 0) {
-    cfg.rows[6] = static_cast<uint8_t>(rows);
-    cfg.colsb[6] = static_cast<uint16_t>(4 * rest);
-    cfg.rows[7] = static_cast<uint8_t>(rest);
-    cfg.colsb[7] = 64;
+  for (const int t : {5, 6}) {
+    cfg.rows[t] = PAIRS;
+    cfg.colsb[t] = 64;
   }
   TileState& state = tile_state();
   if (state.loaded && std::memcmp(&state.cfg, &cfg, sizeof cfg) == 0) return;
@@ -132,6 +130,22 @@ struct Ahead {
   int64_t bytes = 0;
 };
 
+// One block of 16 pairs: x's block loaded into tile XA, then each 16-column group of the
+// panel's block into tmm5 and tmm6 in turn (two tiles: a group's load need not wait for the
+// previous group's product to finish reading its tile), each times XA into its C.
+#define MULTISERVE_AMX_BLOCK(XA, xs, x_stride, w, w_stride) \
+  do {                                                       \
+    _tile_loadd(XA, xs, x_stride);                           \
+    _tile_loadd(5, w, w_stride);                             \
+    _tile_dpbf16ps(0, XA, 5);                                \
+    _tile_loadd(6, (w) + 32, w_stride);                      \
+    _tile_dpbf16ps(1, XA, 6);                                \
+    _tile_loadd(5, (w) + 64, w_stride);                      \
+    _tile_dpbf16ps(2, XA, 5);                                \
+    _tile_loadd(6, (w) + 96, w_stride);                      \
+    _tile_dpbf16ps(3, XA, 6);                                \
+  } while (0)
+
 // acc[r * 64 + c] = row r's sums (module comment) for rows r < `rows` (<= 16) of x (bfloat16
 // [rows, K], row r at x + r * ldx) against the panel's 64 columns (k-pair panel
 // [ceil(K / 2), 128], row_gemm_bf16.cc's layout). The caller calls `release` at the end of
@@ -141,7 +155,7 @@ inline void panel_block(const uint16_t* x, int64_t ldx, int64_t k, const uint16_
   const int64_t pairs = (k + 1) / 2;
   const int64_t full = k / (2 * PAIRS);  // blocks whose elements all lie below K
   const int64_t rest = pairs - full * PAIRS;  // pairs of the last, shorter block (0..16)
-  configure(rows, rest);
+  configure(rows);
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
@@ -151,39 +165,38 @@ inline void panel_block(const uint16_t* x, int64_t ldx, int64_t k, const uint16_
   const int64_t steps = full + (rest > 0 ? 1 : 0);
   const int64_t lines = (ahead.bytes / 64 + steps - 1) / std::max<int64_t>(1, steps);
   const char* next = ahead.start;
-  for (int64_t b = 0; b < full; ++b) {
-    const uint16_t* w = panel + b * PAIRS * PAIR_ROW;
-    if (next != nullptr) {
-      for (int64_t l = 0; l < lines; ++l) __builtin_prefetch(next + 64 * l, 0, 2);
-      next += 64 * lines;
-    }
-    _tile_loadd(4, x + 2 * PAIRS * b, x_stride);
-    _tile_loadd(5, w, panel_stride);
-    _tile_dpbf16ps(0, 4, 5);
-    _tile_loadd(5, w + 32, panel_stride);
-    _tile_dpbf16ps(1, 4, 5);
-    _tile_loadd(5, w + 64, panel_stride);
-    _tile_dpbf16ps(2, 4, 5);
-    _tile_loadd(5, w + 96, panel_stride);
-    _tile_dpbf16ps(3, 4, 5);
+  const auto warm = [&next, lines] {
+    if (next == nullptr) return;
+    for (int64_t l = 0; l < lines; ++l) __builtin_prefetch(next + 64 * l, 0, 2);
+    next += 64 * lines;
+  };
+  int64_t b = 0;
+  for (; b + 1 < full; b += 2) {  // x's blocks alternate between tmm4 and tmm7
+    warm();
+    MULTISERVE_AMX_BLOCK(4, x + 2 * PAIRS * b, x_stride, panel + b * PAIRS * PAIR_ROW,
+                         panel_stride);
+    warm();
+    MULTISERVE_AMX_BLOCK(7, x + 2 * PAIRS * (b + 1), x_stride,
+                         panel + (b + 1) * PAIRS * PAIR_ROW, panel_stride);
   }
-  if (rest > 0) {  // x's last elements, zeros past K (an odd K's last pair: x[K - 1], 0)
-    alignas(64) static thread_local uint16_t tail[ROWS][2 * PAIRS];
-    std::memset(tail, 0, sizeof tail);
+  if (b < full) {
+    warm();
+    MULTISERVE_AMX_BLOCK(4, x + 2 * PAIRS * b, x_stride, panel + b * PAIRS * PAIR_ROW,
+                         panel_stride);
+  }
+  if (rest > 0) {  // the last pairs of x and of the panel, staged with zero pairs after
+    // them (+0 x +0: adds nothing, and no sum starts at -0, so the bits are the shorter
+    // block's); an odd K's last pair is x[K - 1], 0 against the panel's zero row
+    alignas(64) static thread_local uint16_t xs[ROWS][2 * PAIRS];
+    alignas(64) static thread_local uint16_t ws[PAIRS][PAIR_ROW];
+    std::memset(xs, 0, sizeof xs);
+    std::memset(ws, 0, sizeof ws);
     const int64_t first = 2 * PAIRS * full, count = k - first;
     for (int r = 0; r < rows; ++r)
-      std::memcpy(tail[r], x + r * ldx + first, count * sizeof(uint16_t));
-    const uint16_t* w = panel + full * PAIRS * PAIR_ROW;
+      std::memcpy(xs[r], x + r * ldx + first, count * sizeof(uint16_t));
+    std::memcpy(ws, panel + full * PAIRS * PAIR_ROW, rest * PAIR_ROW * sizeof(uint16_t));
     written_before_tiles_read();
-    _tile_loadd(6, tail, 2 * PAIRS * sizeof(uint16_t));
-    _tile_loadd(7, w, panel_stride);
-    _tile_dpbf16ps(0, 6, 7);
-    _tile_loadd(7, w + 32, panel_stride);
-    _tile_dpbf16ps(1, 6, 7);
-    _tile_loadd(7, w + 64, panel_stride);
-    _tile_dpbf16ps(2, 6, 7);
-    _tile_loadd(7, w + 96, panel_stride);
-    _tile_dpbf16ps(3, 6, 7);
+    MULTISERVE_AMX_BLOCK(7, &xs[0][0], 2 * PAIRS * sizeof(uint16_t), &ws[0][0], panel_stride);
   }
   constexpr int64_t acc_stride = 64 * sizeof(float);
   _tile_stored(0, acc, acc_stride);
@@ -191,6 +204,7 @@ inline void panel_block(const uint16_t* x, int64_t ldx, int64_t k, const uint16_
   _tile_stored(2, acc + 32, acc_stride);
   _tile_stored(3, acc + 48, acc_stride);
 }
+#undef MULTISERVE_AMX_BLOCK
 #else
 inline void release() {}
 #endif
