@@ -101,7 +101,8 @@ def test_no_setting_changes_a_bit_and_the_plan_key_names_it(tmp_path: Path) -> N
         done = subprocess.run([sys.executable, "-c", _PRODUCTS, str(out)], env=env,
                               capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stderr[-3000:]
-        assert done.stdout.strip().splitlines()[-1] == repr(parse(setting).key())
+        last = done.stdout.strip().splitlines()[-1]
+        assert last == repr(parse(setting).key())
         runs.append(np.load(out))
     assert runs[0].files == runs[1].files and len(runs[0].files) >= 12
     for name in runs[0].files:
@@ -118,7 +119,8 @@ def test_the_plan_key_names_this_process_tuning() -> None:
 
     if native.unavailable_reason() is not None:
         pytest.skip("no native kernels here: the key has no native part")
-    cfg = ModelConfig(architecture="llama", vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=1,
-                      num_heads=4, num_kv_heads=2, head_dim=16)
+    cfg = ModelConfig(architecture="llama", vocab_size=64, hidden_size=64,
+                      intermediate_size=128, num_layers=1, num_heads=4, num_kv_heads=2,
+                      head_dim=16)
     key = store.backend_key(jax.devices()[0], default_workload(cfg))
     assert key["product_tuning"] == native.tuned().key()

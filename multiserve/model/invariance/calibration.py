@@ -7,9 +7,10 @@ on random data with every probe row placed at several positions (probes.py), and
 keeps, per primitive, formulations whose rows agree BITWISE with one position-invariant
 reference at every size (choice.py). A bfloat16 plan on the CPU runs one instruction path
 (avx512_bf16, widen, amx: whichever this CPU runs) in every native product, the one whose
-plans cost least by the probes' timings (choice.choose_path). The attention prefers the native CPU kernel where it
-builds and verifies (it reads K/V in place where the XLA formulation materialises every
-key block: docs/performance.md §5), on a GPU or TPU JAX's Pallas paged-attention kernel
+plans cost least by the probes' timings (choice.choose_path). The attention prefers the
+native CPU kernel where it builds and verifies (it reads K/V in place where the XLA
+formulation materialises every key block: docs/performance.md §5), on a GPU or TPU JAX's
+Pallas paged-attention kernel
 (layers/attention_pallas.py), else the XLA formulation's query chunking. A primitive
 with no position-invariant reference makes the plan unverified (`verified=False`,
 `problems`), loudly.
@@ -28,7 +29,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -136,10 +137,10 @@ def _choose(workload: Workload, device: Any, distort: Distort | None, memo: bool
             ) -> tuple[InvariancePlan, list[dict[str, Any]]]:
     """Probe every primitive of `workload` and choose its plan; also the probe table."""
     dtype = jnp.dtype(workload.dtype)
-    # what a probe's result depends on besides its shape (the kernels' build and the
-    # programs' XLA options among them)
     # the native products' instruction paths probed ("": float32, or no native kernel)
     paths = probes.native_paths(dtype) if device.platform == "cpu" else ("",)
+    # what a probe's result depends on besides its shape (the kernels' build and the
+    # programs' XLA options among them)
     backend = (device.platform, getattr(device, "device_kind", ""), str(dtype),
                native_kernels.build_id() if device.platform == "cpu" else None,
                tuple(sorted(step_options(device.platform, str(dtype)).items())))

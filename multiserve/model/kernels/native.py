@@ -67,8 +67,8 @@ import numpy as np
 
 from multiserve.cache_files import cache_root, exclusive
 from multiserve.model import lora_layout
-from multiserve.model.kernels import product_tuning
 from multiserve.model.invariance.plan import BF16_PATHS
+from multiserve.model.kernels import product_tuning
 from multiserve.model.layers.forward_batch import ForwardBatch
 
 log = logging.getLogger("multiserve.native_kernels")
