@@ -26,9 +26,11 @@ from dataclasses import dataclass, fields
 from typing import Any, Literal
 
 from multiserve.types import (
+    HOLD_MODES,
     MEMORY_TAGS,
     MemoryTag,
     PauseMode,
+    canonical_pause_mode,
     check_pause_mode,
 )
 
@@ -50,11 +52,17 @@ def normalize_tags(tags: Any) -> tuple[MemoryTag, ...]:
 # ---- the records: one per operation (one-step ones are the engine thread's commands) -------
 @dataclass(frozen=True)
 class PauseGeneration:
-    """The user's pause: drain, then abort / retract / keep (in_place) running requests."""
+    """The user's pause: drain, then abort / retract / keep (in_place) running requests,
+    or (wait) close admission, let the requests live now finish, then pause.
+    `clear_cache` (vLLM's): after abort, retract or wait, drop the cached K/V no request
+    holds (keep/in_place: ignored, as vLLM ignores it)."""
     mode: PauseMode = "abort"
+    clear_cache: bool = False
 
     def __post_init__(self) -> None:
         check_pause_mode(self.mode)
+        object.__setattr__(self, "mode", canonical_pause_mode(self.mode))
+        object.__setattr__(self, "clear_cache", bool(self.clear_cache))
 
 
 @dataclass(frozen=True)
@@ -111,7 +119,8 @@ class ReleaseMemoryOccupation:
     preserve_state: bool = False
 
     def __post_init__(self) -> None:
-        check_pause_mode(self.mode)
+        check_pause_mode(self.mode, HOLD_MODES)
+        object.__setattr__(self, "mode", canonical_pause_mode(self.mode))
         object.__setattr__(self, "tags", normalize_tags(self.tags))
         object.__setattr__(self, "preserve_state", bool(self.preserve_state))
 

@@ -73,6 +73,7 @@ from multiserve.engine.sched.request import Req
 from multiserve.engine.setup import EngineParts, build_engine_parts
 from multiserve.engine.state_report import internal_state, step_info
 from multiserve.engine.streams import OutputAssembler, OutputStream
+from multiserve.engine.wait_pause import Pending
 from multiserve.sampling_policy import to_sampling_params
 from multiserve.types import (
     MEMORY_TAGS,
@@ -170,6 +171,7 @@ class Engine:
         core = self._core
         while True:
             try:
+                core.settle_wait_pause()  # before deciding to block: it may pause now
                 block = not self._healthy or not core.has_work()
                 ran_command = False
                 while True:
@@ -179,6 +181,7 @@ class Engine:
                         break
                     if isinstance(cmd, Stop):
                         core.fail_all("engine shut down")
+                        core.cancel_wait_pause("the engine shut down")
                         self._close_queue()
                         future.set_result(ControlResult(True, "stopped"))
                         return
@@ -217,9 +220,14 @@ class Engine:
         if future.done():
             return
         try:
-            future.set_result(self._dispatch(cmd))
+            result = self._dispatch(cmd)
         except Exception as exc:  # noqa: BLE001 - reported to the caller
             future.set_exception(exc)
+            return
+        if isinstance(result, Pending):  # answered later by the engine thread ("wait")
+            result.then(lambda r: None if future.done() else future.set_result(r))
+        else:
+            future.set_result(result)
 
     def _dispatch(self, cmd: Command) -> Any:
         """Run one command on the engine thread (between two steps): the one place."""
@@ -230,8 +238,8 @@ class Engine:
                 return core.add(reqs)
             case AbortRequest(rid, abort_all):
                 return core.abort(rid, abort_all)
-            case PauseGeneration(mode):
-                return core.pause(mode)
+            case PauseGeneration(mode, clear_cache):
+                return core.pause(mode, clear_cache)
             case ContinueGeneration():
                 return core.resume()
             case FlushCache():
@@ -531,8 +539,10 @@ class Engine:
         return await runner.arun(runner.operation(control_request(name, **args)))
 
     # the operations Python callers name (sglang's Engine methods), as one-line spellings
-    def pause_generation(self, mode: str = "abort") -> ControlResult:
-        return self.control("pause_generation", mode=mode)
+    def pause_generation(self, mode: str = "abort", clear_cache: bool = False
+                         ) -> ControlResult:
+        """sglang's modes (abort, retract, in_place) and vLLM's (abort, keep, wait)."""
+        return self.control("pause_generation", mode=mode, clear_cache=clear_cache)
 
     def continue_generation(self) -> ControlResult:
         return self.control("continue_generation")

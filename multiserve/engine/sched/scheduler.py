@@ -115,10 +115,27 @@ class Scheduler:
         # whether a decode-only step of n rows can run several decode steps in one
         # dispatch now (the runner's `runs_turns`); None: never
         self.runs_turns = runs_turns
+        # a "wait" pause closing admission (EngineCore.pause): only these Reqs, live when
+        # it began, may still be admitted from `waiting`; None: admission is open
+        self._admit_only: frozenset[Req] | None = None
 
     # ---- queries -------------------------------------------------------------------
     def has_work(self) -> bool:
-        return bool(self.running) or any(r.pending == 0 for r in self.waiting)
+        return bool(self.running) or any(r.pending == 0 and self._admissible(r)
+                                         for r in self.waiting)
+
+    def _admissible(self, req: Req) -> bool:
+        return self._admit_only is None or req in self._admit_only
+
+    # ---- admission gate (a "wait" pause) ---------------------------------------------
+    def close_admission(self) -> frozenset[Req]:
+        """From now on admit only the Reqs live now (running or waiting, retracted ones
+        included); later ones wait in `waiting` until `open_admission`. Returns those."""
+        self._admit_only = frozenset(self.reqs.values())
+        return self._admit_only
+
+    def open_admission(self) -> None:
+        self._admit_only = None
 
     @property
     def chunked_reqs(self) -> list[Req]:
@@ -391,6 +408,8 @@ class Scheduler:
                 break
             if req.pending > 0:
                 continue  # its last token is still on the device
+            if not self._admissible(req):
+                continue  # arrived after a "wait" pause began: it waits for continue
             if req.leader is not None and not self._leader_ready(req.leader):
                 continue
             chunk_budget = self._capped(req, budget, max_new_rows)
