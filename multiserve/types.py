@@ -314,6 +314,19 @@ class GenerateRequest:
     lora_optional: bool = False
     return_routed_experts: bool = False
     routed_experts_start_len: int = 0
+    # prefix-cache isolation (vLLM's cache_salt, SGLang's extra_key: `cache_namespace`):
+    # the request matches and fills only cached K/V of requests with the same key (None:
+    # the unkeyed namespace). Never changes an output: only what is recomputed.
+    cache_salt: str | None = None
+
+
+def cache_namespace(*keys: str | None) -> str | None:
+    """The prefix-cache key of a request from its clients' fields (vLLM's cache_salt,
+    SGLang's extra_key, in that order): None when none is set; otherwise each part length-
+    prefixed, so that two different tuples of keys never give one namespace."""
+    if not any(keys):
+        return None
+    return "".join(f"{len(k or '')}:{k or ''}" for k in keys)
 
 
 @dataclass(frozen=True)

@@ -329,6 +329,10 @@ class Engine:
                 f"length ({self.context_len})", "max_new_tokens", "context_length_exceeded")
         if request.return_routed_experts:
             self._check_routed_experts(request)
+        if request.cache_salt is not None and (not isinstance(request.cache_salt, str)
+                                               or not request.cache_salt):
+            raise InvalidRequest("cache_salt: must be a non-empty string (or absent)",
+                                 "cache_salt")
         seed = p.seed if p.seed is not None else self._seed_rng.getrandbits(63)
         return Req.samples_of(request, seed, sink)
 

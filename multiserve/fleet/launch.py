@@ -250,6 +250,7 @@ def _start_servers(fleet: Fleet) -> None:
     from multiserve.fleet.supervisor import build_supervisor_app
     from multiserve.fleet.supervisor_lora import add_lora_supervisor_routes
     from multiserve.fleet.supervisor_rl import add_rl_supervisor_routes
+    from multiserve.fleet.supervisor_vllm import add_vllm_pause_supervisor_routes
     from multiserve.server import ServerThread, TokenizerManager, build_app
     from multiserve.server.auth import protect
     from multiserve.server.control_routes import add_rl_routes
@@ -279,6 +280,7 @@ def _start_servers(fleet: Fleet) -> None:
                                    enable_memory_saver=cfg.supervisor.enable_memory_saver)
     add_rl_supervisor_routes(sup_app)  # fleet-wide two-phase weight updates, memory
     add_lora_supervisor_routes(sup_app)  # LoRA adapters on every engine, all or none
+    add_vllm_pause_supervisor_routes(sup_app)  # vLLM's /pause, /resume, /is_paused
     protect(sup_app, cfg.api_key)
     fleet.supervisor = ServerThread(sup_app, cfg.supervisor.host, cfg.supervisor.port,
                                     name="supervisor-http").start()

@@ -18,6 +18,7 @@ from multiserve.fleet import supervisor_bodies as S
 from multiserve.server.api_schema import ENGINE_STATE_SCHEMA, PROCESS_MEMORY_SCHEMA
 from multiserve.server.control_bodies import body_for, query_parameters
 from multiserve.server.openapi_docs import Answer, Key, document
+from multiserve.server.vllm_pause import PAUSE_PARAMETERS
 
 
 class FleetAnswer(BaseModel):
@@ -56,6 +57,14 @@ class FleetWeightVersion(BaseModel):
     engines: list[dict[str, Any]]
 
 
+class FleetPaused(BaseModel):
+    """vLLM's /is_paused for the fleet: true iff every engine is paused."""
+
+    model_config = ConfigDict(extra="allow")
+    is_paused: bool
+    engines: list[dict[str, Any]]
+
+
 LORA_OPS = ("load_lora_adapter", "unload_lora_adapter")
 # every operation the supervisor offers (a row of control_ops.OPS with a `fleet` merge)
 FLEET_OPS = [op for op in OPS.values() if op.fleet is not None and op.route is not None]
@@ -85,7 +94,12 @@ ANSWERS: dict[Key, Answer] = {
     ("GET", "/get_weight_version"): Answer(FleetWeightVersion, errors=("401", "503")),
     ("GET", "/metrics"): Answer(text=True, errors=("401",)),
     ("GET", "/v1/models"): Answer(errors=("401",)),
+    # vLLM's pause routes on every engine (supervisor_vllm.py)
+    ("POST", "/pause"): Answer(FleetAnswer, errors=("400", "401", "500", "503", "504")),
+    ("POST", "/resume"): Answer(FleetAnswer, errors=("400", "401", "500", "503", "504")),
+    ("GET", "/is_paused"): Answer(FleetPaused, errors=("401", "503")),
 }
+QUERY[("POST", "/pause")] = PAUSE_PARAMETERS
 
 
 def document_supervisor_app(app: FastAPI) -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import FastAPI
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
 
 from multiserve import sampling_policy as S
 from multiserve.server import protocol as P
@@ -25,6 +25,7 @@ from multiserve.server import protocol_tokens as T
 from multiserve.server.control_bodies import ControlBody, body_for, query_parameters
 from multiserve.server.control_routes import routed_ops
 from multiserve.server.openapi_docs import Answer, ControlAnswer, Key, document
+from multiserve.server.vllm_pause import PAUSE_PARAMETERS
 from multiserve.types import MAX_TOP_LOGPROBS, MEMORY_TAGS, PAUSE_REASONS
 
 GEN_ERRORS = ("400", "401", "404", "429", "503")
@@ -107,6 +108,17 @@ ROUTED_EXPERTS_DOC: dict[str, str] = {
 
 class WeightVersion(BaseModel):
     weight_version: str | None
+
+
+class VllmStatus(BaseModel):
+    """vLLM's answer ("paused", "resumed"), with the control call's outcome beside it."""
+
+    model_config = ConfigDict(extra="allow")
+    status: str
+
+
+class IsPaused(BaseModel):
+    is_paused: bool
 
 
 # What one engine holds (engine/memory_report.py), bytes of its whole device group. Each
@@ -242,6 +254,13 @@ ANSWERS: dict[Key, Answer] = {
     ("GET", "/get_weight_version"): Answer(WeightVersion, errors=("401", "503")),
     ("GET", "/v1/loads"): Answer(errors=("401", "503")),
     ("GET", "/metrics"): Answer(text=True, errors=("401",)),
+    # vLLM's pause routes (vllm_pause.py); AReaL's vLLM-server spellings of the same
+    ("POST", "/pause"): Answer(VllmStatus, errors=("400", "401", "409", "503")),
+    ("POST", "/resume"): Answer(VllmStatus, errors=("400", "401", "503")),
+    ("GET", "/is_paused"): Answer(IsPaused, errors=("401", "503")),
+    ("POST", "/areal_pause_generation"): Answer(ControlAnswer, errors=("400", "401", "503")),
+    ("POST", "/areal_continue_generation"): Answer(ControlAnswer,
+                                                   errors=("400", "401", "503")),
     **{(m, path): CONTROL for op in (*routed_ops("core"), *routed_ops("rl"))
        if op.route is not None for m in op.route.methods for path in op.route.paths},
     # LoRA refusals: 404 an unknown adapter, 409 every slot taken / the adapter in use
@@ -372,5 +391,6 @@ def _refine_tokens_generate(components: dict[str, Any], vocab: int,
 def document_engine_app(app: FastAPI, model_name: str, vocab_size: int) -> None:
     """Document `app` (serving `model_name`, the only value `model` may take, with token
     ids in [0, vocab_size))."""
-    document(app, BODIES, ANSWERS, optional_bodies=OPTIONAL_BODIES, query=QUERY,
+    document(app, BODIES, ANSWERS, optional_bodies=OPTIONAL_BODIES,
+             query={**QUERY, ("POST", "/pause"): PAUSE_PARAMETERS},
              patch_components=_refiner(model_name, vocab_size))
