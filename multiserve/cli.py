@@ -74,6 +74,10 @@ def _fleet_args(p: argparse.ArgumentParser) -> None:
                    help="without --config: number of engines, one device each")
     p.add_argument("--port", type=int, default=None, help="first engine port (default 31000)")
     p.add_argument("--supervisor-port", type=int, default=None)
+    p.add_argument("--front-door-port", type=int, default=None,
+                   help="one OpenAI/SGLang port routing to every engine (sticky by "
+                        "X-Session-ID, else longest prefix, else least loaded); 0: "
+                        "ephemeral; -1: none (default: the config's, else none)")
     p.add_argument("--host", default=None)
     p.add_argument("--model", "--model-path", dest="model", default=None,
                    help="HF model dir or .gguf (default: SmolLM2); --model-path is SGLang's")

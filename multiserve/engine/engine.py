@@ -85,6 +85,7 @@ from multiserve.types import (
     RequestOutput,
     SamplingParams,
     asleep_reason,
+    is_asleep,
 )
 
 _Queued = tuple[Command, concurrent.futures.Future]
@@ -568,6 +569,21 @@ class Engine:
         if self._healthy and released:
             return True, asleep_reason(released)
         return self._healthy, self._reason
+
+    def accepts_work(self) -> tuple[bool, str]:
+        """(whether a request sent now would run now, why not): healthy, memory resident,
+        not paused and no "wait" pause draining. Any thread: like `health`, a read of two
+        references the engine thread replaces or empties between commands (the pause
+        reasons' truthiness, the draining wait pause), so it may be one command behind."""
+        ok, reason = self.health()
+        if not ok or is_asleep(reason):
+            return False, reason
+        core = self._core
+        if core.pause_state.paused:
+            return False, "paused"
+        if core.wait_pause is not None:
+            return False, "pausing (wait): admission is closed"
+        return True, "ok"
 
     def shutdown(self) -> None:
         if self._stopped:

@@ -388,9 +388,14 @@ def _refine_tokens_generate(components: dict[str, Any], vocab: int,
         _token_ids(sp["stop_token_ids"], vocab)
 
 
-def document_engine_app(app: FastAPI, model_name: str, vocab_size: int) -> None:
+def document_engine_app(app: FastAPI, model_name: str, vocab_size: int, *,
+                        bodies: dict[Key, Any] | None = None,
+                        answers: dict[Key, Answer] | None = None,
+                        query: dict[Key, list[dict[str, Any]]] | None = None) -> None:
     """Document `app` (serving `model_name`, the only value `model` may take, with token
-    ids in [0, vocab_size))."""
-    document(app, BODIES, ANSWERS, optional_bodies=OPTIONAL_BODIES,
-             query={**QUERY, ("POST", "/pause"): PAUSE_PARAMETERS},
+    ids in [0, vocab_size)): the engine's routes that `app` has, plus `bodies`, `answers`
+    and `query` of its own (the fleet's front door serves the generation routes)."""
+    document(app, {**BODIES, **(bodies or {})}, {**ANSWERS, **(answers or {})},
+             optional_bodies=OPTIONAL_BODIES,
+             query={**QUERY, ("POST", "/pause"): PAUSE_PARAMETERS, **(query or {})},
              patch_components=_refiner(model_name, vocab_size))
