@@ -707,6 +707,27 @@ class Engine:
         return self.control("update_weights_from_disk", path=path,
                             weight_version=weight_version, abort_running=abort_running)
 
+    # the weight-update session (tpu-inference's names; engine/rl/session.py)
+    def start_weight_update(self, free_kv_cache: bool = True, abort_running: bool = False
+                            ) -> ControlResult:
+        """Open a session: the engine is held for one update (pause it first, or
+        abort_running); `free_kv_cache` (tpu-inference's default) releases the KV pool
+        until finish_weight_update."""
+        return self.control("start_weight_update", free_kv_cache=free_kv_cache,
+                            abort_running=abort_running)
+
+    def update_weights(self, update_info: dict[str, Any]) -> ControlResult:
+        """Stage one checkpoint into the session: {"path": an HF safetensors dir} or
+        {"params": tensors} (flat HF names -> arrays, or the params pytree)."""
+        return self.control("update_weights", update_info=update_info)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> ControlResult:
+        """Publish the session's checkpoint as `weight_version`; the answer names it."""
+        return self.control("finish_weight_update", weight_version=weight_version)
+
+    def abort_weight_update(self) -> ControlResult:
+        return self.control("abort_weight_update")
+
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> ControlResult:
         """details: name, shape (HF orientation), dtype, values = the first
         `truncate_size` rows as nested lists, weight_version."""

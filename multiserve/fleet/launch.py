@@ -259,9 +259,11 @@ def _start_servers(fleet: Fleet) -> None:
     from multiserve.fleet.supervisor_lora import add_lora_supervisor_routes
     from multiserve.fleet.supervisor_rl import add_rl_supervisor_routes
     from multiserve.fleet.supervisor_vllm import add_vllm_pause_supervisor_routes
+    from multiserve.fleet.supervisor_weights import add_weight_session_supervisor_routes
     from multiserve.server import ServerThread, TokenizerManager, build_app
     from multiserve.server.auth import protect
     from multiserve.server.control_routes import add_rl_routes
+    from multiserve.server.weight_transfer import add_weight_transfer_routes
 
     cfg = fleet.config
     for w, scfg in zip(fleet.workers, cfg.servers, strict=True):
@@ -277,6 +279,7 @@ def _start_servers(fleet: Fleet) -> None:
                         tool_call_parser=scfg.tool_call_parser,
                         reasoning_parser=scfg.reasoning_parser)
         add_rl_routes(app, w)  # release/resume memory, weight updates (per engine)
+        add_weight_transfer_routes(app)  # vLLM's / SGLang's transfer set-up: what we honour
         protect(app, cfg.api_key)  # every route, when a key is set
         server = ServerThread(app, scfg.host, scfg.port, name=f"engine-{w.index}-http")
         w.port = server.port
@@ -289,6 +292,8 @@ def _start_servers(fleet: Fleet) -> None:
     add_rl_supervisor_routes(sup_app)  # fleet-wide two-phase weight updates, memory
     add_lora_supervisor_routes(sup_app)  # LoRA adapters on every engine, all or none
     add_vllm_pause_supervisor_routes(sup_app)  # vLLM's /pause, /resume, /is_paused
+    add_weight_session_supervisor_routes(sup_app)  # the weight-update session, all or none
+    add_weight_transfer_routes(sup_app)
     protect(sup_app, cfg.api_key)
     fleet.supervisor = ServerThread(sup_app, cfg.supervisor.host, cfg.supervisor.port,
                                     name="supervisor-http").start()

@@ -15,7 +15,12 @@ from pydantic import BaseModel, ConfigDict
 
 from multiserve.control_ops import OPS
 from multiserve.fleet import supervisor_bodies as S
-from multiserve.server.api_schema import ENGINE_STATE_SCHEMA, PROCESS_MEMORY_SCHEMA
+from multiserve.server import weight_transfer as WT
+from multiserve.server.api_schema import (
+    ENGINE_STATE_SCHEMA,
+    PROCESS_MEMORY_SCHEMA,
+    WT_ANSWERS,
+)
 from multiserve.server.control_bodies import body_for, query_parameters
 from multiserve.server.openapi_docs import Answer, Key, document
 from multiserve.server.vllm_pause import PAUSE_PARAMETERS
@@ -76,7 +81,8 @@ BODIES: dict[Key, Any] = {
     **{("POST", path): body_for(OPS[name]) for name in LORA_OPS
        for path in OPS[name].route.paths},  # type: ignore[union-attr]
 }
-OPTIONAL = frozenset(k for k, m in BODIES.items() if m.optional_body)
+OPTIONAL = frozenset(k for k, m in BODIES.items() if m.optional_body) | WT.OPTIONAL
+BODIES.update(WT.BODIES)  # the weight-transfer set-up answers the same everywhere
 # a GET spelling reads the query string where its body says so (get_weights_by_name)
 QUERY: dict[Key, list[dict[str, Any]]] = {
     ("GET", op.route.path): query_parameters(S.fleet_body_for(op))
@@ -94,6 +100,7 @@ ANSWERS: dict[Key, Answer] = {
     ("GET", "/get_weight_version"): Answer(FleetWeightVersion, errors=("401", "503")),
     ("GET", "/metrics"): Answer(text=True, errors=("401",)),
     ("GET", "/v1/models"): Answer(errors=("401",)),
+    **WT_ANSWERS,
     # vLLM's pause routes on every engine (supervisor_vllm.py)
     ("POST", "/pause"): Answer(FleetAnswer, errors=("400", "401", "500", "503", "504")),
     ("POST", "/resume"): Answer(FleetAnswer, errors=("400", "401", "500", "503", "504")),

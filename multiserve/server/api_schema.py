@@ -22,6 +22,7 @@ from multiserve.server import protocol as P
 from multiserve.server import parse_routes as PR
 from multiserve.server import protocol_native as N
 from multiserve.server import protocol_tokens as T
+from multiserve.server import weight_transfer as WT
 from multiserve.server.control_bodies import ControlBody, body_for, query_parameters
 from multiserve.server.control_routes import routed_ops
 from multiserve.server.openapi_docs import Answer, ControlAnswer, Key, document
@@ -225,9 +226,18 @@ BODIES: dict[Key, Any] = {
     **CONTROL_BODIES,
     ("POST", "/parse_function_call"): PR.ParseFunctionCallBody,
     ("POST", "/separate_reasoning"): PR.SeparateReasoningBody,
+    **WT.BODIES,  # vLLM's / SGLang's weight-transfer set-up (weight_transfer.py)
 }
+OPTIONAL_BODIES = OPTIONAL_BODIES | WT.OPTIONAL
 
 CONTROL = Answer(ControlAnswer)
+# the weight-transfer set-up routes: what is honoured answers 200, the rest 400 (never 200)
+WT_ANSWERS: dict[Key, Answer] = {
+    ("POST", "/init_weight_transfer_engine"): Answer(ControlAnswer, errors=("400", "401")),
+    ("POST", "/init_weights_update_group"): Answer(errors=("400", "401")),
+    ("POST", "/update_weights_from_distributed"): Answer(errors=("400", "401")),
+    ("POST", "/destroy_weights_update_group"): Answer(ControlAnswer, errors=("400", "401")),
+}
 ANSWERS: dict[Key, Answer] = {
     ("GET", "/v1/models"): Answer(P.ModelList, errors=("401",)),
     # streamed: one chunk per SSE event (chat: a delta; completions: OpenAI's legacy chunk
@@ -254,6 +264,7 @@ ANSWERS: dict[Key, Answer] = {
     ("GET", "/get_weight_version"): Answer(WeightVersion, errors=("401", "503")),
     ("GET", "/v1/loads"): Answer(errors=("401", "503")),
     ("GET", "/metrics"): Answer(text=True, errors=("401",)),
+    **WT_ANSWERS,
     # vLLM's pause routes (vllm_pause.py); AReaL's vLLM-server spellings of the same
     ("POST", "/pause"): Answer(VllmStatus, errors=("400", "401", "409", "503")),
     ("POST", "/resume"): Answer(VllmStatus, errors=("400", "401", "503")),
