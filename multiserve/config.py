@@ -378,7 +378,7 @@ class RoutingConfig:
     finding no engine that takes work (all paused, asleep or unhealthy) waits up to
     `wait_s` for one, then gets 503."""
 
-    cache_threshold: float = 0.5  # sglang-router's default
+    cache_threshold: float = 0.3  # sglang-router 0.3.2's default
     balance_abs_threshold: int = 4  # requests in flight (sglang-router's default: 64)
     balance_rel_threshold: float = 1.5  # sglang-router's default
     chunk_chars: int = 64

@@ -33,10 +33,10 @@ Invariants:
 - The engine is paused iff its PauseState has a reason; while it has, `step()` is never
   called (the loop sleeps on its queue). "user" is set and cleared only by `pause()` /
   `resume()` (a "wait" pause sets it in `settle_wait_pause`, once the requests live when
-  it began have finished; until then admission is closed and nothing else changes); every other reason only by the subsystem that holds the engine (`hold()`,
-  ended by `RLInterface.release_hold`: weight staging, memory release). A user pause
-  takes effect (its mode applies) whether or not a hold is active, and no hold's end
-  clears it.
+  it began have finished; until then admission is closed and nothing else changes);
+  every other reason only by the subsystem that holds the engine (`hold()`, ended by
+  `RLInterface.release_hold`: weight staging, memory release). A user pause takes effect
+  (its mode applies) whether or not a hold is active, and no hold's end clears it.
 - Device state outside a step (params, the KV pool, the weight version) changes only
   between steps, through `set_weight_version` and RLInterface's `swap_params`,
   `drop_kv`, `install_kv` (asserted).

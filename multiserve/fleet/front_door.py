@@ -13,8 +13,9 @@ answer comes back as it is produced, SSE streams chunk by chunk, with the engine
   GET  /routing_stats   requests per engine and per reason, sessions, in flight
   POST /finish_session?session_id=S   (or {"session_id": S}) forget a session's pin
        (prime-rl / SkyRL call it on their router when a trajectory ends)
-Sessions are the headers `X-Session-ID` (prime-rl, verifiers, SkyRL, vllm-router) and
-`X-SGL-Routing-Key` (sglang-router's sticky policy); the first wins. Each answer says
+Sessions are the headers `X-Session-ID` (prime-rl, verifiers, SkyRL, vllm-router),
+`X-SGL-Routing-Key` (SGLang's experimental router's sticky policy) and
+`X-SMG-Routing-Key` (sglang-router 0.3.2's manual policy); the first present wins. Each answer says
 where it went: headers `X-Routed-Engine` and `X-Routing-Reason`.
 
 When no engine takes work (the fleet is paused, asleep), a request waits at the door
@@ -52,7 +53,7 @@ from multiserve.types import cache_namespace
 ROUTED_POSTS = ("/v1/chat/completions", "/v1/completions", "/generate",
                 "/inference/v1/generate", "/v1/score")
 FORWARDED_GETS = ("/v1/models", "/get_model_info", "/model_info")
-SESSION_HEADERS = ("x-session-id", "x-sgl-routing-key")
+SESSION_HEADERS = ("x-session-id", "x-sgl-routing-key", "x-smg-routing-key")
 _PASSED_HEADERS = ("content-type", "retry-after", "cache-control")
 POLL_S = 0.02  # how often a waiting request looks for an engine that takes work
 

@@ -4,11 +4,12 @@ Owns `run_chaos(ChaosConfig)` -> `ChaosReport`:
 1. writes the tiny model and a perturbed twin (tiny_model.py), launches 4 engines on 4
    CPU virtual devices with their servers and the supervisor, on loopback;
 2. `clients` concurrent clients (chaos_workload.py) send random requests round-robin over
-   the 4 ports and the front door (fleet/front_door.py) while the Operator (chaos_ops.py) fires operations for `seconds` (and until
-   it has played every kind once); the clients go on until then AND until
-   `min_completed` requests completed, `min_comparable` of them checkable against the
-   reference: a count of requests, never a rate, so a slow machine runs longer rather
-   than checking less (at most `max_seconds`, then the counts are what they are);
+   the 4 ports and the front door (fleet/front_door.py) while the Operator (chaos_ops.py)
+   fires operations for `seconds` (and until it has played every kind once); the clients
+   go on until then AND until `min_completed` requests completed, `min_comparable` of
+   them checkable against the reference: a count of requests, never a rate, so a slow
+   machine runs longer rather than checking less (at most `max_seconds`, then the counts
+   are what they are);
 3. heals the fleet (continue, resume, base weights), then checks:
    - every request has exactly one final outcome, and none is hung, lost, dropped or an
      error without its OpenAI body;

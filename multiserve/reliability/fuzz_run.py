@@ -3,8 +3,8 @@ tiny fleet.
 
 Owns `run_fuzz(cases_per_app, ...)`: writes the tiny random model (tiny_model.py),
 launches a fleet of it in this process on loopback (ephemeral ports), fuzzes the engine
-app, the supervisor app, then the front door (fuzz.py), then checks every engine (integrity.py): healthy,
-idle, KV whole. `fuzz_main` is the command line.
+app, the supervisor app, then the front door (fuzz.py), then checks every engine
+(integrity.py): healthy, idle, KV whole. `fuzz_main` is the command line.
 
 Invariant: the fleet is always stopped, whatever happened; the result says ok only if
 no case violated the rules and every post-check held.

@@ -1,6 +1,6 @@
-"""vLLM's pause routes (its rlhf api_router:
-https://github.com/vllm-project/vllm/blob/main/vllm/entrypoints/serve/rlhf/api_router.py), mapped onto the
-engine's pause_generation / continue_generation; and AReaL's two vLLM-server routes,
+"""vLLM's pause routes (its rlhf api_router,
+https://github.com/vllm-project/vllm/blob/main/vllm/entrypoints/serve/rlhf/api_router.py),
+mapped onto the engine's pause_generation / continue_generation; and AReaL's two vLLM-server routes,
 which call the same pause.
 
   POST /pause?mode=abort|wait|keep&clear_cache=true&wait_for_inflight_requests=false

@@ -1,9 +1,9 @@
 """Chaos run, in-suite profile: the 4-engine tiny fleet on the CPU virtual devices, 16
-concurrent clients over the 4 ports and the fleet's front door (chat, completions and native; streaming and not;
-n > 1; seeds; stop strings; clients that leave mid-stream) for CHAOS_SECONDS while random
-supervisor and per-engine operations fire (pauses in every mode, vLLM's /pause in abort,
-wait and keep modes, aborts, flushes, staged
-weight updates to a perturbed checkpoint and back, memory release/resume, an injected
+concurrent clients over the 4 ports and the fleet's front door (chat, completions and
+native; streaming and not; n > 1; seeds; stop strings; clients that leave mid-stream)
+for CHAOS_SECONDS while random supervisor and per-engine operations fire (pauses in
+every mode, vLLM's /pause in abort, wait and keep modes, aborts, flushes, staged weight
+updates to a perturbed checkpoint and back, memory release/resume, an injected
 fault and a restart). Then: one final outcome per request and none hung/lost/dropped,
 greedy answers equal the reference for their weight version, every engine healthy and
 KV-whole, no thread leak (RSS reported).

@@ -37,7 +37,7 @@ def test_prefix_follows_a_longer_prompt_if_it_covers_the_threshold() -> None:
     assert (longer.engine, longer.reason) == (first.engine, "prefix")
     assert longer.matched_chars == len(LONG)
     r.done(longer.engine)
-    # a prompt that shares less than half of itself goes to the least loaded engine
+    # a prompt that shares less than cache_threshold (0.3) of itself: the least loaded
     other = r.choose(ALL, LONG[:64] + "z" * 600, None)
     assert other.reason == "least_loaded"
 
@@ -94,6 +94,7 @@ def test_prompt_keys_keep_cache_namespaces_apart() -> None:
         prompt_key("/generate", {"input_ids": [1, 2]})
     assert prompt_key("/generate", "not an object") == ""
     assert session_of({"x-sgl-routing-key": "k"}) == "k" and session_of({}) is None
+    assert session_of({"x-smg-routing-key": "m"}) == "m"
 
 
 @pytest.mark.parametrize("bad", [{"cache_threshold": 1.5}, {"balance_rel_threshold": 0.5},
