@@ -139,3 +139,23 @@ def test_a_request_waits_at_the_door_while_the_fleet_is_paused(live: Live, door:
     assert h.post(f"{live.supervisor}/resume").status_code == 200
     worker.join(60)
     assert out and out[0].status_code == 200 and len(out[0].json()["output_ids"]) == 3
+
+
+def test_a_client_leaving_mid_stream_aborts_its_request(live: Live, door: str) -> None:
+    """The stream is frozen (keep pause on its engine), then its client leaves: the front
+    door closes the engine's stream, and the engine aborts the request, paused as it is."""
+    h = live.http
+    body = {"input_ids": [9, 8, 7, 6], "stream": True,
+            "sampling_params": {"max_new_tokens": 240, "ignore_eos": True}}
+    with h.stream("POST", f"{door}/generate", json=body) as r:
+        assert r.status_code == 200, r.read()
+        engine = int(r.headers["x-routed-engine"])
+        url = live.urls[engine]
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+        assert h.post(f"{url}/pause", params={"mode": "keep"}).status_code == 200
+        assert live.state(url)["running_batch_size"] == 1
+    live.wait_state(lambda s: s["running_batch_size"] == 0 and s["waiting_queue_size"] == 0,
+                    url)
+    assert h.get(f"{door}/routing_stats").json()["in_flight"][engine] == 0
+    assert h.post(f"{url}/resume").status_code == 200
