@@ -4,7 +4,7 @@ its weight stream (src/product_split.h `ProductTuning`). Neither changes a bit o
 result (which thread reads which panel, and what is prefetched); both change how fast a
 decode step's products read their weights, and the best values differ between CPUs: on an
 AMD EPYC (Zen 5) one core alone reads at ~90% of the machine's bandwidth, on an Intel Xeon
-(family 6, model 167) at about half of it (docs/performance.md §31).
+(family 6, model 167) at about half of it (docs/performance.md §32).
 
 `measure` times one-row bfloat16 products of a stack of layers (a decode step's pattern:
 each layer's matrix read once, in turn) split and not split, at sizes from a few panels to

@@ -40,7 +40,7 @@ inline int64_t work_units(int64_t panels, int64_t m, int64_t k) {
 // (the host's own work shares these cores). A small product (`units`, its work_units, under
 // the machine's `split_units`) stays on the caller. A 1-row product is a stream of its
 // weights from memory, which two cores stream faster than one where one core alone does
-// not reach the machine's bandwidth (docs/performance.md §3, §31).
+// not reach the machine's bandwidth (docs/performance.md §3, §32).
 template <typename Run>
 void for_each_item(xla::ffi::ThreadPool& pool, int64_t items, int64_t units, bool contiguous,
                    Run run) {
