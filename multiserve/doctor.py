@@ -47,6 +47,10 @@ def doctor_main(args: argparse.Namespace) -> int:
             "bf16_path_candidates": list(native_kernels.bf16_path_candidates()),
             "bf16_paths_available": list(native_kernels.bf16_paths_available())}
     if args.json:
+        tuning = (native_kernels.tuned() if native_kernels.unavailable_reason() is None
+                  else None)
+        bf16["product_tuning"] = None if tuning is None else {**tuning.key(),
+                                                              "source": tuning.source}
         print(json.dumps({**cal.summary(), "dtype_choice": choice.summary(), **bf16,
                           "program_sharing_hook": sharing_problem or "ok",
                           "table": list(cal.table)}, indent=1))
@@ -58,6 +62,11 @@ def doctor_main(args: argparse.Namespace) -> int:
     print(f"bfloat16 products: {chosen} (timed by the calibration: "
           f"{', '.join(bf16['bf16_path_candidates']) or 'none'}; paths here: "
           f"{', '.join(bf16['bf16_paths_available']) or 'none'})")
+    if native_kernels.unavailable_reason() is None:
+        tuning = native_kernels.tuned()
+        print(f"native products: split over the pool from {tuning.split_units} work units, "
+              f"one-block prefetch {tuning.ahead_bytes} bytes ahead ({tuning.source}; "
+              f"MULTISERVE_PRODUCT_TUNING sets them)")
     print(f"key {cal.key_hash}: {'read from the cache' if cal.cached else 'probed now'}, "
           f"probe took {cal.probe_seconds:.1f} s")
     print("program sharing (a fleet's engines compile each program once): " + (
