@@ -74,6 +74,10 @@ def _fleet_args(p: argparse.ArgumentParser) -> None:
                    help="without --config: number of engines, one device each")
     p.add_argument("--port", type=int, default=None, help="first engine port (default 31000)")
     p.add_argument("--supervisor-port", type=int, default=None)
+    p.add_argument("--front-door-port", type=int, default=None,
+                   help="one OpenAI/SGLang port routing to every engine (sticky by "
+                        "X-Session-ID, else longest prefix, else least loaded); 0: "
+                        "ephemeral; -1: none (default: the config's, else none)")
     p.add_argument("--host", default=None)
     p.add_argument("--model", "--model-path", dest="model", default=None,
                    help="HF model dir or .gguf (default: SmolLM2); --model-path is SGLang's")
@@ -193,6 +197,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --fleet: a sustained chat load for this many seconds on each "
                         "side (closed-loop OpenAI chat clients, max_tokens 16/64/128, greedy "
                         "or sampled, half streamed) instead of one wave of streams")
+    b.add_argument("--agent-sessions", type=int, default=D.agent_sessions,
+                   help="a multi-turn agent workload of this many sessions on the fleet: "
+                        "through its front door vs random engine ports (vs sglang-router "
+                        "when installed), prefix hit rate and tok/s (bench/agent_bench.py)")
+    b.add_argument("--agent-turns", type=int, default=D.agent_turns,
+                   help="with --agent-sessions: turns per session")
     b.add_argument("--clients-per-port", type=int, default=D.clients_per_port,
                    help="with --fleet: concurrent clients on each engine's port (e.g. 2 for "
                         "8 clients on the 4-engine fleet)")

@@ -367,6 +367,39 @@ class ServerConfig:
 
 
 @dataclass(frozen=True)
+class RoutingConfig:
+    """How the fleet's front door (fleet/front_door.py, fleet/routing.py) picks an engine:
+    sticky by session, else the longest prefix sent to an engine when it covers
+    `cache_threshold` of the prompt and the load is balanced (in-flight requests differ
+    by at most `balance_abs_threshold`, or the busiest has at most
+    `balance_rel_threshold` times the idlest's), else the least loaded. Prompt keys are
+    indexed in `chunk_chars`-character chunks, at most `index_chunks` per engine; at most
+    `max_sessions` sessions are pinned (least recently used forgotten first). A request
+    finding no engine that takes work (all paused, asleep or unhealthy) waits up to
+    `wait_s` for one, then gets 503."""
+
+    cache_threshold: float = 0.3  # sglang-router 0.3.2's default
+    balance_abs_threshold: int = 4  # requests in flight (sglang-router's default: 64)
+    balance_rel_threshold: float = 1.5  # sglang-router's default
+    chunk_chars: int = 64
+    index_chunks: int = 65536
+    max_sessions: int = 100_000
+    wait_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        _require(0.0 <= self.cache_threshold <= 1.0, "routing.cache_threshold",
+                 f"must be in [0, 1], got {self.cache_threshold!r}")
+        _require(self.balance_abs_threshold >= 0, "routing.balance_abs_threshold",
+                 "must be >= 0")
+        _require(self.balance_rel_threshold >= 1.0, "routing.balance_rel_threshold",
+                 "must be >= 1")
+        for name in ("chunk_chars", "index_chunks", "max_sessions"):
+            _require(isinstance(getattr(self, name), int) and getattr(self, name) >= 1,
+                     f"routing.{name}", "must be an integer >= 1")
+        _require(self.wait_s >= 0, "routing.wait_s", "must be >= 0")
+
+
+@dataclass(frozen=True)
 class MultiHostConfig:
     """Where this process stands in a slice of several hosts (multiserve/multihost/).
 
@@ -438,6 +471,10 @@ class FleetConfig:
     api_key: str | None = field(default=None, repr=False)
     # one engine across several hosts (multiserve/multihost/); the default: this host alone
     multihost: MultiHostConfig = field(default_factory=MultiHostConfig)
+    # one OpenAI/SGLang port for the whole fleet (fleet/front_door.py; None: none), and
+    # how it routes; the engine ports and the supervisor stay
+    front_door: ServerConfig | None = None
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
 
     def __post_init__(self) -> None:
         _require(len(self.engines) >= 1, "engines", "needs at least one engine")
@@ -450,8 +487,9 @@ class FleetConfig:
                          f"device {d} is already used by engines[{seen.get(d)}]")
                 seen[d] = i
         ports = [s.port for s in self.servers if s.port != 0]
-        if self.supervisor.port != 0:
-            ports.append(self.supervisor.port)
+        for extra in (self.supervisor, self.front_door):
+            if extra is not None and extra.port != 0:
+                ports.append(extra.port)
         dup = sorted({p for p in ports if ports.count(p) > 1})
         _require(not dup, "servers.port", f"port clash on {dup}")
         _require(self.api_key is None or (isinstance(self.api_key, str) and self.api_key != ""

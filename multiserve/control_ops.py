@@ -26,9 +26,11 @@ from dataclasses import dataclass, fields
 from typing import Any, Literal
 
 from multiserve.types import (
+    HOLD_MODES,
     MEMORY_TAGS,
     MemoryTag,
     PauseMode,
+    canonical_pause_mode,
     check_pause_mode,
 )
 
@@ -50,11 +52,17 @@ def normalize_tags(tags: Any) -> tuple[MemoryTag, ...]:
 # ---- the records: one per operation (one-step ones are the engine thread's commands) -------
 @dataclass(frozen=True)
 class PauseGeneration:
-    """The user's pause: drain, then abort / retract / keep (in_place) running requests."""
+    """The user's pause: drain, then abort / retract / keep (in_place) running requests,
+    or (wait) close admission, let the requests live now finish, then pause.
+    `clear_cache` (vLLM's): after abort, retract or wait, drop the cached K/V no request
+    holds (keep/in_place: ignored, as vLLM ignores it)."""
     mode: PauseMode = "abort"
+    clear_cache: bool = False
 
     def __post_init__(self) -> None:
         check_pause_mode(self.mode)
+        object.__setattr__(self, "mode", canonical_pause_mode(self.mode))
+        object.__setattr__(self, "clear_cache", bool(self.clear_cache))
 
 
 @dataclass(frozen=True)
@@ -111,7 +119,8 @@ class ReleaseMemoryOccupation:
     preserve_state: bool = False
 
     def __post_init__(self) -> None:
-        check_pause_mode(self.mode)
+        check_pause_mode(self.mode, HOLD_MODES)
+        object.__setattr__(self, "mode", canonical_pause_mode(self.mode))
         object.__setattr__(self, "tags", normalize_tags(self.tags))
         object.__setattr__(self, "preserve_state", bool(self.preserve_state))
 
@@ -170,6 +179,65 @@ class UpdateWeightsFromDisk:
 
 
 @dataclass(frozen=True)
+class StartWeightUpdate:
+    """Open a weight-update session (vLLM's /start_weight_update; tpu-inference's
+    start_weight_update, whose default frees the KV cache: Engine.start_weight_update):
+    hold the engine for one update (engine/rl/session.py); with `free_kv_cache`, release
+    the KV pool until the session ends (requests holding K/V re-prefill with the new
+    weights)."""
+    free_kv_cache: bool = False
+    abort_running: bool = False
+
+
+# the keys of vLLM's NCCL and CUDA-IPC backends' update_info: torch tensors moved by NCCL
+# or by CUDA IPC handles, which never reach a JAX engine
+TORCH_UPDATE_KEYS = ("names", "dtype_names", "shapes", "packed", "sizes", "ipc_handles")
+
+
+@dataclass(frozen=True, eq=False)
+class UpdateWeights:
+    """Stage one checkpoint into the open session (vLLM's /update_weights and its
+    `update_info`): {"path": an absolute HF safetensors directory} (vLLM's disk backend:
+    every tensor), or, in process, {"params": tensors} (a subset updates only those);
+    finish_weight_update publishes it."""
+    update_info: Any
+
+    def __post_init__(self) -> None:
+        info = self.update_info
+        if not isinstance(info, dict):
+            raise ValueError("update_info: must be an object")
+        if any(k in info for k in TORCH_UPDATE_KEYS):
+            raise ValueError("update_info: torch tensors sent by NCCL broadcast or CUDA IPC "
+                             "(names, dtype_names, shapes, ...) cannot reach this JAX "
+                             "engine; give {\"path\": an HF safetensors directory} "
+                             "(vLLM's disk backend)")
+        if ("path" in info) == ("params" in info) or set(info) - {"path", "params"}:
+            raise ValueError("update_info: give exactly one of 'path' (a directory) or "
+                             "'params' (tensors, in process), and nothing else")
+        path = info.get("path")
+        if "path" in info and not (isinstance(path, str) and path.startswith("/")):
+            raise ValueError("update_info.path: must be an absolute directory path")
+
+
+@dataclass(frozen=True)
+class FinishWeightUpdate:
+    """Publish what the open session staged as `weight_version` (None: a new version
+    named after its source), bring back what start freed, close the session."""
+    weight_version: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.weight_version is not None and (not isinstance(self.weight_version, str)
+                                                or not self.weight_version):
+            raise ValueError("weight_version: must be a non-empty string or null")
+
+
+@dataclass(frozen=True)
+class AbortWeightUpdate:
+    """Close the open session without changing the weights (discard, bring back what
+    start freed)."""
+
+
+@dataclass(frozen=True)
 class LoadLoraAdapter:
     """Load the PEFT adapter directory `lora_path` into a free LoRA slot as `lora_name`
     (engine/lora_adapters.py: read and checked off the engine thread, then one command);
@@ -194,8 +262,9 @@ class ListLoraAdapters:
 # ---- the table ----------------------------------------------------------------------------
 # How the supervisor answers a broadcast: "each" (every engine's answer, 200 iff all
 # succeeded), "sum_aborted" (that, plus the engines' `aborted` summed), "two_phase" (stage
-# on all, then publish on all or discard on all: fleet/supervisor_rl.py).
-FleetMerge = Literal["each", "sum_aborted", "two_phase"]
+# on all, then publish on all or discard on all: fleet/supervisor_rl.py), "session" (a
+# weight-update session's step on every engine, all or none: fleet/supervisor_weights.py).
+FleetMerge = Literal["each", "sum_aborted", "two_phase", "session"]
 Group = Literal["core", "rl"]  # core: build_app / build_supervisor_app; rl: add_rl_*routes
 
 
@@ -263,6 +332,15 @@ OPS: dict[str, ControlOp] = {op.name: op for op in (
               route=_post("/discard_staged_weights")),
     ControlOp("get_weights_by_name", GetWeightsByName, "rl",
               route=_post("/get_weights_by_name", "GET", "POST"), fleet="each"),
+    # the weight-update session (engine/rl/session.py): vLLM's routes, tpu-inference's names
+    ControlOp("start_weight_update", StartWeightUpdate, "rl",
+              route=_post("/start_weight_update"), fleet="session"),
+    ControlOp("update_weights", UpdateWeights, "rl", runs="staged",
+              route=_post("/update_weights"), fleet="session"),
+    ControlOp("finish_weight_update", FinishWeightUpdate, "rl",
+              route=_post("/finish_weight_update"), fleet="session"),
+    ControlOp("abort_weight_update", AbortWeightUpdate, "rl",
+              route=_post("/abort_weight_update"), fleet="each"),
     ControlOp("update_weights_from_tensor", UpdateWeightsFromTensor, "rl", runs="staged"),
     ControlOp("stage_weights_from_tensor", StageWeightsFromTensor, "rl", runs="staged"),
     ControlOp("update_weights_from_arrays", UpdateWeightsFromArrays, "rl", runs="staged"),

@@ -38,21 +38,35 @@ def doctor_main(args: argparse.Namespace) -> int:
     cfg = load_model(model_dir, np.float32).config
     reason = native_kernels.unavailable_reason("bfloat16") if args.dtype == "auto" else None
     choice = choose_dtype(args.dtype, device.platform, model_dir, reason,
-                          native_kernels.bf16_product_path() if reason is None else None)
+                          ", ".join(native_kernels.bf16_path_candidates())
+                          if reason is None else None)
     workload = default_workload(cfg, numpy_dtype(choice.dtype), tp=args.tp)
     cal = calibrate(workload, device, use_cache=not args.reprobe)
     sharing_problem = hook_problem()  # None: a fleet's engines share compiled programs
-    bf16 = {"bf16_product_path": native_kernels.bf16_product_path(),
+    bf16 = {"bf16_plan_path": cal.plan.bf16_path,
+            "bf16_path_candidates": list(native_kernels.bf16_path_candidates()),
             "bf16_paths_available": list(native_kernels.bf16_paths_available())}
     if args.json:
+        tuning = (native_kernels.tuned() if native_kernels.unavailable_reason() is None
+                  else None)
+        bf16["product_tuning"] = None if tuning is None else {**tuning.key(),
+                                                              "source": tuning.source}
         print(json.dumps({**cal.summary(), "dtype_choice": choice.summary(), **bf16,
                           "program_sharing_hook": sharing_problem or "ok",
                           "table": list(cal.table)}, indent=1))
         return 0 if cal.plan.verified else 1
     print(f"backend: {cal.key['platform']} {_cpu_line(cal.key)}; jax {cal.key['jax']}")
     print(f"dtype: {choice.dtype} ({choice.reason})")
-    print(f"bfloat16 products: {bf16['bf16_product_path'] or 'no native kernels'} "
-          f"(paths here: {', '.join(bf16['bf16_paths_available']) or 'none'})")
+    chosen = bf16["bf16_plan_path"] or ("none in this plan" if bf16["bf16_paths_available"]
+                                        else "no native kernels")
+    print(f"bfloat16 products: {chosen} (timed by the calibration: "
+          f"{', '.join(bf16['bf16_path_candidates']) or 'none'}; paths here: "
+          f"{', '.join(bf16['bf16_paths_available']) or 'none'})")
+    if native_kernels.unavailable_reason() is None:
+        tuning = native_kernels.tuned()
+        print(f"native products: split over the pool from {tuning.split_units} work units, "
+              f"one-block prefetch {tuning.ahead_bytes} bytes ahead ({tuning.source}; "
+              f"MULTISERVE_PRODUCT_TUNING sets them)")
     print(f"key {cal.key_hash}: {'read from the cache' if cal.cached else 'probed now'}, "
           f"probe took {cal.probe_seconds:.1f} s")
     print("program sharing (a fleet's engines compile each program once): " + (
@@ -60,6 +74,10 @@ def doctor_main(args: argparse.Namespace) -> int:
     print(f"VERIFIED: {cal.plan.verified}" + "".join(f"\n  problem: {p}"
                                                    for p in cal.plan.problems))
     for row in cal.table:
+        if row["primitive"] == "bf16_path":  # a path's plans' cost over every product
+            print(f"{'*' if row['chosen'] else ' '} bf16_path {row['path']}: cost "
+                  f"{row['cost']} (each size's time over the fastest there, summed)")
+            continue
         mark = "*" if row["chosen_for"] else " "
         what = {k: v for k, v in row.items() if k not in (
             "primitive", "chosen_for", "position_invariant", "matches_reference", "ms",

@@ -32,9 +32,13 @@ FinishReason = Literal["stop", "length", "abort"]
 # so the runtime checks and the pydantic fields cannot drift apart.
 
 # What a pause does to running requests (engine/core.py). Each route keeps its own default
-# (sglang's: /pause_generation "abort", /release_memory_occupation "retract").
-PauseMode = Literal["abort", "retract", "in_place"]
+# (sglang's: /pause_generation "abort", /release_memory_occupation "retract"; vLLM's /pause
+# "abort"). sglang's names: abort, retract, in_place; vLLM's: abort, keep (= in_place,
+# `canonical_pause_mode`), wait (admission closes, the requests live at the pause finish,
+# then the pause holds: a pause_generation mode only, not a hold's: HOLD_MODES).
+PauseMode = Literal["abort", "retract", "in_place", "keep", "wait"]
 PAUSE_MODES: tuple[PauseMode, ...] = get_args(PauseMode)
+HOLD_MODES: tuple[PauseMode, ...] = tuple(m for m in PAUSE_MODES if m != "wait")
 # Why an engine is paused (it steps only while it has none): the user's pause_generation,
 # a staged weight update waiting for publish/discard, device memory released. Each is
 # added and removed by its own owner only (engine/core.py).
@@ -50,11 +54,16 @@ MEMORY_TAGS: tuple[MemoryTag, ...] = get_args(MemoryTag)
 ASLEEP = "asleep"
 
 
-def check_pause_mode(mode: str) -> None:
-    """ValueError unless `mode` is one of PAUSE_MODES (the Python API's check; the HTTP
-    bodies check it through their `PauseMode` field)."""
-    if mode not in PAUSE_MODES:
-        raise ValueError(f"mode: must be one of {PAUSE_MODES}, got {mode!r}")
+def check_pause_mode(mode: str, allowed: tuple[PauseMode, ...] = PAUSE_MODES) -> None:
+    """ValueError unless `mode` is one of `allowed` (the Python API's check; the HTTP
+    bodies check it through their `PauseMode` field, the engine's records again)."""
+    if mode not in allowed:
+        raise ValueError(f"mode: must be one of {allowed}, got {mode!r}")
+
+
+def canonical_pause_mode(mode: PauseMode) -> PauseMode:
+    """One spelling per behaviour: vLLM's "keep" is "in_place"."""
+    return "in_place" if mode == "keep" else mode
 
 
 def asleep_reason(released: Iterable[str]) -> str:
@@ -305,6 +314,19 @@ class GenerateRequest:
     lora_optional: bool = False
     return_routed_experts: bool = False
     routed_experts_start_len: int = 0
+    # prefix-cache isolation (vLLM's cache_salt, SGLang's extra_key: `cache_namespace`):
+    # the request matches and fills only cached K/V of requests with the same key (None:
+    # the unkeyed namespace). Never changes an output: only what is recomputed.
+    cache_salt: str | None = None
+
+
+def cache_namespace(*keys: str | None) -> str | None:
+    """The prefix-cache key of a request from its clients' fields (vLLM's cache_salt,
+    SGLang's extra_key, in that order): None when none is set; otherwise each part length-
+    prefixed, so that two different tuples of keys never give one namespace."""
+    if not any(keys):
+        return None
+    return "".join(f"{len(k or '')}:{k or ''}" for k in keys)
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ twice, sums a float across chips, or moves more than twice its floor.
 
 The margin: the goal is 1.3x the floor for the 1B shape (16 layers), which `doctor
 --compile` measures at 1.03-1.09x for decode at 1, 16 and 64 rows (docs/performance.md
-§31). At four layers XLA:TPU still routes some layers' weights through VMEM copies
+§33). At four layers XLA:TPU still routes some layers' weights through VMEM copies
 (`slice-start`, `ConcatBitcast`, `copy-start` in the report's ops), which it counts as
 bytes moved: 1.2-1.9x here, so 2.0x is the bound of these small programs; a pool copied
 or padded once a step (the old layout: 10-23x) fails it by far."""

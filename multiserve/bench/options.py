@@ -62,6 +62,8 @@ class BenchOptions:
     random_model: str | None = None  # a size of bench/random_model.py (SIZES), or None
     lora_adapters: int = 0  # > 0: the LoRA comparison (bench/lora_bench.py)
     lora_rank: int = 16
+    agent_sessions: int = 0  # > 0: the multi-turn agent workload (bench/agent_bench.py)
+    agent_turns: int = 6
     # derived, not a flag: the dtype the engine resolves its config to, which the peer
     # computes in (set by bench_main before any peer runs)
     peer_dtype: str = "float32"

@@ -16,7 +16,10 @@ Modes:
   one engine with the same requests (fleet_bench.py); with `--duration S`, closed-loop
   chat clients for S seconds per side instead (chat_load.py);
 - `--lora-adapters N [--lora-rank R]` (batch or single stream): the base model alone,
-  then the same run with N random adapters loaded, and the ratio (lora_bench.py).
+  then the same run with N random adapters loaded, and the ratio (lora_bench.py);
+- `--agent-sessions S [--agent-turns T]`: a multi-turn agent workload on the fleet
+  through its front door vs the engine ports at random (vs sglang-router when
+  installed): prefix hit rate and tok/s per arm (agent_bench.py).
 `--random-model tiny|small|1b` runs on a random-weight model of that shape
 (random_model.py, written once into the cache) instead of `--model`.
 Sampling: greedy by default; `--temperature T` samples every request at T (top_p / top_k
@@ -211,6 +214,10 @@ def bench_main(options: BenchOptions) -> int:
         from multiserve.bench.lora_bench import check_lora_options
 
         check_lora_options(options)
+    if options.agent_sessions:
+        from multiserve.bench.agent_bench import agent_main
+
+        return agent_main(options)
     if options.fleet:
         from multiserve.bench.fleet_bench import fleet_main
 

@@ -20,8 +20,10 @@ from typing import TYPE_CHECKING, Any
 
 from multiserve.control_ops import (
     AbortRequest,
+    AbortWeightUpdate,
     ContinueGeneration,
     DiscardStagedWeights,
+    FinishWeightUpdate,
     FlushCache,
     GetInternalState,
     GetWeightsByName,
@@ -29,6 +31,7 @@ from multiserve.control_ops import (
     PublishStagedWeights,
     ReleaseMemoryOccupation,
     ResumeMemoryOccupation,
+    StartWeightUpdate,
 )
 
 if TYPE_CHECKING:
@@ -135,10 +138,25 @@ class EndStaging:
     token: str
 
 
+@dataclass(frozen=True)
+class SessionToken:
+    """The open weight-update session's staging token, taken for one staging (refused
+    without a session, or when one checkpoint is staged already: engine/rl/session.py)."""
+
+
+@dataclass(frozen=True)
+class AbortSession:
+    """A staging into the session failed: close it, weights unchanged, KV back."""
+
+
 RLCommand = (BeginStaging | EndStaging | PublishStagedWeights | DiscardStagedWeights
-             | GetWeightsByName | ReleaseMemoryOccupation | ResumeMemoryOccupation)
+             | GetWeightsByName | ReleaseMemoryOccupation | ResumeMemoryOccupation
+             | StartWeightUpdate | FinishWeightUpdate | AbortWeightUpdate | SessionToken
+             | AbortSession)
 RL_COMMANDS = (BeginStaging, EndStaging, PublishStagedWeights, DiscardStagedWeights,
-               GetWeightsByName, ReleaseMemoryOccupation, ResumeMemoryOccupation)
+               GetWeightsByName, ReleaseMemoryOccupation, ResumeMemoryOccupation,
+               StartWeightUpdate, FinishWeightUpdate, AbortWeightUpdate, SessionToken,
+               AbortSession)
 
 Command = (Add | AbortRequest | PauseGeneration | ContinueGeneration | FlushCache
            | GetInternalState | Stop | Prime | CheckIntegrity | InjectFault | MarkUnhealthy

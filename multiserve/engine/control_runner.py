@@ -26,12 +26,16 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import uuid
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from multiserve.control_ops import (
+    AbortWeightUpdate,
     DiscardStagedWeights,
+    FinishWeightUpdate,
     GetWeightsByName,
     ListLoraAdapters,
     LoadLoraAdapter,
@@ -40,15 +44,25 @@ from multiserve.control_ops import (
     ResumeMemoryOccupation,
     StageWeightsFromDisk,
     StageWeightsFromTensor,
+    StartWeightUpdate,
+    UpdateWeights,
     UpdateWeightsFromArrays,
     UpdateWeightsFromDisk,
     UpdateWeightsFromTensor,
     UnloadLoraAdapter,
 )
-from multiserve.engine.commands import BeginStaging, Command, EndStaging, RLCommand
+from multiserve.engine.commands import (
+    AbortSession,
+    BeginStaging,
+    Command,
+    EndStaging,
+    RLCommand,
+    SessionToken,
+)
 from multiserve.engine.lora_control import LoraOperations
 from multiserve.engine.rl.checks import WeightUpdateError
 from multiserve.engine.rl.memory import MemoryManager
+from multiserve.engine.rl.session import WeightSession
 from multiserve.engine.rl.weights import DeviceArrays, WeightManager
 from multiserve.model.errors import ModelLoadError
 from multiserve.types import ControlResult
@@ -102,6 +116,7 @@ class ControlRunner:
         self.lora = lora  # the LoRA operations (engine/lora_control.py)
         self.weights = WeightManager(core)
         self.memory = MemoryManager(core, self.weights)
+        self.session = WeightSession(self.weights, self.memory)
         self._submit = submit
         self._require_healthy = require_healthy
 
@@ -154,6 +169,17 @@ class ControlRunner:
                 return self.memory.release(tags, mode, preserve_state)
             case ResumeMemoryOccupation(tags):
                 return self.memory.resume(tags)
+            case StartWeightUpdate(free_kv_cache, abort_running):
+                self._require_healthy()
+                return self.session.start(free_kv_cache, abort_running)
+            case SessionToken():
+                return self.session.token()
+            case FinishWeightUpdate(weight_version):
+                return self.session.finish(weight_version)
+            case AbortWeightUpdate():
+                return self.session.abort()
+            case AbortSession():
+                return self.session.abort()
         raise TypeError(f"not an RL command: {cmd!r}")
 
     def _read(self, name: str, truncate_size: int) -> ControlResult:
@@ -183,6 +209,8 @@ class ControlRunner:
             case UpdateWeightsFromDisk(path, version, abort_running):
                 return self._update(self._stage(self._disk_loader(path), version,
                                                 abort_running), abort_running)
+            case UpdateWeights(update_info):
+                return self._into_session(update_info)
             case LoadLoraAdapter(name, path, inplace) if self.lora is not None:
                 return self.lora.load(name, path, OffThread, inplace)
             case UnloadLoraAdapter(name):
@@ -224,6 +252,31 @@ class ControlRunner:
                                  "tensors": staged.names, "source": source,
                                  "staged_bytes": int(nbytes)})
 
+    def _into_session(self, update_info: dict[str, Any]
+                      ) -> Generator[Command | OffThread, Any, ControlResult]:
+        """Stage one checkpoint into the open weight-update session (its token); a failed
+        staging aborts the session (nothing changes: engine/rl/session.py)."""
+        taken = yield SessionToken()
+        if not taken.ok:
+            return taken
+        token = taken.details["token"]
+        if "path" in update_info:
+            load, source = self._disk_loader(update_info["path"]), update_info["path"]
+        else:
+            params = update_info["params"]
+            load, source = (lambda: (params, "<tensors>", False)), "<tensors>"
+        version = _session_version(source)
+        try:
+            staged = yield OffThread(lambda: self._stage_body(token, load, version))
+        except (WeightUpdateError, ModelLoadError) as e:
+            yield AbortSession()
+            return _failed(e, version)
+        except BaseException:
+            yield AbortSession()
+            raise
+        return ControlResult(True, "weights staged in the session: finish_weight_update "
+                             "publishes them", staged.details)
+
     @staticmethod
     def _update(stage: Op, abort_running: bool
                 ) -> Generator[Command | OffThread, Any, ControlResult]:
@@ -246,3 +299,10 @@ def _aborted_total(staged: ControlResult, published: ControlResult) -> ControlRe
     staging too."""
     n = int(staged.details.get("aborted", 0)) + int(published.details.get("aborted", 0))
     return ControlResult(published.ok, published.message, {**published.details, "aborted": n})
+
+
+def _session_version(source: str) -> str:
+    """The version a session's staging carries until finish names one: the source's name
+    and a unique suffix (as an update from disk without weight_version)."""
+    name = Path(source.rstrip("/")).name if source.startswith("/") else "tensors"
+    return f"{name or 'weights'}-{uuid.uuid4().hex[:8]}"

@@ -32,10 +32,11 @@ Invariants:
   without a further delivery. Request state itself changes only in the Scheduler.
 - The engine is paused iff its PauseState has a reason; while it has, `step()` is never
   called (the loop sleeps on its queue). "user" is set and cleared only by `pause()` /
-  `resume()`; every other reason only by the subsystem that holds the engine (`hold()`,
-  ended by `RLInterface.release_hold`: weight staging, memory release). A user pause
-  takes effect (its mode applies) whether or not a hold is active, and no hold's end
-  clears it.
+  `resume()` (a "wait" pause sets it in `settle_wait_pause`, once the requests live when
+  it began have finished; until then admission is closed and nothing else changes);
+  every other reason only by the subsystem that holds the engine (`hold()`, ended by
+  `RLInterface.release_hold`: weight staging, memory release). A user pause takes effect
+  (its mode applies) whether or not a hold is active, and no hold's end clears it.
 - Device state outside a step (params, the KV pool, the weight version) changes only
   between steps, through `set_weight_version` and RLInterface's `swap_params`,
   `drop_kv`, `install_kv` (asserted).
@@ -70,6 +71,7 @@ from multiserve.engine.sched.request import Req
 from multiserve.engine.sched.scheduler import Scheduler
 from multiserve.engine.sched.stop_rules import StopRules
 from multiserve.engine.spec.drafter import Drafter
+from multiserve.engine.wait_pause import Pending, WaitPause
 from multiserve.types import (
     ControlResult,
     FinishReason,
@@ -119,6 +121,7 @@ class EngineCore:
         self.in_flight: InFlightStep | None = None
         self.last_batch: ScheduledBatch | None = None
         self.pause_state = PauseState()
+        self.wait_pause: WaitPause | None = None  # a "wait" pause still draining
         self.weight_version = cfg.weight_version
         self.loras = LoraTable(cfg.max_loras_per_batch)  # adapter name -> slot
         # the slots of adapter versions replaced (load_inplace) while live requests used
@@ -443,22 +446,73 @@ class EngineCore:
         self.scheduler.retract(running)
         return len(running)
 
-    def pause(self, mode: str) -> ControlResult:
-        """The user's pause: takes effect even while a hold is active (its mode applies)."""
+    def pause(self, mode: str, clear_cache: bool = False) -> ControlResult | Pending:
+        """The user's pause: takes effect even while a hold is active (its mode applies).
+        "wait" answers later (a Pending): admission closes now, and the pause is set once
+        the requests live now have finished (`settle_wait_pause`). `clear_cache`: after
+        abort, retract or wait, the cached K/V no request holds is dropped."""
         if self.pause_state.user:
             return ControlResult(True, "already paused (no-op)",
                                  {"already_paused": True, "mode": mode,
                                   "pause_reasons": self.pause_state.reasons})
+        if mode == "wait":
+            if self.wait_pause is None:
+                self.wait_pause = WaitPause(self.scheduler.close_admission(), clear_cache)
+                return self.wait_pause.answer
+            return self.wait_pause.join(clear_cache)
         self.drain()
         details = self._apply_mode(mode)
+        if clear_cache and mode != "in_place":
+            details["cleared_cached_pages"] = self.scheduler.drop_cached_kv()
         self.pause_state.set_user()
         details["pause_reasons"] = self.pause_state.reasons
+        self._end_wait_pause(ControlResult(True, f"paused: a {mode} pause came first",
+                                           {"mode": mode, "superseded_by": mode}))
         return ControlResult(True, f"paused ({mode})", details)
 
+    def settle_wait_pause(self) -> None:
+        """Between steps: a "wait" pause whose requests have all finished takes effect
+        now (the user's pause is set, admission reopens behind it) and answers."""
+        wait = self.wait_pause
+        if wait is None or not wait.drained:
+            return
+        self.drain()
+        self.wait_pause = None
+        self.scheduler.open_admission()
+        details: dict[str, Any] = {"mode": "wait", "finished": len(wait.live)}
+        if wait.clear_cache:
+            details["cleared_cached_pages"] = self.scheduler.drop_cached_kv()
+        self.pause_state.set_user()
+        details["pause_reasons"] = self.pause_state.reasons
+        wait.answer.resolve(ControlResult(True, "paused (wait)", details))
+
+    def _end_wait_pause(self, result: ControlResult) -> bool:
+        """End a "wait" pause still draining (admission reopens), answering `result`;
+        True iff there was one."""
+        wait, self.wait_pause = self.wait_pause, None
+        if wait is None:
+            return False
+        self.scheduler.open_admission()
+        wait.answer.resolve(result)
+        return True
+
+    def cancel_wait_pause(self, reason: str) -> bool:
+        """End a draining "wait" pause without pausing (continue_generation, shutdown);
+        its callers get success false with `reason`."""
+        return self._end_wait_pause(ControlResult(False, f"the wait pause did not take "
+                                                  f"effect: {reason}",
+                                                  {"mode": "wait", "cancelled": True}))
+
     def resume(self) -> ControlResult:
-        """Clear the user's pause only; a hold still active keeps the engine paused."""
+        """Clear the user's pause only; a hold still active keeps the engine paused. A
+        "wait" pause still draining is cancelled (its requests go on, admission reopens)."""
+        cancelled = self.cancel_wait_pause("continue_generation came before its requests "
+                                           "finished")
         had_user = self.pause_state.clear_user()
         left = self.pause_state.reasons
+        if cancelled and not had_user:
+            return ControlResult(True, "continued: the pending wait pause is cancelled",
+                                 {"cancelled_wait_pause": True, "pause_reasons": left})
         if not had_user and not left:
             return ControlResult(True, "not paused (no-op)",
                                  {"already_running": True, "pause_reasons": left})

@@ -57,11 +57,11 @@ def checkpoint_dtype(model_dir: Path) -> str | None:
 
 
 def choose_dtype(requested: str, platform: str, model_dir: Path | None,
-                 bf16_unavailable: str | None, bf16_path: str | None) -> DtypeChoice:
+                 bf16_unavailable: str | None, bf16_paths: str | None) -> DtypeChoice:
     """The engine's dtype for EngineConfig.dtype `requested` on `platform` ("cpu", "gpu",
     "tpu"); `model_dir` the checkpoint (None: the embedded default model);
     `bf16_unavailable` why the native bfloat16 kernels cannot run here (None: they can,
-    by instruction path `bf16_path`)."""
+    by the instruction paths `bf16_paths`, among which the calibration chooses)."""
     if requested != "auto":
         return DtypeChoice(requested, requested, "set explicitly (EngineConfig.dtype)")
     where = "CPU" if platform == "cpu" else platform
@@ -78,6 +78,6 @@ def choose_dtype(requested: str, platform: str, model_dir: Path | None,
     if declared == "bfloat16":
         return DtypeChoice(requested, "bfloat16", "auto on CPU: the checkpoint's dtype "
                            f"(config.json torch_dtype bfloat16), native bfloat16 kernels "
-                           f"by {bf16_path}")
+                           f"(paths {bf16_paths}: the calibration times them)")
     return DtypeChoice(requested, "float32", f"auto on {where}: the checkpoint declares "
                        f"{declared or 'no dtype'}, served in float32 (its bits kept)")

@@ -73,6 +73,7 @@ from multiserve.engine.sched.request import Req
 from multiserve.engine.setup import EngineParts, build_engine_parts
 from multiserve.engine.state_report import internal_state, step_info
 from multiserve.engine.streams import OutputAssembler, OutputStream
+from multiserve.engine.wait_pause import Pending
 from multiserve.sampling_policy import to_sampling_params
 from multiserve.types import (
     MEMORY_TAGS,
@@ -84,6 +85,7 @@ from multiserve.types import (
     RequestOutput,
     SamplingParams,
     asleep_reason,
+    is_asleep,
 )
 
 _Queued = tuple[Command, concurrent.futures.Future]
@@ -170,6 +172,7 @@ class Engine:
         core = self._core
         while True:
             try:
+                core.settle_wait_pause()  # before deciding to block: it may pause now
                 block = not self._healthy or not core.has_work()
                 ran_command = False
                 while True:
@@ -179,6 +182,7 @@ class Engine:
                         break
                     if isinstance(cmd, Stop):
                         core.fail_all("engine shut down")
+                        core.cancel_wait_pause("the engine shut down")
                         self._close_queue()
                         future.set_result(ControlResult(True, "stopped"))
                         return
@@ -217,9 +221,14 @@ class Engine:
         if future.done():
             return
         try:
-            future.set_result(self._dispatch(cmd))
+            result = self._dispatch(cmd)
         except Exception as exc:  # noqa: BLE001 - reported to the caller
             future.set_exception(exc)
+            return
+        if isinstance(result, Pending):  # answered later by the engine thread ("wait")
+            result.then(lambda r: None if future.done() else future.set_result(r))
+        else:
+            future.set_result(result)
 
     def _dispatch(self, cmd: Command) -> Any:
         """Run one command on the engine thread (between two steps): the one place."""
@@ -230,8 +239,8 @@ class Engine:
                 return core.add(reqs)
             case AbortRequest(rid, abort_all):
                 return core.abort(rid, abort_all)
-            case PauseGeneration(mode):
-                return core.pause(mode)
+            case PauseGeneration(mode, clear_cache):
+                return core.pause(mode, clear_cache)
             case ContinueGeneration():
                 return core.resume()
             case FlushCache():
@@ -321,6 +330,10 @@ class Engine:
                 f"length ({self.context_len})", "max_new_tokens", "context_length_exceeded")
         if request.return_routed_experts:
             self._check_routed_experts(request)
+        if request.cache_salt is not None and (not isinstance(request.cache_salt, str)
+                                               or not request.cache_salt):
+            raise InvalidRequest("cache_salt: must be a non-empty string (or absent)",
+                                 "cache_salt")
         seed = p.seed if p.seed is not None else self._seed_rng.getrandbits(63)
         return Req.samples_of(request, seed, sink)
 
@@ -531,8 +544,10 @@ class Engine:
         return await runner.arun(runner.operation(control_request(name, **args)))
 
     # the operations Python callers name (sglang's Engine methods), as one-line spellings
-    def pause_generation(self, mode: str = "abort") -> ControlResult:
-        return self.control("pause_generation", mode=mode)
+    def pause_generation(self, mode: str = "abort", clear_cache: bool = False
+                         ) -> ControlResult:
+        """sglang's modes (abort, retract, in_place) and vLLM's (abort, keep, wait)."""
+        return self.control("pause_generation", mode=mode, clear_cache=clear_cache)
 
     def continue_generation(self) -> ControlResult:
         return self.control("continue_generation")
@@ -554,6 +569,21 @@ class Engine:
         if self._healthy and released:
             return True, asleep_reason(released)
         return self._healthy, self._reason
+
+    def accepts_work(self) -> tuple[bool, str]:
+        """(whether a request sent now would run now, why not): healthy, memory resident,
+        not paused and no "wait" pause draining. Any thread: like `health`, a read of two
+        references the engine thread replaces or empties between commands (the pause
+        reasons' truthiness, the draining wait pause), so it may be one command behind."""
+        ok, reason = self.health()
+        if not ok or is_asleep(reason):
+            return False, reason
+        core = self._core
+        if core.pause_state.paused:
+            return False, "paused"
+        if core.wait_pause is not None:
+            return False, "pausing (wait): admission is closed"
+        return True, "ok"
 
     def shutdown(self) -> None:
         if self._stopped:
@@ -676,6 +706,27 @@ class Engine:
         """stage_weights_from_disk, then publish_staged_weights."""
         return self.control("update_weights_from_disk", path=path,
                             weight_version=weight_version, abort_running=abort_running)
+
+    # the weight-update session (tpu-inference's names; engine/rl/session.py)
+    def start_weight_update(self, free_kv_cache: bool = True, abort_running: bool = False
+                            ) -> ControlResult:
+        """Open a session: the engine is held for one update (pause it first, or
+        abort_running); `free_kv_cache` (tpu-inference's default) releases the KV pool
+        until finish_weight_update."""
+        return self.control("start_weight_update", free_kv_cache=free_kv_cache,
+                            abort_running=abort_running)
+
+    def update_weights(self, update_info: dict[str, Any]) -> ControlResult:
+        """Stage one checkpoint into the session: {"path": an HF safetensors dir} or
+        {"params": tensors} (flat HF names -> arrays, or the params pytree)."""
+        return self.control("update_weights", update_info=update_info)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> ControlResult:
+        """Publish the session's checkpoint as `weight_version`; the answer names it."""
+        return self.control("finish_weight_update", weight_version=weight_version)
+
+    def abort_weight_update(self) -> ControlResult:
+        return self.control("abort_weight_update")
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> ControlResult:
         """details: name, shape (HF orientation), dtype, values = the first

@@ -63,8 +63,9 @@ def resolve_dtype(cfg: EngineConfig, devices: list[jax.Device],
     platform = devices[0].platform
     unavailable = (native_kernels.unavailable_reason("bfloat16") if platform == "cpu"
                    and cfg.dtype == "auto" else None)
-    path = native_kernels.bf16_product_path() if unavailable is None else None
-    return choose_dtype(cfg.dtype, platform, model_dir, unavailable, path)
+    paths = (", ".join(native_kernels.bf16_path_candidates()) if unavailable is None
+             else None)
+    return choose_dtype(cfg.dtype, platform, model_dir, unavailable, paths)
 
 
 def kv_pool_size(cfg: EngineConfig, model_cfg: ModelConfig, devices: list[jax.Device],

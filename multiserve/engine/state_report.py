@@ -34,6 +34,10 @@ def internal_state(core: EngineCore, kv_pool: PoolSize | None = None) -> dict[st
     return {
         "engine_paused": core.pause_state.paused,
         "pause_reasons": core.pause_state.reasons,
+        # a "wait" pause draining: admission is closed, the pause is set once they finish
+        "pause_pending": "wait" if core.wait_pause is not None else None,
+        "pause_pending_requests": (sum(not r.finished for r in core.wait_pause.live)
+                                   if core.wait_pause is not None else 0),
         "waiting_queue_size": len(s.waiting),
         "running_batch_size": len(s.running),
         "running_rids": [f"{r.rid}" if r.params.n == 1 else f"{r.rid}#{r.index}"

@@ -18,6 +18,8 @@ Schema (every table and key is optional unless marked; unknown keys are errors):
     base_port = 31000         # engine i listens on base_port + i (0: every port ephemeral)
     ports = [31000, 31001]    # ... or explicit ports, one per engine (not with base_port)
     supervisor_port = 31100   # 0: ephemeral
+    front_door_port = 30000   # one OpenAI/SGLang port routing to every engine
+                              # (fleet/front_door.py); 0: ephemeral; absent or -1: none
     warmup = "sequential"     # "parallel" | "sequential": how engines precompile
     max_request_bytes = 8388608  # every server (engines and supervisor): a larger body
                               # is refused with 413 before it is parsed (default 8 MiB)
@@ -70,7 +72,8 @@ _MODEL_KEYS = ("path", "served_model_name")
 # [fleet] keys of one engine across hosts (SGLang's names; MultiHostConfig's fields)
 MULTIHOST_KEYS = ("nnodes", "node_rank", "dist_init_addr", "heartbeat_timeout_s",
                   "startup_timeout_s")
-_FLEET_KEYS = ("platform", "host", "base_port", "ports", "supervisor_port", "warmup",
+_FLEET_KEYS = ("platform", "host", "base_port", "ports", "supervisor_port", "front_door_port",
+               "warmup",
                "max_request_bytes", "enable_memory_saver", "tool_call_parser",
                "reasoning_parser", "chat_template", *MULTIHOST_KEYS)
 # EngineConfig fields that are set elsewhere in the file, never in [engine]/[[engines]].
@@ -162,11 +165,19 @@ def fleet_config_from_dict(data: Mapping[str, Any], base_dir: Path | None = None
                           f"(from {port_field})")
     options = _server_options(fleet)
     engine_options = _engine_server_options(fleet, base_dir)
+    door_port = fleet.get("front_door_port", -1)
+    if door_port != -1:
+        _check_port(door_port, "fleet.front_door_port")
+        if door_port != 0 and door_port in (*ports, sup_port):
+            raise ConfigError("fleet.front_door_port",
+                              f"port {door_port} is also an engine's or the supervisor's")
     return FleetConfig(
         engines=engines,
         servers=tuple(ServerConfig(host=host, port=p, **options, **engine_options)
                       for p in ports),
         supervisor=ServerConfig(host=host, port=sup_port, **options),
+        front_door=(ServerConfig(host=host, port=door_port, **options)
+                    if door_port != -1 else None),
         platform=platform,
         warmup_parallel=warmup == "parallel",
         multihost=_multihost(fleet),

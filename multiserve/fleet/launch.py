@@ -62,6 +62,7 @@ class Fleet:
     workers: list[EngineWorker]
     servers: list[Any] = field(default_factory=list)  # multiserve.server.ServerThread
     supervisor: Any = None
+    front_door: Any = None  # the fleet's one routed port (FleetConfig.front_door), or None
     compilation_cache: str | None = None
     # a slice of several hosts (multiserve/multihost/): closed after the engines stop
     slice_session: Any = None
@@ -84,14 +85,19 @@ class Fleet:
         return self.supervisor.url
 
     @property
+    def front_door_url(self) -> str | None:
+        return self.front_door.url if self.front_door is not None else None
+
+    @property
     def device_groups(self) -> list[list[int]]:
         return [list(w.device_indexes) for w in self.workers]
 
     def ready_line(self) -> str:
         ports = ",".join(str(p) for p in self.ports)
         devices = ",".join("[" + ",".join(map(str, g)) + "]" for g in self.device_groups)
+        door = f" front_door_port={self.front_door.port}" if self.front_door else ""
         return (f"READY: servers={len(self.servers)} ports=[{ports}] devices=[{devices}] "
-                f"supervisor_port={self.supervisor_port}")
+                f"supervisor_port={self.supervisor_port}{door}")
 
     async def restart_engine(self, i: int) -> ControlResult:
         """The supervisor's restart callback: rebuild engine i off the event loop."""
@@ -118,7 +124,7 @@ class Fleet:
                 w.abort_all()
             except Exception:  # noqa: BLE001 - a broken engine still gets shut down
                 pass
-        for s in [*self.servers, self.supervisor]:
+        for s in [self.front_door, *self.servers, self.supervisor]:
             if s is not None:
                 s.stop()
         for w in self.workers:
@@ -160,7 +166,8 @@ def launch_fleet(cfg: FleetConfig, *, announce: bool = True, out: TextIO | None 
                           f"earlier or XLA_FLAGS set another count)") from None
     from multiserve.server.auth import warn_if_exposed
 
-    for host in sorted({s.host for s in (*cfg.servers, cfg.supervisor)}):
+    for host in sorted({s.host for s in (*cfg.servers, cfg.supervisor, cfg.front_door)
+                        if s is not None}):
         warn_if_exposed(host, cfg.api_key)  # a non-loopback bind without a key
     check_ports_free(cfg)
     cache = enable_compilation_cache()
@@ -184,7 +191,8 @@ def launch_fleet(cfg: FleetConfig, *, announce: bool = True, out: TextIO | None 
         if trimmed:
             _say(log, "fleet: returned the warm-up's free heap to the OS")
         _start_servers(fleet)
-        _wait_healthy([*fleet.urls, fleet.supervisor_url], health_timeout,
+        door = [fleet.front_door_url] if fleet.front_door_url else []
+        _wait_healthy([*fleet.urls, fleet.supervisor_url, *door], health_timeout,
                       api_key=cfg.api_key)
     except BaseException:
         fleet.stop("abort")
@@ -250,9 +258,12 @@ def _start_servers(fleet: Fleet) -> None:
     from multiserve.fleet.supervisor import build_supervisor_app
     from multiserve.fleet.supervisor_lora import add_lora_supervisor_routes
     from multiserve.fleet.supervisor_rl import add_rl_supervisor_routes
+    from multiserve.fleet.supervisor_vllm import add_vllm_pause_supervisor_routes
+    from multiserve.fleet.supervisor_weights import add_weight_session_supervisor_routes
     from multiserve.server import ServerThread, TokenizerManager, build_app
     from multiserve.server.auth import protect
     from multiserve.server.control_routes import add_rl_routes
+    from multiserve.server.weight_transfer import add_weight_transfer_routes
 
     cfg = fleet.config
     for w, scfg in zip(fleet.workers, cfg.servers, strict=True):
@@ -268,6 +279,7 @@ def _start_servers(fleet: Fleet) -> None:
                         tool_call_parser=scfg.tool_call_parser,
                         reasoning_parser=scfg.reasoning_parser)
         add_rl_routes(app, w)  # release/resume memory, weight updates (per engine)
+        add_weight_transfer_routes(app)  # vLLM's / SGLang's transfer set-up: what we honour
         protect(app, cfg.api_key)  # every route, when a key is set
         server = ServerThread(app, scfg.host, scfg.port, name=f"engine-{w.index}-http")
         w.port = server.port
@@ -279,9 +291,33 @@ def _start_servers(fleet: Fleet) -> None:
                                    enable_memory_saver=cfg.supervisor.enable_memory_saver)
     add_rl_supervisor_routes(sup_app)  # fleet-wide two-phase weight updates, memory
     add_lora_supervisor_routes(sup_app)  # LoRA adapters on every engine, all or none
+    add_vllm_pause_supervisor_routes(sup_app)  # vLLM's /pause, /resume, /is_paused
+    add_weight_session_supervisor_routes(sup_app)  # the weight-update session, all or none
+    add_weight_transfer_routes(sup_app)
     protect(sup_app, cfg.api_key)
     fleet.supervisor = ServerThread(sup_app, cfg.supervisor.host, cfg.supervisor.port,
                                     name="supervisor-http").start()
+    if cfg.front_door is not None:
+        fleet.front_door = _start_front_door(fleet)
+
+
+def _start_front_door(fleet: Fleet) -> Any:
+    """One OpenAI/SGLang port routing to every engine's port (fleet/front_door.py)."""
+    from multiserve.fleet.front_door import build_front_door_app
+    from multiserve.fleet.front_door_openapi import document_front_door
+    from multiserve.server import ServerThread
+    from multiserve.server.auth import protect
+
+    cfg = fleet.config
+    assert cfg.front_door is not None
+    first = fleet.workers[0]
+    app = build_front_door_app(
+        fleet.workers, lambda: fleet.urls, routing=cfg.routing, api_key=cfg.api_key,
+        max_request_bytes=cfg.front_door.max_request_bytes,
+        document=document_front_door(first.model_name, len(first.tokenizer)))
+    protect(app, cfg.api_key)
+    return ServerThread(app, cfg.front_door.host, cfg.front_door.port,
+                        name="front-door-http").start()
 
 
 def read_chat_template(path: str | None) -> str | None:

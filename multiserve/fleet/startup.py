@@ -111,6 +111,8 @@ def fleet_config_from_args(args: argparse.Namespace) -> FleetConfig:
         fleet["base_port"] = args.port
     if getattr(args, "supervisor_port", None) is not None:
         fleet["supervisor_port"] = args.supervisor_port
+    if getattr(args, "front_door_port", None) is not None:
+        fleet["front_door_port"] = args.front_door_port
     if getattr(args, "host", None) is not None:
         fleet["host"] = args.host
     if getattr(args, "max_request_bytes", None) is not None:
@@ -157,6 +159,9 @@ def check_ports_free(cfg: FleetConfig) -> None:
               for i, s in enumerate(cfg.servers)]
     wanted.append(("fleet.supervisor_port", "the supervisor's", cfg.supervisor.host,
                    cfg.supervisor.port))
+    if cfg.front_door is not None:
+        wanted.append(("fleet.front_door_port", "the front door's", cfg.front_door.host,
+                       cfg.front_door.port))
     for name, whose, host, port in wanted:
         if port == 0:
             continue

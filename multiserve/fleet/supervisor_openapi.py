@@ -15,9 +15,15 @@ from pydantic import BaseModel, ConfigDict
 
 from multiserve.control_ops import OPS
 from multiserve.fleet import supervisor_bodies as S
-from multiserve.server.api_schema import ENGINE_STATE_SCHEMA, PROCESS_MEMORY_SCHEMA
+from multiserve.server import weight_transfer as WT
+from multiserve.server.api_schema import (
+    ENGINE_STATE_SCHEMA,
+    PROCESS_MEMORY_SCHEMA,
+    WT_ANSWERS,
+)
 from multiserve.server.control_bodies import body_for, query_parameters
 from multiserve.server.openapi_docs import Answer, Key, document
+from multiserve.server.vllm_pause import PAUSE_PARAMETERS
 
 
 class FleetAnswer(BaseModel):
@@ -56,6 +62,14 @@ class FleetWeightVersion(BaseModel):
     engines: list[dict[str, Any]]
 
 
+class FleetPaused(BaseModel):
+    """vLLM's /is_paused for the fleet: true iff every engine is paused."""
+
+    model_config = ConfigDict(extra="allow")
+    is_paused: bool
+    engines: list[dict[str, Any]]
+
+
 LORA_OPS = ("load_lora_adapter", "unload_lora_adapter")
 # every operation the supervisor offers (a row of control_ops.OPS with a `fleet` merge)
 FLEET_OPS = [op for op in OPS.values() if op.fleet is not None and op.route is not None]
@@ -67,7 +81,8 @@ BODIES: dict[Key, Any] = {
     **{("POST", path): body_for(OPS[name]) for name in LORA_OPS
        for path in OPS[name].route.paths},  # type: ignore[union-attr]
 }
-OPTIONAL = frozenset(k for k, m in BODIES.items() if m.optional_body)
+OPTIONAL = frozenset(k for k, m in BODIES.items() if m.optional_body) | WT.OPTIONAL
+BODIES.update(WT.BODIES)  # the weight-transfer set-up answers the same everywhere
 # a GET spelling reads the query string where its body says so (get_weights_by_name)
 QUERY: dict[Key, list[dict[str, Any]]] = {
     ("GET", op.route.path): query_parameters(S.fleet_body_for(op))
@@ -85,7 +100,13 @@ ANSWERS: dict[Key, Answer] = {
     ("GET", "/get_weight_version"): Answer(FleetWeightVersion, errors=("401", "503")),
     ("GET", "/metrics"): Answer(text=True, errors=("401",)),
     ("GET", "/v1/models"): Answer(errors=("401",)),
+    **WT_ANSWERS,
+    # vLLM's pause routes on every engine (supervisor_vllm.py)
+    ("POST", "/pause"): Answer(FleetAnswer, errors=("400", "401", "500", "503", "504")),
+    ("POST", "/resume"): Answer(FleetAnswer, errors=("400", "401", "500", "503", "504")),
+    ("GET", "/is_paused"): Answer(FleetPaused, errors=("401", "503")),
 }
+QUERY[("POST", "/pause")] = PAUSE_PARAMETERS
 
 
 def document_supervisor_app(app: FastAPI) -> None:

@@ -200,6 +200,15 @@ class EngineWorker:
             return False, "shutting down: not accepting new requests"
         return engine.health()
 
+    def accepts_work(self) -> tuple[bool, str]:
+        """Whether a request sent now would run now (Engine.accepts_work): what the
+        fleet's front door routes by."""
+        ok, reason = self.health()
+        engine = self._engine
+        if not ok or engine is None:
+            return False, reason
+        return engine.accepts_work()
+
     def _live_engine(self) -> Any:
         ok, reason = self.health()
         engine = self._engine

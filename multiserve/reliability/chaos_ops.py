@@ -1,7 +1,8 @@
 """The chaos run's operator: random supervisor and per-engine operations, one at a time.
 
 Owns `Operator`, which fires (until a deadline or a count) a random choice of:
-pause (abort | retract | in_place) then continue, fleet-wide or on one engine; abort by
+pause (every mode of PAUSE_MODES) then continue, and vLLM's /pause (abort | wait | keep)
+then /resume, fleet-wide or on one engine; abort by
 rid (a request seen in flight) and abort all; flush (refusals are expected while busy);
 a staged, two-phase weight update to the perturbed checkpoint and back (under a retract
 pause, so nothing is aborted); memory release (retract) then resume on one engine; and an
@@ -70,10 +71,11 @@ class Operator:
         return self.fleet.supervisor_url
 
     async def _post(self, name: str, target: str, url: str, body: Any = None,
-                    ok_statuses: tuple[int, ...] = (200,)) -> httpx.Response | None:
+                    ok_statuses: tuple[int, ...] = (200,),
+                    params: dict[str, str] | None = None) -> httpx.Response | None:
         t0 = time.monotonic()
         try:
-            r = await self.http.post(url, json=body, timeout=300)
+            r = await self.http.post(url, json=body, timeout=300, params=params)
         except httpx.HTTPError as e:
             self.records.append(OpRecord(name, target, None, False, time.monotonic() - t0,
                                          f"{type(e).__name__}: {e}"))
@@ -93,6 +95,16 @@ class Operator:
         await self._post(f"pause_{mode}", target, f"{base}/pause_generation", {"mode": mode})
         await asyncio.sleep(self.rng.uniform(0.05, 0.8))
         await self._post("continue", target, f"{base}/continue_generation")
+
+    async def _vllm_pause(self, mode: str, fleet_wide: bool) -> None:
+        """vLLM's /pause?mode=... (abort | wait | keep), then /resume."""
+        i = self.rng.randrange(len(self.fleet.urls))
+        base, target = (self.sup, "fleet") if fleet_wide else (self.fleet.urls[i], f"engine {i}")
+        clear = self.rng.choice(("true", "false"))
+        await self._post(f"vllm_pause_{mode}", target, f"{base}/pause",
+                         params={"mode": mode, "clear_cache": clear})
+        await asyncio.sleep(self.rng.uniform(0.05, 0.8))
+        await self._post("vllm_resume", target, f"{base}/resume")
 
     async def _abort(self, by_rid: bool) -> None:
         rids = self.live_rids()
@@ -157,6 +169,9 @@ class Operator:
             lambda: self._pause_continue("retract", True),
             lambda: self._pause_continue("in_place", True),
             lambda: self._pause_continue(self.rng.choice(PAUSE_MODES), False),
+            lambda: self._vllm_pause("abort", True), lambda: self._vllm_pause("wait", True),
+            lambda: self._vllm_pause("keep", True),
+            lambda: self._vllm_pause(self.rng.choice(("abort", "wait", "keep")), False),
             lambda: self._abort(True), lambda: self._abort(True), lambda: self._abort(False),
             self._flush, self._weights, self._memory, self._fault_restart]
         self.rng.shuffle(cards)

@@ -4,11 +4,12 @@ Owns `run_chaos(ChaosConfig)` -> `ChaosReport`:
 1. writes the tiny model and a perturbed twin (tiny_model.py), launches 4 engines on 4
    CPU virtual devices with their servers and the supervisor, on loopback;
 2. `clients` concurrent clients (chaos_workload.py) send random requests round-robin over
-   the 4 ports while the Operator (chaos_ops.py) fires operations for `seconds` (and until
-   it has played every kind once); the clients go on until then AND until
-   `min_completed` requests completed, `min_comparable` of them checkable against the
-   reference: a count of requests, never a rate, so a slow machine runs longer rather
-   than checking less (at most `max_seconds`, then the counts are what they are);
+   the 4 ports and the front door (fleet/front_door.py) while the Operator (chaos_ops.py)
+   fires operations for `seconds` (and until it has played every kind once); the clients
+   go on until then AND until `min_completed` requests completed, `min_comparable` of
+   them checkable against the reference: a count of requests, never a rate, so a slow
+   machine runs longer rather than checking less (at most `max_seconds`, then the counts
+   are what they are);
 3. heals the fleet (continue, resume, base weights), then checks:
    - every request has exactly one final outcome, and none is hung, lost, dropped or an
      error without its OpenAI body;
@@ -128,6 +129,8 @@ async def _load(fleet: Any, cfg: ChaosConfig, op: Operator, outcomes: list[Outco
     start = time.monotonic()
     deadline, hard_deadline = start + cfg.seconds, start + max(cfg.seconds, cfg.max_seconds)
     model = fleet.workers[0].model_name
+    # every engine port and the front door (which routes to them)
+    ports = [*fleet.urls, *([fleet.front_door_url] if fleet.front_door_url else [])]
     sent = 0
     operator = asyncio.ensure_future(op.run(deadline, cfg.max_ops, cfg.op_gap_s))
 
@@ -151,7 +154,7 @@ async def _load(fleet: Any, cfg: ChaosConfig, op: Operator, outcomes: list[Outco
             while not enough() and sent < cfg.max_requests:
                 sent += 1
                 spec = random_spec(rng, f"chaos-{cfg.seed}-c{i}-{k}")
-                url = fleet.urls[(i + k) % len(fleet.urls)]
+                url = ports[(i + k) % len(ports)]
                 k += 1
                 live.add(spec.rid)
                 o = await send(http, url, model, spec, cfg.request_timeout_s)

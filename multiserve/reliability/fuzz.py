@@ -17,7 +17,8 @@ valid streamed request with logprobs, n > 1, usage and, where the API has them, 
 ids), so every SSE event shape is checked on every run: generated cases reach a 200
 stream only rarely; and `EXTRA_EXAMPLES` (routing replay on /generate).
 After every case that can leave the server paused or asleep (pause, memory release,
-weight staging) the harness continues and resumes it, so later generation cases run.
+weight staging, a weight-update session) the harness aborts the session, continues and
+resumes it, so later generation cases run.
 
 Invariants: cases are generated from the app's own /openapi.json and sent one at a time
 (bounded: `cases` in total, each with a timeout); the harness never retries a case, and
@@ -66,7 +67,8 @@ EXTRA_EXAMPLES: dict[str, list[dict[str, Any]]] = {
          "sampling_params": {"max_new_tokens": 3, "n": 2}}],
 }
 RESTORING = ("/pause_generation", "/release_memory_occupation", "/stage_weights_from_disk",
-             "/update_weights_from_disk", "/restart_engine")
+             "/update_weights_from_disk", "/restart_engine", "/pause",
+             "/areal_pause_generation", "/start_weight_update", "/update_weights")
 
 
 @dataclass
@@ -162,8 +164,8 @@ def _first_failure(e: BaseException) -> str:
 
 def restore(http: httpx.Client) -> None:
     """Leave the server generating: continue, resume memory, drop staged weights."""
-    for path, body in (("/continue_generation", None), ("/resume_memory_occupation", {}),
-                       ("/discard_staged_weights", {})):
+    for path, body in (("/abort_weight_update", None), ("/continue_generation", None),
+                       ("/resume_memory_occupation", {}), ("/discard_staged_weights", {})):
         try:
             http.post(path, json=body)
         except httpx.HTTPError:

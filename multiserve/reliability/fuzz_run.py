@@ -1,9 +1,10 @@
-"""`multiserve fuzz`: schema-fuzz one engine app and the supervisor app of a tiny fleet.
+"""`multiserve fuzz`: schema-fuzz one engine app, the supervisor app and the front door of a
+tiny fleet.
 
 Owns `run_fuzz(cases_per_app, ...)`: writes the tiny random model (tiny_model.py),
 launches a fleet of it in this process on loopback (ephemeral ports), fuzzes the engine
-app then the supervisor app (fuzz.py), then checks every engine (integrity.py): healthy,
-idle, KV whole. `fuzz_main` is the command line.
+app, the supervisor app, then the front door (fuzz.py), then checks every engine
+(integrity.py): healthy, idle, KV whole. `fuzz_main` is the command line.
 
 Invariant: the fleet is always stopped, whatever happened; the result says ok only if
 no case violated the rules and every post-check held.
@@ -37,7 +38,10 @@ class FuzzResult:
 
 
 def run_fuzz(cases_per_app: int, *, seed: int = 0, model_dir: Path | None = None,
-             engines: int = 1) -> FuzzResult:
+             engines: int = 1, front_door_cases: int | None = None) -> FuzzResult:
+    """Fuzz the engine app and the supervisor app with `cases_per_app` cases each, then
+    the fleet's front door with `front_door_cases` (default: a third as many: it relays
+    the engine's generation routes, fuzzed already behind it)."""
     from multiserve.fleet.launch import launch_fleet
     from multiserve.reliability.integrity import fleet_problems
     from multiserve.reliability.tiny_model import tiny_fleet_config, write_tiny_model
@@ -48,9 +52,13 @@ def run_fuzz(cases_per_app: int, *, seed: int = 0, model_dir: Path | None = None
         fleet = launch_fleet(tiny_fleet_config(model, engines=engines, max_loras_per_batch=2),
                              announce=False)
         try:
+            door = cases_per_app // 3 if front_door_cases is None else front_door_cases
             reports = [fuzz_server("engine", fleet.urls[0], cases_per_app, seed=seed),
                        fuzz_server("supervisor", fleet.supervisor_url, cases_per_app,
                                    seed=seed + 1)]
+            if fleet.front_door_url is not None and door > 0:
+                reports.append(fuzz_server("front_door", fleet.front_door_url, door,
+                                           seed=seed + 2))
             return FuzzResult(reports, fleet_problems(fleet))
         finally:
             fleet.stop("abort")

@@ -72,9 +72,9 @@ def tiny_engine_fields(**overrides: Any) -> dict[str, Any]:
 
 
 def tiny_fleet_config(model_dir: Path | str, engines: int = 4, *, api_key: str | None = None,
-                      **engine_overrides: Any) -> Any:
-    """A FleetConfig of `engines` tiny engines, one CPU device each, every port ephemeral
-    on 127.0.0.1 (loopback only)."""
+                      front_door: bool = True, **engine_overrides: Any) -> Any:
+    """A FleetConfig of `engines` tiny engines, one CPU device each, with the front door
+    (unless `front_door` is false), every port ephemeral on 127.0.0.1 (loopback only)."""
     from multiserve.config import EngineConfig, FleetConfig, ServerConfig
 
     fields = tiny_engine_fields(**engine_overrides)
@@ -82,4 +82,5 @@ def tiny_fleet_config(model_dir: Path | str, engines: int = 4, *, api_key: str |
         engines=tuple(EngineConfig(model_path=str(model_dir), device_indexes=(i,), **fields)
                       for i in range(engines)),
         servers=tuple(ServerConfig(host="127.0.0.1", port=0) for _ in range(engines)),
-        supervisor=ServerConfig(host="127.0.0.1", port=0), platform="cpu", api_key=api_key)
+        supervisor=ServerConfig(host="127.0.0.1", port=0), platform="cpu", api_key=api_key,
+        front_door=ServerConfig(host="127.0.0.1", port=0) if front_door else None)

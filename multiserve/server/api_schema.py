@@ -15,16 +15,18 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import FastAPI
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
 
 from multiserve import sampling_policy as S
 from multiserve.server import protocol as P
 from multiserve.server import parse_routes as PR
 from multiserve.server import protocol_native as N
 from multiserve.server import protocol_tokens as T
+from multiserve.server import weight_transfer as WT
 from multiserve.server.control_bodies import ControlBody, body_for, query_parameters
 from multiserve.server.control_routes import routed_ops
 from multiserve.server.openapi_docs import Answer, ControlAnswer, Key, document
+from multiserve.server.vllm_pause import PAUSE_PARAMETERS
 from multiserve.types import MAX_TOP_LOGPROBS, MEMORY_TAGS, PAUSE_REASONS
 
 GEN_ERRORS = ("400", "401", "404", "429", "503")
@@ -107,6 +109,17 @@ ROUTED_EXPERTS_DOC: dict[str, str] = {
 
 class WeightVersion(BaseModel):
     weight_version: str | None
+
+
+class VllmStatus(BaseModel):
+    """vLLM's answer ("paused", "resumed"), with the control call's outcome beside it."""
+
+    model_config = ConfigDict(extra="allow")
+    status: str
+
+
+class IsPaused(BaseModel):
+    is_paused: bool
 
 
 # What one engine holds (engine/memory_report.py), bytes of its whole device group. Each
@@ -213,9 +226,18 @@ BODIES: dict[Key, Any] = {
     **CONTROL_BODIES,
     ("POST", "/parse_function_call"): PR.ParseFunctionCallBody,
     ("POST", "/separate_reasoning"): PR.SeparateReasoningBody,
+    **WT.BODIES,  # vLLM's / SGLang's weight-transfer set-up (weight_transfer.py)
 }
+OPTIONAL_BODIES = OPTIONAL_BODIES | WT.OPTIONAL
 
 CONTROL = Answer(ControlAnswer)
+# the weight-transfer set-up routes: what is honoured answers 200, the rest 400 (never 200)
+WT_ANSWERS: dict[Key, Answer] = {
+    ("POST", "/init_weight_transfer_engine"): Answer(ControlAnswer, errors=("400", "401")),
+    ("POST", "/init_weights_update_group"): Answer(errors=("400", "401")),
+    ("POST", "/update_weights_from_distributed"): Answer(errors=("400", "401")),
+    ("POST", "/destroy_weights_update_group"): Answer(ControlAnswer, errors=("400", "401")),
+}
 ANSWERS: dict[Key, Answer] = {
     ("GET", "/v1/models"): Answer(P.ModelList, errors=("401",)),
     # streamed: one chunk per SSE event (chat: a delta; completions: OpenAI's legacy chunk
@@ -242,6 +264,14 @@ ANSWERS: dict[Key, Answer] = {
     ("GET", "/get_weight_version"): Answer(WeightVersion, errors=("401", "503")),
     ("GET", "/v1/loads"): Answer(errors=("401", "503")),
     ("GET", "/metrics"): Answer(text=True, errors=("401",)),
+    **WT_ANSWERS,
+    # vLLM's pause routes (vllm_pause.py); AReaL's vLLM-server spellings of the same
+    ("POST", "/pause"): Answer(VllmStatus, errors=("400", "401", "409", "503")),
+    ("POST", "/resume"): Answer(VllmStatus, errors=("400", "401", "503")),
+    ("GET", "/is_paused"): Answer(IsPaused, errors=("401", "503")),
+    ("POST", "/areal_pause_generation"): Answer(ControlAnswer, errors=("400", "401", "503")),
+    ("POST", "/areal_continue_generation"): Answer(ControlAnswer,
+                                                   errors=("400", "401", "503")),
     **{(m, path): CONTROL for op in (*routed_ops("core"), *routed_ops("rl"))
        if op.route is not None for m in op.route.methods for path in op.route.paths},
     # LoRA refusals: 404 an unknown adapter, 409 every slot taken / the adapter in use
@@ -369,8 +399,14 @@ def _refine_tokens_generate(components: dict[str, Any], vocab: int,
         _token_ids(sp["stop_token_ids"], vocab)
 
 
-def document_engine_app(app: FastAPI, model_name: str, vocab_size: int) -> None:
+def document_engine_app(app: FastAPI, model_name: str, vocab_size: int, *,
+                        bodies: dict[Key, Any] | None = None,
+                        answers: dict[Key, Answer] | None = None,
+                        query: dict[Key, list[dict[str, Any]]] | None = None) -> None:
     """Document `app` (serving `model_name`, the only value `model` may take, with token
-    ids in [0, vocab_size))."""
-    document(app, BODIES, ANSWERS, optional_bodies=OPTIONAL_BODIES, query=QUERY,
+    ids in [0, vocab_size)): the engine's routes that `app` has, plus `bodies`, `answers`
+    and `query` of its own (the fleet's front door serves the generation routes)."""
+    document(app, {**BODIES, **(bodies or {})}, {**ANSWERS, **(answers or {})},
+             optional_bodies=OPTIONAL_BODIES,
+             query={**QUERY, ("POST", "/pause"): PAUSE_PARAMETERS, **(query or {})},
              patch_components=_refiner(model_name, vocab_size))

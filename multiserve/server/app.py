@@ -39,6 +39,7 @@ from multiserve.server.parse_routes import add_parse_routes
 from multiserve.server.request_run import ClientDisconnected, RequestRun, drain
 from multiserve.server.tokenizer import TokenizerManager
 from multiserve.server.tokens_serving import TokensServing
+from multiserve.server.vllm_pause import add_vllm_pause_routes
 from multiserve.grammar.compiler import GrammarCompiler
 from multiserve.types import (
     ASLEEP,
@@ -179,6 +180,7 @@ def build_app(engine: EngineClient, tokenizer: TokenizerManager, *,
 
     # ---- control: the core operations of control_ops.OPS (pause, continue, abort, flush) ---
     add_control_routes(app, engine, "core")
+    add_vllm_pause_routes(app, engine)  # vLLM's /pause, /resume, /is_paused (and AReaL's)
 
     _install_error_handlers(app)
     # the OpenAPI document declares every body and answer

@@ -7,7 +7,7 @@ the operation's record (multiserve/control_ops.py): a different key (`model_path
 `abort_all_requests`), a no-op value (the `cuda_graph` tag), an answer note; any other
 operation's body is derived from its record (`derived_body`).
 
-  POST /pause_generation           {"mode"?: "abort"}
+  POST /pause_generation           {"mode"?: "abort", "clear_cache"?: false}
   POST /abort_request              {"rid"} or {"abort_all": true}
   POST /release_memory_occupation  {"tags"?: [...], "mode"?: "retract", "preserve_state"?}
   POST /resume_memory_occupation   {"tags"?: [...]}
@@ -82,6 +82,7 @@ class _SglangBody(ControlBody):
 class PauseBody(_SglangBody):
     optional_body: ClassVar[bool] = True
     mode: PauseMode = "abort"  # sglang's default for a pause (a release: "retract")
+    clear_cache: bool = False  # vLLM's: drop unreferenced cached K/V once paused
 
 
 class AbortBody(_SglangBody):

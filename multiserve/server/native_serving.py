@@ -131,6 +131,10 @@ class NativeServing:
             loras = body.lora_names(len(ids_list))
         except ValueError as exc:
             raise bad_request(str(exc), param="lora_path") from None
+        try:
+            keys = body.cache_keys(len(ids_list))
+        except ValueError as exc:
+            raise bad_request(str(exc), param="extra_key") from None
         check_health(self.engine)
         prompt_lp = body.return_logprob and body.logprob_start_len >= 0
         # an unknown adapter is the engine's refusal (400 lora_not_found, naming it)
@@ -141,9 +145,11 @@ class NativeServing:
                                            return_routed_experts=bool(
                                                body.return_routed_experts),
                                            routed_experts_start_len=(
-                                               body.routed_experts_start_len)),
+                                               body.routed_experts_start_len),
+                                           cache_salt=key),
                            on_done=self.on_done, fields={"lora_name": "lora_path"})
-                for r, ids, sp, lora in zip(rids, ids_list, params, loras, strict=True)]
+                for r, ids, sp, lora, key in zip(rids, ids_list, params, loras, keys,
+                                                 strict=True)]
         return runs, is_batch, intervals
 
     async def generate(self, request: Request) -> Response:

@@ -42,7 +42,13 @@ from multiserve.server.request_run import (
     start_runs,
 )
 from multiserve.server.tokenizer import TokenizerManager
-from multiserve.types import EngineClient, GenerateRequest, SamplingParamsError, TokenLogprob
+from multiserve.types import (
+    EngineClient,
+    GenerateRequest,
+    SamplingParamsError,
+    TokenLogprob,
+    cache_namespace,
+)
 
 
 # Tool-call formats whose tool_choice `required` / named can be enforced by a grammar.
@@ -144,7 +150,8 @@ class OpenAIServing:
             rid = base if len(prompts) == 1 else f"{base}-{i}"
             greq = GenerateRequest(rid=rid, input_ids=tuple(ids), sampling=sp,
                                    stream=req.stream, return_prompt_logprobs=echo_logprobs,
-                                   lora_name=lora_name, lora_optional=True)
+                                   lora_name=lora_name, lora_optional=True,
+                                   cache_salt=cache_namespace(req.cache_salt, req.extra_key))
             # the engine checks the request; its refusals name OpenAI's fields
             runs.append(RequestRun(self.engine, self.tm, greq, on_done=self.on_done,
                                    fields={"input_ids": "prompt", "max_new_tokens": param}))

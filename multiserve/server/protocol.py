@@ -129,6 +129,11 @@ class _SamplingRequest(_Request):
     # ones), and logprob tokens written "token_id:<id>" instead of the token's text.
     return_token_ids: bool | None = None
     return_tokens_as_token_ids: bool | None = None
+    # Prefix-cache isolation (types.cache_namespace): vLLM's cache_salt (non-empty, as
+    # vLLM requires) and SGLang's extra_key (empty: none). Requests share cached K/V only
+    # with requests of the same keys; the outputs are the same either way.
+    cache_salt: str | None = Field(default=None, min_length=1)
+    extra_key: str | None = None
     # Accepted by OpenAI or sglang, refused when set (see `refused`): never ignored.
     logit_bias: dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None

@@ -16,7 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from multiserve.sampling_policy import to_sampling_params
-from multiserve.types import SamplingParams
+from multiserve.types import SamplingParams, cache_namespace
 
 
 class _Request(BaseModel):
@@ -68,6 +68,9 @@ class GenerateRequestBody(_Request):
     # prompt; null: the base model)
     lora_path: str | list[str | None] | None = None
     lora_id: Any = None
+    # SGLang's prefix-cache isolation key, one for every prompt or one per prompt (empty or
+    # null: none): types.cache_namespace(None, extra_key)
+    extra_key: str | list[str | None] | None = None
     custom_logit_processor: Any = None
     return_hidden_states: Any = None
     # SGLang's routing replay: meta_info.routed_experts, base64 of int32
@@ -87,6 +90,17 @@ class GenerateRequestBody(_Request):
             if is_set(getattr(self, key)):
                 return key, why
         return None
+
+    def cache_keys(self, count: int) -> list[str | None]:
+        """The prefix-cache namespace of each of `count` prompts (ValueError: a list of
+        another length)."""
+        keys = self.extra_key
+        if isinstance(keys, list):
+            if len(keys) != count:
+                raise ValueError(f"extra_key: need one entry per prompt, got {len(keys)} "
+                                 f"for {count}")
+            return [cache_namespace(None, k) for k in keys]
+        return [cache_namespace(None, keys)] * count
 
     def lora_names(self, count: int) -> list[str | None]:
         """The adapter of each of `count` prompts (ValueError: a list of another

@@ -103,7 +103,8 @@ class TokensGenerateRequest(BaseModel):
     model: str | None = None  # any: one model per server, as the OpenAI endpoints
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    cache_salt: str | None = None  # prefix-cache isolation; the outputs are the same
+    # prefix-cache isolation (non-empty, as vLLM requires): types.cache_namespace
+    cache_salt: str | None = Field(default=None, min_length=1)
     priority: int = 0
     kv_transfer_params: Any = None
     features: Any = None

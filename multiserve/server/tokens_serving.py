@@ -32,7 +32,13 @@ from multiserve.server.http_utils import (
 )
 from multiserve.server.request_run import RequestRun, finish_runs, merge_runs, start_runs
 from multiserve.server.tokenizer import TokenizerManager
-from multiserve.types import EngineClient, GenerateRequest, SamplingParamsError, TokenLogprob
+from multiserve.types import (
+    EngineClient,
+    GenerateRequest,
+    SamplingParamsError,
+    TokenLogprob,
+    cache_namespace,
+)
 
 
 def token_logprobs(ids: list[int], lps: list[TokenLogprob], top: int) -> P.ChatLogprobs:
@@ -67,7 +73,8 @@ class TokensServing:
         check_health(self.engine)
         greq = GenerateRequest(rid=req.request_id or self.tm.new_rid(),
                                input_ids=tuple(req.token_ids), sampling=sampling,
-                               stream=bool(req.stream))
+                               stream=bool(req.stream),
+                               cache_salt=cache_namespace(req.cache_salt, None))
         # the engine checks the ids and the budget; its refusals name this API's fields
         return RequestRun(self.engine, self.tm, greq, on_done=self.on_done,
                           fields={"input_ids": "token_ids",

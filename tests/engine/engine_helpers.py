@@ -68,6 +68,23 @@ class Collector:
                                            lora_name=lora_name),
                            assembling(self._sink))
 
+    async def asubmit_all(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
+                          prefix: str) -> list[str]:
+        """`submit_all` from an event loop, as ONE Add command queued before the first
+        suspension (so, started from a sink through a Trigger, before the next step)."""
+        from multiserve.engine.commands import Add
+
+        rids = [f"{prefix}{i}" for i in range(len(prompts))]
+        reqs = []
+        for rid, ids in zip(rids, prompts, strict=True):
+            with self._cv:
+                self.expected += params.n
+            reqs += self.engine._make_reqs(GenerateRequest(  # noqa: SLF001 - a test's Add
+                rid=rid, input_ids=tuple(ids), sampling=params, stream=True),
+                assembling(self._sink))
+        await self.engine.acall(Add(reqs))
+        return rids
+
     def submit_all(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[
             SamplingParams], prefix: str = "r", together: bool = True,
                    lora_names: Sequence[str | None] | None = None) -> list[str]:

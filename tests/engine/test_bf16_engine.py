@@ -101,14 +101,18 @@ def test_auto_serves_the_bf16_checkpoint_natively_with_its_bits(
     assert state["dtype"] == "bfloat16"
     choice = state["dtype_choice"]
     assert choice["requested"] == "auto" and choice["dtype"] == "bfloat16"
-    assert "checkpoint" in choice["reason"] and native_kernels.bf16_product_path() in \
-        choice["reason"]
+    candidates = native_kernels.bf16_path_candidates()
+    assert "checkpoint" in choice["reason"] and ", ".join(candidates) in choice["reason"]
     det = state["determinism"]
     assert det["verified"], det["problems"]
-    assert det["key"]["bf16_product_path"] == native_kernels.bf16_product_path()
+    assert det["key"]["bf16_paths"] == list(candidates)
     assert det["plan"]["attention"]["kernel"] == "native"
-    kernels = {k for p in det["plan"]["products"] for _, k, _ in p["by_rows"]}
+    kernels = {k for p in det["plan"]["products"] for _, k, *_ in p["by_rows"]}
     assert "native" in kernels, kernels
+    # ONE instruction path, the calibration's, in every native product at every size
+    paths = {tuple(path) for p in det["plan"]["products"]
+             for _, k, _, *path in p["by_rows"] if k == "native"}
+    assert paths == {(det["plan"]["bf16_path"],)} and det["plan"]["bf16_path"] in candidates
     _, params = _checkpoint(tiny_model_dir_bf16)
     bits = _device_bits(engine)
     _same_bits(bits["embed"], params["embed"])
@@ -181,3 +185,37 @@ def test_release_and_resume_restore_the_bf16_weights(engine: Any, reference: dic
     for name, a in bits.items():
         np.testing.assert_array_equal(again[name], a)
     assert _run(engine) == reference
+
+
+def test_doctor_names_the_plan_path_its_costs_and_the_product_tuning(
+        tiny_model_dir_bf16: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`multiserve doctor --dtype bfloat16` on the checkpoint: the calibration's one path
+    (a candidate it timed: with several, one cost row per path and one chosen), every
+    native product of the plan on it, and the machine's product tuning; the text form
+    says the same."""
+    import argparse
+    import json
+
+    from multiserve.doctor import doctor_main
+
+    args = argparse.Namespace(model=str(tiny_model_dir_bf16), dtype="bfloat16", tp=1,
+                              reprobe=False, json=True, target=None)
+    assert doctor_main(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    candidates = native_kernels.bf16_path_candidates()
+    assert report["bf16_path_candidates"] == list(candidates)
+    assert report["bf16_plan_path"] in candidates
+    costs = [row for row in report["table"] if row["primitive"] == "bf16_path"]
+    assert len(costs) == (len(candidates) if len(candidates) > 1 else 0)
+    assert [row["path"] for row in costs if row["chosen"]] == (
+        [report["bf16_plan_path"]] if costs else [])
+    paths = {f[3] if len(f) > 3 else "" for p in report["plan"]["products"]
+             for f in p["by_rows"] if f[1] == "native"}
+    assert paths <= {report["bf16_plan_path"]}
+    assert report["product_tuning"] == {**native_kernels.tuned().key(),
+                                        "source": native_kernels.tuned().source}
+    args.json = False
+    assert doctor_main(args) == 0
+    text = capsys.readouterr().out
+    assert f"bfloat16 products: {report['bf16_plan_path']}" in text
+    assert "native products: split over the pool from" in text

@@ -10,8 +10,8 @@ import pytest
 
 from multiserve.engine.dtype_choice import EMBEDDED_MODEL_DTYPE, choose_dtype
 
-NATIVE = dict(bf16_unavailable=None, bf16_path="avx512_bf16")
-NO_NATIVE = dict(bf16_unavailable="no C++ compiler", bf16_path=None)
+NATIVE = dict(bf16_unavailable=None, bf16_paths="avx512_bf16, widen")
+NO_NATIVE = dict(bf16_unavailable="no C++ compiler", bf16_paths=None)
 
 
 def _checkpoint(tmp_path: Path, declared: str | None, key: str = "torch_dtype") -> Path:

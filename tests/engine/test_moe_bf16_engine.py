@@ -97,8 +97,8 @@ def test_the_bf16_plan_probes_the_native_grouped_kernel_and_is_verified(
     assert state["dtype_choice"]["requested"] == "bfloat16"
     det = state["determinism"]
     assert det["verified"], det["problems"]
-    assert det["key"]["bf16_product_path"] == native_kernels.bf16_product_path()
-    grouped = {p["name"]: {k for _, k, _ in p["by_rows"]} for p in det["plan"]["products"]
+    assert det["key"]["bf16_paths"] == list(native_kernels.bf16_path_candidates())
+    grouped = {p["name"]: {k for _, k, *_ in p["by_rows"]} for p in det["plan"]["products"]
                if p["name"] in GROUPED}
     assert set(grouped) == set(GROUPED), det["plan"]["products"]
     assert set().union(*grouped.values()) <= {"native", "gather"}, grouped

@@ -104,13 +104,14 @@ def test_pause_retract(engine: Any, trigger: Trigger, uninterrupted: dict) -> No
     assert ids_and_logprobs(got) == want
 
 
-def test_pause_in_place(engine: Any, trigger: Trigger, uninterrupted: dict) -> None:
+@pytest.mark.parametrize("mode", ["in_place", "keep"])  # vLLM's name of in_place
+def test_pause_in_place(engine: Any, trigger: Trigger, uninterrupted: dict, mode: str) -> None:
     want = _reference(engine, uninterrupted, 0)
-    hook = AtTokens(trigger, "r0", 8, _state(engine), _pause(engine, "in_place"))
+    hook = AtTokens(trigger, "r0", 8, _state(engine), _pause(engine, mode))
     col = Collector(engine, on_output=hook)
     _submit(col, _work(0))
     before, res = hook.wait()
-    assert res.ok
+    assert res.ok and res.details["mode"] == "in_place"
     keys = ("running_batch_size", "running_rids", "waiting_queue_size", "waiting_rids",
             "available_kv_tokens", "tree_cache_size", "req_to_token_pool_used")
     after = engine.get_internal_state()
@@ -250,3 +251,76 @@ def test_barrier_no_step_while_paused_and_new_requests_wait(
     for key, out in late_alone.wait().items():
         assert got[key].finish_reason == "length"
         assert ids_and_logprobs({key: got[key]}) == ids_and_logprobs({key: out})
+
+
+# ---- vLLM's "wait" mode and clear_cache ------------------------------------------------------
+
+def test_pause_wait_lets_live_requests_finish_and_queues_new_ones(
+        tiny_engine: Any, trigger: Trigger, uninterrupted: dict) -> None:
+    """The pause answers once every request live when it arrived has finished, as if
+    unpaused; requests sent after it wait (admission closed), then run after continue
+    with the outputs they have alone."""
+    want = _reference(tiny_engine, uninterrupted, 0)
+    late = [p for p, _ in _work(7, n=3)]
+    col = Collector(tiny_engine)
+
+    def send_late() -> Any:  # queued right behind the pause, before any step
+        return col.asubmit_all(late, GREEDY, "late")
+
+    hook = AtTokens(trigger, "r0", 5, _pause(tiny_engine, "wait"), send_late)
+    col.on_output = hook
+    rids = _submit(col, _work(0))
+    res, late_rids = hook.wait()
+    assert res.ok and res.details["mode"] == "wait" and res.details["finished"] == len(rids)
+    st = passes_settled(tiny_engine)
+    assert st["engine_paused"] and st["pause_reasons"] == ["user"]
+    assert st["pause_pending"] is None and st["running_batch_size"] == 0
+    assert st["waiting_rids"] == late_rids  # queued, never admitted
+    done = {k: v[-1] for k, v in col.snapshots.items() if k[0] in rids}
+    assert all(o.finished and o.finish_reason == "length" for o in done.values())
+    assert ids_and_logprobs(done) == want
+    assert not any(k[0] in late_rids for k in col.snapshots)
+    assert tiny_engine.continue_generation().ok
+    got = col.wait()
+    alone = Collector(tiny_engine)
+    alone.submit_all(late, GREEDY, prefix="late")
+    assert {k: v for k, v in ids_and_logprobs(got).items() if k[0] in late_rids} == \
+        ids_and_logprobs(alone.wait())
+
+
+def test_continue_cancels_a_draining_wait_pause(tiny_engine: Any, trigger: Trigger,
+                                                uninterrupted: dict) -> None:
+    want = _reference(tiny_engine, uninterrupted, 0)
+    hook = AtTokens(trigger, "r0", 4, _pause(tiny_engine, "wait"),
+                    lambda: tiny_engine.acontrol("continue_generation"))
+    col = Collector(tiny_engine, on_output=hook)
+    _submit(col, _work(0))
+    paused, continued = hook.wait()
+    assert not paused.ok and paused.details["cancelled"]
+    assert continued.ok and continued.details["cancelled_wait_pause"]
+    assert ids_and_logprobs(col.wait()) == want
+    st = tiny_engine.get_internal_state()
+    assert not st["engine_paused"] and st["pause_pending"] is None
+
+
+def test_pause_clear_cache_drops_unreferenced_pages(tiny_engine: Any) -> None:
+    prompt = list(range(3, 60))
+    out = tiny_engine.generate(input_ids=prompt, sampling_params=GREEDY)
+    assert out.finish_reason == "length"
+    assert tiny_engine.get_internal_state()["tree_cache_size"] > 0
+    res = tiny_engine.pause_generation("abort", clear_cache=True)
+    assert res.ok and res.details["cleared_cached_pages"] > 0
+    assert tiny_engine.get_internal_state()["tree_cache_size"] == 0
+    assert tiny_engine.continue_generation().ok
+    again = tiny_engine.generate(input_ids=prompt, sampling_params=GREEDY)
+    assert again.cached_tokens == 0
+    assert ids_and_logprobs({0: again}) == ids_and_logprobs({0: out})
+
+
+def test_wait_is_no_hold_mode() -> None:
+    from multiserve.control_ops import PauseGeneration, ReleaseMemoryOccupation
+
+    assert PauseGeneration(mode="keep").mode == "in_place"
+    assert ReleaseMemoryOccupation(mode="keep").mode == "in_place"
+    with pytest.raises(ValueError, match="mode"):
+        ReleaseMemoryOccupation(mode="wait")

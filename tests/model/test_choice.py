@@ -16,7 +16,9 @@ from multiserve.model.invariance.choice import (
     Candidate,
     attention_preference,
     choose_attention,
+    choose_path,
     fastest,
+    of_path,
     select,
     table_rows,
 )
@@ -35,6 +37,36 @@ def cand(rows: int, bits: str, seconds: float, kernel: str = "plain",
     runs = [{i: h(i, 0) for i in range(rows)},
             {i: h(i, 1) for i in range(TOP - rows, TOP)}]
     return Candidate({"kernel": kernel, "rows": rows}, rows, runs, seconds)
+
+
+def path_cand(rows: int, path: str, seconds: float) -> Candidate:
+    """A native candidate of instruction path `path` (each path its own bits)."""
+    c = cand(rows, f"native-{path}", seconds, kernel="native")
+    c.desc["path"] = path
+    return c
+
+
+def test_one_path_serves_every_product_and_size_the_cheapest_over_all_of_them() -> None:
+    """Path "a" is fastest at one row, "b" at eight; b's plans cost least summed over both
+    products (each size's time over the fastest there): b everywhere, never a mix, and no
+    native candidate of path a in b's plan. XLA's own formulations stay candidates."""
+    sizes = (1, 8)
+    first = [path_cand(1, "a", 1.0), path_cand(8, "a", 9.0), path_cand(1, "b", 1.1),
+             path_cand(8, "b", 3.0), cand(1, "xla", 5.0), cand(8, "xla", 20.0)]
+    second = [path_cand(1, "a", 2.0), path_cand(8, "a", 8.0), path_cand(1, "b", 2.1),
+              path_cand(8, "b", 4.0)]
+    path, costs = choose_path([(first, sizes), (second, sizes)], ("a", "b"))
+    assert path == "b" and costs["b"] < costs["a"]
+    for cands in (first, second):
+        sel = select(of_path(cands, path), sizes)
+        assert {c.desc.get("path") for c in sel.choice.values()} == {"b"}
+    assert [c.desc["kernel"] for c in of_path(first, "a")].count("native") == 2
+    assert all(c.desc.get("path") != "b" for c in of_path(first, "a"))
+
+
+def test_a_single_path_is_chosen_without_timing() -> None:
+    assert choose_path([([path_cand(1, "w", 1.0)], (1,))], ("w",)) == ("w", {})
+    assert choose_path([([cand(1, "xla", 1.0)], (1,))], ("",)) == ("", {})
 
 
 def one_class(sel) -> bool:  # noqa: ANN001

@@ -220,13 +220,18 @@ def test_a_path_this_cpu_lacks_is_refused() -> None:
         native_kernels.row_gemm(x, native_kernels.pack_panels(w), 64, path="sse2")
 
 
-def test_the_path_is_fixed_per_process_by_the_environment() -> None:
+def test_the_environment_forces_the_one_path_a_calibration_may_choose() -> None:
+    """MULTISERVE_BF16_PATH=widen: the calibration's only candidate and the default; a
+    name this CPU does not run is ignored (every available path stays a candidate)."""
     code = ("from multiserve.model.kernels import native as n; n.unavailable_reason(); "
-            "print(n.bf16_product_path())")
-    env = {**os.environ, native_kernels.BF16_PATH_ENV: "widen"}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                          text=True, check=True, timeout=300)
-    assert done.stdout.strip().splitlines()[-1] == "widen"
+            "print(n.bf16_product_path(), ','.join(n.bf16_path_candidates()))")
+    for forced, want in (("widen", "widen widen"),
+                         ("sse2", f"{native_kernels.bf16_product_path()} "
+                                  f"{','.join(native_kernels.bf16_paths_available())}")):
+        env = {**os.environ, native_kernels.BF16_PATH_ENV: forced}
+        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                              text=True, check=True, timeout=300)
+        assert done.stdout.strip().splitlines()[-1] == want, forced
 
 
 def _attention_case(kv_heads: int, group: int, head_dim: int, page_size: int, seed: int):

@@ -30,13 +30,16 @@ ENGINE_ROUTES = {
     ("GET", "/get_weights_by_name"), ("POST", "/get_weights_by_name"),
     # LoRA: sglang's paths and vLLM's (an alias of the same operation)
     ("POST", "/load_lora_adapter"), ("POST", "/unload_lora_adapter"),
-    ("POST", "/v1/load_lora_adapter"), ("POST", "/v1/unload_lora_adapter")}
+    ("POST", "/v1/load_lora_adapter"), ("POST", "/v1/unload_lora_adapter"),
+    # the weight-update session: vLLM's routes (and its abort)
+    ("POST", "/start_weight_update"), ("POST", "/update_weights"),
+    ("POST", "/finish_weight_update"), ("POST", "/abort_weight_update")}
 FLEET_ROUTES = {
     ("POST", "/pause_generation"), ("POST", "/continue_generation"),
     ("POST", "/abort_request"), ("GET", "/flush_cache"), ("POST", "/flush_cache"),
     ("POST", "/release_memory_occupation"), ("POST", "/resume_memory_occupation"),
     ("GET", "/get_weights_by_name"), ("POST", "/get_weights_by_name"),
-    ("POST", "/update_weights_from_disk")}
+    ("POST", "/update_weights_from_disk"), ("POST", "/abort_weight_update")}
 
 
 class Recorder:

@@ -19,6 +19,7 @@ from multiserve.types import ASLEEP, PAUSE_MODES, PauseMode, asleep_reason, is_a
 # Each route's default mode is sglang's, and differs on purpose.
 DEFAULTS = {"server.control_bodies.PauseBody": "abort",
             "server.control_bodies.ReleaseBody": "retract",
+            "server.vllm_pause.PauseQuery": "abort",  # vLLM's /pause (query parameters)
             "fleet.supervisor_bodies.PauseBody": "abort"}
 
 

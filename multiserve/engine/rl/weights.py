@@ -219,7 +219,14 @@ class WeightManager:
         return jax.device_put(arr, sharding)
 
     # ---- engine thread: publish / discard --------------------------------------------------
-    def publish(self, token: str, abort_running: bool) -> ControlResult:
+    def has_staged(self, token: str) -> bool:
+        with self._lock:
+            return self._staged is not None and self._staged.token == token
+
+    def publish(self, token: str, abort_running: bool, weight_version: str | None = None
+                ) -> ControlResult:
+        """Swap the staged weights `token` in; `weight_version` (if given) replaces the
+        version they were staged with (a session names it at its finish)."""
         core = self.core
         core.drain()
         with self._lock:
@@ -228,6 +235,8 @@ class WeightManager:
             return ControlResult(False, f"no staged weights with token {token!r} (never "
                                  "staged, already published, discarded or replaced)",
                                  {"refused": "unknown_token"})
+        if weight_version is not None:
+            staged.weight_version = weight_version
         if "weights" in core.released_tags:
             return ControlResult(False, "weights are released: resume them, then publish",
                                  {"refused": "weights_released", "token": token})

@@ -2,11 +2,13 @@
 
 Each cached page is a node keyed by (parent node id, the page's token ids); a lookup
 walks from a root one full page at a time and the key is exact (no hash collisions).
-Roots are namespaces of K/V that the same token ids give different values in: root 0 is
-the base model's; a negative root is one version of one LoRA adapter (the scheduler's
-`lora_slot_written`). Node ids are positive, so two roots never share a node: a lookup
-from one root never reaches a page computed under another. Only FULL pages are cached; a request always recomputes
-at least its last token (it needs that token's logits).
+Roots are namespaces of K/V that the same token ids give different values in, or that
+requests must not share: root 0 is the base model's unsalted one; a negative root is one
+version of one LoRA adapter (the scheduler's `lora_slot_written`) or one cache salt under
+such a root (the scheduler's `_salted_root`). Node ids are positive, so two roots never
+share a node: a lookup from one root never reaches a page computed under another. Only
+FULL pages are cached; a request always recomputes at least its last token (it needs
+that token's logits).
 
 Invariants:
 - A cached page has a ref count = number of live Reqs that list it among their

@@ -94,6 +94,9 @@ class Req:
     lora_slot: int = 0
     lora_name: str | None = None  # the request's adapter (None: the base model)
     lora_optional: bool = False  # an unknown lora_name runs the base model (not refused)
+    # the request's prefix-cache namespace (GenerateRequest.cache_salt; None: unkeyed): it
+    # matches and fills only cached K/V of its own namespace (Scheduler `_cache_root`)
+    cache_salt: str | None = None
     # routing replay (engine/routed_experts.py): asked for, from which position; the ids
     # of positions [0, len(routed_rows)) as of the last `keep_routing` (taken before the
     # sample's pages go: at a retraction and at the finish); the finished delta's record
@@ -110,7 +113,8 @@ class Req:
         p = request.sampling
         ids = list(request.input_ids)
         routing = dict(want_routed_experts=request.return_routed_experts,
-                       routed_experts_start=request.routed_experts_start_len)
+                       routed_experts_start=request.routed_experts_start_len,
+                       cache_salt=request.cache_salt)
         leader = cls(rid=request.rid, index=0, prompt_ids=ids, params=p, seed=seed,
                      sink=sink, stream=request.stream,
                      want_prompt_logprobs=request.return_prompt_logprobs,

@@ -34,9 +34,12 @@ Invariants:
   weights: while any of them holds it the prefix cache is suspended (so no other Req
   matches or extends it); when the last gives it back (finish, abort, retract:
   `release_kv`) the cache is emptied and reopened.
-- The prefix cache is namespaced by adapter version (engine/sched/prefix_cache.py roots):
-  a base-model Req (LoRA slot 0) matches and fills root 0; a LoRA Req its slot's root,
-  new each time that slot is written (`lora_slot_written`). A slot is written only while
+- The prefix cache is namespaced by adapter version and cache salt
+  (engine/sched/prefix_cache.py roots): a base-model Req (LoRA slot 0) matches and fills
+  root 0; a LoRA Req its slot's root, new each time that slot is written
+  (`lora_slot_written`); a salted Req (its request's cache_salt) the root of its salt
+  under that root, so requests with different salts never share a page and those with
+  the same salt share as unsalted ones do. A slot is written only while
   no live Req uses it (engine/core.py `load_lora`, `unload_lora`), so every Req matches
   and fills the root of the version it computes with, and K/V of an adapter version is
   never matched by another version, another adapter or the base model; a replaced
@@ -46,7 +49,7 @@ Invariants:
 from __future__ import annotations
 
 import logging
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Protocol
@@ -72,6 +75,7 @@ from multiserve.types import (
 )
 
 log = logging.getLogger(__name__)
+MAX_SALTED_ROOTS = 4096  # cache salts remembered (weight versions, tenants, ...)
 
 
 class StepLogprobSource(Protocol):
@@ -102,8 +106,10 @@ class Scheduler:
         self.num_retractions = 0
         self._stale_kv: set[Req] = set()  # hold K/V computed with replaced weights
         # LoRA slot -> the prefix-cache root of the adapter version it holds (negative:
-        # module docstring), and the next root to hand out
+        # module docstring), (root, cache salt) -> the root of that salt's namespace, and
+        # the next root to hand out (roots are never reused)
         self._lora_roots: dict[int, int] = {}
+        self._salted_roots: OrderedDict[tuple[int, str], int] = OrderedDict()
         self._next_lora_root = -1
         # speculative decoding (engine/spec/): which rows verify drafts, the step costs
         # that decide it, the speculation totals; `drafter` None: off
@@ -115,10 +121,27 @@ class Scheduler:
         # whether a decode-only step of n rows can run several decode steps in one
         # dispatch now (the runner's `runs_turns`); None: never
         self.runs_turns = runs_turns
+        # a "wait" pause closing admission (EngineCore.pause): only these Reqs, live when
+        # it began, may still be admitted from `waiting`; None: admission is open
+        self._admit_only: frozenset[Req] | None = None
 
     # ---- queries -------------------------------------------------------------------
     def has_work(self) -> bool:
-        return bool(self.running) or any(r.pending == 0 for r in self.waiting)
+        return bool(self.running) or any(r.pending == 0 and self._admissible(r)
+                                         for r in self.waiting)
+
+    def _admissible(self, req: Req) -> bool:
+        return self._admit_only is None or req in self._admit_only
+
+    # ---- admission gate (a "wait" pause) ---------------------------------------------
+    def close_admission(self) -> frozenset[Req]:
+        """From now on admit only the Reqs live now (running or waiting, retracted ones
+        included); later ones wait in `waiting` until `open_admission`. Returns those."""
+        self._admit_only = frozenset(self.reqs.values())
+        return self._admit_only
+
+    def open_admission(self) -> None:
+        self._admit_only = None
 
     @property
     def chunked_reqs(self) -> list[Req]:
@@ -157,8 +180,26 @@ class Scheduler:
 
     def _cache_root(self, req: Req) -> int:
         """The prefix-cache root of `req`'s K/V (module docstring). A Req's slot holds an
-        adapter only once EngineCore wrote it, which gave the slot its root."""
-        return self._lora_roots[req.lora_slot] if req.lora_slot else 0
+        adapter only once EngineCore wrote it, which gave the slot its root; a salted Req
+        (cache_salt) reads and fills that root's namespace for its salt alone."""
+        root = self._lora_roots[req.lora_slot] if req.lora_slot else 0
+        return root if req.cache_salt is None else self._salted_root(root, req.cache_salt)
+
+    def _salted_root(self, root: int, salt: str) -> int:
+        """The root of `salt`'s namespace under `root`, made on first use. At most
+        MAX_SALTED_ROOTS are remembered (least recently used forgotten first): a forgotten
+        salt gets a fresh root, its old pages are never matched again and age out."""
+        key = (root, salt)
+        salted = self._salted_roots.get(key)
+        if salted is None:
+            salted = self._next_lora_root
+            self._next_lora_root -= 1
+            self._salted_roots[key] = salted
+            if len(self._salted_roots) > MAX_SALTED_ROOTS:
+                self._salted_roots.popitem(last=False)
+        else:
+            self._salted_roots.move_to_end(key)
+        return salted
 
     def _free_pages_possible(self) -> int:
         return self.allocator.num_free + self.cache.num_evictable_pages
@@ -391,6 +432,8 @@ class Scheduler:
                 break
             if req.pending > 0:
                 continue  # its last token is still on the device
+            if not self._admissible(req):
+                continue  # arrived after a "wait" pause began: it waits for continue
             if req.leader is not None and not self._leader_ready(req.leader):
                 continue
             chunk_budget = self._capped(req, budget, max_new_rows)

@@ -5,9 +5,12 @@ the engine runs, a MoE family's grouped expert products, the RMSNorm row sums, p
 attention at every token count: the `Workload`, workload.py), candidate formulations are run
 on random data with every probe row placed at several positions (probes.py), and the plan
 keeps, per primitive, formulations whose rows agree BITWISE with one position-invariant
-reference at every size (choice.py). The attention prefers the native CPU kernel where it
-builds and verifies (it reads K/V in place where the XLA formulation materialises every
-key block: docs/performance.md §5), on a GPU or TPU JAX's Pallas paged-attention kernel
+reference at every size (choice.py). A bfloat16 plan on the CPU runs one instruction path
+(avx512_bf16, widen, amx: whichever this CPU runs) in every native product, the one whose
+plans cost least by the probes' timings (choice.choose_path). The attention prefers the
+native CPU kernel where it builds and verifies (it reads K/V in place where the XLA
+formulation materialises every key block: docs/performance.md §5), on a GPU or TPU JAX's
+Pallas paged-attention kernel
 (layers/attention_pallas.py), else the XLA formulation's query chunking. A primitive
 with no position-invariant reference makes the plan unverified (`verified=False`,
 `problems`), loudly.
@@ -26,7 +29,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -38,6 +41,8 @@ from multiserve.model.invariance.choice import (
     Candidate,
     Selection,
     choose_attention,
+    choose_path,
+    of_path,
     select,
     table_rows,
 )
@@ -62,7 +67,7 @@ log = logging.getLogger("multiserve.calibration")
 # and stored in the cache folder's probes/ for other processes (a restart with other
 # buckets, a test run's second worker). A probe's result depends only on its key
 # (backend, dtype, shape, sizes, sharding) and the software and CPU (store.probe_file_key).
-_PROBES: dict[tuple[Any, ...], tuple[list[Candidate], Selection]] = {}
+_PROBES: dict[tuple[Any, ...], list[Candidate]] = {}
 _MEMO: dict[str, Calibration] = {}
 _LOCK = threading.Lock()  # one probe at a time per process (a fleet's engines share it)
 
@@ -112,21 +117,19 @@ def _probe(workload: Workload, device: Any, distort: Distort | None, key: dict[s
 
 
 def _probe_once(key: tuple[Any, ...], memo: dict[tuple[Any, ...], Any],
-                probe: Callable[[np.random.Generator], list[Candidate]],
-                sizes: Sequence[int]) -> tuple[list[Candidate], Selection]:
-    """probe(rng) -> its candidates and their selection over `sizes`, kept in `memo` by
-    `key` (the process's _PROBES, or one calibration's own dict when it must not reuse
-    other calibrations' probes: a distorted probe, use_cache=False)."""
+                probe: Callable[[np.random.Generator], list[Candidate]]) -> list[Candidate]:
+    """probe(rng) -> its candidates, kept in `memo` by `key` (the process's _PROBES, or
+    one calibration's own dict when it must not reuse other calibrations' probes: a
+    distorted probe, use_cache=False)."""
     if key not in memo:
         if memo is _PROBES:  # reusable: also through the disk, between processes
             file_key = store.probe_file_key(key)
-            cands = store.filled_once(store.probe_path(file_key), file_key,
-                                      store.candidates_from_json,
-                                      lambda: probe(probes.probe_rng(*key)),
-                                      store.candidates_to_json)
+            memo[key] = store.filled_once(store.probe_path(file_key), file_key,
+                                          store.candidates_from_json,
+                                          lambda: probe(probes.probe_rng(*key)),
+                                          store.candidates_to_json)
         else:
-            cands = probe(probes.probe_rng(*key))
-        memo[key] = (cands, select(cands, sizes))
+            memo[key] = probe(probes.probe_rng(*key))
     return memo[key]
 
 
@@ -134,49 +137,51 @@ def _choose(workload: Workload, device: Any, distort: Distort | None, memo: bool
             ) -> tuple[InvariancePlan, list[dict[str, Any]]]:
     """Probe every primitive of `workload` and choose its plan; also the probe table."""
     dtype = jnp.dtype(workload.dtype)
+    # the native products' instruction paths probed ("": float32, or no native kernel)
+    paths = probes.native_paths(dtype) if device.platform == "cpu" else ("",)
     # what a probe's result depends on besides its shape (the kernels' build and the
     # programs' XLA options among them)
     backend = (device.platform, getattr(device, "device_kind", ""), str(dtype),
                native_kernels.build_id() if device.platform == "cpu" else None,
                tuple(sorted(step_options(device.platform, str(dtype)).items())))
-    if device.platform == "cpu" and dtype == jnp.bfloat16:  # the bfloat16 product's bits
-        backend += (native_kernels.bf16_product_path(),)
+    if paths != ("",):  # which bfloat16 paths the probes time (each its own bits)
+        backend += (paths,)
     probed = _PROBES if memo and distort is None else {}
     table: list[dict[str, Any]] = []
     problems: list[str] = []
-    products = []
+    matrices: list[tuple[str, Any, list[Candidate]]] = []  # (primitive, use, candidates)
     for use in workload.products:
         key = (*backend, "product", use.local_k, use.local_n, use.sizes, use.sharded,
                use.name if distort else "")
-        cands, sel = _probe_once(
+        matrices.append(("product", use, _probe_once(
             key, probed,
-            lambda rng, use=use: probes.probe_product(use, dtype, device, distort, rng),
-            use.sizes)
+            lambda rng, use=use: probes.probe_product(use, dtype, device, distort, rng))))
+    for guse in workload.grouped:
+        matrices.append(("grouped", guse, _probe_once(
+            (*backend, "grouped", repr(guse)), probed,
+            lambda rng, guse=guse: probes.probe_grouped(guse, dtype, device, distort, rng))))
+    path, costs = choose_path([(cands, use.sizes) for _, use, cands in matrices], paths)
+    table += [{"primitive": "bf16_path", "path": p, "cost": round(c, 3), "chosen": p == path}
+              for p, c in costs.items()]
+    products = []
+    for primitive, use, cands in matrices:
+        sel = select(of_path(cands, path), use.sizes)
         if not sel.verified:
-            problems.append(f"product {use.name} ({use.local_k}x{use.local_n}): no "
+            what = "product" if primitive == "product" else "grouped product"
+            problems.append(f"{what} {use.name} ({use.local_k}x{use.local_n}): no "
                             f"formulation gives position-invariant rows")
-        table += table_rows("product", {"name": use.name, "shape": f"{use.k}x{use.n}"},
+        table += table_rows(primitive, {"name": use.name, "shape": f"{use.k}x{use.n}"},
                             cands, sel)
         products.append(ProductPlan(use.name, use.k, use.n, tuple(
-            (m, Formulation(c.desc["kernel"], c.rows)) for m, c in sorted(sel.choice.items()))))
-    for guse in workload.grouped:
-        cands, sel = _probe_once(
-            (*backend, "grouped", repr(guse)), probed,
-            lambda rng, guse=guse: probes.probe_grouped(guse, dtype, device, distort, rng),
-            guse.sizes)
-        if not sel.verified:
-            problems.append(f"grouped product {guse.name} ({guse.local_k}x{guse.local_n}): "
-                            "no formulation gives position-invariant rows")
-        table += table_rows("grouped", {"name": guse.name, "shape": f"{guse.k}x{guse.n}"},
-                            cands, sel)
-        products.append(ProductPlan(guse.name, guse.k, guse.n, tuple(
-            (m, Formulation(c.desc["kernel"], c.rows)) for m, c in sorted(sel.choice.items()))))
+            (m, Formulation(c.desc["kernel"], c.rows, c.desc.get("path", "")))
+            for m, c in sorted(sel.choice.items()))))
     row_sums = []
     for width, counts in workload.row_sums:
-        cands, sel = _probe_once(
+        cands = _probe_once(
             (*backend, "row_sum", width, counts), probed,
             lambda rng, width=width, counts=counts: probes.probe_row_sum(
-                width, counts, dtype, device, distort, rng), counts)
+                width, counts, dtype, device, distort, rng))
+        sel = select(cands, counts)
         if not sel.verified:
             problems.append(f"row sums of width {width}: not position-invariant")
         table += table_rows("row_sum", {"width": width}, cands, sel)
@@ -191,8 +196,10 @@ def _choose(workload: Workload, device: Any, distort: Distort | None, memo: bool
     attention = AttentionPlan(tuple((t, (c.desc["chunk"], c.desc["padded"]))
                                     for t, c in sorted(sel.choice.items())), shared, kernel,
                               interpret and kernel != "xla")
+    uses_path = any(f.path for p in products for _, f in p.by_rows)
     plan = InvariancePlan(tuple(products), tuple(row_sums), attention,
                           verified=not problems, problems=tuple(problems),
+                          bf16_path=path if uses_path else "",
                           layer_copies=device.platform == "cpu")
     return plan, table
 

@@ -21,6 +21,13 @@ candidate in that order whose rows equal it.
 
 Every size of one plan is served by members of ONE anchor's class: two sizes never use
 formulations whose rows differ from each other.
+
+The bfloat16 instruction path (`choose_path`): the native bfloat16 product has several
+(native.BF16_PATHS), each with bits of its own, so each path's candidates are a class of
+their own. A plan runs ONE path in every product at every size: for each path the plan
+is chosen with the other paths' native candidates left out (`of_path`), and the path whose
+plans cost least over every product (the same relative cost as `select`'s: each size's
+time over the fastest candidate's there, summed) is the plan's.
 """
 
 from __future__ import annotations
@@ -100,6 +107,32 @@ def select(candidates: list[Candidate], sizes: Sequence[int]) -> Selection:
     # nothing invariant: the fastest candidate per size, flagged
     return Selection({m: fastest([c for c in candidates if c.rows >= m]) for m in sizes},
                      None, False)
+
+
+def of_path(candidates: list[Candidate], path: str) -> list[Candidate]:
+    """The candidates a plan of instruction path `path` may use: every XLA formulation and
+    the native candidates of that path."""
+    return [c for c in candidates
+            if c.desc.get("kernel") != "native" or c.desc.get("path", "") == path]
+
+
+def plan_cost(candidates: list[Candidate], sizes: Sequence[int], sel: Selection) -> float:
+    """A selection's cost as `select` ranks anchors: each size's time over the fastest
+    candidate's at that size (among all of `candidates`), summed over the sizes."""
+    return sum(sel.choice[m].seconds / max(min(c.seconds for c in candidates if c.rows >= m),
+                                           1e-9) for m in sizes)
+
+
+def choose_path(probed: Sequence[tuple[list[Candidate], Sequence[int]]],
+                paths: Sequence[str]) -> tuple[str, dict[str, float]]:
+    """The plan's instruction path among `paths` (module docstring) over every probed
+    product (its candidates and the sizes it runs), and each path's cost. One path (or
+    none: float32) needs no timing."""
+    if len(paths) <= 1:
+        return (paths[0] if paths else ""), {}
+    costs = {p: sum(plan_cost(cands, sizes, select(of_path(cands, p), sizes))
+                    for cands, sizes in probed) for p in paths}
+    return min(paths, key=lambda p: costs[p]), costs
 
 
 def attention_preference(tokens: int, top: int, chunks: Sequence[int]

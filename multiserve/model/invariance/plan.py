@@ -7,8 +7,10 @@ that runs the engine (`model/invariance/calibration.py`) and written down here, 
 
 - `ProductPlan`, per contraction x[M, K] @ W[K, N]: for each row count M the engine runs,
   a `Formulation` (kernel "plain" = x @ W, "nt" = dot_general against W^T stored [N, K],
-  or "native" = the CPU kernel of kernels/native.py against W's packed panels; computed
-  at `rows` >= M rows, the extra rows zero padding);
+  or "native" = the CPU kernel of kernels/native.py against W's packed panels, in a
+  bfloat16 engine by one instruction `path` (the same for every product and row count of
+  the plan: `InvariancePlan.bf16_path`); computed at `rows` >= M rows, the extra rows zero
+  padding);
 - grouped products (a MoE layer's experts, moe.py) are ProductPlans too, named after their
   expert matrix (`we_gate`, `we_up`, `we_down`), per row count M = tokens x top-k: kernel
   "native" (the grouped CPU kernel) or "gather" (each row against its expert's gathered
@@ -41,21 +43,33 @@ from typing import Any
 # "gather" serves grouped (mixture-of-experts) products only: each row against its own
 # expert's matrix, gathered ([M, K] x [M, K, N] batched over rows)
 KERNELS = ("plain", "nt", "native", "gather")
+# the native bfloat16 product's instruction paths, in the kernel's numbering
+# (src/row_gemm_bf16.cc Path; kernels/native.py says what each is)
+BF16_PATHS = ("avx512_bf16", "widen", "amx")
 ATTENTION_KERNELS = ("xla", "native", "pallas_gpu", "pallas_tpu")
 
 
 @dataclass(frozen=True)
 class Formulation:
-    """Compute M rows with `kernel` at `rows` rows (M <= rows; rows beyond M are zeros)."""
+    """Compute M rows with `kernel` at `rows` rows (M <= rows; rows beyond M are zeros);
+    `path`: the native kernel's bfloat16 instruction path (a BF16_PATHS name; "" for every
+    other kernel and for float32)."""
 
     kernel: str
     rows: int
+    path: str = ""
 
     def __post_init__(self) -> None:
         if self.kernel not in KERNELS:
             raise ValueError(f"unknown product kernel {self.kernel!r} (one of {KERNELS})")
         if self.rows < 1:
             raise ValueError(f"rows must be >= 1, got {self.rows}")
+        if self.path not in ("", *BF16_PATHS) or (self.path and self.kernel != "native"):
+            raise ValueError(f"path {self.path!r} of kernel {self.kernel!r}: a native "
+                             f"kernel's path is one of {BF16_PATHS}, other kernels have none")
+
+    def to_json(self) -> list[Any]:
+        return [self.kernel, self.rows, *([self.path] if self.path else [])]
 
 
 def _entry(table: tuple[tuple[int, Any], ...], size: int) -> Any:
@@ -139,6 +153,8 @@ class InvariancePlan:
     # (an accelerator, which reads a slice in place): both decoders read slices of the
     # stacked canonical matrices, each matrix held once (llama.py, primitives.py)
     layer_copies: bool = True
+    # the bfloat16 instruction path of every native product of the plan ("": none)
+    bf16_path: str = ""
 
     def product(self, name: str) -> ProductPlan:
         for p in self.products:
@@ -160,8 +176,9 @@ class InvariancePlan:
             "problems": list(self.problems),
             "layer_copies": self.layer_copies,
             "products": [{"name": p.name, "k": p.k, "n": p.n,
-                          "by_rows": [[m, f.kernel, f.rows] for m, f in p.by_rows]}
+                          "by_rows": [[m, *f.to_json()] for m, f in p.by_rows]}
                          for p in self.products],
+            "bf16_path": self.bf16_path,
             "row_sums": [{"width": r.width, "by_rows": [list(e) for e in r.by_rows]}
                          for r in self.row_sums],
             "attention": {"kernel": self.attention.kernel,
@@ -174,8 +191,9 @@ class InvariancePlan:
     def from_json(cls, d: dict[str, Any]) -> InvariancePlan:
         return cls(
             products=tuple(ProductPlan(p["name"], p["k"], p["n"], tuple(
-                (int(m), Formulation(str(kern), int(rows))) for m, kern, rows in p["by_rows"]))
-                for p in d["products"]),
+                (int(m), Formulation(str(kern), int(rows), *map(str, path)))
+                for m, kern, rows, *path in p["by_rows"])) for p in d["products"]),
+            bf16_path=str(d.get("bf16_path", "")),
             row_sums=tuple(RowSumPlan(r["width"], tuple((int(a), int(b)) for a, b in
                                                         r["by_rows"])) for r in d["row_sums"]),
             attention=AttentionPlan(tuple((int(t), (int(c), int(p))) for t, c, p in

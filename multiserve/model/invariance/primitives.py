@@ -18,7 +18,8 @@ Formulations (`Formulation.kernel`):
 - "nt": `dot_general(x, Wt)` contracting x's dim 1 with Wt's dim 1, Wt = W^T stored
   [N, K] (a transposed copy, see `with_transposed`);
 - "native": the CPU kernel of kernels/native.py against W packed in 64-column panels
-  (`<name>_p`, see `with_transposed`), invariant by construction at every row count;
+  (`<name>_p`, see `with_transposed`), invariant by construction at every row count (a
+  bfloat16 product by the formulation's instruction `path`);
 each at `Formulation.rows` rows: M rows are zero-padded up to that (the rows beyond M are
 dropped), and an M beyond the plan's largest entry is split into pieces of that size.
 
@@ -68,7 +69,7 @@ EXACT = jax.lax.Precision.HIGHEST
 def product(x: jax.Array, w: jax.Array | None, w_t: jax.Array | None, kernel: str, rows: int,
             preferred: Any = None, w_p: jax.Array | None = None, n: int = 0,
             layer: int | jax.Array | None = None,
-            residual: jax.Array | None = None) -> jax.Array:
+            residual: jax.Array | None = None, path: str = "") -> jax.Array:
     """x [M, K] @ W with one formulation: `kernel` at `rows` >= M rows (zero padding). The
     native kernel reads `w_p` (W packed, `pack_panels`; with `layer`, a stack of layers
     [L, P, K, 64], bfloat16 [L, P, ceil(K / 2), 128], read in place) and needs N (`n`).
@@ -77,7 +78,8 @@ def product(x: jax.Array, w: jax.Array | None, w_t: jax.Array | None, kernel: st
     else to x's dtype (a bfloat16 model's activations: round to nearest even).
     `residual` [M, N] (x's dtype): the result is `residual + x @ W` in that dtype; the
     native bfloat16 kernel adds it in its epilogue with the same bits (an elementwise add
-    after each row's product: the rows stay invariant)."""
+    after each row's product: the rows stay invariant). `path`: the native bfloat16
+    product's instruction path (a BF16_PATHS name; "": the process's default)."""
     m = x.shape[0]
     out_dtype = jnp.dtype(preferred or x.dtype)
     fuse = (residual is not None and kernel == "native" and w_p is not None
@@ -90,7 +92,7 @@ def product(x: jax.Array, w: jax.Array | None, w_t: jax.Array | None, kernel: st
     if kernel == "native":
         assert w_p is not None and n > 0, "the native product needs W's panels and N"
         out = row_gemm(x, w_p, n, layer, out_dtype=out_dtype,
-                       residual=residual if fuse else None)
+                       residual=residual if fuse else None, path=path or None)
     elif kernel == "plain":
         assert w is not None, "the plain product needs W [K, N]"
         out = jnp.dot(x, w, precision=EXACT, preferred_element_type=jnp.float32).astype(out_dtype)
@@ -125,7 +127,8 @@ def dense(x: jax.Array, w: jax.Array | None, w_t: jax.Array | None, plan: Produc
     x @ W` (`product`)."""
     form = plan.formulation(x.shape[0])
     return _in_pieces(lambda part, res: product(part, w, w_t, form.kernel, form.rows,
-                                                preferred, w_p, plan.n, layer, res),
+                                                preferred, w_p, plan.n, layer, res,
+                                                form.path),
                       form.rows, x, residual)
 
 
@@ -144,7 +147,8 @@ def grouped(x: jax.Array, groups: jax.Array, w: jax.Array | None, w_p: jax.Array
         groups = jnp.pad(groups, (0, form.rows - m))
     if form.kernel == "native":
         assert w_p is not None, "the native grouped product needs the experts' panels"
-        out = grouped_row_gemm(x, w_p, groups + first_group, plan.n, out_dtype=jnp.float32)
+        out = grouped_row_gemm(x, w_p, groups + first_group, plan.n, out_dtype=jnp.float32,
+                               path=form.path or None)
     else:
         assert form.kernel == "gather" and w is not None, (form.kernel, "needs W [E, K, N]")
         out = jnp.einsum("mk,mkn->mn", x, w[groups], precision=EXACT,

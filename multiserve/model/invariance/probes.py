@@ -4,9 +4,10 @@ candidate timed. What to choose from them is choice.py's job; this file only mea
 
 - products (`probe_product`): kernel "plain" (x @ W) and "nt" (x . W^T), each at every
   engine size and at PAD_SIZES rows (a smaller M can be zero-padded up to any of them); and
-  where it builds (CPU, float32 or bfloat16, one device; bfloat16 by this process's
-  `bf16_product_path`) the native kernel (model/kernels/native.py) at
-  every engine size (invariant by construction: one class, no padding);
+  where it builds (CPU, float32 or bfloat16, one device) the native kernel
+  (model/kernels/native.py) at every engine size (invariant by construction: one class, no
+  padding), in bfloat16 once per instruction path the calibration may choose
+  (`native_paths`: each path its own class, its own bits);
 - grouped expert products (`probe_grouped`): "gather" and, where it builds, "native", at
   every routed-pair count, the rows sorted by expert as the MoE layer sorts them;
 - row sums (`probe_row_sum`): the ones-product padded to every count used and to PAD_SIZES;
@@ -182,6 +183,14 @@ def pallas_attention_kernel(use: AttentionUse, device: Any) -> tuple[str, bool] 
     return kernel, KERNEL_PLATFORM[kernel] != device.platform
 
 
+def native_paths(dtype: Any) -> tuple[str, ...]:
+    """The native products' instruction paths to probe at `dtype`: every bfloat16 path
+    the calibration may choose (native.bf16_path_candidates), or "" (float32: one path)."""
+    if jnp.dtype(dtype) == jnp.bfloat16:
+        return native_kernels.bf16_path_candidates()
+    return ("",)
+
+
 def native_attention_usable(use: AttentionUse, dtype: Any, device: Any) -> bool:
     """Whether the native CPU attention kernel may be a candidate here (and is built)."""
     name = str(jnp.dtype(dtype))
@@ -201,20 +210,20 @@ def probe_product(use: ProductUse, dtype: Any, device: Any, distort: Distort | N
     w_host = rng.standard_normal((use.local_k, use.local_n)) / np.sqrt(use.local_k)
     w = jax.device_put(jnp.asarray(w_host, dtype), device)
     w_t = jax.device_put(jnp.asarray(np.ascontiguousarray(w_host.T), dtype), device)
-    kernels = [("plain", all_rows), ("nt", all_rows)]
+    kernels = [("plain", "", all_rows), ("nt", "", all_rows)]
     w_p = None
     if not use.sharded and native_products_usable(dtype, device):
         # invariant by construction: no padding to try, each size at its own rows
-        kernels.append(("native", sorted(set(sizes))))
+        kernels += [("native", path, sorted(set(sizes))) for path in native_paths(dtype)]
         w_p = jax.jit(native_kernels.pack_panels)(w)
     pending: list[Pending] = []
-    for kernel, row_counts in kernels:
-        fn = probe_jit(lambda a, b, bt, bp, kernel=kernel: product(
+    for kernel, path, row_counts in kernels:
+        fn = probe_jit(lambda a, b, bt, bp, kernel=kernel, path=path: product(
             a, b if kernel == "plain" else None, bt if kernel == "nt" else None, kernel,
-            a.shape[0], jnp.float32, bp if kernel == "native" else None, use.local_n),
-            dtype, device)
+            a.shape[0], jnp.float32, bp if kernel == "native" else None, use.local_n,
+            path=path), dtype, device)
         for rows in row_counts:
-            desc = {"kernel": kernel, "rows": rows}
+            desc = {"kernel": kernel, "rows": rows, **({"path": path} if path else {})}
             flip = distortion(distort, "product", {"name": use.name, **desc})
             runs = []
             for placement in placements(rows, top, rng, product_rows(use.local_n)):
@@ -239,16 +248,16 @@ def probe_grouped(use: GroupedUse, dtype: Any, device: Any, distort: Distort | N
     experts = host(rng.integers(0, use.experts, top), jnp.int32)
     w_host = rng.standard_normal((use.experts, use.local_k, use.local_n)) / np.sqrt(use.local_k)
     w = jax.device_put(jnp.asarray(w_host, dtype), device)
-    kernels = ["gather"]
+    kernels = [("gather", "")]
     w_p = None
     if not use.sharded and native_products_usable(dtype, device):
-        kernels.insert(0, "native")
+        kernels = [("native", path) for path in native_paths(dtype)] + kernels
         w_p = jax.jit(native_kernels.pack_panels)(w)
     pending: list[Pending] = []
-    for kernel in kernels:
+    for kernel, path in kernels:
         for rows in sorted(set(sizes)):
             plan = ProductPlan(use.name, use.local_k, use.local_n,
-                               ((rows, Formulation(kernel, rows)),))
+                               ((rows, Formulation(kernel, rows, path)),))
 
             def run(a: jax.Array, g: jax.Array, b: jax.Array, bp: Any, plan: Any = plan
                     ) -> jax.Array:
@@ -258,7 +267,7 @@ def probe_grouped(use: GroupedUse, dtype: Any, device: Any, distort: Distort | N
 
             fn = probe_jit(run, dtype, device)
 
-            desc = {"kernel": kernel, "rows": rows}
+            desc = {"kernel": kernel, "rows": rows, **({"path": path} if path else {})}
             flip = distortion(distort, "grouped", {"name": use.name, **desc})
             runs = []
             for placement in placements(rows, top, rng, product_rows(use.local_n)):

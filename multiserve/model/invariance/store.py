@@ -34,7 +34,7 @@ from multiserve.model.layers.attention_pallas import forced_kernel
 
 log = logging.getLogger("multiserve.calibration")
 
-PROBE_VERSION = 10  # bump when a probe or the selection changes: old cache entries are ignored
+PROBE_VERSION = 11  # bump when a probe or the selection changes: old cache entries are ignored
 
 
 def cache_dir() -> Path:
@@ -65,8 +65,10 @@ def backend_key(device: Any, workload: Workload) -> dict[str, Any]:
         key["cpu"] = native_kernels.cpu_facts()
         # a plan naming the native kernels is only valid where they build, as built
         key["native_kernels"] = native_kernels.build_id()
-        if workload.dtype == "bfloat16":  # its two instruction paths give different bits
-            key["bf16_product_path"] = native_kernels.bf16_product_path()
+        if key["native_kernels"] is not None:  # their split and prefetch: the probes' times
+            key["product_tuning"] = native_kernels.tuned().key()
+        if workload.dtype == "bfloat16":  # the instruction paths its probes may choose
+            key["bf16_paths"] = list(native_kernels.bf16_path_candidates())
     return key
 
 

@@ -34,10 +34,11 @@ bfloat16 forms (an engine of dtype bfloat16): `pack_panels` of a bfloat16 W pack
 panels that `row_gemm` / `grouped_row_gemm` read at half the bytes (src/row_gemm_bf16.cc,
 float32 accumulation, x and y float32 or bfloat16), and `paged_attention_native` reads a
 bfloat16 K/V pool (widened in registers; softmax and sums float32). The bfloat16 product has
-two instruction paths with different bits (`BF16_PATHS`); `bf16_product_path()` is the one
-this process uses for every bfloat16 x bfloat16 product at every row count, so rows stay
-invariant; a float32 x against bfloat16 panels always widens. The path is part of the
-invariance plan's cache key (a plan probed under one path is not reused under the other).
+three instruction paths with different bits (`BF16_PATHS`); an engine's calibration times
+the ones this CPU runs (`bf16_path_candidates`) and its plan names ONE for every bfloat16 x
+bfloat16 product at every row count, so rows stay invariant (`bf16_product_path()` is the
+path of a call outside a plan); a float32 x against bfloat16 panels always widens. The
+candidates are part of the invariance plan's cache key.
 
 The shared object is compiled on first use with the system's C++ compiler (`$CXX`, else
 c++ or g++; `-march=native`, so the file is specific to this CPU) and cached under
@@ -66,6 +67,8 @@ import numpy as np
 
 from multiserve.cache_files import cache_root, exclusive
 from multiserve.model import lora_layout
+from multiserve.model.invariance.plan import BF16_PATHS
+from multiserve.model.kernels import product_tuning
 from multiserve.model.layers.forward_batch import ForwardBatch
 
 log = logging.getLogger("multiserve.native_kernels")
@@ -85,9 +88,11 @@ LORA_MAX_RANK = 64  # the largest adapter rank lora_delta.cc takes
 # The bfloat16 product's instruction paths (row_gemm_bf16.cc), in the kernel's numbering:
 # "avx512_bf16" one VDPBF16PS per pair of k (bfloat16 x only, a CPU with AVX512_BF16);
 # "widen" bfloat16 -> float32 in registers, one FMA per k in order (any CPU; its bits are
-# the float32 kernel's on the widened operands).
-BF16_PATHS = ("avx512_bf16", "widen")
-BF16_PATH_ENV = "MULTISERVE_BF16_PATH"  # "widen" forces the widening path in this process
+# the float32 kernel's on the widened operands); "amx" AMX-BF16 tiles (bfloat16 x only, a
+# CPU and kernel that grant them; src/amx_panel.h states its sums).
+# (BF16_PATHS: defined beside the plan's Formulation, which names one)
+# a BF16_PATHS name: the only path this process's calibration may choose, and the default
+BF16_PATH_ENV = "MULTISERVE_BF16_PATH"
 DTYPES = ("float32", "bfloat16")  # the operand types the kernels take
 HEAD_DIMS = (16, 32, 48, 64, 80, 96, 128, 256)  # the head sizes the kernel is instantiated for
 PANEL = 64  # columns per packed weight panel (row_gemm.cc)
@@ -95,13 +100,16 @@ SOURCES = tuple(Path(__file__).parent / "src" / name
                 for name in ("paged_attention.cc", "row_gemm.cc", "row_gemm_bf16.cc",
                              "kv_write.cc", "lora_delta.cc", "row_gemm_lora.cc"))
 HEADERS = tuple(Path(__file__).parent / "src" / name  # hashed, not compiled
-                for name in ("parallel_for.h", "product_split.h", "lora_math.h",
+                for name in ("amx_panel.h", "float_ops.h", "parallel_for.h", "product_split.h",
+                             "lora_math.h",
                              "lora_operands.h", "row_panel.h"))
-FLAGS = ("-std=c++20", "-O3", "-march=native", "-ffp-contract=fast", "-fPIC", "-shared", "-w")
+FLAGS = ("-std=c++20", "-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared", "-w")
 
 _LOCK = threading.Lock()
-# "error": None once registered, else why not; "so": the file; "bf16_path": this process's
-# bfloat16 product path (a BF16_PATHS name), fixed at load
+_LIB: list[ctypes.CDLL] = []  # the loaded kernels (once registered)
+# "error": None once registered, else why not; "so": the file; "bf16_paths": the BF16_PATHS
+# this CPU and build run, comma-separated; "bf16_forced": MULTISERVE_BF16_PATH's path or
+# None (fixed at load)
 _STATE: dict[str, str | None] = {}
 
 
@@ -190,7 +198,19 @@ def unavailable_reason(dtype: str = "float32") -> str | None:
             if _STATE["error"] is not None:
                 log.warning("native CPU kernels unavailable (%s); using XLA's "
                             "formulations", _STATE["error"])
-        return _STATE["error"]
+        error = _STATE["error"]
+    if error is None:  # the machine's split and prefetch, set once (outside the lock:
+        tuned()        # its measurement runs products)
+    return error
+
+
+def tuned() -> product_tuning.ProductTuning:
+    """The products' split and prefetch on this machine (product_tuning.py), set in the
+    loaded kernels once per process; the kernels must be loaded."""
+    lib = _LIB[0]
+    cache_file = cache_root() / "kernels" / f"{_STATE['so']}.tuning.json"
+    return product_tuning.ensure(lib, cache_file,
+                                 lambda: product_tuning.measure(lib, pack_panels, row_gemm))
 
 
 def _load() -> str | None:
@@ -219,29 +239,48 @@ def _load() -> str | None:
                              (LORA_APPLY, lib.MultiserveLoraApply),
                              (ROW_GEMM_LORA, lib.MultiserveRowGemmLora)):
             jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(symbol), platform="cpu")
-        dot = bool(lib.MultiserveBf16DotAvailable())
+        runs = {"avx512_bf16": bool(lib.MultiserveBf16DotAvailable()), "widen": True,
+                "amx": bool(lib.MultiserveBf16AmxAvailable())}
     except (OSError, RuntimeError, AttributeError, ValueError) as exc:
         return f"build or load failed: {exc}"
     _STATE["so"] = path.name
-    forced = os.environ.get(BF16_PATH_ENV, "")
-    _STATE["bf16_path"] = "widen" if forced == "widen" or not dot else "avx512_bf16"
-    _STATE["bf16_dot"] = "yes" if dot else None
+    _LIB.append(lib)
+    _STATE["bf16_paths"] = ",".join(p for p in BF16_PATHS if runs[p])
+    forced = os.environ.get(BF16_PATH_ENV, "") or None
+    if forced is not None and not runs.get(forced, False):
+        log.warning("%s=%s: not a bfloat16 product path this CPU and build run (%s); "
+                    "ignored", BF16_PATH_ENV, forced, _STATE["bf16_paths"])
+        forced = None
+    _STATE["bf16_forced"] = forced
     return None
 
 
-def bf16_product_path() -> str | None:
-    """The instruction path (a BF16_PATHS name) of every bfloat16 x bfloat16 product in this
-    process: "avx512_bf16" where this CPU and build have it, unless MULTISERVE_BF16_PATH=widen
-    (read once, when the kernels load); None when the kernels are unavailable. What
-    `multiserve doctor` reports."""
-    return _STATE.get("bf16_path") if unavailable_reason() is None else None
-
-
 def bf16_paths_available() -> tuple[str, ...]:
-    """The bfloat16 product paths this CPU and build can run (none when unavailable)."""
+    """The bfloat16 product paths this CPU and build run (none when unavailable)."""
     if unavailable_reason() is not None:
         return ()
-    return BF16_PATHS if _STATE.get("bf16_dot") else ("widen",)
+    return tuple((_STATE.get("bf16_paths") or "").split(","))
+
+
+def bf16_path_candidates() -> tuple[str, ...]:
+    """The paths a calibration may choose among for a bfloat16 x bfloat16 product: the one
+    MULTISERVE_BF16_PATH forces (read once, when the kernels load), else every available
+    one. The calibration times each and keeps ONE for every product of its plan at every
+    row count (model/invariance/calibration.py)."""
+    forced = _STATE.get("bf16_forced") if unavailable_reason() is None else None
+    return (forced,) if forced else bf16_paths_available()
+
+
+def bf16_product_path() -> str | None:
+    """The path of a bfloat16 x bfloat16 product called without one (outside a plan:
+    scripts, tests, reference loops): MULTISERVE_BF16_PATH's, else "avx512_bf16" where this
+    CPU and build run it, else "widen"; None when the kernels are unavailable. An engine's
+    products run its plan's path instead (`Formulation.path`)."""
+    candidates = bf16_path_candidates()
+    if not candidates:
+        return None
+    return candidates[0] if len(candidates) == 1 else next(
+        p for p in ("avx512_bf16", "widen") if p in candidates)
 
 
 def build_id() -> str | None:

@@ -171,7 +171,7 @@ class LayerLora:
         b_panels = tuple(self.lora[f"{name}_bp"] for name in names)
         return row_gemm_lora(x, panels, plan.n, self.layer, a, b, offsets,
                              self.lora["scale"], self.slots, residual=residual,
-                             b_panels=b_panels)
+                             path=form.path or None, b_panels=b_panels)
 
 
 Adapt = LayerLora

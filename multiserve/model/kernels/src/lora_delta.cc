@@ -39,9 +39,9 @@
 // multiply by the scale. Runs, blocks, tiles and threads only decide which core and which
 // registers hold a token's sums, never their order. So a token's delta depends only on
 // its x row, its slot's A, B and scale: not on T, on the other tokens or their adapters,
-// nor on the thread count. (Built with -ffp-contract=fast: `acc += a * b` is one FMA, in
-// the vector and the scalar loops alike, so the vector path (R a multiple of 16) and the
-// scalar one give the same bits.)
+// nor on the thread count. (Every multiply-add is float_ops.h's explicit `fmadd`, in the
+// vector and the scalar loops alike, so the vector path (R a multiple of 16) and the
+// scalar one give the same bits in any build.)
 
 #include <algorithm>
 #include <cstdint>

@@ -9,11 +9,12 @@
 //   xa[j] = the shrink: float32 in-order FMA over k = 0 .. K-1 from zero (`shrink_vec`,
 //           `shrink_scalar`); bfloat16 pair sums in four chains (`shrink_bf16`);
 //   d[n]  = (sum over j = 0 .. R-1 in order of xa[j] * B[j, n], one FMA each from zero)
-//           * sc, materialized (`expand_sums`, `expand_sum`, `scaled`);
+//           * sc, rounded on its own (`expand_sums`, `expand_sum`, `scaled`);
 //   y'[c] = round(float(y[c]) + d[n]) to y's type, once, to nearest even (`add_to`).
 // How tokens are blocked, which columns share a vector and which thread runs them never
-// changes these per-element operations or their order. (Built with -ffp-contract=fast:
-// `acc += a * b` is one FMA in the vector and scalar loops alike.)
+// changes these per-element operations or their order. Every multiply-add is float_ops.h's
+// `fmadd`, the same operation in the vector and the scalar loops (one FMA where the build
+// has FMA); nothing else is fused (the kernels build with -ffp-contract=off).
 
 #ifndef MULTISERVE_NATIVE_LORA_MATH_H_
 #define MULTISERVE_NATIVE_LORA_MATH_H_
@@ -27,9 +28,12 @@
 #include <cstring>
 #include <type_traits>
 
+#include "float_ops.h"
+
 namespace multiserve::lora_math {
 
-typedef float vf __attribute__((vector_size(64)));
+using multiserve::float_ops::fmadd;
+using multiserve::float_ops::vf;
 typedef uint16_t vh __attribute__((vector_size(32)));
 typedef uint32_t vu __attribute__((vector_size(64)));
 constexpr int LANES = 16;
@@ -61,28 +65,6 @@ inline vf load(const uint16_t* p) {
 }
 
 
-// d materialized as computed: the compiler may not contract the scale's multiply with
-// the add that follows (an FMA would round once where this rounds twice)
-// The 64-byte vector is one register with AVX-512, two with AVX only, four with SSE only:
-// the empty asm takes it in whatever registers hold it (values untouched).
-inline void materialize(vf& v) {
-#if defined(__AVX512F__)
-  asm("" : "+v"(v));
-#elif defined(__AVX__)
-  typedef float half_t __attribute__((vector_size(32)));
-  half_t h[2];
-  std::memcpy(h, &v, sizeof v);
-  asm("" : "+x"(h[0]), "+x"(h[1]));
-  std::memcpy(&v, h, sizeof v);
-#else
-  typedef float quarter_t __attribute__((vector_size(16)));
-  quarter_t q[4];
-  std::memcpy(q, &v, sizeof v);
-  asm("" : "+x"(q[0]), "+x"(q[1]), "+x"(q[2]), "+x"(q[3]));
-  std::memcpy(&v, q, sizeof v);
-#endif
-}
-inline void materialize(float& v) { asm("" : "+x"(v)); }
 
 inline float to_float(float v) { return v; }
 inline float to_float(uint16_t v) { return widen(v); }
@@ -144,8 +126,7 @@ inline pairs_t x_pair(uint32_t both) {
 // instruction's definition), one FMA each
 struct pairs_t { vf even, odd; };
 inline vf dot_pairs(vf acc, pairs_t a, pairs_t x) {
-  acc += a.odd * x.odd;
-  return acc + a.even * x.even;
+  return fmadd(a.even, x.even, fmadd(a.odd, x.odd, acc));
 }
 inline vf masked_row(const uint16_t* row, lane_mask lanes) {
   float v[LANES];
@@ -229,7 +210,7 @@ inline void shrink_vec(const E* const* xr, const E* ar, int64_t k_dim, int64_t r
     for (int v = 0; v < RV; ++v) av[v] = load(ar + k * r + LANES * v);
     for (int i = 0; i < NT; ++i) {
       const vf xv = splat(widen(xr[i][k]));
-      for (int v = 0; v < RV; ++v) acc[i][v] += xv * av[v];
+      for (int v = 0; v < RV; ++v) acc[i][v] = fmadd(xv, av[v], acc[i][v]);
     }
   }
   for (int i = 0; i < NT; ++i) std::memcpy(out[i], acc[i], sizeof acc[i]);
@@ -240,7 +221,7 @@ template <typename E>
 inline void shrink_scalar(const E* xr, const E* ar, int64_t k_dim, int64_t r, float* out) {
   for (int64_t j = 0; j < r; ++j) {
     float acc = 0.0f;
-    for (int64_t k = 0; k < k_dim; ++k) acc += widen(xr[k]) * widen(ar[k * r + j]);
+    for (int64_t k = 0; k < k_dim; ++k) acc = fmadd(widen(xr[k]), widen(ar[k * r + j]), acc);
     out[j] = acc;
   }
 }
@@ -306,7 +287,7 @@ inline void expand_sums(const float* const* xa, const S* br, int64_t stride, int
     for (int v = 0; v < CV; ++v) bv[v] = load(br + j * stride + LANES * v);
     for (int i = 0; i < NT; ++i) {
       const vf xv = splat(xa[i][j]);
-      for (int v = 0; v < CV; ++v) acc[i][v] += xv * bv[v];
+      for (int v = 0; v < CV; ++v) acc[i][v] = fmadd(xv, bv[v], acc[i][v]);
     }
   }
 }
@@ -315,21 +296,13 @@ inline void expand_sums(const float* const* xa, const S* br, int64_t stride, int
 template <typename S>
 inline float expand_sum(const float* xa, const S* b, int64_t stride, int64_t r) {
   float acc = 0.0f;
-  for (int64_t j = 0; j < r; ++j) acc += xa[j] * widen(b[j * stride]);
+  for (int64_t j = 0; j < r; ++j) acc = fmadd(xa[j], widen(b[j * stride]), acc);
   return acc;
 }
 
-// d = acc * scale, materialized: the multiply is never contracted with the add after it
-inline vf scaled(vf acc, float sc) {
-  vf d = acc * sc;
-  materialize(d);
-  return d;
-}
-inline float scaled(float acc, float sc) {
-  float d = acc * sc;
-  materialize(d);
-  return d;
-}
+// d = acc * scale, rounded on its own (the add after it is a second operation)
+inline vf scaled(vf acc, float sc) { return acc * sc; }
+inline float scaled(float acc, float sc) { return acc * sc; }
 
 // y' = y + d in float32, rounded once to y's type (16 columns, or one)
 template <typename E>

@@ -21,9 +21,10 @@
 //     then the weighted values in key order);
 //   - no reduction crosses items, and nothing depends on T, on the chunking, or on how
 //     many threads ran.
-// Built with -ffp-contract=fast (FMAs where the CPU has them) but never -ffast-math, so
-// the compiler keeps the written order: the bits are a function of the binary and the
-// row's own inputs only.
+// Every multiply-add is float_ops.h's explicit `fmadd` (one FMA where the build has FMA);
+// the build fuses nothing else (-ffp-contract=off) and never reorders (no -ffast-math),
+// so the bits are a function of the source, the instruction set and the row's own inputs
+// only.
 
 #include <algorithm>
 #include <cstdint>
@@ -34,6 +35,7 @@
 #include <immintrin.h>
 #endif
 
+#include "float_ops.h"
 #include "parallel_for.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -46,7 +48,8 @@ constexpr float MASK = -1e30f;
 
 // 16 floats, lane-wise arithmetic (GCC vector extensions: one zmm on AVX-512, two ymm on
 // AVX2; the lanes never mix except in the fixed trees below).
-typedef float vf __attribute__((vector_size(64)));
+using multiserve::float_ops::fmadd;
+using multiserve::float_ops::vf;
 typedef int32_t vi __attribute__((vector_size(64)));
 
 inline float hsum(vf a) {  // fixed tree: (0..7 + 8..15), then halves again
@@ -103,19 +106,17 @@ inline float hmax(vf a) {  // max is exact: any order (a tree of lane-wise maxim
 // -104 give exactly 0 (so masked keys weigh nothing).
 inline vf exp_nonpositive(vf x) {
   const vf lo = x < -104.0f ? vf{} - 104.0f : x;
-  const vf t = lo * 1.44269504088896341f + 0.5f;  // n = floor(t): round(x / ln2)
+  const vf t = fmadd(lo, vf{} + 1.44269504088896341f, vf{} + 0.5f);  // n = floor(t): round(x / ln2)
   const vi tr = __builtin_convertvector(t, vi);    // truncation toward 0
   const vi n = tr + (t < __builtin_convertvector(tr, vf));  // a true lane is -1
   const vf nf = __builtin_convertvector(n, vf);
-  const vf r = (lo - nf * 0.693145751953125f) - nf * 1.428606765330187e-06f;
-  vf p = vf{} + 1.0f / 5040.0f;
-  p = p * r + 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
+  // r = lo - n ln2, ln2 in two parts (Cody-Waite), each step one fused multiply-add
+  const vf r = fmadd(-nf, vf{} + 1.428606765330187e-06f,
+                     fmadd(-nf, vf{} + 0.693145751953125f, lo));
+  vf p = vf{} + 1.0f / 5040.0f;  // Horner, one fused multiply-add a degree
+  for (const float c : {1.0f / 720.0f, 1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f,
+                        1.0f})
+    p = fmadd(p, r, vf{} + c);
   const vi bits = (n + 127) << 23;
   vf scale;
   std::memcpy(&scale, &bits, sizeof scale);
@@ -354,7 +355,7 @@ void attend_group(const Problem<KV>& pr, int64_t t, int64_t kv_head, int64_t g0)
                 R::load_row(kr, kv);
                 for (int g = 0; g < G; ++g) {
                   vf acc_d = q[g][0] * kv[0];
-                  for (int i = 1; i < V; ++i) acc_d += q[g][i] * kv[i];
+                  for (int i = 1; i < V; ++i) acc_d = fmadd(q[g][i], kv[i], acc_d);
                   d[g][u] = acc_d;
                 }
               } else {
@@ -386,7 +387,7 @@ void attend_group(const Problem<KV>& pr, int64_t t, int64_t kv_head, int64_t g0)
     vf w[G];
     for (int g = 0; g < G; ++g) {
       w[g] = exp_nonpositive(sc[g] - mx[g]);
-      l[g] = l[g] * alpha[g] + hsum(w[g]);
+      l[g] = fmadd(l[g], alpha[g], hsum(w[g]));
       m[g] = mx[g];
       for (int i = 0; i < V; ++i) acc[g][i] *= alpha[g];
     }
@@ -394,7 +395,7 @@ void attend_group(const Problem<KV>& pr, int64_t t, int64_t kv_head, int64_t g0)
       vf vv[V];
       R::load_row(vrow[j], vv);
       for (int i = 0; i < V; ++i)
-        for (int g = 0; g < G; ++g) acc[g][i] += w[g][j] * vv[i];
+        for (int g = 0; g < G; ++g) acc[g][i] = fmadd(vf{} + w[g][j], vv[i], acc[g][i]);
     }
   }
   for (int g = 0; g < G; ++g) {

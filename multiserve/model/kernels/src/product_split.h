@@ -12,6 +12,22 @@
 
 namespace multiserve {
 
+// How the products use this machine: measured per machine by native.py (`product_tuning`,
+// from the read rates of one and two threads) and set once per process before any product
+// runs (MultiserveSetProductTuning, row_gemm.cc). Neither changes a result: they decide
+// only which thread reads which panel and what is prefetched.
+struct ProductTuning {
+  // a product of fewer work units runs on the calling thread alone (for_each_item)
+  int64_t split_units = 1 << 12;
+  // a one-register-block product prefetches its weight stream this many bytes ahead of the
+  // panel row it reads (0: the hardware prefetcher alone)
+  int64_t ahead_bytes = 0;
+};
+inline ProductTuning& product_tuning() {
+  static ProductTuning tuning;
+  return tuning;
+}
+
 // A product's size in units of 64 multiply-adds (a panel row times a row of x).
 inline int64_t work_units(int64_t panels, int64_t m, int64_t k) {
   return panels * std::max<int64_t>(1, m) * k;
@@ -22,15 +38,14 @@ inline int64_t work_units(int64_t panels, int64_t m, int64_t k) {
 // the panel a block warms while it works (run_block) is the one its thread runs next;
 // otherwise ~4 grabs per thread, which evens out a thread that starts late or is preempted
 // (the host's own work shares these cores). A small product (`units`, its work_units, under
-// 2^12: ~1 MB of weights at one row) stays on the caller. A 1-row product is a stream of
-// its weights from memory, which two cores stream faster than one (docs/performance.md §3),
-// so even a 576 x 576 layer matrix at one row gains from a helper despite the pool's
-// hand-off.
+// the machine's `split_units`) stays on the caller. A 1-row product is a stream of its
+// weights from memory, which two cores stream faster than one where one core alone does
+// not reach the machine's bandwidth (docs/performance.md §3, §32).
 template <typename Run>
 void for_each_item(xla::ffi::ThreadPool& pool, int64_t items, int64_t units, bool contiguous,
                    Run run) {
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t helpers = units < (1 << 12) ? 0 : std::min(threads, items) - 1;
+  const int64_t helpers = units < product_tuning().split_units ? 0 : std::min(threads, items) - 1;
   const int64_t chunk = contiguous ? std::max<int64_t>(1, (items + helpers) / (helpers + 1))
                                    : std::max<int64_t>(1, items / ((helpers + 1) * 4));
   parallel_for(pool, items, chunk, helpers, run);

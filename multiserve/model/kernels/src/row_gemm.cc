@@ -11,7 +11,8 @@
 // tiling (6-row blocks, the last one smaller; 64-column panels; panels spread over
 // threads) only decides which core computes an element and which registers hold it,
 // never the order of its sum. So a row's bits do not depend on M, on the other rows or
-// on the thread count. (Built with -ffp-contract=fast: the compiler fuses `acc += a * b`.)
+// on the thread count. (Each step is float_ops.h's explicit `fmadd`: one FMA where the
+// build has FMA, the same operation in every register block's size.)
 //
 // The GROUPED product (mixture-of-experts experts) is the same computation with one weight
 // matrix per row: y[m] = x[m] @ W[groups[m]], W given as panels wp[G, N / 64, K, 64] (an
@@ -25,6 +26,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "float_ops.h"
 #include "product_split.h"
 #include "row_panel.h"
 #include "xla/ffi/api/ffi.h"
@@ -35,7 +37,8 @@ using multiserve::work_units;
 
 namespace {
 
-typedef float vf __attribute__((vector_size(64)));
+using multiserve::float_ops::fmadd;
+using multiserve::float_ops::vf;
 constexpr int NV = 4;         // vectors per panel row
 constexpr int PANEL = 16 * NV;  // columns per panel
 constexpr int MR = 6;         // rows per register block
@@ -82,7 +85,7 @@ inline void block(const float* x, int64_t k_dim, const float* panel, float* y, i
     for (int j = 0; j < NV; ++j) b[j] = load(panel + k * PANEL + 16 * j);
     for (int r = 0; r < R; ++r) {
       const vf a = vf{} + xr[r][k];
-      for (int j = 0; j < NV; ++j) acc[r][j] += a * b[j];
+      for (int j = 0; j < NV; ++j) acc[r][j] = fmadd(a, b[j], acc[r][j]);
     }
   }
   for (int r = 0; r < R; ++r)
@@ -132,7 +135,9 @@ inline bool warms_next_panel(int64_t m) { return m > MR; }
 
 inline int64_t blocks_of(int64_t m) { return (m + MR - 1) / MR; }
 
-// Register block i of panel p: rows [i MR, min((i + 1) MR, m)).
+// Register block i of panel p: rows [i MR, min((i + 1) MR, m)). One block per panel: the
+// machine's `ahead_bytes` of the weight stream prefetched, a panel row a step (past the
+// panel's end, the next one's in memory; a prefetch never faults).
 void run_block(const Problem& pr, int64_t p, int64_t i) {
   const float* panel = pr.wp + p * pr.k * PANEL;
   const int64_t blocks = blocks_of(pr.m);
@@ -142,6 +147,9 @@ void run_block(const Problem& pr, int64_t p, int64_t i) {
     warm.rows = panel + (pr.k + i * share) * PANEL;
     warm.every = blocks;
     warm.count = std::min(share, pr.k - i * share);
+  } else if (blocks == 1 && multiserve::product_tuning().ahead_bytes > 0) {
+    warm.rows = panel + multiserve::product_tuning().ahead_bytes / sizeof(float);
+    warm.count = pr.k;
   }
   const int64_t m0 = i * MR;
   block_rows(std::min<int64_t>(MR, pr.m - m0), pr.x, pr.k, panel, pr.y + p * PANEL,
@@ -219,6 +227,12 @@ ffi::Error GroupedRowGemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
 }
 
 }  // namespace
+
+// The machine's product tuning (product_split.h), set by native.py before any product runs.
+extern "C" void MultiserveSetProductTuning(int64_t split_units, int64_t ahead_bytes) {
+  multiserve::product_tuning().split_units = split_units;
+  multiserve::product_tuning().ahead_bytes = ahead_bytes;
+}
 
 void multiserve::row_gemm_panel(const float* x, int64_t k, const float* panels, int64_t p,
                                 float* y, const float* res, Warm warm) {

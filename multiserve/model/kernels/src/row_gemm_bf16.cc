@@ -8,20 +8,25 @@
 // 32-bit lane c holds the pair of rows 2j, 2j + 1 of column 64p + c, row 2j in the low
 // half; an odd K's last pair has a zero high half). `pack_panels` of a bfloat16 W.
 //
-// Two instruction paths, the same layout, DIFFERENT bits:
+// Three instruction paths, the same layout, DIFFERENT bits:
 //   - kDot (AVX512_BF16, x bfloat16 only): one VDPBF16PS per pair of k, which adds both
 //     products of the pair to the float32 accumulator in one instruction (its own rounding;
 //     denormal inputs and outputs flushed to zero). Each y[m, n] is the accumulator from
 //     zero, then pair 0, pair 1, .., in order.
 //   - kWiden (any AVX2 / AVX-512F CPU, and every float32 x): each bfloat16 widened to
-//     float32 in registers (exact), then one fused multiply-add per k, k = 0, 1, .., K - 1 in
+//     float32 in registers (exact), then one fused multiply-add per k (float_ops.h's
+//     `fmadd`), k = 0, 1, .., K - 1 in
 //     order from zero: exactly row_gemm.cc's sum over the widened operands, so its bits are
 //     the float32 kernel's on x.astype(float32) and W.astype(float32).
-// Row invariance BY CONSTRUCTION on either path: the tiling (6-row blocks, 64-column panels,
-// panels over threads) decides where an element is computed, never the order of its sum. But
-// a process must run ONE path for a given product at every row count, or a row's bits would
-// depend on the batch: the path is an explicit argument of every call (the binding fixes it
-// per process: native.bf16_product_path()), never chosen from M.
+//   - kAmx (Intel AMX-BF16 tiles, x bfloat16 only; amx_panel.h): blocks of up to 16 rows, each
+//     element the tile instruction's sums over blocks of 16 pairs of k in order (amx_panel.h
+//     states them; denormals flushed as kDot).
+// Row invariance BY CONSTRUCTION on every path: the tiling (6-row or 16-row blocks, 64-column
+// panels, panels over threads) decides where an element is computed, never the order of its
+// sum. But an engine must run ONE path for a given product at every row count, or a row's
+// bits would depend on the batch: the path is an explicit argument of every call (the
+// engine's invariance plan names one for all its products: Formulation.path), never chosen
+// from M.
 //
 // The GROUPED product (mixture-of-experts experts), as in row_gemm.cc: y[m] = x[m] @
 // W[groups[m]], panels wp[G, N / 64, ceil(K / 2), 128], register blocks of up to 6
@@ -36,6 +41,8 @@
 #include <immintrin.h>
 #endif
 
+#include "amx_panel.h"
+#include "float_ops.h"
 #include "product_split.h"
 #include "row_panel.h"
 #include "xla/ffi/api/ffi.h"
@@ -46,7 +53,8 @@ using multiserve::work_units;
 
 namespace {
 
-typedef float vf __attribute__((vector_size(64)));
+using multiserve::float_ops::fmadd;
+using multiserve::float_ops::vf;
 typedef uint32_t vu __attribute__((vector_size(64)));
 typedef uint16_t vh __attribute__((vector_size(32)));
 constexpr int NV = 4;              // vectors per panel row
@@ -54,7 +62,10 @@ constexpr int PANEL = 16 * NV;     // columns per panel
 constexpr int PAIR_ROW = 2 * PANEL;  // bfloat16 per panel row (one pair of k)
 constexpr int MR = 6;              // rows per register block
 
-enum Path : int64_t { kDot = 0, kWiden = 1 };
+enum Path : int64_t { kDot = 0, kWiden = 1, kAmx = 2 };
+
+// rows of x one work item's register (or tile) block holds
+inline int64_t block_rows_for(Path path) { return path == kAmx ? multiserve::amx::ROWS : MR; }
 
 bool dot_available() {
 #if defined(__AVX512BF16__)
@@ -177,12 +188,12 @@ void block_widen(const X* x, int64_t k_dim, const uint16_t* panel, const Out& ou
     for (int j = 0; j < NV; ++j) b[j] = even_k(load_u(row + 32 * j));
     for (int r = 0; r < R; ++r) {
       const vf a = vf{} + x_at(xr[r], 2 * p);
-      for (int j = 0; j < NV; ++j) acc[r][j] += a * b[j];
+      for (int j = 0; j < NV; ++j) acc[r][j] = fmadd(a, b[j], acc[r][j]);
     }
     for (int j = 0; j < NV; ++j) b[j] = odd_k(load_u(row + 32 * j));
     for (int r = 0; r < R; ++r) {
       const vf a = vf{} + x_at(xr[r], 2 * p + 1);
-      for (int j = 0; j < NV; ++j) acc[r][j] += a * b[j];
+      for (int j = 0; j < NV; ++j) acc[r][j] = fmadd(a, b[j], acc[r][j]);
     }
   }
   if (k_dim % 2) {  // the last k alone (its pair's high half is padding)
@@ -191,7 +202,7 @@ void block_widen(const X* x, int64_t k_dim, const uint16_t* panel, const Out& ou
     for (int j = 0; j < NV; ++j) b[j] = even_k(load_u(row + 32 * j));
     for (int r = 0; r < R; ++r) {
       const vf a = vf{} + x_at(xr[r], 2 * pairs);
-      for (int j = 0; j < NV; ++j) acc[r][j] += a * b[j];
+      for (int j = 0; j < NV; ++j) acc[r][j] = fmadd(a, b[j], acc[r][j]);
     }
   }
   for (int r = 0; r < R; ++r) store_row(out, m0 + r, col, acc[r]);
@@ -242,6 +253,23 @@ void block_dot(const uint16_t* x, int64_t k_dim, const uint16_t* panel, const Ou
 }
 #endif
 
+#if defined(MULTISERVE_AMX_BUILT)
+// kAmx: rows [m0, m0 + rows) (rows <= 16) of one panel on the tiles (amx_panel.h), then
+// store_row's epilogue per row.
+void block_amx(const uint16_t* x, int64_t k_dim, const uint16_t* panel, const Out& out,
+               int64_t col, int64_t m0, int rows, const WarmRows& warm) {
+  alignas(64) static thread_local float acc[multiserve::amx::ROWS][PANEL];
+  const multiserve::amx::Ahead ahead{reinterpret_cast<const char*>(warm.rows),
+                                     warm.rows == nullptr ? 0 : warm.count * PAIR_ROW * 2};
+  multiserve::amx::panel_block(x + m0 * k_dim, k_dim, k_dim, panel, rows, &acc[0][0], ahead);
+  for (int r = 0; r < rows; ++r) {
+    vf row[NV];
+    std::memcpy(row, acc[r], sizeof row);
+    store_row(out, m0 + r, col, row);
+  }
+}
+#endif
+
 struct Problem {
   const void* x;
   bool x_bf16;
@@ -254,6 +282,13 @@ struct Problem {
 template <bool WARM>
 void block_rows_of(int64_t r, const Problem& pr, const uint16_t* panel, int64_t col,
                    int64_t m0, WarmRows warm) {
+#if defined(MULTISERVE_AMX_BUILT)
+  if (pr.path == kAmx) {
+    block_amx(static_cast<const uint16_t*>(pr.x), pr.k, panel, pr.out, col, m0,
+              static_cast<int>(r), warm);
+    return;
+  }
+#endif
 #define MULTISERVE_BLOCK(R)                                                              \
   case R:                                                                                \
     if (pr.path == kDot)                                                                 \
@@ -294,22 +329,29 @@ void block_rows(int64_t r, const Problem& pr, const uint16_t* panel, int64_t col
 
 // row_gemm.cc's schedule: with two register blocks or more, every block prefetches its
 // share of the next panel.
-inline bool warms_next_panel(int64_t m) { return m > MR; }
+inline bool warms_next_panel(const Problem& pr) { return pr.m > block_rows_for(pr.path); }
 
-inline int64_t blocks_of(int64_t m) { return (m + MR - 1) / MR; }
+inline int64_t blocks_of(const Problem& pr) {
+  const int64_t rows = block_rows_for(pr.path);
+  return (pr.m + rows - 1) / rows;
+}
 
 void run_block(const Problem& pr, int64_t p, int64_t i) {
   const uint16_t* panel = pr.wp + p * pr.k2 * PAIR_ROW;
-  const int64_t blocks = blocks_of(pr.m);
+  const int64_t blocks = blocks_of(pr);
   const int64_t share = (pr.k2 + blocks - 1) / blocks;  // next-panel rows per block
   WarmRows warm;
-  if (warms_next_panel(pr.m) && p + 1 < pr.panels && i * share < pr.k2) {
+  if (warms_next_panel(pr) && p + 1 < pr.panels && i * share < pr.k2) {
     warm.rows = panel + (pr.k2 + i * share) * PAIR_ROW;
     warm.every = blocks;
     warm.count = std::min(share, pr.k2 - i * share);
+  } else if (blocks == 1 && multiserve::product_tuning().ahead_bytes > 0) {
+    // one block: the machine's `ahead_bytes` of the stream, a pair row a step (row_gemm.cc)
+    warm.rows = panel + multiserve::product_tuning().ahead_bytes / sizeof(uint16_t);
+    warm.count = pr.k2;
   }
-  const int64_t m0 = i * MR;
-  block_rows(std::min<int64_t>(MR, pr.m - m0), pr, panel, p * PANEL, m0, warm);
+  const int64_t rows = block_rows_for(pr.path), m0 = i * rows;
+  block_rows(std::min<int64_t>(rows, pr.m - m0), pr, panel, p * PANEL, m0, warm);
 }
 
 // Checks shared by both handlers; fills the operand part of `pr`.
@@ -327,11 +369,14 @@ ffi::Error check(const char* name, const ffi::AnyBuffer& x, ffi::Buffer<ffi::BF1
   if ((xt != ffi::DataType::F32 && xt != ffi::DataType::BF16) ||
       (yt != ffi::DataType::F32 && yt != ffi::DataType::BF16))
     return ffi::Error::InvalidArgument(who + ": x and y float32 or bfloat16 expected");
-  if (path != kDot && path != kWiden)
-    return ffi::Error::InvalidArgument(who + ": path 0 (dot) or 1 (widen) expected");
+  if (path != kDot && path != kWiden && path != kAmx)
+    return ffi::Error::InvalidArgument(who + ": path 0 (dot), 1 (widen) or 2 (amx) expected");
   if (path == kDot && (xt != ffi::DataType::BF16 || !dot_available()))
     return ffi::Error::InvalidArgument(who + ": the dot path needs bfloat16 x and a CPU "
                                        "with AVX512_BF16");
+  if (path == kAmx && (xt != ffi::DataType::BF16 || !multiserve::amx::available()))
+    return ffi::Error::InvalidArgument(who + ": the amx path needs bfloat16 x and a CPU "
+                                       "and kernel that grant AMX-BF16 tiles");
   pr.x = x.untyped_data();
   pr.x_bf16 = xt == ffi::DataType::BF16;
   pr.out = Out{y->untyped_data(), yt == ffi::DataType::BF16, wd[1] * PANEL};
@@ -351,10 +396,11 @@ ffi::Error run_dense(ffi::ThreadPool& pool, Problem& pr, const ffi::Buffer<ffi::
   if (l < 0 || l >= wd[0])
     return ffi::Error::InvalidArgument("row_gemm_bf16: layer out of range");
   pr.wp = wp.typed_data() + l * wd[1] * wd[2] * PAIR_ROW;
-  const int64_t blocks = blocks_of(pr.m);
+  const int64_t blocks = blocks_of(pr);
   for_each_item(pool, pr.panels * blocks, work_units(pr.panels, pr.m, pr.k2),
-                warms_next_panel(pr.m), [pr, blocks](int64_t b, int64_t e) {
+                warms_next_panel(pr), [pr, blocks](int64_t b, int64_t e) {
                   for (int64_t u = b; u < e; ++u) run_block(pr, u / blocks, u % blocks);
+                  multiserve::amx::release();
                 });
   return ffi::Error::Success();
 }
@@ -385,11 +431,12 @@ ffi::Error RowGemmBf16ResidualImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
 }
 
 void run_grouped_panel(const Problem& pr, const int32_t* groups, int64_t p) {
+  const int64_t most = block_rows_for(pr.path);
   int64_t m0 = 0;
   while (m0 < pr.m) {
     const int32_t g = groups[m0];
     int r = 1;
-    while (r < MR && m0 + r < pr.m && groups[m0 + r] == g) ++r;
+    while (r < most && m0 + r < pr.m && groups[m0 + r] == g) ++r;
     const uint16_t* panel = pr.wp + (g * pr.panels + p) * pr.k2 * PAIR_ROW;
     block_rows(r, pr, panel, p * PANEL, m0);
     m0 += r;
@@ -413,6 +460,7 @@ ffi::Error GroupedRowGemmBf16Impl(ffi::ThreadPool pool, ffi::AnyBuffer x,
   for_each_item(pool, pr.panels, work_units(pr.panels, pr.m, pr.k2), false,
                 [pr, g](int64_t b, int64_t e) {
                   for (int64_t p = b; p < e; ++p) run_grouped_panel(pr, g, p);
+                  multiserve::amx::release();
                 });
   return ffi::Error::Success();
 }
@@ -442,8 +490,15 @@ void multiserve::row_gemm_bf16_panel(const Bf16Row& row, int64_t p, Warm warm) {
 
 bool multiserve::row_gemm_bf16_dot_available() { return dot_available(); }
 
+bool multiserve::row_gemm_bf16_amx_available() { return multiserve::amx::available(); }
+
+void multiserve::row_gemm_bf16_release() { multiserve::amx::release(); }
+
 // 1 where this build and CPU run the kDot path (AVX512_BF16), else 0 (kWiden only).
 extern "C" int MultiserveBf16DotAvailable() { return dot_available() ? 1 : 0; }
+
+// 1 where this build, CPU and kernel run the kAmx path (AMX-BF16 tiles granted), else 0.
+extern "C" int MultiserveBf16AmxAvailable() { return multiserve::amx::available() ? 1 : 0; }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MultiserveRowGemmBf16, RowGemmBf16Impl,
                               ffi::Ffi::Bind()

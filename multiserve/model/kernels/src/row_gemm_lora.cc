@@ -165,6 +165,7 @@ void run(ffi::ThreadPool& pool, const Call<E>& call) {
   for_each_item(pool, call.panels_count, units, true, [c](int64_t b, int64_t e) {
     RunXa run;
     for (int64_t p = b; p < e; ++p) run_panel(*c, run, p);
+    if constexpr (std::is_same_v<E, uint16_t>) multiserve::row_gemm_bf16_release();
   });
 }
 
@@ -253,10 +254,13 @@ ffi::Error RowGemmLoraImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffe
     return ffi::Error::InvalidArgument("row_gemm_lora: x [1, K] and panels (both float32 "
                                        "or both bfloat16), y [1, P * 64], one slot, 1 to 8 "
                                        "members expected");
-  if (bf16 && path != 0 && path != 1)
-    return ffi::Error::InvalidArgument("row_gemm_lora: path 0 (dot) or 1 (widen) expected");
+  if (bf16 && path != 0 && path != 1 && path != 2)
+    return ffi::Error::InvalidArgument("row_gemm_lora: path 0 (dot), 1 (widen) or 2 (amx) "
+                                       "expected");
   if (bf16 && path == 0 && !multiserve::row_gemm_bf16_dot_available())
     return ffi::Error::InvalidArgument("row_gemm_lora: the dot path needs AVX512_BF16");
+  if (bf16 && path == 2 && !multiserve::row_gemm_bf16_amx_available())
+    return ffi::Error::InvalidArgument("row_gemm_lora: the amx path needs AMX-BF16 tiles");
   const int64_t l = layer.typed_data()[0];
   const int32_t s = slots.typed_data()[0];
   const int64_t s_dim = scale.dimensions()[0];

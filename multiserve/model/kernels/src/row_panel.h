@@ -33,14 +33,21 @@ struct Bf16Row {
   void* y;  // [P * 64], float32 or bfloat16 (y_bf16)
   bool y_bf16;
   const uint16_t* res;  // [P * 64] bfloat16 residual (y bfloat16 only), or nullptr
-  int64_t path;         // row_gemm_bf16.cc's Path: 0 kDot (x bfloat16, AVX512_BF16), 1 kWiden
+  int64_t path;  // row_gemm_bf16.cc's Path: 0 kDot (x bfloat16, AVX512_BF16), 1 kWiden,
+                 // 2 kAmx (x bfloat16, AMX-BF16 tiles)
 };
 
 // y[64p, 64p + 64) of `row`: store_row's rounding and residual add, as the dense product.
+// A thread that ran panels of path 2 (kAmx) calls row_gemm_bf16_release at the end of its
+// work range (the AMX tiles stay configured between its panels).
 void row_gemm_bf16_panel(const Bf16Row& row, int64_t p, Warm warm = {});
+void row_gemm_bf16_release();
 
 // Whether `path` 0 (kDot) runs in this build and CPU.
 bool row_gemm_bf16_dot_available();
+
+// Whether `path` 2 (kAmx) runs in this build, CPU and kernel.
+bool row_gemm_bf16_amx_available();
 
 }  // namespace multiserve
 

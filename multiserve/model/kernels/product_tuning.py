@@ -1,0 +1,215 @@
+"""How the native products use this machine, measured on it: when a one-row product is
+split over the intra-op pool's threads, and how far ahead a one-block product prefetches
+its weight stream (src/product_split.h `ProductTuning`). Neither changes a bit of any
+result (which thread reads which panel, and what is prefetched); both change how fast a
+decode step's products read their weights, and the best values differ between CPUs: on an
+AMD EPYC (Zen 5) one core alone reads at ~90% of the machine's bandwidth, on an Intel Xeon
+(family 6, model 167) at about half of it (docs/performance.md §32).
+
+`measure` times one-row bfloat16 products of a stack of layers (a decode step's pattern:
+each layer's matrix read once, in turn) split and not split, at sizes from a few panels to
+a few MB, and then at the largest size each prefetch distance of `AHEAD_BYTES`; the
+threshold is the smallest size from which splitting is faster at every larger size measured.
+The result is cached per kernel build (the build's name hashes the CPU) next to the
+kernels, measured once per machine under a lock, and set in the kernels once per process
+before an engine's calibration (`ensure`), whose plan key names it (store.backend_key).
+MULTISERVE_PRODUCT_TUNING="split_units=N,ahead_bytes=M" sets it instead (A/B runs, tests).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import threading
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger("multiserve.native_kernels")
+
+TUNING_ENV = "MULTISERVE_PRODUCT_TUNING"
+TUNING_VERSION = 1  # bump when `measure` changes: cached measurements are then redone
+PANELS = (1, 2, 4, 8, 16, 32)  # panels of 64 columns of the products timed for the split
+K = 1024  # their contraction (512 k-pairs: a panel is 512 work units, 128 KB of bfloat16)
+STACK_BYTES = 32 << 20  # each size's layer stack: larger than any core's L2
+AHEAD_BYTES = (0, 1024, 2048, 4096, 8192)  # prefetch distances timed
+GAIN = 1.03  # a setting other than the default must be this much faster
+ROUNDS = 3  # interleaved rounds of the settings compared (best of)
+
+
+@dataclass(frozen=True)
+class ProductTuning:
+    split_units: int = 1 << 12  # product_split.h's defaults
+    ahead_bytes: int = 0
+    source: str = "default"  # "measured", "environment" or "default"
+    # what the measurement saw: seconds per product, per panel count and setting
+    seconds: dict[str, float] | None = None
+
+    def key(self) -> dict[str, int]:
+        """What the plan's cache key records (the values, not how they were obtained)."""
+        return {"split_units": self.split_units, "ahead_bytes": self.ahead_bytes}
+
+
+_LOCK = threading.RLock()
+_SET: list[ProductTuning] = []  # the tuning set in this process's kernels (once)
+_MEASURING: list[bool] = []  # set while this process measures (its products re-enter)
+
+
+def parse(text: str) -> ProductTuning:
+    """MULTISERVE_PRODUCT_TUNING's value ("split_units=4096,ahead_bytes=0"; either may be
+    left out) -> the tuning; a malformed value raises ValueError."""
+    values = {"split_units": 1 << 12, "ahead_bytes": 0}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, _, value = part.partition("=")
+        if name not in values or not value.strip().isdigit():
+            raise ValueError(f"{TUNING_ENV}={text!r}: expected split_units=N,ahead_bytes=M "
+                             "(non-negative integers)")
+        values[name] = int(value)
+    return ProductTuning(values["split_units"], values["ahead_bytes"], "environment")
+
+
+def current() -> ProductTuning | None:
+    """The tuning set in this process's kernels, or None before `ensure` ran."""
+    return _SET[0] if _SET else None
+
+
+def ensure(lib: ctypes.CDLL, cache_file: Any, measure_fn: Any) -> ProductTuning:
+    """Set the machine's tuning in the loaded kernels `lib` once per process: the
+    environment's, else the cached measurement (`cache_file`, a Path), else `measure_fn()`
+    now (then cached). Returns it."""
+    with _LOCK:
+        if _SET:
+            return _SET[0]
+        if _MEASURING:  # the measurement's own products: the kernels' defaults meanwhile
+            return ProductTuning()
+        forced = os.environ.get(TUNING_ENV)
+        if forced:
+            tuning = parse(forced)
+        else:
+            _MEASURING.append(True)
+            try:
+                tuning = _cached_or_measured(cache_file, measure_fn)
+            finally:
+                _MEASURING.clear()
+        lib.MultiserveSetProductTuning(ctypes.c_int64(tuning.split_units),
+                                       ctypes.c_int64(tuning.ahead_bytes))
+        _SET.append(tuning)
+        log.info("native products: split from %d work units, prefetch %d bytes ahead (%s)",
+                 tuning.split_units, tuning.ahead_bytes, tuning.source)
+        return tuning
+
+
+def _cached_or_measured(cache_file: Any, measure_fn: Any) -> ProductTuning:
+    from multiserve.cache_files import exclusive
+
+    def read() -> ProductTuning | None:
+        try:
+            d = json.loads(cache_file.read_text())
+        except (OSError, ValueError):
+            return None
+        if d.get("version") != TUNING_VERSION:
+            return None
+        return ProductTuning(int(d["split_units"]), int(d["ahead_bytes"]), "measured",
+                             d.get("seconds"))
+
+    found = read()
+    if found is not None:
+        return found
+    with exclusive(cache_file.with_suffix(".lock")):  # one process measures; others read
+        found = read()
+        if found is not None:
+            return found
+        tuning = measure_fn()
+        tmp = cache_file.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps({"version": TUNING_VERSION, **asdict(tuning)}, indent=1))
+        tmp.replace(cache_file)
+        return tuning
+
+
+def choose_split(times: dict[int, tuple[float, float]]) -> int:
+    """The split threshold in work units from {work units: (seconds alone, seconds split)}:
+    the smallest size from which splitting is faster at that size and every larger one (by
+    GAIN); none: beyond the largest size measured."""
+    sizes = sorted(times)
+    threshold = 2 * sizes[-1]
+    for units in reversed(sizes):
+        alone, split = times[units]
+        if split * GAIN > alone:
+            break
+        threshold = units
+    return threshold
+
+
+def choose_ahead(times: dict[int, float]) -> int:
+    """The prefetch distance from {bytes: seconds}: the fastest, if it beats no prefetch
+    by GAIN; else 0."""
+    best = min(times, key=lambda b: times[b])
+    return best if times[best] * GAIN <= times[0] else 0
+
+
+def measure(lib: ctypes.CDLL, pack: Any, product: Any) -> ProductTuning:
+    """Time one-row products of layer stacks (module docstring) on this machine: `lib` the
+    loaded kernels (it sets their tuning for each setting timed), `pack` and `product`
+    native.py's pack_panels and row_gemm."""
+    import jax
+    import jax.numpy as jnp
+
+    t0 = time.monotonic()
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((1, K)), jnp.bfloat16)
+
+    def stack(panels: int) -> jax.Array:
+        layer_bytes = K * panels * 64 * 2
+        layers = max(2, STACK_BYTES // layer_bytes)
+        w = rng.standard_normal((panels * 64, K)).astype(np.float32).T / np.sqrt(K)
+        one = pack(jnp.asarray(w, jnp.bfloat16))
+        return jnp.broadcast_to(one, (layers, *one.shape)) + jnp.zeros((), jnp.bfloat16)
+
+    def per_product(panels_stack: jax.Array) -> Any:
+        n = panels_stack.shape[1] * 64
+
+        @jax.jit
+        def run(a: jax.Array, p: jax.Array) -> jax.Array:
+            def body(i: Any, acc: jax.Array) -> jax.Array:
+                return acc + product(a, p, n, i, out_dtype=jnp.float32)[0, 0]
+            return jax.lax.fori_loop(0, p.shape[0], body, jnp.zeros((), jnp.float32))
+
+        def seconds() -> float:
+            t = time.perf_counter()
+            jax.block_until_ready(run(x, panels_stack))
+            return (time.perf_counter() - t) / panels_stack.shape[0]
+
+        seconds()  # compile and warm
+        return seconds
+
+    def best_of(settings: list[tuple[int, int]], timer: Any) -> list[float]:
+        best = [float("inf")] * len(settings)
+        for _ in range(ROUNDS):
+            for i, (split, ahead) in enumerate(settings):
+                lib.MultiserveSetProductTuning(ctypes.c_int64(split), ctypes.c_int64(ahead))
+                best[i] = min(best[i], timer())
+        return best
+
+    seen: dict[str, float] = {}
+    split_times: dict[int, tuple[float, float]] = {}
+    timer = None
+    for panels in PANELS:  # the last (largest) size's timer is kept for the prefetch
+        timer = per_product(stack(panels))
+        units = panels * (K // 2)
+        alone, split = best_of([(1 << 62, 0), (0, 0)], timer)
+        split_times[units] = (alone, split)
+        seen[f"{panels}p alone"], seen[f"{panels}p split"] = alone, split
+    split_units = choose_split(split_times)
+    largest = PANELS[-1]
+    split_at = split_units if largest * (K // 2) >= split_units else 1 << 62
+    ahead = best_of([(split_at, a) for a in AHEAD_BYTES], timer)
+    for a, t in zip(AHEAD_BYTES, ahead, strict=True):
+        seen[f"{largest}p ahead {a}"] = t
+    ahead_bytes = choose_ahead(dict(zip(AHEAD_BYTES, ahead, strict=True)))
+    log.info("measured the native products' split and prefetch in %.1f s",
+             time.monotonic() - t0)
+    return ProductTuning(split_units, ahead_bytes, "measured", seen)

@@ -1,0 +1,79 @@
+"""The native kernels' arithmetic is the source's on every CPU: the forms of one LoRA sum
+that the kernels promise equal (one token or a register block of several, a vector rank or
+a scalar one, B read itself or from its float32 stage, the applied delta by vectors or by
+single columns) give the same bits in a build for each of several -march targets, and
+every build that fuses multiply-adds gives the same bits as every other.
+
+The probe (lora_arithmetic_probe.cc) inlines the kernels' own per-element code
+(model/kernels/src/lora_math.h, with float_ops.h's explicit multiply-adds) and is built
+with the kernels' own flags (native.FLAGS) but for -march. A target this compiler does not
+know, or whose instructions this CPU cannot run, is left out and named in the test's
+output (`pytest -rA`); `native` always runs. Before float_ops.h the forms differed on an Intel
+Xeon (family 6, model 167) built with -march=native: GCC's SLP vectoriser turned four
+multiply-adds of a scalar sum into one vector multiply and four adds, which the vector
+form did not do."""
+
+from __future__ import annotations
+
+import platform
+import shutil
+import signal
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from multiserve.model.kernels import native
+
+PROBE = Path(__file__).with_name("lora_arithmetic_probe.cc")
+# the host's own, Intel's and AMD's server tunings, AVX2 with FMA, and SSE only (no FMA:
+# its forms must agree among themselves; its sums round twice, so it is not compared)
+X86_TARGETS = ("native", "sapphirerapids", "znver3", "x86-64-v3", "x86-64-v2")
+
+
+def _targets() -> tuple[str, ...]:
+    return X86_TARGETS if platform.machine() in ("x86_64", "AMD64") else ("native",)
+
+
+def test_the_kernels_build_without_contraction() -> None:
+    """The compiler fuses nothing on its own: every fused multiply-add is written."""
+    assert "-ffp-contract=off" in native.FLAGS and "-ffast-math" not in native.FLAGS
+
+
+def test_every_form_of_a_lora_sum_gives_the_same_bits_on_every_target(tmp_path) -> None:
+    cxx = shutil.which("c++") or shutil.which("g++")
+    if cxx is None:
+        pytest.skip("no C++ compiler on this machine: the engine uses XLA's formulations")
+    flags = [f for f in native.FLAGS if f not in ("-shared", "-fPIC") and
+             not f.startswith("-march=")]
+    include = native.SOURCES[0].parent
+    builds = {}
+    for target in _targets():
+        exe = tmp_path / f"probe-{target}"
+        builds[target] = (exe, subprocess.Popen(
+            [cxx, *flags, f"-march={target}", "-I", str(include), str(PROBE), "-o", str(exe)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+    bits: dict[str, np.ndarray] = {}
+    left_out: list[str] = []
+    for target, (exe, build) in builds.items():
+        _, err = build.communicate()
+        if build.returncode != 0:
+            assert target != "native", err[-2000:]
+            left_out.append(f"{target}: not known to this compiler")
+            continue
+        out = tmp_path / f"bits-{target}"
+        done = subprocess.run([str(exe), str(out)], capture_output=True, text=True)
+        if done.returncode == -signal.SIGILL:
+            assert target != "native"
+            left_out.append(f"{target}: instructions this CPU lacks")
+            continue
+        assert done.returncode == 0, f"-march={target}: forms differ\n{done.stderr[-3000:]}"
+        bits[target] = np.fromfile(out, np.uint32)
+    fused = {t: b[1:] for t, b in bits.items() if b[0] == 1}
+    assert "native" in bits and bits["native"].size > 10_000
+    reference = next(iter(fused.values()), None)
+    for target, b in fused.items():
+        assert np.array_equal(b, reference), f"-march={target} differs from the other builds"
+    if left_out:  # shown with -rA or on failure
+        print("left out:", "; ".join(left_out))
