@@ -66,6 +66,8 @@ def write_gguf(path: Path, cfg: ModelConfig, params: dict[str, Any],
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_rope_freq_base(cfg.rope_theta)
     w.add_vocab_size(cfg.vocab_size)
+    if cfg.sliding_window:
+        w.add_sliding_window(cfg.sliding_window)
     tokens, types = tiny_vocab(cfg.vocab_size)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre(pre)
@@ -81,7 +83,7 @@ def write_gguf(path: Path, cfg: ModelConfig, params: dict[str, Any],
         if name in skip:
             continue
         arr = np.asarray(arr, np.float32)
-        if cfg.architecture == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
+        if arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
             arr = llama_permute(arr, cfg.num_heads if "attn_q" in name else cfg.num_kv_heads)
         add_tensor(w, name, arr, type_for(name))
     w.write_header_to_file()

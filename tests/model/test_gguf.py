@@ -1,5 +1,6 @@
 """GGUF loading: the same weights as GGUF (F32/F16) and as safetensors give identical params
-(llama's permuted q/k undone; qwen2 biases; qwen3 q/k norms); quantized tensors (Q8_0, Q4_1)
+(llama's permuted q/k undone; qwen2 biases; qwen3 q/k norms; a llama GGUF with a sliding
+window is Mistral); quantized tensors (Q8_0, Q4_1)
 de-quantize exactly as the gguf package does; the tokenizer rebuilt from the GGUF metadata
 loads with AutoTokenizer; unsupported tensor types fail naming the file and tensor."""
 
@@ -29,7 +30,11 @@ CONFIGS = {
     "llama": ModelConfig(architecture="llama", tie_word_embeddings=True, **BASE),
     "qwen2": ModelConfig(architecture="qwen2", attention_bias=True, **BASE),
     "qwen3": ModelConfig(architecture="qwen3", qk_norm=True, **{**BASE, "head_dim": 32}),
+    # llama.cpp's llama architecture with a sliding window in its metadata
+    "mistral": ModelConfig(architecture="mistral", sliding_window=24, sliding_layers=(0, 1),
+                           **BASE),
 }
+GGUF_ARCH = {"mistral": "llama"}  # how llama.cpp's converter names the architecture
 
 
 @pytest.fixture(autouse=True)
@@ -50,7 +55,8 @@ def test_gguf_and_safetensors_give_identical_params(arch: str, tmp_path: Path) -
     for key in ("w_gate", "w_up", "w_down"):
         params["layers"][key] = params["layers"][key].astype(np.float16).astype(np.float32)
     params["embed"] = params["embed"].astype(np.float16).astype(np.float32)
-    gguf_path = write_gguf(tmp_path / f"{arch}.gguf", cfg, params, half_for_mlp)
+    gguf_path = write_gguf(tmp_path / f"{arch}.gguf", cfg, params, half_for_mlp,
+                           architecture=GGUF_ARCH.get(arch))
     hf_dir = save_hf_dir(tmp_path / "hf", cfg, params)
     from_gguf = load_model(str(gguf_path), "float32")
     from_hf = load_model(str(hf_dir), "float32")

@@ -34,7 +34,7 @@ from multiserve.model.families.llama import (
     layer_projection,
 )
 from multiserve.model.layers.norm import rms_norm
-from multiserve.model.layers.rope import rope_inv_freq
+from multiserve.model.layers.rope import rope_tables
 from multiserve.model.families.moe import EXPERT_MATRICES, SHARED_MATRICES, moe_mlp_routed
 from multiserve.model.kernels.native import pack_panels
 from multiserve.model.layers.activation import swiglu
@@ -162,8 +162,7 @@ def _decoder(params: dict[str, Any], kv_pool: KVPool, batch: ForwardBatch,
     it: the ids are the routing's own values. `tp`: as llama.forward_hidden's."""
     assert is_compute_params(params) and "mlp" in params, "needs moe_decoder.compute_params"
     x = embed_rows(params["embed"], batch.input_ids, tp)
-    freqs = batch.positions.astype(jnp.float32)[:, None] * jnp.asarray(rope_inv_freq(cfg))
-    cos, sin = jnp.cos(freqs)[:, None, :], jnp.sin(freqs)[:, None, :]
+    rope = rope_tables(cfg, batch.positions)
     t = x.shape[0]
     pairs = t * max(cfg.num_experts_per_tok, 1)
     norm = plan.row_sum(cfg.hidden_size)
@@ -174,7 +173,7 @@ def _decoder(params: dict[str, Any], kv_pool: KVPool, batch: ForwardBatch,
     for i, layer in enumerate(params["layers"]):
         w = _select(layer, params["stacked_layers"], ATTENTION_MATRICES, t, plan)
         x, kv_pool = attention_block(x, kv_pool, i, w, layer_projection(w, i, plan), batch,
-                                     cos, sin, cfg, page_size=page_size,
+                                     rope, cfg, page_size=page_size,
                                      attn_block_size=attn_block_size, plan=plan, tp=tp)
         h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps, norm)
         if i in moe_index:

@@ -279,10 +279,10 @@ class QwenMoeFamily:
         return forward_hidden_routed(params, kv_pool, batch, cfg, page_size=page_size,
                                      attn_block_size=attn_block_size, plan=plan, tp=tp)
 
-    def lm_head(self, params: dict[str, Any], h: Any, plan: Any) -> Any:
+    def lm_head(self, params: dict[str, Any], h: Any, plan: Any, cfg: ModelConfig) -> Any:
         from multiserve.model.families.llama import lm_head
 
-        return lm_head(params, h, plan)
+        return lm_head(params, h, plan, cfg)
 
     def scans(self, plan: Any, num_tokens: int) -> bool:
         return False  # always unrolled (moe_decoder.py)

@@ -4,6 +4,10 @@ its tokenizer (written as HF tokenizer files). Numpy + the `gguf` package only (
 llama.cpp stores llama's attn_q/attn_k rows permuted for its interleaved RoPE; we undo that
 permutation so the weights match Hugging Face's rotate-half layout (qwen2/qwen3 are stored
 unpermuted). Supported tensor types: SUPPORTED_TYPES; others fail naming file and tensor.
+
+Mistral: llama.cpp converts `MistralForCausalLM` to the llama architecture; a llama GGUF
+whose metadata carries `llama.attention.sliding_window` loads as Mistral with that window
+on every layer (without it, as llama.cpp runs it: Llama, no window).
 """
 
 from __future__ import annotations
@@ -112,11 +116,16 @@ def config_from_gguf(meta: dict[str, Any], source: Path) -> ModelConfig:
         raise ModelLoadError(f"{source}: unsupported rope scaling "
                              f"{meta.get(f'{arch}.rope.scaling.type')!r}")
     eos = meta.get("tokenizer.ggml.eos_token_id")
+    window = int(meta.get(f"{arch}.attention.sliding_window") or 0)
+    if window and arch != "llama":
+        raise ModelLoadError(f"{source}: a sliding window on {arch!r} is not supported")
+    layers = int(get("block_count"))
     try:
         return ModelConfig(
-            architecture=arch, vocab_size=int(get("vocab_size", len(tokens) or None)),
+            architecture="mistral" if window else arch,
+            vocab_size=int(get("vocab_size", len(tokens) or None)),
             hidden_size=hidden, intermediate_size=int(get("feed_forward_length")),
-            num_layers=int(get("block_count")), num_heads=heads,
+            num_layers=layers, num_heads=heads,
             num_kv_heads=int(get("attention.head_count_kv", heads)),
             head_dim=int(get("attention.key_length", hidden // heads)),
             rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
@@ -124,6 +133,7 @@ def config_from_gguf(meta: dict[str, Any], source: Path) -> ModelConfig:
             max_position_embeddings=int(get("context_length", 2048)),
             tie_word_embeddings=False,  # decided from the tensors by the caller
             attention_bias=arch == "qwen2", qk_norm=arch == "qwen3",
+            sliding_window=window, sliding_layers=tuple(range(layers)) if window else (),
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=() if eos is None else (int(eos),))
     except (ConfigError, TypeError, ValueError) as e:
@@ -149,6 +159,7 @@ def read_gguf(path: Path) -> tuple[ModelConfig, dict[str, np.ndarray], dict[str,
     reader = _open(path)
     meta = read_metadata(reader)
     cfg = config_from_gguf(meta, path)
+    permuted = meta.get("general.architecture") == "llama"  # llama.cpp's q/k row order
     rope_freqs = [t.name for t in reader.tensors if t.name == "rope_freqs.weight"]
     if rope_freqs:
         raise ModelLoadError(f"{path}: tensor 'rope_freqs.weight' (precomputed rope scaling) "
@@ -159,8 +170,7 @@ def read_gguf(path: Path) -> tuple[ModelConfig, dict[str, np.ndarray], dict[str,
         if name is None:
             raise ModelLoadError(f"{path}: unexpected tensor {tensor.name!r}")
         arr = _dequantize(tensor, path)
-        if cfg.architecture == "llama" and tensor.name.endswith(("attn_q.weight",
-                                                                  "attn_k.weight")):
+        if permuted and tensor.name.endswith(("attn_q.weight", "attn_k.weight")):
             n = cfg.num_heads if "attn_q" in tensor.name else cfg.num_kv_heads
             if arr.ndim != 2 or arr.shape[0] % (2 * n):
                 raise ModelLoadError(f"{path}: tensor {tensor.name!r} has shape "

@@ -1,0 +1,121 @@
+"""The families added after Llama / Qwen (tests/family_checkpoints.py), from checkpoints
+transformers itself wrote: the config and every tensor read through our loader (single file
+and sharded), logits of ragged paged batches (prompts longer than the window, chunked,
+decoding beside other sequences) against transformers' in float32 (LOGITS_TOL: the
+families' differences are rounding-order only), greedy ids equal to `generate` for prompts
+longer than the window, and the logits bitwise batch invariant
+(test_batch_invariance.run_modes)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import pytest
+import torch
+from family_checkpoints import ARCHS, WINDOW, make_model
+from model_helpers import PagedSim
+from moe_checkpoints import save
+
+from multiserve.model.loading.hf_names import params_to_hf
+from multiserve.model.loading.loader import load_model
+from multiserve.model.loading.safetensors_io import load_file
+from multiserve.model.simple_generate import greedy_token_ids
+
+torch.set_num_threads(1)  # several busy threads on 2 shared cores slow torch 10x
+LOGITS_TOL = 1e-3  # max |ours - transformers'| over every logit, float32 (|logits| > 1)
+_MODELS: dict[str, tuple[Any, Path, Path]] = {}
+
+
+def checkpoint(arch: str, factory: pytest.TempPathFactory) -> tuple[Any, Path, Path]:
+    """(transformers model, its single-file dir, its sharded dir), built once per arch."""
+    if arch not in _MODELS:
+        model = make_model(arch, seed=len(arch))
+        single = save(model, factory.mktemp(f"{arch}-single"))
+        sharded = save(model, factory.mktemp(f"{arch}-sharded"), sharded=True)
+        _MODELS[arch] = (model, single, sharded)
+    return _MODELS[arch]
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_checkpoint_loads_single_and_sharded(arch: str, tmp_path_factory) -> None:
+    model, single, sharded = checkpoint(arch, tmp_path_factory)
+    assert (sharded / "model.safetensors.index.json").exists()
+    a, b = load_model(str(single)), load_model(str(sharded))
+    cfg = a.config
+    assert b.config == cfg and cfg.architecture == arch
+    types = getattr(model.config, "layer_types", None) or ["sliding_attention"] * \
+        cfg.num_layers
+    assert cfg.sliding_window == WINDOW
+    assert cfg.sliding_layers == tuple(i for i, t in enumerate(types)
+                                       if t == "sliding_attention")
+    on_disk = load_file(single / "model.safetensors")
+    for params in (a.params, b.params):
+        ours = params_to_hf(params, cfg)
+        assert set(ours) | ({"lm_head.weight"} if cfg.tie_word_embeddings else set()) \
+            >= set(on_disk)
+        for name, arr in ours.items():
+            assert np.array_equal(arr, on_disk[name]), name
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_ragged_paged_batches_match_transformers(arch: str, tmp_path_factory) -> None:
+    model, path, _ = checkpoint(arch, tmp_path_factory)
+    loaded = load_model(str(path), "float32")
+    cfg = loaded.config
+    rng = np.random.default_rng(1)
+    lens = {"a": 37, "b": 9, "c": 26}
+    toks = {k: [int(t) for t in rng.integers(3, cfg.vocab_size, n)] for k, n in lens.items()}
+    with torch.no_grad():
+        ref = {k: model(torch.tensor([v])).logits[0].numpy() for k, v in toks.items()}
+    sim = PagedSim(jax.device_put(loaded.params), cfg, page_size=4, block_size=8)
+    for k, v in toks.items():
+        sim.add(k, v)
+    everything = {k: list(range(n)) for k, n in lens.items()}
+    got: dict = {}
+    schedule = [[("a", 30), ("b", 6)], [("a", 1), ("b", 1), ("c", 11)],
+                [("a", 1), ("c", 13), ("b", 1)], [("c", 1), ("b", 1), ("a", 1)],
+                [("a", 1), ("c", 1)], [("a", 1)], [("a", 1)], [("a", 1)]]
+    for i, work in enumerate(schedule):
+        got.update(sim.step(work, T=64, B=64, R=64, rows=np.random.default_rng(i),
+                            logits_for=everything))
+    assert set(got) == {(k, p) for k, n in lens.items() for p in range(n)}
+    diff = max(float(np.max(np.abs(got[(k, p)] - ref[k][p]))) for k, p in got)
+    scale = max(float(np.max(np.abs(r))) for r in ref.values())
+    print(f"{arch}: max|logits diff| = {diff:.2e} (max|logit| = {scale:.2f})")
+    assert scale > 1.0
+    assert diff <= LOGITS_TOL
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_greedy_ids_match_transformers_generate(arch: str, tmp_path_factory) -> None:
+    model, path, _ = checkpoint(arch, tmp_path_factory)
+    loaded = load_model(str(path), "float32")
+    prompt = [int(t) for t in np.random.default_rng(2).integers(3, 500, 3 * WINDOW)]
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
+    want = out[0, len(prompt):].tolist()
+    got = greedy_token_ids(jax.device_put(loaded.params), loaded.config, prompt, 24)
+    assert got == want
+    assert len(set(got)) > 3  # a varied continuation, not one repeated token
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_logits_are_bitwise_batch_invariant(arch: str, tmp_path_factory) -> None:
+    """test_batch_invariance's batchings (full prefill, mixed T=256 batch, chunked prefill,
+    decode beside others at T = 64/128, lone T = 1 decode, small T = 2..8 steps), the
+    windows of the probed positions starting in other key blocks than their chunk-mates'."""
+    from test_batch_invariance import assert_bitwise_equal, run_modes
+
+    _, path, _ = checkpoint(arch, tmp_path_factory)
+    loaded = load_model(str(path), "float32")
+    cfg = loaded.config
+    rng = np.random.default_rng(5)
+    target = [int(t) for t in rng.integers(3, cfg.vocab_size, 70)]
+    probe = sorted({0, 1, 11, 12, 13, 15, 16, 17, 40, 63, 64, 65, 69} | set(range(50, 55)))
+    out = run_modes(jax.device_put(loaded.params), cfg, target, probe, page_size=4, block=16)
+    assert_bitwise_equal(out, probe)
+    assert not np.array_equal(out["prefill_T128"][0], out["prefill_T128"][69])
