@@ -16,11 +16,11 @@ from typing import Any, Literal
 API_KEY_ENV = "MULTISERVE_API_KEY"  # the API key when --api-key is not given
 
 Architecture = Literal["llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mistral",
-                       "gemma2", "gemma3"]
+                       "gemma2", "gemma3", "mixtral", "gpt_oss"]
 # the model families behind multiserve/model/families (one module each; the registry there
 # maps HF `architectures` / `model_type` to them)
 ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe",
-                                  "mistral", "gemma2", "gemma3")
+                                  "mistral", "gemma2", "gemma3", "mixtral", "gpt_oss")
 HIDDEN_ACTS = ("silu", "gelu_tanh")  # the MLP gate's activation (ModelConfig.hidden_act)
 SPECULATIVE_ALGORITHMS: tuple[str | None, ...] = (None, "ngram")
 # the share of a reporting device's memory for weights + KV when mem_fraction_static is None
@@ -43,19 +43,26 @@ def _require(ok: bool, field_name: str, message: str) -> None:
         raise ConfigError(field_name, message)
 
 
-ROPE_TYPES = ("llama3", "linear")  # the rope scalings RopeScaling describes
+ROPE_TYPES = ("llama3", "linear", "yarn")  # the rope scalings RopeScaling describes
 
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """Rope scaling: "llama3" (its frequency bands; every field) or "linear" (every
-    frequency divided by `factor`)."""
+    """Rope scaling: "llama3" (its frequency bands: factor, low/high_freq_factor,
+    original_max_position_embeddings), "linear" (every frequency divided by `factor`) or
+    "yarn" (NTK-by-parts between interpolated and extrapolated frequencies, ramped over
+    the dimensions between beta_fast and beta_slow rotations; cos and sin times
+    `attention_factor`; GPT-OSS)."""
 
     factor: float
     low_freq_factor: float = 0.0
     high_freq_factor: float = 0.0
     original_max_position_embeddings: int = 0
     rope_type: str = "llama3"
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float = 1.0
 
     def __post_init__(self) -> None:
         _require(self.rope_type in ROPE_TYPES, "rope_scaling.rope_type",
@@ -113,6 +120,14 @@ class ModelConfig:
     sandwich_norms: bool = False
     scale_embeddings: bool = False
     hidden_act: str = "silu"  # the MLP gate's activation (HIDDEN_ACTS)
+    # gpt_oss: o_proj has a bias; each layer has one attention-sink logit per head; RMSNorm
+    # scales by its weight in float32 before the rounding; the experts' SwiGLU clamps
+    # gate and up at swiglu_limit and weighs the gate by sigmoid(swiglu_alpha * gate)
+    o_proj_bias: bool = False
+    attention_sinks: bool = False
+    norm_weight_f32: bool = False
+    swiglu_limit: float = 0.0
+    swiglu_alpha: float = 0.0
 
     def __post_init__(self) -> None:
         _require(self.architecture in ARCHITECTURES, "architecture",

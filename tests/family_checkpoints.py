@@ -45,6 +45,18 @@ ARCHS: dict[str, dict[str, Any]] = {
                        "full_attention": {"rope_type": "linear", "factor": 2.0,
                                           "rope_theta": 1_000_000.0},
                        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
+    # every layer sparse (4 experts, top-2) and sliding
+    "mixtral": dict(COMMON, num_hidden_layers=2, sliding_window=WINDOW, num_local_experts=4,
+                    num_experts_per_tok=2, rope_theta=10000.0),
+    # window, full, window; attention sinks, q/k/v/o biases; 4 experts top-2 with biases
+    # and a clamped SwiGLU the random weights reach; YaRN rope; the experts' input sizes a
+    # multiple of MXFP4's 32-element blocks
+    "gpt_oss": dict(COMMON, num_hidden_layers=3, sliding_window=WINDOW, layer_types=[S, F, S],
+                    num_local_experts=4, num_experts_per_tok=2, intermediate_size=64,
+                    swiglu_limit=1.5, attention_bias=True, rope_parameters={
+                        "rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0,
+                        "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                        "original_max_position_embeddings": 256}),
 }
 
 
@@ -54,6 +66,8 @@ def hf_classes(arch: str) -> tuple[Any, Any]:
     return {"mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
             "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
             "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
+            "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+            "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM),
             }[arch]
 
 
@@ -81,7 +95,8 @@ def make_model(arch: str, seed: int = 0) -> Any:
             elif name.endswith("bias") or p.ndim == 1:
                 p.copy_(0.1 * noise)
             else:
-                scale = 3.0 if name.endswith(("mlp.gate.weight", "router.weight")) else 1.0
+                scale = 3.0 if name.endswith(("mlp.gate.weight", "router.weight",
+                                              "block_sparse_moe.gate.weight")) else 1.0
                 p.copy_(scale * noise / p.shape[-1] ** 0.5)
     return model
 
@@ -89,3 +104,30 @@ def make_model(arch: str, seed: int = 0) -> Any:
 def write(arch: str, path: Path, *, seed: int = 0, sharded: bool = False) -> Path:
     """ARCHS[arch] with random weights saved into `path` (an engine loads it)."""
     return save(make_model(arch, seed), path, sharded=sharded)
+
+
+def to_mxfp4(path: Path) -> Path:
+    """The GPT-OSS checkpoint in `path` rewritten as the released ones are stored: every
+    expert tensor as MXFP4 blocks and scales (loading/mxfp4.py `quantize`), and the config's
+    `quantization_config` saying so (transformers then de-quantizes it at load)."""
+    import json
+
+    import numpy as np
+
+    from multiserve.model.loading import mxfp4, safetensors_io
+
+    files = sorted(path.glob("*.safetensors"))
+    assert len(files) == 1, files  # (a single-file checkpoint)
+    tensors = {k: np.array(v) for k, v in safetensors_io.load_file(files[0]).items()}
+    packed: dict[str, Any] = {}
+    for name, arr in tensors.items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            packed[name + mxfp4.BLOCKS_SUFFIX], packed[name + mxfp4.SCALES_SUFFIX] = \
+                mxfp4.quantize(arr)
+        else:
+            packed[name] = arr
+    safetensors_io.save_file(packed, files[0])
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4"}
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path

@@ -1,6 +1,9 @@
 """Engines of the families added after Llama / Qwen (tests/family_checkpoints.py: prompts
 longer than the window, 8-token pages, so pages leave the window while requests decode) in
-float32 and bfloat16, on the plan their engine calibrated: a batch equals each request
+float32, and in bfloat16 for one dense and one MoE family (Gemma 3, GPT-OSS: between them
+every bfloat16 path of the others, windowed attention on a bf16 pool, sinks, sandwich
+norms, biased experts; the suite's time budget buys no more), on the plan their engine
+calibrated: a batch equals each request
 alone, a pause in each mode and an abort + resubmit of the partial output give the
 uninterrupted output, drafts always right or always wrong change nothing (ids and logprobs
 bit for bit, greedy and seeded); a prompt already served reuses its cached pages, those
@@ -57,8 +60,12 @@ def _run(engine: Any, prompts: list[list[int]], hook: Any = None) -> dict:
     return ids_and_logprobs(col.wait())
 
 
+BF16 = ("gemma3", "gpt_oss")  # (module docstring)
+
+
 @pytest.fixture(scope="module", params=[(a, d) for a in sorted(ARCHS)
-                                        for d in ("float32", "bfloat16")],
+                                        for d in ("float32", "bfloat16")
+                                        if d == "float32" or a in BF16],
                 ids=lambda p: f"{p[0]}-{p[1]}")
 def family_engine(request: pytest.FixtureRequest,
                   tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Any]]:

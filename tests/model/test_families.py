@@ -119,3 +119,44 @@ def test_logits_are_bitwise_batch_invariant(arch: str, tmp_path_factory) -> None
     out = run_modes(jax.device_put(loaded.params), cfg, target, probe, page_size=4, block=16)
     assert_bitwise_equal(out, probe)
     assert not np.array_equal(out["prefill_T128"][0], out["prefill_T128"][69])
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_two_device_forward_matches_one_device(arch: str, tmp_path_factory) -> None:
+    """The checkpoint's params split over 2 devices (heads, MLP or experts, vocabulary:
+    the family's rules) give one device's logits within 1e-4 (tests/model/test_sharding.py:
+    no product splits its contraction), windows and sinks on sharded heads included; each
+    forward on a plan calibrated for its own shapes at the one step size it runs."""
+    from multiserve.model.invariance.calibration import calibrate
+    from multiserve.model.invariance.workload import workload_for
+    from multiserve.model.sharding import kv_pool_sharding, make_mesh, shard_params
+    from multiserve.model.tensor_parallel import TensorParallel
+
+    if jax.device_count() < 2:
+        pytest.skip("needs 2 devices (XLA_FLAGS from tests/conftest.py)")
+    _, path, _ = checkpoint(arch, tmp_path_factory)
+    loaded = load_model(str(path), "float32")
+    cfg = loaded.config
+
+    def run(params: Any, devices: int, **kw: Any) -> dict:
+        plan = calibrate(workload_for(cfg, (64,), (64,), 64, 4, 16, np.float32, tp=devices,
+                                      engine_defaults=False), jax.devices()[0]).plan
+        assert plan.verified
+        sim = PagedSim(params, cfg, page_size=4, block_size=16, num_pages=128, plan=plan,
+                       **kw)
+        rng = np.random.default_rng(0)
+        for k in "abc":
+            sim.add(k, [int(t) for t in rng.integers(3, cfg.vocab_size, 45)])
+        got: dict = {}
+        for i, work in enumerate([[("a", 40), ("b", 9)], [("a", 1), ("b", 1), ("c", 20)],
+                                  [("c", 1), ("a", 1)], [("a", 1), ("b", 1), ("c", 1)]]):
+            got.update(sim.step(work, T=64, R=64, rows=np.random.default_rng(i)))
+        return got
+
+    ref = run(jax.device_put(loaded.params, jax.devices()[0]), 1)
+    mesh = make_mesh(jax.devices()[:2])
+    got = run(shard_params(loaded.params, cfg, mesh), 2,
+              kv_sharding=kv_pool_sharding(cfg, mesh), tp=TensorParallel.of(mesh, cfg))
+    diff = max(float(np.max(np.abs(got[k] - ref[k]))) for k in ref)
+    print(f"{arch} on 2 devices: max|logits diff| = {diff:.2e}")
+    assert diff <= 1e-4

@@ -187,6 +187,10 @@ class DenseFamily:
     def config_to_hf(self, cfg: ModelConfig) -> dict[str, Any]:
         return {"attention_bias": cfg.attention_bias}
 
+    def unpack_hf_tensors(self, named: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
+        """The checkpoint's tensors as stored (nothing to unpack)."""
+        return named
+
     # ---- layout ----------------------------------------------------------------------
     def param_shapes(self, cfg: ModelConfig) -> dict[str, Any]:
         top = top_level(cfg)

@@ -23,7 +23,7 @@ from typing import Any
 from multiserve.config import ModelConfig
 from multiserve.model.errors import ModelLoadError
 from multiserve.model.families.dense import CONFIG_FIELDS, DenseFamily
-from multiserve.model.families.hf_rope import rope_scaling_from_hf, rope_scaling_to_hf
+from multiserve.model.loading.hf_rope import rope_scaling_from_hf, rope_scaling_to_hf
 from multiserve.model.families.sliding import layer_types_to_hf, sliding_from_hf
 
 ARCH_GEMMA2, ARCH_GEMMA3 = "gemma2", "gemma3"

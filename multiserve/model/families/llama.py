@@ -37,7 +37,7 @@ from multiserve.model.layers.forward_batch import ForwardBatch
 from multiserve.model.layers.lora import Adapt, layer_adapter, native_lora
 from multiserve.model.invariance.plan import InvariancePlan, ProductPlan
 from multiserve.model.layers.kv_pool import KVPool, write_layer
-from multiserve.model.layers.norm import rms_norm, rms_norm_for_add
+from multiserve.model.layers.norm import rms_norm
 from multiserve.model.layers.rope import RopeTables, apply_rope, rope_tables
 from multiserve.model.kernels.native import PANEL
 from multiserve.model.tensor_parallel import TensorParallel, embed_rows, whole
@@ -151,7 +151,7 @@ def norm(x: jax.Array, weight: jax.Array, cfg: ModelConfig, plan: InvariancePlan
     """The family's RMSNorm of x over its last axis (Gemma's `norm_plus_one` form or
     Llama's), its row sums as the plan says for that width."""
     return rms_norm(x, weight, cfg.rms_norm_eps, plan.row_sum(x.shape[-1]),
-                    plus_one=cfg.norm_plus_one)
+                    plus_one=cfg.norm_plus_one, weight_f32=cfg.norm_weight_f32)
 
 
 def residual_add(x: jax.Array, h: jax.Array, matrix: str, post_norm: str,
@@ -160,11 +160,12 @@ def residual_add(x: jax.Array, h: jax.Array, matrix: str, post_norm: str,
     """x + h @ W[matrix] (the product reads h whole; its output is gathered): the add in
     the product (`proj`'s residual) or, with `sandwich_norms`, after the output's own norm
     `w[post_norm]`."""
+    if matrix == "wo" and cfg.o_proj_bias:  # x + (h @ W + b)
+        return x + (whole(proj(h, matrix), tp) + w["bo"])
     if not cfg.sandwich_norms:
         return whole(proj(h, matrix, residual=x), tp)
-    y = whole(proj(h, matrix), tp)  # (norm.py: a norm added to x ends in a division)
-    return x + rms_norm_for_add(y, w[post_norm], cfg.rms_norm_eps, plan.row_sum(y.shape[-1]),
-                                plus_one=cfg.norm_plus_one)
+    y = whole(proj(h, matrix), tp)
+    return x + norm(y, w[post_norm], cfg, plan)
 
 
 # (h [M, K], matrix name, residual [M, N] or None) -> residual + h @ W, row-invariant
@@ -218,7 +219,7 @@ def attention_block(x: jax.Array, kv: KVPool, layer: int | jax.Array,
                      native=plan.attention.kernel == "native")
     attn = paged_attention(q, kv.k, kv.v, layer, batch, page_size=page_size,
                            block_size=attn_block_size, plan=plan.attention,
-                           terms=layer_terms(cfg, layer))
+                           terms=layer_terms(cfg, layer, w.get("sinks")))
     heads = whole(attn.reshape(t, cfg.num_heads * hd), tp)
     return residual_add(x, heads, "wo", "post_attn_norm", w, proj, cfg, plan, tp), kv
 
@@ -347,10 +348,6 @@ def embed(table: jax.Array, ids: jax.Array, cfg: ModelConfig,
     x = embed_rows(table, ids, tp)
     if not cfg.scale_embeddings:
         return x
-    if x.dtype == jnp.float32:  # divided: a multiply could join the first residual add in
-        # an FMA in one program and not another (norm.py); the bf16 product is rounded
-        # before any add, as transformers rounds it
-        return x / jnp.float32(1.0 / cfg.hidden_size ** 0.5)
     return x * jnp.asarray(cfg.hidden_size ** 0.5, jnp.float32).astype(x.dtype)
 
 

@@ -92,6 +92,10 @@ class QwenMoeFamily:
     config_fields = CONFIG_FIELDS + ("num_experts", "num_experts_per_tok",
                                      "moe_intermediate_size", "norm_topk_prob", "moe_layers",
                                      "shared_expert_intermediate_size")
+    # the HF names of a sparse layer's router and experts, under model.layers.{i}.
+    router_hf_name = "mlp.gate.weight"
+    expert_hf_name = "mlp.experts.{e}.{proj}.weight"
+    expert_hf_names = EXPERT_HF_NAMES
 
     # ---- config ----------------------------------------------------------------------
     def config_from_hf(self, raw: dict[str, Any], arch: str, source: Path,
@@ -128,6 +132,10 @@ class QwenMoeFamily:
         else:
             out["attention_bias"] = False
         return out
+
+    def unpack_hf_tensors(self, named: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
+        """The checkpoint's tensors as stored (nothing to unpack)."""
+        return named
 
     # ---- layout ----------------------------------------------------------------------
     def param_shapes(self, cfg: ModelConfig) -> dict[str, Any]:
@@ -169,11 +177,11 @@ class QwenMoeFamily:
                     add(i, dense_index[i], key, suffix, transposed, dense[key], "dense_mlp")
                 continue
             j = moe_index[i]
-            add(i, j, "router", "mlp.gate.weight", True, moe["router"], "moe")
+            add(i, j, "router", self.router_hf_name, True, moe["router"], "moe")
             for e in range(cfg.num_experts):
-                for key, proj in EXPERT_HF_NAMES:
-                    add(i, j, key, f"mlp.experts.{e}.{proj}.weight", True, moe[key][1:], "moe",
-                        e)
+                for key, proj in self.expert_hf_names:
+                    add(i, j, key, self.expert_hf_name.format(e=e, proj=proj), True,
+                        moe[key][1:], "moe", e)
             for key, suffix, transposed in SHARED_HF_NAMES:
                 if key in moe:
                     add(i, j, key, suffix, transposed, moe[key], "moe")

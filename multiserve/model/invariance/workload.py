@@ -113,7 +113,8 @@ def workload_for(cfg: Any, token_sizes: Sequence[int], row_sizes: Sequence[int],
                     for g in family.grouped_shapes(cfg, tp, moe_sharding))
     heads = cfg.num_heads // tp if attn else cfg.num_heads
     kv_heads = cfg.num_kv_heads // tp if attn else cfg.num_kv_heads
-    kinds = tuple(sorted({(cfg.layer_window(i), False) for i in range(cfg.num_layers)}))
+    kinds = tuple(sorted({(cfg.layer_window(i), cfg.attention_sinks)
+                          for i in range(cfg.num_layers)}))
     row_sums = [(cfg.hidden_size, tuple(sorted(set(tokens) | set(rows))))]
     if cfg.qk_norm:
         row_sums.append((cfg.head_dim, tuple(sorted({t * h for t in tokens

@@ -71,8 +71,11 @@ def layer_window(cfg: ModelConfig, layer: int | jax.Array) -> int | jax.Array:
     return table[layer]
 
 
-def layer_terms(cfg: ModelConfig, layer: int | jax.Array) -> AttentionTerms:
-    """The attention terms of layer `layer` of a model of `cfg`."""
+def layer_terms(cfg: ModelConfig, layer: int | jax.Array,
+                sinks: jax.Array | None = None) -> AttentionTerms:
+    """The attention terms of layer `layer` of a model of `cfg`; `sinks`: the layer's
+    sink logits [H] (its `sinks` param), used where the model has them."""
     scale = cfg.query_pre_attn_scalar ** -0.5 if cfg.query_pre_attn_scalar > 0 else 0.0
     return AttentionTerms(window=layer_window(cfg, layer), scale=scale,
-                          softcap=cfg.attn_logit_softcapping)
+                          softcap=cfg.attn_logit_softcapping,
+                          sinks=sinks if cfg.attention_sinks else None)

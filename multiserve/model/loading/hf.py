@@ -22,7 +22,7 @@ from multiserve.config import ConfigError, ModelConfig
 from multiserve.model.loading import safetensors_io
 from multiserve.model.errors import ModelLoadError
 from multiserve.model.families import HF_ARCHITECTURES, architecture_of_hf, family_for
-from multiserve.model.families.hf_rope import rope_scaling_from_hf, rope_scaling_to_hf
+from multiserve.model.loading.hf_rope import rope_scaling_from_hf, rope_scaling_to_hf
 from multiserve.model.loading.hf_names import params_from_hf, params_to_hf
 
 ARCHITECTURES = HF_ARCHITECTURES  # HF class name -> our architecture (every family's)
