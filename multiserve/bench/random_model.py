@@ -10,7 +10,12 @@ Sizes (vocabulary: the default tokenizer's 49152 ids, so any chat-templated prom
 - tiny: 2 layers, hidden 64 (the tests' tiny model; compiles in seconds);
 - small: 4 layers, hidden 512 (~37M parameters; a CPU stand-in for the 1B shape);
 - 1b: Llama-3.2-1B's shape (16 layers, hidden 2048, MLP 8192, 32 query and 8 KV heads of
-  64, tied embeddings), ~1.07B parameters (4.3 GB in float32, 2.1 GB in bfloat16).
+  64, tied embeddings), ~1.07B parameters (4.3 GB in float32, 2.1 GB in bfloat16);
+- small-<family> (mistral, gemma2, gemma3, mixtral, gpt-oss): the small shape as that
+  family, a 128-token sliding window (shorter than a 64 x 128 run's sequences) on its
+  window layers: Mistral's every layer; Gemma 2 alternating, soft caps 50 / 30; Gemma 3
+  three window layers then a global one, q/k norms; Mixtral every layer 8 experts top-2;
+  GPT-OSS alternating, sinks, biases, 8 experts top-2 of 512, YaRN.
 
 Invariant: the same (size, seed, dtype) always writes the same weights. The weights are
 N(0, 0.02^2) (norms 1 + N(0, 0.1^2)): outputs are meaningless, shapes and speed are real.
@@ -25,7 +30,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from multiserve.config import ModelConfig
+from multiserve.config import ModelConfig, RopeScaling
 
 TOKENIZER_VOCAB = 49152  # SmolLM2's tokenizer (the default model's)
 _COMMON = dict(architecture="llama", vocab_size=TOKENIZER_VOCAB, bos_token_id=1,
@@ -40,6 +45,36 @@ SIZES: dict[str, ModelConfig] = {
                       num_kv_heads=8, head_dim=64, tie_word_embeddings=True,
                       rope_theta=500000.0, **_COMMON),
 }
+_SMALL = dict(hidden_size=512, intermediate_size=1536, num_layers=4, num_heads=8,
+              num_kv_heads=2, head_dim=64, **_COMMON)
+_GEMMA = dict(norm_plus_one=True, sandwich_norms=True, scale_embeddings=True,
+              hidden_act="gelu_tanh", tie_word_embeddings=True, query_pre_attn_scalar=64.0,
+              sliding_window=128)
+_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_layers=(0, 1, 2, 3))
+SIZES.update({
+    "small-mistral": ModelConfig(**{**_SMALL, "architecture": "mistral"},
+                                 sliding_window=128, sliding_layers=(0, 1, 2, 3)),
+    "small-gemma2": ModelConfig(**{**_SMALL, "architecture": "gemma2"}, **_GEMMA,
+                                sliding_layers=(0, 2), attn_logit_softcapping=50.0,
+                                final_logit_softcapping=30.0),
+    "small-gemma3": ModelConfig(**{**_SMALL, "architecture": "gemma3"}, **_GEMMA,
+                                sliding_layers=(0, 1, 2), qk_norm=True,
+                                rope_theta=1_000_000.0, rope_local_theta=10_000.0),
+    "small-mixtral": ModelConfig(**{**_SMALL, "architecture": "mixtral",
+                                    "intermediate_size": 768}, **_MOE,
+                                 moe_intermediate_size=768, norm_topk_prob=True,
+                                 sliding_window=128, sliding_layers=(0, 1, 2, 3)),
+    "small-gpt-oss": ModelConfig(**{**_SMALL, "architecture": "gpt_oss",
+                                    "intermediate_size": 512}, **_MOE,
+                                 moe_intermediate_size=512, sliding_window=128,
+                                 sliding_layers=(0, 2), attention_bias=True, o_proj_bias=True,
+                                 attention_sinks=True, norm_weight_f32=True,
+                                 swiglu_limit=7.0, swiglu_alpha=1.702, rope_theta=150000.0,
+                                 rope_scaling=RopeScaling(
+                                     factor=32.0, rope_type="yarn", truncate=False,
+                                     original_max_position_embeddings=4096,
+                                     attention_factor=1.3465735902799727)),
+})
 _DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
 
 

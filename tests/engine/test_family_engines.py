@@ -7,7 +7,9 @@ calibrated: a batch equals each request
 alone, a pause in each mode and an abort + resubmit of the partial output give the
 uninterrupted output, drafts always right or always wrong change nothing (ids and logprobs
 bit for bit, greedy and seeded); a prompt already served reuses its cached pages, those
-that had left the window included; greedy ids equal transformers' (float32)."""
+that had left the window included; greedy ids equal transformers' (float32), and a MoE
+family's routed experts (`return_routed_experts`) are the experts transformers' router
+picks, past the window too."""
 
 from __future__ import annotations
 
@@ -79,7 +81,9 @@ def family_engine(request: pytest.FixtureRequest,
     if arch not in _MODELS:
         model = make_model(arch, seed=11)
         _MODELS[arch] = (model, save(model, tmp_path_factory.mktemp(arch)))
-    eng = Engine(EngineConfig(model_path=str(_MODELS[arch][1]), dtype=dtype, **TINY_ENGINE))
+    routed = dtype == "float32" and load_hf_config(_MODELS[arch][1]).num_experts > 0
+    eng = Engine(EngineConfig(model_path=str(_MODELS[arch][1]), dtype=dtype,
+                              enable_return_routed_experts=routed, **TINY_ENGINE))
     try:
         yield arch, eng
     finally:
@@ -192,3 +196,42 @@ def test_greedy_ids_match_transformers(family_engine: tuple[str, Any]) -> None:
     col.submit("g", prompt, GREEDY.with_updates(max_new_tokens=24))
     got = list(col.wait()[("g", 0)].output_ids)
     assert got == want, np.nonzero(np.asarray(got) != np.asarray(want))
+
+
+def test_routed_experts_are_transformers_router_choices(family_engine: tuple[str, Any]
+                                                        ) -> None:
+    import torch
+
+    from multiserve.engine.streams import assembling
+    from multiserve.types import GenerateRequest
+
+    arch, engine = family_engine
+    if not engine.model_config.num_experts or \
+            engine.get_internal_state()["dtype"] != "float32":
+        pytest.skip("routing replay: the float32 MoE engines")
+    model = _MODELS[arch][0]
+    prompt = _prompts(seed=10, n=1)[0]
+    done: list[Any] = []
+    engine.submit(GenerateRequest(rid="routed", input_ids=tuple(prompt), sampling=GREEDY,
+                                  return_routed_experts=True),
+                  assembling(lambda out: done.append(out) if out.finished else None))
+    import time
+
+    deadline = time.monotonic() + 120
+    while not done and time.monotonic() < deadline:
+        time.sleep(0.05)
+    (out,) = done
+    tokens = prompt + list(out.output_ids[:-1])  # the last token has no forward
+    router = {"mixtral": "gate", "gpt_oss": "router"}[arch]
+    got: dict[int, Any] = {}
+    hooks = [getattr(layer.mlp, router).register_forward_hook(
+        lambda _m, _i, o, i=i: got.__setitem__(i, o[2].reshape(len(tokens), -1).numpy()))
+        for i, layer in enumerate(model.model.layers)]
+    try:
+        with torch.no_grad():
+            model(torch.tensor([tokens]))
+    finally:
+        for h in hooks:
+            h.remove()
+    want = [[got[i][t].tolist() for i in range(len(got))] for t in range(len(tokens))]
+    assert out.routed_experts.ids() == want

@@ -91,7 +91,10 @@ class GemmaFamily(DenseFamily):
     def config_to_hf(self, cfg: ModelConfig) -> dict[str, Any]:
         out: dict[str, Any] = {
             "hidden_activation": "gelu_pytorch_tanh", "hidden_act": "gelu_pytorch_tanh",
-            "query_pre_attn_scalar": cfg.query_pre_attn_scalar,
+            # transformers' config types it int
+            "query_pre_attn_scalar": int(cfg.query_pre_attn_scalar)
+            if cfg.query_pre_attn_scalar == int(cfg.query_pre_attn_scalar)
+            else cfg.query_pre_attn_scalar,
             "sliding_window": cfg.sliding_window or None,
             "layer_types": layer_types_to_hf(cfg.num_layers, cfg.sliding_layers),
             "final_logit_softcapping": cfg.final_logit_softcapping or None,
