@@ -19,7 +19,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from moe_checkpoints import VOCAB, save
+from moe_checkpoints import VOCAB, build_model, save
 
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attention_heads=4,
               num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
@@ -75,12 +75,7 @@ def make_model(arch: str, seed: int = 0) -> Any:
     """A transformers model of ARCHS[arch] with O(1)-scale random weights (eval mode)."""
     import torch
 
-    conf_cls, model_cls = hf_classes(arch)
-    conf = conf_cls(**ARCHS[arch])
-    conf.architectures = [model_cls.__name__]
-    torch.manual_seed(seed)
-    model = model_cls(conf).eval()
-    gen = torch.Generator().manual_seed(seed)
+    model, gen = build_model(*hf_classes(arch), ARCHS[arch], seed)
     offset_norms = arch.startswith("gemma")  # Gemma's RMSNorm scales by (1 + weight)
     with torch.no_grad():
         for name, p in model.named_parameters():

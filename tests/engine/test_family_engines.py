@@ -28,10 +28,12 @@ from engine_helpers import (
     Trigger,
     assert_idle_and_clean,
     drafting,
+    greedy_and_seeded,
     ids_and_logprobs,
+    run_alternating,
 )
 from family_checkpoints import ARCHS, WINDOW, make_model
-from moe_checkpoints import save
+from moe_checkpoints import hf_router_topk, save
 
 from multiserve.config import EngineConfig
 from multiserve.model.kernels import native as native_kernels
@@ -39,10 +41,8 @@ from multiserve.model.loading.hf import load_hf_config
 from multiserve.types import SamplingParams
 
 MAX_NEW = 16
-GREEDY = SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW, ignore_eos=True,
-                        return_logprob=True)
-SEEDED = SamplingParams(temperature=0.9, top_p=0.95, seed=7, max_new_tokens=MAX_NEW,
-                        ignore_eos=True, return_logprob=True)
+PAIR = greedy_and_seeded(MAX_NEW)
+GREEDY = PAIR[0]
 _MODELS: dict[str, tuple[Any, Path]] = {}
 
 
@@ -53,13 +53,11 @@ def _prompts(seed: int = 3, n: int = 5) -> list[list[int]]:
 
 
 def _params(n: int) -> list[SamplingParams]:
-    return [GREEDY if i % 2 == 0 else SEEDED for i in range(n)]
+    return [PAIR[i % 2] for i in range(n)]
 
 
 def _run(engine: Any, prompts: list[list[int]], hook: Any = None) -> dict:
-    col = Collector(engine, on_output=hook)
-    col.submit_all(prompts, _params(len(prompts)))
-    return ids_and_logprobs(col.wait())
+    return run_alternating(engine, prompts, PAIR, hook)
 
 
 BF16 = ("gemma3", "gpt_oss")  # (module docstring)
@@ -200,7 +198,9 @@ def test_greedy_ids_match_transformers(family_engine: tuple[str, Any]) -> None:
 
 def test_routed_experts_are_transformers_router_choices(family_engine: tuple[str, Any]
                                                         ) -> None:
-    import torch
+    """A routing-replay request through the window (a Mixtral's request that replays
+    keeps every page): its expert ids are transformers' router choices."""
+    from concurrent.futures import Future
 
     from multiserve.engine.streams import assembling
     from multiserve.types import GenerateRequest
@@ -209,29 +209,44 @@ def test_routed_experts_are_transformers_router_choices(family_engine: tuple[str
     if not engine.model_config.num_experts or \
             engine.get_internal_state()["dtype"] != "float32":
         pytest.skip("routing replay: the float32 MoE engines")
-    model = _MODELS[arch][0]
     prompt = _prompts(seed=10, n=1)[0]
-    done: list[Any] = []
+    done: Future = Future()
     engine.submit(GenerateRequest(rid="routed", input_ids=tuple(prompt), sampling=GREEDY,
                                   return_routed_experts=True),
-                  assembling(lambda out: done.append(out) if out.finished else None))
-    import time
-
-    deadline = time.monotonic() + 120
-    while not done and time.monotonic() < deadline:
-        time.sleep(0.05)
-    (out,) = done
+                  assembling(lambda out: done.set_result(out) if out.finished else None))
+    out = done.result(timeout=120)
     tokens = prompt + list(out.output_ids[:-1])  # the last token has no forward
-    router = {"mixtral": "gate", "gpt_oss": "router"}[arch]
-    got: dict[int, Any] = {}
-    hooks = [getattr(layer.mlp, router).register_forward_hook(
-        lambda _m, _i, o, i=i: got.__setitem__(i, o[2].reshape(len(tokens), -1).numpy()))
-        for i, layer in enumerate(model.model.layers)]
-    try:
-        with torch.no_grad():
-            model(torch.tensor([tokens]))
-    finally:
-        for h in hooks:
-            h.remove()
+    got = hf_router_topk(_MODELS[arch][0], tokens,
+                         {"mixtral": "gate", "gpt_oss": "router"}[arch])
     want = [[got[i][t].tolist() for i in range(len(got))] for t in range(len(tokens))]
     assert out.routed_experts.ids() == want
+
+
+def test_constrained_outputs_alone_equal_batched(family_engine: tuple[str, Any]) -> None:
+    """A regex grammar (engine/grammar): greedy and seeded constrained samples are in the
+    language and the same bits alone as beside each other and a free request."""
+    import re
+
+    from transformers import PreTrainedTokenizerFast
+
+    from multiserve.grammar.compiler import GrammarCompiler
+
+    arch, engine = family_engine
+    words = r"[a-z]{2,6}( [a-z]{2,6}){1,4}\."
+    tok = PreTrainedTokenizerFast.from_pretrained(str(_MODELS[arch][1]))
+    grammar = GrammarCompiler.for_hf_tokenizer(tok, 512, [2]).compile("regex", words)
+    params = [p.with_updates(grammar=grammar, ignore_eos=False, max_new_tokens=48)
+              for p in PAIR] + [PAIR[1]]
+    prompts = _prompts(seed=12, n=3)
+
+    def run(idx: list[int]) -> dict:
+        col = Collector(engine)
+        col.submit_all([prompts[i] for i in idx], [params[i] for i in idx])
+        return {i: bits for i, (_, bits) in zip(
+            idx, sorted(ids_and_logprobs(col.wait()).items()), strict=True)}
+
+    together = run([0, 1, 2])
+    for i in (0, 1):
+        assert run([i]) == {i: together[i]}
+        text = tok.decode(list(together[i][0]), skip_special_tokens=True)
+        assert re.fullmatch(words, text), text

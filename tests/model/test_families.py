@@ -8,82 +8,44 @@ longer than the window, and the logits bitwise batch invariant
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
+import checkpoint_checks as checkpoints
 import jax
 import numpy as np
 import pytest
 import torch
+from checkpoint_checks import Checkpoint
 from family_checkpoints import ARCHS, WINDOW, make_model
 from model_helpers import PagedSim
-from moe_checkpoints import save
 
-from multiserve.model.loading.hf_names import params_to_hf
 from multiserve.model.loading.loader import load_model
-from multiserve.model.loading.safetensors_io import load_file
 from multiserve.model.simple_generate import greedy_token_ids
 
 torch.set_num_threads(1)  # several busy threads on 2 shared cores slow torch 10x
 LOGITS_TOL = 1e-3  # max |ours - transformers'| over every logit, float32 (|logits| > 1)
-_MODELS: dict[str, tuple[Any, Path, Path]] = {}
+CHECKPOINTS = checkpoints.Checkpoints(make_model)
 
 
-def checkpoint(arch: str, factory: pytest.TempPathFactory) -> tuple[Any, Path, Path]:
+def checkpoint(arch: str, factory: pytest.TempPathFactory) -> Checkpoint:
     """(transformers model, its single-file dir, its sharded dir), built once per arch."""
-    if arch not in _MODELS:
-        model = make_model(arch, seed=len(arch))
-        single = save(model, factory.mktemp(f"{arch}-single"))
-        sharded = save(model, factory.mktemp(f"{arch}-sharded"), sharded=True)
-        _MODELS[arch] = (model, single, sharded)
-    return _MODELS[arch]
+    return CHECKPOINTS.get(arch, factory)
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))
 def test_checkpoint_loads_single_and_sharded(arch: str, tmp_path_factory) -> None:
-    model, single, sharded = checkpoint(arch, tmp_path_factory)
-    assert (sharded / "model.safetensors.index.json").exists()
-    a, b = load_model(str(single)), load_model(str(sharded))
-    cfg = a.config
-    assert b.config == cfg and cfg.architecture == arch
-    types = getattr(model.config, "layer_types", None) or ["sliding_attention"] * \
+    ckpt = checkpoint(arch, tmp_path_factory)
+    cfg = checkpoints.loaded_config(ckpt, arch)
+    types = getattr(ckpt[0].config, "layer_types", None) or ["sliding_attention"] * \
         cfg.num_layers
     assert cfg.sliding_window == WINDOW
     assert cfg.sliding_layers == tuple(i for i, t in enumerate(types)
                                        if t == "sliding_attention")
-    on_disk = load_file(single / "model.safetensors")
-    for params in (a.params, b.params):
-        ours = params_to_hf(params, cfg)
-        assert set(ours) | ({"lm_head.weight"} if cfg.tie_word_embeddings else set()) \
-            >= set(on_disk)
-        for name, arr in ours.items():
-            assert np.array_equal(arr, on_disk[name]), name
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))
 def test_ragged_paged_batches_match_transformers(arch: str, tmp_path_factory) -> None:
-    model, path, _ = checkpoint(arch, tmp_path_factory)
-    loaded = load_model(str(path), "float32")
-    cfg = loaded.config
-    rng = np.random.default_rng(1)
-    lens = {"a": 37, "b": 9, "c": 26}
-    toks = {k: [int(t) for t in rng.integers(3, cfg.vocab_size, n)] for k, n in lens.items()}
-    with torch.no_grad():
-        ref = {k: model(torch.tensor([v])).logits[0].numpy() for k, v in toks.items()}
-    sim = PagedSim(jax.device_put(loaded.params), cfg, page_size=4, block_size=8)
-    for k, v in toks.items():
-        sim.add(k, v)
-    everything = {k: list(range(n)) for k, n in lens.items()}
-    got: dict = {}
-    schedule = [[("a", 30), ("b", 6)], [("a", 1), ("b", 1), ("c", 11)],
-                [("a", 1), ("c", 13), ("b", 1)], [("c", 1), ("b", 1), ("a", 1)],
-                [("a", 1), ("c", 1)], [("a", 1)], [("a", 1)], [("a", 1)]]
-    for i, work in enumerate(schedule):
-        got.update(sim.step(work, T=64, B=64, R=64, rows=np.random.default_rng(i),
-                            logits_for=everything))
-    assert set(got) == {(k, p) for k, n in lens.items() for p in range(n)}
-    diff = max(float(np.max(np.abs(got[(k, p)] - ref[k][p]))) for k, p in got)
-    scale = max(float(np.max(np.abs(r))) for r in ref.values())
+    diff, scale = checkpoints.ragged_logits_diff(checkpoint(arch, tmp_path_factory))
     print(f"{arch}: max|logits diff| = {diff:.2e} (max|logit| = {scale:.2f})")
     assert scale > 1.0
     assert diff <= LOGITS_TOL
@@ -160,3 +122,17 @@ def test_two_device_forward_matches_one_device(arch: str, tmp_path_factory) -> N
     diff = max(float(np.max(np.abs(got[k] - ref[k]))) for k in ref)
     print(f"{arch} on 2 devices: max|logits diff| = {diff:.2e}")
     assert diff <= 1e-4
+
+
+def test_every_family_config_round_trips_through_config_json(tmp_path) -> None:
+    """config.json as we write it (`config_to_hf`: what the GGUF cache and the bench's
+    random models write) reads back as the same ModelConfig, for the bench's random
+    config of every family (bench/random_model.py)."""
+    import json
+
+    from multiserve.bench.random_model import SIZES
+    from multiserve.model.loading.hf import config_from_hf, config_to_hf
+
+    for name, cfg in SIZES.items():
+        raw = json.loads(json.dumps(config_to_hf(cfg)))
+        assert config_from_hf(raw, tmp_path / name) == cfg, name

@@ -249,6 +249,7 @@ class DenseFamily:
             plan_kernels,
             scan_needs_plain,
             scan_needs_transposes,
+            scans,
         )
         from multiserve.model.invariance.primitives import LAYER_MATRICES, with_transposed
 
@@ -259,7 +260,9 @@ class DenseFamily:
                                kernels=plan_kernels(plan, LAYER_MATRICES),
                                head_kernels=plan_kernels(plan, ("head",)),
                                fused=fused_groups(plan, tuple(token_sizes)),
-                               stacked_plain=scan_needs_plain(plan, tuple(token_sizes), cfg))
+                               stacked_plain=scan_needs_plain(plan, tuple(token_sizes), cfg),
+                               unrolled=not token_sizes or not all(
+                                   scans(plan, t, cfg) for t in token_sizes))
 
     def params_to_hold(self, params: dict[str, Any], compute: dict[str, Any]
                        ) -> dict[str, Any]:

@@ -31,11 +31,14 @@ from multiserve.model.families.dense import (
     ATTENTION_HF_NAMES,
     attention_layer_shapes,
     attention_products,
-    attention_specs,
     top_level,
     top_level_specs,
 )
-from multiserve.model.families.qwen_moe import QwenMoeFamily, expert_split
+from multiserve.model.families.qwen_moe import (
+    QwenMoeFamily,
+    attention_and_top_specs,
+    expert_split,
+)
 from multiserve.model.families.sliding import layer_types_to_hf, sliding_from_hf
 from multiserve.model.loading import mxfp4
 
@@ -154,17 +157,12 @@ class GptOssFamily(QwenMoeFamily):
         from jax.sharding import PartitionSpec as P
 
         n = mesh.shape["tensor"]
-        base = attention_specs(cfg, n)
         t = "tensor"
         split = tp_splits(cfg, n)
+        specs = attention_and_top_specs(cfg, n, self.param_shapes(cfg), {
+            "bo": P(None, t) if split["hidden"] else P(),
+            "sinks": P(None, t) if split["attention"] else P()})
         shapes = self.param_shapes(cfg)
-        extra = {"bo": P(None, t) if split["hidden"] else P(),
-                 "sinks": P(None, t) if split["attention"] else P()}
-        specs: dict[str, Any] = {
-            "layers": {k: {**base["layers"], **extra}.get(k, P()) for k in shapes["layers"]},
-            "embed": base["embed"], "final_norm": P()}
-        if "lm_head" in shapes:
-            specs["lm_head"] = base["lm_head"]
         down = P(None, None, None, t) if split["hidden"] else P()
         experts = {
             "intermediate": {"we_gateup": P(None, None, None, t), "be_gateup": P(None, None, t),

@@ -158,7 +158,8 @@ def residual_add(x: jax.Array, h: jax.Array, matrix: str, post_norm: str,
                  w: dict[str, jax.Array | None], proj: Projection, cfg: ModelConfig,
                  plan: InvariancePlan, tp: TensorParallel | None) -> jax.Array:
     """x + h @ W[matrix] (the product reads h whole; its output is gathered): the add in
-    the product (`proj`'s residual) or, with `sandwich_norms`, after the output's own norm
+    the product (`proj`'s residual); with `o_proj_bias`, o_proj's output plus its bias
+    `w["bo"]`, then the add; with `sandwich_norms`, the add after the output's own norm
     `w[post_norm]`."""
     if matrix == "wo" and cfg.o_proj_bias:  # x + (h @ W + b)
         return x + (whole(proj(h, matrix), tp) + w["bo"])
@@ -260,11 +261,10 @@ def scans(plan: InvariancePlan, num_tokens: int, cfg: ModelConfig | None = None)
     in place, so a scan copies no weights: it runs as fast as the unrolled decoder and
     compiles far quicker, docs/performance.md §6). A model with sandwich norms (Gemma)
     scans at every size: its post-block norms are added to the residual stream, and
-    XLA:CPU contracts such a norm's last multiply with the add into an FMA in some
-    fusions and not others (layers/norm.py); an unrolled program fuses across layers
-    otherwise than the scan's body, so the two would round a row differently, where
-    every scanned program was seen to give the same bits
-    (tests/model/test_families.py)."""
+    XLA:CPU contracts such a norm's last multiply with the add into one FMA where the two
+    share a fusion; an unrolled program fuses across layers otherwise than the scan's
+    body, so the two rounded a row differently, where every scanned program gives the
+    same bits (docs/determinism.md §3; tests/model/test_families.py)."""
     if cfg is not None and cfg.sandwich_norms:
         return True
     return num_tokens > UNROLL_MAX_TOKENS or all(

@@ -82,6 +82,22 @@ def expert_split(cfg: ModelConfig, n: int, moe_sharding: str) -> str:
     return "intermediate" if cfg.moe_intermediate_size % n == 0 else ""
 
 
+def attention_and_top_specs(cfg: ModelConfig, n: int, shapes: dict[str, Any],
+                            extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The PartitionSpecs of the "layers" leaves in `shapes` (dense.attention_specs' rules,
+    `extra` for leaves of a family's own; any other leaf replicated) and of the top-level
+    ones."""
+    from jax.sharding import PartitionSpec as P
+
+    base = attention_specs(cfg, n)
+    rules = {**base["layers"], **(extra or {})}
+    specs: dict[str, Any] = {"layers": {k: rules.get(k, P()) for k in shapes["layers"]},
+                             "embed": base["embed"], "final_norm": P()}
+    if "lm_head" in shapes:
+        specs["lm_head"] = base["lm_head"]
+    return specs
+
+
 class QwenMoeFamily:
     """Qwen3-MoE and Qwen2-MoE (see module docstring)."""
 
@@ -193,16 +209,11 @@ class QwenMoeFamily:
         from jax.sharding import PartitionSpec as P
 
         n = mesh.shape["tensor"]
-        base = attention_specs(cfg, n)
         t = "tensor"
         split = tp_splits(cfg, n)
         mlp = split["mlp"]
         shapes = self.param_shapes(cfg)
-        specs: dict[str, Any] = {
-            "layers": {k: base["layers"].get(k, P()) for k in shapes["layers"]},
-            "embed": base["embed"], "final_norm": P()}
-        if "lm_head" in shapes:
-            specs["lm_head"] = base["lm_head"]
+        specs = attention_and_top_specs(cfg, n, shapes)
         if "dense_mlp" in shapes:
             specs["dense_mlp"] = {"w_gate": P(None, None, t) if mlp else P(),
                                   "w_up": P(None, None, t) if mlp else P(),

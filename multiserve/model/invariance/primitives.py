@@ -213,7 +213,7 @@ def with_transposed(params: dict[str, Any], cfg: ModelConfig, stacked_t: bool = 
                     matrices: tuple[str, ...] = LAYER_MATRICES,
                     fused: tuple[str, ...] = (),
                     head_kernels: frozenset[str] | None = None,
-                    stacked_plain: bool = True) -> dict[str, Any]:
+                    stacked_plain: bool = True, unrolled: bool = True) -> dict[str, Any]:
     """The compute params the forward runs on, derived from the canonical pytree (matrices
     [in, out] stacked over layers, see param_layout), holding each layer matrix in the
     layouts of the product `kernels` the invariance plan uses (`llama.plan_kernels`; by
@@ -249,7 +249,10 @@ def with_transposed(params: dict[str, Any], cfg: ModelConfig, stacked_t: bool = 
     the same), so a head run in an XLA layout at some size keeps no per-layer copy of the
     layer matrices, which `kernels` alone decides.
     `stacked_plain`: the scanned decoder runs some layer matrix on the plain product at
-    some step size (`llama.scan_needs_plain`), so it reads the canonical stacks."""
+    some step size (`llama.scan_needs_plain`), so it reads the canonical stacks.
+    `unrolled` False: no step runs the unrolled decoder (a model that scans at every
+    size, `llama.scans`), so `layers` holds no matrix (the per-layer copies would never
+    be read)."""
     layers = params["layers"]
     keep_t = "nt" in kernels or stacked_t  # else no layer matrix is transposed at all
     to_transpose: dict[str, Any] = ({name: layers[name] for name in matrices}
@@ -259,11 +262,12 @@ def with_transposed(params: dict[str, Any], cfg: ModelConfig, stacked_t: bool = 
     head = done.pop("head")
     out = {k: v for k, v in params.items() if k != "layers"}
     per_layer = {k: v for k, v in layers.items()
-                 if k not in matrices or "plain" in kernels}
+                 if k not in matrices or ("plain" in kernels and unrolled)}
     stacked = dict(layers)
     if keep_t:
         transposed = {f"{name}_t": a for name, a in done.items()}
-        per_layer.update(transposed)
+        if unrolled:
+            per_layer.update(transposed)
         if stacked_t:
             stacked.update(transposed)
     if "native" in kernels:  # stacked only: the kernel reads its layer in place

@@ -304,7 +304,6 @@ struct Warm {
   const KV* k = nullptr;  // rows to warm: a coming item's K and V (nullptr: none)
   const KV* v = nullptr;
   const int32_t* pages = nullptr;
-  int64_t first = 0;  // that item's own first key position (its window's)
   int64_t last = -1;  // that item's own last key position
 };
 
@@ -320,7 +319,6 @@ Warm<KV> warm_for(const Problem<KV>& pr, int64_t t, int64_t kv_head, int64_t ahe
   w.v = pr.v + base;
   w.pages = pr.table + std::clamp<int64_t>(pr.seq[nt], 0, pr.batch - 1) * pr.max_pages;
   w.last = std::clamp<int64_t>(pr.pos[nt], 0, pr.max_pages * pr.page_size - 1);
-  w.first = first_key(w.last, pr.window);
   return w;
 }
 
@@ -328,12 +326,16 @@ Warm<KV> warm_for(const Problem<KV>& pr, int64_t t, int64_t kv_head, int64_t ahe
 // keys [b0, b0 + KEY_BLOCK). Always inlined: GCC's pure-function analysis sees a call that
 // only reads memory and returns nothing, and deletes it (prefetches included) if it stays a
 // call.
-template <int HD, typename KV>
+template <int HD, bool TERMS, typename KV>
 __attribute__((always_inline)) inline void warm_block(const Problem<KV>& pr,
                                                       const Warm<KV>& w, int64_t b0) {
   const int64_t end = std::min<int64_t>(b0 + KEY_BLOCK, w.last + 1);
   const BlockSlots slots(w.pages, pr.page_size, b0);
-  for (int64_t key = std::max(b0, w.first); key < end; ++key) {
+  // (a window item's own first key: first_key of its last; computed here, not held in
+  // Warm, which an item keeps for every block: a larger Warm slowed the plain path by
+  // 5-14%, scripts/ab_attention.py's cases)
+  const int64_t start = TERMS ? std::max(b0, first_key(w.last, pr.window)) : b0;
+  for (int64_t key = start; key < end; ++key) {
     const int64_t slot = slots(static_cast<int>(key - b0));
     if (slot < 0 || slot >= pr.slots) continue;
     for (const KV* pool : {w.k, w.v}) {
@@ -348,7 +350,9 @@ __attribute__((always_inline)) inline void warm_block(const Problem<KV>& pr,
 // (and, in bfloat16, widened) once for the G heads; each head's arithmetic is exactly the
 // one-head computation (its own registers, the same operations in the same order), so a
 // head's bits do not depend on G or on its neighbours. Everything lives in registers.
-template <int HD, int G, typename KV>
+// TERMS: the call has a window, sinks or a soft cap; without (every plain call) the code is
+// the plain causal attention alone, none of their per-block work compiled in.
+template <int HD, int G, typename KV, bool TERMS>
 void attend_group(const Problem<KV>& pr, int64_t t, int64_t kv_head, int64_t g0) {
   constexpr int V = HD / 16;
   const int64_t s = std::clamp<int64_t>(pr.seq[t], 0, pr.batch - 1);
@@ -369,19 +373,21 @@ void attend_group(const Problem<KV>& pr, int64_t t, int64_t kv_head, int64_t g0)
   }
   float m[G], l[G];  // running max and sum; a sink is the softmax's first term
   for (int g = 0; g < G; ++g) {
-    m[g] = pr.sinks != nullptr ? pr.sinks[head0 + g] : MASK;
-    l[g] = pr.sinks != nullptr ? 1.0f : 0.0f;
+    m[g] = TERMS && pr.sinks != nullptr ? pr.sinks[head0 + g] : MASK;
+    l[g] = TERMS && pr.sinks != nullptr ? 1.0f : 0.0f;
   }
-  const int64_t lo = first_key(p, pr.window);
+  const int64_t lo = TERMS ? first_key(p, pr.window) : 0;
   const KV* vrow[KEY_BLOCK];
   Warm<KV> warm[WARM_AHEAD];
   if (g0 == 0)
     for (int a = 0; a < WARM_AHEAD; ++a) warm[a] = warm_for(pr, t, kv_head, a + 1);
   for (int64_t b0 = lo - lo % KEY_BLOCK; b0 <= p; b0 += KEY_BLOCK) {
     const int n = static_cast<int>(std::min<int64_t>(KEY_BLOCK, p + 1 - b0));
-    const int skip = static_cast<int>(std::max<int64_t>(0, lo - b0));  // keys before lo
+    const int skip = TERMS ? static_cast<int>(std::max<int64_t>(0, lo - b0)) : 0;  // before lo
     for (int a = 0; a < WARM_AHEAD; ++a)
-      if (b0 <= warm[a].last && b0 + KEY_BLOCK > warm[a].first) warm_block<HD>(pr, warm[a], b0);
+      if (b0 <= warm[a].last && (!TERMS || b0 + KEY_BLOCK > first_key(warm[a].last,
+                                                                      pr.window)))
+        warm_block<HD, TERMS>(pr, warm[a], b0);
     const BlockSlots slots(pages, pr.page_size, b0);
     // Scores of the block's 16 keys: each key's 16-lane partial product summed by hsum's
     // tree for 16 keys at once (halves8, halves4, pairs02, adjacent) instead of one hsum
@@ -423,8 +429,12 @@ void attend_group(const Problem<KV>& pr, int64_t t, int64_t kv_head, int64_t g0)
       const vi lane = vi{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
       for (int g = 0; g < G; ++g) {
         vf all = adjacent(s3[g][0], s3[g][1]);
-        if (pr.softcap > 0.0f) all = tanh_lanes(all / pr.softcap) * pr.softcap;
-        sc[g] = (lane < n) & (lane >= skip) ? all : vf{} + MASK;
+        if constexpr (TERMS) {
+          if (pr.softcap > 0.0f) all = tanh_lanes(all / pr.softcap) * pr.softcap;
+          sc[g] = (lane < n) & (lane >= skip) ? all : vf{} + MASK;
+        } else {
+          sc[g] = lane < n ? all : vf{} + MASK;
+        }
       }
     }
     // the G heads' rescale factors exp(m_old - m_new) in one vector (lane g: head g;
@@ -464,22 +474,27 @@ void attend_group(const Problem<KV>& pr, int64_t t, int64_t kv_head, int64_t g0)
 // file (4 heads up to head_dim 64, 2 above; fewer instantiations also keep the build short).
 constexpr int max_group(int hd) { return hd <= 64 ? 4 : 2; }
 
-template <int HD, typename KV>
+template <int HD, typename KV, bool TERMS>
 void attend_item(const Problem<KV>& pr, int64_t t, int64_t kv_head) {
   constexpr int MAX_G = max_group(HD);
   for (int64_t g0 = 0; g0 < pr.group; g0 += MAX_G) {
     const int64_t g = std::min<int64_t>(MAX_G, pr.group - g0);
     if constexpr (MAX_G == 4) {
-      if (g == 4) { attend_group<HD, 4>(pr, t, kv_head, g0); continue; }
-      if (g == 3) { attend_group<HD, 3>(pr, t, kv_head, g0); continue; }
+      if (g == 4) { attend_group<HD, 4, KV, TERMS>(pr, t, kv_head, g0); continue; }
+      if (g == 3) { attend_group<HD, 3, KV, TERMS>(pr, t, kv_head, g0); continue; }
     }
-    if (g == 2) attend_group<HD, 2>(pr, t, kv_head, g0);
-    else attend_group<HD, 1>(pr, t, kv_head, g0);
+    if (g == 2) attend_group<HD, 2, KV, TERMS>(pr, t, kv_head, g0);
+    else attend_group<HD, 1, KV, TERMS>(pr, t, kv_head, g0);
   }
 }
 
 template <typename KV>
 using ItemFn = void (*)(const Problem<KV>&, int64_t, int64_t);
+
+template <int HD, typename KV>
+ItemFn<KV> item_for(bool terms) {
+  return terms ? attend_item<HD, KV, true> : attend_item<HD, KV, false>;
+}
 
 template <ffi::DataType POOL>
 ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
@@ -524,15 +539,16 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
     return ffi::Error::InvalidArgument("paged_attention: unsupported head layout");
   pr.group = pr.heads / pr.kv_heads;
   ItemFn<KV> item = nullptr;
+  const bool terms = pr.window > 0 || pr.sinks != nullptr || pr.softcap > 0.0f;
   switch (pr.head_dim) {
-    case 16: item = attend_item<16, KV>; break;
-    case 32: item = attend_item<32, KV>; break;
-    case 48: item = attend_item<48, KV>; break;
-    case 64: item = attend_item<64, KV>; break;
-    case 80: item = attend_item<80, KV>; break;
-    case 96: item = attend_item<96, KV>; break;
-    case 128: item = attend_item<128, KV>; break;
-    case 256: item = attend_item<256, KV>; break;
+    case 16: item = item_for<16, KV>(terms); break;
+    case 32: item = item_for<32, KV>(terms); break;
+    case 48: item = item_for<48, KV>(terms); break;
+    case 64: item = item_for<64, KV>(terms); break;
+    case 80: item = item_for<80, KV>(terms); break;
+    case 96: item = item_for<96, KV>(terms); break;
+    case 128: item = item_for<128, KV>(terms); break;
+    case 256: item = item_for<256, KV>(terms); break;
     default: return ffi::Error::InvalidArgument("paged_attention: unsupported head_dim");
   }
   if (pr.layer < 0 || pr.layer >= kd[0])
