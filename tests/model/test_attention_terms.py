@@ -7,6 +7,7 @@ with NaN here: one read would show)."""
 from __future__ import annotations
 
 import shutil
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +42,23 @@ def case() -> dict:
                 sinks=rng.standard_normal(KV * GROUP).astype(np.float32))
 
 
+_RUNS: dict[tuple[AttentionPlan, float, float, bool], Any] = {}
+
+
+def _run(plan: AttentionPlan, scale: float, softcap: float, sinks: bool) -> Any:
+    """The jitted attention of `plan` with these static terms (the window and the sinks'
+    values are arguments): one per kind for the module, each compiled once per shape."""
+    key = (plan, scale, softcap, sinks)
+    if key not in _RUNS:
+        def run(q, kp, vp, b, window, sink_values):  # type: ignore[no-untyped-def]
+            t = AttentionTerms(window=window, sinks=sink_values if sinks else None,
+                               scale=scale, softcap=softcap)
+            return paged_attention(q, kp, vp, 1, b, page_size=PAGE, block_size=BLOCK,
+                                   plan=plan, terms=t)
+        _RUNS[key] = jax.jit(run)
+    return _RUNS[key]
+
+
 def _attend(case: dict, plan: AttentionPlan, terms: AttentionTerms, idx: np.ndarray,
             k: np.ndarray | None = None, v: np.ndarray | None = None) -> np.ndarray:
     n = len(idx)
@@ -51,18 +69,12 @@ def _attend(case: dict, plan: AttentionPlan, terms: AttentionTerms, idx: np.ndar
                          page_table=jnp.asarray(case["table"]),
                          seq_lens=jnp.zeros(SEQS, jnp.int32),
                          logit_rows=jnp.zeros(1, jnp.int32))
-
-    @jax.jit
-    def run(q, kp, vp, b, window, sinks):  # type: ignore[no-untyped-def]
-        t = AttentionTerms(window=window, sinks=sinks, scale=terms.scale,
-                           softcap=terms.softcap)
-        return paged_attention(q, kp, vp, 1, b, page_size=PAGE, block_size=BLOCK, plan=plan,
-                               terms=t)
-
-    return np.asarray(run(jnp.asarray(case["q"][idx]), jnp.asarray(case["k"] if k is None else k),
+    run = _run(plan, terms.scale, terms.softcap, terms.sinks is not None)
+    sinks = jnp.zeros(KV * GROUP) if terms.sinks is None else jnp.asarray(terms.sinks)
+    return np.asarray(run(jnp.asarray(case["q"][idx]),
+                          jnp.asarray(case["k"] if k is None else k),
                           jnp.asarray(case["v"] if v is None else v), batch,
-                          jnp.int32(terms.window),
-                          None if terms.sinks is None else jnp.asarray(terms.sinks)))
+                          jnp.int32(terms.window), sinks))
 
 
 def _reference(case: dict, terms: AttentionTerms) -> np.ndarray:
@@ -124,7 +136,7 @@ def test_rows_are_bitwise_invariant_with_the_terms(case: dict, name: str) -> Non
     rng = np.random.default_rng(3)
     for plan in _kernels():
         full = _attend(case, plan, terms, np.arange(n))
-        for size in (1, 3, 8, n):
+        for size in (1, 7, n):
             for idx in (np.arange(size), np.arange(n - size, n), rng.permutation(n)[:size]):
                 assert np.array_equal(_attend(case, plan, terms, idx), full[idx]), (
                     plan.kernel, plan.by_tokens, size)

@@ -83,12 +83,14 @@ def test_logits_are_bitwise_batch_invariant(arch: str, tmp_path_factory) -> None
     assert not np.array_equal(out["prefill_T128"][0], out["prefill_T128"][69])
 
 
-@pytest.mark.parametrize("arch", sorted(ARCHS))
+@pytest.mark.parametrize("arch", ["gemma3", "gpt_oss", "mistral", "mixtral"])
 def test_two_device_forward_matches_one_device(arch: str, tmp_path_factory) -> None:
     """The checkpoint's params split over 2 devices (heads, MLP or experts, vocabulary:
     the family's rules) give one device's logits within 1e-4 (tests/model/test_sharding.py:
     no product splits its contraction), windows and sinks on sharded heads included; each
-    forward on a plan calibrated for its own shapes at the one step size it runs."""
+    forward on a plan calibrated for its own shapes at the one step size it runs. (Gemma
+    2 adds to Gemma 3's decoder only elementwise soft caps: left out for the suite's
+    time.)"""
     from multiserve.model.invariance.calibration import calibrate
     from multiserve.model.invariance.workload import workload_for
     from multiserve.model.sharding import kv_pool_sharding, make_mesh, shard_params
