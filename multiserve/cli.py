@@ -18,6 +18,7 @@ from multiserve.bench.options import (
     WORKLOADS,
     BenchOptions,
 )
+from multiserve.bench.random_model import SIZES as RANDOM_MODEL_SIZES
 from multiserve.collector import tune_collector
 from multiserve.fleet.sglang_flags import add_sglang_flags
 
@@ -250,10 +251,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--host-phases", action="store_true",
                    help="batch mode: time the engine thread's host work per step phase "
                         "(engine/host_phases.py) during the measured run, and print it")
-    b.add_argument("--random-model", choices=("tiny", "small", "1b"),
+    b.add_argument("--random-model", choices=tuple(RANDOM_MODEL_SIZES),
                    default=D.random_model,
-                   help="a random-weight model of that size (bench/random_model.py, written "
-                        "once into the cache) instead of --model")
+                   help="a random-weight model of that size (and family: small-<family>; "
+                        "bench/random_model.py, written once into the cache) instead of "
+                        "--model")
     b.add_argument("--lora-adapters", type=int, default=D.lora_adapters,
                    help="batch or single stream: the base model alone, then the same run "
                    "with N random LoRA adapters loaded (requests round-robin over them), "

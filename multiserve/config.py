@@ -15,10 +15,13 @@ from typing import Any, Literal
 
 API_KEY_ENV = "MULTISERVE_API_KEY"  # the API key when --api-key is not given
 
-Architecture = Literal["llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe"]
+Architecture = Literal["llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mistral",
+                       "gemma2", "gemma3", "mixtral", "gpt_oss"]
 # the model families behind multiserve/model/families (one module each; the registry there
 # maps HF `architectures` / `model_type` to them)
-ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe")
+ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe",
+                                  "mistral", "gemma2", "gemma3", "mixtral", "gpt_oss")
+HIDDEN_ACTS = ("silu", "gelu_tanh")  # the MLP gate's activation (ModelConfig.hidden_act)
 SPECULATIVE_ALGORITHMS: tuple[str | None, ...] = (None, "ngram")
 # the share of a reporting device's memory for weights + KV when mem_fraction_static is None
 DEFAULT_MEM_FRACTION = 0.6
@@ -40,14 +43,31 @@ def _require(ok: bool, field_name: str, message: str) -> None:
         raise ConfigError(field_name, message)
 
 
+ROPE_TYPES = ("llama3", "linear", "yarn")  # the rope scalings RopeScaling describes
+
+
 @dataclass(frozen=True)
 class RopeScaling:
-    """llama3-style rope scaling (rope_type == "llama3")."""
+    """Rope scaling: "llama3" (its frequency bands: factor, low/high_freq_factor,
+    original_max_position_embeddings), "linear" (every frequency divided by `factor`) or
+    "yarn" (NTK-by-parts between interpolated and extrapolated frequencies, ramped over
+    the dimensions between beta_fast and beta_slow rotations; cos and sin times
+    `attention_factor`; GPT-OSS)."""
 
     factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
+    low_freq_factor: float = 0.0
+    high_freq_factor: float = 0.0
+    original_max_position_embeddings: int = 0
+    rope_type: str = "llama3"
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float = 1.0
+
+    def __post_init__(self) -> None:
+        _require(self.rope_type in ROPE_TYPES, "rope_scaling.rope_type",
+                 f"must be one of {ROPE_TYPES}, got {self.rope_type!r}")
+        _require(self.factor > 0, "rope_scaling.factor", f"must be > 0, got {self.factor}")
 
 
 @dataclass(frozen=True)
@@ -80,6 +100,34 @@ class ModelConfig:
     norm_topk_prob: bool = False  # renormalise the top-k router probabilities to sum 1
     moe_layers: tuple[int, ...] = ()  # the sparse layers (the others run the dense MLP)
     shared_expert_intermediate_size: int = 0  # qwen2_moe: the sigmoid-gated shared expert
+    # sliding-window attention (mistral, gemma): the layers in `sliding_layers` see the last
+    # `sliding_window` keys of each query (transformers' kv > q - window); the others all
+    sliding_window: int = 0
+    sliding_layers: tuple[int, ...] = ()
+    # the sliding layers' own rope base, unscaled (gemma3's local layers); 0: theirs is
+    # the global layers' (rope_theta with rope_scaling)
+    rope_local_theta: float = 0.0
+    # the attention scores' scale is query_pre_attn_scalar ** -0.5 (gemma); 0: head_dim's
+    query_pre_attn_scalar: float = 0.0
+    # soft caps (gemma2): attention scores and final logits become cap * tanh(s / cap); 0:
+    # none
+    attn_logit_softcapping: float = 0.0
+    final_logit_softcapping: float = 0.0
+    # gemma: every RMSNorm scales by (1 + weight), in float32 before the rounding; each
+    # block's output is normed again before the residual add (post-attention and
+    # post-feed-forward norms); the embeddings are scaled by sqrt(hidden_size)
+    norm_plus_one: bool = False
+    sandwich_norms: bool = False
+    scale_embeddings: bool = False
+    hidden_act: str = "silu"  # the MLP gate's activation (HIDDEN_ACTS)
+    # gpt_oss: o_proj has a bias; each layer has one attention-sink logit per head; RMSNorm
+    # scales by its weight in float32 before the rounding; the experts' SwiGLU clamps
+    # gate and up at swiglu_limit and weighs the gate by sigmoid(swiglu_alpha * gate)
+    o_proj_bias: bool = False
+    attention_sinks: bool = False
+    norm_weight_f32: bool = False
+    swiglu_limit: float = 0.0
+    swiglu_alpha: float = 0.0
 
     def __post_init__(self) -> None:
         _require(self.architecture in ARCHITECTURES, "architecture",
@@ -94,6 +142,20 @@ class ModelConfig:
                      f"must be distinct ascending layer indexes, got {self.moe_layers}")
         else:
             _require(not self.moe_layers, "moe_layers", "needs num_experts > 0")
+        object.__setattr__(self, "sliding_layers", tuple(self.sliding_layers))
+        _require(all(0 <= i < self.num_layers for i in self.sliding_layers)
+                 and list(self.sliding_layers) == sorted(set(self.sliding_layers)),
+                 "sliding_layers", f"must be distinct ascending layer indexes, got "
+                 f"{self.sliding_layers}")
+        _require((self.sliding_window > 0) == bool(self.sliding_layers), "sliding_window",
+                 f"must be > 0 exactly when some layer slides (got {self.sliding_window} "
+                 f"for layers {self.sliding_layers})")
+        _require(self.hidden_act in HIDDEN_ACTS, "hidden_act",
+                 f"must be one of {HIDDEN_ACTS}, got {self.hidden_act!r}")
+        _require(self.rope_local_theta >= 0 and self.query_pre_attn_scalar >= 0
+                 and self.attn_logit_softcapping >= 0 and self.final_logit_softcapping >= 0,
+                 "rope_local_theta", "rope_local_theta, query_pre_attn_scalar and the soft "
+                 "caps must be >= 0")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
                      "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
             value = getattr(self, name)
@@ -106,6 +168,17 @@ class ModelConfig:
     def dense_mlp_layers(self) -> tuple[int, ...]:
         """The layers running the dense SwiGLU MLP (every layer of a dense family)."""
         return tuple(i for i in range(self.num_layers) if i not in self.moe_layers)
+
+    def layer_window(self, layer: int) -> int:
+        """Layer `layer`'s sliding window (0: it sees every earlier key)."""
+        return self.sliding_window if layer in self.sliding_layers else 0
+
+    @property
+    def kv_window(self) -> int:
+        """How many positions back from a query any layer reads, where every layer slides
+        (the sliding window); 0 where some layer reads every earlier key. K/V further back
+        than this is read by no layer: the engine may free its pages."""
+        return self.sliding_window if len(self.sliding_layers) == self.num_layers else 0
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -44,3 +45,28 @@ def write_peft_dir(path: Path, cfg: ModelConfig, r: int, seed: int,
     (path / "adapter_config.json").write_text(json.dumps(
         {"peft_type": "LORA", "r": r, "lora_alpha": 2 * r, "target_modules": list(modules)}))
     return path
+
+
+def assert_matches_peft(engine: Any, model: Any, prompts: list[list[int]], lora_name: str,
+                        params: Any) -> None:
+    """For each prompt, the engine's greedy output with adapter `lora_name` is the argmax
+    of transformers + peft's `model` over that output, each token's logprob within 1e-4
+    of the model's (float32 sums in other orders), and the adapter matters (the base
+    model's argmax differs somewhere)."""
+    import torch
+
+    for prompt in prompts:
+        out = engine.generate(input_ids=prompt, sampling_params=params, lora_name=lora_name)
+        ids = torch.tensor([prompt + list(out.output_ids)])
+        with torch.no_grad():
+            logits = model(ids).logits[0].double()
+        logprobs = torch.log_softmax(logits, -1)
+        n = len(prompt)
+        want_ids = [int(i) for i in logits[n - 1:-1].argmax(-1)]
+        assert list(out.output_ids) == want_ids
+        want = [float(logprobs[n - 1 + j, t]) for j, t in enumerate(out.output_ids)]
+        np.testing.assert_allclose([t.logprob for t in out.logprobs], want, rtol=0,
+                                   atol=1e-4)
+        with torch.no_grad(), model.disable_adapter():
+            base_ids = [int(i) for i in model(ids).logits[0][n - 1:-1].argmax(-1)]
+        assert base_ids != want_ids

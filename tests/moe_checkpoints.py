@@ -37,16 +37,23 @@ def hf_classes(arch: str) -> tuple[Any, Any]:
             "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM)}[arch]
 
 
+def build_model(conf_cls: Any, model_cls: Any, config: dict[str, Any], seed: int
+                ) -> tuple[Any, Any]:
+    """(a transformers model of `config`, eval mode, its architecture named; a torch
+    generator seeded with `seed` for re-drawing its weights)."""
+    import torch
+
+    conf = conf_cls(**config)
+    conf.architectures = [model_cls.__name__]
+    torch.manual_seed(seed)
+    return model_cls(conf).eval(), torch.Generator().manual_seed(seed)
+
+
 def make_model(arch: str, seed: int = 0) -> Any:
     """A transformers model of ARCHS[arch] with O(1)-scale random weights (eval mode)."""
     import torch
 
-    conf_cls, model_cls = hf_classes(arch)
-    conf = conf_cls(**ARCHS[arch])
-    conf.architectures = [model_cls.__name__]
-    torch.manual_seed(seed)
-    model = model_cls(conf).eval()
-    gen = torch.Generator().manual_seed(seed)
+    model, gen = build_model(*hf_classes(arch), ARCHS[arch], seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -74,16 +81,17 @@ def save(model: Any, path: Path, *, sharded: bool = False) -> Path:
     return path
 
 
-def hf_router_topk(model: Any, tokens: list[int]) -> dict[int, Any]:
+def hf_router_topk(model: Any, tokens: list[int], router: str = "gate") -> dict[int, Any]:
     """{layer index: int64 [len(tokens), k]} for every MoE layer of `model` (no entry for a
     dense one): the expert ids its transformers router picked for `tokens` (a hook on every
-    `mlp.gate`: its third output, the top-k indices, in the router's rank order)."""
+    `mlp.<router>`, GPT-OSS's `router`: its third output, the top-k indices, in the
+    router's rank order)."""
     import torch
 
     got: dict[int, Any] = {}
-    hooks = [layer.mlp.gate.register_forward_hook(
+    hooks = [getattr(layer.mlp, router).register_forward_hook(
         lambda _m, _i, out, i=i: got.__setitem__(i, out[2].reshape(len(tokens), -1).numpy()))
-        for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "gate")]
+        for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, router)]
     try:
         with torch.no_grad():
             model(torch.tensor([tokens]))

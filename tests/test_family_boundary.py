@@ -7,7 +7,8 @@ from __future__ import annotations
 from test_import_cycles import import_graph
 
 FAMILY_MODULES = {f"multiserve.model.families.{m}"
-                  for m in ("dense", "qwen_moe", "llama", "moe", "moe_decoder")}
+                  for m in ("dense", "qwen_moe", "llama", "moe", "moe_decoder", "mistral",
+                            "gemma", "sliding", "mixtral", "gpt_oss", "gpt_oss_moe")}
 INTERFACE_ONLY = ("multiserve.engine", "multiserve.model.invariance",
                   "multiserve.model.loading", "multiserve.model.sharding")
 

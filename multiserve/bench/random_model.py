@@ -16,6 +16,11 @@ Sizes (vocabulary: the default tokenizer's 49152 ids, so any chat-templated prom
   parameters (16.1 GB in bfloat16): the TPU compile report's large shape (`multiserve
   doctor --target tpu --compile --random-sizes 8b`); written out, its ids past the
   tokenizer's 49152 decode to nothing.
+- small-<family> (mistral, gemma2, gemma3, mixtral, gpt-oss): the small shape as that
+  family, a 128-token sliding window (shorter than a 64 x 128 run's sequences) on its
+  window layers: Mistral's every layer; Gemma 2 alternating, soft caps 50 / 30; Gemma 3
+  three window layers then a global one, q/k norms; Mixtral every layer 8 experts top-2;
+  GPT-OSS alternating, sinks, biases, 8 experts top-2 of 512, YaRN.
 
 Invariant: the same (size, seed, dtype) always writes the same weights. The weights are
 N(0, 0.02^2) (norms 1 + N(0, 0.1^2)): outputs are meaningless, shapes and speed are real.
@@ -49,6 +54,36 @@ SIZES: dict[str, ModelConfig] = {
                       head_dim=128, tie_word_embeddings=False, rope_theta=500000.0,
                       rope_scaling=RopeScaling(8.0, 1.0, 4.0, 8192)),
 }
+_SMALL = dict(hidden_size=512, intermediate_size=1536, num_layers=4, num_heads=8,
+              num_kv_heads=2, head_dim=64, **_COMMON)
+_GEMMA = dict(norm_plus_one=True, sandwich_norms=True, scale_embeddings=True,
+              hidden_act="gelu_tanh", tie_word_embeddings=True, query_pre_attn_scalar=64.0,
+              sliding_window=128)
+_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_layers=(0, 1, 2, 3))
+SIZES.update({
+    "small-mistral": ModelConfig(**{**_SMALL, "architecture": "mistral"},
+                                 sliding_window=128, sliding_layers=(0, 1, 2, 3)),
+    "small-gemma2": ModelConfig(**{**_SMALL, "architecture": "gemma2"}, **_GEMMA,
+                                sliding_layers=(0, 2), attn_logit_softcapping=50.0,
+                                final_logit_softcapping=30.0),
+    "small-gemma3": ModelConfig(**{**_SMALL, "architecture": "gemma3"}, **_GEMMA,
+                                sliding_layers=(0, 1, 2), qk_norm=True,
+                                rope_theta=1_000_000.0, rope_local_theta=10_000.0),
+    "small-mixtral": ModelConfig(**{**_SMALL, "architecture": "mixtral",
+                                    "intermediate_size": 768}, **_MOE,
+                                 moe_intermediate_size=768, norm_topk_prob=True,
+                                 sliding_window=128, sliding_layers=(0, 1, 2, 3)),
+    "small-gpt-oss": ModelConfig(**{**_SMALL, "architecture": "gpt_oss",
+                                    "intermediate_size": 512}, **_MOE,
+                                 moe_intermediate_size=512, sliding_window=128,
+                                 sliding_layers=(0, 2), attention_bias=True, o_proj_bias=True,
+                                 attention_sinks=True, norm_weight_f32=True,
+                                 swiglu_limit=7.0, swiglu_alpha=1.702, rope_theta=150000.0,
+                                 rope_scaling=RopeScaling(
+                                     factor=32.0, rope_type="yarn", truncate=False,
+                                     original_max_position_embeddings=4096,
+                                     attention_factor=1.3465735902799727)),
+})
 _DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
 
 

@@ -117,7 +117,8 @@ class EngineCore:
                                    max(cfg.precompile_bs_paddings),
                                    drafter=Drafter() if cfg.speculative_algorithm else None,
                                    routed_experts=self.routed_experts,
-                                   runs_turns=runner.runs_turns)
+                                   runs_turns=runner.runs_turns,
+                                   kv_window=model_cfg.kv_window)
         self.in_flight: InFlightStep | None = None
         self.last_batch: ScheduledBatch | None = None
         self.pause_state = PauseState()

@@ -85,7 +85,7 @@ class RLInterface:
     def running_pages(self) -> HeldPages:
         """The KV pages the running requests hold (what a preserving release saves)."""
         running = self._core.scheduler.running
-        return HeldPages(len(running), sorted({p for r in running for p in r.pages}))
+        return HeldPages(len(running), sorted({p for r in running for p in r.held_pages}))
 
     # ---- the core's operations -------------------------------------------------------------
     def drain(self) -> None:

@@ -54,8 +54,10 @@ def target_plan(workload: Workload, platform: str, tied_head: bool = False) -> I
     row_sums = tuple(RowSumPlan(width, tuple((m, m) for m in counts))
                      for width, counts in workload.row_sums)
     sizes = workload.attention.sizes
-    attention = AttentionPlan(tuple((t, (1, t)) for t in sizes), False,
-                              TARGET_ATTENTION[platform])
+    # the Pallas calls take plain causal attention only: a model with windows, sinks or a
+    # score cap starts from the XLA formulation there (probes.pallas_attention_kernel)
+    kernel = TARGET_ATTENTION[platform] if workload.attention.plain else "xla"
+    attention = AttentionPlan(tuple((t, (1, t)) for t in sizes), False, kernel)
     return InvariancePlan(products, row_sums, attention, verified=False, problems=(
         f"not calibrated: no {platform} device here; products and row sums are probed "
         "on the device (plain shown)",), layer_copies=False)

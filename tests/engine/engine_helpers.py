@@ -277,6 +277,25 @@ def ids_and_logprobs(outs: dict) -> dict:
     return {k: (o.output_ids, tuple(t.logprob for t in o.logprobs)) for k, o in outs.items()}
 
 
+def greedy_and_seeded(max_new: int) -> tuple[SamplingParams, SamplingParams]:
+    """A greedy and a seeded (temperature 0.9, top-p 0.95, seed 7) request's params:
+    `max_new` tokens exactly, logprobs returned."""
+    return (SamplingParams(temperature=0.0, max_new_tokens=max_new, ignore_eos=True,
+                           return_logprob=True),
+            SamplingParams(temperature=0.9, top_p=0.95, seed=7, max_new_tokens=max_new,
+                           ignore_eos=True, return_logprob=True))
+
+
+def run_alternating(engine: Any, prompts: Sequence[Sequence[int]],
+                    params: tuple[SamplingParams, SamplingParams],
+                    hook: Callable[[RequestOutput], None] | None = None) -> dict:
+    """`ids_and_logprobs` of `prompts` submitted together, request i with params[i % 2]
+    (greedy and seeded in turns); `hook` as Collector's `on_output`."""
+    col = Collector(engine, on_output=hook)
+    col.submit_all(prompts, [params[i % 2] for i in range(len(prompts))])
+    return ids_and_logprobs(col.wait())
+
+
 def passes_settled(engine: Any, passes: int = 2) -> dict[str, Any]:
     """Wait (by round trips, not by time) until the engine loop has completed `passes` more
     passes, each of which decides whether to step; returns the last internal state. Every

@@ -29,10 +29,12 @@ def fake_token(fill_ids: Sequence[int]) -> int:
 
 
 class Sim:
-    """One scheduler over `num_pages` pages of PAGE tokens (page 0 reserved)."""
+    """One scheduler over `num_pages` pages of PAGE tokens (page 0 reserved); `kv_window`:
+    the model's (every layer slides by it: pages behind it are dropped)."""
 
     def __init__(self, num_pages: int = 17, *, max_context: int = 256, max_tokens: int = 16,
-                 max_rows: int = 8, cache: bool = True, **cfg: Any) -> None:
+                 max_rows: int = 8, cache: bool = True, kv_window: int = 0,
+                 **cfg: Any) -> None:
         self.cfg = EngineConfig(page_size=PAGE, chunked_prefill_size=cfg.pop(
             "chunked_prefill_size", max_tokens), max_running_requests=cfg.pop(
             "max_running_requests", max_rows), precompile_bs_paddings=(max_rows,),
@@ -40,7 +42,7 @@ class Sim:
         self.allocator = PageAllocator(num_pages, PAGE)
         self.cache = PrefixCache(self.allocator, PAGE, enabled=cache)
         self.sched = Scheduler(self.cfg, self.allocator, self.cache, max_context, max_tokens,
-                               max_rows)
+                               max_rows, kv_window=kv_window)
         self.finished: dict[str, Req] = {}
 
     def req(self, rid: str, prompt: Sequence[int], max_new: int = 4, index: int = 0) -> Req:

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import pytest
 from engine_helpers import TINY_ENGINE, AtTokens, Collector, Trigger, ids_and_logprobs
-from lora_checkpoints import BLOCKS, peft_tensors
+from lora_checkpoints import BLOCKS, assert_matches_peft, peft_tensors
 
 from multiserve.engine.lora_adapters import LoraRefused
 from multiserve.types import InvalidRequest, SamplingParams
@@ -42,8 +42,8 @@ LORA_ENGINE = {**TINY_ENGINE, "precompile_token_paddings": (1, 8, 64)}
 
 @pytest.fixture(scope="module")
 def lora_engine(tiny_model_dir: Path) -> Iterator[Any]:
-    from multiserve.engine.engine import Engine
     from multiserve.config import EngineConfig
+    from multiserve.engine.engine import Engine
 
     eng = Engine(EngineConfig(model_path=str(tiny_model_dir), **LORA_ENGINE,
                               max_loras_per_batch=3, max_lora_rank=8))
@@ -231,23 +231,7 @@ def test_greedy_ids_and_logprobs_match_transformers_with_peft(
     model.save_pretrained(str(tmp_path))
     lora_engine.load_lora_adapter("hf", str(tmp_path))
     try:
-        for prompt in PROMPTS:
-            out = lora_engine.generate(input_ids=prompt, sampling_params=_params(False),
-                                       lora_name="hf")
-            ids = torch.tensor([prompt + list(out.output_ids)])
-            with torch.no_grad():
-                logits = model(ids).logits[0].double()
-            logprobs = torch.log_softmax(logits, -1)
-            n = len(prompt)
-            want_ids = [int(i) for i in logits[n - 1:-1].argmax(-1)]
-            assert list(out.output_ids) == want_ids
-            want = [float(logprobs[n - 1 + j, t]) for j, t in enumerate(out.output_ids)]
-            got = [t.logprob for t in out.logprobs]
-            np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)
-            # the adapter matters: the base model's greedy ids differ somewhere
-            with torch.no_grad(), model.disable_adapter():
-                base_ids = [int(i) for i in model(ids).logits[0][n - 1:-1].argmax(-1)]
-            assert base_ids != want_ids
+        assert_matches_peft(lora_engine, model, PROMPTS, "hf", _params(False))
     finally:
         lora_engine.unload_lora_adapter("hf")
 

@@ -23,7 +23,9 @@ from engine_helpers import (
     Trigger,
     assert_idle_and_clean,
     drafting,
+    greedy_and_seeded,
     ids_and_logprobs,
+    run_alternating,
 )
 from moe_checkpoints import make_model, save
 
@@ -32,10 +34,7 @@ from multiserve.types import SamplingParams
 from tests.multihost.scenarios import collectives
 
 MAX_NEW = 12
-GREEDY = SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW, ignore_eos=True,
-                        return_logprob=True)
-SEEDED = SamplingParams(temperature=0.9, top_p=0.95, seed=7, max_new_tokens=MAX_NEW,
-                        ignore_eos=True, return_logprob=True)
+PAIR = greedy_and_seeded(MAX_NEW)
 EXPERT = "model.layers.2.mlp.experts.5.down_proj.weight"
 ROUTER = "model.layers.0.mlp.gate.weight"
 
@@ -46,14 +45,11 @@ def _prompts(seed: int = 3, n: int = 6) -> list[list[int]]:
 
 
 def _params(n: int) -> list[SamplingParams]:
-    return [GREEDY if i % 2 == 0 else SEEDED for i in range(n)]
+    return [PAIR[i % 2] for i in range(n)]
 
 
 def _run(engine: Any, prompts: list[list[int]] | None = None, hook: Any = None) -> dict:
-    prompts = prompts or _prompts()
-    col = Collector(engine, on_output=hook)
-    col.submit_all(prompts, _params(len(prompts)))
-    return ids_and_logprobs(col.wait())
+    return run_alternating(engine, prompts or _prompts(), PAIR, hook)
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import gguf
 import numpy as np
 
 from multiserve.config import ModelConfig
-from multiserve.model.loading.gguf import gguf_name, llama_permute
+from multiserve.model.loading.gguf import NORM_SHIFT, gguf_name, llama_permute
 from multiserve.model.loading.hf_names import params_to_hf
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -66,6 +66,8 @@ def write_gguf(path: Path, cfg: ModelConfig, params: dict[str, Any],
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_rope_freq_base(cfg.rope_theta)
     w.add_vocab_size(cfg.vocab_size)
+    if cfg.sliding_window:
+        w.add_sliding_window(cfg.sliding_window)
     tokens, types = tiny_vocab(cfg.vocab_size)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre(pre)
@@ -77,11 +79,13 @@ def write_gguf(path: Path, cfg: ModelConfig, params: dict[str, Any],
     w.add_add_bos_token(False)
     w.add_chat_template(CHAT_TEMPLATE)
     for hf, arr in params_to_hf(params, cfg).items():
-        name = gguf_name(hf)
+        name = gguf_name(hf, arch)
         if name in skip:
             continue
         arr = np.asarray(arr, np.float32)
-        if cfg.architecture == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
+        if name.endswith("norm.weight") and arch in NORM_SHIFT:  # llama.cpp's 1 + w
+            arr = (arr + np.float32(NORM_SHIFT[arch])).astype(np.float32)
+        if arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
             arr = llama_permute(arr, cfg.num_heads if "attn_q" in name else cfg.num_kv_heads)
         add_tensor(w, name, arr, type_for(name))
     w.write_header_to_file()

@@ -1,5 +1,6 @@
 """GGUF loading: the same weights as GGUF (F32/F16) and as safetensors give identical params
-(llama's permuted q/k undone; qwen2 biases; qwen3 q/k norms); quantized tensors (Q8_0, Q4_1)
+(llama's permuted q/k undone; qwen2 biases; qwen3 q/k norms; a llama GGUF with a sliding
+window is Mistral; Gemma 3's norm names and 1 + w weights); quantized tensors (Q8_0, Q4_1)
 de-quantize exactly as the gguf package does; the tokenizer rebuilt from the GGUF metadata
 loads with AutoTokenizer; unsupported tensor types fail naming the file and tensor."""
 
@@ -29,7 +30,17 @@ CONFIGS = {
     "llama": ModelConfig(architecture="llama", tie_word_embeddings=True, **BASE),
     "qwen2": ModelConfig(architecture="qwen2", attention_bias=True, **BASE),
     "qwen3": ModelConfig(architecture="qwen3", qk_norm=True, **{**BASE, "head_dim": 32}),
+    # llama.cpp's llama architecture with a sliding window in its metadata
+    "mistral": ModelConfig(architecture="mistral", sliding_window=24, sliding_layers=(0, 1),
+                           **BASE),
+    # llama.cpp's rules: every 6th layer global, the local base 10 000, head_dim's scale
+    "gemma3": ModelConfig(architecture="gemma3", qk_norm=True, sliding_window=24,
+                          sliding_layers=(0, 1), rope_local_theta=10000.0,
+                          query_pre_attn_scalar=16.0, norm_plus_one=True, sandwich_norms=True,
+                          scale_embeddings=True, hidden_act="gelu_tanh",
+                          tie_word_embeddings=True, **{**BASE, "rope_theta": 1e6}),
 }
+GGUF_ARCH = {"mistral": "llama"}  # how llama.cpp's converter names the architecture
 
 
 @pytest.fixture(autouse=True)
@@ -49,8 +60,14 @@ def test_gguf_and_safetensors_give_identical_params(arch: str, tmp_path: Path) -
     # the F16 tensors of the GGUF hold f16-rounded values: store the same in safetensors
     for key in ("w_gate", "w_up", "w_down"):
         params["layers"][key] = params["layers"][key].astype(np.float16).astype(np.float32)
+    if cfg.norm_plus_one:  # norms whose llama.cpp form 1 + w gives w back exactly
+        for key, leaf in params["layers"].items():
+            if key.endswith("norm"):
+                params["layers"][key] = (np.round(leaf * 64) / 64).astype(np.float32)
+        params["final_norm"] = (np.round(params["final_norm"] * 64) / 64).astype(np.float32)
     params["embed"] = params["embed"].astype(np.float16).astype(np.float32)
-    gguf_path = write_gguf(tmp_path / f"{arch}.gguf", cfg, params, half_for_mlp)
+    gguf_path = write_gguf(tmp_path / f"{arch}.gguf", cfg, params, half_for_mlp,
+                           architecture=GGUF_ARCH.get(arch))
     hf_dir = save_hf_dir(tmp_path / "hf", cfg, params)
     from_gguf = load_model(str(gguf_path), "float32")
     from_hf = load_model(str(hf_dir), "float32")

@@ -6,85 +6,45 @@ other tokens chose the same experts."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
+import checkpoint_checks as checkpoints
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from model_helpers import PagedSim
-from moe_checkpoints import ARCHS, make_model, save
+from checkpoint_checks import Checkpoint
+from moe_checkpoints import ARCHS, make_model
 
-from multiserve.model.invariance.calibration import default_plan
 from multiserve.model.families import family_for
-from multiserve.model.loading.hf_names import params_to_hf
+from multiserve.model.invariance.calibration import default_plan
 from multiserve.model.loading.loader import load_model
-from multiserve.model.loading.safetensors_io import load_file
 from multiserve.model.simple_generate import greedy_token_ids
 
 torch.set_num_threads(1)  # several busy threads on 2 shared cores slow torch 10x
-_MODELS: dict[str, tuple[Any, Path, Path]] = {}
+CHECKPOINTS = checkpoints.Checkpoints(make_model)
 
 
-def checkpoint(arch: str, factory: pytest.TempPathFactory) -> tuple[Any, Path, Path]:
+def checkpoint(arch: str, factory: pytest.TempPathFactory) -> Checkpoint:
     """(transformers model, its single-file dir, its sharded dir), built once per arch."""
-    if arch not in _MODELS:
-        model = make_model(arch, seed=len(arch))
-        single = save(model, factory.mktemp(f"{arch}-single"))
-        sharded = save(model, factory.mktemp(f"{arch}-sharded"), sharded=True)
-        _MODELS[arch] = (model, single, sharded)
-    return _MODELS[arch]
+    return CHECKPOINTS.get(arch, factory)
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))
 def test_moe_checkpoint_loads_single_and_sharded(arch: str, tmp_path_factory) -> None:
-    model, single, sharded = checkpoint(arch, tmp_path_factory)
-    assert (sharded / "model.safetensors.index.json").exists()
-    a, b = load_model(str(single)), load_model(str(sharded))
-    cfg = a.config
-    assert b.config == cfg and cfg.architecture == arch
+    cfg = checkpoints.loaded_config(checkpoint(arch, tmp_path_factory), arch)
     hf = ARCHS[arch]
     assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (
         hf["num_experts"], 2, hf["moe_intermediate_size"])
     assert cfg.norm_topk_prob == hf["norm_topk_prob"]
     assert cfg.moe_layers == ((0, 2) if arch == "qwen3_moe" else (0, 1))
     assert cfg.shared_expert_intermediate_size == hf.get("shared_expert_intermediate_size", 0)
-    # every tensor round-trips by name, bit for bit, from either layout of the files
-    on_disk = load_file(single / "model.safetensors")
-    for params in (a.params, b.params):
-        ours = params_to_hf(params, cfg)
-        assert set(ours) | ({"lm_head.weight"} if cfg.tie_word_embeddings else set()) \
-            >= set(on_disk)
-        for name, arr in ours.items():
-            assert np.array_equal(arr, on_disk[name]), name
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))
 def test_moe_ragged_paged_batches_match_transformers(arch: str, tmp_path_factory) -> None:
-    model, path, _ = checkpoint(arch, tmp_path_factory)
-    loaded = load_model(str(path), "float32")
-    cfg = loaded.config
-    rng = np.random.default_rng(1)
-    lens = {"a": 37, "b": 9, "c": 26}
-    toks = {k: [int(t) for t in rng.integers(3, cfg.vocab_size, n)] for k, n in lens.items()}
-    with torch.no_grad():
-        ref = {k: model(torch.tensor([v])).logits[0].numpy() for k, v in toks.items()}
-    sim = PagedSim(jax.device_put(loaded.params), cfg, page_size=4, block_size=8)
-    for k, v in toks.items():
-        sim.add(k, v)
-    everything = {k: list(range(n)) for k, n in lens.items()}
-    got: dict = {}
-    schedule = [[("a", 30), ("b", 6)], [("a", 1), ("b", 1), ("c", 11)],
-                [("a", 1), ("c", 13), ("b", 1)], [("c", 1), ("b", 1), ("a", 1)],
-                [("a", 1), ("c", 1)], [("a", 1)], [("a", 1)], [("a", 1)]]
-    for i, work in enumerate(schedule):
-        got.update(sim.step(work, T=64, B=64, R=64, rows=np.random.default_rng(i),
-                            logits_for=everything))
-    assert set(got) == {(k, p) for k, n in lens.items() for p in range(n)}
-    diff = max(float(np.max(np.abs(got[(k, p)] - ref[k][p]))) for k, p in got)
-    scale = max(float(np.max(np.abs(r))) for r in ref.values())
+    diff, scale = checkpoints.ragged_logits_diff(checkpoint(arch, tmp_path_factory))
     print(f"{arch}: max|diff|={diff:.2e} (max|logit|={scale:.2f})")
     assert scale > 1.0
     assert diff <= 1e-3

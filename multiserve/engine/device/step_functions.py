@@ -130,7 +130,7 @@ class StepFunctions:
         """The head's first program: float32 logits of the first `num_rows` rows, padded
         with zero rows to the sampler's rows (`sampler_rows`), and the rows' unread-token
         inputs padded alike (padding rows: greedy, mask False)."""
-        logits = self.family.lm_head(params, hidden[:num_rows], self.plan)
+        logits = self.family.lm_head(params, hidden[:num_rows], self.plan, self.model_cfg)
         rows = sampler_rows(num_rows)
         if rows > num_rows:
             logits = jnp.pad(logits, ((0, rows - num_rows), (0, 0)))

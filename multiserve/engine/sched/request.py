@@ -10,7 +10,10 @@ Position bookkeeping (the invariants the scheduler and runner rely on):
   is the newest token, at position kv_len.
 - `pages` cover positions [0, len(pages) * page_size) >= kv_len; the first
   `num_cached_pages` are shared through the prefix cache (ref-counted), the rest are
-  owned by this Req alone.
+  owned by this Req alone. A model whose every layer slides (ModelConfig.kv_window)
+  reads no K/V further back than its window: the first `window_dropped` pages are no
+  longer held (released to the prefix cache, or freed; their entries are 0, the garbage
+  page) and the Req holds `held_pages` only (Scheduler `_drop_out_of_window`).
 - A token at position P is sampled with the key (seed, index, P): resumed, retracted
   or re-batched requests draw the same tokens.
 
@@ -60,6 +63,7 @@ class Req:
     # KV bookkeeping (see module docstring)
     pages: list[int] = field(default_factory=list)
     num_cached_pages: int = 0
+    window_dropped: int = 0  # leading pages no longer held (module docstring)
     kv_len: int = 0
     pending: int = 0
     prefill_target: int = 0  # len(fill_ids) when the current prefill was admitted
@@ -133,6 +137,17 @@ class Req:
     @property
     def fill_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    @property
+    def held_pages(self) -> list[int]:
+        """The pages this Req holds (cached or private): all but the dropped ones."""
+        return self.pages[self.window_dropped:]
+
+    @property
+    def chain_intact(self) -> bool:
+        """Whether the prefix cache may extend this Req's cached pages: nothing dropped,
+        or the last cached page (the chain's end, where an insert continues) still held."""
+        return self.window_dropped == 0 or self.window_dropped < self.num_cached_pages
 
     @property
     def finished(self) -> bool:

@@ -34,6 +34,15 @@ Invariants:
   weights: while any of them holds it the prefix cache is suspended (so no other Req
   matches or extends it); when the last gives it back (finish, abort, retract:
   `release_kv`) the cache is emptied and reopened.
+- A model whose every layer slides (`kv_window` W > 0) reads no K/V more than W - 1
+  positions behind a query: before each step, the pages of a running Req that lie wholly
+  before its next query's window (position kv_len - W + 1; every later query's window
+  starts later) are dropped (`_drop_out_of_window`). Where the prefix cache can extend
+  the Req's chain, its full pages are inserted first and the dropped ones released to
+  the cache (evictable: reused by a later request with the same prefix, or evicted under
+  pressure, LRU), the chain's last page kept as the anchor of later inserts; elsewhere
+  (cache off or suspended) its private ones are freed and it caches nothing more. A Req
+  that replays its routed experts keeps every page (its ids are read from them).
 - The prefix cache is namespaced by adapter version and cache salt
   (engine/sched/prefix_cache.py roots): a base-model Req (LoRA slot 0) matches and fills
   root 0; a LoRA Req its slot's root, new each time that slot is written
@@ -91,7 +100,7 @@ class Scheduler:
                  max_context: int, max_tokens_per_step: int, max_rows: int,
                  drafter: DraftSource | None = None,
                  routed_experts: RoutedExpertsTable | None = None,
-                 runs_turns: Callable[[int], bool] | None = None) -> None:
+                 runs_turns: Callable[[int], bool] | None = None, kv_window: int = 0) -> None:
         self.cfg = cfg
         self.allocator = allocator
         self.cache = cache
@@ -124,6 +133,8 @@ class Scheduler:
         # a "wait" pause closing admission (EngineCore.pause): only these Reqs, live when
         # it began, may still be admitted from `waiting`; None: admission is open
         self._admit_only: frozenset[Req] | None = None
+        # the model's ModelConfig.kv_window (0: some layer reads every earlier key)
+        self.kv_window = kv_window
 
     # ---- queries -------------------------------------------------------------------
     def has_work(self) -> bool:
@@ -151,12 +162,13 @@ class Scheduler:
         return self.allocator.num_free * self.page_size
 
     def private_pages(self) -> int:
-        return sum(len(r.pages) - r.num_cached_pages for r in self.running)
+        return sum(len(r.pages) - max(r.num_cached_pages, r.window_dropped)
+                   for r in self.running)
 
     def check_integrity(self) -> None:
         refs: dict[int, int] = {}
         for r in self.running:
-            for p in r.pages[:r.num_cached_pages]:
+            for p in r.pages[r.window_dropped:r.num_cached_pages]:
                 refs[p] = refs.get(p, 0) + 1
         for r in self.waiting:
             assert not r.pages, f"waiting request {r.rid} holds KV pages"
@@ -206,21 +218,56 @@ class Scheduler:
 
     def release_kv(self, req: Req) -> None:
         """Give back a Req's KV: full pages of tokens whose ids and K/V are both known go
-        into the prefix cache; everything else returns to the free list."""
+        into the prefix cache (while its chain is intact); everything else it holds
+        returns to the free list."""
         if req.pages:
-            known = min(req.kv_len, len(req.prompt_ids) + len(req.output_ids))
-            num_cached = self.cache.insert(req.fill_ids, req.pages, req.num_cached_pages,
-                                           known // self.page_size, self._cache_root(req))
-            self.cache.release(req.pages[:num_cached])
-            self.allocator.free(req.pages[num_cached:])
+            num_cached = self._extend_chain(req, self._known_pages(req))
+            self.cache.release(req.pages[req.window_dropped:num_cached])
+            self.allocator.free(req.pages[max(num_cached, req.window_dropped):])
         req.pages = []
         req.num_cached_pages = 0
+        req.window_dropped = 0
         req.kv_len = 0
         req.routed_read = 0
         req.prefill_target = 0
         if req in self._stale_kv:
             self._stale_kv.discard(req)
             self._check_stale_kv()
+
+    def _known_pages(self, req: Req) -> int:
+        """Full pages of `req` whose tokens' ids and K/V are both known."""
+        return min(req.kv_len, len(req.prompt_ids) + len(req.output_ids)) // self.page_size
+
+    def _extend_chain(self, req: Req, num_full: int) -> int:
+        """Insert `req`'s pages [num_cached_pages, num_full) into the prefix cache where
+        its chain is intact; returns (and sets) its number of cached leading pages."""
+        if req.chain_intact:
+            req.num_cached_pages = self.cache.insert(req.fill_ids, req.pages,
+                                                     req.num_cached_pages, num_full,
+                                                     self._cache_root(req))
+        return req.num_cached_pages
+
+    def _drop_out_of_window(self, req: Req) -> None:
+        """Drop the pages of `req` that lie wholly before its next query's window (module
+        docstring): released to the prefix cache where its chain extends (the chain's
+        last page kept), else released (cached) or freed (private)."""
+        ps = self.page_size
+        bound = max(0, req.kv_len - self.kv_window + 1) // ps
+        if bound <= req.window_dropped or req.want_routed_experts:
+            return
+        if self.cache.enabled and req.chain_intact:
+            self._extend_chain(req, min(bound, self._known_pages(req)))
+            end = min(bound, req.num_cached_pages - 1)  # the anchor stays held
+        else:
+            end = bound
+        start = req.window_dropped
+        if end <= start:
+            return
+        cached = req.pages[start:min(end, req.num_cached_pages)]
+        self.cache.release(cached)
+        self.allocator.free(req.pages[start + len(cached):end])
+        req.pages[start:end] = [0] * (end - start)
+        req.window_dropped = end
 
     def drop_cached_kv(self) -> int:
         """Give every cached page no Req holds back to the free list; returns how many."""
@@ -297,6 +344,9 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch | None:
         """The next step, complete (rows, token count, row plan); None: nothing to run.
         Nothing writes the batch after this returns."""
+        if self.kv_window:
+            for req in self.running:
+                self._drop_out_of_window(req)
         rows = self._decode_rows()
         if self.planner.on and not self._prefill_pending():
             # (a prefill's step is compute-bound: drafts would slow it)
@@ -515,10 +565,7 @@ class Scheduler:
                 req.pending += batch.turns
                 req.last_out_row = b
             if was_prefill:
-                num_full = row.end // self.page_size
-                req.num_cached_pages = self.cache.insert(
-                    req.fill_ids, req.pages, req.num_cached_pages, num_full,
-                    self._cache_root(req))
+                self._extend_chain(req, row.end // self.page_size)
             else:
                 decoded = True
         if decoded:

@@ -10,9 +10,14 @@ from typing import Any
 from multiserve.config import ModelConfig
 from multiserve.model.families.base import ModelFamily
 from multiserve.model.families.dense import DenseFamily
+from multiserve.model.families.gemma import GemmaFamily
+from multiserve.model.families.gpt_oss import GptOssFamily
+from multiserve.model.families.mistral import MistralFamily
+from multiserve.model.families.mixtral import MixtralFamily
 from multiserve.model.families.qwen_moe import QwenMoeFamily
 
-FAMILIES: tuple[ModelFamily, ...] = (DenseFamily(), QwenMoeFamily())
+FAMILIES: tuple[ModelFamily, ...] = (DenseFamily(), QwenMoeFamily(), MistralFamily(),
+                                     GemmaFamily(), MixtralFamily(), GptOssFamily())
 # HF class name -> our architecture; our architecture -> its family
 HF_ARCHITECTURES: dict[str, str] = {k: v for f in FAMILIES for k, v in f.architectures.items()}
 _BY_ARCH: dict[str, ModelFamily] = {a: f for f in FAMILIES for a in f.architectures.values()}

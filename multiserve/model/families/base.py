@@ -7,7 +7,8 @@ interface (`families.family_for(cfg)`), never to a family's forward directly:
 
 - HF config -> ModelConfig (`config_from_hf`) and back (`config_to_hf`);
 - the canonical params layout (`param_shapes`: a dict pytree, matrices [in, out], leaves
-  stacked over their layers) and the HF names of its tensors (`hf_tensor_specs`);
+  stacked over their layers) and the HF names of its tensors (`hf_tensor_specs`), and how
+  a checkpoint's packed tensors unpack into them (`unpack_hf_tensors`);
 - sharding rules over an engine's device group (`param_specs`; the KV pool's and the
   attention's split is the same for every family: `tp_splits`, sharding.py);
 - what the invariance calibration must probe: every dense product (`product_shapes`) and
@@ -92,6 +93,12 @@ class ModelFamily(Protocol):
 
     def hf_tensor_specs(self, cfg: ModelConfig) -> dict[str, HfTensorSpec]: ...
 
+    def unpack_hf_tensors(self, named: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
+        """A checkpoint's HF-named tensors as stored -> the tensors `hf_tensor_specs`
+        names (GPT-OSS: its MXFP4 experts de-quantized); the same dict where nothing is
+        packed."""
+        ...
+
     def param_specs(self, cfg: ModelConfig, mesh: Any, moe_sharding: str) -> dict[str, Any]: ...
 
     def product_shapes(self, cfg: ModelConfig, tp: int, moe_sharding: str
@@ -133,7 +140,9 @@ class ModelFamily(Protocol):
         """(as forward_hidden, expert ids [T, Lm, k] int32); ValueError for a dense family."""
         ...
 
-    def lm_head(self, params: dict[str, Any], h: Any, plan: Any) -> Any: ...
+    def lm_head(self, params: dict[str, Any], h: Any, plan: Any, cfg: ModelConfig) -> Any:
+        """Logits f32 [R, V] of final-normed hidden states h [R, D]."""
+        ...
 
     def scans(self, plan: Any, num_tokens: int) -> bool: ...
 

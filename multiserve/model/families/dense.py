@@ -6,7 +6,9 @@ Params layout (plain dict; "layers" leaves stacked over L layers; matmul weights
   layers: attn_norm [L, D]; wq [L, D, H*hd]; wk, wv [L, D, KV*hd]; wo [L, H*hd, D];
           bq [L, H*hd], bk, bv [L, KV*hd]   (only when cfg.attention_bias)
           q_norm, k_norm [L, hd]            (only when cfg.qk_norm)
+          post_attn_norm [L, D]             (only when cfg.sandwich_norms)
           mlp_norm [L, D]; w_gate, w_up [L, D, F]; w_down [L, F, D]
+          post_mlp_norm [L, D]              (only when cfg.sandwich_norms)
 The forward is model/families/llama.py. Shared with the MoE families: the attention half of the
 layout and its HF names (`attention_layer_shapes`, `ATTENTION_HF_NAMES`), the top-level
 tensors (`top_level`), the attention sharding rules (`attention_specs`).
@@ -35,6 +37,13 @@ ATTENTION_HF_NAMES: tuple[tuple[str, str, bool], ...] = (
     ("k_norm", "self_attn.k_norm.weight", False),
     ("mlp_norm", "post_attention_layernorm.weight", False),
 )
+# with sandwich norms (Gemma) the MLP's input norm is the pre-feed-forward one, and
+# post_attention_layernorm norms the attention's output
+SANDWICH_HF_NAMES: dict[str, str] = {
+    "mlp_norm": "pre_feedforward_layernorm.weight",
+    "post_attn_norm": "post_attention_layernorm.weight",
+    "post_mlp_norm": "post_feedforward_layernorm.weight",
+}
 MLP_HF_NAMES: tuple[tuple[str, str, bool], ...] = (
     ("w_gate", "mlp.gate_proj.weight", True),
     ("w_up", "mlp.up_proj.weight", True),
@@ -43,6 +52,15 @@ MLP_HF_NAMES: tuple[tuple[str, str, bool], ...] = (
 CONFIG_FIELDS = ("architecture", "vocab_size", "hidden_size", "intermediate_size",
                  "num_layers", "num_heads", "num_kv_heads", "head_dim", "tie_word_embeddings",
                  "rope_theta", "rms_norm_eps")
+
+
+def attention_hf_names(cfg: ModelConfig) -> tuple[tuple[str, str, bool], ...]:
+    """ATTENTION_HF_NAMES, with sandwich norms (Gemma) their names (SANDWICH_HF_NAMES)."""
+    if not cfg.sandwich_norms:
+        return ATTENTION_HF_NAMES
+    names = [(k, SANDWICH_HF_NAMES.get(k, suffix), t) for k, suffix, t in ATTENTION_HF_NAMES]
+    return (*names, ("post_attn_norm", SANDWICH_HF_NAMES["post_attn_norm"], False),
+            ("post_mlp_norm", SANDWICH_HF_NAMES["post_mlp_norm"], False))
 
 
 def attention_layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -55,6 +73,8 @@ def attention_layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes.update(bq=(qd,), bk=(kvd,), bv=(kvd,))
     if cfg.qk_norm:
         shapes.update(q_norm=(hd,), k_norm=(hd,))
+    if cfg.sandwich_norms:
+        shapes.update(post_attn_norm=(d,), post_mlp_norm=(d,))
     shapes["mlp_norm"] = (d,)
     return shapes
 
@@ -167,6 +187,10 @@ class DenseFamily:
     def config_to_hf(self, cfg: ModelConfig) -> dict[str, Any]:
         return {"attention_bias": cfg.attention_bias}
 
+    def unpack_hf_tensors(self, named: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
+        """The checkpoint's tensors as stored (nothing to unpack)."""
+        return named
+
     # ---- layout ----------------------------------------------------------------------
     def param_shapes(self, cfg: ModelConfig) -> dict[str, Any]:
         top = top_level(cfg)
@@ -180,7 +204,7 @@ class DenseFamily:
 
     def hf_tensor_specs(self, cfg: ModelConfig) -> dict[str, HfTensorSpec]:
         before, after = top_level_specs(cfg)
-        layers = layer_specs(ATTENTION_HF_NAMES + MLP_HF_NAMES, layer_param_shapes(cfg),
+        layers = layer_specs(attention_hf_names(cfg) + MLP_HF_NAMES, layer_param_shapes(cfg),
                              tuple(range(cfg.num_layers)))
         return {**before, **layers, **after}
 
@@ -225,6 +249,7 @@ class DenseFamily:
             plan_kernels,
             scan_needs_plain,
             scan_needs_transposes,
+            scans,
         )
         from multiserve.model.invariance.primitives import LAYER_MATRICES, with_transposed
 
@@ -239,9 +264,11 @@ class DenseFamily:
                                kernels=kernels,
                                head_kernels=plan_kernels(plan, ("head",)),
                                fused=fused_groups(plan, tuple(token_sizes)),
-                               stacked_plain=(scan_needs_plain(plan, tuple(token_sizes))
+                               stacked_plain=(scan_needs_plain(plan, tuple(token_sizes), cfg)
                                               or (stacks and "plain" in kernels)),
-                               layer_copies=plan.layer_copies)
+                               layer_copies=plan.layer_copies,
+                               unrolled=not token_sizes or not all(
+                                   scans(plan, t, cfg) for t in token_sizes))
 
     def params_to_hold(self, params: dict[str, Any], compute: dict[str, Any]
                        ) -> dict[str, Any]:
@@ -292,10 +319,10 @@ class DenseFamily:
                               ) -> tuple[Any, Any, Any]:
         raise ValueError(f"{cfg.architecture} is dense: it routes no tokens to experts")
 
-    def lm_head(self, params: dict[str, Any], h: Any, plan: Any) -> Any:
+    def lm_head(self, params: dict[str, Any], h: Any, plan: Any, cfg: ModelConfig) -> Any:
         from multiserve.model.families.llama import lm_head
 
-        return lm_head(params, h, plan)
+        return lm_head(params, h, plan, cfg)
 
     def scans(self, plan: Any, num_tokens: int) -> bool:
         from multiserve.model.families.llama import scans

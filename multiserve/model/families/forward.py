@@ -27,7 +27,7 @@ def forward(params: dict[str, Any], kv_pool: KVPool, batch: ForwardBatch, cfg: M
     family = family_for(cfg)
     h, kv_pool = family.forward_hidden(params, kv_pool, batch, cfg, page_size=page_size,
                                        attn_block_size=attn_block_size, plan=plan, tp=tp)
-    return family.lm_head(params, h, plan).astype(jnp.float32), kv_pool
+    return family.lm_head(params, h, plan, cfg).astype(jnp.float32), kv_pool
 
 
 def forward_routed(params: dict[str, Any], kv_pool: KVPool, batch: ForwardBatch,
@@ -40,4 +40,4 @@ def forward_routed(params: dict[str, Any], kv_pool: KVPool, batch: ForwardBatch,
     h, kv_pool, experts = family.forward_hidden_routed(
         params, kv_pool, batch, cfg, page_size=page_size, attn_block_size=attn_block_size,
         plan=plan, tp=tp)
-    return family.lm_head(params, h, plan).astype(jnp.float32), kv_pool, experts
+    return family.lm_head(params, h, plan, cfg).astype(jnp.float32), kv_pool, experts

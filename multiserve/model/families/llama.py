@@ -1,6 +1,13 @@
-"""The Llama-family decoder (Llama, SmolLM2, Qwen2, Qwen3) as a pure forward function: the
-forward of the dense families (families/dense.py). Its attention half (`attention_block`,
-`layer_projection`) is every family's, the MoE decoder's too (moe_decoder.py).
+"""The Llama-family decoder (Llama, SmolLM2, Qwen2, Qwen3, Mistral, Gemma 2 / 3) as a pure
+forward function: the forward of the dense families (families/dense.py, mistral.py,
+gemma.py). Its attention half (`attention_block`, `layer_projection`) is every family's,
+the MoE decoder's too (moe_decoder.py).
+
+What differs between the families is the config's, read here (config.ModelConfig): q/k/v
+biases, q/k norms, each layer's attention terms (sliding window, scale, soft cap:
+layers/attention_terms.py) and rope base (layers/rope.py), Gemma's norms (`norm_plus_one`:
+(1 + w) in float32; `sandwich_norms`: each block's output normed before its residual
+add), its scaled embeddings, the MLP's activation (`hidden_act`) and the final soft cap.
 
 `forward(params, kv_pool, batch, cfg, page_size=, attn_block_size=)` -> (logits f32 [R, V],
 new kv_pool), also available in two halves: `forward_hidden` (decoder, final norm, the
@@ -24,14 +31,15 @@ import numpy as np
 
 from multiserve.config import ModelConfig
 from multiserve.model.layers.attention import paged_attention
+from multiserve.model.layers.attention_terms import layer_terms
+from multiserve.model.layers.activation import gated
 from multiserve.model.layers.forward_batch import ForwardBatch
 from multiserve.model.layers.lora import Adapt, layer_adapter, native_lora
 from multiserve.model.invariance.plan import InvariancePlan, ProductPlan
 from multiserve.model.layers.kv_pool import KVPool, write_layer
 from multiserve.model.layers.norm import rms_norm
-from multiserve.model.layers.rope import apply_rope, rope_inv_freq
+from multiserve.model.layers.rope import RopeTables, apply_rope, rope_tables
 from multiserve.model.kernels.native import PANEL
-from multiserve.model.layers.activation import swiglu
 from multiserve.model.tensor_parallel import TensorParallel, embed_rows, whole
 from multiserve.model.invariance.primitives import (
     FUSED_GROUPS,
@@ -53,16 +61,17 @@ def scan_needs_transposes(plan: InvariancePlan, cfg: ModelConfig,
                           token_sizes: tuple[int, ...]) -> bool:
     """Whether the scanned decoder (the step sizes `scans` sends there) uses the NT product
     somewhere, so the stacked transposes must be kept (`with_transposed`)."""
-    scanned = [t for t in token_sizes if scans(plan, t)]
+    scanned = [t for t in token_sizes if scans(plan, t, cfg)]
     return any(plan.product(name).formulation(t).kernel == "nt"
                for name in LAYER_MATRICES for t in scanned)
 
 
-def scan_needs_plain(plan: InvariancePlan, token_sizes: tuple[int, ...]) -> bool:
+def scan_needs_plain(plan: InvariancePlan, token_sizes: tuple[int, ...],
+                     cfg: ModelConfig | None = None) -> bool:
     """Whether the scanned decoder (the step sizes `scans` sends there) uses the plain
     product somewhere, so it reads the canonical stacked matrices (`with_transposed`'s
     `stacked_plain`)."""
-    scanned = [t for t in token_sizes if scans(plan, t)]
+    scanned = [t for t in token_sizes if scans(plan, t, cfg)]
     return any(plan.product(name).formulation(t).kernel == "plain"
                for name in LAYER_MATRICES for t in scanned)
 
@@ -118,23 +127,46 @@ def project_together(h: jax.Array, w: dict[str, jax.Array | None],
 
 
 def _layer(x: jax.Array, kv: KVPool, layer: int | jax.Array, w: dict[str, jax.Array | None],
-           batch: ForwardBatch, cos: jax.Array, sin: jax.Array, cfg: ModelConfig, *,
+           batch: ForwardBatch, rope: RopeTables, cfg: ModelConfig, *,
            page_size: int, attn_block_size: int, plan: InvariancePlan,
            adapt: Adapt | None = None,
            tp: TensorParallel | None = None) -> tuple[jax.Array, KVPool]:
-    """One pre-norm decoder layer: attention over the paged pool, then a SwiGLU MLP.
+    """One pre-norm decoder layer: attention over the paged pool, then a gated MLP.
     `w` holds this layer's params (`layer_weights`): each matrix as W [in, out], W^T and
     the native panels (the whole stack, indexed by `layer`), the layouts the plan does
     not use at this step size None. `adapt`: the layer's LoRA adapters (None: none).
     `tp`: the engine's devices (None: one), for the gathers of model/tensor_parallel.py."""
     proj = layer_projection(w, layer, plan, adapt)
-    x, kv = attention_block(x, kv, layer, w, proj, batch, cos, sin, cfg, page_size=page_size,
+    x, kv = attention_block(x, kv, layer, w, proj, batch, rope, cfg, page_size=page_size,
                             attn_block_size=attn_block_size, plan=plan, adapt=adapt, tp=tp)
-    h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps, plan.row_sum(cfg.hidden_size))
+    h = norm(x, w["mlp_norm"], cfg, plan)
     gate, up = project_together(h, w, layer, plan, proj, "w_gateup", adapt)
+    act = whole(gated(gate, up, cfg.hidden_act), tp)
     # x + the MLP's output; down_proj reads its input whole and its output is gathered
-    x = whole(proj(whole(swiglu(gate, up), tp), "w_down", residual=x), tp)
-    return x, kv
+    return residual_add(x, act, "w_down", "post_mlp_norm", w, proj, cfg, plan, tp), kv
+
+
+def norm(x: jax.Array, weight: jax.Array, cfg: ModelConfig, plan: InvariancePlan
+         ) -> jax.Array:
+    """The family's RMSNorm of x over its last axis (Gemma's `norm_plus_one` form or
+    Llama's), its row sums as the plan says for that width."""
+    return rms_norm(x, weight, cfg.rms_norm_eps, plan.row_sum(x.shape[-1]),
+                    plus_one=cfg.norm_plus_one, weight_f32=cfg.norm_weight_f32)
+
+
+def residual_add(x: jax.Array, h: jax.Array, matrix: str, post_norm: str,
+                 w: dict[str, jax.Array | None], proj: Projection, cfg: ModelConfig,
+                 plan: InvariancePlan, tp: TensorParallel | None) -> jax.Array:
+    """x + h @ W[matrix] (the product reads h whole; its output is gathered): the add in
+    the product (`proj`'s residual); with `o_proj_bias`, o_proj's output plus its bias
+    `w["bo"]`, then the add; with `sandwich_norms`, the add after the output's own norm
+    `w[post_norm]`."""
+    if matrix == "wo" and cfg.o_proj_bias:  # x + (h @ W + b)
+        return x + (whole(proj(h, matrix), tp) + w["bo"])
+    if not cfg.sandwich_norms:
+        return whole(proj(h, matrix, residual=x), tp)
+    y = whole(proj(h, matrix), tp)
+    return x + norm(y, w[post_norm], cfg, plan)
 
 
 # (h [M, K], matrix name, residual [M, N] or None) -> residual + h @ W, row-invariant
@@ -163,7 +195,7 @@ def layer_projection(w: dict[str, jax.Array | None], layer: int | jax.Array,
 
 def attention_block(x: jax.Array, kv: KVPool, layer: int | jax.Array,
                     w: dict[str, jax.Array | None], proj: Projection, batch: ForwardBatch,
-                    cos: jax.Array, sin: jax.Array, cfg: ModelConfig, *, page_size: int,
+                    rope: RopeTables, cfg: ModelConfig, *, page_size: int,
                     attn_block_size: int, plan: InvariancePlan,
                     adapt: Adapt | None = None,
                     tp: TensorParallel | None = None) -> tuple[jax.Array, KVPool]:
@@ -172,8 +204,7 @@ def attention_block(x: jax.Array, kv: KVPool, layer: int | jax.Array,
     `proj` applies to o_proj itself. `tp`: as `_layer`'s (o_proj reads the heads' outputs
     whole; its output is gathered)."""
     t, hd = x.shape[0], cfg.head_dim
-    norm = plan.row_sum(cfg.hidden_size)
-    h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps, norm)
+    h = norm(x, w["attn_norm"], cfg, plan)
     q, k, v = project_together(h, w, layer, plan, proj, "wqkv", adapt)
     if cfg.attention_bias:
         q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
@@ -181,17 +212,18 @@ def attention_block(x: jax.Array, kv: KVPool, layer: int | jax.Array,
     k = k.reshape(t, cfg.num_kv_heads, hd)
     v = v.reshape(t, cfg.num_kv_heads, hd)
     if cfg.qk_norm:
-        q = rms_norm(q, w["q_norm"], cfg.rms_norm_eps, plan.row_sum(hd))
-        k = rms_norm(k, w["k_norm"], cfg.rms_norm_eps, plan.row_sum(hd))
+        q, k = norm(q, w["q_norm"], cfg, plan), norm(k, w["k_norm"], cfg, plan)
+    cos, sin = rope.for_layer(layer)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
     kv = write_layer(kv, layer, batch.out_slots, k, v,
                      native=plan.attention.kernel == "native")
     attn = paged_attention(q, kv.k, kv.v, layer, batch, page_size=page_size,
-                           block_size=attn_block_size, plan=plan.attention, tp=tp,
+                           block_size=attn_block_size, plan=plan.attention,
+                           terms=layer_terms(cfg, layer, w.get("sinks")), tp=tp,
                            kv_heads=cfg.num_kv_heads)
     heads = whole(attn.reshape(t, cfg.num_heads * hd), tp)
-    return whole(proj(heads, "wo", residual=x), tp), kv
+    return residual_add(x, heads, "wo", "post_attn_norm", w, proj, cfg, plan, tp), kv
 
 
 def layer_weights(layer: dict[str, jax.Array], num_tokens: int, plan: InvariancePlan,
@@ -234,14 +266,22 @@ def layer_weights(layer: dict[str, jax.Array], num_tokens: int, plan: Invariance
     return out
 
 
-def scans(plan: InvariancePlan, num_tokens: int) -> bool:
+def scans(plan: InvariancePlan, num_tokens: int, cfg: ModelConfig | None = None) -> bool:
     """Whether a T-token step runs the scanned decoder: on the CPU (`plan.layer_copies`)
     above UNROLL_MAX_TOKENS, and at any size where every layer matrix uses the native
     kernel (it reads its layer of the stack in place, so a scan copies no weights: it runs
     as fast as the unrolled decoder and compiles far quicker, docs/performance.md §6). On
-    an accelerator never: its unrolled decoder copies nothing either, and the compiler's
-    cost analysis counts a loop body once, so only an unrolled program's count is the
-    step's (the TPU compile report's floors, doctor_compile.py)."""
+    an accelerator not otherwise: its unrolled decoder copies nothing either, and the
+    compiler's cost analysis counts a loop body once, so only an unrolled program's count
+    is the step's (the TPU compile report's floors, doctor_compile.py). A model with
+    sandwich norms (Gemma) scans at every size on every platform: its post-block norms are
+    added to the residual stream, and XLA:CPU contracts such a norm's last multiply with
+    the add into one FMA where the two share a fusion; an unrolled program fuses across
+    layers otherwise than the scan's body, so the two rounded a row differently, where
+    every scanned program gives the same bits (docs/determinism.md §3;
+    tests/model/test_families.py)."""
+    if cfg is not None and cfg.sandwich_norms:
+        return True
     if not plan.layer_copies:
         return False
     return num_tokens > UNROLL_MAX_TOKENS or all(
@@ -269,9 +309,8 @@ def forward_hidden(params: Params, kv_pool: KVPool, batch: ForwardBatch, cfg: Mo
     norms and biases); the native kernel's panels are passed whole (it indexes the
     layer), so an all-native step copies nothing."""
     assert is_compute_params(params), "forward needs primitives.with_transposed(params, cfg)"
-    x = embed_rows(params["embed"], batch.input_ids, tp)
-    freqs = batch.positions.astype(jnp.float32)[:, None] * jnp.asarray(rope_inv_freq(cfg))
-    cos, sin = jnp.cos(freqs)[:, None, :], jnp.sin(freqs)[:, None, :]
+    x = embed(params["embed"], batch.input_ids, cfg, tp)
+    rope = rope_tables(cfg, batch.positions)
     num_tokens = x.shape[0]
     stacked = params["stacked_layers"]
     lora = params.get("lora")  # LoRA buffers (model/layers/lora.py), absent without LoRA
@@ -282,11 +321,11 @@ def forward_hidden(params: Params, kv_pool: KVPool, batch: ForwardBatch, cfg: Mo
     def adapter(layer: int | jax.Array) -> Adapt | None:
         return None if lora is None else layer_adapter(lora, layer, batch.lora_slots, native)
 
-    if not scans(plan, num_tokens):
+    if not scans(plan, num_tokens, cfg):
         for index, layer in enumerate(params["layers"]):
             x, kv_pool = _layer(x, kv_pool, index,
                                 layer_weights(layer, num_tokens, plan, cfg, stacked, index),
-                                batch, cos, sin, cfg, page_size=page_size,
+                                batch, rope, cfg, page_size=page_size,
                                 attn_block_size=attn_block_size, plan=plan,
                                 adapt=adapter(index), tp=tp)
     else:
@@ -309,21 +348,35 @@ def forward_hidden(params: Params, kv_pool: KVPool, batch: ForwardBatch, cfg: Mo
             x, kv = carry
             w, layer = xs
             own = jax.lax.switch(layer, by_layer) if switched else {}
-            x, kv = _layer(x, kv, layer, {**w, **own, **in_place}, batch, cos, sin, cfg,
+            x, kv = _layer(x, kv, layer, {**w, **own, **in_place}, batch, rope, cfg,
                            page_size=page_size, attn_block_size=attn_block_size, plan=plan,
                            adapt=adapter(layer), tp=tp)
             return (x, kv), None
 
         layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
         (x, kv_pool), _ = jax.lax.scan(step, (x, kv_pool), (sliced, layer_ids))
-    return rms_norm(x[batch.logit_rows], params["final_norm"], cfg.rms_norm_eps,
-                    plan.row_sum(cfg.hidden_size)), kv_pool
+    return norm(x[batch.logit_rows], params["final_norm"], cfg, plan), kv_pool
 
 
-def lm_head(params: Params, h: jax.Array, plan: InvariancePlan) -> jax.Array:
-    """Logits f32 [R, V] of final-normed hidden states h [R, D] (row-invariant)."""
-    return dense(h, params["head_w"], params["head_wt"], plan.product("head"),
-                 preferred=jnp.float32, w_p=params.get("head_wp"))
+def embed(table: jax.Array, ids: jax.Array, cfg: ModelConfig,
+          tp: TensorParallel | None) -> jax.Array:
+    """The rows of `table` for `ids` (model/tensor_parallel.py `embed_rows`), times
+    sqrt(hidden_size) in their dtype where the family scales its embeddings (Gemma: the
+    factor rounded to the weights' dtype first, as transformers does)."""
+    x = embed_rows(table, ids, tp)
+    if not cfg.scale_embeddings:
+        return x
+    return x * jnp.asarray(cfg.hidden_size ** 0.5, jnp.float32).astype(x.dtype)
+
+
+def lm_head(params: Params, h: jax.Array, plan: InvariancePlan,
+            cfg: ModelConfig | None = None) -> jax.Array:
+    """Logits f32 [R, V] of final-normed hidden states h [R, D] (row-invariant), soft-capped
+    as cfg's `final_logit_softcapping` says (cap * tanh(logits / cap), float32)."""
+    logits = dense(h, params["head_w"], params["head_wt"], plan.product("head"),
+                   preferred=jnp.float32, w_p=params.get("head_wp"))
+    cap = 0.0 if cfg is None else cfg.final_logit_softcapping
+    return logits if cap <= 0 else jnp.tanh(logits / cap) * cap
 
 
 def forward(params: Params, kv_pool: KVPool, batch: ForwardBatch, cfg: ModelConfig, *,
@@ -332,4 +385,4 @@ def forward(params: Params, kv_pool: KVPool, batch: ForwardBatch, cfg: ModelConf
     """Run the new tokens of `batch` through the model; return (logits f32 [R, V], kv_pool)."""
     h, kv_pool = forward_hidden(params, kv_pool, batch, cfg, page_size=page_size,
                                 attn_block_size=attn_block_size, plan=plan)
-    return lm_head(params, h, plan).astype(jnp.float32), kv_pool
+    return lm_head(params, h, plan, cfg).astype(jnp.float32), kv_pool

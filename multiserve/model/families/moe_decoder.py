@@ -1,10 +1,12 @@
-"""The decoder of the mixture-of-experts families (Qwen3-MoE, Qwen2-MoE): the dense
-families' attention (llama.attention_block) then, per layer, either the sparse MLP
-(moe.py) or the dense SwiGLU MLP (`mlp_only_layers` / `decoder_sparse_step`).
+"""The decoder of the mixture-of-experts families (Qwen3-MoE, Qwen2-MoE, Mixtral, GPT-OSS):
+the dense families' attention (llama.attention_block: biases, windows, sinks) then, per
+layer, either the sparse MLP (moe.py; GPT-OSS's: gpt_oss_moe.py, `expert_block`) or the
+dense SwiGLU MLP (`mlp_only_layers` / `decoder_sparse_step`).
 
 Canonical params (families/qwen_moe.py): "layers" (attention + norms, stacked over L),
 "dense_mlp" (w_gate, w_up, w_down stacked over the dense layers), "moe" (router, the
-experts we_* [Lm, E, in, out], the shared expert ws_*, stacked over the MoE layers).
+experts we_* [Lm, E, in, out], the shared expert ws_*, GPT-OSS's router and expert biases,
+stacked over the MoE layers).
 
 Compute params (`compute_params`): the attention part as `primitives.with_transposed`
 makes it for the dense families (per-layer dicts + stacks + head layouts), and for the
@@ -29,13 +31,14 @@ from multiserve.config import ModelConfig
 from multiserve.model.layers.forward_batch import ForwardBatch
 from multiserve.model.invariance.plan import InvariancePlan
 from multiserve.model.layers.kv_pool import KVPool
+from multiserve.model.families import gpt_oss_moe, moe
 from multiserve.model.families.llama import (
     attention_block,
     layer_projection,
+    norm,
 )
-from multiserve.model.layers.norm import rms_norm
-from multiserve.model.layers.rope import rope_inv_freq
-from multiserve.model.families.moe import EXPERT_MATRICES, SHARED_MATRICES, moe_mlp_routed
+from multiserve.model.layers.rope import rope_tables
+from multiserve.model.families.moe import SHARED_MATRICES
 from multiserve.model.kernels.native import pack_panels
 from multiserve.model.layers.activation import swiglu
 from multiserve.model.tensor_parallel import TensorParallel, embed_rows, whole
@@ -55,6 +58,19 @@ DENSE_MLP_MATRICES = ("w_gate", "w_up", "w_down")
 def moe_dense_matrices(cfg: ModelConfig) -> tuple[str, ...]:
     """The dense (row-invariant `dense`) matrices of a MoE layer: router, shared expert."""
     return ("router",) + (SHARED_MATRICES if cfg.shared_expert_intermediate_size else ())
+
+
+def expert_matrices(cfg: ModelConfig) -> tuple[str, ...]:
+    """A MoE layer's expert matrices ([E, in, out] each), grouped products of the plan."""
+    return (gpt_oss_moe.EXPERT_MATRICES if cfg.architecture == "gpt_oss"
+            else moe.EXPERT_MATRICES)
+
+
+def expert_block(cfg: ModelConfig) -> Any:
+    """The sparse MLP of the family: (h, w, moe layer, proj, cfg, plans, tp) -> (out,
+    experts [T, k])."""
+    return (gpt_oss_moe.moe_mlp_routed if cfg.architecture == "gpt_oss"
+            else moe.moe_mlp_routed)
 
 
 @jax.jit
@@ -93,13 +109,17 @@ def compute_params(params: dict[str, Any], cfg: ModelConfig, kernels: frozenset[
             mlp[i] = dict(per[j]) if per else {}
         mlp_stacked["dense_mlp"] = stacked
     if cfg.moe_layers:
-        moe = params["moe"]
+        group = params["moe"]
         dense_names = moe_dense_matrices(cfg)
-        per, stacked = _group_layouts({k: moe[k] for k in dense_names}, dense_names, kernels)
-        experts = {k: moe[k] for k in EXPERT_MATRICES}
+        per, stacked = _group_layouts({k: group[k] for k in dense_names}, dense_names,
+                                      kernels)
+        experts = {k: group[k] for k in expert_matrices(cfg)}
         per_experts = split_layers(experts) if "gather" in kernels else ()
+        others = {k: v for k, v in group.items() if k not in dense_names and k not in experts}
+        per_others = split_layers(others) if others else ()  # biases
         for j, i in enumerate(cfg.moe_layers):
-            mlp[i] = {**(per[j] if per else {}), **(per_experts[j] if per_experts else {})}
+            mlp[i] = {**(per[j] if per else {}), **(per_experts[j] if per_experts else {}),
+                      **(per_others[j] if per_others else {})}
         if "native" in kernels:
             stacked.update(_pack_experts(experts))
         mlp_stacked["moe"] = stacked
@@ -162,31 +182,30 @@ def _decoder(params: dict[str, Any], kv_pool: KVPool, batch: ForwardBatch,
     it: the ids are the routing's own values. `tp`: as llama.forward_hidden's."""
     assert is_compute_params(params) and "mlp" in params, "needs moe_decoder.compute_params"
     x = embed_rows(params["embed"], batch.input_ids, tp)
-    freqs = batch.positions.astype(jnp.float32)[:, None] * jnp.asarray(rope_inv_freq(cfg))
-    cos, sin = jnp.cos(freqs)[:, None, :], jnp.sin(freqs)[:, None, :]
+    rope = rope_tables(cfg, batch.positions)
     t = x.shape[0]
     pairs = t * max(cfg.num_experts_per_tok, 1)
-    norm = plan.row_sum(cfg.hidden_size)
     dense_index = {i: j for j, i in enumerate(cfg.dense_mlp_layers)}
     moe_index = {i: j for j, i in enumerate(cfg.moe_layers)}
-    expert_plans = {m: plan.product(m) for m in EXPERT_MATRICES} if cfg.moe_layers else {}
+    matrices = expert_matrices(cfg)
+    expert_plans = {m: plan.product(m) for m in matrices} if cfg.moe_layers else {}
+    block = expert_block(cfg)
     routed: list[jax.Array] = []  # [T, k] per MoE layer, in layer order
     for i, layer in enumerate(params["layers"]):
         w = _select(layer, params["stacked_layers"], ATTENTION_MATRICES, t, plan)
         x, kv_pool = attention_block(x, kv_pool, i, w, layer_projection(w, i, plan), batch,
-                                     cos, sin, cfg, page_size=page_size,
+                                     rope, cfg, page_size=page_size,
                                      attn_block_size=attn_block_size, plan=plan, tp=tp)
-        h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps, norm)
+        h = norm(x, w["mlp_norm"], cfg, plan)
         if i in moe_index:
             j = moe_index[i]
             stacked = params["mlp_stacked"]["moe"]
             mw = _select(params["mlp"][i], stacked, moe_dense_matrices(cfg), t, plan)
-            for m in EXPERT_MATRICES:
+            for m in matrices:
                 native = expert_plans[m].formulation(pairs).kernel == "native"
                 mw[m] = None if native else params["mlp"][i][m]
                 mw[f"{m}_p"] = stacked[f"{m}_p"] if native else None
-            y, chosen = moe_mlp_routed(h, mw, j, layer_projection(mw, j, plan), cfg,
-                                       expert_plans, tp)
+            y, chosen = block(h, mw, j, layer_projection(mw, j, plan), cfg, expert_plans, tp)
             x = x + y
             routed.append(chosen)
         else:
@@ -196,5 +215,4 @@ def _decoder(params: dict[str, Any], kv_pool: KVPool, batch: ForwardBatch,
             proj = layer_projection(mw, j, plan)
             act = whole(swiglu(proj(h, "w_gate"), proj(h, "w_up")), tp)
             x = whole(proj(act, "w_down", residual=x), tp)
-    return rms_norm(x[batch.logit_rows], params["final_norm"], cfg.rms_norm_eps,
-                    norm), kv_pool, routed
+    return norm(x[batch.logit_rows], params["final_norm"], cfg, plan), kv_pool, routed

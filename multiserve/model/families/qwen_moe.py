@@ -82,6 +82,22 @@ def expert_split(cfg: ModelConfig, n: int, moe_sharding: str) -> str:
     return "intermediate" if cfg.moe_intermediate_size % n == 0 else ""
 
 
+def attention_and_top_specs(cfg: ModelConfig, n: int, shapes: dict[str, Any],
+                            extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The PartitionSpecs of the "layers" leaves in `shapes` (dense.attention_specs' rules,
+    `extra` for leaves of a family's own; any other leaf replicated) and of the top-level
+    ones."""
+    from jax.sharding import PartitionSpec as P
+
+    base = attention_specs(cfg, n)
+    rules = {**base["layers"], **(extra or {})}
+    specs: dict[str, Any] = {"layers": {k: rules.get(k, P()) for k in shapes["layers"]},
+                             "embed": base["embed"], "final_norm": P()}
+    if "lm_head" in shapes:
+        specs["lm_head"] = base["lm_head"]
+    return specs
+
+
 class QwenMoeFamily:
     """Qwen3-MoE and Qwen2-MoE (see module docstring)."""
 
@@ -92,6 +108,10 @@ class QwenMoeFamily:
     config_fields = CONFIG_FIELDS + ("num_experts", "num_experts_per_tok",
                                      "moe_intermediate_size", "norm_topk_prob", "moe_layers",
                                      "shared_expert_intermediate_size")
+    # the HF names of a sparse layer's router and experts, under model.layers.{i}.
+    router_hf_name = "mlp.gate.weight"
+    expert_hf_name = "mlp.experts.{e}.{proj}.weight"
+    expert_hf_names = EXPERT_HF_NAMES
 
     # ---- config ----------------------------------------------------------------------
     def config_from_hf(self, raw: dict[str, Any], arch: str, source: Path,
@@ -128,6 +148,10 @@ class QwenMoeFamily:
         else:
             out["attention_bias"] = False
         return out
+
+    def unpack_hf_tensors(self, named: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
+        """The checkpoint's tensors as stored (nothing to unpack)."""
+        return named
 
     # ---- layout ----------------------------------------------------------------------
     def param_shapes(self, cfg: ModelConfig) -> dict[str, Any]:
@@ -169,11 +193,11 @@ class QwenMoeFamily:
                     add(i, dense_index[i], key, suffix, transposed, dense[key], "dense_mlp")
                 continue
             j = moe_index[i]
-            add(i, j, "router", "mlp.gate.weight", True, moe["router"], "moe")
+            add(i, j, "router", self.router_hf_name, True, moe["router"], "moe")
             for e in range(cfg.num_experts):
-                for key, proj in EXPERT_HF_NAMES:
-                    add(i, j, key, f"mlp.experts.{e}.{proj}.weight", True, moe[key][1:], "moe",
-                        e)
+                for key, proj in self.expert_hf_names:
+                    add(i, j, key, self.expert_hf_name.format(e=e, proj=proj), True,
+                        moe[key][1:], "moe", e)
             for key, suffix, transposed in SHARED_HF_NAMES:
                 if key in moe:
                     add(i, j, key, suffix, transposed, moe[key], "moe")
@@ -185,16 +209,11 @@ class QwenMoeFamily:
         from jax.sharding import PartitionSpec as P
 
         n = mesh.shape["tensor"]
-        base = attention_specs(cfg, n)
         t = "tensor"
         split = tp_splits(cfg, n)
         mlp = split["mlp"]
         shapes = self.param_shapes(cfg)
-        specs: dict[str, Any] = {
-            "layers": {k: base["layers"].get(k, P()) for k in shapes["layers"]},
-            "embed": base["embed"], "final_norm": P()}
-        if "lm_head" in shapes:
-            specs["lm_head"] = base["lm_head"]
+        specs = attention_and_top_specs(cfg, n, shapes)
         if "dense_mlp" in shapes:
             specs["dense_mlp"] = {"w_gate": P(None, None, t) if mlp else P(),
                                   "w_up": P(None, None, t) if mlp else P(),
@@ -279,10 +298,10 @@ class QwenMoeFamily:
         return forward_hidden_routed(params, kv_pool, batch, cfg, page_size=page_size,
                                      attn_block_size=attn_block_size, plan=plan, tp=tp)
 
-    def lm_head(self, params: dict[str, Any], h: Any, plan: Any) -> Any:
+    def lm_head(self, params: dict[str, Any], h: Any, plan: Any, cfg: ModelConfig) -> Any:
         from multiserve.model.families.llama import lm_head
 
-        return lm_head(params, h, plan)
+        return lm_head(params, h, plan, cfg)
 
     def scans(self, plan: Any, num_tokens: int) -> bool:
         return False  # always unrolled (moe_decoder.py)

@@ -217,7 +217,8 @@ def with_transposed(params: dict[str, Any], cfg: ModelConfig, stacked_t: bool = 
                     matrices: tuple[str, ...] = LAYER_MATRICES,
                     fused: tuple[str, ...] = (),
                     head_kernels: frozenset[str] | None = None,
-                    stacked_plain: bool = True, layer_copies: bool = True) -> dict[str, Any]:
+                    stacked_plain: bool = True, layer_copies: bool = True,
+                    unrolled: bool = True) -> dict[str, Any]:
     """The compute params the forward runs on, derived from the canonical pytree (matrices
     [in, out] stacked over layers, see param_layout), holding each layer matrix in the
     layouts of the product `kernels` the invariance plan uses (`llama.plan_kernels`; by
@@ -257,7 +258,10 @@ def with_transposed(params: dict[str, Any], cfg: ModelConfig, stacked_t: bool = 
     `layer_copies` False (the plan's `layer_copies`: an accelerator): `layers` holds
     nothing of its own (a tuple of empty dicts); the unrolled decoder reads static slices
     of the stacks (the canonical ones, norms and biases included, and with "nt" the
-    stacked transposes, which `stacked_t` must then keep)."""
+    stacked transposes, which `stacked_t` must then keep).
+    `unrolled` False: no step runs the unrolled decoder (a model that scans at every
+    size, `llama.scans`), so `layers` holds no matrix (the per-layer copies would never
+    be read)."""
     layers = params["layers"]
     keep_t = "nt" in kernels or stacked_t  # else no layer matrix is transposed at all
     to_transpose: dict[str, Any] = ({name: layers[name] for name in matrices}
@@ -267,11 +271,11 @@ def with_transposed(params: dict[str, Any], cfg: ModelConfig, stacked_t: bool = 
     head = done.pop("head")
     out = {k: v for k, v in params.items() if k != "layers"}
     per_layer = {k: v for k, v in layers.items()
-                 if layer_copies and (k not in matrices or "plain" in kernels)}
+                 if layer_copies and (k not in matrices or ("plain" in kernels and unrolled))}
     stacked = dict(layers)
     if keep_t:
         transposed = {f"{name}_t": a for name, a in done.items()}
-        if layer_copies:
+        if layer_copies and unrolled:
             per_layer.update(transposed)
         if stacked_t:
             stacked.update(transposed)

@@ -47,6 +47,7 @@ from multiserve.model.invariance.xla_options import step_options
 from multiserve.model.kernels import native as native_kernels
 from multiserve.model.layers.attention import paged_attention
 from multiserve.model.layers.attention_pallas import KERNEL_PLATFORM, forced_kernel
+from multiserve.model.layers.attention_terms import AttentionTerms
 from multiserve.model.layers.forward_batch import ForwardBatch
 from multiserve.model.layers.kv_pool import pool_layout, to_lanes
 
@@ -173,8 +174,10 @@ def pallas_attention_kernel(use: AttentionUse, device: Any) -> tuple[str, bool] 
     interpret mode), or None: "pallas_gpu" on a GPU, "pallas_tpu" on a TPU, or the kernel
     forced by MULTISERVE_ATTENTION_KERNEL (attention_pallas.forced_kernel), interpreted on a
     platform it was not made for. Not for a tensor-parallel attention (a pallas_call is not
-    partitioned by GSPMD)."""
-    if use.sharded:
+    partitioned by GSPMD), nor for layers with terms beyond plain causal attention (a
+    sliding window, sinks: the Pallas calls do not compute them; such a model's plan takes
+    the XLA formulation there)."""
+    if use.sharded or not use.plain:
         return None
     forced = forced_kernel()
     kernel = forced or {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}.get(device.platform)
@@ -302,8 +305,10 @@ class AttentionProbe:
     """Paged attention on fixed probe rows: the first half decode-like (each its own
     sequence, random positions over several key blocks), the second half prefill-like
     (runs of consecutive positions of a few sequences), so chunks of one sequence (shared
-    keys) occur at the larger sizes. Candidates are made on demand and remembered
-    (`done`, in the order they were made)."""
+    keys) occur at the larger sizes. A row's result is its output under every attention
+    kind of the model (`AttentionUse.kinds`, side by side; a window probed at most half the
+    probe's positions, so that it bites: the kernels' code does not depend on its size).
+    Candidates are made on demand and remembered (`done`, in the order they were made)."""
 
     def __init__(self, use: AttentionUse, dtype: Any, device: Any, distort: Distort | None,
                  rng: np.random.Generator) -> None:
@@ -335,6 +340,12 @@ class AttentionProbe:
         self.device = device
         self.q = host(rng.standard_normal((top, heads, use.head_dim)), dtype)
         self.seq, self.pos = seq, pos
+        sinks = (jnp.asarray(rng.standard_normal(heads), jnp.float32)
+                 if any(with_sinks for _, with_sinks in use.kinds) else None)
+        self.terms = [AttentionTerms(window=min(window, max_pos // 2),
+                                     sinks=sinks if with_sinks else None,
+                                     softcap=use.softcap)
+                      for window, with_sinks in (use.kinds or ((0, False),))]
         self.done: dict[tuple[int, int, int, bool, str], Candidate] = {}
         self.interpret = False  # the Pallas candidates run in interpret mode (`pallas`)
 
@@ -370,8 +381,11 @@ class AttentionProbe:
                                  token_seq=ss, out_slots=jnp.zeros(n, jnp.int32),
                                  page_table=table, seq_lens=jnp.zeros(num_seqs, jnp.int32),
                                  logit_rows=jnp.zeros(1, jnp.int32))
-            return paged_attention(qs, k_pool, v_pool, 0, batch, page_size=use.page_size,
-                                   block_size=use.block_size, plan=plan, kv_heads=use.kv_heads)
+            return jnp.concatenate([
+                paged_attention(qs, k_pool, v_pool, 0, batch, page_size=use.page_size,
+                                block_size=use.block_size, plan=plan, terms=terms,
+                                kv_heads=use.kv_heads)
+                for terms in self.terms], axis=-1)
 
         attend = probe_jit(attend_rows, self.dtype, self.device)
 

@@ -36,6 +36,16 @@ class AttentionUse:
     block_size: int
     sizes: tuple[int, ...]  # token counts the engine runs
     sharded: bool = False  # heads split over a tensor-parallel group (GSPMD-partitioned)
+    # the attention terms of the model's layers beyond plain causal attention
+    # (layers/attention_terms.py), each kind once: (sliding window or 0, sinks); () for a
+    # model whose every layer is plain. A candidate is checked on every kind.
+    kinds: tuple[tuple[int, bool], ...] = ()
+    softcap: float = 0.0  # every layer's score soft cap (0: none)
+
+    @property
+    def plain(self) -> bool:
+        """Every layer computes plain causal attention (what every kernel computes)."""
+        return not self.kinds and self.softcap <= 0
 
 
 @dataclass(frozen=True)
@@ -103,6 +113,8 @@ def workload_for(cfg: Any, token_sizes: Sequence[int], row_sizes: Sequence[int],
                     for g in family.grouped_shapes(cfg, tp, moe_sharding))
     heads = cfg.num_heads // tp if attn else cfg.num_heads
     kv_heads = cfg.num_kv_heads // tp if attn else cfg.num_kv_heads
+    kinds = tuple(sorted({(cfg.layer_window(i), cfg.attention_sinks)
+                          for i in range(cfg.num_layers)}))
     row_sums = [(cfg.hidden_size, tuple(sorted(set(tokens) | set(rows))))]
     if cfg.qk_norm:
         row_sums.append((cfg.head_dim, tuple(sorted({t * h for t in tokens
@@ -111,7 +123,10 @@ def workload_for(cfg: Any, token_sizes: Sequence[int], row_sizes: Sequence[int],
                     row_sums=tuple(row_sums),
                     attention=AttentionUse(kv_heads, cfg.num_heads // cfg.num_kv_heads,
                                            cfg.head_dim, page_size, block_size, tokens,
-                                           sharded=attn), grouped=grouped)
+                                           sharded=attn,
+                                           kinds=() if kinds == ((0, False),) else kinds,
+                                           softcap=cfg.attn_logit_softcapping),
+                    grouped=grouped)
 
 
 def default_workload(cfg: Any, dtype: Any = np.float32, *, page_size: int | None = None,

@@ -69,6 +69,7 @@ from multiserve.cache_files import cache_root, exclusive
 from multiserve.model import lora_layout
 from multiserve.model.invariance.plan import BF16_PATHS
 from multiserve.model.kernels import product_tuning
+from multiserve.model.layers.attention_terms import PLAIN_ATTENTION, AttentionTerms
 from multiserve.model.layers.forward_batch import ForwardBatch
 
 log = logging.getLogger("multiserve.native_kernels")
@@ -536,26 +537,36 @@ def row_gemm_lora(x: jax.Array, panels: jax.Array, n: int, layer: int | jax.Arra
 
 def paged_attention_native(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
                            layer: int | jax.Array, batch: ForwardBatch, *,
-                           page_size: int) -> jax.Array:
+                           page_size: int, terms: AttentionTerms = PLAIN_ATTENTION
+                           ) -> jax.Array:
     """q [T, H, hd] (rotated, not scaled) -> attention output [T, H, hd] in q's dtype,
     K/V read from the pools [L, KV, slots, hd] (both float32 or both bfloat16) through
-    `batch.page_table`; q, the softmax and every sum in float32 (paged_attention.cc)."""
+    `batch.page_table`; q, the softmax and every sum in float32 (paged_attention.cc).
+    `terms`: the layer's scale, sliding window, sinks and soft cap (attention_terms.py)."""
     assert k_pool.dtype == v_pool.dtype and k_pool.dtype in (jnp.float32, jnp.bfloat16), (
         k_pool.dtype, v_pool.dtype)
     _require()
     target = ATTENTION if k_pool.dtype == jnp.float32 else ATTENTION_BF16
     return paged_attention_call(target, q, k_pool, v_pool, layer, batch,
-                                page_size=page_size).astype(q.dtype)
+                                page_size=page_size, terms=terms).astype(q.dtype)
 
 
 def paged_attention_call(target: str, q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
                          layer: int | jax.Array, batch: ForwardBatch, *,
-                         page_size: int) -> jax.Array:
-    """The FFI call of paged_attention.cc registered as `target` (its operands, attributes
-    and scale 1/sqrt(head_dim)): float32 output [T, H, hd]. scripts/ab_attention.py calls
-    other builds of the kernel through it."""
+                         page_size: int, terms: AttentionTerms = PLAIN_ATTENTION
+                         ) -> jax.Array:
+    """The FFI call of paged_attention.cc registered as `target` (its operands and
+    attributes; the scale `terms.scale_for(head_dim)`, the window as a [1] operand, 0 for
+    none; the sinks [H] float32, zeros unread without them): float32 output [T, H, hd].
+    scripts/ab_attention.py calls other builds of the kernel through it."""
+    heads = q.shape[1]
+    sinks = (jnp.zeros(heads, jnp.float32) if terms.sinks is None
+             else terms.sinks.astype(jnp.float32))
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, jnp.float32))
     return call(q.astype(jnp.float32), k_pool, v_pool, jnp.asarray(layer, jnp.int32),
                 batch.positions, batch.token_seq, batch.page_table,
+                jnp.asarray(terms.window, jnp.int32).reshape(1), sinks,
                 page_size=np.int64(page_size),
-                scale=np.float32(1.0 / float(q.shape[-1]) ** 0.5))
+                scale=np.float32(terms.scale_for(q.shape[-1])),
+                has_sinks=np.int64(terms.sinks is not None),
+                softcap=np.float32(terms.softcap))

@@ -1,4 +1,5 @@
-"""The SwiGLU activation of every family's MLP: silu(gate) * up."""
+"""The gated activation of every family's MLP: act(gate) * up, act silu (SwiGLU) or the
+tanh-approximated gelu (GeGLU: Gemma's gelu_pytorch_tanh)."""
 
 from __future__ import annotations
 
@@ -13,4 +14,14 @@ def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
     without excess precision, a conversion pair per step). Float32 inputs: exactly
     `jax.nn.silu(gate) * up`."""
     act = jax.nn.silu(gate.astype(jnp.float32)).astype(gate.dtype)
+    return act * up
+
+
+def gated(gate: jax.Array, up: jax.Array, hidden_act: str) -> jax.Array:
+    """act(gate) * up for ModelConfig.hidden_act: "silu" (`swiglu`) or "gelu_tanh"
+    (0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))), computed and rounded as `swiglu`)."""
+    if hidden_act == "silu":
+        return swiglu(gate, up)
+    assert hidden_act == "gelu_tanh", hidden_act
+    act = jax.nn.gelu(gate.astype(jnp.float32), approximate=True).astype(gate.dtype)
     return act * up

@@ -8,7 +8,11 @@ the pure-JAX formulation below (every platform).
 
 `paged_attention` computes, for every new token t of sequence s = token_seq[t] at position
 p = positions[t], softmax(q_t . K_s / sqrt(head_dim)) V_s over the keys at positions <= p,
-reading K/V from the paged pool (the new tokens' K/V are already written there).
+reading K/V from the paged pool (the new tokens' K/V are already written there), with the
+layer's `AttentionTerms` (attention_terms.py: another scale, a sliding window, sinks, a
+score soft cap). The Pallas kernels take the plain terms only: a layer with others on a
+Pallas plan is refused here (the calibration gives such a model the XLA formulation on a
+GPU or TPU: probes.pallas_attention_kernel).
 
 Pool layout (kv_pool.py): head-major [L, KV, slots, hd], so one page of one head is a
 contiguous [page_size, hd] slab and a block gather lands directly in the [KV, C, bs, hd]
@@ -26,10 +30,16 @@ Batch invariance (the engine's greedy determinism rests on it), by construction:
 - Keys are visited in blocks of `block_size` consecutive positions aligned to position 0
   (block j = [j*bs, (j+1)*bs)), for j < nb, a TRACED loop bound (no recompiles per length):
   nb = max over the chunk of p // bs + 1.
-- Each block is an online-softmax update in fp32; keys past p are masked with a finite
-  -1e30, so a block entirely past p is an exact identity update (alpha == 1, p == 0; the
-  pool is zero-initialised and holds only finite values). Hence a token's result does not
-  depend on how many blocks its chunk needed.
+- Each block is an online-softmax update in fp32 from (max = the finite MASK_VALUE, or the
+  head's sink; sum = 0, or 1 with a sink); keys past p, and before the row's window, score
+  -inf. A block with no key of the row is then an exact identity update: the max stays
+  (max(m, -inf) = m, alpha = exp(0) = 1), every weight is exp(-inf) = 0 and adds +0 to
+  the sums (the pool is zero-initialised and holds only finite values, so 0 * v = +-0).
+  Hence a token's result does not depend on how many blocks its chunk visited, before or
+  after its own keys.
+- A windowed chunk starts at the block of its rows' earliest window start, so it reads
+  no page that has left every row's window (the engine frees such pages: their page-table
+  entries may name the garbage page 0 or another request's page; no row weighs them).
 """
 
 from __future__ import annotations
@@ -40,12 +50,14 @@ import jax
 import jax.numpy as jnp
 
 from multiserve.model.layers.attention_pallas import PALLAS_KERNELS, paged_attention_pallas
+from multiserve.model.layers.attention_terms import PLAIN_ATTENTION, AttentionTerms
 from multiserve.model.layers.forward_batch import ForwardBatch
 from multiserve.model.invariance.plan import AttentionPlan
 from multiserve.model.kernels.native import paged_attention_native
 from multiserve.model.invariance.primitives import EXACT, row_sum_rows
 
-MASK_VALUE = -1e30  # finite: exp(MASK_VALUE - m) == 0 exactly, never inf - inf
+MASK_VALUE = -1e30  # the running max's start: finite, so a masked score (-inf) minus it
+# is -inf (weight exactly 0), never inf - inf
 # Query chunk sizes the calibration tries (model/invariance/calibration.py).
 QUERY_CHUNKS = (1, 2, 4, 8, 16)
 # dot_general dims, batch (KV, C): [KV,C,G,hd] x [KV,C,bs,hd] -> [KV,C,G,bs], and back
@@ -88,7 +100,8 @@ def _gather_block(k_pool: jax.Array, v_pool: jax.Array, layer: int | jax.Array, 
 
 def _chunk_attention(q: jax.Array, pos: jax.Array, seq: jax.Array, k_pool: jax.Array,
                      v_pool: jax.Array, layer: int | jax.Array, page_table: jax.Array, *,
-                     page_size: int, block_size: int, shared_keys: bool) -> jax.Array:
+                     page_size: int, block_size: int, shared_keys: bool,
+                     terms: AttentionTerms) -> jax.Array:
     """One chunk: q [KV, C, G, hd] f32 (pre-scaled), pos/seq [C] -> out [KV, C, G, hd] f32.
 
     When every row of the chunk belongs to one sequence (a prefill chunk), each key block
@@ -102,6 +115,12 @@ def _chunk_attention(q: jax.Array, pos: jax.Array, seq: jax.Array, k_pool: jax.A
     offsets = jnp.arange(block_size, dtype=jnp.int32)
     rows = page_table[seq]  # [C, max_pages]
     num_blocks = jnp.max(pos) // block_size + 1
+    if terms.windowed:  # each row's first key; the chunk starts at its earliest's block
+        window = jnp.asarray(terms.window, jnp.int32)
+        lo = jnp.where(window > 0, jnp.maximum(pos - window + 1, 0), 0)
+        first_block = jnp.min(lo) // block_size
+    else:
+        lo, first_block = None, 0
 
     def per_row(j: jax.Array) -> tuple[jax.Array, jax.Array]:
         return _gather_block(k_pool, v_pool, layer, rows, j, page_size=page_size,
@@ -120,8 +139,12 @@ def _chunk_attention(q: jax.Array, pos: jax.Array, seq: jax.Array, k_pool: jax.A
             key_pos = j * block_size + offsets  # [bs]
             k, v = gather(j)  # [KV, C, bs, hd] f32
             s = jax.lax.dot_general(q, k, _SCORES, precision=EXACT)  # [KV, C, G, bs]
-            s = jnp.where(key_pos[None, None, None, :] > pos[None, :, None, None],
-                          MASK_VALUE, s)
+            if terms.softcap > 0:
+                s = jnp.tanh(s / terms.softcap) * terms.softcap
+            masked = key_pos[None, :] > pos[:, None]  # [C, bs]
+            if lo is not None:
+                masked = masked | (key_pos[None, :] < lo[:, None])
+            s = jnp.where(masked[None, :, None, :], -jnp.inf, s)
             m_new = jnp.maximum(m, jnp.max(s, axis=3))  # max is exact: order-free
             alpha = jnp.exp(m - m_new)
             p = jnp.exp(s - m_new[..., None])
@@ -133,9 +156,13 @@ def _chunk_attention(q: jax.Array, pos: jax.Array, seq: jax.Array, k_pool: jax.A
             return m_new, l_new, acc * alpha[..., None] + pv
 
         shape = (kv_heads, c, group)
-        init = (jnp.full(shape, MASK_VALUE, jnp.float32), jnp.zeros(shape, jnp.float32),
-                jnp.zeros(shape + (head_dim,), jnp.float32))
-        _, l, acc = jax.lax.fori_loop(0, num_blocks, body, init)
+        if terms.sinks is None:
+            m0, l0 = jnp.full(shape, MASK_VALUE, jnp.float32), jnp.zeros(shape, jnp.float32)
+        else:  # head h = kv * G + g: the sink is the softmax's first term
+            sink = terms.sinks.astype(jnp.float32).reshape(kv_heads, 1, group)
+            m0, l0 = jnp.broadcast_to(sink, shape), jnp.ones(shape, jnp.float32)
+        init = (m0, l0, jnp.zeros(shape + (head_dim,), jnp.float32))
+        _, l, acc = jax.lax.fori_loop(first_block, num_blocks, body, init)
         return acc / l[..., None]
 
     if c == 1 or not shared_keys:
@@ -146,25 +173,32 @@ def _chunk_attention(q: jax.Array, pos: jax.Array, seq: jax.Array, k_pool: jax.A
 
 def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer: int | jax.Array,
                     batch: ForwardBatch, *, page_size: int, block_size: int,
-                    plan: AttentionPlan, tp: Any = None,
-                    kv_heads: int | None = None) -> jax.Array:
+                    plan: AttentionPlan, terms: AttentionTerms = PLAIN_ATTENTION,
+                    tp: Any = None, kv_heads: int | None = None) -> jax.Array:
     """q [T, H, hd] (already rotated) -> attention output [T, H, hd] in q's dtype.
 
     k_pool/v_pool are the whole pool [L, KV, slots, hd]; `layer` (an int or traced
     scalar) selects the layer inside the gathers, so no per-layer copy of the pool is made.
+    `terms`: the layer's scale, window, sinks and soft cap (module docstring).
     `tp`: the engine's TensorParallel (None: one device), for a Pallas kernel's shard_map;
     `kv_heads`: the model's KV heads (the TPU kernel's pool rows may be padded).
     """
     if plan.kernel == "native":
-        return paged_attention_native(q, k_pool, v_pool, layer, batch, page_size=page_size)
+        return paged_attention_native(q, k_pool, v_pool, layer, batch, page_size=page_size,
+                                      terms=terms)
     if plan.kernel in PALLAS_KERNELS:
+        if not terms.plain or terms.scale > 0:
+            raise ValueError(f"the {plan.kernel} attention kernel computes plain causal "
+                             f"attention only, not a layer with {terms.describe()} (scale "
+                             f"{terms.scale or 'default'}): such a model's plan must use the "
+                             "XLA formulation (the calibration chooses it)")
         return paged_attention_pallas(q, k_pool, v_pool, layer, batch, page_size=page_size,
                                       kernel=plan.kernel, interpret=plan.interpret, tp=tp,
                                       kv_heads=kv_heads)
     num_tokens, num_heads, head_dim = q.shape
     kv_heads = k_pool.shape[1]
     group = num_heads // kv_heads
-    scale = 1.0 / float(head_dim) ** 0.5
+    scale = terms.scale_for(head_dim)
     chunk, padded = plan.chunking(num_tokens)
     assert padded % chunk == 0 and padded >= num_tokens, (num_tokens, chunk, padded)
     n = padded // chunk
@@ -190,7 +224,7 @@ def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer: i
         qc, pc, sc = args
         return _chunk_attention(qc, pc, sc, k_pool, v_pool, layer, batch.page_table,
                                 page_size=page_size, block_size=block_size,
-                                shared_keys=plan.shared_keys)
+                                shared_keys=plan.shared_keys, terms=terms)
 
     out = jax.lax.map(one, (jnp.transpose(qf, (0, 2, 1, 3, 4)), pos, seq))  # [n,KV,C,G,hd]
     out = jnp.transpose(out, (0, 2, 1, 3, 4)).reshape(padded, num_heads, head_dim)

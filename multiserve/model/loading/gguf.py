@@ -4,6 +4,20 @@ its tokenizer (written as HF tokenizer files). Numpy + the `gguf` package only (
 llama.cpp stores llama's attn_q/attn_k rows permuted for its interleaved RoPE; we undo that
 permutation so the weights match Hugging Face's rotate-half layout (qwen2/qwen3 are stored
 unpermuted). Supported tensor types: SUPPORTED_TYPES; others fail naming file and tensor.
+
+Mistral: llama.cpp converts `MistralForCausalLM` to the llama architecture; a llama GGUF
+whose metadata carries `llama.attention.sliding_window` loads as Mistral with that window
+on every layer (without it, as llama.cpp runs it: Llama, no window).
+
+Gemma 3 (`gemma3`, its text model): llama.cpp names the four block norms attn_norm,
+post_attention_norm, ffn_norm (the pre-feed-forward one) and post_ffw_norm, and stores
+every norm weight as 1 + HF's (its RMSNorm multiplies by the weight itself): we subtract
+the 1 again (exact for weights in [0.5, 2], and for any >= 0.5; a stored norm weight below
+0.5 comes back rounded). What its metadata leaves out is llama.cpp's own rule for the
+architecture, which we follow: every 6th layer global (unless
+`gemma3.attention.sliding_window_pattern` says otherwise), the sliding layers' rope base
+10 000 (unless `gemma3.rope.freq_base_swa`), the scores scaled by head_dim ** -0.5 but for
+the 62-layer (27B) shape, hidden / heads.
 """
 
 from __future__ import annotations
@@ -15,12 +29,12 @@ from typing import Any
 
 import numpy as np
 
-from multiserve.config import ConfigError, ModelConfig
+from multiserve.config import ConfigError, ModelConfig, RopeScaling
 from multiserve.model.errors import ModelLoadError
 
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
                    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
-ARCHITECTURES = ("llama", "qwen2", "qwen3")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
                  "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
 _LAYER_NAMES = {
@@ -35,26 +49,38 @@ _LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+# per architecture, where its names differ from llama's (Gemma 3's four block norms)
+_ARCH_LAYER_NAMES: dict[str, dict[str, str]] = {"gemma3": {
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight"}}
+# llama.cpp's norm weights are HF's plus this (module docstring)
+NORM_SHIFT: dict[str, float] = {"gemma3": 1.0}
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 
-def hf_name(gguf_name: str) -> str | None:
+def _layer_names(arch: str) -> dict[str, str]:
+    return {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(arch, {})}
+
+
+def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     """The HF tensor name of a GGUF tensor name, or None if it has no HF counterpart."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     m = _LAYER_RE.match(gguf_name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    names = _layer_names(arch)
+    if m and m.group(2) in names:
+        return f"model.layers.{m.group(1)}.{names[m.group(2)]}"
     return None
 
 
-def gguf_name(hf: str) -> str:
+def gguf_name(hf: str, arch: str = "llama") -> str:
     """The GGUF tensor name of an HF tensor name (inverse of `hf_name`)."""
     for g, h in _GLOBAL_NAMES.items():
         if h == hf:
             return g
     m = re.match(r"^model\.layers\.(\d+)\.(.+)$", hf)
-    inverse = {v: k for k, v in _LAYER_NAMES.items()}
+    inverse = {v: k for k, v in _layer_names(arch).items()}
     if m and m.group(2) in inverse:
         return f"blk.{m.group(1)}.{inverse[m.group(2)]}"
     raise KeyError(hf)
@@ -108,26 +134,56 @@ def config_from_gguf(meta: dict[str, Any], source: Path) -> ModelConfig:
     heads = int(get("attention.head_count"))
     hidden = int(get("embedding_length"))
     tokens = meta.get("tokenizer.ggml.tokens") or []
-    if meta.get(f"{arch}.rope.scaling.type", "none") not in ("none", None):
-        raise ModelLoadError(f"{source}: unsupported rope scaling "
-                             f"{meta.get(f'{arch}.rope.scaling.type')!r}")
+    scaling_type = meta.get(f"{arch}.rope.scaling.type", "none")
+    if scaling_type not in ("none", None) and not (arch == "gemma3" and scaling_type == "linear"):
+        raise ModelLoadError(f"{source}: unsupported rope scaling {scaling_type!r}")
     eos = meta.get("tokenizer.ggml.eos_token_id")
+    window = int(meta.get(f"{arch}.attention.sliding_window") or 0)
+    if window and arch not in ("llama", "gemma3"):
+        raise ModelLoadError(f"{source}: a sliding window on {arch!r} is not supported")
+    layers = int(get("block_count"))
+    head_dim = int(get("attention.key_length", hidden // heads))
+    common = dict(
+        vocab_size=int(get("vocab_size", len(tokens) or None)), hidden_size=hidden,
+        intermediate_size=int(get("feed_forward_length")), num_layers=layers,
+        num_heads=heads, num_kv_heads=int(get("attention.head_count_kv", heads)),
+        head_dim=head_dim, rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        max_position_embeddings=int(get("context_length", 2048)),
+        tie_word_embeddings=False,  # decided from the tensors by the caller
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=() if eos is None else (int(eos),))
     try:
+        if arch == "gemma3":
+            return _gemma3_config(meta, common, window, scaling_type == "linear")
         return ModelConfig(
-            architecture=arch, vocab_size=int(get("vocab_size", len(tokens) or None)),
-            hidden_size=hidden, intermediate_size=int(get("feed_forward_length")),
-            num_layers=int(get("block_count")), num_heads=heads,
-            num_kv_heads=int(get("attention.head_count_kv", heads)),
-            head_dim=int(get("attention.key_length", hidden // heads)),
-            rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
-            rope_theta=float(get("rope.freq_base", 10000.0)), rope_scaling=None,
-            max_position_embeddings=int(get("context_length", 2048)),
-            tie_word_embeddings=False,  # decided from the tensors by the caller
+            architecture="mistral" if window else arch, rope_scaling=None,
             attention_bias=arch == "qwen2", qk_norm=arch == "qwen3",
-            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-            eos_token_ids=() if eos is None else (int(eos),))
+            sliding_window=window, sliding_layers=tuple(range(layers)) if window else (),
+            **common)
     except (ConfigError, TypeError, ValueError) as e:
         raise ModelLoadError(f"{source}: invalid model metadata: {e}") from e
+
+
+def _gemma3_config(meta: dict[str, Any], common: dict[str, Any], window: int,
+                   linear: bool) -> ModelConfig:
+    """Gemma 3's config from its metadata and llama.cpp's rules (module docstring)."""
+    pattern = int(meta.get("gemma3.attention.sliding_window_pattern") or 6)
+    layers = common["num_layers"]
+    sliding = tuple(i for i in range(layers) if (i + 1) % pattern) if window else ()
+    scalar = (common["hidden_size"] // common["num_heads"] if layers == 62
+              else common["head_dim"])
+    scaling = (RopeScaling(factor=float(meta["gemma3.rope.scaling.factor"]),
+                           rope_type="linear") if linear else None)
+    return ModelConfig(
+        architecture="gemma3", qk_norm=True, sliding_window=window, sliding_layers=sliding,
+        rope_scaling=scaling,
+        rope_local_theta=float(meta.get("gemma3.rope.freq_base_swa") or 10000.0)
+        if sliding else 0.0,
+        query_pre_attn_scalar=float(scalar),
+        final_logit_softcapping=float(meta.get("gemma3.final_logit_softcapping") or 0.0),
+        norm_plus_one=True, sandwich_norms=True, scale_embeddings=True,
+        hidden_act="gelu_tanh", **common)
 
 
 def _dequantize(tensor, source: Path) -> np.ndarray:
@@ -149,38 +205,42 @@ def read_gguf(path: Path) -> tuple[ModelConfig, dict[str, np.ndarray], dict[str,
     reader = _open(path)
     meta = read_metadata(reader)
     cfg = config_from_gguf(meta, path)
+    arch = meta.get("general.architecture")
+    permuted = arch == "llama"  # llama.cpp's q/k row order
+    shift = NORM_SHIFT.get(arch, 0.0)
     rope_freqs = [t.name for t in reader.tensors if t.name == "rope_freqs.weight"]
     if rope_freqs:
         raise ModelLoadError(f"{path}: tensor 'rope_freqs.weight' (precomputed rope scaling) "
                              "is not supported")
     named: dict[str, np.ndarray] = {}
     for tensor in reader.tensors:
-        name = hf_name(tensor.name)
+        name = hf_name(tensor.name, arch)
         if name is None:
             raise ModelLoadError(f"{path}: unexpected tensor {tensor.name!r}")
         arr = _dequantize(tensor, path)
-        if cfg.architecture == "llama" and tensor.name.endswith(("attn_q.weight",
-                                                                  "attn_k.weight")):
+        if permuted and tensor.name.endswith(("attn_q.weight", "attn_k.weight")):
             n = cfg.num_heads if "attn_q" in tensor.name else cfg.num_kv_heads
             if arr.ndim != 2 or arr.shape[0] % (2 * n):
                 raise ModelLoadError(f"{path}: tensor {tensor.name!r} has shape "
                                      f"{arr.shape}, not [heads*head_dim, hidden]")
             arr = llama_unpermute(arr, n)
+        if shift and tensor.name.endswith("norm.weight"):
+            arr = (arr - np.float32(shift)).astype(np.float32)
         named[name] = arr
     cfg = replace(cfg, tie_word_embeddings="lm_head.weight" not in named)
-    _validate(named, cfg, path)
+    _validate(named, cfg, path, arch)
     return cfg, named, meta
 
 
-def _validate(named: dict[str, np.ndarray], cfg: ModelConfig, path: Path) -> None:
+def _validate(named: dict[str, np.ndarray], cfg: ModelConfig, path: Path, arch: str) -> None:
     """Every tensor the config needs is present with its shape; errors use GGUF names."""
     from multiserve.model.loading.hf_names import hf_tensor_specs
 
     for name, spec in hf_tensor_specs(cfg).items():
         if name not in named:
-            raise ModelLoadError(f"{path}: missing tensor {gguf_name(name)!r} ({name})")
+            raise ModelLoadError(f"{path}: missing tensor {gguf_name(name, arch)!r} ({name})")
         if tuple(named[name].shape) != spec.hf_shape:
             raise ModelLoadError(
-                f"{path}: tensor {gguf_name(name)!r} has shape "
+                f"{path}: tensor {gguf_name(name, arch)!r} has shape "
                 f"{list(reversed(named[name].shape))} (GGUF order), expected "
                 f"{list(reversed(spec.hf_shape))}")

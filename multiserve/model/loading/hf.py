@@ -1,8 +1,9 @@
 """Load a Hugging Face model directory: config.json -> ModelConfig, *.safetensors -> params.
 
 Supports every family of model/families (its registry lists the HF architectures: Llama
-incl. SmolLM2 and llama3 rope scaling, Qwen2, Qwen3, Qwen3-MoE, Qwen2-MoE); the fields
-every family shares are read here, the rest by the family (`config_from_hf`); one
+incl. SmolLM2 and llama3 rope scaling, Qwen2, Qwen3, Qwen3-MoE, Qwen2-MoE, Mistral, Gemma 2,
+Gemma 3); the fields every family shares are read here, the rest by the family
+(`config_from_hf`); one
 `model.safetensors` or shards listed in `model.safetensors.index.json`.
 Also writes such a directory (`save_hf_dir`), used by the GGUF conversion cache and tests.
 Numpy only (no jax, no torch). Every failure is a ModelLoadError naming the file/tensor.
@@ -17,10 +18,11 @@ from typing import Any
 
 import numpy as np
 
-from multiserve.config import ConfigError, ModelConfig, RopeScaling
+from multiserve.config import ConfigError, ModelConfig
 from multiserve.model.loading import safetensors_io
 from multiserve.model.errors import ModelLoadError
 from multiserve.model.families import HF_ARCHITECTURES, architecture_of_hf, family_for
+from multiserve.model.loading.hf_rope import rope_scaling_from_hf, rope_scaling_to_hf
 from multiserve.model.loading.hf_names import params_from_hf, params_to_hf
 
 ARCHITECTURES = HF_ARCHITECTURES  # HF class name -> our architecture (every family's)
@@ -44,19 +46,8 @@ def _ids(value: Any) -> tuple[int, ...]:
     return tuple(int(v) for v in (value if isinstance(value, list) else [value]))
 
 
-def _rope_scaling(raw: dict[str, Any] | None, source: Path) -> RopeScaling | None:
-    if not raw:
-        return None
-    kind = raw.get("rope_type", raw.get("type", "default"))
-    if kind == "default":
-        return None
-    if kind != "llama3":
-        raise ModelLoadError(f"{source}: unsupported rope scaling type {kind!r} (only llama3)")
-    return RopeScaling(factor=float(raw["factor"]),
-                       low_freq_factor=float(raw["low_freq_factor"]),
-                       high_freq_factor=float(raw["high_freq_factor"]),
-                       original_max_position_embeddings=int(
-                           raw["original_max_position_embeddings"]))
+# config.json `hidden_activation` (Gemma's key) or `hidden_act` -> ModelConfig.hidden_act
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
 
 def config_from_hf(raw: dict[str, Any], source: Path,
@@ -69,11 +60,13 @@ def config_from_hf(raw: dict[str, Any], source: Path,
                              f" supported: {sorted(ARCHITECTURES)}")
     if raw.get("use_sliding_window"):
         raise ModelLoadError(f"{source}: sliding-window attention is not supported")
-    if raw.get("hidden_act", "silu") != "silu":
-        raise ModelLoadError(f"{source}: activation {raw.get('hidden_act')!r} not supported")
+    act = raw.get("hidden_activation") or raw.get("hidden_act") or "silu"
+    if act not in ACTIVATIONS:
+        raise ModelLoadError(f"{source}: activation {act!r} not supported "
+                             f"(supported: {sorted(ACTIVATIONS)})")
     rope = raw.get("rope_parameters") or {}
     theta = rope.get("rope_theta", raw.get("rope_theta", 10000.0))
-    scaling = _rope_scaling(raw.get("rope_scaling") or rope, source)
+    scaling = rope_scaling_from_hf(raw.get("rope_scaling") or rope, source)
     gen = generation or {}
     eos = _ids(gen.get("eos_token_id", raw.get("eos_token_id")))
     bos = gen.get("bos_token_id", raw.get("bos_token_id"))
@@ -90,7 +83,8 @@ def config_from_hf(raw: dict[str, Any], source: Path,
             rope_scaling=scaling,
             max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            bos_token_id=None if bos is None else int(bos), eos_token_ids=eos)
+            bos_token_id=None if bos is None else int(bos), eos_token_ids=eos,
+            hidden_act=ACTIVATIONS[act])
         return family_for(arch).config_from_hf(raw, arch, source, common)
     except KeyError as e:
         raise ModelLoadError(f"{source}: missing config field {e.args[0]!r}") from e
@@ -148,7 +142,8 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
         "head_dim": cfg.head_dim, "rms_norm_eps": cfg.rms_norm_eps,
         "rope_theta": cfg.rope_theta, "max_position_embeddings": cfg.max_position_embeddings,
-        "tie_word_embeddings": cfg.tie_word_embeddings, "hidden_act": "silu",
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "hidden_act": {v: k for k, v in ACTIVATIONS.items()}[cfg.hidden_act],
         "torch_dtype": "float32",
         "bos_token_id": cfg.bos_token_id,
         "eos_token_id": list(cfg.eos_token_ids) if len(cfg.eos_token_ids) != 1
@@ -158,13 +153,6 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         raw["rope_scaling"] = rope_scaling_to_hf(cfg.rope_scaling)
     raw.update(family_for(cfg).config_to_hf(cfg))
     return raw
-
-
-def rope_scaling_to_hf(rs: RopeScaling) -> dict[str, Any]:
-    """The config.json `rope_scaling` entry of a llama3-style RopeScaling."""
-    return {"rope_type": "llama3", "factor": rs.factor, "low_freq_factor": rs.low_freq_factor,
-            "high_freq_factor": rs.high_freq_factor,
-            "original_max_position_embeddings": rs.original_max_position_embeddings}
 
 
 def save_hf_dir(path: Path | str, cfg: ModelConfig, params: dict[str, Any],

@@ -49,6 +49,7 @@ def params_from_hf(named: dict[str, Any], cfg: ModelConfig, dtype=None,
         return source.get(name) or ", ".join(sorted(set(source.values()))) or "<tensors>"
 
     specs = hf_tensor_specs(cfg)
+    named = family_for(cfg).unpack_hf_tensors(named, cfg)
     unknown = sorted(n for n in named if n not in specs and not _ignorable(n, cfg))
     if unknown:
         raise ModelLoadError(f"{src(unknown[0])}: unexpected tensor {unknown[0]!r} for a "

@@ -14,7 +14,8 @@ import numpy as np
 from multiserve.config import ModelConfig
 from multiserve.model.families import family_for
 
-NORM_KEYS = ("attn_norm", "mlp_norm", "q_norm", "k_norm", "final_norm")
+NORM_KEYS = ("attn_norm", "mlp_norm", "q_norm", "k_norm", "final_norm", "post_attn_norm",
+             "post_mlp_norm")
 
 
 def param_shapes(cfg: ModelConfig) -> dict[str, Any]:

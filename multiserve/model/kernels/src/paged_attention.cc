@@ -2,9 +2,16 @@
 // multiserve/model/kernels/native.py; the pure-JAX paged_attention is the reference
 // formulation everywhere else).
 //
-// out[t, h*G + g, :] = softmax(q[t, h*G + g, :] . K_s[0..p] * scale) V_s[0..p] for every
-// token t of sequence s = token_seq[t] at position p = positions[t], K/V read in place from
-// the paged pool [L, KV, slots, HD] through the page table (no gathered copy). The pool is
+// out[t, h*G + g, :] = softmax(score(q[t, h*G + g, :] . K_s[lo..p] * scale)) V_s[lo..p] for
+// every token t of sequence s = token_seq[t] at position p = positions[t], K/V read in place
+// from the paged pool [L, KV, slots, HD] through the page table (no gathered copy), where
+// - lo = max(0, p - window + 1) for a sliding-window layer (window > 0), else 0: a window
+//   layer visits only the key blocks of its window (the pages before it are never read);
+// - score(s) = s, or softcap * tanh(s / softcap) where softcap > 0 (Gemma 2);
+// - with attention sinks (GPT-OSS) head h's softmax also has one logit sinks[h] in its
+//   denominator and no value: the online softmax starts from (max = sinks[h], sum = 1)
+//   instead of (MASK, 0).
+// The pool is
 // float32 (MultiservePagedAttention) or bfloat16 (MultiservePagedAttentionBf16: each K/V
 // element widened to float32 in registers, exactly; q, out, the softmax and every sum stay
 // float32), one code for both. The two differ only in which head_dim elements share a
@@ -21,6 +28,8 @@
 //     then the weighted values in key order);
 //   - no reduction crosses items, and nothing depends on T, on the chunking, or on how
 //     many threads ran.
+// A row's window, sink and cap are its own inputs (the layer's), so they change which keys
+// and which terms its computation has, never how another row computes.
 // Every multiply-add is float_ops.h's explicit `fmadd` (one FMA where the build has FMA);
 // the build fuses nothing else (-ffp-contract=off) and never reorders (no -ffast-math),
 // so the bits are a function of the source, the instruction set and the row's own inputs
@@ -123,6 +132,37 @@ inline vf exp_nonpositive(vf x) {
   return n < -126 ? vf{} : p * scale;
 }
 
+// expm1(x) lane-wise for x <= 0: exp_nonpositive's reduction, and where n = 0 (|x| <
+// ln2/2) the polynomial's r * (1 + r/2 + r^2/6 + ...) directly, so that a small |x| keeps
+// its relative precision (2^n P(r) - 1 would cancel); arguments below -104 give -1.
+inline vf expm1_nonpositive(vf x) {
+  const vf lo = x < -104.0f ? vf{} - 104.0f : x;
+  const vf t = fmadd(lo, vf{} + 1.44269504088896341f, vf{} + 0.5f);
+  const vi tr = __builtin_convertvector(t, vi);
+  const vi n = tr + (t < __builtin_convertvector(tr, vf));
+  const vf nf = __builtin_convertvector(n, vf);
+  const vf r = fmadd(-nf, vf{} + 1.428606765330187e-06f,
+                     fmadd(-nf, vf{} + 0.693145751953125f, lo));
+  vf q = vf{} + 1.0f / 5040.0f;  // (P(r) - 1) / r by Horner
+  for (const float c : {1.0f / 720.0f, 1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f})
+    q = fmadd(q, r, vf{} + c);
+  const vf small = q * r;  // P(r) - 1
+  const vi bits = (n + 127) << 23;
+  vf scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  const vf big = fmadd(small + 1.0f, scale, vf{} - 1.0f);  // 2^n P(r) - 1
+  return n == 0 ? small : (n < -126 ? vf{} - 1.0f : big);
+}
+
+// tanh(x) lane-wise: sign(x) * (-e) / (2 + e), e = expm1(-2|x|) (branch-free; odd by
+// construction)
+inline vf tanh_lanes(vf x) {
+  const vf ax = x < 0.0f ? -x : x;
+  const vf e = expm1_nonpositive(vf{} - 2.0f * ax);
+  const vf t = -e / (e + 2.0f);
+  return x < 0.0f ? -t : t;
+}
+
 inline vf load(const float* p) {
   vf v;
   std::memcpy(&v, p, sizeof v);
@@ -219,7 +259,15 @@ struct Problem {
   int64_t tokens, heads, kv_heads, group, head_dim, slots, batch, max_pages;
   int64_t layer, page_size;
   float scale;
+  int64_t window;       // > 0: the layer's sliding window (keys p - window + 1 .. p)
+  const float* sinks;   // [H] the layer's sink logits, or nullptr (no sinks)
+  float softcap;        // > 0: scores capped as softcap * tanh(s / softcap)
 };
+
+// The first key position of a query at position p (its window's first key, or 0).
+inline int64_t first_key(int64_t p, int64_t window) {
+  return window > 0 ? std::max<int64_t>(0, p - window + 1) : 0;
+}
 
 // The pool slot of key position `key` of a sequence whose page table row is `pages`.
 inline int64_t slot_of(const int32_t* pages, int64_t key, int64_t page_size) {
@@ -278,12 +326,16 @@ Warm<KV> warm_for(const Problem<KV>& pr, int64_t t, int64_t kv_head, int64_t ahe
 // keys [b0, b0 + KEY_BLOCK). Always inlined: GCC's pure-function analysis sees a call that
 // only reads memory and returns nothing, and deletes it (prefetches included) if it stays a
 // call.
-template <int HD, typename KV>
+template <int HD, bool TERMS, typename KV>
 __attribute__((always_inline)) inline void warm_block(const Problem<KV>& pr,
                                                       const Warm<KV>& w, int64_t b0) {
   const int64_t end = std::min<int64_t>(b0 + KEY_BLOCK, w.last + 1);
   const BlockSlots slots(w.pages, pr.page_size, b0);
-  for (int64_t key = b0; key < end; ++key) {
+  // (a window item's own first key: first_key of its last; computed here, not held in
+  // Warm, which an item keeps for every block: a larger Warm slowed the plain path by
+  // 5-14%, scripts/ab_attention.py's cases)
+  const int64_t start = TERMS ? std::max(b0, first_key(w.last, pr.window)) : b0;
+  for (int64_t key = start; key < end; ++key) {
     const int64_t slot = slots(static_cast<int>(key - b0));
     if (slot < 0 || slot >= pr.slots) continue;
     for (const KV* pool : {w.k, w.v}) {
@@ -298,7 +350,9 @@ __attribute__((always_inline)) inline void warm_block(const Problem<KV>& pr,
 // (and, in bfloat16, widened) once for the G heads; each head's arithmetic is exactly the
 // one-head computation (its own registers, the same operations in the same order), so a
 // head's bits do not depend on G or on its neighbours. Everything lives in registers.
-template <int HD, int G, typename KV>
+// TERMS: the call has a window, sinks or a soft cap; without (every plain call) the code is
+// the plain causal attention alone, none of their per-block work compiled in.
+template <int HD, int G, typename KV, bool TERMS>
 void attend_group(const Problem<KV>& pr, int64_t t, int64_t kv_head, int64_t g0) {
   constexpr int V = HD / 16;
   const int64_t s = std::clamp<int64_t>(pr.seq[t], 0, pr.batch - 1);
@@ -317,19 +371,23 @@ void attend_group(const Problem<KV>& pr, int64_t t, int64_t kv_head, int64_t g0)
       acc[g][i] = vf{};
     }
   }
-  float m[G], l[G];
+  float m[G], l[G];  // running max and sum; a sink is the softmax's first term
   for (int g = 0; g < G; ++g) {
-    m[g] = MASK;
-    l[g] = 0.0f;
+    m[g] = TERMS && pr.sinks != nullptr ? pr.sinks[head0 + g] : MASK;
+    l[g] = TERMS && pr.sinks != nullptr ? 1.0f : 0.0f;
   }
+  const int64_t lo = TERMS ? first_key(p, pr.window) : 0;
   const KV* vrow[KEY_BLOCK];
   Warm<KV> warm[WARM_AHEAD];
   if (g0 == 0)
     for (int a = 0; a < WARM_AHEAD; ++a) warm[a] = warm_for(pr, t, kv_head, a + 1);
-  for (int64_t b0 = 0; b0 <= p; b0 += KEY_BLOCK) {
+  for (int64_t b0 = lo - lo % KEY_BLOCK; b0 <= p; b0 += KEY_BLOCK) {
     const int n = static_cast<int>(std::min<int64_t>(KEY_BLOCK, p + 1 - b0));
+    const int skip = TERMS ? static_cast<int>(std::max<int64_t>(0, lo - b0)) : 0;  // before lo
     for (int a = 0; a < WARM_AHEAD; ++a)
-      if (b0 <= warm[a].last) warm_block<HD>(pr, warm[a], b0);
+      if (b0 <= warm[a].last && (!TERMS || b0 + KEY_BLOCK > first_key(warm[a].last,
+                                                                      pr.window)))
+        warm_block<HD, TERMS>(pr, warm[a], b0);
     const BlockSlots slots(pages, pr.page_size, b0);
     // Scores of the block's 16 keys: each key's 16-lane partial product summed by hsum's
     // tree for 16 keys at once (halves8, halves4, pairs02, adjacent) instead of one hsum
@@ -347,7 +405,7 @@ void attend_group(const Problem<KV>& pr, int64_t t, int64_t kv_head, int64_t g0)
             vf d[G][2];
             for (int u = 0; u < 2; ++u) {
               const int j = h8 * 8 + h4 * 4 + h2 * 2 + u;
-              if (j < n) {
+              if (j < n && j >= skip) {
                 const int64_t slot = slots(j);
                 const KV* kr = kh + slot * HD;
                 vrow[j] = vh + slot * HD;
@@ -370,8 +428,13 @@ void attend_group(const Problem<KV>& pr, int64_t t, int64_t kv_head, int64_t g0)
       }
       const vi lane = vi{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
       for (int g = 0; g < G; ++g) {
-        const vf all = adjacent(s3[g][0], s3[g][1]);
-        sc[g] = lane < n ? all : vf{} + MASK;
+        vf all = adjacent(s3[g][0], s3[g][1]);
+        if constexpr (TERMS) {
+          if (pr.softcap > 0.0f) all = tanh_lanes(all / pr.softcap) * pr.softcap;
+          sc[g] = (lane < n) & (lane >= skip) ? all : vf{} + MASK;
+        } else {
+          sc[g] = lane < n ? all : vf{} + MASK;
+        }
       }
     }
     // the G heads' rescale factors exp(m_old - m_new) in one vector (lane g: head g;
@@ -391,7 +454,7 @@ void attend_group(const Problem<KV>& pr, int64_t t, int64_t kv_head, int64_t g0)
       m[g] = mx[g];
       for (int i = 0; i < V; ++i) acc[g][i] *= alpha[g];
     }
-    for (int j = 0; j < n; ++j) {
+    for (int j = skip; j < n; ++j) {
       vf vv[V];
       R::load_row(vrow[j], vv);
       for (int i = 0; i < V; ++i)
@@ -411,29 +474,36 @@ void attend_group(const Problem<KV>& pr, int64_t t, int64_t kv_head, int64_t g0)
 // file (4 heads up to head_dim 64, 2 above; fewer instantiations also keep the build short).
 constexpr int max_group(int hd) { return hd <= 64 ? 4 : 2; }
 
-template <int HD, typename KV>
+template <int HD, typename KV, bool TERMS>
 void attend_item(const Problem<KV>& pr, int64_t t, int64_t kv_head) {
   constexpr int MAX_G = max_group(HD);
   for (int64_t g0 = 0; g0 < pr.group; g0 += MAX_G) {
     const int64_t g = std::min<int64_t>(MAX_G, pr.group - g0);
     if constexpr (MAX_G == 4) {
-      if (g == 4) { attend_group<HD, 4>(pr, t, kv_head, g0); continue; }
-      if (g == 3) { attend_group<HD, 3>(pr, t, kv_head, g0); continue; }
+      if (g == 4) { attend_group<HD, 4, KV, TERMS>(pr, t, kv_head, g0); continue; }
+      if (g == 3) { attend_group<HD, 3, KV, TERMS>(pr, t, kv_head, g0); continue; }
     }
-    if (g == 2) attend_group<HD, 2>(pr, t, kv_head, g0);
-    else attend_group<HD, 1>(pr, t, kv_head, g0);
+    if (g == 2) attend_group<HD, 2, KV, TERMS>(pr, t, kv_head, g0);
+    else attend_group<HD, 1, KV, TERMS>(pr, t, kv_head, g0);
   }
 }
 
 template <typename KV>
 using ItemFn = void (*)(const Problem<KV>&, int64_t, int64_t);
 
+template <int HD, typename KV>
+ItemFn<KV> item_for(bool terms) {
+  return terms ? attend_item<HD, KV, true> : attend_item<HD, KV, false>;
+}
+
 template <ffi::DataType POOL>
 ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                               ffi::Buffer<POOL> k_pool, ffi::Buffer<POOL> v_pool,
                               ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> positions,
                               ffi::Buffer<ffi::S32> token_seq,
-                              ffi::Buffer<ffi::S32> page_table, int64_t page_size, float scale,
+                              ffi::Buffer<ffi::S32> page_table, ffi::Buffer<ffi::S32> window,
+                              ffi::Buffer<ffi::F32> sinks, int64_t page_size, float scale,
+                              int64_t has_sinks, float softcap,
                               ffi::ResultBuffer<ffi::F32> out) {
   using KV = std::remove_cv_t<std::remove_pointer_t<decltype(k_pool.typed_data())>>;
   const auto qd = q.dimensions();
@@ -460,19 +530,25 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   pr.layer = layer.typed_data()[0];
   pr.page_size = page_size;
   pr.scale = scale;
+  pr.window = window.typed_data()[0];
+  pr.sinks = has_sinks != 0 ? sinks.typed_data() : nullptr;
+  pr.softcap = softcap;
+  if (has_sinks != 0 && (sinks.dimensions().size() != 1 || sinks.dimensions()[0] != qd[1]))
+    return ffi::Error::InvalidArgument("paged_attention: sinks [H] expected");
   if (pr.kv_heads < 1 || pr.heads % pr.kv_heads != 0 || kd[3] != pr.head_dim)
     return ffi::Error::InvalidArgument("paged_attention: unsupported head layout");
   pr.group = pr.heads / pr.kv_heads;
   ItemFn<KV> item = nullptr;
+  const bool terms = pr.window > 0 || pr.sinks != nullptr || pr.softcap > 0.0f;
   switch (pr.head_dim) {
-    case 16: item = attend_item<16, KV>; break;
-    case 32: item = attend_item<32, KV>; break;
-    case 48: item = attend_item<48, KV>; break;
-    case 64: item = attend_item<64, KV>; break;
-    case 80: item = attend_item<80, KV>; break;
-    case 96: item = attend_item<96, KV>; break;
-    case 128: item = attend_item<128, KV>; break;
-    case 256: item = attend_item<256, KV>; break;
+    case 16: item = item_for<16, KV>(terms); break;
+    case 32: item = item_for<32, KV>(terms); break;
+    case 48: item = item_for<48, KV>(terms); break;
+    case 64: item = item_for<64, KV>(terms); break;
+    case 80: item = item_for<80, KV>(terms); break;
+    case 96: item = item_for<96, KV>(terms); break;
+    case 128: item = item_for<128, KV>(terms); break;
+    case 256: item = item_for<256, KV>(terms); break;
     default: return ffi::Error::InvalidArgument("paged_attention: unsupported head_dim");
   }
   if (pr.layer < 0 || pr.layer >= kd[0])
@@ -499,8 +575,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MultiservePagedAttention, PagedAttentionImpl<ffi::
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("page_size")
                                   .Attr<float>("scale")
+                                  .Attr<int64_t>("has_sinks")
+                                  .Attr<float>("softcap")
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MultiservePagedAttentionBf16, PagedAttentionImpl<ffi::BF16>,
@@ -513,6 +593,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MultiservePagedAttentionBf16, PagedAttentionImpl<f
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("page_size")
                                   .Attr<float>("scale")
+                                  .Attr<int64_t>("has_sinks")
+                                  .Attr<float>("softcap")
                                   .Ret<ffi::Buffer<ffi::F32>>());
