@@ -69,6 +69,48 @@ def test_a_measurement_is_cached_and_read_back(tmp_path: Path) -> None:
     assert calls == [1, 1]
 
 
+
+def test_a_measurement_made_while_others_ran_is_dropped_then_retried(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Other processes' CPU during the measurement (fabricated /proc/stat readings): the
+    times are not kept, the process runs the defaults, and no process measures again
+    until RETRY_SECONDS have passed; a quiet measurement then is kept."""
+    others = {"busy": 100.0, "per_call": 0.0}
+    calls = []
+
+    def busy_seconds() -> float:  # each reading: the others' CPU since the last
+        others["busy"] += others["per_call"]
+        return others["busy"]
+
+    def measure() -> ProductTuning:
+        calls.append(1)
+        return ProductTuning(16384, 0, "measured", {"1p alone": 1e-5})
+
+    monkeypatch.setattr(product_tuning, "machine_busy_seconds", busy_seconds)
+    monkeypatch.setattr(product_tuning, "_clock", iter(range(0, 10**6, 10)).__next__)  # 10 s a measurement
+    path = tmp_path / "k.so.tuning.json"
+    others["per_call"] = 0.5 * 10 * (os.cpu_count() or 1)  # half the machine, 10 s
+    got = product_tuning._cached_or_measured(path, measure)
+    assert got == ProductTuning(source="busy") and not path.exists()
+    assert product_tuning._cached_or_measured(path, measure).source == "busy"
+    assert calls == [1]  # within RETRY_SECONDS: not measured again
+    stale = path.with_suffix(".busy")
+    old = stale.stat().st_mtime - product_tuning.RETRY_SECONDS - 1
+    os.utime(stale, (old, old))
+    others["per_call"] = 0.0
+    got = product_tuning._cached_or_measured(path, measure)
+    assert calls == [1, 1] and got.key() == {"split_units": 16384, "ahead_bytes": 0}
+    assert json.loads(path.read_text())["others_cpu_share"] == 0.0
+
+
+def test_the_machine_busy_time_reads_on_linux() -> None:
+    if not os.path.exists("/proc/stat"):
+        pytest.skip("no /proc/stat on this system: a measurement is always kept")
+    first = product_tuning.machine_busy_seconds()
+    sum(i * i for i in range(300_000))  # this process's own CPU counts as busy
+    second = product_tuning.machine_busy_seconds()
+    assert first is not None and second is not None and second >= first > 0
+
 _PRODUCTS = r"""
 import sys
 import jax, jax.numpy as jnp, numpy as np
