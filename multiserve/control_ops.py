@@ -248,6 +248,20 @@ class LoadLoraAdapter:
     load_inplace: bool = False
 
 
+@dataclass(frozen=True, eq=False)
+class LoadLoraAdapterFromTensors:
+    """LoadLoraAdapter from PEFT-named in-memory tensors (`lora_A.weight` [r, in],
+    `lora_B.weight` [out, r] per target module) of rank `r`, scaled by `lora_alpha`
+    (default r) over r (or its square root: `use_rslora`). Python API only."""
+    lora_name: str
+    tensors: Any
+    r: int
+    lora_alpha: float | None = None
+    use_rslora: bool = False
+    target_modules: Any = None
+    load_inplace: bool = False
+
+
 @dataclass(frozen=True)
 class UnloadLoraAdapter:
     """Free adapter `lora_name`'s slot (refused while live requests use it)."""
@@ -256,7 +270,8 @@ class UnloadLoraAdapter:
 
 @dataclass(frozen=True)
 class ListLoraAdapters:
-    """The loaded LoRA adapters (details["adapters"])."""
+    """The loaded LoRA adapters (details["adapters"]: name, slot, rank, scale,
+    target_modules, source)."""
 
 
 # ---- the table ----------------------------------------------------------------------------
@@ -313,8 +328,11 @@ OPS: dict[str, ControlOp] = {op.name: op for op in (
     ControlOp("get_internal_state", GetInternalState, "core"),  # read by the info routes
     # LoRA adapters: sglang's paths, vLLM's as aliases; a refusal's status is the
     # answer's own (`http_status`: 400 invalid, 404 unknown, 409 slots full / in use)
-    ControlOp("load_lora_adapter", LoadLoraAdapter, "core",
+    # (a load reads and checks the adapter off the engine thread: engine/lora_control.py)
+    ControlOp("load_lora_adapter", LoadLoraAdapter, "core", runs="staged",
               route=Route("/load_lora_adapter", ("POST",), ("/v1/load_lora_adapter",))),
+    ControlOp("load_lora_adapter_from_tensors", LoadLoraAdapterFromTensors, "core",
+              runs="staged"),
     ControlOp("unload_lora_adapter", UnloadLoraAdapter, "core",
               route=Route("/unload_lora_adapter", ("POST",), ("/v1/unload_lora_adapter",))),
     ControlOp("list_lora_adapters", ListLoraAdapters, "core"),  # read by /v1/models
