@@ -74,7 +74,6 @@ from multiserve.engine.lora_adapters import LoraAdapter
 from multiserve.engine.sampling import host as sampling_host
 from multiserve.engine.sampling import sampler as sampling
 from multiserve.model.families import family_for
-from multiserve.model.families.base import get_leaf
 from multiserve.model.invariance.calibration import calibrate
 from multiserve.model.invariance.plan import Calibration, InvariancePlan
 from multiserve.model.invariance.workload import workload_for
@@ -82,6 +81,7 @@ from multiserve.model.invariance.xla_options import step_options
 from multiserve.model.layers.kv_pool import KVPool, make_kv_pool, pool_layout
 from multiserve.model.layers.lora import native_lora
 from multiserve.model.lora_layout import b_panels, lora_b_panel_shapes, lora_buffer_shapes
+from multiserve.model.param_tree import get_leaf, with_leaves
 from multiserve.model.sharding import kv_pool_sharding, make_mesh, shard_params
 from multiserve.multihost import ops
 
@@ -430,18 +430,12 @@ class Runner:
         of the leaf it replaces, then the params swapped and the replaced leaves freed.
         Between steps, on the engine thread: how an engine spanning hosts updates weights
         (every host places its own shards of the same host values)."""
-        from multiserve.engine.rl.checks import set_leaf
-
         if self.mirror is not None:
             self.mirror(ops.SetParams(leaves))
         live = self.params
         assert live is not None, "weights released"
-        new = jax.tree.map(lambda a: a, live)
-        replaced = []
-        for path, value in leaves.items():
-            old = get_leaf(live, path)
-            set_leaf(new, path, jax.device_put(np.asarray(value, old.dtype), old.sharding))
-            replaced.append(old)
+        new, replaced = with_leaves(live, leaves, lambda path, old: jax.device_put(
+            np.asarray(leaves[path], old.dtype), old.sharding))
         self.params = new
         for a in replaced:
             a.delete()

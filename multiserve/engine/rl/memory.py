@@ -41,10 +41,9 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
-from multiserve.engine.rl.checks import LeafPath
 from multiserve.engine.rl.weights import WeightManager
-from multiserve.model.families.base import get_leaf
 from multiserve.model.layers.kv_pool import KVPool, make_kv_pool, read_slots, write_slots
+from multiserve.model.param_tree import LeafPath, get_leaf
 from multiserve.model.sharding import kv_pool_sharding
 from multiserve.types import MEMORY_TAGS, ControlResult
 

@@ -166,10 +166,3 @@ def tp_splits(cfg: ModelConfig, n: int) -> dict[str, bool]:
             "mlp": n > 1 and cfg.intermediate_size % n == 0,
             "vocab": n > 1 and cfg.vocab_size % n == 0,
             "hidden": n > 1 and cfg.hidden_size % n == 0}
-
-
-def get_leaf(tree: Any, path: tuple[str, ...]) -> Any:
-    """The leaf of a params-like pytree (nested dicts) at `path`, e.g. ("layers", "wq")."""
-    for key in path:
-        tree = tree[key]
-    return tree

@@ -21,7 +21,8 @@ from typing import Any
 
 from multiserve.config import ModelConfig
 from multiserve.model.errors import ModelLoadError
-from multiserve.model.families.base import HfTensorSpec, ProductShape, get_leaf, tp_splits
+from multiserve.model.families.base import HfTensorSpec, ProductShape, tp_splits
+from multiserve.model.param_tree import get_leaf
 
 # (our layer key, HF suffix under model.layers.{i}., transposed)
 ATTENTION_HF_NAMES: tuple[tuple[str, str, bool], ...] = (

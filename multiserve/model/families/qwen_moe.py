@@ -29,7 +29,7 @@ from typing import Any
 
 from multiserve.config import ModelConfig
 from multiserve.model.errors import ModelLoadError
-from multiserve.model.families.base import HfTensorSpec, ProductShape, get_leaf, tp_splits
+from multiserve.model.families.base import HfTensorSpec, ProductShape, tp_splits
 from multiserve.model.families.dense import (
     ATTENTION_HF_NAMES,
     CONFIG_FIELDS,
@@ -42,6 +42,7 @@ from multiserve.model.families.dense import (
     top_level,
     top_level_specs,
 )
+from multiserve.model.param_tree import get_leaf
 
 ARCH_QWEN3_MOE, ARCH_QWEN2_MOE = "qwen3_moe", "qwen2_moe"
 EXPERT_HF_NAMES = (("we_gate", "gate_proj"), ("we_up", "up_proj"), ("we_down", "down_proj"))
@@ -257,9 +258,9 @@ class QwenMoeFamily:
     def compute_params(self, params: dict[str, Any], cfg: ModelConfig, plan: Any,
                        token_sizes: tuple[int, ...]) -> dict[str, Any]:
         """moe_decoder.compute_params with the layouts of the plan's kernels (None: all)."""
-        from multiserve.model.invariance.plan import KERNELS
         from multiserve.model.families.llama import plan_kernels
         from multiserve.model.families.moe_decoder import compute_params
+        from multiserve.model.invariance.plan import KERNELS
 
         if plan is None:
             return compute_params(params, cfg, frozenset(KERNELS), frozenset(KERNELS))
