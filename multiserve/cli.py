@@ -19,8 +19,8 @@ from multiserve.bench.options import (
     BenchOptions,
 )
 from multiserve.bench.random_model import SIZES as RANDOM_MODEL_SIZES
-from multiserve.collector import tune_collector
 from multiserve.fleet.sglang_flags import add_sglang_flags
+from multiserve.host.collector import tune_collector
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -45,7 +45,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
-    from multiserve.doctor import doctor_main
+    from multiserve.doctor.main import doctor_main
 
     return doctor_main(args)
 
@@ -282,7 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    tune_collector()  # this process is ours (collector.py)
+    tune_collector()  # this process is ours (host/collector.py)
     args = build_parser().parse_args(argv)
     return int(args.func(args) or 0)
 

@@ -240,7 +240,7 @@ class AbortWeightUpdate:
 @dataclass(frozen=True)
 class LoadLoraAdapter:
     """Load the PEFT adapter directory `lora_path` into a free LoRA slot as `lora_name`
-    (engine/lora_adapters.py: read and checked off the engine thread, then one command);
+    (engine/base/lora_adapters.py: read and checked off the engine thread, then one command);
     `load_inplace` (sglang's): replace an adapter of that name already loaded, live
     requests finishing on the version they were admitted with (EngineCore.load_lora)."""
     lora_name: str

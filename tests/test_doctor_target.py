@@ -1,4 +1,4 @@
-"""`multiserve doctor --target cuda|tpu` (doctor_target.py) on this CPU-only machine: the
+"""`multiserve doctor --target cuda|tpu` (doctor/target.py) on this CPU-only machine: the
 whole model forward and the engine's FORWARD, FUSED and MULTI (K decode steps in one loop)
 step programs of the default model and of the 1B-shaped random bfloat16 model lower for
 each accelerator with `jax.export`, with that platform's Pallas attention kernel in the
@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from multiserve.cli import main
-from multiserve.doctor_target import print_target_report
+from multiserve.doctor.target import print_target_report
 
 
 @functools.cache

@@ -37,8 +37,8 @@ from multiserve.control_ops import (
 )
 
 if TYPE_CHECKING:
+    from multiserve.engine.base.lora_adapters import LoraAdapter
     from multiserve.engine.device.programs import ProgramKind
-    from multiserve.engine.lora_adapters import LoraAdapter
     from multiserve.engine.sched.request import Req
 
 

@@ -12,9 +12,9 @@ weight version. Its other jobs live beside it, each in its own module:
 - a step's logprobs on the host: engine/sampling/logprobs.py (`StepLogprobs`);
 - when a sample ends: engine/sched/stop_rules.py (`StopRules`);
 - recording a step's results on the Reqs: `Scheduler.postprocess`;
-- routing replay's expert ids by KV slot: engine/routed_experts.py (`RoutedExpertsTable`,
+- routing replay's expert ids by KV slot: engine/base/routed_experts.py (`RoutedExpertsTable`,
   recorded here as each step is read back, before `postprocess`);
-- why the engine is paused: engine/pause_state.py (`PauseState`);
+- why the engine is paused: engine/base/pause_state.py (`PauseState`);
 - what the RL subsystem may do to it: engine/rl_interface.py (`RLInterface`);
 - what get_internal_state reports: engine/state_report.py.
 
@@ -53,12 +53,12 @@ from typing import Any
 import numpy as np
 
 from multiserve.config import EngineConfig, ModelConfig
+from multiserve.engine.base.lora_adapters import LoraAdapter, LoraRefused, LoraTable
+from multiserve.engine.base.pause_state import PauseState
+from multiserve.engine.base.routed_experts import RoutedExpertsTable
 from multiserve.engine.device.batch_arrays import build_step_arrays
 from multiserve.engine.device.runner import Runner, StepOutput
 from multiserve.engine.host_phases import HostPhases
-from multiserve.engine.lora_adapters import LoraAdapter, LoraRefused, LoraTable
-from multiserve.engine.pause_state import PauseState
-from multiserve.engine.routed_experts import RoutedExpertsTable
 from multiserve.engine.sampling.host import mask_words
 from multiserve.engine.sampling.logprobs import StepLogprobs
 from multiserve.engine.sampling.rows import step_rows
@@ -182,7 +182,7 @@ class EngineCore:
                 return 0
             raise InvalidRequest(str(exc), "lora_name", "lora_not_found") from exc
 
-    # ---- LoRA adapters (engine/lora_adapters.py): between steps, engine thread --------
+    # ---- LoRA adapters (engine/base/lora_adapters.py): between steps, engine thread --------
     def load_lora(self, adapter: LoraAdapter, replace: bool = False) -> dict[str, Any]:
         """Put a checked adapter into a free slot (LoraRefused: the name is loaded, or
         every slot is taken; nothing changes). Steps launched from now on may use it.
@@ -416,7 +416,7 @@ class EngineCore:
                              {"aborted": len(targets),
                               "rids": sorted({r.rid for r in targets})})
 
-    # ---- pause state (engine/pause_state.py) ----------------------------------------
+    # ---- pause state (engine/base/pause_state.py) ----------------------------------------
     def hold(self, reason: PauseReason, mode: str | None = None) -> dict[str, Any] | None:
         """A subsystem holds the engine still: drain, then add `reason`. With `mode`, and
         only if the engine was running (no reason set), first apply that pause mode to the

@@ -47,6 +47,7 @@ from multiserve.control_ops import (
     control_request,
 )
 from multiserve.engine import lora_control
+from multiserve.engine.base.lora_adapters import LoraRefused
 from multiserve.engine.commands import (
     RL_COMMANDS,
     Add,
@@ -63,7 +64,6 @@ from multiserve.engine.commands import (
     Stop,
 )
 from multiserve.engine.control_runner import ControlRunner
-from multiserve.engine.lora_adapters import LoraRefused
 from multiserve.engine.lora_control import LoraOperations
 from multiserve.engine.rl_interface import RLInterface
 from multiserve.engine.sched.request import Req

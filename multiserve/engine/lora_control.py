@@ -19,13 +19,13 @@ from typing import TYPE_CHECKING, Any
 
 from multiserve.config import ModelConfig
 from multiserve.control_ops import LoadLoraAdapter, LoadLoraAdapterFromTensors
-from multiserve.engine.commands import InstallLora
-from multiserve.engine.lora_adapters import (
+from multiserve.engine.base.lora_adapters import (
     LoraAdapter,
     LoraRefused,
     adapter_from_peft_dir,
     adapter_from_tensors,
 )
+from multiserve.engine.commands import InstallLora
 from multiserve.types import ControlResult
 
 if TYPE_CHECKING:

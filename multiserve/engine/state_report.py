@@ -17,9 +17,9 @@ from multiserve.engine.device.program_share import sharing_status
 from multiserve.engine.memory_report import memory_report
 
 if TYPE_CHECKING:
+    from multiserve.engine.base.kv_sizing import PoolSize
     from multiserve.engine.core import EngineCore
     from multiserve.engine.device.runner import Runner
-    from multiserve.engine.kv_sizing import PoolSize
 
 
 def step_info(runner: Runner) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """The step's host path (issue 50, item 3): the per-phase host timer (engine/host_phases.py)
 on a real tiny engine, the values the step path builds without their frozen __init__
-(engine/frozen_build.py) equal to what the constructor builds, and the sampler inputs
+(engine/base/frozen_build.py) equal to what the constructor builds, and the sampler inputs
 it keeps (SamplingParams.sampler_fields, engine/sampling/steady_rows.py) equal to a
 rebuild."""
 
@@ -15,6 +15,7 @@ import pytest
 from engine_helpers import WAIT_S, held
 from sched_sim import PAGE, Sim
 
+from multiserve.engine.base.frozen_build import built
 from multiserve.engine.commands import Call
 from multiserve.engine.device.batch_arrays import (
     build_step_arrays,
@@ -22,7 +23,6 @@ from multiserve.engine.device.batch_arrays import (
     one_token_rows,
     row_by_row,
 )
-from multiserve.engine.frozen_build import built
 from multiserve.engine.host_phases import PHASES, WAIT_PHASES, HostPhases
 from multiserve.engine.sampling.host import (
     RowSpec,

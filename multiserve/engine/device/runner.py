@@ -61,6 +61,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from multiserve.config import EngineConfig, ModelConfig
+from multiserve.engine.base.dtype_choice import DtypeChoice
+from multiserve.engine.base.lora_adapters import LoraAdapter
 from multiserve.engine.device import huge_pages
 from multiserve.engine.device.batch_arrays import StepArrays
 from multiserve.engine.device.program_share import SHARE
@@ -69,8 +71,6 @@ from multiserve.engine.device.sampling_batches import SamplingBatches
 from multiserve.engine.device.step_functions import StepFunctions
 from multiserve.engine.device.step_inputs import sampling_inputs, step_inputs
 from multiserve.engine.device.step_programs import StepPrograms
-from multiserve.engine.dtype_choice import DtypeChoice
-from multiserve.engine.lora_adapters import LoraAdapter
 from multiserve.engine.sampling import host as sampling_host
 from multiserve.engine.sampling import sampler as sampling
 from multiserve.model.families import family_for

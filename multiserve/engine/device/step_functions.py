@@ -20,7 +20,7 @@ The programs' functions (step_programs.py compiles them, runner.py runs them):
 With `routed_experts` (an engine started with enable_return_routed_experts on a MoE
 model), `forward` and `step` return one more output, last: the top-k expert ids of every
 token row in every MoE layer, [T, MoE layers, k] int32 (routing replay,
-engine/routed_experts.py). Without it they are exactly the programs of an engine that has
+engine/base/routed_experts.py). Without it they are exactly the programs of an engine that has
 no such option (the same lowered modules, hence the same persistent-cache keys).
 
 Invariants:

@@ -30,8 +30,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from multiserve.engine.frozen_build import built
-from multiserve.engine.routed_experts import RoutedExpertsTable
+from multiserve.engine.base.frozen_build import built
+from multiserve.engine.base.routed_experts import RoutedExpertsTable
 from multiserve.types import (
     FinishReason,
     GenerateRequest,
@@ -101,7 +101,7 @@ class Req:
     # the request's prefix-cache namespace (GenerateRequest.cache_salt; None: unkeyed): it
     # matches and fills only cached K/V of its own namespace (Scheduler `_cache_root`)
     cache_salt: str | None = None
-    # routing replay (engine/routed_experts.py): asked for, from which position; the ids
+    # routing replay (engine/base/routed_experts.py): asked for, from which position; the ids
     # of positions [0, len(routed_rows)) as of the last `keep_routing` (taken before the
     # sample's pages go: at a retraction and at the finish); the finished delta's record
     want_routed_experts: bool = False

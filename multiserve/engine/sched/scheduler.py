@@ -65,8 +65,8 @@ from typing import Protocol
 
 from multiserve.config import EngineConfig
 from multiserve.grammar.matcher_state import GrammarState
-from multiserve.engine.frozen_build import built
-from multiserve.engine.routed_experts import RoutedExpertsTable
+from multiserve.engine.base.frozen_build import built
+from multiserve.engine.base.routed_experts import RoutedExpertsTable
 from multiserve.engine.sched.batch import BatchRow, ScheduledBatch
 from multiserve.engine.sched.page_allocator import PageAllocator, pages_needed
 from multiserve.engine.sched.prefix_cache import PrefixCache
@@ -123,7 +123,7 @@ class Scheduler:
         # speculative decoding (engine/spec/): which rows verify drafts, the step costs
         # that decide it, the speculation totals; `drafter` None: off
         self.planner = DraftPlanner(cfg, max_rows, max_context, drafter)
-        # routing replay (engine/routed_experts.py), an engine that captures routed
+        # routing replay (engine/base/routed_experts.py), an engine that captures routed
         # experts: each Req asking for them copies its rows out before its pages go
         # (`finish`, `retract`)
         self.routed_experts = routed_experts
@@ -453,7 +453,7 @@ class Scheduler:
                 if got is None:
                     continue  # cannot happen after the loop above unless one Req remains
                 r.pages.extend(got)
-            # (one per decode row per step: `built`, engine/frozen_build.py)
+            # (one per decode row per step: `built`, engine/base/frozen_build.py)
             rows.append(built(BatchRow, req=r, start=r.kv_len, end=r.kv_len + 1, samples=True,
                               from_prev=r.pending > 0, draft=()))
         return rows

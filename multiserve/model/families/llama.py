@@ -273,7 +273,7 @@ def scans(plan: InvariancePlan, num_tokens: int, cfg: ModelConfig | None = None)
     as fast as the unrolled decoder and compiles far quicker, docs/performance.md §6). On
     an accelerator not otherwise: its unrolled decoder copies nothing either, and the
     compiler's cost analysis counts a loop body once, so only an unrolled program's count
-    is the step's (the TPU compile report's floors, doctor_compile.py). A model with
+    is the step's (the TPU compile report's floors, doctor/compile.py). A model with
     sandwich norms (Gemma) scans at every size on every platform: its post-block norms are
     added to the residual stream, and XLA:CPU contracts such a norm's last multiply with
     the add into one FMA where the two share a fusion; an unrolled program fuses across

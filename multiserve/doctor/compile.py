@@ -5,7 +5,7 @@ model) and the random 1B and 8B shapes (bench/random_model.py), and what each ho
 moves.
 
 Per program (every FORWARD token bucket, the HEAD's logits and sampler programs, every
-FUSED step and, K = 4 turns, every MULTI program; doctor_steps.py): HBM per chip
+FUSED step and, K = 4 turns, every MULTI program; doctor/steps.py): HBM per chip
 (arguments, outputs, temporaries, and the outputs aliased to donated arguments: the KV
 pool), the compiler's bytes accessed and flops, the floor and the ratio of the two, the
 largest contributors by op and the collectives (model/hlo_ops.py).
@@ -88,7 +88,7 @@ def compile_model(label: str, cfg: Any, dtype: str, topology: str, tp: int, *,
     import numpy as np
 
     from multiserve.config import EngineConfig
-    from multiserve.doctor_steps import engine_programs, step_programs
+    from multiserve.doctor.steps import engine_programs, step_programs
     from multiserve.model.abstract_params import abstract_params, canonical_shapes
     from multiserve.model.invariance.workload import default_workload
     from multiserve.model.invariance.xla_options import step_options
@@ -153,7 +153,7 @@ def compile_report(model: str | None, dtype: str, topology: str, tp: int,
     import jax
 
     from multiserve.bench.random_model import SIZES
-    from multiserve.engine.dtype_choice import choose_dtype
+    from multiserve.engine.base.dtype_choice import choose_dtype
     from multiserve.model.loading.hf import load_hf_config
     from multiserve.model.loading.loader import resolve_model_dir
 

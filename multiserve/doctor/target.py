@@ -5,7 +5,7 @@ it prints the attention kernel and the product formulations the target starts fr
 (model/target_export.py: `target_plan`) and lowers, with `jax.export` for that platform, the
 whole model forward (model/families/forward.py) of a decode step and of the largest mixed
 step, and the engine's own FORWARD, FUSED and MULTI step programs of a decode step (MULTI:
-MULTI_TURNS turns of the fused step in one loop; doctor_steps.py). A lowering that fails is
+MULTI_TURNS turns of the fused step in one loop; doctor/steps.py). A lowering that fails is
 printed with its error, never raised."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ NUM_PAGES = 4096  # the abstract pool's pages (any count lowers the same program
 def _model_report(label: str, cfg: Any, dtype: str, target: str) -> dict[str, Any]:
     """The plan and the lowered forwards of one model config on `target`."""
     from multiserve.config import EngineConfig
-    from multiserve.doctor_steps import export_step_programs
+    from multiserve.doctor.steps import export_step_programs
     from multiserve.model.invariance.workload import default_workload
     from multiserve.model.layers.attention_pallas import pinned_blocks
     from multiserve.model.target_export import export_forward, target_plan
@@ -99,7 +99,7 @@ def target_report(target: str, model: str | None, dtype: str) -> dict[str, Any]:
     import jax
 
     from multiserve.bench.random_model import SIZES
-    from multiserve.engine.dtype_choice import choose_dtype
+    from multiserve.engine.base.dtype_choice import choose_dtype
     from multiserve.model.loading.hf import load_hf_config
     from multiserve.model.loading.loader import resolve_model_dir
 
@@ -130,13 +130,13 @@ def print_target_report(report: dict[str, Any]) -> None:
 
 def doctor_target(args: argparse.Namespace) -> int:
     """Both models on `args.target`; exit 1 if any program failed to lower. With
-    `--compile` (tpu only): doctor_compile.py."""
+    `--compile` (tpu only): doctor/compile.py."""
     if getattr(args, "compile", False):
         if args.target != "tpu":
             print(f"--compile: the TPU compiler only (no deviceless compiler for "
                   f"{args.target} here)")
             return 2
-        from multiserve.doctor_compile import doctor_compile
+        from multiserve.doctor.compile import doctor_compile
 
         return doctor_compile(args)
     report = target_report(args.target, args.model, args.dtype)
