@@ -168,7 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "(bench/random_model.py sizes)")
     d.add_argument("--programs", nargs="*", default=None, metavar="KIND:SIZE",
                    help="with --compile: only these programs (forward:16 fused:64 "
-                   "logits:16 sampler:16 multi:16; default: every program of an engine)")
+                   "logits:16 sampler:16 steps:16 (steps: the program of K decode steps "
+                   "per dispatch; multi: its deprecated name); default: every program of "
+                   "an engine)")
     d.set_defaults(func=_cmd_doctor)
     D = BENCH_DEFAULTS  # every flag's default: a field of BenchOptions (bench/options.py)
     b = sub.add_parser("bench", help="offline throughput on the default model")

@@ -207,7 +207,7 @@ class EngineConfig:
     it is used (engine/device/step_programs.py).
     `decode_steps_per_dispatch` K > 1: a decode-only step whose every row needs no
     per-token host decision runs K decode steps in ONE compiled loop (a program per fused
-    step size: `fused_step_paddings` and `fused_step_max` bound both), each turn the fused
+    step size: `fused_step_paddings` and `fused_step_max` bound both), each step the fused
     step's computation, bitwise what K single steps give;
     checked against K single steps when primed (engine/device/step_programs.py).
     Otherwise (K = 1, or some row has a penalty, a grammar or min_new_tokens still ahead,
@@ -379,7 +379,7 @@ class EngineConfig:
         return sizes
 
     @property
-    def multi_step_sizes(self) -> tuple[int, ...]:
+    def decode_steps_sizes(self) -> tuple[int, ...]:
         """The sizes whose decode steps may run `decode_steps_per_dispatch` steps in one
         dispatch: the fused step sizes while it is above 1, else none."""
         return self.fused_step_sizes if self.decode_steps_per_dispatch > 1 else ()

@@ -7,8 +7,8 @@ means the same computation. Run it on the base tree and on the change, and compa
     .venv/bin/python scripts/program_hashes.py > /tmp/after.txt
 
 Each line is `<config> <program> <size> <sha256 prefix>`: every FORWARD token bucket, each
-HEAD's logits and sampler programs, every FUSED step size and every program of several
-decode steps per dispatch, for three engines: float32 with K = 4 decode steps per
+HEAD's logits and sampler programs, every FUSED step size and every DECODE_STEPS program
+(K decode steps per dispatch), for three engines: float32 with K = 4 decode steps per
 dispatch, float32 with LoRA, bfloat16 with K = 4. Lowering only: nothing compiles.
 """
 
@@ -89,10 +89,10 @@ def program_hashes(name: str, extra: dict[str, Any], dtype: str) -> list[str]:
                            spec((rows,), jnp.int32, sharding=rep),
                            spec((rows,), jnp.bool_, sharding=rep), *sb, layout=layout,
                            max_rows=programs.max_rows))]
-        else:  # the program of several decode steps per dispatch
-            lowered = [("steps", fns.multi.lower(*args, layout=layout[0],
+        else:  # the program of K decode steps per dispatch
+            lowered = [("steps", fns.decode_steps.lower(*args, layout=layout[0],
                                                   sample_layout=layout[1], num_rows=size,
-                                                  turns=cfg.decode_steps_per_dispatch))]
+                                                  decode_steps=cfg.decode_steps_per_dispatch))]
         lines += [f"{name} {label} {size} {_digest(low)}" for label, low in lowered]
     return lines
 

@@ -49,7 +49,7 @@ def _program(report: dict[str, Any], kind: str, size: int) -> dict[str, Any]:
 
 
 # on v5e decode forwards and the fused step (forward, head and sampler: every kind of
-# program but the several-step loop of it, which `doctor --compile` compiles); a decode
+# program but the decode-steps loop of it, which `doctor --compile` compiles); a decode
 # forward on v6e: seconds a program, within the suite's budget
 PROGRAMS = {"v5e:2x2": (("forward", 1), ("forward", 16), ("fused", 16)),
             "v6e:2x2": (("forward", 16),)}

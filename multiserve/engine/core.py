@@ -117,7 +117,7 @@ class EngineCore:
                                    max(cfg.precompile_bs_paddings),
                                    drafter=Drafter() if cfg.speculative_algorithm else None,
                                    routed_experts=self.routed_experts,
-                                   runs_turns=runner.runs_turns,
+                                   runs_decode_steps=runner.runs_decode_steps,
                                    kv_window=model_cfg.kv_window)
         self.in_flight: InFlightStep | None = None
         self.last_batch: ScheduledBatch | None = None
@@ -277,7 +277,8 @@ class EngineCore:
         arrays = build_step_arrays(batch, t_pad, runner.page_table_rows(t_pad), runner.max_rows,
                                    self.max_pages, self.page_size, runner.lora_enabled)
         if phases is not None:
-            phases.saw(batch.num_tokens == len(batch.rows), len(batch.rows), batch.turns)
+            phases.saw(batch.num_tokens == len(batch.rows), len(batch.rows),
+                       batch.decode_steps)
             phases.lap("arrays")
         launched_at = time.perf_counter()
         if self._drained_at is not None:
@@ -293,7 +294,7 @@ class EngineCore:
             self.steady_rows.keep(batch, r_pad, specs, sb_host, wants_lp)
         if phases is not None:
             phases.lap("sampling_rows")
-        out = runner.run(arrays, sb_host, wants_lp, r_pad, batch.turns)
+        out = runner.run(arrays, sb_host, wants_lp, r_pad, batch.decode_steps)
         if phases is not None:
             phases.lap("launch")
         decodes = any(not r.req.in_prefill and r.samples and (r.end - r.start == 1 or r.draft)
@@ -319,16 +320,17 @@ class EngineCore:
         # the step's cost: from when the device could start it (its launch, or the read
         # of the step before it) to its results read
         now = time.perf_counter()
-        # (a dispatch of several decode steps: the cost of one of them)
+        # (a dispatch of K decode steps: the cost of one of them)
         self.scheduler.planner.step_costs.observe(
-            step.padded_tokens, (now - max(step.launched_at, self._last_read_at)) / out.turns)
+            step.padded_tokens,
+            (now - max(step.launched_at, self._last_read_at)) / out.decode_steps)
         self._last_read_at = now
         lp = StepLogprobs(out.sample) if out.wants_logprobs else None
-        if out.turns > 1:
+        if out.decode_steps > 1:
             self.last_batch = batch
-            deliver = self.scheduler.postprocess_turns(
+            deliver = self.scheduler.postprocess_decode_steps(
                 batch, next_ids.tolist(),
-                [lp.turn(k) for k in range(out.turns)] if lp is not None else None,
+                [lp.step(k) for k in range(out.decode_steps)] if lp is not None else None,
                 self.weight_version, self.stop_rules)
             self._deliver_all(deliver)
             return

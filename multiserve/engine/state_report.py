@@ -54,7 +54,8 @@ def internal_state(core: EngineCore, kv_pool: PoolSize | None = None) -> dict[st
         # steps run as one fused program (forward, head and sampler; device/step_programs.py)
         "forward_ct_fused": core.runner.fused_steps,
         # dispatches that ran decode_steps_per_dispatch decode steps in one program
-        "forward_ct_multi": core.runner.multi_steps,
+        "forward_ct_decode_steps": core.runner.decode_steps_dispatches,
+        "forward_ct_multi": core.runner.decode_steps_dispatches,  # its deprecated name
         "loop_passes": core.loop_passes,
         # speculative decoding: sglang's server-args names, then the running totals
         "speculative_algorithm": (core.cfg.speculative_algorithm.upper()

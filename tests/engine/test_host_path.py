@@ -116,7 +116,7 @@ def test_host_phases_tile_each_pass_of_a_real_run(tiny_engine: Any) -> None:
     waits = sum(decode["phase_ms"][p] for p in WAIT_PHASES)
     assert decode["host_ms"] == pytest.approx(wall - waits)
     # one decode step a dispatch: host time per decode step is the pass's
-    assert set(phases.turns) == {1} and decode["turns_p50"] == 1
+    assert set(phases.decode_steps) == {1} and decode["decode_steps_p50"] == 1
     assert decode["host_per_step_ms"] == pytest.approx(decode["host_ms"])
     assert wall == pytest.approx(sum(decode["phase_ms"].values()))
     # the steady decode steps of the same four samples took the step before's sampler

@@ -11,11 +11,11 @@ The programs' functions (step_programs.py compiles them, runner.py runs them):
 - `step` (`_step_impl`): the forward, logits and sampler of a b-token, b-row step in ONE
   program, each boundary's arrays constrained to the sharding the separate programs pass
   them in: the same computation as the three;
-- `multi` (`_multi_impl`): `turns` (EngineConfig.decode_steps_per_dispatch) decode steps
-  of b rows in ONE program, a `lax.scan` whose every turn is `step`'s computation
-  (`_step_arrays`) on the step arrays advanced on the device (`advance_turn`: positions and
-  sequence lengths + 1 a turn, each K/V slot read from the row's page-table row, the input
-  id the turn before sampled) and the sampler's position + 1 a turn, so each turn draws
+- `decode_steps` (`_multi_impl`): K (EngineConfig.decode_steps_per_dispatch) decode steps
+  of b rows in ONE program, a `lax.scan` whose every step is `step`'s computation
+  (`_step_arrays`) on the step arrays advanced on the device (`advance_step`: positions and
+  sequence lengths + 1 a step, each K/V slot read from the row's page-table row, the input
+  id the step before sampled) and the sampler's position + 1 a step, so each step draws
   what a single step at that position draws. Never with routing replay.
 With `routed_experts` (an engine started with enable_return_routed_experts on a MoE
 model), `forward` and `step` return one more output, last: the top-k expert ids of every
@@ -91,10 +91,11 @@ class StepFunctions:
             self._step_impl, donate_argnums=(1,),
             static_argnames=("layout", "sample_layout", "num_rows"),
             out_shardings=(replicated, replicated, kv_out, *routed_out))
-        # `turns` decode steps in one program (no routing replay: `_multi_impl`)
-        self.multi = jax.jit(
+        # K decode steps in one program (no routing replay: `_multi_impl`, a name kept as
+        # its lowered module's: the persistent compilation cache's keys)
+        self.decode_steps = jax.jit(
             self._multi_impl, donate_argnums=(1,),
-            static_argnames=("layout", "sample_layout", "num_rows", "turns"),
+            static_argnames=("layout", "sample_layout", "num_rows", "decode_steps"),
             out_shardings=(replicated, replicated, replicated, kv_out))
 
     def _forward_impl(self, params: Any, kv: KVPool, prev_ids: jax.Array, packed: jax.Array,
@@ -173,36 +174,36 @@ class StepFunctions:
     def _multi_impl(self, params: Any, kv: KVPool, prev_ids: jax.Array, packed: jax.Array,
                     packed_sb: jax.Array, output_counts: jax.Array, prompt_mask: jax.Array,
                     token_mask: jax.Array, *, layout: Layout, sample_layout: Layout,
-                    num_rows: int, turns: int) -> tuple[Any, ...]:
-        """`turns` decode steps in one program: a loop whose turn k runs `_step_arrays`,
-        the fused step's computation, on the step of turn 0 advanced by k positions
-        (`advance_turn`), reading the ids turn k - 1 sampled; the sampler keyed by each
-        turn's position. Returns (the last turn's ids [max_rows], every turn's ids
-        [turns, max_rows], every turn's SampleOutput (leaves [turns, ...]), kv).
+                    num_rows: int, decode_steps: int) -> tuple[Any, ...]:
+        """`decode_steps` (K) decode steps in one program: a loop whose step k runs
+        `_step_arrays`, the fused step's computation, on step 0 advanced by k positions
+        (`advance_step`), reading the ids step k - 1 sampled; the sampler keyed by each
+        step's position. Returns (the last step's ids [max_rows], every step's ids
+        [K, max_rows], every step's SampleOutput (leaves [K, ...]), kv).
         Only for a decode-only step without routing replay: token row b is batch row b,
         logits row b, sequence row b (one_token_rows)."""
         arrays = unpack(packed, layout)
         small_sb = unpack(packed_sb, sample_layout)
 
-        def turn(carry: tuple[KVPool, jax.Array], k: jax.Array
-                 ) -> tuple[tuple[KVPool, jax.Array], tuple[jax.Array, Any]]:
+        def decode_step(carry: tuple[KVPool, jax.Array], k: jax.Array
+                        ) -> tuple[tuple[KVPool, jax.Array], tuple[jax.Array, Any]]:
             kv, prev = carry
             next_ids, out, kv = self._step_arrays(
-                params, kv, prev, advance_turn(arrays, k, self.page_size),
+                params, kv, prev, advance_step(arrays, k, self.page_size),
                 lambda: small_sb.replace(position=small_sb.position + k), output_counts,
                 prompt_mask, token_mask, num_rows)
             return (kv, next_ids), (next_ids, out)
 
-        (kv, last), (ids, outs) = jax.lax.scan(turn, (kv, prev_ids),
-                                               jnp.arange(turns, dtype=jnp.int32))
+        (kv, last), (ids, outs) = jax.lax.scan(decode_step, (kv, prev_ids),
+                                               jnp.arange(decode_steps, dtype=jnp.int32))
         return last, ids, outs, kv
 
 
-def advance_turn(arrays: dict[str, jax.Array], k: jax.Array,
+def advance_step(arrays: dict[str, jax.Array], k: jax.Array,
                  page_size: int) -> dict[str, jax.Array]:
-    """The step arrays of a decode-only step advanced by `k` turns (traced): each real
-    row (seq_len > 0) one position on per turn, its input the id the turn before sampled
-    into its own row of the previous ids (from turn 1 on), its K/V slot read from its
+    """The step arrays of a decode-only step advanced by `k` decode steps (traced): each
+    real row (seq_len > 0) one position on per step, its input the id the step before
+    sampled into its own row of the previous ids (from step 1 on), its K/V slot read from its
     page-table row; padding rows as they were. At k = 0 the arrays unchanged: what
     batch_arrays.one_token_rows writes for the step K single steps would run k steps
     later, with every row's pages already in its table."""

@@ -21,10 +21,11 @@ Invariants:
 - A waiting Req with `pending > 0` (retracted while a step that samples for it was
   in flight) is not admitted until the host has read that token.
 - Nothing writes a ScheduledBatch once `schedule()` returned it (frozen, rows too).
-- A step of K turns (`ScheduledBatch.turns`, `_turns`: decode rows that need no host
-  decision between tokens) holds every row's pages for its K positions before it is
-  launched; `launch` advances each row K positions, and `postprocess_turns` records its
-  K tokens a row in order, up to the first that ends the sample.
+- A dispatch of K decode steps (`ScheduledBatch.decode_steps`, `_decode_steps`: decode
+  rows that need no host decision between tokens) holds every row's pages for its K
+  positions before it is launched; `launch` advances each row K positions, and
+  `postprocess_decode_steps` records its K tokens a row in order, up to the first that
+  ends the sample.
 - `launch(batch)` is called once the runner enqueued the step: only then do kv_len,
   pending and the prefix cache move, so a schedule that was never launched has no
   effect on state beyond page allocation (which `launch` makes permanent).
@@ -100,7 +101,8 @@ class Scheduler:
                  max_context: int, max_tokens_per_step: int, max_rows: int,
                  drafter: DraftSource | None = None,
                  routed_experts: RoutedExpertsTable | None = None,
-                 runs_turns: Callable[[int], bool] | None = None, kv_window: int = 0) -> None:
+                 runs_decode_steps: Callable[[int], bool] | None = None,
+                 kv_window: int = 0) -> None:
         self.cfg = cfg
         self.allocator = allocator
         self.cache = cache
@@ -127,9 +129,9 @@ class Scheduler:
         # experts: each Req asking for them copies its rows out before its pages go
         # (`finish`, `retract`)
         self.routed_experts = routed_experts
-        # whether a decode-only step of n rows can run several decode steps in one
-        # dispatch now (the runner's `runs_turns`); None: never
-        self.runs_turns = runs_turns
+        # whether a decode-only step of n rows can run K decode steps in one
+        # dispatch now (the runner's `runs_decode_steps`); None: never
+        self.runs_decode_steps = runs_decode_steps
         # a "wait" pause closing admission (EngineCore.pause): only these Reqs, live when
         # it began, may still be admitted from `waiting`; None: admission is open
         self._admit_only: frozenset[Req] | None = None
@@ -357,19 +359,21 @@ class Scheduler:
         rows += self._prefill_rows(budget, self.max_rows - logit_rows)
         if not rows:
             return None
-        return ScheduledBatch.of(rows, self._turns(rows))
+        return ScheduledBatch.of(rows, self._decode_steps(rows))
 
-    def _turns(self, rows: list[BatchRow]) -> int:
+    def _decode_steps(self, rows: list[BatchRow]) -> int:
         """How many decode steps the step of `rows` runs in one dispatch: the config's K
         where every row is a decode row that needs no per-token host decision
-        (`_takes_turns`), the runner has the program, and every row's pages for K
+        (`_takes_decode_steps`), the runner has the program, and every row's pages for K
         positions are obtained (those obtained stay its own, for the steps to come,
-        whatever the answer); else 1. A stop inside the K turns is found afterwards
-        (`postprocess_turns`): the tokens sampled past it are dropped with its pages."""
+        whatever the answer); else 1. A stop inside the K steps is found afterwards
+        (`postprocess_decode_steps`): the tokens sampled past it are dropped with its
+        pages."""
         k = self.cfg.decode_steps_per_dispatch
-        if k == 1 or self.runs_turns is None or not all(self._takes_turns(r, k) for r in rows):
+        if k == 1 or self.runs_decode_steps is None or not all(
+                self._takes_decode_steps(r, k) for r in rows):
             return 1
-        if not self.runs_turns(len(rows)):
+        if not self.runs_decode_steps(len(rows)):
             return 1
         for row in rows:
             req = row.req
@@ -381,7 +385,7 @@ class Scheduler:
                 req.pages.extend(got)
         return k
 
-    def _takes_turns(self, row: BatchRow, k: int) -> bool:
+    def _takes_decode_steps(self, row: BatchRow, k: int) -> bool:
         """Row `row` may run k decode steps without the host between them: a decode row
         (one token, not a draft, not mid-prefill) whose sampler inputs do not depend on
         its output (no penalty, grammar, min_new_tokens still ahead: no bans), that never
@@ -560,9 +564,9 @@ class Scheduler:
         for b, row in enumerate(batch.rows):
             req = row.req
             was_prefill = req.in_prefill
-            req.kv_len = row.end + batch.turns - 1
+            req.kv_len = row.end + batch.decode_steps - 1
             if row.samples:
-                req.pending += batch.turns
+                req.pending += batch.decode_steps
                 req.last_out_row = b
             if was_prefill:
                 self._extend_chain(req, row.end // self.page_size)
@@ -620,24 +624,25 @@ class Scheduler:
                 deliver.append(req)
         return deliver
 
-    def postprocess_turns(self, batch: ScheduledBatch, turn_ids: Sequence[Sequence[int]],
-                          logprobs: Sequence[StepLogprobSource] | None, weight_version: str,
-                          rules: StopRules) -> list[Req]:
-        """`postprocess` of a step that ran `batch.turns` decode steps (`turn_ids[k]`: the
-        ids turn k sampled, by row; `logprobs[k]`: its logprobs). Each row's tokens are
-        recorded in order, each judged by the stop rules as a single step's is, until one
-        ends the sample: the tokens after it were sampled past the end and are dropped,
-        and the finish gives back its pages, K/V past the end included. Returns the Reqs
-        with output to deliver now, in row order."""
+    def postprocess_decode_steps(self, batch: ScheduledBatch,
+                                 step_ids: Sequence[Sequence[int]],
+                                 logprobs: Sequence[StepLogprobSource] | None,
+                                 weight_version: str, rules: StopRules) -> list[Req]:
+        """`postprocess` of a dispatch that ran `batch.decode_steps` decode steps
+        (`step_ids[k]`: the ids step k sampled, by row; `logprobs[k]`: its logprobs). Each
+        row's tokens are recorded in order, each judged by the stop rules as a single
+        step's is, until one ends the sample: the tokens after it were sampled past the end
+        and are dropped, and the finish gives back its pages, K/V past the end included.
+        Returns the Reqs with output to deliver now, in row order."""
         deliver: list[Req] = []
         for b, row in enumerate(batch.rows):
             req = row.req
             if req.finished:
                 continue
-            req.routed_read = max(req.routed_read, row.end + batch.turns - 1)
-            req.pending -= batch.turns
-            for k in range(batch.turns):
-                tok = int(turn_ids[k][b])
+            req.routed_read = max(req.routed_read, row.end + batch.decode_steps - 1)
+            req.pending -= batch.decode_steps
+            for k in range(batch.decode_steps):
+                tok = int(step_ids[k][b])
                 self._record_token(req, tok, logprobs[k] if logprobs is not None else None,
                                    b, weight_version)
                 reason, matched = rules.verdict(req, tok)
