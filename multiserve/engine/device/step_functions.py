@@ -38,12 +38,13 @@ Invariants:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 
 from multiserve.config import ModelConfig
 from multiserve.engine.device.packed_inputs import Layout, unpack
@@ -74,8 +75,9 @@ class StepFunctions:
         self.max_rows = max_rows
         self.replicated = replicated
         # several devices: the forward sums no float across them (model/tensor_parallel.py)
-        self.tp = TensorParallel.of(replicated.mesh, model_cfg)
-        kv_out = KVPool(k=kv_sharding, v=kv_sharding,
+        self.tp = TensorParallel.of(cast(Mesh, replicated.mesh), model_cfg)
+        # the pool's output shardings: a KVPool whose leaves are shardings
+        kv_out = KVPool(k=kv_sharding, v=kv_sharding,  # type: ignore[arg-type]
                         layout=pool_layout(plan.attention.kernel))
         # explicit output shardings: warm-up lowers the heads from abstract inputs that
         # must match what a forward really returns
@@ -115,14 +117,15 @@ class StepFunctions:
                           page_table=arrays["page_table"], seq_lens=arrays["seq_lens"],
                           logit_rows=arrays["logit_rows"],
                           lora_slots=arrays.get("lora_slots"))
-        kw = dict(page_size=self.page_size, attn_block_size=self.attention_block_size,
-                  plan=self.plan, tp=self.tp)
         rows = arrays["logit_rows"]
         if self.routed_experts:
-            hidden, kv, experts = self.family.forward_hidden_routed(params, kv, fb,
-                                                                    self.model_cfg, **kw)
+            hidden, kv, experts = self.family.forward_hidden_routed(
+                params, kv, fb, self.model_cfg, page_size=self.page_size,
+                attn_block_size=self.attention_block_size, plan=self.plan, tp=self.tp)
             return hidden, ids[rows], from_prev[rows] >= 0, kv, experts
-        hidden, kv = self.family.forward_hidden(params, kv, fb, self.model_cfg, **kw)
+        hidden, kv = self.family.forward_hidden(
+            params, kv, fb, self.model_cfg, page_size=self.page_size,
+            attn_block_size=self.attention_block_size, plan=self.plan, tp=self.tp)
         return hidden, ids[rows], from_prev[rows] >= 0, kv
 
     def _logits_impl(self, params: Any, hidden: jax.Array, row_tok: jax.Array,
@@ -190,8 +193,8 @@ class StepFunctions:
             kv, prev = carry
             next_ids, out, kv = self._step_arrays(
                 params, kv, prev, advance_step(arrays, k, self.page_size),
-                lambda: small_sb.replace(position=small_sb.position + k), output_counts,
-                prompt_mask, token_mask, num_rows)
+                lambda: dataclasses.replace(small_sb, position=small_sb.position + k),
+                output_counts, prompt_mask, token_mask, num_rows)
             return (kv, next_ids), (next_ids, out)
 
         (kv, last), (ids, outs) = jax.lax.scan(decode_step, (kv, prev_ids),
@@ -237,8 +240,8 @@ def _sample_fields(logits: jax.Array, tok: jax.Array, prev: jax.Array,
                    prompt_mask: jax.Array, token_mask: jax.Array, *,
                    max_rows: int) -> tuple[jax.Array, Any]:
     """`_sample_impl` on the sampler's small fields unpacked."""
-    sb = small_sb.replace(output_counts=output_counts, prompt_mask=prompt_mask,
-                          token_mask=token_mask, unread_token=tok, has_unread=prev)
+    sb = dataclasses.replace(small_sb, output_counts=output_counts, prompt_mask=prompt_mask,
+                             token_mask=token_mask, unread_token=tok, has_unread=prev)
     out = sampling.sample(logits, sb)
     rows = min(logits.shape[0], max_rows)
     next_ids = jnp.zeros(max_rows, jnp.int32).at[:rows].set(out.next_ids[:rows])

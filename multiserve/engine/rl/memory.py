@@ -34,6 +34,7 @@ Invariants:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -193,4 +194,4 @@ class MemoryManager:
 
         fn = jax.jit(put, donate_argnums=(0, 1), out_shardings=(sh, sh))
         new_k, new_v = fn(kv.k, kv.v, slots_dev, k, v)
-        return kv.replace(k=new_k, v=new_v)
+        return dataclasses.replace(kv, k=new_k, v=new_v)

@@ -116,19 +116,21 @@ class Req:
         1..n-1 follow sample 0 (`leader`), which prefills the shared prompt first."""
         p = request.sampling
         ids = list(request.input_ids)
-        routing = dict(want_routed_experts=request.return_routed_experts,
-                       routed_experts_start=request.routed_experts_start_len,
-                       cache_salt=request.cache_salt)
         leader = cls(rid=request.rid, index=0, prompt_ids=ids, params=p, seed=seed,
                      sink=sink, stream=request.stream,
                      want_prompt_logprobs=request.return_prompt_logprobs,
                      lora_name=request.lora_name, lora_optional=request.lora_optional,
-                     **routing)
+                     want_routed_experts=request.return_routed_experts,
+                     routed_experts_start=request.routed_experts_start_len,
+                     cache_salt=request.cache_salt)
         return [leader] + [
             cls(rid=request.rid, index=i, prompt_ids=ids, params=p, seed=seed, sink=sink,
                 stream=request.stream, want_prompt_logprobs=request.return_prompt_logprobs,
                 leader=leader, lora_name=request.lora_name,
-                lora_optional=request.lora_optional, **routing) for i in range(1, p.n)]
+                lora_optional=request.lora_optional,
+                want_routed_experts=request.return_routed_experts,
+                routed_experts_start=request.routed_experts_start_len,
+                cache_salt=request.cache_salt) for i in range(1, p.n)]
 
     @property
     def key(self) -> tuple[str, int]:
