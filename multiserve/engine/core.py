@@ -117,7 +117,6 @@ class EngineCore:
                                    max(cfg.precompile_bs_paddings),
                                    drafter=Drafter() if cfg.speculative_algorithm else None,
                                    routed_experts=self.routed_experts,
-                                   runs_decode_steps=runner.runs_decode_steps,
                                    kv_window=model_cfg.kv_window)
         self.in_flight: InFlightStep | None = None
         self.last_batch: ScheduledBatch | None = None
@@ -249,6 +248,8 @@ class EngineCore:
             # just sampled: read the step in flight first
             self.drain()
             self._drained_at = time.perf_counter()
+        if self.cfg.decode_steps_per_dispatch > 1:  # the sizes K decode steps may run at
+            self.scheduler.compiled = self.runner.compiled_sizes()
         batch = self.scheduler.schedule()
         if phases is not None:
             phases.lap("schedule")

@@ -8,6 +8,7 @@ import pytest
 from sched_sim import PAGE, Sim, expected, fake_token
 
 from multiserve.engine.sched.batch import ScheduledBatch
+from multiserve.engine.sched.compiled_sizes import CompiledSizes
 from multiserve.engine.sched.request import Req
 from multiserve.engine.sched.stop_rules import StopRules
 from multiserve.types import RequestStatus, SamplingParams
@@ -251,6 +252,22 @@ def test_a_retracted_old_kv_holder_also_reopens_the_cache() -> None:
     assert sim.outputs() == {"r": expected(r.prompt_ids, 4)}
 
 
+# every step size of a Sim (8 rows at most) has its own buckets and a DECODE_STEPS program
+EVERY_SIZE = CompiledSizes(forward=(1, 2, 4, 8, 16), head=(1, 2, 4, 8),
+                           decode_steps=(1, 2, 4, 8))
+
+
+def test_k_decode_steps_run_where_the_step_pads_to_a_size_with_the_program() -> None:
+    compiled = CompiledSizes(forward=(1, 8, 16), head=(1, 8), decode_steps=(8,))
+    # 2..8 rows pad to 8 tokens and 8 rows: the program of 8; 1 row has none; 9 rows
+    # pad to 16 tokens, more rows than any head bucket holds
+    assert [compiled.runs_decode_steps(n) for n in (1, 2, 8, 9)] == [False, True, True,
+                                                                      False]
+    # the step's token and row buckets differ: no fused size, no program
+    assert not CompiledSizes((1, 16), (1, 8), (8, 16)).runs_decode_steps(2)
+    assert not CompiledSizes().runs_decode_steps(1)  # nothing told: single steps
+
+
 def _run_decode_steps(sim: Sim, rules: StopRules) -> ScheduledBatch:
     """Schedule and launch one step, read it at once: K decode steps' tokens (fake_token) per
     row recorded by `postprocess_decode_steps`, or a single step's by `Sim.step`'s
@@ -274,7 +291,7 @@ def _run_decode_steps(sim: Sim, rules: StopRules) -> ScheduledBatch:
 def test_k_decode_steps_hold_k_positions_and_record_tokens_up_to_the_stop() -> None:
     sim = Sim(decode_steps_per_dispatch=4)
     # the runner has the program of every size
-    sim.sched.runs_decode_steps = lambda rows: True
+    sim.sched.compiled = EVERY_SIZE
     a, b = sim.req("a", _prompt(1, 6), max_new=7), sim.req("b", _prompt(2, 5), max_new=3)
     sim.add(a, b)
     assert sim.step().decode_steps == 1  # the prefill: a single step
@@ -295,7 +312,7 @@ def test_k_decode_steps_hold_k_positions_and_record_tokens_up_to_the_stop() -> N
 
 def test_a_row_that_needs_the_host_between_tokens_runs_single_steps() -> None:
     sim = Sim(decode_steps_per_dispatch=4)
-    sim.sched.runs_decode_steps = lambda rows: True
+    sim.sched.compiled = EVERY_SIZE
     plain = sim.req("plain", _prompt(3, 6), max_new=9)
     penalised = Req("pen", 0, _prompt(4, 6), SamplingParams(max_new_tokens=9,
                                                             frequency_penalty=0.5),
@@ -310,5 +327,5 @@ def test_a_row_that_needs_the_host_between_tokens_runs_single_steps() -> None:
     assert batch.decode_steps == 4 and plain.kv_len == 6 + 4
     assert len(plain.output_ids) == 1 + 4
     assert plain.output_ids == expected(plain.prompt_ids, 5)
-    sim.sched.runs_decode_steps = lambda rows: False  # no program of this size (yet)
+    sim.sched.compiled = CompiledSizes((8,), (8,), ())  # no program of this size (yet)
     assert _run_decode_steps(sim, rules).decode_steps == 1 and plain.kv_len == 6 + 4 + 1

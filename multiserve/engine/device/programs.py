@@ -20,10 +20,10 @@ off the largest bucket). `plan()` splits the buckets into that first phase and t
 `background` the rest compile on a background thread per engine while the engine serves,
 smallest first (a lone decode's T = 1, R = 1 first). Each compiled program is then primed
 (run once) on the engine thread between steps and only then joins the ready set; the step
-picks the smallest ready bucket that fits (`smallest_fit`). Outputs are identical either
-way; only speed differs until the set is complete. The unrolled small-T forwards are most
-of the compile time (several times a scanned one's each, docs/performance.md §6): they go
-last.
+picks the smallest ready bucket that fits (engine/base/buckets.py `smallest_fit`).
+Outputs are identical either way; only speed differs until the set is complete. The
+unrolled small-T forwards are most of the compile time (several times a scanned one's
+each, docs/performance.md §6): they go last.
 
 Ownership (one writer each): `_programs` (compiled executables) is written by the compiling
 thread (the warm-up caller, then the background thread), each program stored before it is
@@ -42,7 +42,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Protocol
@@ -174,12 +174,6 @@ def plan(token_buckets: Sequence[int], row_buckets: Sequence[int], unroll_max_to
     rest = sorted((p for p in everything if p not in first),
                   key=lambda p: (p[1], KINDS.index(p[0])))
     return Plan(first=tuple(p for p in everything if p in first), rest=tuple(rest))
-
-
-def smallest_fit(ready: Iterable[int], n: int) -> int | None:
-    """The smallest size in `ready` that holds n (None: none does)."""
-    fits = [s for s in ready if s >= n]
-    return min(fits) if fits else None
 
 
 @dataclass

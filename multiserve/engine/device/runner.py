@@ -12,8 +12,8 @@ the program of each step; the programs' math is step_functions.py.
 A step is a forward over T tokens and a head over R logits rows (two programs), or one
 fused program where the step is a b-token, b-row decode step with a checked fused program
 (`StepPrograms.fused`); a decode step for which the scheduler asked K decode steps per
-dispatch (ScheduledBatch.decode_steps, only where `runs_decode_steps` said a program is
-ready) runs K such steps in one decode-steps program (`StepPrograms.decode_steps`), its
+dispatch (ScheduledBatch.decode_steps, only at a size `compiled_sizes` said has a ready
+program) runs K such steps in one decode-steps program (`StepPrograms.decode_steps`), its
 outputs every step's. Every row's numerics are independent of T and R.
 
 Invariants:
@@ -61,18 +61,20 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from multiserve.config import EngineConfig, ModelConfig
+from multiserve.engine.base.buckets import smallest_fit
 from multiserve.engine.base.dtype_choice import DtypeChoice
 from multiserve.engine.base.lora_adapters import LoraAdapter
 from multiserve.engine.device import huge_pages
 from multiserve.engine.device.batch_arrays import StepArrays
 from multiserve.engine.device.program_share import SHARE
-from multiserve.engine.device.programs import ProgramKind, ProgramSet, smallest_fit
+from multiserve.engine.device.programs import ProgramKind, ProgramSet
 from multiserve.engine.device.sampling_batches import SamplingBatches
 from multiserve.engine.device.step_functions import StepFunctions
 from multiserve.engine.device.step_inputs import sampling_inputs, step_inputs
 from multiserve.engine.device.step_programs import StepPrograms
 from multiserve.engine.sampling import host as sampling_host
 from multiserve.engine.sampling import sampler as sampling
+from multiserve.engine.sched.compiled_sizes import CompiledSizes
 from multiserve.model.families import family_for
 from multiserve.model.invariance.calibration import calibrate
 from multiserve.model.invariance.plan import Calibration, InvariancePlan
@@ -303,15 +305,17 @@ class Runner:
             raise ValueError(f"no bucket for {num_tokens} tokens / {num_rows} rows")
         return t, r
 
-    def runs_decode_steps(self, num_rows: int) -> bool:
-        """Whether a decode-only step of `num_rows` rows can run
-        `decode_steps_per_dispatch` steps in one dispatch now: a decode-steps program of
-        its bucket is ready (never in an engine spanning hosts, whose followers replay
-        single steps)."""
-        if self.mirror is not None or not self.step_programs.decode_steps_sizes:
-            return False
-        t, r = self.bucket_for(num_rows, num_rows)
-        return self.step_programs.decode_steps(t, r) is not None
+    def compiled_sizes(self) -> CompiledSizes:
+        """The sizes of the programs a step may run now, for the scheduler to tell which
+        decode steps run `decode_steps_per_dispatch` steps in one dispatch
+        (engine/sched/compiled_sizes.py): `bucket_for`'s token and row buckets, and the
+        sizes with a ready decode-steps program (none in an engine spanning hosts, whose
+        followers replay single steps)."""
+        programs = self.step_programs
+        ready = (() if self.mirror is not None or not programs.decode_steps_sizes
+                 else programs.set.ready(ProgramKind.DECODE_STEPS))
+        return CompiledSizes(tuple(programs.compiled_buckets(ProgramKind.FORWARD)),
+                             tuple(programs.compiled_buckets(ProgramKind.HEAD)), ready)
 
     def page_table_rows(self, num_tokens: int) -> int:
         """Sequence rows of a T-token step: every row has a token, and at most max_rows."""
@@ -335,8 +339,8 @@ class Runner:
         """Launch one step: `num_rows` (a row bucket) logits rows, sampled with `sb_host`
         (built by `sampling_batch(specs, num_rows)`): one fused program where it has one
         (`StepPrograms.fused`), else the forward and the head. `decode_steps` K > 1 (a
-        decode-only step, `runs_decode_steps`): its decode-steps program, K decode steps
-        from this one."""
+        decode-only step of a size `compiled_sizes` gave the scheduler): its decode-steps
+        program, K decode steps from this one."""
         assert self.kv is not None, "KV pool released: resume memory before running"
         assert self._prev_ids is not None, "step buffers released: resume memory first"
         packed, sampling_args = step_inputs(arrays), sampling_inputs(sb_host)
@@ -393,8 +397,7 @@ class Runner:
     def _run_decode_steps(self, tokens: int, num_rows: int, wants_logprobs: bool,
                           packed: np.ndarray, sampling_args: tuple[Any, ...],
                           decode_steps: int) -> StepOutput:
-        """Run a decode step's decode-steps program (`runs_decode_steps` said it is
-        ready)."""
+        """Run a decode step's decode-steps program (`compiled_sizes` said it is ready)."""
         program = self.step_programs.decode_steps(tokens, num_rows)
         assert program is not None and decode_steps == self.cfg.decode_steps_per_dispatch, \
             (tokens, num_rows, decode_steps)
