@@ -58,7 +58,7 @@ from multiserve.engine.base.pause_state import PauseState
 from multiserve.engine.base.routed_experts import RoutedExpertsTable
 from multiserve.engine.device.batch_arrays import build_step_arrays
 from multiserve.engine.device.runner import Runner, StepOutput
-from multiserve.engine.host_phases import HostPhases
+from multiserve.engine.host_phases import NO_PHASES, HostPhases, NoPhases
 from multiserve.engine.sampling.host import mask_words
 from multiserve.engine.sampling.logprobs import StepLogprobs
 from multiserve.engine.sampling.rows import step_rows
@@ -143,8 +143,19 @@ class EngineCore:
         # a plain decode step's sampler inputs, reused by the next plain steps of the
         # same samples (engine/sampling/steady_rows.py)
         self.steady_rows = SteadyRows()
-        # a measuring aid (engine/host_phases.py): None, the step path only tests it
-        self.host_phases: HostPhases | None = None
+        # a measuring aid (engine/host_phases.py; `host_phases`): the step's timer,
+        # NO_PHASES (every call a no-op) while none is set
+        self._phases: HostPhases | NoPhases = NO_PHASES
+
+    @property
+    def host_phases(self) -> HostPhases | None:
+        """The per-phase host timer of the step passes (engine/host_phases.py), or None:
+        off (the default)."""
+        return self._phases if isinstance(self._phases, HostPhases) else None
+
+    @host_phases.setter
+    def host_phases(self, phases: HostPhases | None) -> None:
+        self._phases = phases if phases is not None else NO_PHASES
 
     # ---- requests ------------------------------------------------------------------
     def add(self, reqs: Sequence[Req]) -> None:
@@ -237,9 +248,8 @@ class EngineCore:
         if self._fault is not None:
             msg, self._fault = self._fault, None
             raise RuntimeError(msg)
-        phases = self.host_phases
-        if phases is not None:
-            phases.start()
+        phases = self._phases
+        phases.start()
         if self.in_flight is not None and (self.in_flight.batch.speculative
                                            or self.in_flight.batch.constrained
                                            or self.scheduler.wants_drafts()):
@@ -251,8 +261,7 @@ class EngineCore:
         if self.cfg.decode_steps_per_dispatch > 1:  # the sizes K decode steps may run at
             self.scheduler.compiled = self.runner.compiled_sizes()
         batch = self.scheduler.schedule()
-        if phases is not None:
-            phases.lap("schedule")
+        phases.lap("schedule")
         launched = self._launch(batch) if batch is not None else None
         self._drained_at = None
         if self.in_flight is not None:
@@ -262,9 +271,8 @@ class EngineCore:
             self.drain()
         if self.in_flight is None and not self.scheduler.running:
             self.scheduler.check_integrity()
-        if phases is not None:
-            phases.lap("advance")
-            phases.end()
+        phases.lap("advance")
+        phases.end()
 
     def drain(self) -> None:
         if self.in_flight is not None:
@@ -273,14 +281,13 @@ class EngineCore:
 
     def _launch(self, batch: ScheduledBatch) -> InFlightStep:
         runner = self.runner
-        phases = self.host_phases
+        phases = self._phases
         t_pad, r_pad = runner.bucket_for(batch.num_tokens, batch.num_logit_rows)
         arrays = build_step_arrays(batch, t_pad, runner.page_table_rows(t_pad), runner.max_rows,
                                    self.max_pages, self.page_size, runner.lora_enabled)
-        if phases is not None:
-            phases.saw(batch.num_tokens == len(batch.rows), len(batch.rows),
-                       batch.decode_steps)
-            phases.lap("arrays")
+        phases.saw(batch.num_tokens == len(batch.rows), len(batch.rows),
+                   batch.decode_steps)
+        phases.lap("arrays")
         launched_at = time.perf_counter()
         if self._drained_at is not None:
             # the step before was read first: the host's work since delayed this launch
@@ -293,11 +300,9 @@ class EngineCore:
                                         mask_words(self.model_cfg.vocab_size))
             sb_host = runner.sampling_batch(specs, r_pad)
             self.steady_rows.keep(batch, r_pad, specs, sb_host, wants_lp)
-        if phases is not None:
-            phases.lap("sampling_rows")
+        phases.lap("sampling_rows")
         out = runner.run(arrays, sb_host, wants_lp, r_pad, batch.decode_steps)
-        if phases is not None:
-            phases.lap("launch")
+        phases.lap("launch")
         decodes = any(not r.req.in_prefill and r.samples and (r.end - r.start == 1 or r.draft)
                       for r in batch.rows)
         self.scheduler.launch(batch)
@@ -311,13 +316,11 @@ class EngineCore:
         """Read `step`'s results (blocks on the device), let the scheduler record them,
         and deliver what they completed."""
         batch, out = step.batch, step.out
-        phases = self.host_phases
-        if phases is not None:
-            phases.saw(batch.num_tokens == len(batch.rows))
-            phases.lap("advance")  # what ran since the last lap: the launch's bookkeeping
+        phases = self._phases
+        phases.saw(batch.num_tokens == len(batch.rows))
+        phases.lap("advance")  # what ran since the last lap: the launch's bookkeeping
         next_ids = np.asarray(out.next_ids)
-        if phases is not None:
-            phases.lap("read_back")
+        phases.lap("read_back")
         # the step's cost: from when the device could start it (its launch, or the read
         # of the step before it) to its results read
         now = time.perf_counter()
@@ -345,13 +348,11 @@ class EngineCore:
 
     def _deliver_all(self, deliver: Sequence[Req]) -> None:
         """After a step's postprocess: deliver each of `deliver`."""
-        phases = self.host_phases
-        if phases is not None:
-            phases.lap("postprocess")
+        phases = self._phases
+        phases.lap("postprocess")
         for req in deliver:
             self._deliver(req)
-        if phases is not None:
-            phases.lap("deliver")
+        phases.lap("deliver")
 
     def finish(self, req: Req, reason: FinishReason, error: str | None = None) -> None:
         """THE finish path: the scheduler records it (finished, `reason`, no longer live,

@@ -2,8 +2,9 @@
 
 A measuring aid (`multiserve bench --host-phases`, docs/performance.md §23): while an
 EngineCore holds one (`EngineCore.host_phases`, None by default: then the step path
-only tests that attribute), every pass of `EngineCore.step` is cut into consecutive
-phases by `lap(phase)`, each charged the time since the lap before it:
+calls `NO_PHASES`, whose every call does nothing), every pass of `EngineCore.step` is
+cut into consecutive phases by `lap(phase)`, each charged the time since the lap before
+it:
 
 - loop: from the end of the previous pass to the start of this one (the engine loop:
   its command queue, `has_work`);
@@ -119,3 +120,24 @@ def _summary(passes: list[list[float]], rows: list[int], decode_steps: list[int]
         out["host_per_step_p50_ms"] = float(np.median(per_step))
         out["decode_steps_p50"] = float(np.median(decode_steps))
     return out
+
+
+class NoPhases:
+    """The timer off (`NO_PHASES`, EngineCore's while it holds no HostPhases): HostPhases'
+    calls, each doing nothing, so the step path times itself without testing whether it
+    is timed."""
+
+    def start(self) -> None:
+        pass
+
+    def lap(self, phase: str) -> None:
+        pass
+
+    def saw(self, decode_only: bool, rows: int = 0, decode_steps: int = 1) -> None:
+        pass
+
+    def end(self) -> None:
+        pass
+
+
+NO_PHASES = NoPhases()
