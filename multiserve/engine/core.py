@@ -538,8 +538,9 @@ class EngineCore:
         """Device buffers given back by a memory release: "weights" while the runner has no
         params, "kv_cache" while it has no KV pool (derived from the runner, never stored)."""
         runner = self.runner
-        return frozenset(tag for tag, gone in (("weights", runner.held_params is None),
-                                               ("kv_cache", runner.kv is None)) if gone)
+        tags: tuple[tuple[MemoryTag, bool], ...] = (("weights", runner.held_params is None),
+                                                    ("kv_cache", runner.kv is None))
+        return frozenset(tag for tag, gone in tags if gone)
 
     def set_weight_version(self, version: str) -> dict[str, Any]:
         """New weights are live: outputs carry `version` from now on, and K/V computed with

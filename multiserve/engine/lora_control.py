@@ -62,14 +62,15 @@ class LoraOperations:
 
     def adapter(self, record: LoadLoraAdapter | LoadLoraAdapterFromTensors) -> LoraAdapter:
         """The checked adapter a load record names (LoraRefused "invalid": why not)."""
-        limits = dict(model_cfg=self.model_cfg, max_rank=self.max_rank)
         if isinstance(record, LoadLoraAdapter):
-            return adapter_from_peft_dir(record.lora_name, record.lora_path, **limits)
+            return adapter_from_peft_dir(record.lora_name, record.lora_path,
+                                         model_cfg=self.model_cfg, max_rank=self.max_rank)
         r = record.r
         return adapter_from_tensors(
             record.lora_name, record.tensors or {}, r=r,
             lora_alpha=float(r if record.lora_alpha is None else record.lora_alpha),
-            use_rslora=record.use_rslora, target_modules=record.target_modules, **limits)
+            use_rslora=record.use_rslora, target_modules=record.target_modules,
+            model_cfg=self.model_cfg, max_rank=self.max_rank)
 
 
 def install(core: EngineCore, adapter: LoraAdapter, replace: bool) -> dict[str, Any]:

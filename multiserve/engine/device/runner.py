@@ -266,6 +266,7 @@ class Runner:
         assert self.lora is not None and 0 < slot < self.lora["scale"].shape[0]
         new = dict(self.lora)
         for key, buf in self.lora.items():
+            value: np.ndarray | np.float32
             if key == "scale":
                 value = np.float32(adapter.scale if adapter is not None else 0.0)
             elif adapter is not None and key.endswith("_bp"):  # B's panel copy of `<m>_b`
@@ -379,6 +380,7 @@ class Runner:
         """Run a step of buckets (`tokens`, `num_rows`) on its packed inputs: the fused
         program where one is ready, else the forward then the head, each from
         `forward_for` / `head_for` (given the program's arguments)."""
+        assert self.kv is not None and self._prev_ids is not None  # (checked by `run`)
         fused = self.step_programs.fused(tokens, num_rows)
         if fused is not None:
             next_ids, out, self.kv, *experts = fused(
@@ -402,6 +404,7 @@ class Runner:
         assert program is not None and decode_steps == self.cfg.decode_steps_per_dispatch, \
             (tokens, num_rows, decode_steps)
         assert self.mirror is None, "a spanning engine's followers replay single steps"
+        assert self.kv is not None and self._prev_ids is not None  # (checked by `run`)
         self._prev_ids, ids, out, self.kv = program(self.compute_params, self.kv,
                                                     self._prev_ids, packed, *sampling_args)
         self.decode_steps_dispatches += 1

@@ -458,6 +458,7 @@ class StepPrograms:
                      for _ in range(size)]
             return sampling_inputs(state.sampling_batch(specs, size))
 
+        assert state.kv is not None, "checked while resident"
         for params in _decode_steps_check_params():
             last, ids, outs, state.kv = program(state.compute_params, state.kv, prev_ids,
                                                 step_inputs(step_at(0)),
