@@ -19,8 +19,8 @@ from multiserve.bench.options import (
     BenchOptions,
 )
 from multiserve.bench.random_model import SIZES as RANDOM_MODEL_SIZES
-from multiserve.collector import tune_collector
 from multiserve.fleet.sglang_flags import add_sglang_flags
+from multiserve.host.collector import tune_collector
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -45,7 +45,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
-    from multiserve.doctor import doctor_main
+    from multiserve.doctor.main import doctor_main
 
     return doctor_main(args)
 
@@ -168,7 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "(bench/random_model.py sizes)")
     d.add_argument("--programs", nargs="*", default=None, metavar="KIND:SIZE",
                    help="with --compile: only these programs (forward:16 fused:64 "
-                   "logits:16 sampler:16 multi:16; default: every program of an engine)")
+                   "logits:16 sampler:16 steps:16 (steps: the program of K decode steps "
+                   "per dispatch; multi: its deprecated name); default: every program of "
+                   "an engine)")
     d.set_defaults(func=_cmd_doctor)
     D = BENCH_DEFAULTS  # every flag's default: a field of BenchOptions (bench/options.py)
     b = sub.add_parser("bench", help="offline throughput on the default model")
@@ -282,7 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    tune_collector()  # this process is ours (collector.py)
+    tune_collector()  # this process is ours (host/collector.py)
     args = build_parser().parse_args(argv)
     return int(args.func(args) or 0)
 

@@ -188,13 +188,13 @@ class EngineConfig:
     `model_path=None` means the embedded default model (SmolLM2-135M-Instruct).
     `dtype="auto"`: the checkpoint's dtype where it runs well (bfloat16 on a CPU only where
     the native bfloat16 kernels run), else float32; the embedded default model float32
-    (engine/dtype_choice.py says which and why).
+    (engine/base/dtype_choice.py says which and why).
     KV pool size: `max_total_tokens` if given, else `mem_fraction_static` (SGLang's
     flag; None: DEFAULT_MEM_FRACTION) of the device memory where the device reports it,
     else (CPU) the engine's share of the host's memory: `host_kv_mem_fraction` of it, at
     most `host_kv_max_tokens` tokens, or, where `mem_fraction_static` is given, that share
     of it less the weights, at most what `max_running_requests` full contexts need
-    (engine/kv_sizing.py states the rule).
+    (engine/base/kv_sizing.py states the rule).
 
     Shape buckets: every step pads its token count to one of
     `precompile_token_paddings` (one compiled forward each) and its logits-row count to
@@ -207,7 +207,7 @@ class EngineConfig:
     it is used (engine/device/step_programs.py).
     `decode_steps_per_dispatch` K > 1: a decode-only step whose every row needs no
     per-token host decision runs K decode steps in ONE compiled loop (a program per fused
-    step size: `fused_step_paddings` and `fused_step_max` bound both), each turn the fused
+    step size: `fused_step_paddings` and `fused_step_max` bound both), each step the fused
     step's computation, bitwise what K single steps give;
     checked against K single steps when primed (engine/device/step_programs.py).
     Otherwise (K = 1, or some row has a penalty, a grammar or min_new_tokens still ahead,
@@ -222,7 +222,7 @@ class EngineConfig:
     mem_fraction_static: float | None = None
     # CPU pools (the host reports no device memory): this fraction of the host's memory,
     # split over the process's devices, at most `host_kv_max_tokens` tokens per engine
-    # (engine/kv_sizing.py)
+    # (engine/base/kv_sizing.py)
     host_kv_mem_fraction: float = 0.1
     host_kv_max_tokens: int = 32768
     max_running_requests: int = 128
@@ -379,7 +379,7 @@ class EngineConfig:
         return sizes
 
     @property
-    def multi_step_sizes(self) -> tuple[int, ...]:
+    def decode_steps_sizes(self) -> tuple[int, ...]:
         """The sizes whose decode steps may run `decode_steps_per_dispatch` steps in one
         dispatch: the fused step sizes while it is above 1, else none."""
         return self.fused_step_sizes if self.decode_steps_per_dispatch > 1 else ()

@@ -240,11 +240,25 @@ class AbortWeightUpdate:
 @dataclass(frozen=True)
 class LoadLoraAdapter:
     """Load the PEFT adapter directory `lora_path` into a free LoRA slot as `lora_name`
-    (engine/lora_adapters.py: read and checked off the engine thread, then one command);
+    (engine/base/lora_adapters.py: read and checked off the engine thread, then one command);
     `load_inplace` (sglang's): replace an adapter of that name already loaded, live
     requests finishing on the version they were admitted with (EngineCore.load_lora)."""
     lora_name: str
     lora_path: str
+    load_inplace: bool = False
+
+
+@dataclass(frozen=True, eq=False)
+class LoadLoraAdapterFromTensors:
+    """LoadLoraAdapter from PEFT-named in-memory tensors (`lora_A.weight` [r, in],
+    `lora_B.weight` [out, r] per target module) of rank `r`, scaled by `lora_alpha`
+    (default r) over r (or its square root: `use_rslora`). Python API only."""
+    lora_name: str
+    tensors: Any
+    r: int
+    lora_alpha: float | None = None
+    use_rslora: bool = False
+    target_modules: Any = None
     load_inplace: bool = False
 
 
@@ -256,7 +270,8 @@ class UnloadLoraAdapter:
 
 @dataclass(frozen=True)
 class ListLoraAdapters:
-    """The loaded LoRA adapters (details["adapters"])."""
+    """The loaded LoRA adapters (details["adapters"]: name, slot, rank, scale,
+    target_modules, source)."""
 
 
 # ---- the table ----------------------------------------------------------------------------
@@ -313,8 +328,11 @@ OPS: dict[str, ControlOp] = {op.name: op for op in (
     ControlOp("get_internal_state", GetInternalState, "core"),  # read by the info routes
     # LoRA adapters: sglang's paths, vLLM's as aliases; a refusal's status is the
     # answer's own (`http_status`: 400 invalid, 404 unknown, 409 slots full / in use)
-    ControlOp("load_lora_adapter", LoadLoraAdapter, "core",
+    # (a load reads and checks the adapter off the engine thread: engine/lora_control.py)
+    ControlOp("load_lora_adapter", LoadLoraAdapter, "core", runs="staged",
               route=Route("/load_lora_adapter", ("POST",), ("/v1/load_lora_adapter",))),
+    ControlOp("load_lora_adapter_from_tensors", LoadLoraAdapterFromTensors, "core",
+              runs="staged"),
     ControlOp("unload_lora_adapter", UnloadLoraAdapter, "core",
               route=Route("/unload_lora_adapter", ("POST",), ("/v1/unload_lora_adapter",))),
     ControlOp("list_lora_adapters", ListLoraAdapters, "core"),  # read by /v1/models

@@ -137,8 +137,9 @@ def main() -> None:
                                  max_loras_per_batch=ADAPTERS, max_lora_rank=RANK))
     try:
         for i in range(ADAPTERS):
-            engine.load_lora_adapter(adapter_name(i), tensors=random_adapter_tensors(
+            res = engine.load_lora_adapter(adapter_name(i), tensors=random_adapter_tensors(
                 engine.model_config, RANK, 1000 + i), r=RANK, lora_alpha=float(RANK))
+            assert res.ok, res.message
         print(engine.call(Call(lambda core: measure(core, buckets, args.rounds,
                                                     args.separate))).result())
     finally:

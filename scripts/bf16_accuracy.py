@@ -7,7 +7,7 @@ our float32 engine against transformers in float32 as the baseline.
 
 Models:
 - smollm2: the embedded default model (SmolLM2-135M-Instruct; a Q4_1 GGUF de-quantized to
-  float32 at load). dtype "auto" serves it in float32 on a CPU (engine/dtype_choice.py:
+  float32 at load). dtype "auto" serves it in float32 on a CPU (engine/base/dtype_choice.py:
   bfloat16 cannot hold the de-quantized values exactly), so both dtypes are forced here.
   Prompts: chat-templated questions (tests/model/test_default_model.py's).
 - tiny-llama: the tests' tiny random Llama (tests/engine/conftest.py TINY_MODEL, hidden 64,

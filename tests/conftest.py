@@ -67,7 +67,7 @@ def pytest_configure(config: pytest.Config) -> None:
 # the suite's processes hold millions (jax, torch, transformers, the engines' programs). Off
 # while the test modules are imported (collection: 10 full collections of the growing heap,
 # 2.0 of a worker's 6.1 CPU-s), then everything imported is frozen and the thresholds are
-# the command line's (multiserve/collector.py), so the full collections that follow each
+# the command line's (multiserve/host/collector.py), so the full collections that follow each
 # module's freeze (`pytest_runtest_teardown`) come ~14x less often. No test depends on when
 # garbage is collected: memory is returned at the module and directory boundaries, which
 # collect explicitly.
@@ -81,7 +81,7 @@ def pytest_collection(session: pytest.Session):  # type: ignore[no-untyped-def]
     finally:
         gc.collect()
         gc.freeze()
-        from multiserve.collector import tune_collector
+        from multiserve.host.collector import tune_collector
 
         tune_collector()
         gc.enable()
@@ -104,7 +104,7 @@ _LONG_FIRST = ("chaos/test_chaos.py", "fleet/test_fleet_four.py", "engine",
                "bench/test_bench_smoke.py", "model/test_sharding.py",
                "fleet/test_fleet_tp.py", "multihost/test_multihost_faults.py",
                "model/test_calibration.py", "server",
-               "plugins/test_tunix_venv.py", "test_doctor_target.py",
+               "plugins/test_tunix_venv.py", "test_doctor_target.py", "test_type_check.py",
                "model/test_hf_parity.py", "model/test_native_kernels_bf16.py",
                "model/test_row_invariance.py", "bench/test_bench_peers.py",
                "bench/test_bench_fleet.py", "plugins/test_rollout.py",
@@ -192,7 +192,7 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):  #
         # (a full collection of torch + transformers + jax objects cost ~0.2 s a module);
         # a directory boundary unfreezes and collects everything (above)
         gc.freeze()
-        from multiserve.host_heap import release_free_heap
+        from multiserve.host.heap import release_free_heap
 
         release_free_heap()
 

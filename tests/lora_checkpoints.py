@@ -70,3 +70,18 @@ def assert_matches_peft(engine: Any, model: Any, prompts: list[list[int]], lora_
         with torch.no_grad(), model.disable_adapter():
             base_ids = [int(i) for i in model(ids).logits[0][n - 1:-1].argmax(-1)]
         assert base_ids != want_ids
+
+
+def loaded(result: Any) -> dict[str, Any]:
+    """The details of a LoRA load or unload that succeeded (a ControlResult)."""
+    assert result.ok, result.message
+    return result.details
+
+
+def refused(result: Any, kind: str, match: str = "") -> str:
+    """Assert a LoRA operation was refused (a ControlResult with ok false) for `kind`
+    ("invalid", "unknown", "exists", "full", "in_use"), its message containing `match`;
+    returns the message."""
+    assert not result.ok and result.details["error_kind"] == kind, result
+    assert match in result.message, (match, result.message)
+    return result.message

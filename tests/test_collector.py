@@ -1,4 +1,4 @@
-"""Python's collector thresholds (multiserve/collector.py): set by the processes multiserve
+"""Python's collector thresholds (multiserve/host/collector.py): set by the processes multiserve
 owns (its command line), never by importing the library."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from multiserve.collector import GC_THRESHOLDS
+from multiserve.host.collector import GC_THRESHOLDS
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -1,4 +1,4 @@
-"""`multiserve doctor --target tpu --compile` (doctor_compile.py): the engine's step
+"""`multiserve doctor --target tpu --compile` (doctor/compile.py): the engine's step
 programs compiled by the real TPU compiler (libtpu, installed by the test extra) for
 compile-only v5e and v6e chips from this CPU, and what the compiled programs say they
 hold and move. The model is four layers of the 1B shape (bench/random_model.py '1b':
@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from multiserve.config import EngineConfig, ModelConfig
-from multiserve.doctor_compile import compile_model, print_compile_report
+from multiserve.doctor.compile import compile_model, print_compile_report
 
 SMALL = ModelConfig(architecture="llama", vocab_size=4096, hidden_size=2048,
                     intermediate_size=8192, num_layers=4, num_heads=32, num_kv_heads=8,
@@ -49,7 +49,7 @@ def _program(report: dict[str, Any], kind: str, size: int) -> dict[str, Any]:
 
 
 # on v5e decode forwards and the fused step (forward, head and sampler: every kind of
-# program but the several-step loop of it, which `doctor --compile` compiles); a decode
+# program but the decode-steps loop of it, which `doctor --compile` compiles); a decode
 # forward on v6e: seconds a program, within the suite's budget
 PROGRAMS = {"v5e:2x2": (("forward", 1), ("forward", 16), ("fused", 16)),
             "v6e:2x2": (("forward", 16),)}

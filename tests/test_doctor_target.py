@@ -1,6 +1,6 @@
-"""`multiserve doctor --target cuda|tpu` (doctor_target.py) on this CPU-only machine: the
-whole model forward and the engine's FORWARD, FUSED and MULTI (K decode steps in one loop)
-step programs of the default model and of the 1B-shaped random bfloat16 model lower for
+"""`multiserve doctor --target cuda|tpu` (doctor/target.py) on this CPU-only machine: the
+whole model forward and the engine's FORWARD, FUSED and DECODE_STEPS (K decode steps in one
+loop) step programs of the default model and of the 1B-shaped random bfloat16 model lower for
 each accelerator with `jax.export`, with that platform's Pallas attention kernel in the
 program, and the report names the kernels the target starts from."""
 
@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from multiserve.cli import main
-from multiserve.doctor_target import print_target_report
+from multiserve.doctor.target import print_target_report
 
 
 @functools.cache
@@ -43,14 +43,14 @@ def test_doctor_target_lowers_both_models(target: str, kernel: str) -> None:
         assert {p["name"] for p in model["products"]} >= {"wq", "w_down", "head"}
         assert model["problems"] and "not calibrated" in model["problems"][0]
         # the model forward of a decode step and of the largest mixed step, then the
-        # engine's FORWARD, FUSED and MULTI (4 turns of the fused step) programs of a
-        # decode step, each holding the Pallas kernel; an accelerator's decoder is
+        # engine's FORWARD, FUSED and DECODE_STEPS (4 decode steps of the fused step) programs
+        # of a decode step, each holding the Pallas kernel; an accelerator's decoder is
         # unrolled at every size (llama.scans)
         assert [(e["tokens"], e["scanned"]) for e in model["exports"]] == [
             (16, False), (512, False), (16, False), (16, False), (16, False)]
         assert "FUSED" in model["exports"][3]["what"]
-        multi = model["exports"][4]["what"]
-        assert "MULTI" in multi and "4 turns" in multi
+        steps = model["exports"][4]["what"]
+        assert "DECODE_STEPS" in steps and "4 decode steps" in steps
         assert all(e["pallas_calls"] >= 1 for e in model["exports"])
 
 
@@ -59,4 +59,4 @@ def test_doctor_target_text(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert "attention kernel: pallas_gpu" in out and "LOWERED: True" in out
     assert out.count("lowered for cuda") == 10
-    assert out.count("engine MULTI program of 16 tokens, 16 rows, 4 turns") == 2
+    assert out.count("engine DECODE_STEPS program of 16 tokens, 16 rows, 4 decode steps") == 2

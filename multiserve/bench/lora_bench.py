@@ -97,10 +97,12 @@ def lora_main(options: BenchOptions, cfg: Any,
             names: list[str | None] = [None]
             if side == "lora":
                 for i in range(n_adapters):
-                    engine.load_lora_adapter(
+                    res = engine.load_lora_adapter(
                         adapter_name(i), tensors=random_adapter_tensors(
                             engine.model_config, rank, seed + 1000 + i),
                         r=rank, lora_alpha=float(rank))
+                    if not res.ok:
+                        raise RuntimeError(f"LoRA adapter {adapter_name(i)}: {res.message}")
                 names = [adapter_name(i) for i in range(n_adapters)]
             sides[side] = {"names": names, "runs": [], "startup_s": startup_s,
                            "all_compiled_s": info["all_compiled_s"], "dtype": info["dtype"],

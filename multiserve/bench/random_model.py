@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -38,7 +39,7 @@ import numpy as np
 from multiserve.config import ModelConfig, RopeScaling
 
 TOKENIZER_VOCAB = 49152  # SmolLM2's tokenizer (the default model's)
-_COMMON = dict(architecture="llama", vocab_size=TOKENIZER_VOCAB, bos_token_id=1,
+_COMMON: dict[str, Any] = dict(architecture="llama", vocab_size=TOKENIZER_VOCAB, bos_token_id=1,
                eos_token_ids=(2,), max_position_embeddings=4096)
 SIZES: dict[str, ModelConfig] = {
     "tiny": ModelConfig(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
@@ -54,12 +55,12 @@ SIZES: dict[str, ModelConfig] = {
                       head_dim=128, tie_word_embeddings=False, rope_theta=500000.0,
                       rope_scaling=RopeScaling(8.0, 1.0, 4.0, 8192)),
 }
-_SMALL = dict(hidden_size=512, intermediate_size=1536, num_layers=4, num_heads=8,
+_SMALL: dict[str, Any] = dict(hidden_size=512, intermediate_size=1536, num_layers=4, num_heads=8,
               num_kv_heads=2, head_dim=64, **_COMMON)
-_GEMMA = dict(norm_plus_one=True, sandwich_norms=True, scale_embeddings=True,
+_GEMMA: dict[str, Any] = dict(norm_plus_one=True, sandwich_norms=True, scale_embeddings=True,
               hidden_act="gelu_tanh", tie_word_embeddings=True, query_pre_attn_scalar=64.0,
               sliding_window=128)
-_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_layers=(0, 1, 2, 3))
+_MOE: dict[str, Any] = dict(num_experts=8, num_experts_per_tok=2, moe_layers=(0, 1, 2, 3))
 SIZES.update({
     "small-mistral": ModelConfig(**{**_SMALL, "architecture": "mistral"},
                                  sliding_window=128, sliding_layers=(0, 1, 2, 3)),

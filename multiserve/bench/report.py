@@ -231,8 +231,8 @@ def host_phases_table(hp: dict[str, Any]) -> list[str]:
                        ("host p50", "host_p50_ms"), ("wall per pass", "wall_ms")):
         out.append(f"{label:<28}" + "".join(_num(hp[k][key], 1, 10, 3) for k in kinds))
     decode = hp.get("decode", {})
-    if decode.get("turns_p50", 1) > 1:  # several decode steps a dispatch
-        out.append(f"{'decode steps per pass p50':<28}{decode['turns_p50']:>10.0f}")
+    if decode.get("decode_steps_p50", 1) > 1:  # K decode steps a dispatch
+        out.append(f"{'decode steps per pass p50':<28}{decode['decode_steps_p50']:>10.0f}")
         for label, key in (("host per decode step mean", "host_per_step_ms"),
                            ("host per decode step p50", "host_per_step_p50_ms")):
             out.append(f"{label:<28}{decode[key]:>10.3f}")

@@ -96,7 +96,7 @@ def _engine_config(options: BenchOptions) -> Any:
 
 def _peer_dtype(cfg: Any) -> str:
     """The dtype the peer computes in: the one the engine resolves its config to
-    (engine/dtype_choice.py), so both run like for like."""
+    (engine/base/dtype_choice.py), so both run like for like."""
     import jax
 
     from multiserve.engine.setup import resolve_dtype

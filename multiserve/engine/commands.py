@@ -27,16 +27,18 @@ from multiserve.control_ops import (
     FlushCache,
     GetInternalState,
     GetWeightsByName,
+    ListLoraAdapters,
     PauseGeneration,
     PublishStagedWeights,
     ReleaseMemoryOccupation,
     ResumeMemoryOccupation,
     StartWeightUpdate,
+    UnloadLoraAdapter,
 )
 
 if TYPE_CHECKING:
+    from multiserve.engine.base.lora_adapters import LoraAdapter
     from multiserve.engine.device.programs import ProgramKind
-    from multiserve.engine.lora_adapters import LoraAdapter
     from multiserve.engine.sched.request import Req
 
 
@@ -103,24 +105,15 @@ class Call:
     fn: Callable[[Any], Any]
 
 
-# ---- LoRA adapters (engine/lora_adapters.py) ---------------------------------------------
+# ---- LoRA adapters (engine/lora_control.py): unload and list are the one-step records of
+# control_ops.py; a load is read and checked off the engine thread, then this command -------
 @dataclass(frozen=True)
-class LoadLora:
-    """Put a checked adapter into a free slot (LoraRefused: name loaded, slots full);
-    `replace`: a loaded adapter of that name is replaced (EngineCore.load_lora)."""
+class InstallLora:
+    """A load's engine-thread step: put the checked adapter into a free slot (LoraRefused:
+    name loaded, slots full); `replace`: a loaded adapter of that name is replaced
+    (EngineCore.load_lora)."""
     adapter: LoraAdapter
     replace: bool = False
-
-
-@dataclass(frozen=True)
-class UnloadLora:
-    """Free an adapter's slot (LoraRefused: unknown, or live requests use it)."""
-    name: str
-
-
-@dataclass(frozen=True)
-class ListLoras:
-    """The loaded adapters (LoraTable.listing)."""
 
 
 # ---- RL (engine/rl/): run by ControlRunner.execute on the engine thread (with the RL group's
@@ -161,5 +154,5 @@ RL_COMMANDS = (BeginStaging, EndStaging, PublishStagedWeights, DiscardStagedWeig
 Command = (Add | AbortRequest | PauseGeneration | ContinueGeneration | FlushCache
            | GetInternalState | Stop | Prime | CheckIntegrity | InjectFault | MarkUnhealthy
            | SetOverlap
-           | SetSpeculation | StepInfo | Call | LoadLora | UnloadLora | ListLoras
-           | RLCommand)
+           | SetSpeculation | StepInfo | Call | InstallLora | UnloadLoraAdapter
+           | ListLoraAdapters | RLCommand)

@@ -37,8 +37,8 @@ from multiserve.control_ops import (
     DiscardStagedWeights,
     FinishWeightUpdate,
     GetWeightsByName,
-    ListLoraAdapters,
     LoadLoraAdapter,
+    LoadLoraAdapterFromTensors,
     PublishStagedWeights,
     ReleaseMemoryOccupation,
     ResumeMemoryOccupation,
@@ -49,7 +49,6 @@ from multiserve.control_ops import (
     UpdateWeightsFromArrays,
     UpdateWeightsFromDisk,
     UpdateWeightsFromTensor,
-    UnloadLoraAdapter,
 )
 from multiserve.engine.commands import (
     AbortSession,
@@ -211,12 +210,8 @@ class ControlRunner:
                                                 abort_running), abort_running)
             case UpdateWeights(update_info):
                 return self._into_session(update_info)
-            case LoadLoraAdapter(name, path, inplace) if self.lora is not None:
-                return self.lora.load(name, path, OffThread, inplace)
-            case UnloadLoraAdapter(name):
-                return LoraOperations.unload(name)
-            case ListLoraAdapters():
-                return LoraOperations.listing()
+            case LoadLoraAdapter() | LoadLoraAdapterFromTensors() if self.lora is not None:
+                return self.lora.load(record, OffThread)
         return record
 
     def _disk_loader(self, path: str) -> Loader:

@@ -12,9 +12,9 @@ weight version. Its other jobs live beside it, each in its own module:
 - a step's logprobs on the host: engine/sampling/logprobs.py (`StepLogprobs`);
 - when a sample ends: engine/sched/stop_rules.py (`StopRules`);
 - recording a step's results on the Reqs: `Scheduler.postprocess`;
-- routing replay's expert ids by KV slot: engine/routed_experts.py (`RoutedExpertsTable`,
+- routing replay's expert ids by KV slot: engine/base/routed_experts.py (`RoutedExpertsTable`,
   recorded here as each step is read back, before `postprocess`);
-- why the engine is paused: engine/pause_state.py (`PauseState`);
+- why the engine is paused: engine/base/pause_state.py (`PauseState`);
 - what the RL subsystem may do to it: engine/rl_interface.py (`RLInterface`);
 - what get_internal_state reports: engine/state_report.py.
 
@@ -53,12 +53,12 @@ from typing import Any
 import numpy as np
 
 from multiserve.config import EngineConfig, ModelConfig
+from multiserve.engine.base.lora_adapters import LoraAdapter, LoraRefused, LoraTable
+from multiserve.engine.base.pause_state import PauseState
+from multiserve.engine.base.routed_experts import RoutedExpertsTable
 from multiserve.engine.device.batch_arrays import build_step_arrays
 from multiserve.engine.device.runner import Runner, StepOutput
-from multiserve.engine.host_phases import HostPhases
-from multiserve.engine.lora_adapters import LoraAdapter, LoraRefused, LoraTable
-from multiserve.engine.pause_state import PauseState
-from multiserve.engine.routed_experts import RoutedExpertsTable
+from multiserve.engine.host_phases import NO_PHASES, HostPhases, NoPhases
 from multiserve.engine.sampling.host import mask_words
 from multiserve.engine.sampling.logprobs import StepLogprobs
 from multiserve.engine.sampling.rows import step_rows
@@ -117,7 +117,6 @@ class EngineCore:
                                    max(cfg.precompile_bs_paddings),
                                    drafter=Drafter() if cfg.speculative_algorithm else None,
                                    routed_experts=self.routed_experts,
-                                   runs_turns=runner.runs_turns,
                                    kv_window=model_cfg.kv_window)
         self.in_flight: InFlightStep | None = None
         self.last_batch: ScheduledBatch | None = None
@@ -144,8 +143,19 @@ class EngineCore:
         # a plain decode step's sampler inputs, reused by the next plain steps of the
         # same samples (engine/sampling/steady_rows.py)
         self.steady_rows = SteadyRows()
-        # a measuring aid (engine/host_phases.py): None, the step path only tests it
-        self.host_phases: HostPhases | None = None
+        # a measuring aid (engine/host_phases.py; `host_phases`): the step's timer,
+        # NO_PHASES (every call a no-op) while none is set
+        self._phases: HostPhases | NoPhases = NO_PHASES
+
+    @property
+    def host_phases(self) -> HostPhases | None:
+        """The per-phase host timer of the step passes (engine/host_phases.py), or None:
+        off (the default)."""
+        return self._phases if isinstance(self._phases, HostPhases) else None
+
+    @host_phases.setter
+    def host_phases(self, phases: HostPhases | None) -> None:
+        self._phases = phases if phases is not None else NO_PHASES
 
     # ---- requests ------------------------------------------------------------------
     def add(self, reqs: Sequence[Req]) -> None:
@@ -182,7 +192,7 @@ class EngineCore:
                 return 0
             raise InvalidRequest(str(exc), "lora_name", "lora_not_found") from exc
 
-    # ---- LoRA adapters (engine/lora_adapters.py): between steps, engine thread --------
+    # ---- LoRA adapters (engine/base/lora_adapters.py): between steps, engine thread --------
     def load_lora(self, adapter: LoraAdapter, replace: bool = False) -> dict[str, Any]:
         """Put a checked adapter into a free slot (LoraRefused: the name is loaded, or
         every slot is taken; nothing changes). Steps launched from now on may use it.
@@ -238,9 +248,8 @@ class EngineCore:
         if self._fault is not None:
             msg, self._fault = self._fault, None
             raise RuntimeError(msg)
-        phases = self.host_phases
-        if phases is not None:
-            phases.start()
+        phases = self._phases
+        phases.start()
         if self.in_flight is not None and (self.in_flight.batch.speculative
                                            or self.in_flight.batch.constrained
                                            or self.scheduler.wants_drafts()):
@@ -249,9 +258,10 @@ class EngineCore:
             # just sampled: read the step in flight first
             self.drain()
             self._drained_at = time.perf_counter()
+        if self.cfg.decode_steps_per_dispatch > 1:  # the sizes K decode steps may run at
+            self.scheduler.compiled = self.runner.compiled_sizes()
         batch = self.scheduler.schedule()
-        if phases is not None:
-            phases.lap("schedule")
+        phases.lap("schedule")
         launched = self._launch(batch) if batch is not None else None
         self._drained_at = None
         if self.in_flight is not None:
@@ -261,9 +271,8 @@ class EngineCore:
             self.drain()
         if self.in_flight is None and not self.scheduler.running:
             self.scheduler.check_integrity()
-        if phases is not None:
-            phases.lap("advance")
-            phases.end()
+        phases.lap("advance")
+        phases.end()
 
     def drain(self) -> None:
         if self.in_flight is not None:
@@ -272,13 +281,13 @@ class EngineCore:
 
     def _launch(self, batch: ScheduledBatch) -> InFlightStep:
         runner = self.runner
-        phases = self.host_phases
+        phases = self._phases
         t_pad, r_pad = runner.bucket_for(batch.num_tokens, batch.num_logit_rows)
         arrays = build_step_arrays(batch, t_pad, runner.page_table_rows(t_pad), runner.max_rows,
                                    self.max_pages, self.page_size, runner.lora_enabled)
-        if phases is not None:
-            phases.saw(batch.num_tokens == len(batch.rows), len(batch.rows), batch.turns)
-            phases.lap("arrays")
+        phases.saw(batch.num_tokens == len(batch.rows), len(batch.rows),
+                   batch.decode_steps)
+        phases.lap("arrays")
         launched_at = time.perf_counter()
         if self._drained_at is not None:
             # the step before was read first: the host's work since delayed this launch
@@ -291,11 +300,9 @@ class EngineCore:
                                         mask_words(self.model_cfg.vocab_size))
             sb_host = runner.sampling_batch(specs, r_pad)
             self.steady_rows.keep(batch, r_pad, specs, sb_host, wants_lp)
-        if phases is not None:
-            phases.lap("sampling_rows")
-        out = runner.run(arrays, sb_host, wants_lp, r_pad, batch.turns)
-        if phases is not None:
-            phases.lap("launch")
+        phases.lap("sampling_rows")
+        out = runner.run(arrays, sb_host, wants_lp, r_pad, batch.decode_steps)
+        phases.lap("launch")
         decodes = any(not r.req.in_prefill and r.samples and (r.end - r.start == 1 or r.draft)
                       for r in batch.rows)
         self.scheduler.launch(batch)
@@ -309,26 +316,25 @@ class EngineCore:
         """Read `step`'s results (blocks on the device), let the scheduler record them,
         and deliver what they completed."""
         batch, out = step.batch, step.out
-        phases = self.host_phases
-        if phases is not None:
-            phases.saw(batch.num_tokens == len(batch.rows))
-            phases.lap("advance")  # what ran since the last lap: the launch's bookkeeping
+        phases = self._phases
+        phases.saw(batch.num_tokens == len(batch.rows))
+        phases.lap("advance")  # what ran since the last lap: the launch's bookkeeping
         next_ids = np.asarray(out.next_ids)
-        if phases is not None:
-            phases.lap("read_back")
+        phases.lap("read_back")
         # the step's cost: from when the device could start it (its launch, or the read
         # of the step before it) to its results read
         now = time.perf_counter()
-        # (a dispatch of several decode steps: the cost of one of them)
+        # (a dispatch of K decode steps: the cost of one of them)
         self.scheduler.planner.step_costs.observe(
-            step.padded_tokens, (now - max(step.launched_at, self._last_read_at)) / out.turns)
+            step.padded_tokens,
+            (now - max(step.launched_at, self._last_read_at)) / out.decode_steps)
         self._last_read_at = now
         lp = StepLogprobs(out.sample) if out.wants_logprobs else None
-        if out.turns > 1:
+        if out.decode_steps > 1:
             self.last_batch = batch
-            deliver = self.scheduler.postprocess_turns(
+            deliver = self.scheduler.postprocess_decode_steps(
                 batch, next_ids.tolist(),
-                [lp.turn(k) for k in range(out.turns)] if lp is not None else None,
+                [lp.step(k) for k in range(out.decode_steps)] if lp is not None else None,
                 self.weight_version, self.stop_rules)
             self._deliver_all(deliver)
             return
@@ -342,13 +348,11 @@ class EngineCore:
 
     def _deliver_all(self, deliver: Sequence[Req]) -> None:
         """After a step's postprocess: deliver each of `deliver`."""
-        phases = self.host_phases
-        if phases is not None:
-            phases.lap("postprocess")
+        phases = self._phases
+        phases.lap("postprocess")
         for req in deliver:
             self._deliver(req)
-        if phases is not None:
-            phases.lap("deliver")
+        phases.lap("deliver")
 
     def finish(self, req: Req, reason: FinishReason, error: str | None = None) -> None:
         """THE finish path: the scheduler records it (finished, `reason`, no longer live,
@@ -416,7 +420,7 @@ class EngineCore:
                              {"aborted": len(targets),
                               "rids": sorted({r.rid for r in targets})})
 
-    # ---- pause state (engine/pause_state.py) ----------------------------------------
+    # ---- pause state (engine/base/pause_state.py) ----------------------------------------
     def hold(self, reason: PauseReason, mode: str | None = None) -> dict[str, Any] | None:
         """A subsystem holds the engine still: drain, then add `reason`. With `mode`, and
         only if the engine was running (no reason set), first apply that pause mode to the
@@ -534,8 +538,9 @@ class EngineCore:
         """Device buffers given back by a memory release: "weights" while the runner has no
         params, "kv_cache" while it has no KV pool (derived from the runner, never stored)."""
         runner = self.runner
-        return frozenset(tag for tag, gone in (("weights", runner.held_params is None),
-                                               ("kv_cache", runner.kv is None)) if gone)
+        tags: tuple[tuple[MemoryTag, bool], ...] = (("weights", runner.held_params is None),
+                                                    ("kv_cache", runner.kv is None))
+        return frozenset(tag for tag, gone in tags if gone)
 
     def set_weight_version(self, version: str) -> dict[str, Any]:
         """New weights are live: outputs carry `version` from now on, and K/V computed with

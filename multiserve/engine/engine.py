@@ -41,9 +41,13 @@ from multiserve.control_ops import (
     ContinueGeneration,
     FlushCache,
     GetInternalState,
+    ListLoraAdapters,
     PauseGeneration,
+    UnloadLoraAdapter,
     control_request,
 )
+from multiserve.engine import lora_control
+from multiserve.engine.base.lora_adapters import LoraRefused
 from multiserve.engine.commands import (
     RL_COMMANDS,
     Add,
@@ -51,22 +55,15 @@ from multiserve.engine.commands import (
     CheckIntegrity,
     Command,
     InjectFault,
-    ListLoras,
-    LoadLora,
+    InstallLora,
     MarkUnhealthy,
     Prime,
     SetOverlap,
     SetSpeculation,
     StepInfo,
     Stop,
-    UnloadLora,
 )
 from multiserve.engine.control_runner import ControlRunner
-from multiserve.engine.lora_adapters import (
-    LoraRefused,
-    adapter_from_peft_dir,
-    adapter_from_tensors,
-)
 from multiserve.engine.lora_control import LoraOperations
 from multiserve.engine.rl_interface import RLInterface
 from multiserve.engine.sched.request import Req
@@ -162,7 +159,10 @@ class Engine:
         try:
             for entry in cfg.lora_paths:  # name=path, or a path named by itself
                 name, _, path = entry.rpartition("=")
-                self.load_lora_adapter(name or path, path)
+                loaded = self.load_lora_adapter(name or path, path)
+                if not loaded.ok:
+                    raise LoraRefused(loaded.details["error_kind"],
+                                      f"lora_paths {entry!r}: {loaded.message}")
         except BaseException:
             self.shutdown()
             raise
@@ -264,12 +264,12 @@ class Engine:
                 return step_info(core.runner)
             case Call(fn):
                 return fn(core)
-            case LoadLora(adapter, replace):
-                return core.load_lora(adapter, replace)
-            case UnloadLora(name):
-                return core.unload_lora(name)
-            case ListLoras():
-                return core.loras.listing()
+            case InstallLora(adapter, replace):
+                return lora_control.install(core, adapter, replace)
+            case UnloadLoraAdapter(name):
+                return lora_control.unload(core, name)
+            case ListLoraAdapters():
+                return lora_control.listing(core)
             case _ if isinstance(cmd, RL_COMMANDS):
                 return self._control_runner.execute(cmd)
             case _:  # Stop is handled by the loop itself
@@ -622,42 +622,42 @@ class Engine:
         if not self._healthy:
             raise EngineUnavailable(self._reason)
 
-    # ---- LoRA adapters (engine/lora_adapters.py, model/layers/lora.py) -------------------
+    # ---- LoRA adapters (engine/lora_control.py, model/layers/lora.py) -------------------
     def load_lora_adapter(self, lora_name: str, lora_path: str | None = None, *,
                           tensors: Mapping[str, Any] | None = None, r: int | None = None,
                           lora_alpha: float | None = None, use_rslora: bool = False,
                           target_modules: Any = None, load_inplace: bool = False
-                          ) -> dict[str, Any]:
-        """Load a LoRA adapter into a free slot, from a PEFT directory (`lora_path`) or
-        from PEFT-named in-memory tensors (`tensors`, with `r`, `lora_alpha` (default r),
-        `use_rslora`, `target_modules`). Checked before anything is written; raises
-        LoraRefused (kind "invalid", "exists", "full") with the reason, nothing loaded.
+                          ) -> ControlResult:
+        """Load a LoRA adapter into a free slot, from a PEFT directory (`lora_path`:
+        load_lora_adapter) or from PEFT-named in-memory tensors (`tensors`, with `r`,
+        `lora_alpha` (default r), `use_rslora`, `target_modules`:
+        load_lora_adapter_from_tensors). Checked before anything is written; a refusal is
+        ok=False with details["error_kind"] ("invalid", "exists", "full"), nothing loaded.
         `load_inplace`: an adapter of that name already loaded is replaced; live requests
         finish on the version they were admitted with (EngineCore.load_lora). No program
-        recompiles. Returns name, slot, rank, replaced."""
-        self._require_healthy()
-        limits = dict(model_cfg=self.model_config, max_rank=self.config.max_lora_rank)
+        recompiles. details: name, slot, rank, replaced, loaded_adapters."""
         if (lora_path is None) == (tensors is None):
-            raise LoraRefused("invalid", "give lora_path or tensors (one of them)")
+            raise ValueError("load_lora_adapter: give lora_path or tensors (one of them)")
         if lora_path is not None:
-            adapter = adapter_from_peft_dir(lora_name, lora_path, **limits)
-        else:
-            if r is None:
-                raise LoraRefused("invalid", "r: the adapter's rank is required with tensors")
-            adapter = adapter_from_tensors(
-                lora_name, tensors or {}, r=r,
-                lora_alpha=float(r if lora_alpha is None else lora_alpha),
-                use_rslora=use_rslora, target_modules=target_modules, **limits)
-        return self.call(LoadLora(adapter, load_inplace)).result()
+            return self.control("load_lora_adapter", lora_name=lora_name, lora_path=lora_path,
+                                load_inplace=load_inplace)
+        if r is None:
+            raise ValueError("load_lora_adapter: r, the adapter's rank, is required with "
+                             "tensors")
+        return self.control("load_lora_adapter_from_tensors", lora_name=lora_name,
+                            tensors=tensors, r=r, lora_alpha=lora_alpha,
+                            use_rslora=use_rslora, target_modules=target_modules,
+                            load_inplace=load_inplace)
 
-    def unload_lora_adapter(self, lora_name: str) -> dict[str, Any]:
-        """Free an adapter's slot; LoraRefused "unknown", or "in_use" (with the number
-        of live requests using it) while requests run with it."""
-        return self.call(UnloadLora(lora_name)).result()
+    def unload_lora_adapter(self, lora_name: str) -> ControlResult:
+        """Free an adapter's slot; refused (ok=False) with error_kind "unknown", or
+        "in_use" (with the number of live requests using it) while requests run with it."""
+        return self.control("unload_lora_adapter", lora_name=lora_name)
 
     def list_lora_adapters(self) -> list[dict[str, Any]]:
-        """The loaded adapters: name, slot, rank, scale, target_modules, source."""
-        return self.call(ListLoras()).result()
+        """The loaded adapters (list_lora_adapters' details["adapters"]): name, slot,
+        rank, scale, target_modules, source."""
+        return self.control("list_lora_adapters").details["adapters"]
 
     # ---- RL: weight updates and memory release (control_ops.py's records say more) ------
     def stage_weights_from_tensor(self, params: Any, weight_version: str,

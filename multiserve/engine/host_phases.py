@@ -2,8 +2,9 @@
 
 A measuring aid (`multiserve bench --host-phases`, docs/performance.md §23): while an
 EngineCore holds one (`EngineCore.host_phases`, None by default: then the step path
-only tests that attribute), every pass of `EngineCore.step` is cut into consecutive
-phases by `lap(phase)`, each charged the time since the lap before it:
+calls `NO_PHASES`, whose every call does nothing), every pass of `EngineCore.step` is
+cut into consecutive phases by `lap(phase)`, each charged the time since the lap before
+it:
 
 - loop: from the end of the previous pass to the start of this one (the engine loop:
   its command queue, `has_work`);
@@ -52,12 +53,12 @@ class HostPhases:
     rows: list[int] = field(default_factory=list)  # decode passes: rows launched
     # decode passes: decode steps the launched step ran (EngineConfig
     # .decode_steps_per_dispatch; 1 for a pass that launched none)
-    turns: list[int] = field(default_factory=list)
+    decode_steps: list[int] = field(default_factory=list)
     _current: list[float] = field(default_factory=lambda: [0.0] * len(PHASES))
     _last: float | None = None  # perf_counter of the last lap (None: no pass yet)
     _is_decode: bool = True
     _rows: int = 0
-    _turns: int = 1
+    _decode_steps: int = 1
 
     def start(self) -> None:
         """A pass begins: the time since the previous pass ended is its `loop` phase."""
@@ -68,7 +69,7 @@ class HostPhases:
         self._last = now
         self._is_decode = True
         self._rows = 0
-        self._turns = 1
+        self._decode_steps = 1
 
     def lap(self, phase: str) -> None:
         """Charge the time since the last lap to `phase`."""
@@ -77,30 +78,30 @@ class HostPhases:
         self._current[_INDEX[phase]] += now - self._last
         self._last = now
 
-    def saw(self, decode_only: bool, rows: int = 0, turns: int = 1) -> None:
+    def saw(self, decode_only: bool, rows: int = 0, decode_steps: int = 1) -> None:
         """The pass launched or read a step; `decode_only`: it had no prefill chunk;
-        `rows`, `turns`: its rows and decode steps (a launched step's)."""
+        `rows`, `decode_steps`: its rows and decode steps (a launched step's)."""
         self._is_decode = self._is_decode and decode_only
         self._rows = max(self._rows, rows)
-        self._turns = max(self._turns, turns)
+        self._decode_steps = max(self._decode_steps, decode_steps)
 
     def end(self) -> None:
         """The pass is over: file it as a decode pass or another."""
         if self._is_decode:
             self.decode.append(self._current)
             self.rows.append(self._rows)
-            self.turns.append(self._turns)
+            self.decode_steps.append(self._decode_steps)
         else:
             self.other.append(self._current)
 
     def summary(self) -> dict[str, Any]:
         """Mean ms per pass of each phase, host ms (wall less the wait) mean and p50, for
         the decode passes and for the others."""
-        return {"decode": _summary(self.decode, self.rows, self.turns),
+        return {"decode": _summary(self.decode, self.rows, self.decode_steps),
                 "other": _summary(self.other, [], [])}
 
 
-def _summary(passes: list[list[float]], rows: list[int], turns: list[int]
+def _summary(passes: list[list[float]], rows: list[int], decode_steps: list[int]
              ) -> dict[str, Any]:
     if not passes:
         return {"passes": 0}
@@ -113,9 +114,30 @@ def _summary(passes: list[list[float]], rows: list[int], turns: list[int]
                            "wall_ms": float(a.sum(axis=1).mean())}
     if rows:
         out["rows_p50"] = float(np.median(rows))
-    if turns:  # host time per decode step: a pass that ran K steps in one dispatch / K
-        per_step = host / np.asarray(turns, np.float64)
+    if decode_steps:  # host time per decode step: a pass that ran K in one dispatch / K
+        per_step = host / np.asarray(decode_steps, np.float64)
         out["host_per_step_ms"] = float(per_step.mean())
         out["host_per_step_p50_ms"] = float(np.median(per_step))
-        out["turns_p50"] = float(np.median(turns))
+        out["decode_steps_p50"] = float(np.median(decode_steps))
     return out
+
+
+class NoPhases:
+    """The timer off (`NO_PHASES`, EngineCore's while it holds no HostPhases): HostPhases'
+    calls, each doing nothing, so the step path times itself without testing whether it
+    is timed."""
+
+    def start(self) -> None:
+        pass
+
+    def lap(self, phase: str) -> None:
+        pass
+
+    def saw(self, decode_only: bool, rows: int = 0, decode_steps: int = 1) -> None:
+        pass
+
+    def end(self) -> None:
+        pass
+
+
+NO_PHASES = NoPhases()

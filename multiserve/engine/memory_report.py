@@ -8,7 +8,7 @@
   in the canonical layout itself (the rest only in a compute layout, e.g. an all-native
   plan's layer matrices as panels: Runner's invariant on `params`);
 - the KV pool: its bytes, the tokens it serves (page 0, the padding sink, counted apart),
-  bytes per token, and how its size was chosen (engine/kv_sizing.py);
+  bytes per token, and how its size was chosen (engine/base/kv_sizing.py);
 - the compiled step programs: how many executables (a sampler shared by several row
   buckets counted once), and what XLA's memory analysis says of them: the scratch
   (`temp`) each needs while it runs, and the generated code's size where the backend
@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
+from multiserve.engine.base.kv_sizing import PoolSize
 from multiserve.engine.device.programs import KINDS
-from multiserve.engine.kv_sizing import PoolSize
 from multiserve.model.layers.kv_pool import kv_bytes_per_token
 
 if TYPE_CHECKING:

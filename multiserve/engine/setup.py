@@ -20,12 +20,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from multiserve.config import ConfigError, EngineConfig, ModelConfig
+from multiserve.engine.base.dtype_choice import DtypeChoice, choose_dtype
+from multiserve.engine.base.kv_sizing import PoolSize, host_memory_bytes, pool_tokens
+from multiserve.engine.base.stop_strings import StopStringChecker
 from multiserve.engine.core import EngineCore
 from multiserve.engine.device.runner import Runner
-from multiserve.engine.dtype_choice import DtypeChoice, choose_dtype
-from multiserve.engine.kv_sizing import PoolSize, host_memory_bytes, pool_tokens
-from multiserve.engine.stop_strings import StopStringChecker
-from multiserve.host_heap import release_free_heap
+from multiserve.host.heap import release_free_heap
 from multiserve.model.kernels import native as native_kernels
 from multiserve.model.layers.kv_pool import kv_bytes_per_token
 from multiserve.model.loading.loader import load_model, resolve_model_dir
@@ -70,7 +70,7 @@ def resolve_dtype(cfg: EngineConfig, devices: list[jax.Device],
 
 def kv_pool_size(cfg: EngineConfig, model_cfg: ModelConfig, devices: list[jax.Device],
                  dtype: Any, params_bytes: int) -> PoolSize:
-    """The engine's KV pool (engine/kv_sizing.py states the rule) on `devices`."""
+    """The engine's KV pool (engine/base/kv_sizing.py states the rule) on `devices`."""
     stats = None
     if cfg.max_total_tokens is None:
         try:
@@ -148,7 +148,7 @@ def _spanning_leader(cfg: EngineConfig, devices: list[jax.Device]) -> LeaderLink
     None. Such an engine must warm up (no program may compile on the step path)."""
     session = current_session()
     if session is None or session.leader is None or not spans_hosts(devices):
-        return None  # one host's engine, or a follower's copy (multihost/follower.py)
+        return None  # one host's engine, or a follower's copy (fleet/follower.py)
     if not cfg.warmup:
         raise ConfigError("warmup", "an engine spanning hosts must warm up (every host "
                           "compiles the same programs before serving)")

@@ -17,9 +17,9 @@ from multiserve.engine.device.program_share import sharing_status
 from multiserve.engine.memory_report import memory_report
 
 if TYPE_CHECKING:
+    from multiserve.engine.base.kv_sizing import PoolSize
     from multiserve.engine.core import EngineCore
     from multiserve.engine.device.runner import Runner
-    from multiserve.engine.kv_sizing import PoolSize
 
 
 def step_info(runner: Runner) -> dict[str, Any]:
@@ -54,7 +54,8 @@ def internal_state(core: EngineCore, kv_pool: PoolSize | None = None) -> dict[st
         # steps run as one fused program (forward, head and sampler; device/step_programs.py)
         "forward_ct_fused": core.runner.fused_steps,
         # dispatches that ran decode_steps_per_dispatch decode steps in one program
-        "forward_ct_multi": core.runner.multi_steps,
+        "forward_ct_decode_steps": core.runner.decode_steps_dispatches,
+        "forward_ct_multi": core.runner.decode_steps_dispatches,  # its deprecated name
         "loop_passes": core.loop_passes,
         # speculative decoding: sglang's server-args names, then the running totals
         "speculative_algorithm": (core.cfg.speculative_algorithm.upper()

@@ -42,7 +42,7 @@ from multiserve.fleet.startup import (
     init_jax,
 )
 from multiserve.fleet.worker import EngineWorker
-from multiserve.host_heap import release_free_heap
+from multiserve.host.heap import release_free_heap
 from multiserve.types import ControlResult
 
 HEALTH_TIMEOUT_S = 120.0

@@ -79,7 +79,7 @@ def spanning_engine(cfg: FleetConfig) -> int | None:
 
 def follow_fleet(cfg: FleetConfig, session: SliceSession) -> int:
     """A follower host: run the follower loop of its engine until the leader closes."""
-    from multiserve.multihost.follower import follow
+    from multiserve.fleet.follower import follow
 
     assert session.follower is not None
     index = spanning_engine(cfg)

@@ -34,7 +34,7 @@ from multiserve.control_ops import OPS, ControlOp, Group
 from multiserve.fleet.supervisor_bodies import RestartBody, fleet_body_for
 from multiserve.fleet.supervisor_metrics import render_metrics
 from multiserve.fleet.supervisor_openapi import document_supervisor_app
-from multiserve.process_memory import process_memory
+from multiserve.host.process_memory import process_memory
 from multiserve.server.body_limit import limit_body
 from multiserve.server.control_routes import read_body
 from multiserve.server.errors import ApiError, bad_request, with_error

@@ -8,7 +8,7 @@
 - `invariance/`: the invariance plan (what each row-invariant primitive computes at each
   size), the primitives that follow it, and the calibration that measures it on this machine
   (workload, probes, choice, on-disk store, driver), which `multiserve doctor`
-  (multiserve/doctor.py) shows;
+  (multiserve/doctor/main.py) shows;
 - `kernels/`: the native CPU kernels (sources in src/, their build and XLA FFI bindings);
 - `loading/`: every model source (HF safetensors dirs, GGUF files, the embedded default
   model), tensor names, the params layout, the conversion cache.

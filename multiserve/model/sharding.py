@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 from multiserve.config import ModelConfig
 from multiserve.model.families import family_for
-from multiserve.model.families.base import tp_splits
+from multiserve.model.tp_splits import tp_splits
 
 AXIS = "tensor"
 

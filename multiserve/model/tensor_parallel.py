@@ -36,7 +36,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from multiserve.config import ModelConfig
-from multiserve.model.families.base import tp_splits
+from multiserve.model.tp_splits import tp_splits
 
 AXIS = "tensor"  # the mesh's one axis (model/sharding.py)
 

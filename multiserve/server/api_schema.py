@@ -154,7 +154,7 @@ ENGINE_MEMORY_SCHEMA: dict[str, Any] = {
         "released": {"type": "array", "items": {"type": "string"}}},
     "required": ["weights_bytes", "kv_pool_bytes", "kv_pool_tokens", "kv_bytes_per_token",
                  "programs"]}
-# The process's resident memory (multiserve/process_memory.py): every engine of the fleet.
+# The process's resident memory (multiserve/host/process_memory.py): every engine of the fleet.
 PROCESS_MEMORY_SCHEMA: dict[str, Any] = {
     "type": "object", "description": "the serving process's resident memory (all its "
     "engines): VmRSS and VmHWM; rss_bytes null where the OS does not report it",

@@ -26,7 +26,7 @@ from starlette.responses import JSONResponse, Response
 
 from multiserve.config import DEFAULT_MAX_REQUEST_BYTES
 from multiserve.parsing import REASONING_PARSERS, TOOL_PARSERS, detect_tool_call_parser
-from multiserve.process_memory import process_memory
+from multiserve.host.process_memory import process_memory
 from multiserve.server.api_schema import document_engine_app
 from multiserve.server.body_limit import limit_body
 from multiserve.server.control_routes import add_control_routes

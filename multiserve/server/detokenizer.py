@@ -2,7 +2,7 @@
 
 Owns: `IncrementalDetokenizer`, which turns a growing list of output token ids into
 text deltas. It never DECIDES a stop string: the engine does, in one place
-(engine/stop_strings.py), and finishes the sample on the token that completed it; this
+(engine/base/stop_strings.py), and finishes the sample on the token that completed it; this
 class only presents that decision.
 
 Invariants:

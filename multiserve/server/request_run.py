@@ -182,7 +182,7 @@ class RequestRun:
         if new_ids and self.first_token_at is None:
             self.first_token_at = time.monotonic()
         if out.finished:
-            # the engine decided any stop string (engine/stop_strings.py); the text follows
+            # the engine decided any stop string (engine/base/stop_strings.py); the text follows
             matched = out.matched_stop if isinstance(out.matched_stop, str) else None
             pieces.append(st.detok.finish(matched))
             st.done, st.finish_reason = True, out.finish_reason or "stop"

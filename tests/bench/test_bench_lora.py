@@ -68,7 +68,7 @@ def test_lora_single_stream(tiny: Path, capsys: pytest.CaptureFixture[str]) -> N
 def test_random_adapters_are_seeded_peft_tensors() -> None:
     from multiserve.bench.lora_bench import random_adapter_tensors
     from multiserve.config import ModelConfig
-    from multiserve.engine.lora_adapters import adapter_from_tensors
+    from multiserve.engine.base.lora_adapters import adapter_from_tensors
 
     cfg = ModelConfig(**TINY)
     one, again = random_adapter_tensors(cfg, 4, 7), random_adapter_tensors(cfg, 4, 7)

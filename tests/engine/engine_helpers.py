@@ -347,10 +347,10 @@ class ReferenceModel:
         import jax
         import numpy as np
 
+        from multiserve.model.families.forward import forward
         from multiserve.model.invariance.calibration import default_plan
-        from multiserve.model.families.llama import forward
-        from multiserve.model.loading.loader import load_model
         from multiserve.model.invariance.primitives import with_transposed
+        from multiserve.model.loading.loader import load_model
 
         loaded = load_model(model_path, np.float32)
         self.cfg = loaded.config

@@ -64,9 +64,9 @@ def test_plan_serves_from_the_covering_buckets_and_compiles_small_ones_first() -
     assert list(fused.rest) == [("T", 1), ("R", 1), ("S", 1), ("T", 2), ("T", 8), ("R", 8),
                                 ("S", 8), ("T", 64), ("R", 64), ("S", 128)]
     assert plan(tokens, rows, 64, background=False, fused=(8,)).first[-1] == ("S", 8)
-    # several decode steps a dispatch: after the fused step of their size
-    multi = plan(tokens, rows, 64, background=True, fused=(1, 8), multi=(1, 8))
-    assert list(multi.rest) == [("T", 1), ("R", 1), ("S", 1), ("M", 1), ("T", 2), ("T", 8),
+    # K decode steps a dispatch: after the fused step of their size
+    steps = plan(tokens, rows, 64, background=True, fused=(1, 8), decode_steps=(1, 8))
+    assert list(steps.rest) == [("T", 1), ("R", 1), ("S", 1), ("M", 1), ("T", 2), ("T", 8),
                                 ("R", 8), ("S", 8), ("M", 8), ("T", 64), ("R", 64)]
     # no scanned bucket: the largest (unrolled) token bucket covers
     small = plan((1, 16), (1, 16), unroll_max_tokens=64, background=True)

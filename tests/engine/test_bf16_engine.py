@@ -196,7 +196,7 @@ def test_doctor_names_the_plan_path_its_costs_and_the_product_tuning(
     import argparse
     import json
 
-    from multiserve.doctor import doctor_main
+    from multiserve.doctor.main import doctor_main
 
     args = argparse.Namespace(model=str(tiny_model_dir_bf16), dtype="bfloat16", tp=1,
                               reprobe=False, json=True, target=None)

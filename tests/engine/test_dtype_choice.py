@@ -1,5 +1,5 @@
 """`dtype="auto"`: the checkpoint's precision where it runs well, else float32, on every
-platform (engine/dtype_choice.py). Pure logic: no device, no model load."""
+platform (engine/base/dtype_choice.py). Pure logic: no device, no model load."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from multiserve.engine.dtype_choice import EMBEDDED_MODEL_DTYPE, choose_dtype
+from multiserve.engine.base.dtype_choice import EMBEDDED_MODEL_DTYPE, choose_dtype
 
 NATIVE = dict(bf16_unavailable=None, bf16_paths="avx512_bf16, widen")
 NO_NATIVE = dict(bf16_unavailable="no C++ compiler", bf16_paths=None)

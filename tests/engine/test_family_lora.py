@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from engine_helpers import TINY_ENGINE, greedy_and_seeded
 from family_checkpoints import make_model
-from lora_checkpoints import assert_matches_peft
+from lora_checkpoints import assert_matches_peft, loaded
 from moe_checkpoints import save
 
 from multiserve.config import EngineConfig
@@ -45,7 +45,7 @@ def gemma_lora(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, 
     model.save_pretrained(str(adapter))
     eng = Engine(EngineConfig(model_path=str(path), max_loras_per_batch=2, max_lora_rank=8,
                               **{**TINY_ENGINE, "precompile_token_paddings": (1, 8, 64)}))
-    eng.load_lora_adapter("hf", str(adapter))
+    loaded(eng.load_lora_adapter("hf", str(adapter)))
     try:
         yield eng, model
     finally:

@@ -1,12 +1,12 @@
 """Fused steps (EngineConfig.fused_step_paddings): a step padded to b tokens and b rows runs
 forward, head and sampler as ONE program, checked bit for bit against the forward and head
-programs when it is primed (engine/device/step_programs.py); and several decode steps per
+programs when it is primed (engine/device/step_programs.py); and K decode steps per
 dispatch (EngineConfig.decode_steps_per_dispatch): a loop of such steps in one program,
 checked against as many single steps.
 
 Behaviour under test: outputs (ids, logprobs, top logprobs) are bitwise those of an engine
 without fused steps, in both compute dtypes, for greedy, seeded sampling and penalties,
-alone and batched, with one step or four per dispatch; a fused or several-step program whose
+alone and batched, with one step or four per dispatch; a fused or decode-steps program whose
 check fails is never used; one compiled while the engine's memory is released is checked
 and used once memory is resumed; a stop inside a dispatch's steps ends the output there,
 and a pause lands between dispatches.
@@ -199,7 +199,7 @@ def test_the_check_sees_one_ulp(tiny_model_dir: Path) -> None:
 def test_four_steps_per_dispatch_give_the_outputs_of_single_steps(
         dtype: str, request: pytest.FixtureRequest, trigger: Trigger) -> None:
     """Greedy and seeded requests alone run 4 decode steps a dispatch (the penalised one and
-    the batch holding it run single steps; sizes 1 only, the fused and several-step
+    the batch holding it run single steps; sizes 1 only, the fused and decode-steps
     programs of one row: the fewest compiles); the outputs are bitwise those of single
     steps. Then (float32): a stop token sampled inside a dispatch ends the output there;
     a pause lands between dispatches; the prime's check sees one ulp."""
@@ -215,12 +215,12 @@ def test_four_steps_per_dispatch_give_the_outputs_of_single_steps(
         assert state["compile"]["rejected"] == []
         assert [c for c in state["compile"]["compiled"] if c[0] in "SM"] == ["S=1", "M=1"]
         # greedy and seeded alone: 9 tokens after the prefill's, in 3 dispatches each
-        assert state["forward_ct_multi"] >= 6
+        assert state["forward_ct_decode_steps"] >= 6
         assert outputs == _reference(dtype, model)
         if dtype == "float32":
             _check_stop_inside_a_dispatch(engine, outputs[0][0])
             _check_pause_between_dispatches(engine, trigger, outputs[0][0])
-            _check_the_multi_check_sees_one_ulp(engine)
+            _check_the_decode_steps_check_sees_one_ulp(engine)
             assert_idle_and_clean(engine)
     finally:
         engine.shutdown()
@@ -228,17 +228,17 @@ def test_four_steps_per_dispatch_give_the_outputs_of_single_steps(
 
 def _check_stop_inside_a_dispatch(engine: Any, greedy_ids: tuple[int, ...]) -> None:
     """The greedy request with a stop id its output reaches at index i (inside the second
-    dispatch, turns after it): the output ends at i, finish reason "stop"."""
+    dispatch, steps after it): the output ends at i, finish reason "stop"."""
     stop = greedy_ids[6]
     i = greedy_ids.index(stop)
-    assert 1 <= i <= 8, greedy_ids  # sampled by a dispatch, not the last of its turns
+    assert 1 <= i <= 8, greedy_ids  # sampled by a dispatch, not the last of its steps
     ids, params = _requests()[0]
-    before = engine.get_internal_state()["forward_ct_multi"]
+    before = engine.get_internal_state()["forward_ct_decode_steps"]
     out = engine.generate(input_ids=ids, sampling_params=params.with_updates(
         stop_token_ids=(stop,)))
     assert out.output_ids == greedy_ids[:i + 1]
     assert out.finish_reason == "stop" and out.matched_stop == stop
-    assert engine.get_internal_state()["forward_ct_multi"] > before
+    assert engine.get_internal_state()["forward_ct_decode_steps"] > before
 
 
 def _check_pause_between_dispatches(engine: Any, trigger: Trigger,
@@ -257,9 +257,9 @@ def _check_pause_between_dispatches(engine: Any, trigger: Trigger,
     assert col.wait()[("r0", 0)].output_ids == greedy_ids
 
 
-def _check_the_multi_check_sees_one_ulp(engine: Any) -> None:
-    """The prime's check on the real several-step program passes; on one whose last
-    turn's raw logprobs are one ulp off it fails."""
+def _check_the_decode_steps_check_sees_one_ulp(engine: Any) -> None:
+    """The prime's check on the real decode-steps program passes; on one whose last
+    step's raw logprobs are one ulp off it fails."""
     import jax
     import numpy as np
 
@@ -275,9 +275,9 @@ def _check_the_multi_check_sees_one_ulp(engine: Any) -> None:
 
     def check(core: Any) -> list[bool]:
         runner = core.runner
-        program = runner.programs.get(ProgramKind.MULTI, 1)
-        verdicts = [runner.step_programs.multi_step_agrees(1, program),
-                    runner.step_programs.multi_step_agrees(1, nudged(program))]
+        program = runner.programs.get(ProgramKind.DECODE_STEPS, 1)
+        verdicts = [runner.step_programs.decode_steps_agree(1, program),
+                    runner.step_programs.decode_steps_agree(1, nudged(program))]
         jax.block_until_ready(runner.kv)
         return verdicts
 

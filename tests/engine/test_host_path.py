@@ -1,6 +1,6 @@
 """The step's host path (issue 50, item 3): the per-phase host timer (engine/host_phases.py)
 on a real tiny engine, the values the step path builds without their frozen __init__
-(engine/frozen_build.py) equal to what the constructor builds, and the sampler inputs
+(engine/base/frozen_build.py) equal to what the constructor builds, and the sampler inputs
 it keeps (SamplingParams.sampler_fields, engine/sampling/steady_rows.py) equal to a
 rebuild."""
 
@@ -15,6 +15,7 @@ import pytest
 from engine_helpers import WAIT_S, held
 from sched_sim import PAGE, Sim
 
+from multiserve.engine.base.frozen_build import built
 from multiserve.engine.commands import Call
 from multiserve.engine.device.batch_arrays import (
     build_step_arrays,
@@ -22,7 +23,6 @@ from multiserve.engine.device.batch_arrays import (
     one_token_rows,
     row_by_row,
 )
-from multiserve.engine.frozen_build import built
 from multiserve.engine.host_phases import PHASES, WAIT_PHASES, HostPhases
 from multiserve.engine.sampling.host import (
     RowSpec,
@@ -116,7 +116,7 @@ def test_host_phases_tile_each_pass_of_a_real_run(tiny_engine: Any) -> None:
     waits = sum(decode["phase_ms"][p] for p in WAIT_PHASES)
     assert decode["host_ms"] == pytest.approx(wall - waits)
     # one decode step a dispatch: host time per decode step is the pass's
-    assert set(phases.turns) == {1} and decode["turns_p50"] == 1
+    assert set(phases.decode_steps) == {1} and decode["decode_steps_p50"] == 1
     assert decode["host_per_step_ms"] == pytest.approx(decode["host_ms"])
     assert wall == pytest.approx(sum(decode["phase_ms"].values()))
     # the steady decode steps of the same four samples took the step before's sampler

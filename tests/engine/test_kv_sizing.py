@@ -1,4 +1,4 @@
-"""The KV pool sizing rule (engine/kv_sizing.py): explicit config wins, then device memory,
+"""The KV pool sizing rule (engine/base/kv_sizing.py): explicit config wins, then device memory,
 then the engine's share of the host's memory, capped and in whole pages. Pure functions:
 no engine, no jax."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from multiserve.config import ConfigError, EngineConfig, ModelConfig
-from multiserve.engine.kv_sizing import MIN_POOL_PAGES, host_memory_bytes, pool_tokens
+from multiserve.engine.base.kv_sizing import MIN_POOL_PAGES, host_memory_bytes, pool_tokens
 
 GIB = 1 << 30
 # SmolLM2-135M's KV shape: 30 layers x 3 KV heads x 64 dims, K and V

@@ -13,9 +13,8 @@ from typing import Any
 
 import pytest
 from engine_helpers import TINY_ENGINE
-from lora_checkpoints import peft_tensors
+from lora_checkpoints import loaded, peft_tensors, refused
 
-from multiserve.engine.lora_adapters import LoraRefused
 from multiserve.types import GenerateRequest, OutputDelta, SamplingParams
 
 PROMPT = (5, 9, 13, 17, 21, 4, 8)
@@ -65,33 +64,31 @@ class _Held:
 def test_load_inplace_keeps_admitted_requests_on_their_version(engine: Any) -> None:
     cfg = engine.model_config
     v1, v2, v3 = (peft_tensors(cfg, 4, seed) for seed in (21, 22, 23))
-    assert engine.load_lora_adapter("v", tensors=v1, r=4)["slot"] == 1
+    assert loaded(engine.load_lora_adapter("v", tensors=v1, r=4))["slot"] == 1
     old = _alone(engine, "v")
     engine.pause_generation("in_place")
     try:
         first = _Held(engine, "on-v1", "v")  # admitted, queued: version 1
-        res = engine.load_lora_adapter("v", tensors=v2, r=4, load_inplace=True)
+        res = loaded(engine.load_lora_adapter("v", tensors=v2, r=4, load_inplace=True))
         assert res["replaced"] and res["slot"] == 2  # slot 1 stays with its request
         second = _Held(engine, "on-v2", "v")  # version 2
-        with pytest.raises(LoraRefused) as err:  # slot 1 held by `first`, 2 by `second`
-            engine.load_lora_adapter("v", tensors=v3, r=4, load_inplace=True)
-        assert err.value.kind == "full" and "replaced version" in str(err.value)
-        with pytest.raises(LoraRefused, match="already loaded"):
-            engine.load_lora_adapter("v", tensors=v3, r=4)  # without load_inplace
+        # slot 1 held by `first`, 2 by `second`
+        refused(engine.load_lora_adapter("v", tensors=v3, r=4, load_inplace=True), "full",
+                "replaced version")
+        refused(engine.load_lora_adapter("v", tensors=v3, r=4), "exists",  # no load_inplace
+                "already loaded")
     finally:
         engine.continue_generation()
     assert first.bits() == old
     new = _alone(engine, "v")
     assert second.bits() == new and new != old
     # nobody uses version 2 now: version 3 goes into its slot; slot 1 is free again
-    res = engine.load_lora_adapter("v", tensors=v3, r=4, load_inplace=True)
+    res = loaded(engine.load_lora_adapter("v", tensors=v3, r=4, load_inplace=True))
     assert res["replaced"] and res["slot"] == 2
     assert _alone(engine, "v") not in (old, new)
-    assert engine.load_lora_adapter("w", tensors=v1, r=4)["slot"] == 1
+    assert loaded(engine.load_lora_adapter("w", tensors=v1, r=4))["slot"] == 1
     assert _alone(engine, "w") == old  # version 1's tensors under another name: its bits
     # load_inplace of a name not loaded is a plain load (refused here: no slot is free)
-    with pytest.raises(LoraRefused) as err:
-        engine.load_lora_adapter("x", tensors=v1, r=4, load_inplace=True)
-    assert err.value.kind == "full"
+    refused(engine.load_lora_adapter("x", tensors=v1, r=4, load_inplace=True), "full")
     for name in ("v", "w"):
-        engine.unload_lora_adapter(name)
+        loaded(engine.unload_lora_adapter(name))

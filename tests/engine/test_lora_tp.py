@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import pytest
 from engine_helpers import TINY_ENGINE
-from lora_checkpoints import peft_tensors
+from lora_checkpoints import loaded, peft_tensors
 
 from multiserve.types import SamplingParams
 
@@ -34,8 +34,8 @@ def _engine(model: Path, **kw: Any) -> Iterator[Any]:
     eng = Engine(EngineConfig(model_path=str(model), **{**TINY_ENGINE, **SMALL, **kw},
                               max_loras_per_batch=2, max_lora_rank=8))
     cfg = eng.model_config
-    eng.load_lora_adapter("a1", tensors=peft_tensors(cfg, 4, 1), r=4, lora_alpha=8)
-    eng.load_lora_adapter("a2", tensors=peft_tensors(cfg, 8, 2), r=8, lora_alpha=16)
+    loaded(eng.load_lora_adapter("a1", tensors=peft_tensors(cfg, 4, 1), r=4, lora_alpha=8))
+    loaded(eng.load_lora_adapter("a2", tensors=peft_tensors(cfg, 8, 2), r=8, lora_alpha=16))
     try:
         yield eng
     finally:

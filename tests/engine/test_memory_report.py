@@ -1,7 +1,7 @@
 """What an engine says it holds (get_internal_state "memory", engine/memory_report.py): the
 weights' bytes are the params' shapes times the dtype, the KV pool's are its tokens times
 bytes per token, the compiled programs are counted, and a pool sized by the host rule says
-so (engine/kv_sizing.py)."""
+so (engine/base/kv_sizing.py)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """The scheduling part of the engine (every module of engine/sched/: scheduler, prefix
-cache, page allocator, request, admission), the engine's command types, its output side
-(streams, stop strings) and the types and config they use import and run without jax:
+cache, page allocator, request, admission), the engine's leaf utilities (engine/base/: stop
+strings, pause reasons, ...), its command types, its output side (streams) and the types
+and config they use import and run without jax:
 checked in a fresh interpreter where importing jax, jaxlib or flax raises."""
 
 from __future__ import annotations
@@ -11,10 +12,10 @@ import textwrap
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-SCHED = REPO / "multiserve" / "engine" / "sched"
-SCHEDULING = (*sorted(f"multiserve.engine.sched.{p.stem}" for p in SCHED.glob("*.py")),
+ENGINE = REPO / "multiserve" / "engine"
+SCHEDULING = (*sorted(f"multiserve.engine.{room}.{p.stem}" for room in ("sched", "base")
+                      for p in (ENGINE / room).glob("*.py")),
               "multiserve.engine.commands", "multiserve.engine.streams",
-              "multiserve.engine.stop_strings", "multiserve.engine.pause_state",
               "multiserve.types", "multiserve.config")
 
 

@@ -1,5 +1,5 @@
 """ProgramKind: a step program's kind keeps the letter reports and commands have always
-carried ("T", "R", "S", and "M" for several decode steps): in compile status ("T=4"), in
+carried ("T", "R", "S", and "M" for K decode steps per dispatch): in compile status ("T=4"), in
 JSON and through pickling."""
 
 from __future__ import annotations
@@ -13,14 +13,14 @@ from multiserve.engine.device.programs import KINDS, ProgramKind, ProgramSet, ne
 def test_each_kind_round_trips_through_its_letter() -> None:
     assert [k.value for k in KINDS] == ["T", "R", "S", "M"]
     assert (ProgramKind.FORWARD, ProgramKind.HEAD, ProgramKind.FUSED,
-            ProgramKind.MULTI) == KINDS
+            ProgramKind.DECODE_STEPS) == KINDS
     for kind in KINDS:
         assert ProgramKind(f"{kind}") is kind and ProgramKind(str(kind)) is kind
         assert json.loads(json.dumps([kind, 4])) == [kind.value, 4]
         assert pickle.loads(pickle.dumps(kind)) is kind
         assert {kind.value: 1}[kind] == 1  # looked up by its letter, and the letter by it
     assert needs(ProgramKind.FUSED, 8) == (("T", 8), ("R", 8))
-    assert needs(ProgramKind.MULTI, 8) == (("T", 8), ("R", 8))
+    assert needs(ProgramKind.DECODE_STEPS, 8) == (("T", 8), ("R", 8))
     assert needs(ProgramKind.FORWARD, 8) == ()
 
 

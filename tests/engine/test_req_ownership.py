@@ -1,5 +1,6 @@
 """A request's state has one writer (issue 21): outside its constructor, only the Scheduler
-(engine/sched/scheduler.py) changes a Req's fields; the one exception is the delivery
+(engine/sched/scheduler.py and its parts: state.py, decode_rows.py, prefill_rows.py,
+postprocess.py) changes a Req's fields; the one exception is the delivery
 cursor, advanced by Req.next_delta (engine/sched/request.py). Static (ast) over every
 module of the package: no assignment to, and no append/extend/pop/... on, a Req field of
 anything but `self` (another object's own field of the same name is fine)."""
@@ -16,7 +17,9 @@ from multiserve.engine.sched.request import Req
 
 PKG = Path(__file__).resolve().parents[2] / "multiserve"
 FIELDS = {f.name for f in dataclasses.fields(Req)}
-OWNERS = {"engine/sched/scheduler.py", "engine/sched/request.py"}
+OWNERS = {"engine/sched/scheduler.py", "engine/sched/state.py", "engine/sched/decode_rows.py",
+          "engine/sched/prefill_rows.py", "engine/sched/postprocess.py",
+          "engine/sched/request.py"}
 MUTATORS = frozenset({"append", "extend", "pop", "clear", "insert", "remove", "update"})
 # objects that are not Reqs but have fields of the same names: (file, variable)
 NOT_REQS = {("engine/streams.py", "s"), ("multihost/session.py", "session")}

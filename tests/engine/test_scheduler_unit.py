@@ -1,6 +1,6 @@
 """The Scheduler (engine/sched/scheduler.py) driven without a model (sched_sim.Sim): admission,
 chunked prefill, prefix hits, retraction under KV pressure and by hand, eviction, steps of
-several decode turns, and the page accounting after every step; no jax."""
+K decode steps per dispatch, and the page accounting after every step; no jax."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import pytest
 from sched_sim import PAGE, Sim, expected, fake_token
 
 from multiserve.engine.sched.batch import ScheduledBatch
+from multiserve.engine.sched.compiled_sizes import CompiledSizes
 from multiserve.engine.sched.request import Req
 from multiserve.engine.sched.stop_rules import StopRules
 from multiserve.types import RequestStatus, SamplingParams
@@ -251,40 +252,58 @@ def test_a_retracted_old_kv_holder_also_reopens_the_cache() -> None:
     assert sim.outputs() == {"r": expected(r.prompt_ids, 4)}
 
 
-def _run_turns(sim: Sim, rules: StopRules) -> ScheduledBatch:
-    """Schedule and launch one step, read it at once: K turns' tokens (fake_token) per row
-    recorded by `postprocess_turns`, or a single step's by `Sim.step`'s bookkeeping."""
+# every step size of a Sim (8 rows at most) has its own buckets and a DECODE_STEPS program
+EVERY_SIZE = CompiledSizes(forward=(1, 2, 4, 8, 16), head=(1, 2, 4, 8),
+                           decode_steps=(1, 2, 4, 8))
+
+
+def test_k_decode_steps_run_where_the_step_pads_to_a_size_with_the_program() -> None:
+    compiled = CompiledSizes(forward=(1, 8, 16), head=(1, 8), decode_steps=(8,))
+    # 2..8 rows pad to 8 tokens and 8 rows: the program of 8; 1 row has none; 9 rows
+    # pad to 16 tokens, more rows than any head bucket holds
+    assert [compiled.runs_decode_steps(n) for n in (1, 2, 8, 9)] == [False, True, True,
+                                                                      False]
+    # the step's token and row buckets differ: no fused size, no program
+    assert not CompiledSizes((1, 16), (1, 8), (8, 16)).runs_decode_steps(2)
+    assert not CompiledSizes().runs_decode_steps(1)  # nothing told: single steps
+
+
+def _run_decode_steps(sim: Sim, rules: StopRules) -> ScheduledBatch:
+    """Schedule and launch one step, read it at once: K decode steps' tokens (fake_token) per
+    row recorded by `postprocess_decode_steps`, or a single step's by `Sim.step`'s
+    bookkeeping."""
     batch = sim.sched.schedule()
     assert batch is not None
     sim.sched.launch(batch)
     seqs = [list(row.req.fill_ids[:row.end]) for row in batch.rows]
-    turn_ids: list[list[int]] = []
-    for _ in range(batch.turns):
-        turn_ids.append([fake_token(seq) for seq in seqs])
-        for seq, tok in zip(seqs, turn_ids[-1], strict=True):
+    step_ids: list[list[int]] = []
+    for _ in range(batch.decode_steps):
+        step_ids.append([fake_token(seq) for seq in seqs])
+        for seq, tok in zip(seqs, step_ids[-1], strict=True):
             seq.append(tok)
-    for req in sim.sched.postprocess_turns(batch, turn_ids, None, "v", rules):
+    for req in sim.sched.postprocess_decode_steps(batch, step_ids, None, "v", rules):
         if req.finished:
             sim.finished[req.rid] = req
     sim.sched.check_integrity()
     return batch
 
 
-def test_a_step_of_k_turns_holds_k_positions_and_records_tokens_up_to_the_stop() -> None:
+def test_k_decode_steps_hold_k_positions_and_record_tokens_up_to_the_stop() -> None:
     sim = Sim(decode_steps_per_dispatch=4)
-    sim.sched.runs_turns = lambda rows: True  # the runner has the program of every size
+    # the runner has the program of every size
+    sim.sched.compiled = EVERY_SIZE
     a, b = sim.req("a", _prompt(1, 6), max_new=7), sim.req("b", _prompt(2, 5), max_new=3)
     sim.add(a, b)
-    assert sim.step().turns == 1  # the prefill: a single step
+    assert sim.step().decode_steps == 1  # the prefill: a single step
     stop = expected(a.prompt_ids, 7)[3]  # a's 4th token, sampled by the first dispatch
     rules = StopRules(frozenset({stop}), 256)
-    batch = _run_turns(sim, rules)
-    assert batch.turns == 4 and [row.end - row.start for row in batch.rows] == [1, 1]
-    # b reached its length at its 3rd token (turn 1): the later turns' tokens dropped,
+    batch = _run_decode_steps(sim, rules)
+    assert batch.decode_steps == 4 and [row.end - row.start for row in batch.rows] == [1, 1]
+    # b reached its length at its 3rd token (step 1): the later steps' tokens dropped,
     # and its pages (K/V past its end included) given back
     assert b.finished and sim.outputs()["b"] == expected(b.prompt_ids, 3)
     first = expected(a.prompt_ids, 7).index(stop)
-    assert 1 <= first <= 3  # sampled inside the dispatch (turn first - 1), turns after it
+    assert 1 <= first <= 3  # sampled inside the dispatch (step first - 1), steps after it
     assert a.finished and a.finish_reason == "stop" and a.matched_stop == stop
     assert a.output_ids == expected(a.prompt_ids, first + 1)
     assert sim.free_tokens() + sum(len(r.pages) for r in sim.sched.running) * PAGE == \
@@ -293,19 +312,20 @@ def test_a_step_of_k_turns_holds_k_positions_and_records_tokens_up_to_the_stop()
 
 def test_a_row_that_needs_the_host_between_tokens_runs_single_steps() -> None:
     sim = Sim(decode_steps_per_dispatch=4)
-    sim.sched.runs_turns = lambda rows: True
+    sim.sched.compiled = EVERY_SIZE
     plain = sim.req("plain", _prompt(3, 6), max_new=9)
     penalised = Req("pen", 0, _prompt(4, 6), SamplingParams(max_new_tokens=9,
                                                             frequency_penalty=0.5),
                     0, lambda out: None)
     sim.add(plain, penalised)
     sim.step()
-    assert sim.sched.schedule().turns == 1  # one penalised row: the step is single
+    assert sim.sched.schedule().decode_steps == 1  # one penalised row: the step is single
     sim.sched.finish(penalised, "abort")
     rules = StopRules(frozenset(), 256)
-    batch = _run_turns(sim, rules)
+    batch = _run_decode_steps(sim, rules)
     # (the step scheduled above was never launched: nothing moved)
-    assert batch.turns == 4 and plain.kv_len == 6 + 4 and len(plain.output_ids) == 1 + 4
+    assert batch.decode_steps == 4 and plain.kv_len == 6 + 4
+    assert len(plain.output_ids) == 1 + 4
     assert plain.output_ids == expected(plain.prompt_ids, 5)
-    sim.sched.runs_turns = lambda rows: False  # no program of this size (yet)
-    assert _run_turns(sim, rules).turns == 1 and plain.kv_len == 6 + 4 + 1
+    sim.sched.compiled = CompiledSizes((8,), (8,), ())  # no program of this size (yet)
+    assert _run_decode_steps(sim, rules).decode_steps == 1 and plain.kv_len == 6 + 4 + 1

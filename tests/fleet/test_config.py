@@ -55,7 +55,7 @@ def test_cpu4_is_four_single_device_engines_on_the_documented_ports() -> None:
     assert eng.precompile_bs_paddings == (1, 2, 4, 8, 16, 32, 64)
     assert eng.precompile_token_paddings == (1, 2, 4, 8, 16, 32, 64, 256)
     assert eng.chunked_prefill_size == 256
-    assert eng.max_total_tokens is None  # sized from the host (engine/kv_sizing.py)...
+    assert eng.max_total_tokens is None  # sized from the host (engine/base/kv_sizing.py)...
     assert eng.host_kv_max_tokens == 4096  # ...at most one max_context_len request's worth
     assert eng.fused_step_sizes == (1, 2)  # fused programs for the 1-2 client decodes only
     # a bound, not a list: other buckets (the fleet tests' one pair) stay a valid config

@@ -1,7 +1,7 @@
 """SGLang's server flags on `multiserve serve` / `validate` (fleet/sglang_flags.py): each
 supported flag sets its field on every engine (over the file's values), an SGLang flag we do
 not support is an error naming it (exit code 2), and `--mem-fraction-static` sizes the KV
-pool (engine/kv_sizing.py `pool_tokens`)."""
+pool (engine/base/kv_sizing.py `pool_tokens`)."""
 
 from __future__ import annotations
 
@@ -146,9 +146,9 @@ def test_mem_fraction_static_sizes_the_kv_pool() -> None:
     """None: the default rule (DEFAULT_MEM_FRACTION of a reporting device; on the host
     host_kv_mem_fraction of its memory, capped at host_kv_max_tokens); given: that share of
     the device's memory, or of the host's memory less the weights, capped at
-    max_running_requests full contexts (engine/kv_sizing.py)."""
+    max_running_requests full contexts (engine/base/kv_sizing.py)."""
     from multiserve.config import DEFAULT_MEM_FRACTION, EngineConfig
-    from multiserve.engine.kv_sizing import pool_tokens
+    from multiserve.engine.base.kv_sizing import pool_tokens
 
     per = 1000  # KV bytes per token
 

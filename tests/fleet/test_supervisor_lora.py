@@ -10,7 +10,7 @@ from typing import Any
 
 import httpx
 import pytest
-from lora_checkpoints import write_peft_dir
+from lora_checkpoints import loaded, write_peft_dir
 
 from multiserve.types import GenerateRequest, SamplingParams
 
@@ -51,7 +51,7 @@ async def test_load_and_unload_are_all_or_none(engines: list[Any], tmp_path: Pat
         # engine b's only slot is taken by another adapter: y lands on neither engine
         assert (await http.post("/unload_lora_adapter", json={"lora_name": "x"})
                 ).status_code == 200
-        b.load_lora_adapter("z", str(y))
+        loaded(b.load_lora_adapter("z", str(y)))
         r = await http.post("/v1/load_lora_adapter", json={"lora_name": "y",
                                                            "lora_path": str(y)})
         assert r.status_code == 409 and "NOT loaded" in r.json()["message"], r.text
@@ -61,7 +61,7 @@ async def test_load_and_unload_are_all_or_none(engines: list[Any], tmp_path: Pat
         r = await http.post("/unload_lora_adapter", json={"lora_name": "z"})
         assert r.status_code == 404 and r.json()["failed_engines"] == [0], r.text
         assert (_names(a), _names(b)) == ([], ["z"])
-        b.unload_lora_adapter("z")
+        loaded(b.unload_lora_adapter("z"))
         # unloading x while a request uses it on engine a: engine b reloads it
         assert (await http.post("/load_lora_adapter", json={
             "lora_name": "x", "lora_path": str(x)})).status_code == 200

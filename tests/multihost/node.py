@@ -2,7 +2,7 @@
 
 `python node.py SCENARIO RANK NNODES ADDR MODEL_DIR OUT_JSON`: RANK 0 leads (builds the
 engine over every device, runs SCENARIO, writes what it saw to OUT_JSON); other ranks
-follow (multiserve/multihost/follower.py). NNODES 0 is the one-process reference: the
+follow (multiserve/fleet/follower.py). NNODES 0 is the one-process reference: the
 same engine over the same number of devices without a slice. Each process has
 $NODE_DEVICES virtual CPU devices (2 unless set).
 """
@@ -22,7 +22,7 @@ def main() -> int:
     total = per_host * max(n, 1) if n else int(os.environ.get("REF_DEVICES", "4"))
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={per_host if n else total}"
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    from multiserve.collector import tune_collector
+    from multiserve.host.collector import tune_collector
 
     tune_collector()  # a host process, as `multiserve serve` sets it (multiserve/cli.py)
     from multiserve.config import EngineConfig
@@ -54,7 +54,7 @@ def main() -> int:
 
         session = start_slice(mh, flat_fields(cfg))
         if rank_i != 0:
-            from multiserve.multihost.follower import follow
+            from multiserve.fleet.follower import follow
 
             assert session.follower is not None
             code = follow(session.follower, cfg, rank_i)

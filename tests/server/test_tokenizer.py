@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from multiserve.engine.stop_strings import StopStringChecker
+from multiserve.engine.base.stop_strings import StopStringChecker
 from multiserve.server.errors import ApiError
 from multiserve.server.tokenizer import score_softmax
 

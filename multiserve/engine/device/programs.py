@@ -3,10 +3,11 @@
 A step runs two programs (runner.py, step_programs.py): a forward over T tokens
 (`ProgramKind.FORWARD`, "T", one per token bucket) and a head over R logits rows
 (`ProgramKind.HEAD`, "R", one per row bucket); a decode step of b tokens and b rows may
-instead run one fused program (`ProgramKind.FUSED`, "S", b in the config's fused step sizes),
-and K such steps one several-step program (`ProgramKind.MULTI`, "M", while the config's
-decode_steps_per_dispatch K > 1); each is primed only after its T and R are compiled and
-checked against them bit for bit (`needs`): one that differs is rejected, never chosen. They are compiled ahead
+instead run one fused program (`ProgramKind.FUSED`, "S", b in the config's fused step
+sizes), and K such steps one decode-steps program (`ProgramKind.DECODE_STEPS`, "M", while
+the config's decode_steps_per_dispatch K > 1); each is primed only after its T and R are
+compiled and checked against them bit for bit (`needs`): one that differs is rejected,
+never chosen. They are compiled ahead
 of time (`jax.jit(...).lower(...).compile()`) and the step calls the compiled executables
 directly, so a step never traces or compiles: a shape without a program is never chosen.
 
@@ -19,10 +20,10 @@ off the largest bucket). `plan()` splits the buckets into that first phase and t
 `background` the rest compile on a background thread per engine while the engine serves,
 smallest first (a lone decode's T = 1, R = 1 first). Each compiled program is then primed
 (run once) on the engine thread between steps and only then joins the ready set; the step
-picks the smallest ready bucket that fits (`smallest_fit`). Outputs are identical either
-way; only speed differs until the set is complete. The unrolled small-T forwards are most
-of the compile time (several times a scanned one's each, docs/performance.md §6): they go
-last.
+picks the smallest ready bucket that fits (engine/base/buckets.py `smallest_fit`).
+Outputs are identical either way; only speed differs until the set is complete. The
+unrolled small-T forwards are most of the compile time (several times a scanned one's
+each, docs/performance.md §6): they go last.
 
 Ownership (one writer each): `_programs` (compiled executables) is written by the compiling
 thread (the warm-up caller, then the background thread), each program stored before it is
@@ -41,7 +42,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Protocol
@@ -61,14 +62,15 @@ class ProgramKind(StrEnum):
     FORWARD = "T"  # the decoder over T tokens
     HEAD = "R"  # lm_head and sampler over R logits rows
     FUSED = "S"  # forward, head and sampler of a b-token, b-row decode step in one program
-    # EngineConfig.decode_steps_per_dispatch fused decode steps of b rows in one program
-    MULTI = "M"
+    # K (EngineConfig.decode_steps_per_dispatch) fused decode steps of b rows in one
+    # program ("M": many steps; "M=8" is the program of 8 rows)
+    DECODE_STEPS = "M"
 
 
 # compile order at equal size (`plan`): forward, head, then the fused step and the
-# several-step program that need both
+# decode-steps program that need both
 KINDS: tuple[ProgramKind, ...] = (ProgramKind.FORWARD, ProgramKind.HEAD, ProgramKind.FUSED,
-                                  ProgramKind.MULTI)
+                                  ProgramKind.DECODE_STEPS)
 
 
 class Program(Protocol):
@@ -81,9 +83,9 @@ class Program(Protocol):
 def needs(kind: ProgramKind, size: int) -> tuple[tuple[ProgramKind, int], ...]:
     """The programs a program is checked against when it is primed: a fused step (FUSED, b)
     against the forward and head of its size, which it must equal bit for bit; a
-    several-step program (MULTI, b) against as many steps of that forward and head."""
+    decode-steps program (DECODE_STEPS, b) against as many steps of that forward and head."""
     return (((ProgramKind.FORWARD, size), (ProgramKind.HEAD, size))
-            if kind in (ProgramKind.FUSED, ProgramKind.MULTI) else ())
+            if kind in (ProgramKind.FUSED, ProgramKind.DECODE_STEPS) else ())
 
 # Sets whose background thread is running. At interpreter exit each is stopped and its
 # compile in progress waited for (`stop_background_compiles`): a daemon thread still inside
@@ -154,16 +156,17 @@ class Plan:
 
 
 def plan(token_buckets: Sequence[int], row_buckets: Sequence[int], unroll_max_tokens: int,
-         background: bool, fused: Sequence[int] = (), multi: Sequence[int] = ()) -> Plan:
+         background: bool, fused: Sequence[int] = (),
+         decode_steps: Sequence[int] = ()) -> Plan:
     """Split the programs: without `background` everything is `first` (the fused steps
     last); with it, `first` is the covering set (largest T and R, and every scanned T) and
     `rest` the others, ordered by size (T, then R, then the fused step S and the
-    several-step program M at equal size: each is only ever a faster way to run a T and
+    decode-steps program M at equal size: each is only ever a faster way to run a T and
     an R, never needed to serve)."""
     forward, head = ProgramKind.FORWARD, ProgramKind.HEAD
     everything = ([(forward, t) for t in token_buckets] + [(head, r) for r in row_buckets]
                   + [(ProgramKind.FUSED, b) for b in fused]
-                  + [(ProgramKind.MULTI, b) for b in multi])
+                  + [(ProgramKind.DECODE_STEPS, b) for b in decode_steps])
     if not background:
         return Plan(first=tuple(everything), rest=())
     first = {(forward, max(token_buckets)), (head, max(row_buckets))}
@@ -171,12 +174,6 @@ def plan(token_buckets: Sequence[int], row_buckets: Sequence[int], unroll_max_to
     rest = sorted((p for p in everything if p not in first),
                   key=lambda p: (p[1], KINDS.index(p[0])))
     return Plan(first=tuple(p for p in everything if p in first), rest=tuple(rest))
-
-
-def smallest_fit(ready: Iterable[int], n: int) -> int | None:
-    """The smallest size in `ready` that holds n (None: none does)."""
-    fits = [s for s in ready if s >= n]
-    return min(fits) if fits else None
 
 
 @dataclass

@@ -11,10 +11,10 @@ the program of each step; the programs' math is step_functions.py.
 
 A step is a forward over T tokens and a head over R logits rows (two programs), or one
 fused program where the step is a b-token, b-row decode step with a checked fused program
-(`StepPrograms.fused`); a decode step whose scheduler asked for K turns
-(ScheduledBatch.turns, only where `runs_turns` said a program is ready) runs K such steps
-in one several-step program (`StepPrograms.multi`), its outputs every turn's. Every row's
-numerics are independent of T and R.
+(`StepPrograms.fused`); a decode step for which the scheduler asked K decode steps per
+dispatch (ScheduledBatch.decode_steps, only at a size `compiled_sizes` said has a ready
+program) runs K such steps in one decode-steps program (`StepPrograms.decode_steps`), its
+outputs every step's. Every row's numerics are independent of T and R.
 
 Invariants:
 - Steps call compiled executables, never `jax.jit` dispatch: a step cannot trace or
@@ -61,20 +61,21 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from multiserve.config import EngineConfig, ModelConfig
+from multiserve.engine.base.buckets import smallest_fit
+from multiserve.engine.base.dtype_choice import DtypeChoice
+from multiserve.engine.base.lora_adapters import LoraAdapter
 from multiserve.engine.device import huge_pages
 from multiserve.engine.device.batch_arrays import StepArrays
 from multiserve.engine.device.program_share import SHARE
-from multiserve.engine.device.programs import ProgramKind, ProgramSet, smallest_fit
+from multiserve.engine.device.programs import ProgramKind, ProgramSet
 from multiserve.engine.device.sampling_batches import SamplingBatches
 from multiserve.engine.device.step_functions import StepFunctions
 from multiserve.engine.device.step_inputs import sampling_inputs, step_inputs
 from multiserve.engine.device.step_programs import StepPrograms
-from multiserve.engine.dtype_choice import DtypeChoice
-from multiserve.engine.lora_adapters import LoraAdapter
 from multiserve.engine.sampling import host as sampling_host
 from multiserve.engine.sampling import sampler as sampling
+from multiserve.engine.sched.compiled_sizes import CompiledSizes
 from multiserve.model.families import family_for
-from multiserve.model.families.base import get_leaf
 from multiserve.model.invariance.calibration import calibrate
 from multiserve.model.invariance.plan import Calibration, InvariancePlan
 from multiserve.model.invariance.workload import workload_for
@@ -82,6 +83,7 @@ from multiserve.model.invariance.xla_options import step_options
 from multiserve.model.layers.kv_pool import KVPool, make_kv_pool, pool_layout
 from multiserve.model.layers.lora import native_lora
 from multiserve.model.lora_layout import b_panels, lora_b_panel_shapes, lora_buffer_shapes
+from multiserve.model.param_tree import get_leaf, with_leaves
 from multiserve.model.sharding import kv_pool_sharding, make_mesh, shard_params
 from multiserve.multihost import ops
 
@@ -100,15 +102,17 @@ def cast_params(params: Any, dtype: Any) -> Any:
 class StepOutput:
     """Device arrays of one launched step (host reads them later)."""
 
-    next_ids: jax.Array  # [max_rows] int32 (rows >= R are junk); [turns, max_rows] when
-    # turns > 1 (every turn's, in order)
-    sample: sampling.SampleOutput  # device arrays (leaves [turns, ...] when turns > 1)
+    # [max_rows] int32 (rows >= R are junk); [K, max_rows] when decode_steps K > 1 (every
+    # step's, in order)
+    next_ids: jax.Array
+    sample: sampling.SampleOutput  # device arrays (leaves [K, ...] when K > 1)
     num_rows: int
     wants_logprobs: bool
     # routing replay (EngineConfig.enable_return_routed_experts, a MoE model): the expert
     # ids of every token row, [T, MoE layers, k] int32; None without the option
     routed_experts: jax.Array | None = None
-    turns: int = 1  # decode steps the dispatch ran (EngineConfig.decode_steps_per_dispatch)
+    # decode steps the dispatch ran (EngineConfig.decode_steps_per_dispatch, or 1)
+    decode_steps: int = 1
 
 
 class Runner:
@@ -173,7 +177,8 @@ class Runner:
         self._sampling = SamplingBatches(model_cfg.vocab_size, self.replicated)
         self.warmup_seconds: float | None = None  # warm-up start -> serving
         self.fused_steps = 0  # steps run as one fused program (get_internal_state)
-        self.multi_steps = 0  # dispatches that ran several decode steps (get_internal_state)
+        # dispatches that ran K decode steps (get_internal_state)
+        self.decode_steps_dispatches = 0
         # routing replay: only an engine started with the option on a MoE model captures
         self.routed_experts = cfg.enable_return_routed_experts and bool(model_cfg.moe_layers)
         functions = StepFunctions(self.family, model_cfg, self.plan, cfg.page_size,
@@ -261,6 +266,7 @@ class Runner:
         assert self.lora is not None and 0 < slot < self.lora["scale"].shape[0]
         new = dict(self.lora)
         for key, buf in self.lora.items():
+            value: np.ndarray | np.float32
             if key == "scale":
                 value = np.float32(adapter.scale if adapter is not None else 0.0)
             elif adapter is not None and key.endswith("_bp"):  # B's panel copy of `<m>_b`
@@ -300,15 +306,17 @@ class Runner:
             raise ValueError(f"no bucket for {num_tokens} tokens / {num_rows} rows")
         return t, r
 
-    def runs_turns(self, num_rows: int) -> bool:
-        """Whether a decode-only step of `num_rows` rows can run
-        `decode_steps_per_dispatch` steps in one dispatch now: a several-step program of
-        its bucket is ready (never in an engine spanning hosts, whose followers replay
-        single steps)."""
-        if self.mirror is not None or not self.step_programs.multi_step_sizes:
-            return False
-        t, r = self.bucket_for(num_rows, num_rows)
-        return self.step_programs.multi(t, r) is not None
+    def compiled_sizes(self) -> CompiledSizes:
+        """The sizes of the programs a step may run now, for the scheduler to tell which
+        decode steps run `decode_steps_per_dispatch` steps in one dispatch
+        (engine/sched/compiled_sizes.py): `bucket_for`'s token and row buckets, and the
+        sizes with a ready decode-steps program (none in an engine spanning hosts, whose
+        followers replay single steps)."""
+        programs = self.step_programs
+        ready = (() if self.mirror is not None or not programs.decode_steps_sizes
+                 else programs.set.ready(ProgramKind.DECODE_STEPS))
+        return CompiledSizes(tuple(programs.compiled_buckets(ProgramKind.FORWARD)),
+                             tuple(programs.compiled_buckets(ProgramKind.HEAD)), ready)
 
     def page_table_rows(self, num_tokens: int) -> int:
         """Sequence rows of a T-token step: every row has a token, and at most max_rows."""
@@ -328,19 +336,19 @@ class Runner:
 
     # ---- running -------------------------------------------------------------------
     def run(self, arrays: StepArrays, sb_host: sampling.SamplingBatch, wants_logprobs: bool,
-            num_rows: int, turns: int = 1) -> StepOutput:
+            num_rows: int, decode_steps: int = 1) -> StepOutput:
         """Launch one step: `num_rows` (a row bucket) logits rows, sampled with `sb_host`
         (built by `sampling_batch(specs, num_rows)`): one fused program where it has one
-        (`StepPrograms.fused`), else the forward and the head. `turns` > 1 (a decode-only
-        step, `runs_turns`): its several-step program, `turns` decode steps from this
-        one."""
+        (`StepPrograms.fused`), else the forward and the head. `decode_steps` K > 1 (a
+        decode-only step of a size `compiled_sizes` gave the scheduler): its decode-steps
+        program, K decode steps from this one."""
         assert self.kv is not None, "KV pool released: resume memory before running"
         assert self._prev_ids is not None, "step buffers released: resume memory first"
         packed, sampling_args = step_inputs(arrays), sampling_inputs(sb_host)
         tokens = arrays.input_ids.shape[0]
-        if turns > 1:
-            return self._run_turns(tokens, num_rows, wants_logprobs, packed, sampling_args,
-                                   turns)
+        if decode_steps > 1:
+            return self._run_decode_steps(tokens, num_rows, wants_logprobs, packed,
+                                          sampling_args, decode_steps)
         if self.mirror is not None:
             self.mirror(ops.RunStep(tokens, num_rows, wants_logprobs, packed,
                                     sampling_args[0],
@@ -372,6 +380,7 @@ class Runner:
         """Run a step of buckets (`tokens`, `num_rows`) on its packed inputs: the fused
         program where one is ready, else the forward then the head, each from
         `forward_for` / `head_for` (given the program's arguments)."""
+        assert self.kv is not None and self._prev_ids is not None  # (checked by `run`)
         fused = self.step_programs.fused(tokens, num_rows)
         if fused is not None:
             next_ids, out, self.kv, *experts = fused(
@@ -387,19 +396,20 @@ class Runner:
                           wants_logprobs=wants_logprobs,
                           routed_experts=experts[0] if experts else None)
 
-    def _run_turns(self, tokens: int, num_rows: int, wants_logprobs: bool,
-                   packed: np.ndarray, sampling_args: tuple[Any, ...],
-                   turns: int) -> StepOutput:
-        """Run a decode step's several-step program (`runs_turns` said it is ready)."""
-        multi = self.step_programs.multi(tokens, num_rows)
-        assert multi is not None and turns == self.cfg.decode_steps_per_dispatch, \
-            (tokens, num_rows, turns)
+    def _run_decode_steps(self, tokens: int, num_rows: int, wants_logprobs: bool,
+                          packed: np.ndarray, sampling_args: tuple[Any, ...],
+                          decode_steps: int) -> StepOutput:
+        """Run a decode step's decode-steps program (`compiled_sizes` said it is ready)."""
+        program = self.step_programs.decode_steps(tokens, num_rows)
+        assert program is not None and decode_steps == self.cfg.decode_steps_per_dispatch, \
+            (tokens, num_rows, decode_steps)
         assert self.mirror is None, "a spanning engine's followers replay single steps"
-        self._prev_ids, ids, out, self.kv = multi(self.compute_params, self.kv,
-                                                  self._prev_ids, packed, *sampling_args)
-        self.multi_steps += 1
+        assert self.kv is not None and self._prev_ids is not None  # (checked by `run`)
+        self._prev_ids, ids, out, self.kv = program(self.compute_params, self.kv,
+                                                    self._prev_ids, packed, *sampling_args)
+        self.decode_steps_dispatches += 1
         return StepOutput(next_ids=ids, sample=out, num_rows=num_rows,
-                          wants_logprobs=wants_logprobs, turns=turns)
+                          wants_logprobs=wants_logprobs, decode_steps=decode_steps)
 
     # ---- memory release (engine/rl/memory.py) ----------------------------------------
     def reset_prev_ids(self) -> None:
@@ -430,18 +440,12 @@ class Runner:
         of the leaf it replaces, then the params swapped and the replaced leaves freed.
         Between steps, on the engine thread: how an engine spanning hosts updates weights
         (every host places its own shards of the same host values)."""
-        from multiserve.engine.rl.checks import set_leaf
-
         if self.mirror is not None:
             self.mirror(ops.SetParams(leaves))
         live = self.params
         assert live is not None, "weights released"
-        new = jax.tree.map(lambda a: a, live)
-        replaced = []
-        for path, value in leaves.items():
-            old = get_leaf(live, path)
-            set_leaf(new, path, jax.device_put(np.asarray(value, old.dtype), old.sharding))
-            replaced.append(old)
+        new, replaced = with_leaves(live, leaves, lambda path, old: jax.device_put(
+            np.asarray(leaves[path], old.dtype), old.sharding))
         self.params = new
         for a in replaced:
             a.delete()

@@ -11,16 +11,16 @@ The programs' functions (step_programs.py compiles them, runner.py runs them):
 - `step` (`_step_impl`): the forward, logits and sampler of a b-token, b-row step in ONE
   program, each boundary's arrays constrained to the sharding the separate programs pass
   them in: the same computation as the three;
-- `multi` (`_multi_impl`): `turns` (EngineConfig.decode_steps_per_dispatch) decode steps
-  of b rows in ONE program, a `lax.scan` whose every turn is `step`'s computation
-  (`_step_arrays`) on the step arrays advanced on the device (`advance_turn`: positions and
-  sequence lengths + 1 a turn, each K/V slot read from the row's page-table row, the input
-  id the turn before sampled) and the sampler's position + 1 a turn, so each turn draws
+- `decode_steps` (`_multi_impl`): K (EngineConfig.decode_steps_per_dispatch) decode steps
+  of b rows in ONE program, a `lax.scan` whose every step is `step`'s computation
+  (`_step_arrays`) on the step arrays advanced on the device (`advance_step`: positions and
+  sequence lengths + 1 a step, each K/V slot read from the row's page-table row, the input
+  id the step before sampled) and the sampler's position + 1 a step, so each step draws
   what a single step at that position draws. Never with routing replay.
 With `routed_experts` (an engine started with enable_return_routed_experts on a MoE
 model), `forward` and `step` return one more output, last: the top-k expert ids of every
 token row in every MoE layer, [T, MoE layers, k] int32 (routing replay,
-engine/routed_experts.py). Without it they are exactly the programs of an engine that has
+engine/base/routed_experts.py). Without it they are exactly the programs of an engine that has
 no such option (the same lowered modules, hence the same persistent-cache keys).
 
 Invariants:
@@ -38,12 +38,13 @@ Invariants:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 
 from multiserve.config import ModelConfig
 from multiserve.engine.device.packed_inputs import Layout, unpack
@@ -74,8 +75,9 @@ class StepFunctions:
         self.max_rows = max_rows
         self.replicated = replicated
         # several devices: the forward sums no float across them (model/tensor_parallel.py)
-        self.tp = TensorParallel.of(replicated.mesh, model_cfg)
-        kv_out = KVPool(k=kv_sharding, v=kv_sharding,
+        self.tp = TensorParallel.of(cast(Mesh, replicated.mesh), model_cfg)
+        # the pool's output shardings: a KVPool whose leaves are shardings
+        kv_out = KVPool(k=kv_sharding, v=kv_sharding,  # type: ignore[arg-type]
                         layout=pool_layout(plan.attention.kernel))
         # explicit output shardings: warm-up lowers the heads from abstract inputs that
         # must match what a forward really returns
@@ -91,10 +93,11 @@ class StepFunctions:
             self._step_impl, donate_argnums=(1,),
             static_argnames=("layout", "sample_layout", "num_rows"),
             out_shardings=(replicated, replicated, kv_out, *routed_out))
-        # `turns` decode steps in one program (no routing replay: `_multi_impl`)
-        self.multi = jax.jit(
+        # K decode steps in one program (no routing replay: `_multi_impl`, a name kept as
+        # its lowered module's: the persistent compilation cache's keys)
+        self.decode_steps = jax.jit(
             self._multi_impl, donate_argnums=(1,),
-            static_argnames=("layout", "sample_layout", "num_rows", "turns"),
+            static_argnames=("layout", "sample_layout", "num_rows", "decode_steps"),
             out_shardings=(replicated, replicated, replicated, kv_out))
 
     def _forward_impl(self, params: Any, kv: KVPool, prev_ids: jax.Array, packed: jax.Array,
@@ -114,14 +117,15 @@ class StepFunctions:
                           page_table=arrays["page_table"], seq_lens=arrays["seq_lens"],
                           logit_rows=arrays["logit_rows"],
                           lora_slots=arrays.get("lora_slots"))
-        kw = dict(page_size=self.page_size, attn_block_size=self.attention_block_size,
-                  plan=self.plan, tp=self.tp)
         rows = arrays["logit_rows"]
         if self.routed_experts:
-            hidden, kv, experts = self.family.forward_hidden_routed(params, kv, fb,
-                                                                    self.model_cfg, **kw)
+            hidden, kv, experts = self.family.forward_hidden_routed(
+                params, kv, fb, self.model_cfg, page_size=self.page_size,
+                attn_block_size=self.attention_block_size, plan=self.plan, tp=self.tp)
             return hidden, ids[rows], from_prev[rows] >= 0, kv, experts
-        hidden, kv = self.family.forward_hidden(params, kv, fb, self.model_cfg, **kw)
+        hidden, kv = self.family.forward_hidden(
+            params, kv, fb, self.model_cfg, page_size=self.page_size,
+            attn_block_size=self.attention_block_size, plan=self.plan, tp=self.tp)
         return hidden, ids[rows], from_prev[rows] >= 0, kv
 
     def _logits_impl(self, params: Any, hidden: jax.Array, row_tok: jax.Array,
@@ -173,36 +177,36 @@ class StepFunctions:
     def _multi_impl(self, params: Any, kv: KVPool, prev_ids: jax.Array, packed: jax.Array,
                     packed_sb: jax.Array, output_counts: jax.Array, prompt_mask: jax.Array,
                     token_mask: jax.Array, *, layout: Layout, sample_layout: Layout,
-                    num_rows: int, turns: int) -> tuple[Any, ...]:
-        """`turns` decode steps in one program: a loop whose turn k runs `_step_arrays`,
-        the fused step's computation, on the step of turn 0 advanced by k positions
-        (`advance_turn`), reading the ids turn k - 1 sampled; the sampler keyed by each
-        turn's position. Returns (the last turn's ids [max_rows], every turn's ids
-        [turns, max_rows], every turn's SampleOutput (leaves [turns, ...]), kv).
+                    num_rows: int, decode_steps: int) -> tuple[Any, ...]:
+        """`decode_steps` (K) decode steps in one program: a loop whose step k runs
+        `_step_arrays`, the fused step's computation, on step 0 advanced by k positions
+        (`advance_step`), reading the ids step k - 1 sampled; the sampler keyed by each
+        step's position. Returns (the last step's ids [max_rows], every step's ids
+        [K, max_rows], every step's SampleOutput (leaves [K, ...]), kv).
         Only for a decode-only step without routing replay: token row b is batch row b,
         logits row b, sequence row b (one_token_rows)."""
         arrays = unpack(packed, layout)
         small_sb = unpack(packed_sb, sample_layout)
 
-        def turn(carry: tuple[KVPool, jax.Array], k: jax.Array
-                 ) -> tuple[tuple[KVPool, jax.Array], tuple[jax.Array, Any]]:
+        def decode_step(carry: tuple[KVPool, jax.Array], k: jax.Array
+                        ) -> tuple[tuple[KVPool, jax.Array], tuple[jax.Array, Any]]:
             kv, prev = carry
             next_ids, out, kv = self._step_arrays(
-                params, kv, prev, advance_turn(arrays, k, self.page_size),
-                lambda: small_sb.replace(position=small_sb.position + k), output_counts,
-                prompt_mask, token_mask, num_rows)
+                params, kv, prev, advance_step(arrays, k, self.page_size),
+                lambda: dataclasses.replace(small_sb, position=small_sb.position + k),
+                output_counts, prompt_mask, token_mask, num_rows)
             return (kv, next_ids), (next_ids, out)
 
-        (kv, last), (ids, outs) = jax.lax.scan(turn, (kv, prev_ids),
-                                               jnp.arange(turns, dtype=jnp.int32))
+        (kv, last), (ids, outs) = jax.lax.scan(decode_step, (kv, prev_ids),
+                                               jnp.arange(decode_steps, dtype=jnp.int32))
         return last, ids, outs, kv
 
 
-def advance_turn(arrays: dict[str, jax.Array], k: jax.Array,
+def advance_step(arrays: dict[str, jax.Array], k: jax.Array,
                  page_size: int) -> dict[str, jax.Array]:
-    """The step arrays of a decode-only step advanced by `k` turns (traced): each real
-    row (seq_len > 0) one position on per turn, its input the id the turn before sampled
-    into its own row of the previous ids (from turn 1 on), its K/V slot read from its
+    """The step arrays of a decode-only step advanced by `k` decode steps (traced): each
+    real row (seq_len > 0) one position on per step, its input the id the step before
+    sampled into its own row of the previous ids (from step 1 on), its K/V slot read from its
     page-table row; padding rows as they were. At k = 0 the arrays unchanged: what
     batch_arrays.one_token_rows writes for the step K single steps would run k steps
     later, with every row's pages already in its table."""
@@ -236,8 +240,8 @@ def _sample_fields(logits: jax.Array, tok: jax.Array, prev: jax.Array,
                    prompt_mask: jax.Array, token_mask: jax.Array, *,
                    max_rows: int) -> tuple[jax.Array, Any]:
     """`_sample_impl` on the sampler's small fields unpacked."""
-    sb = small_sb.replace(output_counts=output_counts, prompt_mask=prompt_mask,
-                          token_mask=token_mask, unread_token=tok, has_unread=prev)
+    sb = dataclasses.replace(small_sb, output_counts=output_counts, prompt_mask=prompt_mask,
+                             token_mask=token_mask, unread_token=tok, has_unread=prev)
     out = sampling.sample(logits, sb)
     rows = min(logits.shape[0], max_rows)
     next_ids = jnp.zeros(max_rows, jnp.int32).at[:rows].set(out.next_ids[:rows])

@@ -14,6 +14,7 @@ row, taken from the cores the step runs on (docs/performance.md §1).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -44,7 +45,7 @@ def step_inputs(arrays: StepArrays) -> np.ndarray:
 def small_sampling_fields(sb: sampling.SamplingBatch) -> sampling.SamplingBatch:
     """`sb` without its [R, V] (and [R, V/32]) arrays (None: no leaves), the part a head
     program gets packed."""
-    return sb.replace(output_counts=None, prompt_mask=None, token_mask=None)
+    return dataclasses.replace(sb, output_counts=None, prompt_mask=None, token_mask=None)
 
 
 def sampling_inputs(sb_host: sampling.SamplingBatch) -> tuple[np.ndarray, Any, Any, Any]:

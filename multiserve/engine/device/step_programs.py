@@ -18,14 +18,14 @@ The programs (programs.ProgramKind):
   (docs/performance.md §20). Its prime checks it against the forward and head of its size
   bit for bit (`fused_step_agrees`); a program that differs is rejected and the step runs
   the two;
-- MULTI, one per fused step size b while `decode_steps_per_dispatch` K > 1 (none with
+- DECODE_STEPS, one per fused step size b while `decode_steps_per_dispatch` K > 1 (none with
   routing replay): K fused decode steps of b rows in one compiled loop, which a decode
   step whose rows need no host decision between tokens runs instead of K dispatches
-  (engine/sched/scheduler.py `_turns`). Its prime checks it against K steps of the forward
-  and head of its size bit for bit, seeded and greedy (`multi_step_agrees`); a program
+  (engine/sched/scheduler.py `_decode_steps`). Its prime checks it against K steps of the forward
+  and head of its size bit for bit, seeded and greedy (`decode_steps_agree`); a program
   that differs is rejected and the steps run one per dispatch.
-So |T| + |R| (+ fused, + several-step) programs are compiled, not |T| x |R|, and a lone decode runs at
-T = R = 1.
+So |T| + |R| (+ fused, + decode-steps) programs are compiled, not |T| x |R|, and a lone
+decode runs at T = R = 1.
 
 Invariants:
 - Steps call compiled executables, never `jax.jit` dispatch: a step cannot trace or
@@ -75,8 +75,8 @@ from multiserve.engine.sampling import sampler as sampling
 from multiserve.model.layers.kv_pool import KVPool
 from multiserve.types import MAX_TOP_LOGPROBS, SamplingParams
 
-FORWARD, HEAD, FUSED, MULTI = (ProgramKind.FORWARD, ProgramKind.HEAD, ProgramKind.FUSED,
-                               ProgramKind.MULTI)
+FORWARD, HEAD, FUSED, DECODE_STEPS = (ProgramKind.FORWARD, ProgramKind.HEAD,
+                                      ProgramKind.FUSED, ProgramKind.DECODE_STEPS)
 
 
 class ForwardProgram(Protocol):
@@ -96,10 +96,10 @@ class FusedProgram(Protocol):
                  *sb: Any) -> tuple[Any, ...]: ...
 
 
-class MultiProgram(Protocol):
-    """A MULTI program: a FUSED program's arguments -> (the last turn's ids [max_rows],
-    every turn's ids [turns, max_rows], every turn's SampleOutput (leaves [turns, ...]),
-    kv); the KV pool is donated."""
+class DecodeStepsProgram(Protocol):
+    """A DECODE_STEPS program: a FUSED program's arguments -> (the last step's ids
+    [max_rows], every step's ids [K, max_rows], every step's SampleOutput (leaves
+    [K, ...]), kv); the KV pool is donated."""
 
     def __call__(self, params: Any, kv: KVPool, prev_ids: jax.Array, packed: np.ndarray,
                  *sb: Any) -> tuple[Any, ...]: ...
@@ -175,13 +175,13 @@ class StepPrograms:
         return ([(FORWARD, t) for t in self.cfg.precompile_token_paddings]
                 + [(HEAD, r) for r in self.cfg.precompile_bs_paddings]
                 + [(FUSED, b) for b in self.cfg.fused_step_sizes]
-                + [(MULTI, b) for b in self.multi_step_sizes])
+                + [(DECODE_STEPS, b) for b in self.decode_steps_sizes])
 
     @property
-    def multi_step_sizes(self) -> tuple[int, ...]:
-        """The sizes with a several-step program (EngineConfig.multi_step_sizes), none in
+    def decode_steps_sizes(self) -> tuple[int, ...]:
+        """The sizes with a decode-steps program (EngineConfig.decode_steps_sizes), none in
         an engine with routing replay (its steps return each token's experts)."""
-        return () if self.functions.routed_experts else self.cfg.multi_step_sizes
+        return () if self.functions.routed_experts else self.cfg.decode_steps_sizes
 
     def compiled_buckets(self, kind: ProgramKind) -> Sequence[int]:
         """The sizes a step may pick for `kind`: the primed ones once warm-up began, every
@@ -201,7 +201,7 @@ class StepPrograms:
         all_scan = all(family.scans(invariance_plan, t) for t in tokens)
         return plan(tokens, self.cfg.precompile_bs_paddings,
                     max(tokens) if all_scan else family.unroll_max_tokens, background,
-                    self.cfg.fused_step_sizes, self.multi_step_sizes)
+                    self.cfg.fused_step_sizes, self.decode_steps_sizes)
 
     @property
     def cache_miss_count(self) -> int:
@@ -228,11 +228,11 @@ class StepPrograms:
             return cast(FusedProgram | None, self.set.get(FUSED, tokens))
         return None
 
-    def multi(self, tokens: int, rows: int) -> MultiProgram | None:
-        """The ready MULTI program of a decode step padded to `tokens` tokens and `rows`
+    def decode_steps(self, tokens: int, rows: int) -> DecodeStepsProgram | None:
+        """The ready DECODE_STEPS program of a decode step padded to `tokens` tokens and `rows`
         logits rows (buckets), or None: the step runs one step per dispatch."""
-        if tokens == rows and tokens in self.set.ready(MULTI):
-            return cast(MultiProgram | None, self.set.get(MULTI, tokens))
+        if tokens == rows and tokens in self.set.ready(DECODE_STEPS):
+            return cast(DecodeStepsProgram | None, self.set.get(DECODE_STEPS, tokens))
         return None
 
     def program(self, kind: ProgramKind, size: int, inputs: tuple[Any, ...],
@@ -281,9 +281,9 @@ class StepPrograms:
         for size in self.cfg.fused_step_sizes:  # a forward's inputs, then a head's sampling
             (t_in, t_layout), (r_in, r_layout) = out[(FORWARD, size)], out[(HEAD, size)]
             out[(FUSED, size)] = ((*t_in, *r_in[4:]), (t_layout, r_layout))
-        for size in self.multi_step_sizes:  # a fused step's
+        for size in self.decode_steps_sizes:  # a fused step's
             (t_in, t_layout), (r_in, r_layout) = out[(FORWARD, size)], out[(HEAD, size)]
-            out[(MULTI, size)] = ((*t_in, *r_in[4:]), (t_layout, r_layout))
+            out[(DECODE_STEPS, size)] = ((*t_in, *r_in[4:]), (t_layout, r_layout))
         return out
 
     def _compile(self, inputs: tuple[Any, ...], layout: Any, kind: ProgramKind,
@@ -300,12 +300,12 @@ class StepPrograms:
             return SHARE.compile(fns.step.lower(*inputs, layout=t_layout,
                                                 sample_layout=r_layout, num_rows=size),
                                  self.devices, self.xla_options)
-        if kind == MULTI:
+        if kind == DECODE_STEPS:
             t_layout, r_layout = layout
-            return SHARE.compile(fns.multi.lower(*inputs, layout=t_layout,
-                                                 sample_layout=r_layout, num_rows=size,
-                                                 turns=self.cfg.decode_steps_per_dispatch),
-                                 self.devices, self.xla_options)
+            return SHARE.compile(fns.decode_steps.lower(
+                *inputs, layout=t_layout, sample_layout=r_layout, num_rows=size,
+                decode_steps=self.cfg.decode_steps_per_dispatch), self.devices,
+                self.xla_options)
         params, hidden, row_tok, row_prev, *sb = inputs
         logits = SHARE.compile(fns.logits.lower(params, hidden, row_tok, row_prev,
                                                 num_rows=size), self.devices, self.xla_options)
@@ -364,11 +364,11 @@ class StepPrograms:
         """
         state = self.state
         if not state.resident:
-            return None if kind in (FUSED, MULTI) else True
+            return None if kind in (FUSED, DECODE_STEPS) else True
         if kind == FUSED:
             return self.fused_step_agrees(size, cast(FusedProgram, program))
-        if kind == MULTI:
-            return self.multi_step_agrees(size, cast(MultiProgram, program))
+        if kind == DECODE_STEPS:
+            return self.decode_steps_agree(size, cast(DecodeStepsProgram, program))
         if kind == FORWARD:
             arrays = empty_step_arrays(size, state.page_table_rows(size), self.max_rows,
                                        self._prime_pages, state.lora_enabled)
@@ -420,20 +420,20 @@ class StepPrograms:
                                                           prev_ids, step, *sb)
         return _same_bits(pair, (next_ids, out, *fused_experts))
 
-    def multi_step_agrees(self, size: int, program: MultiProgram) -> bool:
-        """Run several-step `program` and as many single steps (the forward + head of its
-        size: `programs.needs`) on one decode step, and say whether every turn's outputs
+    def decode_steps_agree(self, size: int, program: DecodeStepsProgram) -> bool:
+        """Run decode-steps `program` and as many single steps (the forward + head of its
+        size: `programs.needs`) on one decode step, and say whether every step's outputs
         (sampled ids, logprobs, ...) are bitwise those of its single step, and the last
-        turn's ids the next step's input. Twice: every row seeded-sampled, then every row
-        greedy (`_multi_check_params`). The step: `size` rows of one id at position 0,
-        each its own sequence, all rows alike (so the K/V every row writes into the
-        garbage page 0's slot of each position, read back by the later turns, is the same
+        step's ids the next step's input. Twice: every row seeded-sampled, then every row
+        greedy (`_decode_steps_check_params`). The step: `size` rows of one id at position
+        0, each its own sequence, all rows alike (so the K/V every row writes into the
+        garbage page 0's slot of each position, read back by the later steps, is the same
         whichever row's write lands last); the single steps are built on the host the
         way batch_arrays builds the steps that follow (positions + 1, the ids from the
         previous step's rows)."""
         state = self.state
         vocab = self.functions.model_cfg.vocab_size
-        turns = self.cfg.decode_steps_per_dispatch
+        decode_steps = self.cfg.decode_steps_per_dispatch
         forward, head = self.set.get(FORWARD, size), self.set.get(HEAD, size)
         assert forward is not None and head is not None, "checked before its programs"
         prev_ids = state.prev_ids
@@ -458,26 +458,27 @@ class StepPrograms:
                      for _ in range(size)]
             return sampling_inputs(state.sampling_batch(specs, size))
 
-        for params in _multi_check_params():
+        assert state.kv is not None, "checked while resident"
+        for params in _decode_steps_check_params():
             last, ids, outs, state.kv = program(state.compute_params, state.kv, prev_ids,
                                                 step_inputs(step_at(0)),
                                                 *sampling_at(params, 0))
             prev = prev_ids
-            for k in range(turns):
+            for k in range(decode_steps):
                 hidden, row_tok, row_prev, state.kv, *_ = forward(
                     state.compute_params, state.kv, prev, step_inputs(step_at(k)))
                 prev, out = head(state.compute_params, hidden, row_tok, row_prev,
                                  *sampling_at(params, k))
-                turn = jax.tree.map(lambda a, k=k: np.asarray(a)[k], (ids, outs))
-                if not _same_bits((prev, out), turn):
+                step_k = jax.tree.map(lambda a, k=k: np.asarray(a)[k], (ids, outs))
+                if not _same_bits((prev, out), step_k):
                     return False
             if not _same_bits(prev, last):
                 return False
         return True
 
 
-def _multi_check_params() -> tuple[SamplingParams, ...]:
-    """The sampling of a several-step program's check, one run each: seeded sampling with
+def _decode_steps_check_params() -> tuple[SamplingParams, ...]:
+    """The sampling of a decode-steps program's check, one run each: seeded sampling with
     top-k / top-p / min-p; greedy. Both with logprobs and top logprobs (no penalties,
     bans or grammar masks: steps with those never run several to a dispatch)."""
     return (SamplingParams(temperature=0.8, top_k=50, top_p=0.9, min_p=0.01,

@@ -26,16 +26,15 @@ import ml_dtypes
 import numpy as np
 
 from multiserve.config import ModelConfig
-from multiserve.model.loading import safetensors_io
 from multiserve.model.errors import ModelLoadError
 from multiserve.model.families import family_for
-from multiserve.model.families.base import get_leaf
+from multiserve.model.loading import safetensors_io
 from multiserve.model.loading.hf_names import HfTensorSpec, hf_tensor_specs
 from multiserve.model.loading.param_layout import param_shapes
+from multiserve.model.param_tree import LeafPath, get_leaf, leaf_paths
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
-LeafPath = tuple[str, ...]  # ("embed",), ("layers", "wq"), ("moe", "we_gate")
 Full = dict[LeafPath, Any]  # whole new leaves
 # stacked leaf -> (layer indexes [k], or (layer, expert) pairs [k, 2]; values [k, ...])
 Partial = dict[LeafPath, tuple[np.ndarray, Any]]
@@ -43,22 +42,6 @@ Partial = dict[LeafPath, tuple[np.ndarray, Any]]
 
 class WeightUpdateError(ValueError):
     """An update was refused or is invalid; the message names the tensor or the reason."""
-
-
-def set_leaf(tree: dict[str, Any], path: LeafPath, value: Any) -> None:
-    for k in path[:-1]:
-        tree = tree[k]
-    tree[path[-1]] = value
-
-
-def leaf_paths(shapes: Mapping[str, Any]) -> list[LeafPath]:
-    out: list[LeafPath] = []
-    for k, v in shapes.items():
-        if isinstance(v, Mapping):
-            out += [(k, kk) for kk in v]
-        else:
-            out.append((k,))
-    return out
 
 
 def _check_dtype(name: str, x: Any, where: str = "") -> None:

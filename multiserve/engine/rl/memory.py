@@ -34,6 +34,7 @@ Invariants:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -41,10 +42,9 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
-from multiserve.engine.rl.checks import LeafPath
 from multiserve.engine.rl.weights import WeightManager
-from multiserve.model.families.base import get_leaf
 from multiserve.model.layers.kv_pool import KVPool, make_kv_pool, read_slots, write_slots
+from multiserve.model.param_tree import LeafPath, get_leaf
 from multiserve.model.sharding import kv_pool_sharding
 from multiserve.types import MEMORY_TAGS, ControlResult
 
@@ -194,4 +194,4 @@ class MemoryManager:
 
         fn = jax.jit(put, donate_argnums=(0, 1), out_shardings=(sh, sh))
         new_k, new_v = fn(kv.k, kv.v, slots_dev, k, v)
-        return kv.replace(k=new_k, v=new_v)
+        return dataclasses.replace(kv, k=new_k, v=new_v)

@@ -46,14 +46,8 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
-from multiserve.engine.rl.checks import (
-    LeafPath,
-    ParamLayout,
-    WeightUpdateError,
-    finite_each,
-    get_leaf,
-    set_leaf,
-)
+from multiserve.engine.rl.checks import ParamLayout, WeightUpdateError, finite_each
+from multiserve.model.param_tree import LeafPath, get_leaf, with_leaves
 from multiserve.model.sharding import param_shardings
 from multiserve.types import ControlResult
 
@@ -247,19 +241,15 @@ class WeightManager:
                                  {"refused": "running", "live": live, "token": token})
         if self.on_host:
             return self._publish_from_host(staged, abort_running, live)
-        live_params = core.params
+        def new_leaf(path: LeafPath, old: jax.Array) -> jax.Array:
+            if path in staged.full:
+                return staged.full[path]
+            idx, vals = staged.partial[path]
+            return _scatter_layers(old, jax.device_put(idx, self.replicated), vals,
+                                   old.sharding)
+
         # Build the whole new tree first; only then swap (nothing changes on failure).
-        new = jax.tree.map(lambda a: a, live_params)
-        replaced: list[jax.Array] = []
-        for path, arr in staged.full.items():
-            replaced.append(get_leaf(live_params, path))
-            set_leaf(new, path, arr)
-        for path, (idx, vals) in staged.partial.items():
-            old = get_leaf(live_params, path)
-            idx_dev = jax.device_put(idx, self.replicated)
-            merged = _scatter_layers(old, idx_dev, vals, old.sharding)
-            replaced.append(old)
-            set_leaf(new, path, merged)
+        new, replaced = with_leaves(core.params, [*staged.full, *staged.partial], new_leaf)
         for path in self.paths:
             leaf = get_leaf(new, path)
             assert leaf.sharding == get_leaf(self.shardings, path) and leaf.dtype == self.dtype

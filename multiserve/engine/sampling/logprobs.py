@@ -26,10 +26,10 @@ class StepLogprobs:
         self.top_logprobs = np.asarray(sample.top_logprobs)
         self.selected = np.asarray(sample.selected_logprobs)
 
-    def turn(self, k: int) -> StepLogprobs:
-        """Turn k's logprobs of a step that ran several decode steps (whose arrays have a
-        leading turn axis), already on the host: views, no copy."""
-        return StepLogprobs(_Turn(self, k))
+    def step(self, k: int) -> StepLogprobs:
+        """Decode step k's logprobs of a dispatch that ran K decode steps (whose
+        arrays have a leading step axis), already on the host: views, no copy."""
+        return StepLogprobs(_DecodeStep(self, k))
 
     def _top(self, b: int, k: int) -> tuple[tuple[int, float], ...]:
         return tuple((int(self.top_ids[b, j]), float(self.top_logprobs[b, j]))
@@ -50,8 +50,8 @@ class StepLogprobs:
                             self._top(b, params.top_logprobs_num))
 
 
-class _Turn:
-    """The sampler output fields of turn k of a several-step `StepLogprobs`."""
+class _DecodeStep:
+    """The sampler output fields of decode step k of a `StepLogprobs` of several."""
 
     def __init__(self, steps: StepLogprobs, k: int) -> None:
         self.logprob, self.top_ids = steps.logprob[k], steps.top_ids[k]

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from multiserve.engine.frozen_build import built
+from multiserve.engine.base.frozen_build import built
 from multiserve.engine.sampling.host import RowSpec
 from multiserve.engine.sched.batch import ScheduledBatch
 from multiserve.engine.sched.request import Req
@@ -74,7 +74,7 @@ def step_rows(batch: ScheduledBatch, rules: StopRules,
             specs.append(None)
             continue
         k = len(row.draft)
-        # (one per sampling row per step: `built`, engine/frozen_build.py)
+        # (one per sampling row per step: `built`, engine/base/frozen_build.py)
         specs.append(built(RowSpec, params=req.params, seed=req.seed, sample_index=req.index,
                            position=row.end,
                            output_ids=[*req.output_ids, *row.draft] if k else req.output_ids,

@@ -24,6 +24,7 @@ step again (tests/engine/test_host_path.py).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -70,8 +71,8 @@ class SteadyRows:
         position[:len(batch.rows)] = [row.end for row in batch.rows]
         counts, prompt_mask, token_mask = zeros_for(num_rows)
         self.reused += 1
-        return (small.replace(position=position, output_counts=counts,
-                              prompt_mask=prompt_mask, token_mask=token_mask),
+        return (dataclasses.replace(small, position=position, output_counts=counts,
+                                    prompt_mask=prompt_mask, token_mask=token_mask),
                 self._wants_logprobs)
 
     def keep(self, batch: ScheduledBatch, num_rows: int, specs: Sequence[RowSpec | None],
@@ -85,6 +86,7 @@ class SteadyRows:
             return
         self._reqs = tuple(row.req for row in batch.rows)
         self._num_rows = num_rows
-        self._small = sb.replace(output_counts=None, prompt_mask=None, token_mask=None)
+        self._small = dataclasses.replace(sb, output_counts=None, prompt_mask=None,
+                                          token_mask=None)
         self._wants_logprobs = wants_logprobs
         self._banned_before = tuple(r for r in self._reqs if r.params.min_new_tokens > 0)

@@ -32,15 +32,16 @@ class ScheduledBatch:
     rows: tuple[BatchRow, ...]
     num_tokens: int  # sum of the rows' end - start
     plan: RowPlan  # the step's logits rows (`plan_rows(rows)`)
-    # decode steps one dispatch runs (> 1: every row a decode row, each advancing `turns`
-    # positions, Scheduler._turns); the rows describe the first
-    turns: int = 1
+    # decode steps this dispatch runs (EngineConfig.decode_steps_per_dispatch where
+    # Scheduler._decode_steps allows it: every row a decode row, each advancing this many
+    # positions; else 1); the rows describe the first
+    decode_steps: int = 1
 
     @classmethod
-    def of(cls, rows: Sequence[BatchRow], turns: int = 1) -> ScheduledBatch:
+    def of(cls, rows: Sequence[BatchRow], decode_steps: int = 1) -> ScheduledBatch:
         """The batch of `rows`, its token count and its row plan."""
         rows = tuple(rows)
-        return cls(rows, sum(r.end - r.start for r in rows), plan_rows(rows), turns)
+        return cls(rows, sum(r.end - r.start for r in rows), plan_rows(rows), decode_steps)
 
     @property
     def num_logit_rows(self) -> int:

@@ -30,8 +30,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from multiserve.engine.frozen_build import built
-from multiserve.engine.routed_experts import RoutedExpertsTable
+from multiserve.engine.base.frozen_build import built
+from multiserve.engine.base.routed_experts import RoutedExpertsTable
 from multiserve.types import (
     FinishReason,
     GenerateRequest,
@@ -101,7 +101,7 @@ class Req:
     # the request's prefix-cache namespace (GenerateRequest.cache_salt; None: unkeyed): it
     # matches and fills only cached K/V of its own namespace (Scheduler `_cache_root`)
     cache_salt: str | None = None
-    # routing replay (engine/routed_experts.py): asked for, from which position; the ids
+    # routing replay (engine/base/routed_experts.py): asked for, from which position; the ids
     # of positions [0, len(routed_rows)) as of the last `keep_routing` (taken before the
     # sample's pages go: at a retraction and at the finish); the finished delta's record
     want_routed_experts: bool = False
@@ -116,19 +116,21 @@ class Req:
         1..n-1 follow sample 0 (`leader`), which prefills the shared prompt first."""
         p = request.sampling
         ids = list(request.input_ids)
-        routing = dict(want_routed_experts=request.return_routed_experts,
-                       routed_experts_start=request.routed_experts_start_len,
-                       cache_salt=request.cache_salt)
         leader = cls(rid=request.rid, index=0, prompt_ids=ids, params=p, seed=seed,
                      sink=sink, stream=request.stream,
                      want_prompt_logprobs=request.return_prompt_logprobs,
                      lora_name=request.lora_name, lora_optional=request.lora_optional,
-                     **routing)
+                     want_routed_experts=request.return_routed_experts,
+                     routed_experts_start=request.routed_experts_start_len,
+                     cache_salt=request.cache_salt)
         return [leader] + [
             cls(rid=request.rid, index=i, prompt_ids=ids, params=p, seed=seed, sink=sink,
                 stream=request.stream, want_prompt_logprobs=request.return_prompt_logprobs,
                 leader=leader, lora_name=request.lora_name,
-                lora_optional=request.lora_optional, **routing) for i in range(1, p.n)]
+                lora_optional=request.lora_optional,
+                want_routed_experts=request.return_routed_experts,
+                routed_experts_start=request.routed_experts_start_len,
+                cache_salt=request.cache_salt) for i in range(1, p.n)]
 
     @property
     def key(self) -> tuple[str, int]:

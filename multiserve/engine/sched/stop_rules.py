@@ -2,7 +2,7 @@
 
 After every new output token the Scheduler's `postprocess` asks `verdict(req, token)`:
 "stop" on an EOS token (unless ignore_eos), one of the request's stop token ids or a stop
-string (engine/stop_strings.py), with what matched; "length" at max_new_tokens or the
+string (engine/base/stop_strings.py), with what matched; "length" at max_new_tokens or the
 context length; else None. `ban_ids(req)` says which tokens the sampler must not draw
 yet (min_new_tokens).
 

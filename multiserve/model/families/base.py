@@ -10,7 +10,7 @@ interface (`families.family_for(cfg)`), never to a family's forward directly:
   stacked over their layers) and the HF names of its tensors (`hf_tensor_specs`), and how
   a checkpoint's packed tensors unpack into them (`unpack_hf_tensors`);
 - sharding rules over an engine's device group (`param_specs`; the KV pool's and the
-  attention's split is the same for every family: `tp_splits`, sharding.py);
+  attention's split is the same for every family: model/tp_splits.py, sharding.py);
 - what the invariance calibration must probe: every dense product (`product_shapes`) and
   grouped expert product (`grouped_shapes`); the row sums (RMSNorm widths) follow from the
   config for every family (invariance/workload.py, `workload_for`);
@@ -32,9 +32,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from multiserve.config import ModelConfig
+
+if TYPE_CHECKING:  # the step's types (jax): for the checker only, the loaders stay jax-free
+    import jax
+    from jax.sharding import Mesh
+
+    from multiserve.model.invariance.plan import InvariancePlan
+    from multiserve.model.layers.forward_batch import ForwardBatch
+    from multiserve.model.layers.kv_pool import KVPool
+    from multiserve.model.tensor_parallel import TensorParallel
 
 
 @dataclass(frozen=True)
@@ -99,7 +108,7 @@ class ModelFamily(Protocol):
         packed."""
         ...
 
-    def param_specs(self, cfg: ModelConfig, mesh: Any, moe_sharding: str) -> dict[str, Any]: ...
+    def param_specs(self, cfg: ModelConfig, mesh: Mesh, moe_sharding: str) -> dict[str, Any]: ...
 
     def product_shapes(self, cfg: ModelConfig, tp: int, moe_sharding: str
                        ) -> list[ProductShape]: ...
@@ -107,8 +116,9 @@ class ModelFamily(Protocol):
     def grouped_shapes(self, cfg: ModelConfig, tp: int, moe_sharding: str
                        ) -> list[ProductShape]: ...
 
-    def compute_params(self, params: dict[str, Any], cfg: ModelConfig, plan: Any,
-                       token_sizes: tuple[int, ...]) -> dict[str, Any]: ...
+    def compute_params(self, params: dict[str, Any], cfg: ModelConfig,
+                       plan: InvariancePlan | None, token_sizes: tuple[int, ...]
+                       ) -> dict[str, Any]: ...
 
     def params_to_hold(self, params: dict[str, Any], compute: dict[str, Any]
                        ) -> dict[str, Any]:
@@ -129,22 +139,25 @@ class ModelFamily(Protocol):
         (a read-back rebuilds nothing else)."""
         ...
 
-    def forward_hidden(self, params: dict[str, Any], kv_pool: Any, batch: Any,
+    def forward_hidden(self, params: dict[str, Any], kv_pool: KVPool, batch: ForwardBatch,
                        cfg: ModelConfig, *, page_size: int, attn_block_size: int,
-                       plan: Any, tp: Any = None) -> tuple[Any, Any]: ...
+                       plan: InvariancePlan, tp: TensorParallel | None = None
+                       ) -> tuple[jax.Array, KVPool]: ...
 
-    def forward_hidden_routed(self, params: dict[str, Any], kv_pool: Any, batch: Any,
+    def forward_hidden_routed(self, params: dict[str, Any], kv_pool: KVPool,
+                              batch: ForwardBatch,
                               cfg: ModelConfig, *, page_size: int, attn_block_size: int,
-                              plan: Any, tp: Any = None
-                              ) -> tuple[Any, Any, Any]:
+                              plan: InvariancePlan, tp: TensorParallel | None = None
+                              ) -> tuple[jax.Array, KVPool, jax.Array]:
         """(as forward_hidden, expert ids [T, Lm, k] int32); ValueError for a dense family."""
         ...
 
-    def lm_head(self, params: dict[str, Any], h: Any, plan: Any, cfg: ModelConfig) -> Any:
+    def lm_head(self, params: dict[str, Any], h: jax.Array, plan: InvariancePlan,
+                cfg: ModelConfig) -> jax.Array:
         """Logits f32 [R, V] of final-normed hidden states h [R, D]."""
         ...
 
-    def scans(self, plan: Any, num_tokens: int) -> bool: ...
+    def scans(self, plan: InvariancePlan, num_tokens: int) -> bool: ...
 
     @property
     def unroll_max_tokens(self) -> int:
@@ -154,22 +167,3 @@ class ModelFamily(Protocol):
         ...
 
     config_fields: tuple[str, ...]  # ModelConfig fields a disk update must match
-
-
-def tp_splits(cfg: ModelConfig, n: int) -> dict[str, bool]:
-    """Which dimensions a tensor-parallel group of `n` devices splits (a dimension is split
-    only where it divides by n): attention heads (both head counts must divide), the dense
-    MLP's intermediate dim, the vocabulary, and the hidden size (the output dimension of
-    the products back into the residual stream: o_proj, down_proj; no product splits its
-    contraction, model/tensor_parallel.py)."""
-    return {"attention": n > 1 and cfg.num_heads % n == 0 and cfg.num_kv_heads % n == 0,
-            "mlp": n > 1 and cfg.intermediate_size % n == 0,
-            "vocab": n > 1 and cfg.vocab_size % n == 0,
-            "hidden": n > 1 and cfg.hidden_size % n == 0}
-
-
-def get_leaf(tree: Any, path: tuple[str, ...]) -> Any:
-    """The leaf of a params-like pytree (nested dicts) at `path`, e.g. ("layers", "wq")."""
-    for key in path:
-        tree = tree[key]
-    return tree

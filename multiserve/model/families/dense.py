@@ -17,11 +17,22 @@ tensors (`top_level`), the attention sharding rules (`attention_specs`).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from multiserve.config import ModelConfig
 from multiserve.model.errors import ModelLoadError
-from multiserve.model.families.base import HfTensorSpec, ProductShape, get_leaf, tp_splits
+from multiserve.model.families.base import HfTensorSpec, ProductShape
+from multiserve.model.param_tree import get_leaf
+from multiserve.model.tp_splits import tp_splits
+
+if TYPE_CHECKING:  # the step's types (jax): for the checker only, this module stays jax-free
+    import jax
+    from jax.sharding import Mesh
+
+    from multiserve.model.invariance.plan import InvariancePlan
+    from multiserve.model.layers.forward_batch import ForwardBatch
+    from multiserve.model.layers.kv_pool import KVPool
+    from multiserve.model.tensor_parallel import TensorParallel
 
 # (our layer key, HF suffix under model.layers.{i}., transposed)
 ATTENTION_HF_NAMES: tuple[tuple[str, str, bool], ...] = (
@@ -172,8 +183,8 @@ class DenseFamily:
     name = "dense"
     architectures = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                      "Qwen3ForCausalLM": "qwen3"}
-    model_types = ("llama", "qwen2", "qwen3")
-    config_fields = CONFIG_FIELDS
+    model_types: tuple[str, ...] = ("llama", "qwen2", "qwen3")
+    config_fields: tuple[str, ...] = CONFIG_FIELDS
 
     # ---- config ----------------------------------------------------------------------
     def config_from_hf(self, raw: dict[str, Any], arch: str, source: Path,
@@ -209,7 +220,7 @@ class DenseFamily:
         return {**before, **layers, **after}
 
     # ---- sharding --------------------------------------------------------------------
-    def param_specs(self, cfg: ModelConfig, mesh: Any, moe_sharding: str) -> dict[str, Any]:
+    def param_specs(self, cfg: ModelConfig, mesh: Mesh, moe_sharding: str) -> dict[str, Any]:
         from jax.sharding import PartitionSpec as P
 
         n = mesh.shape["tensor"]
@@ -239,8 +250,9 @@ class DenseFamily:
         return []
 
     # ---- compute ---------------------------------------------------------------------
-    def compute_params(self, params: dict[str, Any], cfg: ModelConfig, plan: Any,
-                       token_sizes: tuple[int, ...]) -> dict[str, Any]:
+    def compute_params(self, params: dict[str, Any], cfg: ModelConfig,
+                       plan: InvariancePlan | None, token_sizes: tuple[int, ...]
+                       ) -> dict[str, Any]:
         """`primitives.with_transposed` for `plan` (None: every layout, stacked
         transposes too: for code that runs several plans), the layer matrices the plan runs
         natively alike at every step size fused (`llama.fused_groups`)."""
@@ -305,26 +317,29 @@ class DenseFamily:
                                             (path[1],))[path[1]]
         return get_leaf(held, path)
 
-    def forward_hidden(self, params: dict[str, Any], kv_pool: Any, batch: Any,
+    def forward_hidden(self, params: dict[str, Any], kv_pool: KVPool, batch: ForwardBatch,
                        cfg: ModelConfig, *, page_size: int, attn_block_size: int,
-                       plan: Any, tp: Any = None) -> tuple[Any, Any]:
+                       plan: InvariancePlan, tp: TensorParallel | None = None
+                       ) -> tuple[jax.Array, KVPool]:
         from multiserve.model.families.llama import forward_hidden
 
         return forward_hidden(params, kv_pool, batch, cfg, page_size=page_size,
                               attn_block_size=attn_block_size, plan=plan, tp=tp)
 
-    def forward_hidden_routed(self, params: dict[str, Any], kv_pool: Any, batch: Any,
+    def forward_hidden_routed(self, params: dict[str, Any], kv_pool: KVPool,
+                              batch: ForwardBatch,
                               cfg: ModelConfig, *, page_size: int, attn_block_size: int,
-                              plan: Any, tp: Any = None
-                              ) -> tuple[Any, Any, Any]:
+                              plan: InvariancePlan, tp: TensorParallel | None = None
+                              ) -> tuple[jax.Array, KVPool, jax.Array]:
         raise ValueError(f"{cfg.architecture} is dense: it routes no tokens to experts")
 
-    def lm_head(self, params: dict[str, Any], h: Any, plan: Any, cfg: ModelConfig) -> Any:
+    def lm_head(self, params: dict[str, Any], h: jax.Array, plan: InvariancePlan,
+                cfg: ModelConfig) -> jax.Array:
         from multiserve.model.families.llama import lm_head
 
         return lm_head(params, h, plan, cfg)
 
-    def scans(self, plan: Any, num_tokens: int) -> bool:
+    def scans(self, plan: InvariancePlan, num_tokens: int) -> bool:
         from multiserve.model.families.llama import scans
 
         return scans(plan, num_tokens)

@@ -14,8 +14,8 @@ import jax.numpy as jnp
 
 from multiserve.config import ModelConfig
 from multiserve.model.families import family_for
-from multiserve.model.layers.forward_batch import ForwardBatch
 from multiserve.model.invariance.plan import InvariancePlan
+from multiserve.model.layers.forward_batch import ForwardBatch
 from multiserve.model.layers.kv_pool import KVPool
 from multiserve.model.tensor_parallel import TensorParallel
 

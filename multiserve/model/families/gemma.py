@@ -18,13 +18,16 @@ the forward is llama.py's, reading these from the config.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from multiserve.config import ModelConfig
 from multiserve.model.errors import ModelLoadError
 from multiserve.model.families.dense import CONFIG_FIELDS, DenseFamily
 from multiserve.model.loading.hf_rope import rope_scaling_from_hf, rope_scaling_to_hf
 from multiserve.model.families.sliding import layer_types_to_hf, sliding_from_hf
+
+if TYPE_CHECKING:  # the step's types (jax): for the checker only, this module stays jax-free
+    from multiserve.model.invariance.plan import InvariancePlan
 
 ARCH_GEMMA2, ARCH_GEMMA3 = "gemma2", "gemma3"
 GEMMA_FIELDS = ("sliding_window", "sliding_layers", "rope_local_theta",
@@ -61,8 +64,8 @@ class GemmaFamily(DenseFamily):
 
     name = "gemma"
     architectures = {"Gemma2ForCausalLM": ARCH_GEMMA2, "Gemma3ForCausalLM": ARCH_GEMMA3}
-    model_types = ("gemma2", "gemma3_text")
-    config_fields = CONFIG_FIELDS + GEMMA_FIELDS
+    model_types: tuple[str, ...] = ("gemma2", "gemma3_text")
+    config_fields: tuple[str, ...] = CONFIG_FIELDS + GEMMA_FIELDS
 
     def config_from_hf(self, raw: dict[str, Any], arch: str, source: Path,
                        common: dict[str, Any]) -> ModelConfig:
@@ -110,6 +113,6 @@ class GemmaFamily(DenseFamily):
                                       "rope_theta": cfg.rope_local_theta or LOCAL_THETA}})
         return out
 
-    def scans(self, plan: Any, num_tokens: int) -> bool:
+    def scans(self, plan: InvariancePlan, num_tokens: int) -> bool:
         """Every step size scans its layers (llama.scans: the sandwich norms)."""
         return True

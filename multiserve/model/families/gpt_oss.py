@@ -22,11 +22,11 @@ The forward is moe_decoder.py's (its expert block gpt_oss_moe.py).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from multiserve.config import ModelConfig
 from multiserve.model.errors import ModelLoadError
-from multiserve.model.families.base import HfTensorSpec, ProductShape, tp_splits
+from multiserve.model.families.base import HfTensorSpec, ProductShape
 from multiserve.model.families.dense import (
     ATTENTION_HF_NAMES,
     attention_layer_shapes,
@@ -41,6 +41,10 @@ from multiserve.model.families.qwen_moe import (
 )
 from multiserve.model.families.sliding import layer_types_to_hf, sliding_from_hf
 from multiserve.model.loading import mxfp4
+from multiserve.model.tp_splits import tp_splits
+
+if TYPE_CHECKING:  # the step's types (jax): for the checker only, this module stays jax-free
+    from jax.sharding import Mesh
 
 ARCH = "gpt_oss"
 EXTRA_ATTENTION_HF_NAMES: tuple[tuple[str, str, bool], ...] = (
@@ -72,8 +76,8 @@ class GptOssFamily(QwenMoeFamily):
 
     name = "gpt_oss"
     architectures = {"GptOssForCausalLM": ARCH}
-    model_types = (ARCH,)
-    config_fields = QwenMoeFamily.config_fields + (
+    model_types: tuple[str, ...] = (ARCH,)
+    config_fields: tuple[str, ...] = QwenMoeFamily.config_fields + (
         "sliding_window", "sliding_layers", "swiglu_limit", "swiglu_alpha")
 
     # ---- config ----------------------------------------------------------------------
@@ -153,7 +157,7 @@ class GptOssFamily(QwenMoeFamily):
         return specs
 
     # ---- sharding --------------------------------------------------------------------
-    def param_specs(self, cfg: ModelConfig, mesh: Any, moe_sharding: str) -> dict[str, Any]:
+    def param_specs(self, cfg: ModelConfig, mesh: Mesh, moe_sharding: str) -> dict[str, Any]:
         from jax.sharding import PartitionSpec as P
 
         n = mesh.shape["tensor"]

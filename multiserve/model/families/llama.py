@@ -30,17 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from multiserve.config import ModelConfig
-from multiserve.model.layers.attention import paged_attention
-from multiserve.model.layers.attention_terms import layer_terms
-from multiserve.model.layers.activation import gated
-from multiserve.model.layers.forward_batch import ForwardBatch
-from multiserve.model.layers.lora import Adapt, layer_adapter, native_lora
 from multiserve.model.invariance.plan import InvariancePlan, ProductPlan
-from multiserve.model.layers.kv_pool import KVPool, write_layer
-from multiserve.model.layers.norm import rms_norm
-from multiserve.model.layers.rope import RopeTables, apply_rope, rope_tables
-from multiserve.model.kernels.native import PANEL
-from multiserve.model.tensor_parallel import TensorParallel, embed_rows, whole
 from multiserve.model.invariance.primitives import (
     FUSED_GROUPS,
     LAYER_MATRICES,
@@ -48,6 +38,16 @@ from multiserve.model.invariance.primitives import (
     dense,
     is_compute_params,
 )
+from multiserve.model.kernels.native import PANEL
+from multiserve.model.layers.activation import gated
+from multiserve.model.layers.attention import paged_attention
+from multiserve.model.layers.attention_terms import layer_terms
+from multiserve.model.layers.forward_batch import ForwardBatch
+from multiserve.model.layers.kv_pool import KVPool, write_layer
+from multiserve.model.layers.lora import Adapt, layer_adapter, native_lora
+from multiserve.model.layers.norm import rms_norm
+from multiserve.model.layers.rope import RopeTables, apply_rope, rope_tables
+from multiserve.model.tensor_parallel import TensorParallel, embed_rows, whole
 
 Params = dict[str, Any]
 # Steps of up to this many tokens run the unrolled decoder (see `forward_hidden`) where some
@@ -273,7 +273,7 @@ def scans(plan: InvariancePlan, num_tokens: int, cfg: ModelConfig | None = None)
     as fast as the unrolled decoder and compiles far quicker, docs/performance.md §6). On
     an accelerator not otherwise: its unrolled decoder copies nothing either, and the
     compiler's cost analysis counts a loop body once, so only an unrolled program's count
-    is the step's (the TPU compile report's floors, doctor_compile.py). A model with
+    is the step's (the TPU compile report's floors, doctor/compile.py). A model with
     sandwich norms (Gemma) scans at every size on every platform: its post-block norms are
     added to the residual stream, and XLA:CPU contracts such a norm's last multiply with
     the add into one FMA where the two share a fusion; an unrolled program fuses across
@@ -377,12 +377,3 @@ def lm_head(params: Params, h: jax.Array, plan: InvariancePlan,
                    preferred=jnp.float32, w_p=params.get("head_wp"))
     cap = 0.0 if cfg is None else cfg.final_logit_softcapping
     return logits if cap <= 0 else jnp.tanh(logits / cap) * cap
-
-
-def forward(params: Params, kv_pool: KVPool, batch: ForwardBatch, cfg: ModelConfig, *,
-            page_size: int, attn_block_size: int,
-            plan: InvariancePlan) -> tuple[jax.Array, KVPool]:
-    """Run the new tokens of `batch` through the model; return (logits f32 [R, V], kv_pool)."""
-    h, kv_pool = forward_hidden(params, kv_pool, batch, cfg, page_size=page_size,
-                                attn_block_size=attn_block_size, plan=plan)
-    return lm_head(params, h, plan, cfg).astype(jnp.float32), kv_pool

@@ -22,8 +22,8 @@ class MistralFamily(DenseFamily):
 
     name = "mistral"
     architectures = {"MistralForCausalLM": "mistral"}
-    model_types = ("mistral",)
-    config_fields = CONFIG_FIELDS + SLIDING_FIELDS
+    model_types: tuple[str, ...] = ("mistral",)
+    config_fields: tuple[str, ...] = CONFIG_FIELDS + SLIDING_FIELDS
 
     def config_from_hf(self, raw: dict[str, Any], arch: str, source: Path,
                        common: dict[str, Any]) -> ModelConfig:

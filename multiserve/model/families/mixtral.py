@@ -23,8 +23,9 @@ class MixtralFamily(QwenMoeFamily):
 
     name = "mixtral"
     architectures = {"MixtralForCausalLM": "mixtral"}
-    model_types = ("mixtral",)
-    config_fields = QwenMoeFamily.config_fields + ("sliding_window", "sliding_layers")
+    model_types: tuple[str, ...] = ("mixtral",)
+    config_fields: tuple[str, ...] = QwenMoeFamily.config_fields + ("sliding_window",
+                                                                    "sliding_layers")
     router_hf_name = "block_sparse_moe.gate.weight"
     expert_hf_name = "block_sparse_moe.experts.{e}.{proj}.weight"
     expert_hf_names = (("we_gate", "w1"), ("we_up", "w3"), ("we_down", "w2"))

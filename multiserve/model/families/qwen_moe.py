@@ -25,11 +25,11 @@ shared expert are replicated.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from multiserve.config import ModelConfig
 from multiserve.model.errors import ModelLoadError
-from multiserve.model.families.base import HfTensorSpec, ProductShape, get_leaf, tp_splits
+from multiserve.model.families.base import HfTensorSpec, ProductShape
 from multiserve.model.families.dense import (
     ATTENTION_HF_NAMES,
     CONFIG_FIELDS,
@@ -42,6 +42,17 @@ from multiserve.model.families.dense import (
     top_level,
     top_level_specs,
 )
+from multiserve.model.param_tree import get_leaf
+from multiserve.model.tp_splits import tp_splits
+
+if TYPE_CHECKING:  # the step's types (jax): for the checker only, this module stays jax-free
+    import jax
+    from jax.sharding import Mesh
+
+    from multiserve.model.invariance.plan import InvariancePlan
+    from multiserve.model.layers.forward_batch import ForwardBatch
+    from multiserve.model.layers.kv_pool import KVPool
+    from multiserve.model.tensor_parallel import TensorParallel
 
 ARCH_QWEN3_MOE, ARCH_QWEN2_MOE = "qwen3_moe", "qwen2_moe"
 EXPERT_HF_NAMES = (("we_gate", "gate_proj"), ("we_up", "up_proj"), ("we_down", "down_proj"))
@@ -104,8 +115,8 @@ class QwenMoeFamily:
     name = "qwen_moe"
     architectures = {"Qwen3MoeForCausalLM": ARCH_QWEN3_MOE,
                      "Qwen2MoeForCausalLM": ARCH_QWEN2_MOE}
-    model_types = (ARCH_QWEN3_MOE, ARCH_QWEN2_MOE)
-    config_fields = CONFIG_FIELDS + ("num_experts", "num_experts_per_tok",
+    model_types: tuple[str, ...] = (ARCH_QWEN3_MOE, ARCH_QWEN2_MOE)
+    config_fields: tuple[str, ...] = CONFIG_FIELDS + ("num_experts", "num_experts_per_tok",
                                      "moe_intermediate_size", "norm_topk_prob", "moe_layers",
                                      "shared_expert_intermediate_size")
     # the HF names of a sparse layer's router and experts, under model.layers.{i}.
@@ -205,7 +216,7 @@ class QwenMoeFamily:
         return specs
 
     # ---- sharding --------------------------------------------------------------------
-    def param_specs(self, cfg: ModelConfig, mesh: Any, moe_sharding: str) -> dict[str, Any]:
+    def param_specs(self, cfg: ModelConfig, mesh: Mesh, moe_sharding: str) -> dict[str, Any]:
         from jax.sharding import PartitionSpec as P
 
         n = mesh.shape["tensor"]
@@ -254,12 +265,13 @@ class QwenMoeFamily:
                 ProductShape("we_down", f, d, "out" if down else "")]
 
     # ---- compute ---------------------------------------------------------------------
-    def compute_params(self, params: dict[str, Any], cfg: ModelConfig, plan: Any,
-                       token_sizes: tuple[int, ...]) -> dict[str, Any]:
+    def compute_params(self, params: dict[str, Any], cfg: ModelConfig,
+                       plan: InvariancePlan | None, token_sizes: tuple[int, ...]
+                       ) -> dict[str, Any]:
         """moe_decoder.compute_params with the layouts of the plan's kernels (None: all)."""
-        from multiserve.model.invariance.plan import KERNELS
         from multiserve.model.families.llama import plan_kernels
         from multiserve.model.families.moe_decoder import compute_params
+        from multiserve.model.invariance.plan import KERNELS
 
         if plan is None:
             return compute_params(params, cfg, frozenset(KERNELS), frozenset(KERNELS))
@@ -281,29 +293,32 @@ class QwenMoeFamily:
                        cfg: ModelConfig, path: tuple[str, ...]) -> Any:
         return get_leaf(held, path)
 
-    def forward_hidden(self, params: dict[str, Any], kv_pool: Any, batch: Any,
+    def forward_hidden(self, params: dict[str, Any], kv_pool: KVPool, batch: ForwardBatch,
                        cfg: ModelConfig, *, page_size: int, attn_block_size: int,
-                       plan: Any, tp: Any = None) -> tuple[Any, Any]:
+                       plan: InvariancePlan, tp: TensorParallel | None = None
+                       ) -> tuple[jax.Array, KVPool]:
         from multiserve.model.families.moe_decoder import forward_hidden
 
         return forward_hidden(params, kv_pool, batch, cfg, page_size=page_size,
                               attn_block_size=attn_block_size, plan=plan, tp=tp)
 
-    def forward_hidden_routed(self, params: dict[str, Any], kv_pool: Any, batch: Any,
+    def forward_hidden_routed(self, params: dict[str, Any], kv_pool: KVPool,
+                              batch: ForwardBatch,
                               cfg: ModelConfig, *, page_size: int, attn_block_size: int,
-                              plan: Any, tp: Any = None
-                              ) -> tuple[Any, Any, Any]:
+                              plan: InvariancePlan, tp: TensorParallel | None = None
+                              ) -> tuple[jax.Array, KVPool, jax.Array]:
         from multiserve.model.families.moe_decoder import forward_hidden_routed
 
         return forward_hidden_routed(params, kv_pool, batch, cfg, page_size=page_size,
                                      attn_block_size=attn_block_size, plan=plan, tp=tp)
 
-    def lm_head(self, params: dict[str, Any], h: Any, plan: Any, cfg: ModelConfig) -> Any:
+    def lm_head(self, params: dict[str, Any], h: jax.Array, plan: InvariancePlan,
+                cfg: ModelConfig) -> jax.Array:
         from multiserve.model.families.llama import lm_head
 
         return lm_head(params, h, plan, cfg)
 
-    def scans(self, plan: Any, num_tokens: int) -> bool:
+    def scans(self, plan: InvariancePlan, num_tokens: int) -> bool:
         return False  # always unrolled (moe_decoder.py)
 
     @property

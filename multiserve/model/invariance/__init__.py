@@ -2,4 +2,4 @@
 size), the primitives that compute what it says (primitives.py), and the calibration that
 probes candidate formulations on this machine and chooses a verified plan (calibration.py,
 the driver, over workload.py, probes.py, choice.py and store.py); `multiserve doctor`
-(multiserve/doctor.py) shows it. The choice (choice.py) is pure logic over probe results."""
+(multiserve/doctor/main.py) shows it. The choice (choice.py) is pure logic over probe results."""

@@ -91,7 +91,7 @@ def workload_for(cfg: Any, token_sizes: Sequence[int], row_sizes: Sequence[int],
     the calibration itself)."""
     from multiserve.config import EngineConfig
     from multiserve.model.families import family_for
-    from multiserve.model.families.base import tp_splits
+    from multiserve.model.tp_splits import tp_splits
 
     default = EngineConfig()
     extra_tokens = default.precompile_token_paddings if engine_defaults else ()

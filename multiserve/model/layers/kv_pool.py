@@ -22,6 +22,7 @@ zeros); the forward updates it in place when the caller donates it.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -129,8 +130,8 @@ def write_layer(kv: KVPool, layer: int | jax.Array, slots: jax.Array, k: jax.Arr
             x = x.reshape(t, -1).astype(kv.k.dtype)
             return jnp.pad(x, ((0, 0), (0, pad))) if pad else x
 
-        return kv.replace(k=kv.k.at[layer, slots].set(row(k)),
-                          v=kv.v.at[layer, slots].set(row(v)))
+        return dataclasses.replace(kv, k=kv.k.at[layer, slots].set(row(k)),
+                                   v=kv.v.at[layer, slots].set(row(v)))
     if native and kv.k.dtype != jnp.float32:
         from multiserve.model.kernels.native import kv_write_native
 

@@ -4,9 +4,9 @@ model, SmolLM2-135M) and (b) the ~1B-shaped random bfloat16 model (bench/random_
 it prints the attention kernel and the product formulations the target starts from
 (model/target_export.py: `target_plan`) and lowers, with `jax.export` for that platform, the
 whole model forward (model/families/forward.py) of a decode step and of the largest mixed
-step, and the engine's own FORWARD, FUSED and MULTI step programs of a decode step (MULTI:
-MULTI_TURNS turns of the fused step in one loop; doctor_steps.py). A lowering that fails is
-printed with its error, never raised."""
+step, and the engine's own FORWARD, FUSED and DECODE_STEPS step programs of a decode step
+(DECODE_STEPS: `DECODE_STEPS` decode steps of the fused step in one loop; doctor/steps.py).
+A lowering that fails is printed with its error, never raised."""
 
 from __future__ import annotations
 
@@ -17,16 +17,18 @@ from typing import Any
 TARGETS = ("cuda", "tpu")
 DEVICE_PLATFORM = {"cuda": "gpu", "tpu": "tpu"}  # jax.export platform -> jax device platform
 DECODE_ROWS = 16
-# the MULTI program's turns (EngineConfig.decode_steps_per_dispatch; any K > 1 lowers the
-# same loop body, only its trip count differs)
-MULTI_TURNS = 4
+# the DECODE_STEPS program's K (EngineConfig.decode_steps_per_dispatch; any K > 1 lowers
+# the same loop body, only its trip count differs)
+DECODE_STEPS = 4
 NUM_PAGES = 4096  # the abstract pool's pages (any count lowers the same program shape)
+# a program's name in the report (doctor/steps.py KINDS -> programs.ProgramKind's names)
+PROGRAM_NAMES = {"forward": "FORWARD", "fused": "FUSED", "steps": "DECODE_STEPS"}
 
 
 def _model_report(label: str, cfg: Any, dtype: str, target: str) -> dict[str, Any]:
     """The plan and the lowered forwards of one model config on `target`."""
     from multiserve.config import EngineConfig
-    from multiserve.doctor_steps import export_step_programs
+    from multiserve.doctor.steps import export_step_programs
     from multiserve.model.invariance.workload import default_workload
     from multiserve.model.layers.attention_pallas import pinned_blocks
     from multiserve.model.target_export import export_forward, target_plan
@@ -43,7 +45,7 @@ def _model_report(label: str, cfg: Any, dtype: str, target: str) -> dict[str, An
                               max_pages=max_pages, num_pages=NUM_PAGES) for t, r in steps]
     programs = export_step_programs(cfg, dtype, target, plan, ec, forward_tokens=DECODE_ROWS,
                                     fused_rows=DECODE_ROWS, max_pages=max_pages,
-                                    num_pages=NUM_PAGES, multi_turns=MULTI_TURNS)
+                                    num_pages=NUM_PAGES, decode_steps=DECODE_STEPS)
     per_block, per_split = pinned_blocks(ec.page_size)
     return {
         "model": label, "dtype": dtype,
@@ -59,8 +61,9 @@ def _model_report(label: str, cfg: Any, dtype: str, target: str) -> dict[str, An
         "problems": list(plan.problems),
         "exports": [_export_json(f"model forward T={e.tokens} R={e.rows}", e)
                     for e in exports] + [
-            _export_json(f"engine {name.upper()} program of {e.tokens} tokens, {e.rows} rows"
-                         + (f", {MULTI_TURNS} turns" if name == "multi" else ""), e)
+            _export_json(f"engine {PROGRAM_NAMES[name]} program of {e.tokens} tokens, "
+                         f"{e.rows} rows" + (f", {DECODE_STEPS} decode steps"
+                                             if name == "steps" else ""), e)
             for name, e in programs.items()],
     }
 
@@ -99,7 +102,7 @@ def target_report(target: str, model: str | None, dtype: str) -> dict[str, Any]:
     import jax
 
     from multiserve.bench.random_model import SIZES
-    from multiserve.engine.dtype_choice import choose_dtype
+    from multiserve.engine.base.dtype_choice import choose_dtype
     from multiserve.model.loading.hf import load_hf_config
     from multiserve.model.loading.loader import resolve_model_dir
 
@@ -130,13 +133,13 @@ def print_target_report(report: dict[str, Any]) -> None:
 
 def doctor_target(args: argparse.Namespace) -> int:
     """Both models on `args.target`; exit 1 if any program failed to lower. With
-    `--compile` (tpu only): doctor_compile.py."""
+    `--compile` (tpu only): doctor/compile.py."""
     if getattr(args, "compile", False):
         if args.target != "tpu":
             print(f"--compile: the TPU compiler only (no deviceless compiler for "
                   f"{args.target} here)")
             return 2
-        from multiserve.doctor_compile import doctor_compile
+        from multiserve.doctor.compile import doctor_compile
 
         return doctor_compile(args)
     report = target_report(args.target, args.model, args.dtype)

@@ -5,7 +5,7 @@ model) and the random 1B and 8B shapes (bench/random_model.py), and what each ho
 moves.
 
 Per program (every FORWARD token bucket, the HEAD's logits and sampler programs, every
-FUSED step and, K = 4 turns, every MULTI program; doctor_steps.py): HBM per chip
+FUSED step and, K = 4 decode steps, every DECODE_STEPS program; doctor/steps.py): HBM per chip
 (arguments, outputs, temporaries, and the outputs aliased to donated arguments: the KV
 pool), the compiler's bytes accessed and flops, the floor and the ratio of the two, the
 largest contributors by op and the collectives (model/hlo_ops.py).
@@ -14,8 +14,8 @@ The floor of a program is what it cannot move less than, per chip: the weights i
 once (a forward: every layer, and its tokens' embedding rows; a head: the head matrix),
 the K/V in use (every sequence row of the step at `--context` tokens, the whole page
 table: the programs are compiled with tables of context / page_size pages) and written
-(the step's tokens), and the logits (float32, written once). A MULTI program's loop body
-is counted once by the compiler: its floor is one turn's.
+(the step's tokens), and the logits (float32, written once). A DECODE_STEPS program's
+loop body is counted once by the compiler: its floor is one decode step's.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ HBM_PER_CHIP = {"TPU v5 lite": 16 << 30, "TPU v6 lite": 32 << 30, "TPU v5": 95 <
                 "TPU v4": 32 << 30}
 DEFAULT_CONTEXT = 1024
 DEFAULT_KV_PAGES = 4096
-MULTI_TURNS = 4
+DECODE_STEPS = 4
 GB = 1e9
 
 
@@ -55,7 +55,7 @@ def _floor(cfg: Any, dtype: str, kind: str, tokens: int, rows: int, canonical: A
     forward = (layers + tokens * cfg.hidden_size * item
                + per_token * (rows * context + tokens) + rows * cfg.hidden_size * item)
     return {"forward": forward, "logits": head + logits, "sampler": logits,
-            "fused": forward + head + logits, "multi": forward + head + logits}[kind]
+            "fused": forward + head + logits, "steps": forward + head + logits}[kind]
 
 
 def _program_json(p: Any, cost: Any, floor: int, hbm: int | None) -> dict[str, Any]:
@@ -88,7 +88,7 @@ def compile_model(label: str, cfg: Any, dtype: str, topology: str, tp: int, *,
     import numpy as np
 
     from multiserve.config import EngineConfig
-    from multiserve.doctor_steps import engine_programs, step_programs
+    from multiserve.doctor.steps import engine_programs, step_programs
     from multiserve.model.abstract_params import abstract_params, canonical_shapes
     from multiserve.model.invariance.workload import default_workload
     from multiserve.model.invariance.xla_options import step_options
@@ -112,7 +112,7 @@ def compile_model(label: str, cfg: Any, dtype: str, topology: str, tp: int, *,
     programs = step_programs(cfg, dtype, plan, ec, mesh, params.compute,
                              which if which is not None else engine_programs(ec, True),
                              max_pages=max_pages, num_pages=kv_pages,
-                             multi_turns=MULTI_TURNS)
+                             decode_steps=DECODE_STEPS)
     options = step_options("tpu", str(jnp.dtype(dtype)))
     rows = []
     for p in programs:
@@ -153,7 +153,7 @@ def compile_report(model: str | None, dtype: str, topology: str, tp: int,
     import jax
 
     from multiserve.bench.random_model import SIZES
-    from multiserve.engine.dtype_choice import choose_dtype
+    from multiserve.engine.base.dtype_choice import choose_dtype
     from multiserve.model.loading.hf import load_hf_config
     from multiserve.model.loading.loader import resolve_model_dir
 
@@ -233,13 +233,14 @@ def doctor_compile(args: argparse.Namespace) -> int:
 
     import jax
 
+    from multiserve.doctor.steps import DEPRECATED_KINDS
     from multiserve.model.target_compile import NoTpuCompiler
 
     if not os.environ.get("JAX_PLATFORMS"):
         jax.config.update("jax_platforms", "cpu")
     which = None
     if args.programs:
-        which = [(kind, int(size)) for kind, _, size in
+        which = [(DEPRECATED_KINDS.get(kind, kind), int(size)) for kind, _, size in
                  (p.partition(":") for p in args.programs)]
     try:
         report = compile_report(args.model, args.dtype, args.topology, args.tp,

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from multiserve.config import EngineConfig
+from multiserve.engine.setup import build_engine_parts
 from multiserve.multihost.link import Close, FollowerLink, Sequenced
 from multiserve.multihost.ops import apply_op
 from multiserve.multihost.session import EngineStart
@@ -39,8 +40,6 @@ def _exit_now(reason: str) -> None:
 def follow(link: FollowerLink, engine_cfg: EngineConfig, rank: int,
            on_ready: Callable[[], None] | None = None) -> int:
     """Serve as a follower until the leader closes the stream (0) or is lost (exit 3)."""
-    from multiserve.engine.setup import build_engine_parts
-
     link.start_watch(_exit_now)
     try:
         first = link.receive()

@@ -1,8 +1,8 @@
 """The engine's own step programs for an accelerator this machine does not have
 (`multiserve doctor --target`): the FORWARD program of a token bucket, the HEAD of a row
 bucket (its logits program and the sampler program of its sampler rows), the FUSED decode
-step (forward, logits head and sampler in one program) and the MULTI program (K turns of
-the fused step in one compiled loop, EngineConfig.decode_steps_per_dispatch) of
+step (forward, logits head and sampler in one program) and the DECODE_STEPS program (K
+decode steps of the fused step in one compiled loop, EngineConfig.decode_steps_per_dispatch) of
 engine/device/step_functions.py, from abstract inputs shaped as
 engine/device/step_programs.py shapes a bucket's (its padding inputs), with the target's
 starting plan (model/target_export.py), on a mesh: this host's first device for
@@ -23,8 +23,11 @@ from multiserve.config import EngineConfig, ModelConfig
 from multiserve.model.invariance.plan import InvariancePlan
 from multiserve.model.target_export import ExportResult, export_for
 
-# the programs a step may run (programs.ProgramKind, the HEAD as its two programs)
-KINDS = ("forward", "logits", "sampler", "fused", "multi")
+# the programs a step may run (programs.ProgramKind, the HEAD as its two programs;
+# "steps": the DECODE_STEPS program)
+KINDS = ("forward", "logits", "sampler", "fused", "steps")
+# the names the command line took before (`--programs multi:16`), still read
+DEPRECATED_KINDS = {"multi": "steps"}
 
 
 @dataclass(frozen=True)
@@ -42,10 +45,10 @@ class StepProgram:
     static: dict[str, Any]
 
 
-def engine_programs(ec: EngineConfig, multi: bool) -> list[tuple[str, int]]:
+def engine_programs(ec: EngineConfig, decode_steps: bool) -> list[tuple[str, int]]:
     """Every program an engine of `ec` compiles: a FORWARD per token bucket, a HEAD per
     row bucket (logits, then one sampler per sampler row count), a FUSED per fused step
-    size and, with `multi`, a MULTI per fused step size."""
+    size and, with `decode_steps`, a DECODE_STEPS per fused step size."""
     from multiserve.engine.device.sampling_batches import sampler_rows
 
     rows = ec.precompile_bs_paddings
@@ -53,12 +56,12 @@ def engine_programs(ec: EngineConfig, multi: bool) -> list[tuple[str, int]]:
             + [("logits", r) for r in rows]
             + [("sampler", s) for s in sorted({sampler_rows(r) for r in rows})]
             + [("fused", b) for b in ec.fused_step_sizes]
-            + ([("multi", b) for b in ec.fused_step_sizes] if multi else []))
+            + ([("steps", b) for b in ec.fused_step_sizes] if decode_steps else []))
 
 
 def step_programs(cfg: ModelConfig, dtype: str, plan: InvariancePlan, ec: EngineConfig,
                   mesh: Mesh, params: Any, which: Iterable[tuple[str, int]], *,
-                  max_pages: int, num_pages: int, multi_turns: int) -> list[StepProgram]:
+                  max_pages: int, num_pages: int, decode_steps: int) -> list[StepProgram]:
     """The programs `which` ((kind, size) of KINDS) of an engine of `ec` over `mesh`,
     with abstract compute `params` placed there, a pool of `num_pages` pages and page
     tables `max_pages` wide."""
@@ -129,13 +132,13 @@ def step_programs(cfg: ModelConfig, dtype: str, plan: InvariancePlan, ec: Engine
             out.append(StepProgram(kind, size, 0, size, False, fns.sample,
                                    (logits, ids, flags, *sb),
                                    {"layout": layout, "max_rows": max_rows}))
-        elif kind in ("fused", "multi"):
+        elif kind in ("fused", "steps"):
             t_inputs, t_layout = forward_inputs(size)
             sb, s_layout = sampling(size)
             static = {"layout": t_layout, "sample_layout": s_layout, "num_rows": size}
             fn = fns.step
-            if kind == "multi":
-                fn, static = fns.multi, {**static, "turns": multi_turns}
+            if kind == "steps":
+                fn, static = fns.decode_steps, {**static, "decode_steps": decode_steps}
             out.append(StepProgram(kind, size, size, size, family.scans(plan, size), fn,
                                    (*t_inputs, *sb), static))
         else:
@@ -146,11 +149,11 @@ def step_programs(cfg: ModelConfig, dtype: str, plan: InvariancePlan, ec: Engine
 def export_step_programs(cfg: ModelConfig, dtype: str, platform: str, plan: InvariancePlan,
                          ec: EngineConfig, *, forward_tokens: int, fused_rows: int,
                          max_pages: int, num_pages: int,
-                         multi_turns: int) -> dict[str, ExportResult]:
+                         decode_steps: int) -> dict[str, ExportResult]:
     """{"forward": the FORWARD program of `forward_tokens` tokens, "fused": the FUSED
-    step of `fused_rows` decode rows, "multi": the MULTI program of `multi_turns` turns of
-    that fused step}, each lowered for `platform` with `jax.export` (or its error), on
-    this host's first device (replicated)."""
+    step of `fused_rows` decode rows, "steps": the DECODE_STEPS program of `decode_steps`
+    decode steps of that fused step}, each lowered for `platform` with `jax.export` (or its
+    error), on this host's first device (replicated)."""
     from multiserve.model.abstract_params import abstract_params
     from multiserve.model.sharding import make_mesh
 
@@ -158,8 +161,8 @@ def export_step_programs(cfg: ModelConfig, dtype: str, platform: str, plan: Inva
     params = abstract_params(cfg, dtype, plan, mesh).compute
     programs = step_programs(cfg, dtype, plan, ec, mesh, params,
                              [("forward", forward_tokens), ("fused", fused_rows),
-                              ("multi", fused_rows)],
+                              ("steps", fused_rows)],
                              max_pages=max_pages, num_pages=num_pages,
-                             multi_turns=multi_turns)
+                             decode_steps=decode_steps)
     return {p.kind: export_for(p.fn, platform, p.tokens, p.rows, p.scanned, p.args, p.static)
             for p in programs}

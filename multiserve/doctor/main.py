@@ -1,8 +1,8 @@
 """`multiserve doctor`: the invariance plan of this machine for a model and engine config,
 with the probe table behind it (which candidate each primitive got, and why), the dtype
 an engine of that model would compute in ("auto" resolved as the engine resolves it,
-engine/dtype_choice.py) and the bfloat16 products' instruction path. With `--target cuda|tpu`:
-what an engine would run on that accelerator, lowered here without it (doctor_target.py)."""
+engine/base/dtype_choice.py) and the bfloat16 products' instruction path. With `--target cuda|tpu`:
+what an engine would run on that accelerator, lowered here without it (doctor/target.py)."""
 
 from __future__ import annotations
 
@@ -20,14 +20,14 @@ def _cpu_line(key: dict[str, Any]) -> str:
 
 def doctor_main(args: argparse.Namespace) -> int:
     if getattr(args, "target", None):
-        from multiserve.doctor_target import doctor_target
+        from multiserve.doctor.target import doctor_target
 
         return doctor_target(args)
     import jax
     import numpy as np
 
+    from multiserve.engine.base.dtype_choice import choose_dtype
     from multiserve.engine.device.program_share import hook_problem
-    from multiserve.engine.dtype_choice import choose_dtype
     from multiserve.model.invariance.calibration import calibrate
     from multiserve.model.invariance.workload import default_workload
     from multiserve.model.kernels import native as native_kernels
