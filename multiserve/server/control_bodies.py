@@ -39,7 +39,7 @@ import uuid
 from pathlib import Path
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, create_model, field_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 
 from multiserve.control_ops import TRANSFER_BACKEND, ControlOp
 from multiserve.server.errors import ApiError, bad_request
@@ -248,7 +248,11 @@ class InitGroupBody(_SglangBody):
     rank_offset: int
     world_size: int
     group_name: str = "weight_update_group"
-    backend: str = "nccl"
+    backend: str = Field("nccl", description=(
+        "\"jax\": join the JAX weight transfer of a trainer whose "
+        "jax.experimental.transfer server listens at master_address:master_port; "
+        "any torch backend (nccl, gloo, ...: SGLang's default nccl) is a 400"),
+        examples=["jax"])
 
     def op_args(self) -> dict[str, Any]:
         if self.backend != TRANSFER_BACKEND:
@@ -293,7 +297,11 @@ class DistributedBody(_SglangBody):
     weight_version: str | None = None
     load_format: str | None = None
     torch_empty_cache: bool = False
-    transfer_uuid: int | None = None
+    transfer_uuid: int | None = Field(None, ge=0, lt=2**62, description=(
+        "multiserve's extension: the uuid the trainer offered the arrays under "
+        "(TransferServer.await_pull), in the order of names; absent, derived from "
+        "weight_version (the first 7 bytes of sha256('multiserve-jax-transfer:' + "
+        "weight_version)); on the supervisor engine i pulls transfer_uuid + i"))
 
     def version(self) -> str:
         if self.weight_version is None and self.transfer_uuid is None:

@@ -70,7 +70,7 @@ def local_host_towards(host: str) -> str:
         with socket.socket(info[0], socket.SOCK_DGRAM) as s:
             s.connect(info[4])
             return str(s.getsockname()[0])
-    except OSError as e:
+    except (OSError, UnicodeError) as e:
         raise WeightUpdateError(f"master_address {host!r}: cannot be resolved or routed "
                                 f"to ({e})") from None
 
