@@ -259,9 +259,7 @@ class InitGroupBody(_SglangBody):
             what = (f"a torch.distributed process group (backend {self.backend!r})"
                     if self.backend in TORCH_BACKENDS else f"backend {self.backend!r}")
             raise ApiError(400, f"init_weights_update_group: {what} cannot be joined by "
-                           "this JAX engine (it runs no torch); a JAX trainer joins with "
-                           f"backend {TRANSFER_BACKEND!r} (its jax.experimental.transfer "
-                           "server at master_address:master_port), or " + INSTEAD,
+                           "this JAX engine (it runs no torch); " + INSTEAD,
                            param="backend", code="backend_unsupported")
         port = self.master_port
         if isinstance(port, str):
