@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import socket
 import threading
-from dataclasses import dataclass, field
 from typing import Any
 
 import jax
@@ -79,14 +78,41 @@ def np_dtype(name: str) -> np.dtype:
     return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
 
 
-@dataclass
 class Group:
-    name: str
-    trainer: str  # host:port of the trainer's transfer server
-    server: Any  # this process's transfer server
-    connection: Any
-    pulls: int = 0
-    lock: threading.Lock = field(default_factory=threading.Lock)  # one pull at a time
+    """One joined group: the trainer's address, this process's server, the connection
+    (replaced after a failed pull), one pull at a time."""
+
+    def __init__(self, name: str, trainer: str, server: Any) -> None:
+        self.name, self.trainer, self.server = name, trainer, server
+        try:
+            self.connection = server.connect(trainer)
+        except Exception as e:  # noqa: BLE001 - jax's error, reported as the join's
+            raise WeightUpdateError(f"cannot connect to {trainer}: {e}") from None
+        self.pulls = 0
+        self._lock = threading.Lock()
+
+    def pull(self, uuid: int, specs: list[jax.ShapeDtypeStruct], timeout_s: float
+             ) -> list[jax.Array]:
+        with self._lock:
+            conn = self.connection
+            fired = threading.Event()
+            timer = threading.Timer(timeout_s, _poison, (conn, fired))
+            timer.start()
+            try:
+                got = conn.pull(uuid, specs)
+                jax.block_until_ready(got)
+            except Exception as e:  # noqa: BLE001 - jax's runtime error, reported
+                self.connection = self.server.connect(self.trainer)  # a fresh one
+                why = (f"nothing arrived within {timeout_s:g} s (was uuid {uuid} "
+                       "offered, once per pulling engine?)" if fired.is_set() else str(e))
+                raise WeightUpdateError(f"pull of uuid {uuid} from {self.trainer} (group "
+                                        f"{self.name!r}) failed: {why}") from None
+            finally:
+                timer.cancel()
+            if fired.is_set():  # the timer fired as the pull ended: that connection is poisoned
+                self.connection = self.server.connect(self.trainer)
+            self.pulls += 1
+            return list(got)
 
 
 class TransferGroups:
@@ -105,13 +131,10 @@ class TransferGroups:
         host = master_address.strip("[]")
         trainer = f"[{host}]:{master_port}" if ":" in host else f"{host}:{master_port}"
         server = transfer_server(self.device.client, local_host_towards(host))
-        try:
-            conn = server.connect(trainer)
-        except Exception as e:  # noqa: BLE001 - jax's error, reported as the join's
-            raise WeightUpdateError(f"cannot connect to {trainer}: {e}") from None
+        group = Group(group_name, trainer, server)
         with self._lock:
             replaced = group_name in self._groups
-            self._groups[group_name] = Group(group_name, trainer, server, conn)
+            self._groups[group_name] = group
         return {"group_name": group_name, "backend": "jax", "trainer_address": trainer,
                 "transfer_address": server.address(), "replaced": replaced}
 
@@ -142,25 +165,7 @@ class TransferGroups:
         sharding = SingleDeviceSharding(self.device)
         specs = [jax.ShapeDtypeStruct(tuple(s), np_dtype(d), sharding=sharding)
                  for d, s in zip(dtypes, shapes, strict=True)]
-        with group.lock:
-            conn = group.connection
-            fired = threading.Event()
-            timer = threading.Timer(self.timeout_s, _poison, (conn, fired))
-            timer.daemon = True
-            timer.start()
-            try:
-                got = conn.pull(uuid, specs)
-                jax.block_until_ready(got)
-            except Exception as e:  # noqa: BLE001 - jax's runtime error, reported
-                timed_out = fired.is_set()
-                group.connection = group.server.connect(group.trainer)  # a fresh one
-                why = (f"nothing arrived within {self.timeout_s:g} s (was uuid {uuid} "
-                       "offered, once per pulling engine?)" if timed_out else str(e))
-                raise WeightUpdateError(f"pull of uuid {uuid} from {group.trainer} (group "
-                                        f"{group_name!r}) failed: {why}") from None
-            finally:
-                timer.cancel()
-            group.pulls += 1
+        got = group.pull(uuid, specs, self.timeout_s)
         return dict(zip(names, got, strict=True))
 
 
