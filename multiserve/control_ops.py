@@ -237,6 +237,119 @@ class AbortWeightUpdate:
     start freed)."""
 
 
+# ---- JAX-to-JAX weight transfer (SGLang's init_weights_update_group /
+# update_weights_from_distributed with backend "jax": engine/rl/transfer.py) ------------------
+# the dtypes a transfer may name (SGLang clients send str(torch.dtype): "torch.bfloat16")
+TRANSFER_DTYPES = ("float32", "bfloat16", "float16", "float64")
+TRANSFER_BACKEND = "jax"
+MAX_TRANSFER_UUID = 2**62  # uuids (and an engine's offset added by the supervisor) stay below
+
+
+def transfer_dtype(name: str) -> str:
+    """A dtype name as the transfer reads it ("torch.bfloat16" -> "bfloat16"); ValueError
+    for any other than TRANSFER_DTYPES."""
+    short = name.removeprefix("torch.") if isinstance(name, str) else name
+    if short not in TRANSFER_DTYPES:
+        raise ValueError(f"dtypes: {name!r} is not a floating-point dtype a weight transfer "
+                         f"carries ({list(TRANSFER_DTYPES)}, or torch.<name>)")
+    return short
+
+
+def transfer_uuid_for(weight_version: str) -> int:
+    """The transfer uuid of an update that names none: derived from its weight_version
+    (the first 7 bytes of sha256("multiserve-jax-transfer:" + version)), so a trainer that
+    offers under `transfer_uuid_for(version)` need not send the uuid."""
+    import hashlib
+
+    digest = hashlib.sha256(f"multiserve-jax-transfer:{weight_version}".encode()).digest()
+    return int.from_bytes(digest[:7], "big")
+
+
+@dataclass(frozen=True)
+class InitWeightsUpdateGroup:
+    """Join the JAX weight transfer of a trainer whose transfer server
+    (jax.experimental.transfer) listens at master_address:master_port, as group
+    `group_name`: the engine starts its own transfer server and opens a connection
+    (jax connects lazily: the first pull reaches the trainer). SGLang's rank_offset and
+    world_size are recorded only (a pull needs no ranks)."""
+    master_address: str
+    master_port: int
+    group_name: str = "weight_update_group"
+    backend: str = TRANSFER_BACKEND
+    rank_offset: int = 1
+    world_size: int = 2
+
+    def __post_init__(self) -> None:
+        if self.backend != TRANSFER_BACKEND:
+            raise ValueError(f"backend: {self.backend!r}; this engine joins only a JAX "
+                             f"transfer (backend {TRANSFER_BACKEND!r})")
+        if not isinstance(self.master_address, str) or not self.master_address.strip():
+            raise ValueError("master_address: must be a host name or address")
+        if any(c in self.master_address for c in " /"):
+            raise ValueError("master_address: must be a host name or address (no port, "
+                             "no scheme)")
+        if isinstance(self.master_port, bool) or not isinstance(self.master_port, int) \
+                or not 0 < self.master_port < 65536:
+            raise ValueError("master_port: must be a port number in [1, 65535]")
+        if not isinstance(self.group_name, str) or not self.group_name:
+            raise ValueError("group_name: must be a non-empty string")
+
+
+@dataclass(frozen=True, eq=False)
+class StageWeightsFromDistributed:
+    """Pull tensors `names` (HF names; `dtypes`, `shapes` as the trainer offered them)
+    from group `group_name`'s trainer under `transfer_uuid` (None: transfer_uuid_for(
+    weight_version)), check them against the served model (before any byte moves) and
+    stage them like update_weights_from_tensor's (cast to the served dtype, a subset
+    updates only those tensors); held until publish."""
+    names: Any
+    dtypes: Any
+    shapes: Any
+    weight_version: str
+    group_name: str = "weight_update_group"
+    transfer_uuid: int | None = None
+    abort_running: bool = False
+
+    def __post_init__(self) -> None:
+        names, dtypes, shapes = self.names, self.dtypes, self.shapes
+        if not isinstance(names, (list, tuple)) or not names:
+            raise ValueError("names: must be a non-empty list of tensor names")
+        if not all(isinstance(n, str) and n for n in names):
+            raise ValueError("names: each must be a non-empty string")
+        if len(set(names)) != len(names):
+            raise ValueError("names: a tensor is named twice")
+        if not isinstance(dtypes, (list, tuple)) or len(dtypes) != len(names):
+            raise ValueError(f"dtypes: must list one dtype per name ({len(names)})")
+        if not isinstance(shapes, (list, tuple)) or len(shapes) != len(names):
+            raise ValueError(f"shapes: must list one shape per name ({len(names)})")
+        for s in shapes:
+            if not isinstance(s, (list, tuple)) or not all(
+                    isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in s):
+                raise ValueError("shapes: each must be a list of non-negative integers")
+        if not isinstance(self.weight_version, str) or not self.weight_version:
+            raise ValueError("weight_version: must be a non-empty string")
+        uid = self.transfer_uuid
+        if uid is not None and (isinstance(uid, bool) or not isinstance(uid, int)
+                                or not 0 <= uid < MAX_TRANSFER_UUID):
+            raise ValueError("transfer_uuid: must be an integer in [0, 2**62)")
+        object.__setattr__(self, "names", tuple(names))
+        object.__setattr__(self, "dtypes", tuple(transfer_dtype(d) for d in dtypes))
+        object.__setattr__(self, "shapes", tuple(tuple(s) for s in shapes))
+        if uid is None:
+            object.__setattr__(self, "transfer_uuid", transfer_uuid_for(self.weight_version))
+
+
+@dataclass(frozen=True, eq=False)
+class UpdateWeightsFromDistributed(StageWeightsFromDistributed):
+    """StageWeightsFromDistributed, then PublishStagedWeights."""
+
+
+@dataclass(frozen=True)
+class DestroyWeightsUpdateGroup:
+    """Close group `group_name`'s connection (no group of that name: a no-op)."""
+    group_name: str = "weight_update_group"
+
+
 @dataclass(frozen=True)
 class LoadLoraAdapter:
     """Load the PEFT adapter directory `lora_path` into a free LoRA slot as `lora_name`
@@ -279,7 +392,9 @@ class ListLoraAdapters:
 # succeeded), "sum_aborted" (that, plus the engines' `aborted` summed), "two_phase" (stage
 # on all, then publish on all or discard on all: fleet/supervisor_rl.py), "session" (a
 # weight-update session's step on every engine, all or none: fleet/supervisor_weights.py).
-FleetMerge = Literal["each", "sum_aborted", "two_phase", "session"]
+# "transfer": the JAX weight transfer's group calls (fleet/supervisor_rl.py: init on all or
+# none, the update two-phase as from disk, destroy on every engine).
+FleetMerge = Literal["each", "sum_aborted", "two_phase", "session", "transfer"]
 Group = Literal["core", "rl"]  # core: build_app / build_supervisor_app; rl: add_rl_*routes
 
 
@@ -359,6 +474,17 @@ OPS: dict[str, ControlOp] = {op.name: op for op in (
               route=_post("/finish_weight_update"), fleet="session"),
     ControlOp("abort_weight_update", AbortWeightUpdate, "rl",
               route=_post("/abort_weight_update"), fleet="each"),
+    # SGLang's weights-update group, with backend "jax": a JAX-to-JAX transfer
+    # (engine/rl/transfer.py); torch backends are the body's 400 (control_bodies.py)
+    ControlOp("init_weights_update_group", InitWeightsUpdateGroup, "rl", runs="staged",
+              route=_post("/init_weights_update_group"), fleet="transfer"),
+    ControlOp("update_weights_from_distributed", UpdateWeightsFromDistributed, "rl",
+              runs="staged", route=_post("/update_weights_from_distributed"),
+              fleet="transfer"),
+    ControlOp("stage_weights_from_distributed", StageWeightsFromDistributed, "rl",
+              runs="staged"),
+    ControlOp("destroy_weights_update_group", DestroyWeightsUpdateGroup, "rl", runs="staged",
+              route=_post("/destroy_weights_update_group"), fleet="transfer"),
     ControlOp("update_weights_from_tensor", UpdateWeightsFromTensor, "rl", runs="staged"),
     ControlOp("stage_weights_from_tensor", StageWeightsFromTensor, "rl", runs="staged"),
     ControlOp("update_weights_from_arrays", UpdateWeightsFromArrays, "rl", runs="staged"),

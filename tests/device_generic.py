@@ -46,6 +46,8 @@ CPU_ONLY_FILES = {
     "engine/test_program_share.py": "an engine on device 3 of the 4 virtual host devices",
     "engine/test_moe_engine.py": "torch (transformers MoE checkpoints) and 2 devices",
     "engine/test_no_torch_at_serving.py": "a subprocess fleet on 4 virtual host devices",
+    "engine/test_transfer_groups.py": "jax.experimental.transfer's socket transport, "
+                                      "checked on the CPU backend only",
     "model/test_native_kernels.py": "the native C++ CPU kernels (XLA:CPU FFI)",
     "model/test_calibration.py": "probes the native CPU kernels among the candidates",
     "model/test_moe.py": "torch, and the native grouped CPU kernel",

@@ -34,20 +34,24 @@ from typing import TYPE_CHECKING, Any
 
 from multiserve.control_ops import (
     AbortWeightUpdate,
+    DestroyWeightsUpdateGroup,
     DiscardStagedWeights,
     FinishWeightUpdate,
     GetWeightsByName,
+    InitWeightsUpdateGroup,
     LoadLoraAdapter,
     LoadLoraAdapterFromTensors,
     PublishStagedWeights,
     ReleaseMemoryOccupation,
     ResumeMemoryOccupation,
     StageWeightsFromDisk,
+    StageWeightsFromDistributed,
     StageWeightsFromTensor,
     StartWeightUpdate,
     UpdateWeights,
     UpdateWeightsFromArrays,
     UpdateWeightsFromDisk,
+    UpdateWeightsFromDistributed,
     UpdateWeightsFromTensor,
 )
 from multiserve.engine.commands import (
@@ -62,6 +66,7 @@ from multiserve.engine.lora_control import LoraOperations
 from multiserve.engine.rl.checks import WeightUpdateError
 from multiserve.engine.rl.memory import MemoryManager
 from multiserve.engine.rl.session import WeightSession
+from multiserve.engine.rl.transfer import TransferGroups
 from multiserve.engine.rl.weights import DeviceArrays, WeightManager
 from multiserve.model.errors import ModelLoadError
 from multiserve.types import ControlResult
@@ -116,6 +121,8 @@ class ControlRunner:
         self.weights = WeightManager(core)
         self.memory = MemoryManager(core, self.weights)
         self.session = WeightSession(self.weights, self.memory)
+        # SGLang's weights-update groups, backend "jax" (engine/rl/transfer.py)
+        self.transfer = TransferGroups(core.runner.devices)
         self._submit = submit
         self._require_healthy = require_healthy
 
@@ -210,6 +217,14 @@ class ControlRunner:
                                                 abort_running), abort_running)
             case UpdateWeights(update_info):
                 return self._into_session(update_info)
+            case InitWeightsUpdateGroup():
+                return self._join(record)
+            case UpdateWeightsFromDistributed():  # before its base class
+                return self._from_distributed(record, publish=True)
+            case StageWeightsFromDistributed():
+                return self._from_distributed(record, publish=False)
+            case DestroyWeightsUpdateGroup(group_name):
+                return self._leave(group_name)
             case LoadLoraAdapter() | LoadLoraAdapterFromTensors() if self.lora is not None:
                 return self.lora.load(record, OffThread)
         return record
@@ -271,6 +286,51 @@ class ControlRunner:
             raise
         return ControlResult(True, "weights staged in the session: finish_weight_update "
                              "publishes them", staged.details)
+
+    # ---- the JAX weight transfer (SGLang's weights-update group, backend "jax") ----------
+    def _join(self, rec: InitWeightsUpdateGroup
+              ) -> Generator[Command | OffThread, Any, ControlResult]:
+        try:
+            joined = yield OffThread(lambda: self.transfer.join(
+                rec.group_name, rec.master_address, rec.master_port))
+        except WeightUpdateError as e:
+            return ControlResult(False, str(e), {"group_name": rec.group_name,
+                                                 "error": str(e)})
+        return ControlResult(True, f"joined the JAX weight transfer of "
+                             f"{joined['trainer_address']} as group {rec.group_name!r} "
+                             f"(this engine's transfer server: "
+                             f"{joined['transfer_address']}); update_weights_from_"
+                             "distributed pulls what the trainer offers", {
+                                 **joined, "rank_offset": rec.rank_offset,
+                                 "world_size": rec.world_size, "pulls_per_update": 1})
+
+    def _leave(self, group_name: str) -> Generator[Command | OffThread, Any, ControlResult]:
+        existed = yield OffThread(lambda: self.transfer.leave(group_name))
+        return ControlResult(True, f"weights update group {group_name!r} destroyed"
+                             if existed else f"no weights update group {group_name!r} "
+                             "(no-op)", {"group_name": group_name, "destroyed": existed})
+
+    def _from_distributed(self, rec: StageWeightsFromDistributed, publish: bool
+                          ) -> Generator[Command | OffThread, Any, ControlResult]:
+        """Check the body (group, names, shapes, dtypes) before anything is held or
+        pulled; then stage (and publish) what the pull brings, as any update."""
+        extra = {"group_name": rec.group_name, "transfer_uuid": rec.transfer_uuid}
+        try:
+            self.transfer.get(rec.group_name)
+            self.weights.layout.check_specs(rec.names, rec.dtypes, rec.shapes)
+        except WeightUpdateError as e:
+            failed = _failed(e, rec.weight_version)
+            return ControlResult(False, failed.message, {**failed.details, **extra})
+        source = f"jax-transfer:{rec.group_name}#{rec.transfer_uuid}"
+
+        def pull() -> tuple[Any, str, bool]:
+            arrays = self.transfer.pull(rec.group_name, rec.transfer_uuid, rec.names,
+                                        rec.dtypes, rec.shapes)
+            return arrays, source, False
+
+        stage = self._stage(pull, rec.weight_version, rec.abort_running)
+        result = yield from (self._update(stage, rec.abort_running) if publish else stage)
+        return ControlResult(result.ok, result.message, {**result.details, **extra})
 
     @staticmethod
     def _update(stage: Op, abort_running: bool

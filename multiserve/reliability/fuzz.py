@@ -65,6 +65,16 @@ EXTRA_EXAMPLES: dict[str, list[dict[str, Any]]] = {
          "sampling_params": {"max_new_tokens": 3}},
         {"input_ids": [[1, 2], [3, 4, 5]], "return_routed_experts": True, "stream": True,
          "sampling_params": {"max_new_tokens": 3, "n": 2}}],
+    # the JAX weight transfer: a join (lazy: 200 with no trainer there), then updates
+    # refused before any pull (a wrong shape; a group never joined)
+    "POST /init_weights_update_group": [
+        {"master_address": "127.0.0.1", "master_port": 9, "rank_offset": 1, "world_size": 2,
+         "group_name": "fuzz", "backend": "jax"}],
+    "POST /update_weights_from_distributed": [
+        {"names": ["model.embed_tokens.weight"], "dtypes": ["bfloat16"], "shapes": [[1, 1]],
+         "group_name": "fuzz", "transfer_uuid": 1},
+        {"names": ["model.embed_tokens.weight"], "dtypes": ["float32"], "shapes": [[1]],
+         "group_name": "never-joined", "weight_version": "v"}],
 }
 RESTORING = ("/pause_generation", "/release_memory_occupation", "/stage_weights_from_disk",
              "/update_weights_from_disk", "/restart_engine", "/pause",

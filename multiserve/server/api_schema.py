@@ -226,17 +226,15 @@ BODIES: dict[Key, Any] = {
     **CONTROL_BODIES,
     ("POST", "/parse_function_call"): PR.ParseFunctionCallBody,
     ("POST", "/separate_reasoning"): PR.SeparateReasoningBody,
-    **WT.BODIES,  # vLLM's / SGLang's weight-transfer set-up (weight_transfer.py)
+    **WT.BODIES,  # vLLM's weight-transfer set-up (weight_transfer.py)
 }
 OPTIONAL_BODIES = OPTIONAL_BODIES | WT.OPTIONAL
 
 CONTROL = Answer(ControlAnswer)
-# the weight-transfer set-up routes: what is honoured answers 200, the rest 400 (never 200)
+# vLLM's weight-transfer set-up: the disk backend answers 200, the rest 400 (never 200).
+# SGLang's weights-update group routes are control operations (their entries below).
 WT_ANSWERS: dict[Key, Answer] = {
     ("POST", "/init_weight_transfer_engine"): Answer(ControlAnswer, errors=("400", "401")),
-    ("POST", "/init_weights_update_group"): Answer(errors=("400", "401")),
-    ("POST", "/update_weights_from_distributed"): Answer(errors=("400", "401")),
-    ("POST", "/destroy_weights_update_group"): Answer(ControlAnswer, errors=("400", "401")),
 }
 ANSWERS: dict[Key, Answer] = {
     ("GET", "/v1/models"): Answer(P.ModelList, errors=("401",)),

@@ -19,6 +19,13 @@ operation's body is derived from its record (`derived_body`).
   POST /publish_staged_weights     {"token", "abort_running"?}
   POST /discard_staged_weights     {"token"?}
   GET|POST /get_weights_by_name    {"name", "truncate_size"?: 100} (GET: query params)
+  POST /init_weights_update_group  SGLang's {master_address, master_port, rank_offset,
+                                    world_size, group_name?, backend?}: backend "jax"
+                                    joins a trainer's JAX transfer; torch backends 400
+  POST /update_weights_from_distributed  SGLang's {names, dtypes, shapes, group_name?,
+                                    weight_version?, abort_all_requests?, flush_cache?,
+                                    ...} plus our `transfer_uuid` (see DistributedBody)
+  POST /destroy_weights_update_group {group_name?}
 
 Invariants: jax-free; a body's fields, types and defaults are defined once (the supervisor's
 stricter spellings subclass these: fleet/supervisor_bodies.py).
@@ -32,11 +39,12 @@ import uuid
 from pathlib import Path
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, create_model, field_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 
-from multiserve.control_ops import ControlOp
-from multiserve.server.errors import bad_request
+from multiserve.control_ops import TRANSFER_BACKEND, ControlOp
+from multiserve.server.errors import ApiError, bad_request
 from multiserve.server.http_utils import parse_body
+from multiserve.server.weight_transfer import INSTEAD, TORCH_BACKENDS
 from multiserve.types import MEMORY_TAGS, ControlResult, PauseMode
 
 
@@ -217,11 +225,7 @@ class DiskBody(_SglangBody):
 
     def note(self, result: ControlResult) -> ControlResult:
         """The answer, saying when flush_cache=false could not be followed."""
-        if self.flush_cache or not result.ok:
-            return result
-        return ControlResult(result.ok, result.message + "; the prefix cache was invalidated "
-                             "anyway (flush_cache=false is not honoured: cached K/V belongs "
-                             "to the old weights)", {**result.details, "flush_cache": True})
+        return flush_note(result, self.flush_cache)
 
 
 def new_version(model_path: str) -> str:
@@ -230,6 +234,106 @@ def new_version(model_path: str) -> str:
     unique suffix."""
     name = Path(model_path.rstrip("/")).name or "weights"
     return f"{name}-{uuid.uuid4().hex[:8]}"
+
+
+class InitGroupBody(_SglangBody):
+    """SGLang's InitWeightsUpdateGroupReqInput. backend "jax": master_address:master_port
+    is the trainer's jax.experimental.transfer server (multiserve/rl/jax_weight_sender.py
+    starts one); rank_offset and world_size are recorded only. Any torch backend (SGLang's
+    default "nccl", gloo, ...) is a 400 that says why: a torch process group cannot be
+    joined by this engine. AReaL sends master_port as a string."""
+
+    master_address: str
+    master_port: int | str
+    rank_offset: int
+    world_size: int
+    group_name: str = "weight_update_group"
+    backend: str = Field("nccl", description=(
+        "\"jax\": join the JAX weight transfer of a trainer whose "
+        "jax.experimental.transfer server listens at master_address:master_port; "
+        "any torch backend (nccl, gloo, ...: SGLang's default nccl) is a 400"),
+        examples=["jax"])
+
+    def op_args(self) -> dict[str, Any]:
+        if self.backend != TRANSFER_BACKEND:
+            what = (f"a torch.distributed process group (backend {self.backend!r})"
+                    if self.backend in TORCH_BACKENDS else f"backend {self.backend!r}")
+            raise ApiError(400, f"init_weights_update_group: {what} cannot be joined by "
+                           "this JAX engine (it runs no torch); " + INSTEAD,
+                           param="backend", code="backend_unsupported")
+        port = self.master_port
+        if isinstance(port, str):
+            if not port.strip().isdigit():
+                raise bad_request("master_port: must be a port number", param="master_port")
+            port = int(port)
+        return {"master_address": self.master_address, "master_port": port,
+                "group_name": self.group_name, "backend": self.backend,
+                "rank_offset": self.rank_offset, "world_size": self.world_size}
+
+
+class DistributedBody(_SglangBody):
+    """SGLang's UpdateWeightsFromDistributedReqInput, for a group of backend "jax", plus
+    one field of ours:
+    - transfer_uuid (ours): the uuid the trainer offered the arrays under
+      (TransferServer.await_pull(uuid, arrays), in the order of `names`); absent, it is
+      derived from weight_version (control_ops.transfer_uuid_for); one of the two must be
+      given. On the supervisor, engine i pulls transfer_uuid + i.
+    - names (HF names), dtypes ("bfloat16" or "torch.bfloat16", ...), shapes: as offered;
+      checked against the served model before any pull (400 naming the tensor); a subset
+      of the model's tensors updates only those. Arrays are cast to the served dtype.
+    - weight_version: the version published; absent, a new one is made.
+    - abort_all_requests: abort live requests first (else the engine must be idle or
+      paused). flush_cache: the prefix cache is ALWAYS invalidated (false is noted).
+    - load_format must be null; torch_empty_cache is a no-op (no torch)."""
+
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = "weight_update_group"
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    load_format: str | None = None
+    torch_empty_cache: bool = False
+    transfer_uuid: int | None = Field(None, ge=0, lt=2**62, description=(
+        "multiserve's extension: the uuid the trainer offered the arrays under "
+        "(TransferServer.await_pull), in the order of names; absent, derived from "
+        "weight_version (the first 7 bytes of sha256('multiserve-jax-transfer:' + "
+        "weight_version)); on the supervisor engine i pulls transfer_uuid + i"))
+
+    def version(self) -> str:
+        if self.weight_version is None and self.transfer_uuid is None:
+            raise bad_request("give transfer_uuid (the uuid the trainer offered the "
+                              "arrays under) or weight_version (the uuid is then derived "
+                              "from it)", param="transfer_uuid")
+        if self.load_format is not None:
+            raise bad_request(f"load_format: {self.load_format!r} is not supported (the "
+                              "arrays arrive as they were offered)", param="load_format")
+        return self.weight_version or new_version("distributed")
+
+    def op_args(self) -> dict[str, Any]:
+        return {"names": self.names, "dtypes": self.dtypes, "shapes": self.shapes,
+                "group_name": self.group_name, "transfer_uuid": self.transfer_uuid,
+                "weight_version": self.version(), "abort_running": self.abort_all_requests}
+
+    def answer(self, name: str, result: ControlResult) -> ControlResult:
+        return flush_note(result, self.flush_cache)
+
+
+class DestroyGroupBody(_SglangBody):
+    """SGLang's DestroyWeightsUpdateGroupReqInput."""
+
+    optional_body: ClassVar[bool] = True
+    group_name: str = "weight_update_group"
+
+
+def flush_note(result: ControlResult, flush_cache: bool) -> ControlResult:
+    """The answer, saying when flush_cache=false could not be followed."""
+    if flush_cache or not result.ok:
+        return result
+    return ControlResult(result.ok, result.message + "; the prefix cache was invalidated "
+                         "anyway (flush_cache=false is not honoured: cached K/V belongs to "
+                         "the old weights)", {**result.details, "flush_cache": True})
 
 
 class TokenBody(_Body):
@@ -273,6 +377,9 @@ BODIES: dict[str, type[ControlBody] | None] = {
     "publish_staged_weights": TokenBody,
     "discard_staged_weights": DiscardBody,
     "get_weights_by_name": WeightsByNameBody,
+    "init_weights_update_group": InitGroupBody,
+    "update_weights_from_distributed": DistributedBody,
+    "destroy_weights_update_group": DestroyGroupBody,
 }
 
 

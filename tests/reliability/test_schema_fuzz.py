@@ -40,7 +40,8 @@ def test_every_operation_was_fuzzed(result) -> None:  # noqa: ANN001
     new = ("POST /pause", "POST /resume", "GET /is_paused", "POST /start_weight_update",
            "POST /update_weights", "POST /finish_weight_update",
            "POST /init_weight_transfer_engine", "POST /init_weights_update_group",
-           "POST /update_weights_from_distributed")  # issue 63
+           "POST /update_weights_from_distributed",
+           "POST /destroy_weights_update_group")  # issue 63
     for path in ("POST /v1/chat/completions", "POST /v1/completions", "POST /generate",
                  "POST /inference/v1/generate", "POST /v1/score", "POST /pause_generation",
                  "POST /abort_request", "POST /update_weights_from_disk",
@@ -74,6 +75,37 @@ def test_documents_declare_bodies_and_errors(tiny_model: Path) -> None:
         assert "requestBody" in op and "200" in op["responses"] and "400" in op["responses"]
     assert ErrorBody.__name__ in doc["components"]["schemas"]
     assert ("POST", "/generate") in BODIES and ("POST", "/v1/chat/completions") in BODIES
+
+
+def test_documents_declare_the_jax_weight_transfer() -> None:
+    """SGLang's weights-update group routes are in both documents with SGLang's fields,
+    the "jax" backend and our transfer_uuid (issue 63)."""
+    from multiserve.fleet.supervisor import build_supervisor_app
+    from multiserve.fleet.supervisor_rl import add_rl_supervisor_routes
+    from multiserve.server.api_schema import BODIES as ENGINE_BODIES
+
+    sup = build_supervisor_app([])
+    add_rl_supervisor_routes(sup)
+    doc = sup.openapi()
+    for bodies, paths in ((ENGINE_BODIES, None), (None, doc["paths"])):
+        for path, fields in (("/init_weights_update_group", {
+                "master_address", "master_port", "rank_offset", "world_size", "group_name",
+                "backend"}), ("/update_weights_from_distributed", {
+                "names", "dtypes", "shapes", "group_name", "flush_cache",
+                "abort_all_requests", "weight_version", "transfer_uuid"}),
+                ("/destroy_weights_update_group", {"group_name"})):
+            if bodies is not None:
+                schema = bodies[("POST", path)].model_json_schema()
+            else:
+                ref = paths[path]["post"]["requestBody"]["content"]["application/json"][
+                    "schema"]["$ref"].rsplit("/", 1)[1]
+                schema = doc["components"]["schemas"][ref]
+                assert {"200", "400"} <= set(paths[path]["post"]["responses"]), path
+            assert fields <= set(schema["properties"]), (path, schema["properties"])
+            if path == "/update_weights_from_distributed":
+                assert "await_pull" in str(schema["properties"]["transfer_uuid"])
+            if path == "/init_weights_update_group":
+                assert "jax" in str(schema["properties"]["backend"])
 
 
 STREAMING = {"POST /v1/completions", "POST /v1/chat/completions", "POST /generate",

@@ -33,13 +33,18 @@ ENGINE_ROUTES = {
     ("POST", "/v1/load_lora_adapter"), ("POST", "/v1/unload_lora_adapter"),
     # the weight-update session: vLLM's routes (and its abort)
     ("POST", "/start_weight_update"), ("POST", "/update_weights"),
-    ("POST", "/finish_weight_update"), ("POST", "/abort_weight_update")}
+    ("POST", "/finish_weight_update"), ("POST", "/abort_weight_update"),
+    # SGLang's weights-update group (backend "jax": a JAX trainer's transfer)
+    ("POST", "/init_weights_update_group"), ("POST", "/update_weights_from_distributed"),
+    ("POST", "/destroy_weights_update_group")}
 FLEET_ROUTES = {
     ("POST", "/pause_generation"), ("POST", "/continue_generation"),
     ("POST", "/abort_request"), ("GET", "/flush_cache"), ("POST", "/flush_cache"),
     ("POST", "/release_memory_occupation"), ("POST", "/resume_memory_occupation"),
     ("GET", "/get_weights_by_name"), ("POST", "/get_weights_by_name"),
-    ("POST", "/update_weights_from_disk"), ("POST", "/abort_weight_update")}
+    ("POST", "/update_weights_from_disk"), ("POST", "/abort_weight_update"),
+    ("POST", "/init_weights_update_group"), ("POST", "/update_weights_from_distributed"),
+    ("POST", "/destroy_weights_update_group")}
 
 
 class Recorder:

@@ -116,6 +116,26 @@ class ParamLayout:
         self.paths = leaf_paths(self.shapes)
         self.specs: dict[str, HfTensorSpec] = hf_tensor_specs(model_cfg)
 
+    def check_specs(self, names: Sequence[str], dtypes: Sequence[str],
+                    shapes: Sequence[Sequence[int]]) -> None:
+        """The checks `validate` makes of HF-named tensors that need no value (known name,
+        shape, floating dtype), made of a description before any array exists (a weight
+        transfer's names, dtypes and shapes). Raises WeightUpdateError naming the tensor."""
+        cfg = self.model_cfg
+        for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
+            if name.endswith(_IGNORED_SUFFIXES) or (cfg.tie_word_embeddings
+                                                    and name == "lm_head.weight"):
+                continue
+            spec = self.specs.get(name)
+            if spec is None:
+                raise WeightUpdateError(f"tensor {name!r}: not a parameter of this "
+                                        f"{cfg.architecture} model")
+            if tuple(shape) != spec.hf_shape:
+                raise WeightUpdateError(f"tensor {name!r}: shape {tuple(shape)}, expected "
+                                        f"{spec.hf_shape}")
+            dt = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
+            _check_dtype(name, np.empty(0, dt))
+
     def validate(self, tensors: Any, require_all: bool, source: str = "<tensors>",
                  check_finite: bool = True) -> tuple[Full, Partial, int]:
         """(whole leaves, per-layer slices, number of tensors given); arrays untouched
