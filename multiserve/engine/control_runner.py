@@ -321,10 +321,12 @@ class ControlRunner:
         except WeightUpdateError as e:
             failed = _failed(e, rec.weight_version)
             return ControlResult(False, failed.message, {**failed.details, **extra})
-        source = f"jax-transfer:{rec.group_name}#{rec.transfer_uuid}"
+        uuid = rec.transfer_uuid
+        assert uuid is not None  # the record derived it from weight_version if not sent
+        source = f"jax-transfer:{rec.group_name}#{uuid}"
 
         def pull() -> tuple[Any, str, bool]:
-            arrays = self.transfer.pull(rec.group_name, rec.transfer_uuid, rec.names,
+            arrays = self.transfer.pull(rec.group_name, uuid, rec.names,
                                         rec.dtypes, rec.shapes)
             return arrays, source, False
 
