@@ -32,6 +32,7 @@ import jax
 from multiserve.engine.base.kv_sizing import PoolSize
 from multiserve.engine.device.programs import KINDS
 from multiserve.model.layers.kv_pool import kv_bytes_per_token
+from multiserve.model.sharding import attention_sharded
 
 if TYPE_CHECKING:
     from multiserve.engine.device.runner import Runner
@@ -100,7 +101,8 @@ def memory_report(runner: Runner, pool: PoolSize | None) -> dict[str, Any]:
     """The "memory" block (module docstring); `pool`: how the KV size was chosen (None:
     not known, e.g. a runner built outside engine/setup.py)."""
     page = runner.cfg.page_size
-    per_token = kv_bytes_per_token(runner.model_cfg, runner.dtype)
+    per_token = kv_bytes_per_token(runner.model_cfg, runner.dtype, runner.kv_layout,
+                                   attention_sharded(runner.model_cfg, runner.mesh))
     held = runner.held_params
     canonical = array_bytes(held)
     params = 0 if held is None else sum(

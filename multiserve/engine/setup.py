@@ -77,7 +77,10 @@ def kv_pool_size(cfg: EngineConfig, model_cfg: ModelConfig, devices: list[jax.De
             stats = devices[0].memory_stats()
         except Exception:  # noqa: BLE001 - not every backend reports memory
             stats = None
-    return pool_tokens(cfg, kv_bytes_per_token=kv_bytes_per_token(model_cfg, dtype),
+    # the pool's bytes as it will be held: on a TPU the "lanes" layout's padded rows (an
+    # upper bound there: a plan that runs XLA's attention keeps "heads", never larger)
+    layout = "lanes" if devices[0].platform == "tpu" else "heads"
+    return pool_tokens(cfg, kv_bytes_per_token=kv_bytes_per_token(model_cfg, dtype, layout),
                        params_bytes=params_bytes, engine_devices=len(devices),
                        process_devices=len(jax.devices(devices[0].platform)),
                        device_bytes_limit=(stats or {}).get("bytes_limit"),

@@ -22,6 +22,18 @@ def test_pool_layout_and_bytes() -> None:
     assert kv_bytes_per_token(TINY_LLAMA, "float32") == 2 * 2 * 2 * 16 * 4
 
 
+def test_bytes_per_token_count_a_lanes_row_padding() -> None:
+    """What the pool sizing budgets is what the pool holds: a "lanes" row of 2 x 16 values is
+    held in 128 lanes on one device (4x the values), unpadded when its heads are split."""
+    pool = make_kv_pool(TINY_LLAMA, num_pages=8, page_size=4, dtype=jnp.bfloat16,
+                        layout="lanes")
+    per = kv_bytes_per_token(TINY_LLAMA, jnp.bfloat16, "lanes")
+    assert per == 2 * 2 * 128 * 2 and pool.k.nbytes + pool.v.nbytes == per * 8 * 4
+    assert kv_bytes_per_token(TINY_LLAMA, jnp.bfloat16, "lanes", split=True) == 2 * 2 * 32 * 2
+    assert kv_bytes_per_token(TINY_LLAMA, jnp.bfloat16, "heads") == \
+        kv_bytes_per_token(TINY_LLAMA, jnp.bfloat16)
+
+
 def test_forward_writes_only_its_slots() -> None:
     params = jax.device_put(init_random_params(TINY_LLAMA, seed=1))
     sim = PagedSim(params, TINY_LLAMA, page_size=4, block_size=8, num_pages=64)

@@ -87,9 +87,14 @@ class KVPool:
         return self.k.shape[slot_axis(self.layout)]
 
 
-def kv_bytes_per_token(cfg: ModelConfig, dtype) -> int:
-    """Bytes of KV one token occupies across all layers (K and V)."""
-    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
+def kv_bytes_per_token(cfg: ModelConfig, dtype, layout: str = "heads",
+                       split: bool = False) -> int:
+    """Bytes one token's K and V occupy across all layers in a pool of `layout` (`split`:
+    its heads split over devices, as pool_shape): in "lanes" a row's zero lanes included
+    (SmolLM2's 3 x 64 values held in 256 lanes), the bytes the pool holds."""
+    width = lanes_width(cfg.num_kv_heads, cfg.head_dim, split) if layout == "lanes" \
+        else cfg.num_kv_heads * cfg.head_dim
+    return 2 * cfg.num_layers * width * jnp.dtype(dtype).itemsize
 
 
 def make_kv_pool(cfg: ModelConfig, num_pages: int, page_size: int, dtype,
