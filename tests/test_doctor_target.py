@@ -2,7 +2,9 @@
 whole model forward and the engine's FORWARD, FUSED and DECODE_STEPS (K decode steps in one
 loop) step programs of the default model and of the 1B-shaped random bfloat16 model lower for
 each accelerator with `jax.export`, with that platform's Pallas attention kernel in the
-program, and the report names the kernels the target starts from."""
+program, and the report names the kernels the target starts from. The 1B shape is lowered
+with 4 of its 16 layers (LAYERS_1B): an unrolled decoder lowers each layer alike, and the
+default model's 30 are lowered whole (the 1B's other 12 layers: ~7 of the file's ~25 CPU-s)."""
 
 from __future__ import annotations
 
@@ -10,12 +12,17 @@ import contextlib
 import functools
 import io
 import json
+from dataclasses import replace
 from typing import Any
+from unittest import mock
 
 import pytest
 
+from multiserve.bench.random_model import SIZES
 from multiserve.cli import main
 from multiserve.doctor.target import print_target_report
+
+LAYERS_1B = 4  # (module docstring)
 
 
 @functools.cache
@@ -23,7 +30,8 @@ def _doctor_json(target: str) -> tuple[int, dict[str, Any]]:
     """(exit code, report) of `multiserve doctor --target <target> --json`: run once per
     target, its report read by both tests (the text is rendered from the same report)."""
     out = io.StringIO()
-    with contextlib.redirect_stdout(out):
+    small_1b = replace(SIZES["1b"], num_layers=LAYERS_1B)
+    with mock.patch.dict(SIZES, {"1b": small_1b}), contextlib.redirect_stdout(out):
         rc = main(["doctor", "--target", target, "--json"])
     return rc, json.loads(out.getvalue())
 
@@ -36,8 +44,9 @@ def test_doctor_target_lowers_both_models(target: str, kernel: str) -> None:
     assert report["target"] == target and report["host_platform"] == "cpu"
     default, big = report["models"]
     assert (default["shape"]["layers"], default["shape"]["hidden"]) == (30, 576)  # SmolLM2-135M
-    assert (big["shape"]["layers"], big["shape"]["hidden"], big["dtype"]) == (16, 2048,
-                                                                               "bfloat16")
+    assert SIZES["1b"].num_layers == 16  # the shape's own, outside the patch
+    assert (big["shape"]["layers"], big["shape"]["hidden"], big["dtype"]) == (
+        LAYERS_1B, 2048, "bfloat16")
     for model in report["models"]:
         assert model["attention"]["kernel"] == kernel
         assert {p["name"] for p in model["products"]} >= {"wq", "w_down", "head"}

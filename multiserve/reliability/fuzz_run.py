@@ -15,8 +15,10 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from multiserve.reliability.fuzz import FuzzReport, fuzz_server
 
@@ -25,6 +27,7 @@ from multiserve.reliability.fuzz import FuzzReport, fuzz_server
 class FuzzResult:
     reports: list[FuzzReport]
     problems: list[str] = field(default_factory=list)
+    then: Any = None  # what `run_fuzz`'s `then` returned
 
     @property
     def ok(self) -> bool:
@@ -38,10 +41,13 @@ class FuzzResult:
 
 
 def run_fuzz(cases_per_app: int, *, seed: int = 0, model_dir: Path | None = None,
-             engines: int = 1, front_door_cases: int | None = None) -> FuzzResult:
+             engines: int = 1, front_door_cases: int | None = None,
+             then: Callable[[Any], Any] | None = None) -> FuzzResult:
     """Fuzz the engine app and the supervisor app with `cases_per_app` cases each, then
     the fleet's front door with `front_door_cases` (default: a third as many: it relays
-    the engine's generation routes, fuzzed already behind it)."""
+    the engine's generation routes, fuzzed already behind it); then `then(fleet)`, if
+    given (its result in `FuzzResult.then`: more runs on the same fleet, which the
+    post-check covers too)."""
     from multiserve.fleet.launch import launch_fleet
     from multiserve.reliability.integrity import fleet_problems
     from multiserve.reliability.tiny_model import tiny_fleet_config, write_tiny_model
@@ -59,7 +65,8 @@ def run_fuzz(cases_per_app: int, *, seed: int = 0, model_dir: Path | None = None
             if fleet.front_door_url is not None and door > 0:
                 reports.append(fuzz_server("front_door", fleet.front_door_url, door,
                                            seed=seed + 2))
-            return FuzzResult(reports, fleet_problems(fleet))
+            extra = then(fleet) if then is not None else None
+            return FuzzResult(reports, fleet_problems(fleet), extra)
         finally:
             fleet.stop("abort")
 

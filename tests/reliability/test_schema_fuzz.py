@@ -15,11 +15,21 @@ import pytest
 CASES_PER_APP = 150
 
 
+STREAMING = {"POST /v1/completions", "POST /v1/chat/completions", "POST /generate",
+             "POST /inference/v1/generate"}
+
+
 @pytest.fixture(scope="module")
 def result(tiny_model: Path):  # noqa: ANN201
+    """The fuzz run; then, on the same fleet (one fleet start for the file), 12 cases of
+    the engine app's streamed routes (test_streamed_events_match_the_document), which the
+    run's post-check covers too."""
+    from multiserve.reliability.fuzz import fuzz_server
     from multiserve.reliability.fuzz_run import run_fuzz
 
-    return run_fuzz(CASES_PER_APP, seed=0, model_dir=tiny_model)
+    return run_fuzz(CASES_PER_APP, seed=0, model_dir=tiny_model,
+                    then=lambda fleet: fuzz_server("engine", fleet.urls[0], 12,
+                                                   operations=STREAMING))
 
 
 def test_no_server_error_and_error_bodies_everywhere(result) -> None:  # noqa: ANN001
@@ -108,22 +118,13 @@ def test_documents_declare_the_jax_weight_transfer() -> None:
                 assert "jax" in str(schema["properties"]["backend"])
 
 
-STREAMING = {"POST /v1/completions", "POST /v1/chat/completions", "POST /generate",
-             "POST /inference/v1/generate"}
-
-
-def test_streamed_events_match_the_document(tiny_model: Path) -> None:
+def test_streamed_events_match_the_document(result) -> None:  # noqa: ANN001
     """Issue 21: every SSE event of a streamed answer (chunks, usage chunk, [DONE]) matches
-    the event schema the engine app's document declares (it said "a string")."""
-    from multiserve.fleet.launch import launch_fleet
-    from multiserve.reliability.fuzz import STREAM_EXAMPLES, fuzz_server
-    from multiserve.reliability.tiny_model import tiny_fleet_config
+    the event schema the engine app's document declares (it said "a string"); the
+    streamed routes fuzzed on their own after the main run (the `result` fixture)."""
+    from multiserve.reliability.fuzz import STREAM_EXAMPLES
 
-    fleet = launch_fleet(tiny_fleet_config(tiny_model, engines=1), announce=False)
-    try:
-        report = fuzz_server("engine", fleet.urls[0], 12, operations=STREAMING)
-    finally:
-        fleet.stop("abort")
+    report = result.then
     print("\n".join(report.lines()))
     assert set(STREAM_EXAMPLES) == STREAMING
     for label in STREAMING:
