@@ -13,7 +13,8 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 
 def readme_block(lang: str, containing: str) -> str:
     """The README's first fenced `lang` block that contains `containing`."""
-    blocks = re.findall(r"^```%s\n(.*?)^```" % re.escape(lang), README.read_text(), re.M | re.S)
+    fence = re.compile("^```" + re.escape(lang) + r"\n(.*?)^```", re.M | re.S)
+    blocks = fence.findall(README.read_text())
     found = [b for b in blocks if containing in b]
     assert found, f"README.md has no ```{lang} block containing {containing!r}"
     return found[0]
