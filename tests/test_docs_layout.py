@@ -1,7 +1,7 @@
-"""Names in the docs are true. docs/architecture.md §12 lists the package's files as they
-are: every module and native source in multiserve/ (`__init__.py` aside) appears in the
-layout tree, and every file the tree names exists. And every file name and module the prose
-names (docstrings, comments, docs/, sops/, README.md) exists."""
+"""Names in the docs are true. docs/architecture.md §2 maps the package: every folder of
+multiserve/ appears on the map, and every path the map names exists; below a folder the
+modules tell themselves (each opens with a docstring, §12). And every file name and module
+the prose names (docstrings, comments, docs/, sops/, README.md) exists."""
 
 from __future__ import annotations
 
@@ -16,9 +16,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _tree_paths() -> set[str]:
+def _map_paths() -> set[str]:
+    """The paths (relative to the repository) that §2's map names: folders end in "/"."""
     text = (REPO / "docs" / "architecture.md").read_text()
-    start = text.index("## 12. Layout")
+    start = text.index("## 2. Rooms")
     end = text.find("\n## ", start)
     section = text[start:end if end != -1 else len(text)]
     block = section[section.index("```\n") + 4:]
@@ -30,24 +31,37 @@ def _tree_paths() -> set[str]:
         if not m or not re.search(r"(/|\.py|\.cc|\.h)$", m.group(2)):
             continue  # a description's continuation line
         indent, name = len(m.group(1)), m.group(2)
+        if indent == 0 and name != "multiserve/":  # `plugins/  configs/  ...`: top folders
+            paths.update(w for w in line.split() if w.endswith("/"))
+            continue
         while stack and stack[-1][0] >= indent:
             stack.pop()
         path = "".join(p for _, p in stack) + name
         if name.endswith("/"):
             stack.append((indent, name))
-        else:
-            paths.add(path)
+        paths.add(path)
     return paths
 
 
-def test_layout_tree_lists_every_module_and_nothing_else() -> None:
-    listed = _tree_paths()
-    present = {str(p.relative_to(REPO)) for p in (REPO / "multiserve").rglob("*")
-               if p.suffix in (".py", ".cc", ".h") and p.name != "__init__.py"
-               and "__pycache__" not in p.parts}
-    assert listed, "no layout tree found"
-    assert present - listed == set(), f"not in architecture.md §12: {sorted(present - listed)}"
-    assert listed - present == set(), f"listed but absent: {sorted(listed - present)}"
+def test_the_map_shows_every_folder_and_names_only_what_exists() -> None:
+    listed = _map_paths()
+    assert listed, "no map found in architecture.md §2"
+    folders = {str(p.relative_to(REPO)) + "/" for p in (REPO / "multiserve").rglob("*")
+               if p.is_dir() and "__pycache__" not in p.parts}
+    folders.add("multiserve/")
+    assert folders - listed == set(), f"folders not on architecture.md §2's map: " \
+                                      f"{sorted(folders - listed)}"
+    absent = sorted(p for p in listed if not (REPO / p).exists()
+                    or (REPO / p).is_dir() != p.endswith("/"))
+    assert absent == [], f"on architecture.md §2's map but absent: {absent}"
+
+
+def test_every_module_opens_with_a_docstring() -> None:
+    """§12: below the map's folders each module says what it is."""
+    bare = sorted(str(p.relative_to(REPO)) for p in (REPO / "multiserve").rglob("*.py")
+                  if p.name != "__init__.py" and "__pycache__" not in p.parts
+                  and not ast.get_docstring(ast.parse(p.read_text())))
+    assert bare == [], f"modules without a docstring: {bare}"
 
 
 # ---- names true: every file and module the prose names exists ----------------------------

@@ -145,3 +145,19 @@ def test_greedy_default_model_equals_unbatched_loop(default_engine: Any) -> None
     later = eng.generate(input_ids=prompts[3], sampling_params=params)
     check(later, expected[3])
     assert later.cached_tokens >= 16
+
+
+def test_the_readme_engine_example_runs(default_engine: Any) -> None:
+    """README "First requests": the in-process example, on the suite's default-model engine
+    (the same model and plan as `Engine()`'s; greedy outputs do not depend on the buckets)
+    in place of the one it builds and shuts down."""
+    from readme_examples import readme_block
+
+    code = readme_block("python", "engine = Engine()")
+    assert "\nengine = Engine()\n" in code and code.rstrip().endswith("engine.shutdown()")
+    code = code.replace("\nengine = Engine()\n", "\n").replace("engine.shutdown()", "")
+    namespace: dict[str, Any] = {"engine": default_engine}
+    exec(compile(code, "README.md", "exec"), namespace)
+    out = namespace["out"]
+    assert out.finished and out.finish_reason == "length" and len(out.output_ids) == 8
+    assert out.text.strip()

@@ -67,3 +67,32 @@ def test_sglang_generate_constraints(url: str) -> None:
         assert ok(out["text"]), (key, out["text"])
         # logprobs are the model's raw ones, one per emitted token
         assert len(out["meta_info"]["output_token_logprobs"]) == len(out["output_ids"])
+
+
+def test_the_readme_curl_and_openai_examples(url: str) -> None:
+    """README "First requests": its curl and openai-client examples, verbatim but for the
+    address (the fleet's engine port 31000 and front door 30000 there; the suite's
+    default-model server here: the same routes and model name)."""
+    import contextlib
+    import io
+    import shutil
+    import subprocess
+
+    from readme_examples import readme_block
+
+    host = url.removeprefix("http://")
+    if shutil.which("curl") is not None:
+        curl = readme_block("bash", "localhost:31000/v1/chat/completions")
+        assert curl.count("localhost:31000") == 1
+        done = subprocess.run(["bash", "-c", curl.replace("localhost:31000", host)],
+                              capture_output=True, text=True, timeout=120, check=True)
+        reply = json.loads(done.stdout)
+        assert reply["choices"][0]["message"]["content"].strip()
+    code = readme_block("python", "from openai import OpenAI")
+    assert code.count("http://127.0.0.1:30000") == 1
+    namespace: dict = {}
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(compile(code.replace("http://127.0.0.1:30000", url), "README.md", "exec"),
+             namespace)
+    assert printed.getvalue().strip() == namespace["r"].choices[0].message.content.strip() != ""
