@@ -21,15 +21,23 @@ def _out(o: Any) -> dict[str, Any]:
             [float(t.logprob).hex() for t in o.logprobs]}
 
 
+def _prompts() -> list[list[int]]:
+    """PROMPTS, each id modulo $NODE_VOCAB where the checkpoint's vocabulary is smaller
+    (the family checkpoints' 512 ids)."""
+    vocab = int(os.environ.get("NODE_VOCAB", "0"))
+    return [[t % vocab for t in p] for p in PROMPTS] if vocab else PROMPTS
+
+
 def bits(engine: Any) -> dict[str, Any]:
     """Greedy and seeded samples of three prompts, batched, then the first alone."""
     greedy = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True,
                             return_logprob=True)
     seeded = SamplingParams(max_new_tokens=12, temperature=0.9, top_p=0.95, seed=1234,
                             ignore_eos=True, return_logprob=True)
-    batch = engine.generate(input_ids=PROMPTS + PROMPTS,
+    prompts = _prompts()
+    batch = engine.generate(input_ids=prompts + prompts,
                             sampling_params=[greedy] * 3 + [seeded] * 3)
-    alone = engine.generate(input_ids=PROMPTS[0], sampling_params=greedy)
+    alone = engine.generate(input_ids=prompts[0], sampling_params=greedy)
     return {"batch": [_out(o) for o in batch], "alone": _out(alone)}
 
 
