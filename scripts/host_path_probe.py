@@ -5,7 +5,7 @@ decoding requests (prompt i: 40 + i tokens; sampled at the default temperature; 
 sharing), padded to 64 tokens and rows (the bench's largest bucket), then times each
 of the step's host stages for STEPS steps in the order EngineCore runs them: schedule,
 build_step_arrays, step_rows, the SamplingBatch (both as the core runs them: the step
-before's reused where SteadyRows can, engine/sampling/steady_rows.py), packing the two
+before's reused where SteadyRows can, engine/step_inputs/steady_rows.py), packing the two
 program inputs, Scheduler.launch, Scheduler.postprocess, and each Req's next delta handed
 to a sink that only keeps it. It prints the median ms of each stage (the first 50 steps
 dropped) and their sum. Without a device nothing shares the cores with it, so it shows
@@ -22,21 +22,21 @@ import time
 import numpy as np
 
 from multiserve.config import EngineConfig
-from multiserve.engine.device.batch_arrays import build_step_arrays
-from multiserve.engine.device.step_inputs import sampling_inputs, step_inputs
-from multiserve.engine.sampling.host import (
-    build_sampling_batch,
-    mask_words,
-    mask_zeros,
-    penalty_zeros,
-)
-from multiserve.engine.sampling.rows import step_rows
-from multiserve.engine.sampling.steady_rows import SteadyRows
 from multiserve.engine.sched.page_allocator import PageAllocator
 from multiserve.engine.sched.prefix_cache import PrefixCache
 from multiserve.engine.sched.request import Req
 from multiserve.engine.sched.scheduler import Scheduler
 from multiserve.engine.sched.stop_rules import StopRules
+from multiserve.engine.step_inputs.program_inputs import sampling_inputs, step_inputs
+from multiserve.engine.step_inputs.row_specs import step_rows
+from multiserve.engine.step_inputs.sampling_batch import (
+    build_sampling_batch,
+    mask_words,
+    mask_zeros,
+    penalty_zeros,
+)
+from multiserve.engine.step_inputs.steady_rows import SteadyRows
+from multiserve.engine.step_inputs.token_arrays import build_step_arrays
 from multiserve.types import GenerateRequest, OutputDelta, SamplingParams
 
 VOCAB = 49152  # the default tokenizer's

@@ -7,8 +7,8 @@ owns the Reqs), the runner, the step in flight, step counters, the pause state, 
 weight version. Its other jobs live beside it, each in its own module:
 - what a step computes, its logits rows included: `Scheduler.schedule` (a complete
   ScheduledBatch, engine/sched/batch.py, with its RowPlan, engine/sched/row_plan.py);
-- which sampler row each logits row is: engine/sampling/rows.py (`step_rows`), kept
-  across plain decode steps of the same samples by engine/sampling/steady_rows.py;
+- which sampler row each logits row is: engine/step_inputs/row_specs.py (`step_rows`), kept
+  across plain decode steps of the same samples by engine/step_inputs/steady_rows.py;
 - a step's logprobs on the host: engine/sampling/logprobs.py (`StepLogprobs`);
 - when a sample ends: engine/sched/stop_rules.py (`StopRules`);
 - recording a step's results on the Reqs: `Scheduler.postprocess`;
@@ -56,13 +56,9 @@ from multiserve.config import EngineConfig, ModelConfig
 from multiserve.engine.base.lora_adapters import LoraAdapter, LoraRefused, LoraTable
 from multiserve.engine.base.pause_state import PauseState
 from multiserve.engine.base.routed_experts import RoutedExpertsTable
-from multiserve.engine.device.batch_arrays import build_step_arrays
 from multiserve.engine.device.runner import Runner, StepOutput
 from multiserve.engine.host_phases import NO_PHASES, HostPhases, NoPhases
-from multiserve.engine.sampling.host import mask_words
 from multiserve.engine.sampling.logprobs import StepLogprobs
-from multiserve.engine.sampling.rows import step_rows
-from multiserve.engine.sampling.steady_rows import SteadyRows
 from multiserve.engine.sched.admission import AdmissionLimits, check_admission
 from multiserve.engine.sched.batch import ScheduledBatch
 from multiserve.engine.sched.page_allocator import PageAllocator
@@ -71,6 +67,10 @@ from multiserve.engine.sched.request import Req
 from multiserve.engine.sched.scheduler import Scheduler
 from multiserve.engine.sched.stop_rules import StopRules
 from multiserve.engine.spec.drafter import Drafter
+from multiserve.engine.step_inputs.row_specs import step_rows
+from multiserve.engine.step_inputs.sampling_batch import mask_words
+from multiserve.engine.step_inputs.steady_rows import SteadyRows
+from multiserve.engine.step_inputs.token_arrays import build_step_arrays
 from multiserve.engine.wait_pause import Pending, WaitPause
 from multiserve.types import (
     ControlResult,
@@ -141,7 +141,7 @@ class EngineCore:
         self.admission = AdmissionLimits.from_config(cfg, self.initial_available)
         self._fault: str | None = None  # the next step raises this (inject_fault)
         # a plain decode step's sampler inputs, reused by the next plain steps of the
-        # same samples (engine/sampling/steady_rows.py)
+        # same samples (engine/step_inputs/steady_rows.py)
         self.steady_rows = SteadyRows()
         # a measuring aid (engine/host_phases.py; `host_phases`): the step's timer,
         # NO_PHASES (every call a no-op) while none is set

@@ -9,7 +9,7 @@ it:
 - loop: from the end of the previous pass to the start of this one (the engine loop:
   its command queue, `has_work`);
 - schedule: `Scheduler.schedule` (and a drain the step needed first, in its own phases);
-- arrays: `build_step_arrays` (engine/device/batch_arrays.py);
+- arrays: `build_step_arrays` (engine/step_inputs/token_arrays.py);
 - sampling_rows: `step_rows` and `Runner.sampling_batch` (the sampler's host inputs);
 - launch: `Runner.run` (packing the inputs and calling the compiled programs);
 - advance: `Scheduler.launch` (positions, pending tokens, the prefix cache);

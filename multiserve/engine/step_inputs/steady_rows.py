@@ -6,7 +6,7 @@ grammar (its mask moves) or banned ids (min_new_tokens still ahead). Such a row'
 sampler fields depend only on its sample's params, seed and index (fixed for the Req's
 life) and on its position, which moves every step. So while plain decode steps follow one
 another with the same samples in the same rows and the same row bucket, the SamplingBatch
-built for the first of them (engine/sampling/rows.py `step_rows`, then
+built for the first of them (engine/step_inputs/row_specs.py `step_rows`, then
 `Runner.sampling_batch`) is reused by the next ones with only `position` rewritten, and
 the step builds no RowSpec.
 
@@ -30,10 +30,10 @@ from typing import Any
 
 import numpy as np
 
-from multiserve.engine.sampling.host import RowSpec
 from multiserve.engine.sampling.sampler import SamplingBatch
 from multiserve.engine.sched.batch import ScheduledBatch
 from multiserve.engine.sched.request import Req
+from multiserve.engine.step_inputs.sampling_batch import RowSpec
 
 # (output counts, prompt mask, token mask) of a row bucket: the runner's device zeros
 ZerosFor = Callable[[int], tuple[Any, Any, Any]]
