@@ -83,7 +83,7 @@ def probe(rows: int, steps: int) -> dict[str, float]:
         arrays = build_step_arrays(batch, padded, padded, 128, 256, PAGE)
         t.append(time.perf_counter())
         reused = steady.reuse(batch, padded, zeros_for)
-        if reused is None:  # the engine core's path (engine/core.py `_launch`)
+        if reused is None:  # the engine's path (`StepInputs.build`)
             specs, wants_lp = step_rows(batch, rules, mask_words(VOCAB))
             t.append(time.perf_counter())
             sb = build_sampling_batch(specs, padded, VOCAB, zeros=zeros, no_masks=no_masks)

@@ -85,7 +85,7 @@ def test_host_phases_tile_each_pass_of_a_real_run(tiny_engine: Any) -> None:
         return tiny_engine.call(Call(run)).result()
 
     def reused() -> int:
-        return tiny_engine.call(Call(lambda core: core.steady_rows.reused)).result()
+        return tiny_engine.call(Call(lambda core: core.inputs.steady_rows.reused)).result()
 
     switch(True)
     reused_before = reused()

@@ -10,9 +10,9 @@ built for the first of them (engine/step_inputs/row_specs.py `step_rows`, then
 `Runner.sampling_batch`) is reused by the next ones with only `position` rewritten, and
 the step builds no RowSpec.
 
-Owner: the EngineCore (one per engine; only its thread calls in). What invalidates the
-kept batch: a step that is not plain (it is dropped), other samples or another order in
-the rows, another row bucket (rebuilt from the step's specs), and a kept row whose
+Owner: the StepInputs of one engine (device_step.py; only its thread calls in). What
+invalidates the kept batch: a step that is not plain (it is dropped), other samples or
+another order in the rows, another row bucket (rebuilt from the step's specs), and a kept row whose
 min_new_tokens is not reached at this step (then it has bans: rebuilt; the rows with a
 min_new_tokens are checked at every reuse). The [R, V]
 zeros are not kept: they are the runner's at every step (`Runner.sampling_zeros`), so a
