@@ -273,7 +273,7 @@ class EngineCore:
                              batch.decode_steps)
             launched = timed("launch", self.device.run, timed("inputs", self.inputs.build,
                                                                 batch))
-            self._launched(launched)
+            timed("advance", self._launched, launched)
         self._drained_at = None
         if prev is not None:
             self._process(prev)
@@ -300,43 +300,43 @@ class EngineCore:
     def _process(self, step: InFlight) -> None:
         """Read `step`'s results (blocks on the device), let the scheduler record them,
         and deliver what they completed."""
-        batch, out = step.batch, step.out
         phases = self._phases
-        phases.saw(batch.num_tokens == len(batch.rows))
-        phases.lap("advance")  # what ran since the last lap: the launch's bookkeeping
-        next_ids = phases.timed("read_back", np.asarray, out.next_ids)
+        phases.saw(step.batch.num_tokens == len(step.batch.rows))
+        phases.lap("advance")  # what ran since the last lap
+        next_ids = phases.timed("read_back", np.asarray, step.out.next_ids)
         # the step's cost: from when the device could start it (its launch, or the read
         # of the step before it) to its results read
         now = time.perf_counter()
         # (a dispatch of K decode steps: the cost of one of them)
         self.scheduler.planner.step_costs.observe(
             step.padded_tokens,
-            (now - max(step.launched_at, self._last_read_at)) / out.decode_steps)
+            (now - max(step.launched_at, self._last_read_at)) / step.out.decode_steps)
         self._last_read_at = now
+        deliver = phases.timed("postprocess", self._record, step, next_ids)
+        phases.timed("deliver", self._deliver_all, deliver)
+
+    def _record(self, step: InFlight, next_ids: np.ndarray) -> Sequence[Req]:
+        """Record `step`'s results read back (`next_ids`): its logprobs, routed experts
+        and the scheduler's postprocess; returns the Reqs with output to deliver."""
+        batch, out = step.batch, step.out
         lp = StepLogprobs(out.sample) if out.wants_logprobs else None
         if out.decode_steps > 1:
             self.last_batch = batch
-            deliver = self.scheduler.postprocess_decode_steps(
+            return self.scheduler.postprocess_decode_steps(
                 batch, next_ids.tolist(),
                 [lp.step(k) for k in range(out.decode_steps)] if lp is not None else None,
                 self.weight_version, self.stop_rules)
-            self._deliver_all(deliver)
-            return
         if self.routed_experts is not None and step.out_slots is not None:
             # before postprocess: a sample it finishes copies its rows out (Req.keep_routing)
             self.routed_experts.record(step.out_slots, np.asarray(out.routed_experts))
         self.last_batch = batch
-        deliver = self.scheduler.postprocess(batch, next_ids.tolist(), lp,
-                                             self.weight_version, self.stop_rules)
-        self._deliver_all(deliver)
+        return self.scheduler.postprocess(batch, next_ids.tolist(), lp, self.weight_version,
+                                          self.stop_rules)
 
     def _deliver_all(self, deliver: Sequence[Req]) -> None:
         """After a step's postprocess: deliver each of `deliver`."""
-        phases = self._phases
-        phases.lap("postprocess")
         for req in deliver:
             self._deliver(req)
-        phases.lap("deliver")
 
     def finish(self, req: Req, reason: FinishReason, error: str | None = None) -> None:
         """THE finish path: the scheduler records it (finished, `reason`, no longer live,
