@@ -361,8 +361,9 @@ class Runner:
     def run_packed(self, tokens: int, packed: np.ndarray, sampling_args: tuple[Any, ...],
                    wants_logprobs: bool, num_rows: int) -> StepOutput:
         """`run` from its packed host inputs (step_inputs/program_inputs.py), on the
-        programs `run` chose for the same buckets: how a follower of a spanning engine runs the leader's step
-        (multihost/ops.py). Only compiled programs (a spanning engine warms up fully)."""
+        programs `run` chose for the same buckets: how a follower of a spanning engine
+        runs the leader's step (multihost/ops.py). Only compiled programs (a spanning
+        engine warms up fully)."""
         programs = self.step_programs
 
         def compiled(kind: ProgramKind, size: int) -> Any:
