@@ -83,7 +83,7 @@ MAX_STOP_TOKEN_IDS = 64
 
 class SamplerFields(NamedTuple):
     """What a `SamplingParams` puts in every sampler row it governs, the same at every step
-    of every sample of its request (engine/sampling/host.py stores them), with greedy
+    of every sample of its request (engine/step_inputs/sampling_batch.py stores them), with greedy
     folded in: a greedy row has temperature 0, top_k 0, top_p 1 and min_p 0 (no filter)."""
 
     # temperature, top_p, min_p, frequency / presence / repetition penalty

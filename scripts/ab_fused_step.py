@@ -22,8 +22,8 @@ import multiserve.bench.breakdown as B
 from multiserve.config import EngineConfig
 from multiserve.engine.commands import Call
 from multiserve.engine.device.programs import ProgramKind
-from multiserve.engine.device.step_inputs import sampling_inputs, step_inputs
 from multiserve.engine.engine import Engine
+from multiserve.engine.step_inputs.program_inputs import sampling_inputs, step_inputs
 
 
 def measure(core: Any, rows: int, rounds: int) -> str:

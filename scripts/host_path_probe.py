@@ -5,7 +5,7 @@ decoding requests (prompt i: 40 + i tokens; sampled at the default temperature; 
 sharing), padded to 64 tokens and rows (the bench's largest bucket), then times each
 of the step's host stages for STEPS steps in the order EngineCore runs them: schedule,
 build_step_arrays, step_rows, the SamplingBatch (both as the core runs them: the step
-before's reused where SteadyRows can, engine/sampling/steady_rows.py), packing the two
+before's reused where SteadyRows can, engine/step_inputs/steady_rows.py), packing the two
 program inputs, Scheduler.launch, Scheduler.postprocess, and each Req's next delta handed
 to a sink that only keeps it. It prints the median ms of each stage (the first 50 steps
 dropped) and their sum. Without a device nothing shares the cores with it, so it shows
@@ -22,21 +22,21 @@ import time
 import numpy as np
 
 from multiserve.config import EngineConfig
-from multiserve.engine.device.batch_arrays import build_step_arrays
-from multiserve.engine.device.step_inputs import sampling_inputs, step_inputs
-from multiserve.engine.sampling.host import (
-    build_sampling_batch,
-    mask_words,
-    mask_zeros,
-    penalty_zeros,
-)
-from multiserve.engine.sampling.rows import step_rows
-from multiserve.engine.sampling.steady_rows import SteadyRows
 from multiserve.engine.sched.page_allocator import PageAllocator
 from multiserve.engine.sched.prefix_cache import PrefixCache
 from multiserve.engine.sched.request import Req
 from multiserve.engine.sched.scheduler import Scheduler
 from multiserve.engine.sched.stop_rules import StopRules
+from multiserve.engine.step_inputs.program_inputs import sampling_inputs, step_inputs
+from multiserve.engine.step_inputs.row_specs import step_rows
+from multiserve.engine.step_inputs.sampling_batch import (
+    build_sampling_batch,
+    mask_words,
+    mask_zeros,
+    penalty_zeros,
+)
+from multiserve.engine.step_inputs.steady_rows import SteadyRows
+from multiserve.engine.step_inputs.token_arrays import build_step_arrays
 from multiserve.types import GenerateRequest, OutputDelta, SamplingParams
 
 VOCAB = 49152  # the default tokenizer's
@@ -83,7 +83,7 @@ def probe(rows: int, steps: int) -> dict[str, float]:
         arrays = build_step_arrays(batch, padded, padded, 128, 256, PAGE)
         t.append(time.perf_counter())
         reused = steady.reuse(batch, padded, zeros_for)
-        if reused is None:  # the engine core's path (engine/core.py `_launch`)
+        if reused is None:  # the engine's path (`StepInputs.build`)
             specs, wants_lp = step_rows(batch, rules, mask_words(VOCAB))
             t.append(time.perf_counter())
             sb = build_sampling_batch(specs, padded, VOCAB, zeros=zeros, no_masks=no_masks)

@@ -27,7 +27,7 @@ import numpy as np  # noqa: E402
 
 from multiserve.config import EngineConfig, ModelConfig  # noqa: E402
 from multiserve.engine.device.runner import Runner  # noqa: E402
-from multiserve.engine.device.sampling_batches import sampler_rows  # noqa: E402
+from multiserve.engine.step_inputs.sampling_zeros import sampler_rows  # noqa: E402
 from multiserve.model.loading.param_layout import param_shapes  # noqa: E402
 
 MODEL = ModelConfig(

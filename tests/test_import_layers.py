@@ -35,7 +35,7 @@ LAYERS = (COMMANDS, HTTP_AND_FLEET, ENGINE, MULTIHOST, MODEL, SHARED)
 # the engine's rooms, top to bottom (each may import its own floor and those below it)
 ENGINE_BASE = ("multiserve.engine.base",)
 ENGINE_ROOMS = tuple(f"multiserve.engine.{room}" for room in (
-    "sched", "spec", "sampling", "device"))
+    "sched", "spec", "sampling", "step_inputs", "device"))
 ENGINE_TOP = tuple(f"multiserve.engine.{m}" for m in (
     "engine", "core", "commands", "control_runner", "setup", "rl_interface", "rl",
     "lora_control", "state_report", "memory_report", "streams",

@@ -60,11 +60,11 @@ import numpy as np
 
 from multiserve.bench.ours import request_params
 from multiserve.engine.commands import Call
-from multiserve.engine.device.batch_arrays import StepArrays, empty_step_arrays
+from multiserve.engine.step_inputs.token_arrays import StepArrays, empty_step_arrays
 from multiserve.engine.device.programs import ProgramKind
-from multiserve.engine.device.sampling_batches import sampler_rows
-from multiserve.engine.device.step_inputs import sampling_inputs, step_inputs, step_tree
-from multiserve.engine.sampling import host as sampling_host
+from multiserve.engine.step_inputs.sampling_zeros import sampler_rows
+from multiserve.engine.step_inputs.program_inputs import sampling_inputs, step_inputs, step_tree
+from multiserve.engine.step_inputs import sampling_batch as sampling_host
 from multiserve.engine.sampling import sampler as sampling
 from multiserve.engine.state_report import internal_state
 from multiserve.model.layers.attention import paged_attention
@@ -127,8 +127,8 @@ def page_lists(shape: StepShape, page_size: int, num_pages: int) -> list[list[in
 
 def decode_arrays(shape: StepShape, page_rows: int, max_rows: int, max_pages: int,
                   page_size: int, num_pages: int, vocab: int) -> StepArrays:
-    """Host arrays of a decode step as the engine builds them (batch_arrays.py): token b
-    is row b's one new token, its pages `page_lists`; padding tokens write into page 0
+    """Host arrays of a decode step as the engine builds them (step_inputs/token_arrays.py):
+    token b is row b's one new token, its pages `page_lists`; padding tokens write into page 0
     and read sequence row 0."""
     a = empty_step_arrays(shape.tokens, page_rows, max_rows, max_pages)
     rng = np.random.default_rng(0)

@@ -49,7 +49,7 @@ def engine_programs(ec: EngineConfig, decode_steps: bool) -> list[tuple[str, int
     """Every program an engine of `ec` compiles: a FORWARD per token bucket, a HEAD per
     row bucket (logits, then one sampler per sampler row count), a FUSED per fused step
     size and, with `decode_steps`, a DECODE_STEPS per fused step size."""
-    from multiserve.engine.device.sampling_batches import sampler_rows
+    from multiserve.engine.step_inputs.sampling_zeros import sampler_rows
 
     rows = ec.precompile_bs_paddings
     return ([("forward", t) for t in ec.precompile_token_paddings]
@@ -65,16 +65,16 @@ def step_programs(cfg: ModelConfig, dtype: str, plan: InvariancePlan, ec: Engine
     """The programs `which` ((kind, size) of KINDS) of an engine of `ec` over `mesh`,
     with abstract compute `params` placed there, a pool of `num_pages` pages and page
     tables `max_pages` wide."""
-    from multiserve.engine.device.batch_arrays import empty_step_arrays
-    from multiserve.engine.device.packed_inputs import layout_of
-    from multiserve.engine.device.sampling_batches import SamplingBatches
     from multiserve.engine.device.step_functions import StepFunctions
-    from multiserve.engine.device.step_inputs import (
+    from multiserve.engine.step_inputs.packed import layout_of
+    from multiserve.engine.step_inputs.program_inputs import (
         sampling_inputs,
         small_sampling_fields,
         step_inputs,
         step_tree,
     )
+    from multiserve.engine.step_inputs.sampling_zeros import SamplingBatches
+    from multiserve.engine.step_inputs.token_arrays import empty_step_arrays
     from multiserve.model.families import family_for
     from multiserve.model.layers.kv_pool import KVPool, pool_layout, pool_shape
     from multiserve.model.sharding import attention_sharded, kv_pool_sharding

@@ -4,11 +4,14 @@ pausing, flushing.
 Only the engine's own thread calls into an EngineCore (docs/architecture.md §3); the public
 `Engine` hands work to it through a queue of typed commands. Owns: the scheduler (which
 owns the Reqs), the runner, the step in flight, step counters, the pause state, the
-weight version. Its other jobs live beside it, each in its own module:
+weight version. A step passes three rooms, one value each (`_overlap`): `Scheduler.schedule
+-> ScheduledBatch`, `StepInputs.build -> DeviceStep` (engine/step_inputs/), `Device.run ->
+InFlight` (engine/device/device.py); the per-phase timer wraps those calls
+(`HostPhases.timed`). Its other jobs live beside it, each in its own module:
 - what a step computes, its logits rows included: `Scheduler.schedule` (a complete
   ScheduledBatch, engine/sched/batch.py, with its RowPlan, engine/sched/row_plan.py);
-- which sampler row each logits row is: engine/sampling/rows.py (`step_rows`), kept
-  across plain decode steps of the same samples by engine/sampling/steady_rows.py;
+- everything the device needs for it (token arrays, page table, sampler rows and their
+  reuse across plain decode steps): engine/step_inputs/device_step.py (`StepInputs`);
 - a step's logprobs on the host: engine/sampling/logprobs.py (`StepLogprobs`);
 - when a sample ends: engine/sched/stop_rules.py (`StopRules`);
 - recording a step's results on the Reqs: `Scheduler.postprocess`;
@@ -19,7 +22,7 @@ weight version. Its other jobs live beside it, each in its own module:
 - what get_internal_state reports: engine/state_report.py.
 
 Invariants:
-- At most one step is in flight (`self.in_flight`, an `InFlightStep`: the batch as
+- At most one step is in flight (`self.in_flight`, an `InFlight`: the batch as
   scheduled, never written after, plus what its launch learned: the token bucket, the
   launch time, the runner's output); under overlap, step N+1 is launched before step N's
   results are read. `drain()` reads the step in flight, after which no
@@ -47,7 +50,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -56,13 +58,10 @@ from multiserve.config import EngineConfig, ModelConfig
 from multiserve.engine.base.lora_adapters import LoraAdapter, LoraRefused, LoraTable
 from multiserve.engine.base.pause_state import PauseState
 from multiserve.engine.base.routed_experts import RoutedExpertsTable
-from multiserve.engine.device.batch_arrays import build_step_arrays
-from multiserve.engine.device.runner import Runner, StepOutput
+from multiserve.engine.device.device import Device, InFlight
+from multiserve.engine.device.runner import Runner
 from multiserve.engine.host_phases import NO_PHASES, HostPhases, NoPhases
-from multiserve.engine.sampling.host import mask_words
 from multiserve.engine.sampling.logprobs import StepLogprobs
-from multiserve.engine.sampling.rows import step_rows
-from multiserve.engine.sampling.steady_rows import SteadyRows
 from multiserve.engine.sched.admission import AdmissionLimits, check_admission
 from multiserve.engine.sched.batch import ScheduledBatch
 from multiserve.engine.sched.page_allocator import PageAllocator
@@ -71,6 +70,7 @@ from multiserve.engine.sched.request import Req
 from multiserve.engine.sched.scheduler import Scheduler
 from multiserve.engine.sched.stop_rules import StopRules
 from multiserve.engine.spec.drafter import Drafter
+from multiserve.engine.step_inputs.device_step import StepInputs
 from multiserve.engine.wait_pause import Pending, WaitPause
 from multiserve.types import (
     ControlResult,
@@ -81,16 +81,6 @@ from multiserve.types import (
 )
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class InFlightStep:
-    """A launched step whose results are not read yet."""
-    batch: ScheduledBatch
-    out: StepOutput  # the runner's (device) results
-    padded_tokens: int  # the token bucket it ran in
-    launched_at: float  # perf_counter at its launch
-    out_slots: np.ndarray | None = None  # routing replay: its token rows' KV slots [T]
 
 
 class EngineCore:
@@ -112,13 +102,17 @@ class EngineCore:
         self.routed_experts = (RoutedExpertsTable(model_cfg, num_pages * cfg.page_size,
                                                   cfg.page_size)
                                if runner.routed_experts else None)
+        # the step's rooms after the scheduler: its inputs, then the device that runs them
+        self.inputs = StepInputs(runner, self.stop_rules, model_cfg.vocab_size, self.max_pages,
+                                 cfg.page_size)
+        self.device = Device(runner)
         self.scheduler = Scheduler(cfg, self.allocator, self.cache, max_context,
                                    max(cfg.precompile_token_paddings),
                                    max(cfg.precompile_bs_paddings),
                                    drafter=Drafter() if cfg.speculative_algorithm else None,
                                    routed_experts=self.routed_experts,
                                    kv_window=model_cfg.kv_window)
-        self.in_flight: InFlightStep | None = None
+        self.in_flight: InFlight | None = None
         self.last_batch: ScheduledBatch | None = None
         self.pause_state = PauseState()
         self.wait_pause: WaitPause | None = None  # a "wait" pause still draining
@@ -140,9 +134,6 @@ class EngineCore:
         self.initial_available = self.scheduler.available_kv_tokens()
         self.admission = AdmissionLimits.from_config(cfg, self.initial_available)
         self._fault: str | None = None  # the next step raises this (inject_fault)
-        # a plain decode step's sampler inputs, reused by the next plain steps of the
-        # same samples (engine/sampling/steady_rows.py)
-        self.steady_rows = SteadyRows()
         # a measuring aid (engine/host_phases.py; `host_phases`): the step's timer,
         # NO_PHASES (every call a no-op) while none is set
         self._phases: HostPhases | NoPhases = NO_PHASES
@@ -243,7 +234,8 @@ class EngineCore:
 
     # ---- stepping ------------------------------------------------------------------
     def step(self) -> None:
-        """Launch the next step (if any), then read the previous one (overlap)."""
+        """One pass of the overlap loop: the step in flight goes in, the step launched now
+        comes out (`_overlap`)."""
         assert not self.pause_state.paused, self.pause_state.reasons
         if self._fault is not None:
             msg, self._fault = self._fault, None
@@ -258,101 +250,93 @@ class EngineCore:
             # just sampled: read the step in flight first
             self.drain()
             self._drained_at = time.perf_counter()
-        if self.cfg.decode_steps_per_dispatch > 1:  # the sizes K decode steps may run at
-            self.scheduler.compiled = self.runner.compiled_sizes()
-        batch = self.scheduler.schedule()
-        phases.lap("schedule")
-        launched = self._launch(batch) if batch is not None else None
-        self._drained_at = None
-        if self.in_flight is not None:
-            self._process(self.in_flight)
-        self.in_flight = launched
-        if not self.overlap and self.in_flight is not None:
+        # while `_overlap` reads it, `in_flight` still names the step before: a step that
+        # raises leaves it there (the engine loop's failure path, engine.py)
+        self.in_flight = self._overlap(self.in_flight)
+        if not self.overlap:
             self.drain()
         if self.in_flight is None and not self.scheduler.running:
             self.scheduler.check_integrity()
         phases.lap("advance")
         phases.end()
 
+    def _overlap(self, prev: InFlight | None) -> InFlight | None:
+        """Schedule and launch the next step (if any), then read `prev`: the three rooms
+        (scheduler -> StepInputs -> Device) and the step now in flight."""
+        if self.cfg.decode_steps_per_dispatch > 1:  # the sizes K decode steps may run at
+            self.scheduler.compiled = self.runner.compiled_sizes()
+        timed = self._phases.timed
+        batch = timed("schedule", self.scheduler.schedule)
+        launched = None
+        if batch is not None:
+            self._phases.saw(batch.num_tokens == len(batch.rows), len(batch.rows),
+                             batch.decode_steps)
+            launched = timed("launch", self.device.run, timed("inputs", self.inputs.build,
+                                                                batch))
+            timed("advance", self._launched, launched)
+        self._drained_at = None
+        if prev is not None:
+            self._process(prev)
+        return launched
+
     def drain(self) -> None:
         if self.in_flight is not None:
             inflight, self.in_flight = self.in_flight, None
             self._process(inflight)
 
-    def _launch(self, batch: ScheduledBatch) -> InFlightStep:
-        runner = self.runner
-        phases = self._phases
-        t_pad, r_pad = runner.bucket_for(batch.num_tokens, batch.num_logit_rows)
-        arrays = build_step_arrays(batch, t_pad, runner.page_table_rows(t_pad), runner.max_rows,
-                                   self.max_pages, self.page_size, runner.lora_enabled)
-        phases.saw(batch.num_tokens == len(batch.rows), len(batch.rows),
-                   batch.decode_steps)
-        phases.lap("arrays")
-        launched_at = time.perf_counter()
+    def _launched(self, step: InFlight) -> None:
+        """The bookkeeping of a step just launched: the scheduler advances its requests."""
+        batch = step.batch
         if self._drained_at is not None:
             # the step before was read first: the host's work since delayed this launch
-            self.scheduler.planner.step_costs.observe_host(launched_at - self._drained_at)
-        kept = self.steady_rows.reuse(batch, r_pad, runner.sampling_zeros)
-        if kept is not None:
-            sb_host, wants_lp = kept
-        else:
-            specs, wants_lp = step_rows(batch, self.stop_rules,
-                                        mask_words(self.model_cfg.vocab_size))
-            sb_host = runner.sampling_batch(specs, r_pad)
-            self.steady_rows.keep(batch, r_pad, specs, sb_host, wants_lp)
-        phases.lap("sampling_rows")
-        out = runner.run(arrays, sb_host, wants_lp, r_pad, batch.decode_steps)
-        phases.lap("launch")
+            self.scheduler.planner.step_costs.observe_host(step.launched_at - self._drained_at)
         decodes = any(not r.req.in_prefill and r.samples and (r.end - r.start == 1 or r.draft)
                       for r in batch.rows)
         self.scheduler.launch(batch)
         self.forward_ct += 1
         if decodes:
             self.forward_ct_decode += 1
-        return InFlightStep(batch, out, t_pad, launched_at,
-                            arrays.out_slots if out.routed_experts is not None else None)
 
-    def _process(self, step: InFlightStep) -> None:
+    def _process(self, step: InFlight) -> None:
         """Read `step`'s results (blocks on the device), let the scheduler record them,
         and deliver what they completed."""
-        batch, out = step.batch, step.out
         phases = self._phases
-        phases.saw(batch.num_tokens == len(batch.rows))
-        phases.lap("advance")  # what ran since the last lap: the launch's bookkeeping
-        next_ids = np.asarray(out.next_ids)
-        phases.lap("read_back")
+        phases.saw(step.batch.num_tokens == len(step.batch.rows))
+        phases.lap("advance")  # what ran since the last lap
+        next_ids = phases.timed("read_back", np.asarray, step.out.next_ids)
         # the step's cost: from when the device could start it (its launch, or the read
         # of the step before it) to its results read
         now = time.perf_counter()
         # (a dispatch of K decode steps: the cost of one of them)
         self.scheduler.planner.step_costs.observe(
             step.padded_tokens,
-            (now - max(step.launched_at, self._last_read_at)) / out.decode_steps)
+            (now - max(step.launched_at, self._last_read_at)) / step.out.decode_steps)
         self._last_read_at = now
+        deliver = phases.timed("postprocess", self._record, step, next_ids)
+        phases.timed("deliver", self._deliver_all, deliver)
+
+    def _record(self, step: InFlight, next_ids: np.ndarray) -> Sequence[Req]:
+        """Record `step`'s results read back (`next_ids`): its logprobs, routed experts
+        and the scheduler's postprocess; returns the Reqs with output to deliver."""
+        batch, out = step.batch, step.out
         lp = StepLogprobs(out.sample) if out.wants_logprobs else None
         if out.decode_steps > 1:
             self.last_batch = batch
-            deliver = self.scheduler.postprocess_decode_steps(
+            return self.scheduler.postprocess_decode_steps(
                 batch, next_ids.tolist(),
                 [lp.step(k) for k in range(out.decode_steps)] if lp is not None else None,
                 self.weight_version, self.stop_rules)
-            self._deliver_all(deliver)
-            return
         if self.routed_experts is not None and step.out_slots is not None:
             # before postprocess: a sample it finishes copies its rows out (Req.keep_routing)
             self.routed_experts.record(step.out_slots, np.asarray(out.routed_experts))
         self.last_batch = batch
-        deliver = self.scheduler.postprocess(batch, next_ids.tolist(), lp,
-                                             self.weight_version, self.stop_rules)
-        self._deliver_all(deliver)
+        return self.scheduler.postprocess(batch, next_ids.tolist(), lp, self.weight_version,
+                                          self.stop_rules)
 
     def _deliver_all(self, deliver: Sequence[Req]) -> None:
         """After a step's postprocess: deliver each of `deliver`."""
-        phases = self._phases
-        phases.lap("postprocess")
         for req in deliver:
             self._deliver(req)
-        phases.lap("deliver")
 
     def finish(self, req: Req, reason: FinishReason, error: str | None = None) -> None:
         """THE finish path: the scheduler records it (finished, `reason`, no longer live,

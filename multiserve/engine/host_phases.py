@@ -4,14 +4,14 @@ A measuring aid (`multiserve bench --host-phases`, docs/performance.md §23): wh
 EngineCore holds one (`EngineCore.host_phases`, None by default: then the step path
 calls `NO_PHASES`, whose every call does nothing), every pass of `EngineCore.step` is
 cut into consecutive phases by `lap(phase)`, each charged the time since the lap before
-it:
+it; `timed(phase, fn, ...)` wraps a room's call: `fn(...)`, then `lap(phase)`:
 
 - loop: from the end of the previous pass to the start of this one (the engine loop:
   its command queue, `has_work`);
 - schedule: `Scheduler.schedule` (and a drain the step needed first, in its own phases);
-- arrays: `build_step_arrays` (engine/device/batch_arrays.py);
-- sampling_rows: `step_rows` and `Runner.sampling_batch` (the sampler's host inputs);
-- launch: `Runner.run` (packing the inputs and calling the compiled programs);
+- inputs: `StepInputs.build` (engine/step_inputs/device_step.py: the token arrays, the
+  page table, the sampler's rows);
+- launch: `Device.run` (packing the inputs and calling the compiled programs);
 - advance: `Scheduler.launch` (positions, pending tokens, the prefix cache);
 - read_back: reading the sampled ids to the host: the one phase that waits on the
   device (with overlap, for the step launched one pass before);
@@ -33,15 +33,18 @@ from the end of the previous pass (`loop` included) to its own end.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import numpy as np
 
-PHASES = ("loop", "schedule", "arrays", "sampling_rows", "launch", "advance", "read_back",
-          "postprocess", "deliver")
+PHASES = ("loop", "schedule", "inputs", "launch", "advance", "read_back", "postprocess",
+          "deliver")
 WAIT_PHASES = ("read_back",)  # waiting on the device, not host work
 _INDEX = {name: i for i, name in enumerate(PHASES)}
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 @dataclass
@@ -77,6 +80,13 @@ class HostPhases:
         assert self._last is not None, "lap before start"
         self._current[_INDEX[phase]] += now - self._last
         self._last = now
+
+    def timed(self, phase: str, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
+        """`fn(*args, **kwargs)`, then `lap(phase)`: its time (and what ran since the
+        last lap) charged to `phase`."""
+        out = fn(*args, **kwargs)
+        self.lap(phase)
+        return out
 
     def saw(self, decode_only: bool, rows: int = 0, decode_steps: int = 1) -> None:
         """The pass launched or read a step; `decode_only`: it had no prefill chunk;
@@ -132,6 +142,9 @@ class NoPhases:
 
     def lap(self, phase: str) -> None:
         pass
+
+    def timed(self, phase: str, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
+        return fn(*args, **kwargs)
 
     def saw(self, decode_only: bool, rows: int = 0, decode_steps: int = 1) -> None:
         pass

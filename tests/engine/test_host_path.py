@@ -1,7 +1,7 @@
 """The step's host path (issue 50, item 3): the per-phase host timer (engine/host_phases.py)
 on a real tiny engine, the values the step path builds without their frozen __init__
 (engine/base/frozen_build.py) equal to what the constructor builds, and the sampler inputs
-it keeps (SamplingParams.sampler_fields, engine/sampling/steady_rows.py) equal to a
+it keeps (SamplingParams.sampler_fields, engine/step_inputs/steady_rows.py) equal to a
 rebuild."""
 
 from __future__ import annotations
@@ -17,26 +17,26 @@ from sched_sim import PAGE, Sim
 
 from multiserve.engine.base.frozen_build import built
 from multiserve.engine.commands import Call
-from multiserve.engine.device.batch_arrays import (
-    build_step_arrays,
-    empty_step_arrays,
-    one_token_rows,
-    row_by_row,
-)
 from multiserve.engine.host_phases import PHASES, WAIT_PHASES, HostPhases
-from multiserve.engine.sampling.host import (
+from multiserve.engine.sampling.sampler import SamplingBatch
+from multiserve.engine.sched.batch import BatchRow
+from multiserve.engine.sched.request import Req
+from multiserve.engine.sched.stop_rules import StopRules
+from multiserve.engine.step_inputs.row_specs import step_rows
+from multiserve.engine.step_inputs.sampling_batch import (
     RowSpec,
     build_sampling_batch,
     mask_words,
     mask_zeros,
     penalty_zeros,
 )
-from multiserve.engine.sampling.rows import step_rows
-from multiserve.engine.sampling.sampler import SamplingBatch
-from multiserve.engine.sampling.steady_rows import SteadyRows
-from multiserve.engine.sched.batch import BatchRow
-from multiserve.engine.sched.request import Req
-from multiserve.engine.sched.stop_rules import StopRules
+from multiserve.engine.step_inputs.steady_rows import SteadyRows
+from multiserve.engine.step_inputs.token_arrays import (
+    build_step_arrays,
+    empty_step_arrays,
+    one_token_rows,
+    row_by_row,
+)
 from multiserve.types import GenerateRequest, OutputDelta, SamplingParams
 
 
@@ -85,7 +85,7 @@ def test_host_phases_tile_each_pass_of_a_real_run(tiny_engine: Any) -> None:
         return tiny_engine.call(Call(run)).result()
 
     def reused() -> int:
-        return tiny_engine.call(Call(lambda core: core.steady_rows.reused)).result()
+        return tiny_engine.call(Call(lambda core: core.inputs.steady_rows.reused)).result()
 
     switch(True)
     reused_before = reused()
@@ -120,7 +120,7 @@ def test_host_phases_tile_each_pass_of_a_real_run(tiny_engine: Any) -> None:
     assert decode["host_per_step_ms"] == pytest.approx(decode["host_ms"])
     assert wall == pytest.approx(sum(decode["phase_ms"].values()))
     # the steady decode steps of the same four samples took the step before's sampler
-    # inputs (engine/sampling/steady_rows.py)
+    # inputs (engine/step_inputs/steady_rows.py)
     assert reused() > reused_before
 
 

@@ -1,4 +1,4 @@
-"""packed_inputs: a program's small host inputs travel as one int32 array, bit for bit."""
+"""step_inputs.packed: a program's small host inputs travel as one int32 array, bit for bit."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import jax
 import numpy as np
 import pytest
 
-from multiserve.engine.device.packed_inputs import layout_of, pack, unpack
-from multiserve.engine.sampling.host import RowSpec, build_sampling_batch
+from multiserve.engine.step_inputs.packed import layout_of, pack, unpack
+from multiserve.engine.step_inputs.sampling_batch import RowSpec, build_sampling_batch
 from multiserve.types import SamplingParams
 
 

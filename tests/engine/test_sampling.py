@@ -7,8 +7,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from multiserve.engine.sampling.host import RowSpec, build_sampling_batch, penalty_zeros
 from multiserve.engine.sampling.sampler import CANDIDATES, SamplingBatch, sample
+from multiserve.engine.step_inputs.sampling_batch import (
+    RowSpec,
+    build_sampling_batch,
+    penalty_zeros,
+)
 from multiserve.types import SamplingParams
 
 V = 64
@@ -334,7 +338,7 @@ def test_build_sampling_batch_pads_flags_and_reuses_zeros() -> None:
 
 _LOWER_SAMPLER = """
 import hashlib, jax, numpy as np
-from multiserve.engine.sampling.host import build_sampling_batch
+from multiserve.engine.step_inputs.sampling_batch import build_sampling_batch
 from multiserve.engine.sampling.sampler import sample
 sb = build_sampling_batch([], 16, 512)
 text = jax.jit(sample).lower(np.zeros((16, 512), np.float32), sb).as_text(debug_info=False)

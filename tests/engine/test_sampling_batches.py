@@ -8,8 +8,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from multiserve.engine.device.sampling_batches import SamplingBatches, sampler_rows
-from multiserve.engine.sampling.host import RowSpec, mask_words
+from multiserve.engine.step_inputs.sampling_batch import RowSpec, mask_words
+from multiserve.engine.step_inputs.sampling_zeros import SamplingBatches, sampler_rows
 from multiserve.types import SamplingParams
 
 VOCAB = 96

@@ -5,7 +5,7 @@ invariance plan's kernels read, and the canonical leaves that form does not hold
 see the invariant on `params`), the model's family (model/families: the runner talks
 only to that interface: compute params, forward to hidden states, head), the KV pool
 (donated to every step, updated in place), the device buffer of the last step's sampled
-ids, and the sampler's cached device zeros (sampling_batches.py). It asks its
+ids, and the sampler's cached device zeros (engine/step_inputs/sampling_zeros.py). It asks its
 `StepPrograms` (step_programs.py: compiling, warm-up, priming, the fused-step check) for
 the program of each step; the programs' math is step_functions.py.
 
@@ -65,16 +65,16 @@ from multiserve.engine.base.buckets import smallest_fit
 from multiserve.engine.base.dtype_choice import DtypeChoice
 from multiserve.engine.base.lora_adapters import LoraAdapter
 from multiserve.engine.device import huge_pages
-from multiserve.engine.device.batch_arrays import StepArrays
 from multiserve.engine.device.program_share import SHARE
 from multiserve.engine.device.programs import ProgramKind, ProgramSet
-from multiserve.engine.device.sampling_batches import SamplingBatches
 from multiserve.engine.device.step_functions import StepFunctions
-from multiserve.engine.device.step_inputs import sampling_inputs, step_inputs
 from multiserve.engine.device.step_programs import StepPrograms
-from multiserve.engine.sampling import host as sampling_host
 from multiserve.engine.sampling import sampler as sampling
 from multiserve.engine.sched.compiled_sizes import CompiledSizes
+from multiserve.engine.step_inputs import sampling_batch as sampling_host
+from multiserve.engine.step_inputs.program_inputs import sampling_inputs, step_inputs
+from multiserve.engine.step_inputs.sampling_zeros import SamplingBatches
+from multiserve.engine.step_inputs.token_arrays import StepArrays
 from multiserve.model.families import family_for
 from multiserve.model.invariance.calibration import calibrate
 from multiserve.model.invariance.plan import Calibration, InvariancePlan
@@ -360,9 +360,10 @@ class Runner:
 
     def run_packed(self, tokens: int, packed: np.ndarray, sampling_args: tuple[Any, ...],
                    wants_logprobs: bool, num_rows: int) -> StepOutput:
-        """`run` from its packed host inputs (step_inputs.py), on the programs `run` chose
-        for the same buckets: how a follower of a spanning engine runs the leader's step
-        (multihost/ops.py). Only compiled programs (a spanning engine warms up fully)."""
+        """`run` from its packed host inputs (step_inputs/program_inputs.py), on the
+        programs `run` chose for the same buckets: how a follower of a spanning engine
+        runs the leader's step (multihost/ops.py). Only compiled programs (a spanning
+        engine warms up fully)."""
         programs = self.step_programs
 
         def compiled(kind: ProgramKind, size: int) -> Any:

@@ -27,7 +27,7 @@ Invariants:
 - The traced functions' names are the lowered modules' names (`jit__forward_impl`, ...),
   which the persistent compilation cache keys and program_share.py's HLO hash include:
   renaming one misses every cached program.
-- A program's small host inputs travel as ONE packed int32 array (packed_inputs.py),
+- A program's small host inputs travel as ONE packed int32 array (engine/step_inputs/packed.py),
   unpacked here with the static `layout` of its bucket.
 - The jitted functions are made per engine (closures over its config and shardings);
   nothing device-resident is held here.
@@ -47,9 +47,9 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
 from multiserve.config import ModelConfig
-from multiserve.engine.device.packed_inputs import Layout, unpack
-from multiserve.engine.device.sampling_batches import sampler_rows
 from multiserve.engine.sampling import sampler as sampling
+from multiserve.engine.step_inputs.packed import Layout, unpack
+from multiserve.engine.step_inputs.sampling_zeros import sampler_rows
 from multiserve.model.families.base import ModelFamily
 from multiserve.model.invariance.plan import InvariancePlan
 from multiserve.model.layers.forward_batch import ForwardBatch
@@ -208,7 +208,7 @@ def advance_step(arrays: dict[str, jax.Array], k: jax.Array,
     real row (seq_len > 0) one position on per step, its input the id the step before
     sampled into its own row of the previous ids (from step 1 on), its K/V slot read from its
     page-table row; padding rows as they were. At k = 0 the arrays unchanged: what
-    batch_arrays.one_token_rows writes for the step K single steps would run k steps
+    step_inputs/token_arrays.py one_token_rows writes for the step K single steps would run k steps
     later, with every row's pages already in its table."""
     seq_lens, page_table = arrays["seq_lens"], arrays["page_table"]
     tokens = arrays["positions"].shape[0]

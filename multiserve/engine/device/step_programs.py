@@ -52,8 +52,6 @@ import numpy as np
 from jax.sharding import Mesh
 
 from multiserve.config import EngineConfig
-from multiserve.engine.device.batch_arrays import StepArrays, empty_step_arrays
-from multiserve.engine.device.packed_inputs import Layout, layout_of
 from multiserve.engine.device.program_share import SHARE
 from multiserve.engine.device.programs import (
     Plan,
@@ -62,16 +60,18 @@ from multiserve.engine.device.programs import (
     ProgramSet,
     plan,
 )
-from multiserve.engine.device.sampling_batches import sampler_rows
 from multiserve.engine.device.step_functions import StepFunctions
-from multiserve.engine.device.step_inputs import (
+from multiserve.engine.sampling import sampler as sampling
+from multiserve.engine.step_inputs import sampling_batch as sampling_host
+from multiserve.engine.step_inputs.packed import Layout, layout_of
+from multiserve.engine.step_inputs.program_inputs import (
     sampling_inputs,
     small_sampling_fields,
     step_inputs,
     step_tree,
 )
-from multiserve.engine.sampling import host as sampling_host
-from multiserve.engine.sampling import sampler as sampling
+from multiserve.engine.step_inputs.sampling_zeros import sampler_rows
+from multiserve.engine.step_inputs.token_arrays import StepArrays, empty_step_arrays
 from multiserve.model.layers.kv_pool import KVPool
 from multiserve.types import MAX_TOP_LOGPROBS, SamplingParams
 
@@ -429,8 +429,8 @@ class StepPrograms:
         0, each its own sequence, all rows alike (so the K/V every row writes into the
         garbage page 0's slot of each position, read back by the later steps, is the same
         whichever row's write lands last); the single steps are built on the host the
-        way batch_arrays builds the steps that follow (positions + 1, the ids from the
-        previous step's rows)."""
+        way step_inputs/token_arrays.py builds the steps that follow (positions + 1, the ids
+        from the previous step's rows)."""
         state = self.state
         vocab = self.functions.model_cfg.vocab_size
         decode_steps = self.cfg.decode_steps_per_dispatch

@@ -1,2 +1,2 @@
-"""The sampler: on device (`sampler`, jitted, batch-invariant) and its host side (`host`:
-per-request parameters as padded arrays, logprob records)."""
+"""The sampler: on device (`sampler`, jitted, batch-invariant) and its logprob records
+read back on the host (`logprobs`); its host inputs are built in engine/step_inputs/."""

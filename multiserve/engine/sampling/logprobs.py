@@ -45,7 +45,7 @@ class StepLogprobs:
 
     def prompt(self, b: int, token: int, params: SamplingParams) -> TokenLogprob:
         """The record of prompt token `token` scored by prompt row b (its one requested
-        id: `sampling.rows.prompt_row_params`)."""
+        id: `step_inputs.row_specs.prompt_row_params`)."""
         return TokenLogprob(token, float(self.selected[b, 0]),
                             self._top(b, params.top_logprobs_num))
 

@@ -2,7 +2,7 @@
 
 Owns: `SamplingBatch` (per-row sampling state), `SampleOutput` and `sample` (pure jax,
 traced inside the runner's jitted step). The host side that fills a SamplingBatch
-(`RowSpec`, `PenaltyZeros`, `build_sampling_batch`) is engine/sampling/host.py.
+(`RowSpec`, `PenaltyZeros`, `build_sampling_batch`) is engine/step_inputs/sampling_batch.py.
 
 Per row, in this order: raw logits -> repetition penalty (tokens in prompt or output),
 frequency and presence penalties (output counts) -> banned ids set to -inf -> tokens a

@@ -3,7 +3,7 @@
 Invariant: the scheduler builds a `ScheduledBatch` whole (`Scheduler.schedule`) and
 nothing writes it afterwards: the rows, their token count and their RowPlan (row_plan.py)
 are fixed from then on. What only the launch learns (the token bucket, when it launched)
-is the engine core's (engine/core.py `InFlightStep`).
+is the step in flight's (engine/device/device.py `InFlight`).
 """
 
 from __future__ import annotations

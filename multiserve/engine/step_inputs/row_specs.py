@@ -21,11 +21,11 @@ from __future__ import annotations
 import numpy as np
 
 from multiserve.engine.base.frozen_build import built
-from multiserve.engine.sampling.host import RowSpec
 from multiserve.engine.sched.batch import ScheduledBatch
 from multiserve.engine.sched.request import Req
 from multiserve.engine.sched.row_plan import RowKind
 from multiserve.engine.sched.stop_rules import StopRules
+from multiserve.engine.step_inputs.sampling_batch import RowSpec
 from multiserve.types import SamplingParams
 
 

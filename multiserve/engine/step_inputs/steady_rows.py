@@ -6,13 +6,13 @@ grammar (its mask moves) or banned ids (min_new_tokens still ahead). Such a row'
 sampler fields depend only on its sample's params, seed and index (fixed for the Req's
 life) and on its position, which moves every step. So while plain decode steps follow one
 another with the same samples in the same rows and the same row bucket, the SamplingBatch
-built for the first of them (engine/sampling/rows.py `step_rows`, then
+built for the first of them (engine/step_inputs/row_specs.py `step_rows`, then
 `Runner.sampling_batch`) is reused by the next ones with only `position` rewritten, and
 the step builds no RowSpec.
 
-Owner: the EngineCore (one per engine; only its thread calls in). What invalidates the
-kept batch: a step that is not plain (it is dropped), other samples or another order in
-the rows, another row bucket (rebuilt from the step's specs), and a kept row whose
+Owner: the StepInputs of one engine (device_step.py; only its thread calls in). What
+invalidates the kept batch: a step that is not plain (it is dropped), other samples or
+another order in the rows, another row bucket (rebuilt from the step's specs), and a kept row whose
 min_new_tokens is not reached at this step (then it has bans: rebuilt; the rows with a
 min_new_tokens are checked at every reuse). The [R, V]
 zeros are not kept: they are the runner's at every step (`Runner.sampling_zeros`), so a
@@ -30,10 +30,10 @@ from typing import Any
 
 import numpy as np
 
-from multiserve.engine.sampling.host import RowSpec
 from multiserve.engine.sampling.sampler import SamplingBatch
 from multiserve.engine.sched.batch import ScheduledBatch
 from multiserve.engine.sched.request import Req
+from multiserve.engine.step_inputs.sampling_batch import RowSpec
 
 # (output counts, prompt mask, token mask) of a row bucket: the runner's device zeros
 ZerosFor = Callable[[int], tuple[Any, Any, Any]]

@@ -1,10 +1,10 @@
 """The host inputs of a step's programs, as the programs take them.
 
-A program's small host inputs travel as ONE packed int32 array (packed_inputs.py): the
+A program's small host inputs travel as ONE packed int32 array (packed.py): the
 step arrays of a forward (`step_inputs`), the SamplingBatch fields of a head except its
 two [R, V] penalty arrays and its [R, V/32] token mask (`sampling_inputs`), which are
 passed as arrays of their own (host arrays, or the engine's cached device zeros:
-sampling_batches.py).
+sampling_zeros.py).
 
 They are handed to the program's call as NumPy arrays: the compiled call moves them to the
 device with its input sharding (replicated) in its own C++ path. A Python
@@ -19,9 +19,9 @@ from typing import Any
 
 import numpy as np
 
-from multiserve.engine.device.batch_arrays import StepArrays
-from multiserve.engine.device.packed_inputs import pack
 from multiserve.engine.sampling import sampler as sampling
+from multiserve.engine.step_inputs.packed import pack
+from multiserve.engine.step_inputs.token_arrays import StepArrays
 
 # the step arrays a forward reads, in its packed order
 ARRAY_FIELDS = ("input_ids", "from_prev", "positions", "token_seq", "out_slots", "page_table",

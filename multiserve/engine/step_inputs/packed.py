@@ -52,7 +52,7 @@ def _as_int32(leaf: Any) -> np.ndarray:
     a = np.asarray(leaf)
     bits = _BITS.get(a.dtype)
     if bits is None:
-        raise TypeError(f"packed_inputs: a {a.dtype} leaf cannot be packed (32-bit or bool "
+        raise TypeError(f"step_inputs.packed: a {a.dtype} leaf cannot be packed (32-bit or bool "
                         "only)")
     if not bits:
         return a.astype(np.int32).reshape(-1)

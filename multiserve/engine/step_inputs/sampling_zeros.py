@@ -1,6 +1,6 @@
 """The host sampling inputs of one engine's steps, and the device zeros they reuse.
 
-A step's SamplingBatch (sampling/host.py) carries three [R, V]-sized arrays (the two
+A step's SamplingBatch (sampling_batch.py) carries three [R, V]-sized arrays (the two
 penalty arrays and the [R, V/32] token mask) that are all zeros unless some row has a
 penalty or a grammar. `SamplingBatches` is their one owner: it keeps, per sampler row
 count, those zeros on the engine's devices (made on first use), and hands them to every
@@ -19,8 +19,8 @@ from collections.abc import Sequence
 import jax
 from jax.sharding import NamedSharding
 
-from multiserve.engine.sampling import host as sampling_host
 from multiserve.engine.sampling import sampler as sampling
+from multiserve.engine.step_inputs import sampling_batch as sampling_host
 
 
 def sampler_rows(num_rows: int) -> int:
