@@ -121,15 +121,10 @@ class ParamLayout:
         """The checks `validate` makes of HF-named tensors that need no value (known name,
         shape, floating dtype), made of a description before any array exists (a weight
         transfer's names, dtypes and shapes). Raises WeightUpdateError naming the tensor."""
-        cfg = self.model_cfg
         for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
-            if name.endswith(_IGNORED_SUFFIXES) or (cfg.tie_word_embeddings
-                                                    and name == "lm_head.weight"):
-                continue
-            spec = self.specs.get(name)
+            spec = self._spec(name, "")
             if spec is None:
-                raise WeightUpdateError(f"tensor {name!r}: not a parameter of this "
-                                        f"{cfg.architecture} model")
+                continue
             if tuple(shape) != spec.hf_shape:
                 raise WeightUpdateError(f"tensor {name!r}: shape {tuple(shape)}, expected "
                                         f"{spec.hf_shape}")
@@ -183,19 +178,27 @@ class ParamLayout:
                 _check_finite(name, x)
         return out
 
+    def _spec(self, name: str, where: str) -> Any:
+        """The spec of HF tensor `name`; None for a name an update skips (rotary caches, a
+        tied head); raises WeightUpdateError for a name that is no parameter of the model."""
+        cfg = self.model_cfg
+        if name.endswith(_IGNORED_SUFFIXES) or (cfg.tie_word_embeddings
+                                                and name == "lm_head.weight"):
+            return None
+        spec = self.specs.get(name)
+        if spec is None:
+            raise WeightUpdateError(f"{where}tensor {name!r}: not a parameter of this "
+                                    f"{cfg.architecture} model")
+        return spec
+
     def _validate_named(self, named: dict[str, Any], require_all: bool, source: str,
                         check_finite: bool = True) -> tuple[Full, Partial, int]:
         where = "" if source == "<tensors>" else f"{source}: "
-        cfg = self.model_cfg
         given: dict[str, Any] = {}
         for name, x in named.items():
-            if name.endswith(_IGNORED_SUFFIXES) or (cfg.tie_word_embeddings
-                                                    and name == "lm_head.weight"):
-                continue
-            spec = self.specs.get(name)
+            spec = self._spec(name, where)
             if spec is None:
-                raise WeightUpdateError(f"{where}tensor {name!r}: not a parameter of this "
-                                        f"{cfg.architecture} model")
+                continue
             if not _is_array(x):
                 raise WeightUpdateError(f"{where}tensor {name!r}: not an array "
                                         f"({type(x).__name__})")
