@@ -20,6 +20,7 @@ from multiserve.config import ModelConfig
 from multiserve.model.loading.hf_names import params_to_hf
 from multiserve.model.loading.loader import load_model
 from multiserve.model.loading.safetensors_io import load_file
+from multiserve.model.simple_generate import greedy_token_ids
 
 Checkpoint = tuple[Any, Path, Path]  # (transformers model, single-file dir, sharded dir)
 
@@ -85,3 +86,19 @@ def ragged_logits_diff(ckpt: Checkpoint) -> tuple[float, float]:
     assert set(got) == {(k, p) for k, n in lens.items() for p in range(n)}
     diff = max(float(np.max(np.abs(got[(k, p)] - ref[k][p]))) for k, p in got)
     return diff, max(float(np.max(np.abs(r))) for r in ref.values())
+
+
+def greedy_ids_and_generates(ckpt: Checkpoint, prompt_len: int, new_tokens: int = 24
+                             ) -> tuple[list[int], list[int]]:
+    """(our greedy ids, transformers' `generate` ids) for a seeded random prompt of
+    `prompt_len` tokens, float32, no EOS."""
+    model, path, _ = ckpt
+    loaded = load_model(str(path), "float32")
+    prompt = [int(t) for t in np.random.default_rng(2).integers(3, 500, prompt_len)]
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens,
+                             do_sample=False, eos_token_id=None, pad_token_id=0)
+    want = out[0, len(prompt):].tolist()
+    got = greedy_token_ids(jax.device_put(loaded.params), loaded.config, prompt, new_tokens)
+    return got, want
+

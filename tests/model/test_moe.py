@@ -20,7 +20,6 @@ from moe_checkpoints import ARCHS, make_model
 from multiserve.model.families import family_for
 from multiserve.model.invariance.calibration import default_plan
 from multiserve.model.loading.loader import load_model
-from multiserve.model.simple_generate import greedy_token_ids
 
 torch.set_num_threads(1)  # several busy threads on 2 shared cores slow torch 10x
 CHECKPOINTS = checkpoints.Checkpoints(make_model)
@@ -52,14 +51,8 @@ def test_moe_ragged_paged_batches_match_transformers(arch: str, tmp_path_factory
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))
 def test_moe_greedy_ids_match_transformers_generate(arch: str, tmp_path_factory) -> None:
-    model, path, _ = checkpoint(arch, tmp_path_factory)
-    loaded = load_model(str(path), "float32")
-    prompt = [int(t) for t in np.random.default_rng(2).integers(3, 500, 12)]
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False,
-                             eos_token_id=None, pad_token_id=0)
-    want = out[0, len(prompt):].tolist()
-    got = greedy_token_ids(jax.device_put(loaded.params), loaded.config, prompt, 24)
+    got, want = checkpoints.greedy_ids_and_generates(checkpoint(arch, tmp_path_factory),
+                                                     12)
     assert got == want
     assert len(set(got)) > 3  # a varied continuation, not one repeated token
 
