@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from multiserve.config import ModelConfig
+from multiserve.host.populated import populated_empty
 from multiserve.model.errors import ModelLoadError
 from multiserve.model.families import family_for
 from multiserve.model.families.base import HfTensorSpec
@@ -66,8 +67,10 @@ def params_from_hf(named: dict[str, Any], cfg: ModelConfig, dtype=None,
         if dtype is not None:
             arr = arr.astype(dtype, copy=False)
         arr = arr.T if spec.transposed else arr
-        if spec.layer is None:
-            params[spec.key] = np.array(arr, order="C")  # own, writable memory (not a mmap)
+        if spec.layer is None:  # own, writable memory (not the file's mapping)
+            own = populated_empty(arr.shape, arr.dtype)
+            own[...] = arr
+            params[spec.key] = own
         else:
             stacked.setdefault(spec.path, {})[spec.index] = arr
     for (group, key), parts in stacked.items():
@@ -78,12 +81,16 @@ def params_from_hf(named: dict[str, Any], cfg: ModelConfig, dtype=None,
 def _stack(parts: dict[tuple[int, ...], Any]) -> np.ndarray:
     """One stacked leaf from its pieces keyed by (layer,) or (layer, expert), every index
     present (the specs list them all)."""
+    first = next(iter(parts.values()))
     if len(next(iter(parts))) == 1:
-        return np.stack([parts[(i,)] for i in range(len(parts))])
+        out = populated_empty((len(parts), *first.shape), first.dtype)
+        return np.stack([parts[(i,)] for i in range(len(parts))], out=out)
     layers = 1 + max(i for i, _ in parts)
     experts = len(parts) // layers
-    return np.stack([np.stack([parts[(i, e)] for e in range(experts)])
-                     for i in range(layers)])
+    out = populated_empty((layers, experts, *first.shape), first.dtype)
+    for i in range(layers):
+        np.stack([parts[(i, e)] for e in range(experts)], out=out[i])
+    return out
 
 
 def params_to_hf(params: dict[str, Any], cfg: ModelConfig) -> dict[str, np.ndarray]:
