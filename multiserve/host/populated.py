@@ -4,11 +4,14 @@ written whole right after they are made (a model's stacked weights).
 `populated_empty(shape, dtype)` is `np.empty` whose memory comes from one
 mmap(MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE) call where the buffer is large (at least
 `MIN_BYTES`) and the platform has the flag; else `np.empty` itself. Placement only: the
-array's values are unset as np.empty's, and its memory is freed with it (the array holds the
-mapping). Why: writing a new buffer faults its pages in one at a time, and on a
-sandboxed kernel (gVisor) each fault is dear: 540 MB written into fresh memory after a
-20 s idle took 7.0 s there, the same bytes populated by the mmap call 0.4-0.7 s
-(docs/performance.md §36).
+array's values are unset as np.empty's, and its memory is freed with it (the array holds
+the mapping). Page-aligned, such a buffer is one jax's CPU `device_put` places without a
+copy: the placed array then holds it (the loader's weights are never donated; only the
+K/V pool is).
+Why: writing a new buffer faults its pages in one at a time, and in a VM whose free memory
+goes back to its host (Firecracker with free page reporting) each of those faults is dear:
+540 MB written into new memory after a 20 s idle took 7.0 s there, the same bytes
+populated by the mmap call 0.4-0.7 s (docs/performance.md §36).
 """
 
 from __future__ import annotations
