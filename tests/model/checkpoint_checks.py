@@ -101,4 +101,3 @@ def greedy_ids_and_generates(ckpt: Checkpoint, prompt_len: int, new_tokens: int 
     want = out[0, len(prompt):].tolist()
     got = greedy_token_ids(jax.device_put(loaded.params), loaded.config, prompt, new_tokens)
     return got, want
-

@@ -178,7 +178,7 @@ class ParamLayout:
                 _check_finite(name, x)
         return out
 
-    def _spec(self, name: str, where: str) -> Any:
+    def _spec(self, name: str, where: str) -> HfTensorSpec | None:
         """The spec of HF tensor `name`; None for a name an update skips (rotary caches, a
         tied head); raises WeightUpdateError for a name that is no parameter of the model."""
         cfg = self.model_cfg
