@@ -22,6 +22,7 @@ from multiserve.model.kernels.product_tuning import (
     ProductTuning,
     choose_ahead,
     choose_split,
+    best_times,
     parse,
 )
 
@@ -35,6 +36,31 @@ def test_the_split_starts_where_splitting_wins_at_every_larger_size() -> None:
     assert choose_split({512: (2.0, 1.0), 1024: (4.0, 2.0)}) == 512  # always
     # within GAIN of each other: not a win
     assert choose_split({512: (1.0, 1.0), 1024: (2.0, 1.99)}) == 2048
+
+
+def test_a_slowdown_shorter_than_the_rounds_changes_no_best_time() -> None:
+    """The machine runs every timing at twice its time during a window of consecutive
+    timings (the other core taken for a while): each case's best is still its unslowed
+    time, since a round visits every case before the next round begins."""
+    n_cases, rounds = 12, 7
+    calls: list[tuple[int, int]] = []
+    clean = [1.0 + i for i in range(n_cases)]
+
+    def timer_for(i: int):  # noqa: ANN202
+        def timer() -> float:
+            slowed = 4 <= len(calls) < 4 + n_cases * (rounds - 2)  # 5 rounds' worth
+            calls.append((i, len(calls)))
+            return clean[i] * (2.0 if slowed else 1.0)
+        return timer
+
+    applied: list[tuple[int, int]] = []
+    cases = [(timer_for(i), (i, 0)) for i in range(n_cases)]
+    assert best_times(cases, applied.append, rounds) == clean
+    assert len(calls) == n_cases * rounds
+    # each timing ran under its own case's setting, set right before it
+    assert applied == [(i, 0) for _ in range(rounds) for i in range(n_cases)]
+    # no case is timed twice in a row (a case's second timing would find its stack in cache)
+    assert all(a[0] != b[0] for a, b in zip(calls, calls[1:], strict=False))
 
 
 def test_the_prefetch_is_the_fastest_distance_only_if_it_beats_none() -> None:

@@ -10,6 +10,11 @@ AMD EPYC (Zen 5) one core alone reads at ~90% of the machine's bandwidth, on an 
 each layer's matrix read once, in turn) split and not split, at sizes from a few panels to
 a few MB, and then at the largest size each prefetch distance of `AHEAD_BYTES`; the
 threshold is the smallest size from which splitting is faster at every larger size measured.
+Every program is compiled and run once before any is timed, and each time kept is a case's
+best over ROUNDS rounds that each visit every case (`best_times`): on a 2-vCPU VM the
+second core is sometimes taken for a second or more, which a measurement timing each case's
+rounds back to back, in a fresh process, turned into "never split" (a one-row bf16 stream
+~15% slower on a Zen 5 EPYC, docs/performance.md §37).
 The result is cached per kernel build (the build's name hashes the CPU) next to the
 kernels, measured once per machine under a lock, and set in the kernels once per process
 before an engine's calibration (`ensure`), whose plan key names it (store.backend_key).
@@ -39,13 +44,13 @@ import numpy as np
 log = logging.getLogger("multiserve.native_kernels")
 
 TUNING_ENV = "MULTISERVE_PRODUCT_TUNING"
-TUNING_VERSION = 1  # bump when `measure` changes: cached measurements are then redone
+TUNING_VERSION = 2  # bump when `measure` changes: cached measurements are then redone
 PANELS = (1, 2, 4, 8, 16, 32)  # panels of 64 columns of the products timed for the split
 K = 1024  # their contraction (512 k-pairs: a panel is 512 work units, 128 KB of bfloat16)
 STACK_BYTES = 32 << 20  # each size's layer stack: larger than any core's L2
 AHEAD_BYTES = (0, 1024, 2048, 4096, 8192)  # prefetch distances timed
 GAIN = 1.03  # a setting other than the default must be this much faster
-ROUNDS = 3  # interleaved rounds of the settings compared (best of)
+ROUNDS = 7  # rounds of every case compared (best of), each round over all of them
 BUSY_SHARE = 0.10  # others' CPU over a measurement, of the machine's, above which it is dropped
 RETRY_SECONDS = 600  # after a dropped measurement, the defaults until then
 
@@ -211,6 +216,20 @@ def choose_ahead(times: dict[int, float]) -> int:
     return best if times[best] * GAIN <= times[0] else 0
 
 
+def best_times(cases: list[tuple[Any, tuple[int, int]]], apply: Any,
+               rounds: int) -> list[float]:
+    """Each (timer, setting) case's best time over `rounds` rounds, `apply(setting)`
+    before each timing; a round times every case once, in order, so a case's timings are
+    spread over the whole measurement: a slowdown of the machine that lasts less than
+    `rounds - 1` rounds leaves every case one unslowed timing."""
+    best = [float("inf")] * len(cases)
+    for _ in range(rounds):
+        for i, (timer, setting) in enumerate(cases):
+            apply(setting)
+            best[i] = min(best[i], timer())
+    return best
+
+
 def measure(lib: ctypes.CDLL, pack: Any, product: Any) -> ProductTuning:
     """Time one-row products of layer stacks (module docstring) on this machine: `lib` the
     loaded kernels (it sets their tuning for each setting timed), `pack` and `product`
@@ -246,27 +265,28 @@ def measure(lib: ctypes.CDLL, pack: Any, product: Any) -> ProductTuning:
         seconds()  # compile and warm
         return seconds
 
-    def best_of(settings: list[tuple[int, int]], timer: Any) -> list[float]:
-        best = [float("inf")] * len(settings)
-        for _ in range(ROUNDS):
-            for i, (split, ahead) in enumerate(settings):
-                lib.MultiserveSetProductTuning(ctypes.c_int64(split), ctypes.c_int64(ahead))
-                best[i] = min(best[i], timer())
-        return best
+    def best_of(cases: list[tuple[Any, tuple[int, int]]]) -> list[float]:
+        def apply(setting: tuple[int, int]) -> None:
+            lib.MultiserveSetProductTuning(ctypes.c_int64(setting[0]),
+                                           ctypes.c_int64(setting[1]))
+        return best_times(cases, apply, ROUNDS)
 
+    # every size's program compiled and run once before any is timed
+    timers = {panels: per_product(stack(panels)) for panels in PANELS}
+    # sizes inner: no case is timed right after another on the same stack (whose lines
+    # the cache still held would favour the second)
+    settings = ((1 << 62, 0), (0, 0))  # alone, split
+    times = best_of([(timers[p], s) for s in settings for p in PANELS])
     seen: dict[str, float] = {}
     split_times: dict[int, tuple[float, float]] = {}
-    timer = None
-    for panels in PANELS:  # the last (largest) size's timer is kept for the prefetch
-        timer = per_product(stack(panels))
-        units = panels * (K // 2)
-        alone, split = best_of([(1 << 62, 0), (0, 0)], timer)
-        split_times[units] = (alone, split)
+    for j, panels in enumerate(PANELS):
+        alone, split = times[j], times[len(PANELS) + j]
+        split_times[panels * (K // 2)] = (alone, split)
         seen[f"{panels}p alone"], seen[f"{panels}p split"] = alone, split
     split_units = choose_split(split_times)
-    largest = PANELS[-1]
+    largest = PANELS[-1]  # the prefetch is timed at the largest size, split as chosen
     split_at = split_units if largest * (K // 2) >= split_units else 1 << 62
-    ahead = best_of([(split_at, a) for a in AHEAD_BYTES], timer)
+    ahead = best_of([(timers[largest], (split_at, a)) for a in AHEAD_BYTES])
     for a, t in zip(AHEAD_BYTES, ahead, strict=True):
         seen[f"{largest}p ahead {a}"] = t
     ahead_bytes = choose_ahead(dict(zip(AHEAD_BYTES, ahead, strict=True)))
