@@ -20,9 +20,9 @@ import pytest
 from multiserve.model.kernels import product_tuning
 from multiserve.model.kernels.product_tuning import (
     ProductTuning,
+    best_times,
     choose_ahead,
     choose_split,
-    best_times,
     parse,
 )
 
@@ -113,7 +113,8 @@ def test_a_measurement_made_while_others_ran_is_dropped_then_retried(
         return ProductTuning(16384, 0, "measured", {"1p alone": 1e-5})
 
     monkeypatch.setattr(product_tuning, "machine_busy_seconds", busy_seconds)
-    monkeypatch.setattr(product_tuning, "_clock", iter(range(0, 10**6, 10)).__next__)  # 10 s a measurement
+    # 10 s a measurement
+    monkeypatch.setattr(product_tuning, "_clock", iter(range(0, 10**6, 10)).__next__)
     path = tmp_path / "k.so.tuning.json"
     others["per_call"] = 0.5 * 10 * (os.cpu_count() or 1)  # half the machine, 10 s
     got = product_tuning._cached_or_measured(path, measure)
