@@ -10,11 +10,12 @@ AMD EPYC (Zen 5) one core alone reads at ~90% of the machine's bandwidth, on an 
 each layer's matrix read once, in turn) split and not split, at sizes from a few panels to
 a few MB, and then at the largest size each prefetch distance of `AHEAD_BYTES`; the
 threshold is the smallest size from which splitting is faster at every larger size measured.
-Every program is compiled and run once before any is timed, and each time kept is a case's
-best over ROUNDS rounds that each visit every case (`best_times`): on a 2-vCPU VM the
-second core is sometimes taken for a second or more, which a measurement timing each case's
-rounds back to back, in a fresh process, turned into "never split" (a one-row bf16 stream
-~15% slower on a Zen 5 EPYC, docs/performance.md §37).
+Every program is compiled and run once before any is timed, the pool's threads are kept busy
+for WARM_SECONDS, and each time kept is a case's best over ROUNDS rounds that each visit
+every case (`best_times`): on a 2-vCPU VM a fresh process's first split timings often found
+the second core slow to join, which a measurement timing each case's rounds back to back
+turned into "never split" (a one-row bf16 stream ~15% slower on a Zen 5 EPYC,
+docs/performance.md §37).
 The result is cached per kernel build (the build's name hashes the CPU) next to the
 kernels, measured once per machine under a lock, and set in the kernels once per process
 before an engine's calibration (`ensure`), whose plan key names it (store.backend_key).
@@ -44,12 +45,13 @@ import numpy as np
 log = logging.getLogger("multiserve.native_kernels")
 
 TUNING_ENV = "MULTISERVE_PRODUCT_TUNING"
-TUNING_VERSION = 2  # bump when `measure` changes: cached measurements are then redone
+TUNING_VERSION = 3  # bump when `measure` changes: cached measurements are then redone
 PANELS = (1, 2, 4, 8, 16, 32)  # panels of 64 columns of the products timed for the split
 K = 1024  # their contraction (512 k-pairs: a panel is 512 work units, 128 KB of bfloat16)
 STACK_BYTES = 32 << 20  # each size's layer stack: larger than any core's L2
 AHEAD_BYTES = (0, 1024, 2048, 4096, 8192)  # prefetch distances timed
 GAIN = 1.03  # a setting other than the default must be this much faster
+WARM_SECONDS = 1.0  # the pool's threads kept busy before the timings
 ROUNDS = 7  # rounds of every case compared (best of), each round over all of them
 BUSY_SHARE = 0.10  # others' CPU over a measurement, of the machine's, above which it is dropped
 RETRY_SECONDS = 600  # after a dropped measurement, the defaults until then
@@ -197,16 +199,22 @@ def _measured_alone(measure_fn: Any) -> tuple[ProductTuning, float]:
 
 def choose_split(times: dict[int, tuple[float, float]]) -> int:
     """The split threshold in work units from {work units: (seconds alone, seconds split)}:
-    the smallest size from which splitting is faster at that size and every larger one (by
-    GAIN); none: beyond the largest size measured."""
+    the threshold under which the sizes measured take the least time together (each size
+    below it alone, each at or above it split; equal totals: the larger threshold), unless
+    never splitting is faster than that by GAIN (then beyond the largest size measured).
+    A total, not a win at every size, and "unless splitting loses", not "if it wins":
+    where two threads read ~10% faster than one (a VM's two vCPUs on one memory, §37),
+    timings within noise of a tie must not turn the split off; on that machine an engine
+    whose products never split streamed one row 10-20% slower than one splitting from
+    1024-4096 units, every paired run."""
     sizes = sorted(times)
-    threshold = 2 * sizes[-1]
-    for units in reversed(sizes):
-        alone, split = times[units]
-        if split * GAIN > alone:
-            break
-        threshold = units
-    return threshold
+    never = 2 * sizes[-1]
+
+    def total(threshold: int) -> float:
+        return sum(times[u][1] if u >= threshold else times[u][0] for u in sizes)
+
+    best = min(sizes, key=lambda t: (total(t), -t))
+    return never if total(never) * GAIN < total(best) else best
 
 
 def choose_ahead(times: dict[int, float]) -> int:
@@ -265,14 +273,20 @@ def measure(lib: ctypes.CDLL, pack: Any, product: Any) -> ProductTuning:
         seconds()  # compile and warm
         return seconds
 
+    def apply(setting: tuple[int, int]) -> None:
+        lib.MultiserveSetProductTuning(ctypes.c_int64(setting[0]), ctypes.c_int64(setting[1]))
+
     def best_of(cases: list[tuple[Any, tuple[int, int]]]) -> list[float]:
-        def apply(setting: tuple[int, int]) -> None:
-            lib.MultiserveSetProductTuning(ctypes.c_int64(setting[0]),
-                                           ctypes.c_int64(setting[1]))
         return best_times(cases, apply, ROUNDS)
 
-    # every size's program compiled and run once before any is timed
+    # every size's program compiled and run once before any is timed; then the largest
+    # split over the pool for WARM_SECONDS, so that the pool's threads are awake and their
+    # cores in use when the timings begin (a VM's idle vCPU can be slow to wake: §37)
     timers = {panels: per_product(stack(panels)) for panels in PANELS}
+    apply((0, 0))
+    warm_until = time.monotonic() + WARM_SECONDS
+    while time.monotonic() < warm_until:
+        timers[PANELS[-1]]()
     # sizes inner: no case is timed right after another on the same stack (whose lines
     # the cache still held would favour the second)
     settings = ((1 << 62, 0), (0, 0))  # alone, split
