@@ -9,7 +9,8 @@ AMD EPYC (Zen 5) one core alone reads at ~90% of the machine's bandwidth, on an 
 `measure` times one-row bfloat16 products of a stack of layers (a decode step's pattern:
 each layer's matrix read once, in turn) split and not split, at sizes from a few panels to
 a few MB, and then at the largest size each prefetch distance of `AHEAD_BYTES`; the
-threshold is the smallest size from which splitting is faster at every larger size measured.
+threshold is the one with which the sizes take the least time together (each size at or
+above it split), unless never splitting is faster (`choose_split`).
 Every program is compiled and run once before any is timed, the pool's threads are kept busy
 for WARM_SECONDS, and each time kept is a case's best over ROUNDS rounds that each visit
 every case (`best_times`): on a 2-vCPU VM a fresh process's first split timings often found
