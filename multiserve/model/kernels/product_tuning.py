@@ -51,7 +51,9 @@ PANELS = (1, 2, 4, 8, 16, 32)  # panels of 64 columns of the products timed for 
 K = 1024  # their contraction (512 k-pairs: a panel is 512 work units, 128 KB of bfloat16)
 STACK_BYTES = 32 << 20  # each size's layer stack: larger than any core's L2
 AHEAD_BYTES = (0, 1024, 2048, 4096, 8192)  # prefetch distances timed
-GAIN = 1.03  # a setting other than the default must be this much faster
+# the margin a measured difference must have: a prefetch over none, never splitting over the
+# split chosen
+GAIN = 1.03
 WARM_SECONDS = 1.0  # the pool's threads kept busy before the timings
 ROUNDS = 7  # rounds of every case compared (best of), each round over all of them
 BUSY_SHARE = 0.10  # others' CPU over a measurement, of the machine's, above which it is dropped
