@@ -71,12 +71,37 @@ def hf_classes(arch: str) -> tuple[Any, Any]:
             }[arch]
 
 
+# Gemma 3's multimodal checkpoint (Gemma3ForConditionalGeneration): ARCHS["gemma3"] as its
+# text model beside a one-layer SigLIP tower (28 x 28 images, 4 soft tokens an image); its
+# image token is the vocabulary's last id, which the tests' prompts never hold
+GEMMA3_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                     num_attention_heads=2, image_size=28, patch_size=14)
+
+
+def make_gemma3_multimodal(seed: int = 0) -> Any:
+    """A transformers Gemma3ForConditionalGeneration (GEMMA3_VISION) with the random
+    weights of `make_model` (eval mode)."""
+    import transformers
+
+    conf = transformers.Gemma3Config(text_config=ARCHS["gemma3"], vision_config=GEMMA3_VISION,
+                                     mm_tokens_per_image=4, image_token_index=VOCAB - 1,
+                                     boi_token_index=VOCAB - 3, eoi_token_index=VOCAB - 2)
+    model, gen = build_model(lambda **kw: conf, transformers.Gemma3ForConditionalGeneration,
+                             {}, seed)
+    return _redraw(model, gen, offset_norms=True)
+
+
 def make_model(arch: str, seed: int = 0) -> Any:
     """A transformers model of ARCHS[arch] with O(1)-scale random weights (eval mode)."""
+    model, gen = build_model(*hf_classes(arch), ARCHS[arch], seed)
+    return _redraw(model, gen, offset_norms=arch.startswith("gemma"))
+
+
+def _redraw(model: Any, gen: Any, offset_norms: bool) -> Any:
+    """The weights of `model` re-drawn (module docstring); `offset_norms`: Gemma's RMSNorm
+    scales by (1 + weight)."""
     import torch
 
-    model, gen = build_model(*hf_classes(arch), ARCHS[arch], seed)
-    offset_norms = arch.startswith("gemma")  # Gemma's RMSNorm scales by (1 + weight)
     with torch.no_grad():
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=gen)

@@ -5,7 +5,9 @@ the model family's) and our pytree's leaf shapes (dense and MoE leaves alike: a 
 leaf is indexed by layer, an expert leaf by (layer, expert)); `validate()` turns a flat
 {HF name: array} dict (or pairs, a subset allowed) or a params pytree into whole new
 leaves plus per-layer slices of stacked leaves, raising WeightUpdateError that names the
-tensor (unknown name, missing, shape, non-floating dtype, NaN/inf); `read_disk()` reads an
+tensor (unknown name, missing, shape, non-floating dtype, NaN/inf; a multimodal
+checkpoint's text tensors go by their text-model names, its vision parts are not served:
+hf_composite.py); `read_disk()` reads an
 HF safetensors dir (memory-mapped) after checking its config.json against the served
 model; `read()` returns the first rows of one tensor.
 
@@ -29,6 +31,7 @@ from multiserve.config import ModelConfig
 from multiserve.model.errors import ModelLoadError
 from multiserve.model.families import family_for
 from multiserve.model.loading import safetensors_io
+from multiserve.model.loading.hf_composite import text_model_name, text_model_tensors
 from multiserve.model.loading.hf_names import HfTensorSpec, hf_tensor_specs
 from multiserve.model.loading.param_layout import param_shapes
 from multiserve.model.param_tree import LeafPath, get_leaf, leaf_paths
@@ -182,10 +185,11 @@ class ParamLayout:
         """The spec of HF tensor `name`; None for a name an update skips (rotary caches, a
         tied head); raises WeightUpdateError for a name that is no parameter of the model."""
         cfg = self.model_cfg
-        if name.endswith(_IGNORED_SUFFIXES) or (cfg.tie_word_embeddings
-                                                and name == "lm_head.weight"):
+        text = text_model_name(name, cfg.architecture)  # a multimodal checkpoint's names
+        if text is None or text.endswith(_IGNORED_SUFFIXES) or (
+                cfg.tie_word_embeddings and text == "lm_head.weight"):
             return None
-        spec = self.specs.get(name)
+        spec = self.specs.get(text)
         if spec is None:
             raise WeightUpdateError(f"{where}tensor {name!r}: not a parameter of this "
                                     f"{cfg.architecture} model")
@@ -194,6 +198,7 @@ class ParamLayout:
     def _validate_named(self, named: dict[str, Any], require_all: bool, source: str,
                         check_finite: bool = True) -> tuple[Full, Partial, int]:
         where = "" if source == "<tensors>" else f"{source}: "
+        named = text_model_tensors(named, self.model_cfg.architecture)
         given: dict[str, Any] = {}
         for name, x in named.items():
             spec = self._spec(name, where)
@@ -291,7 +296,7 @@ class ParamLayout:
         orientation; or a pytree path like "embed" / "layers/wq"), its leaf given by
         `leaf_at(path)` (from the device params or their host copy; only that leaf is
         asked for)."""
-        spec = self.specs.get(name)
+        spec = self.specs.get(text_model_name(name, self.model_cfg.architecture) or name)
         if spec is not None:
             leaf = leaf_at(spec.path)
             x = leaf[spec.index] if spec.index else leaf

@@ -2,7 +2,8 @@
 
 Supports every family of model/families (its registry lists the HF architectures: Llama
 incl. SmolLM2 and llama3 rope scaling, Qwen2, Qwen3, Qwen3-MoE, Qwen2-MoE, Mistral, Gemma 2,
-Gemma 3); the fields every family shares are read here, the rest by the family
+Gemma 3, also the text model of Gemma 3's multimodal checkpoints: hf_composite.py); the
+fields every family shares are read here, the rest by the family
 (`config_from_hf`); one
 `model.safetensors` or shards listed in `model.safetensors.index.json`.
 Also writes such a directory (`save_hf_dir`), used by the GGUF conversion cache and tests.
@@ -19,11 +20,12 @@ from typing import Any
 import numpy as np
 
 from multiserve.config import ConfigError, ModelConfig
-from multiserve.model.loading import safetensors_io
 from multiserve.model.errors import ModelLoadError
 from multiserve.model.families import HF_ARCHITECTURES, architecture_of_hf, family_for
-from multiserve.model.loading.hf_rope import rope_scaling_from_hf, rope_scaling_to_hf
+from multiserve.model.loading import safetensors_io
+from multiserve.model.loading.hf_composite import text_model_config
 from multiserve.model.loading.hf_names import params_from_hf, params_to_hf
+from multiserve.model.loading.hf_rope import rope_scaling_from_hf, rope_scaling_to_hf
 
 ARCHITECTURES = HF_ARCHITECTURES  # HF class name -> our architecture (every family's)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -52,7 +54,9 @@ ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
 def config_from_hf(raw: dict[str, Any], source: Path,
                    generation: dict[str, Any] | None = None) -> ModelConfig:
-    """Map an HF config.json dict (transformers 4.x or 5.x spelling) to a ModelConfig."""
+    """Map an HF config.json dict (transformers 4.x or 5.x spelling) to a ModelConfig (a
+    multimodal checkpoint's: its text model's, hf_composite.py)."""
+    raw = text_model_config(raw)
     archs = raw.get("architectures") or []
     arch = architecture_of_hf(raw)
     if arch is None:

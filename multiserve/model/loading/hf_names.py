@@ -6,8 +6,9 @@ HF linear weights are [out, in]; ours are [in, out] (transposed), stacked over l
 Numpy only (no jax): the loaders and the RL weight-update path use it on the host.
 
 Invariants: `params_from_hf` accepts exactly the names `hf_tensor_specs` lists (plus ignorable
-rotary buffers, and `lm_head.weight` when embeddings are tied), each with its HF shape;
-anything else raises ModelLoadError naming the tensor.
+rotary buffers, and `lm_head.weight` when embeddings are tied), each with its HF shape,
+after a multimodal checkpoint's text tensors took their text-model names and its other
+parts were left out (hf_composite.py); anything else raises ModelLoadError naming the tensor.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from multiserve.host.populated import populated_empty
 from multiserve.model.errors import ModelLoadError
 from multiserve.model.families import family_for
 from multiserve.model.families.base import HfTensorSpec
+from multiserve.model.loading.hf_composite import text_model_tensors
 
 __all__ = ["HfTensorSpec", "hf_tensor_specs", "params_from_hf", "params_to_hf"]
 
@@ -50,7 +52,7 @@ def params_from_hf(named: dict[str, Any], cfg: ModelConfig, dtype=None,
         return source.get(name) or ", ".join(sorted(set(source.values()))) or "<tensors>"
 
     specs = hf_tensor_specs(cfg)
-    named = family_for(cfg).unpack_hf_tensors(named, cfg)
+    named = family_for(cfg).unpack_hf_tensors(text_model_tensors(named, cfg.architecture), cfg)
     unknown = sorted(n for n in named if n not in specs and not _ignorable(n, cfg))
     if unknown:
         raise ModelLoadError(f"{src(unknown[0])}: unexpected tensor {unknown[0]!r} for a "
