@@ -113,3 +113,21 @@ def test_the_command_refuses_what_it_cannot_compile(capsys: pytest.CaptureFixtur
     assert "the TPU compiler only" in capsys.readouterr().out
     assert main(["doctor", "--target", "tpu", "--compile", "--topology", "v9x:3x3"]) == 1
     assert "no TPU compiler for topology 'v9x:3x3'" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("family", ["small-gemma2", "small-gpt-oss"])
+def test_windowed_families_compile_with_the_tpu_kernel(family: str) -> None:
+    """Gemma 2's sliding windows, soft cap and score scale (its decoder scanned: the
+    window a traced scalar per layer) and GPT-OSS's sinks and windows beside its experts
+    (unrolled; the experts by the "gather" formulation) compile for v5e with our Mosaic
+    attention kernel in every layer, not the XLA formulation."""
+    from multiserve.bench.random_model import SIZES
+
+    cfg = replace(SIZES[family], vocab_size=4096)
+    ec = replace(EC, precompile_token_paddings=(16,), chunked_prefill_size=16)
+    report = compile_model(family, cfg, "bfloat16", "v5e:2x2", 1, ec=ec, kv_pages=1025,
+                           which=[("forward", 16)])
+    assert report["compiled"], [p["error"] for p in report["programs"]]
+    assert report["attention"] == "pallas_tpu"
+    (p,) = report["programs"]
+    assert p["pallas_calls"] == (1 if p["scanned"] else cfg.num_layers), p["pallas_calls"]

@@ -8,7 +8,8 @@ kernel invariant by construction on that platform (layers/attention_pallas.py: "
 on cuda, "pallas_tpu" on tpu; the choice the calibration makes there unless the kernel's
 rows fail to verify), and for the products and row sums the formulation that reads the
 canonical weights at every size, unpadded (the plain product; a tied head the NT product
-against the embedding), each weight held once (`layer_copies` off): the device's own
+against the embedding; a MoE family's expert products by "gather"), each weight held once
+(`layer_copies` off): the device's own
 probe decides those (plain or nt, and any padding), so the plan is marked unverified,
 with that reason.
 """
@@ -51,14 +52,22 @@ def target_plan(workload: Workload, platform: str, tied_head: bool = False) -> I
     products = tuple(ProductPlan(u.name, u.k, u.n, tuple((m, Formulation(kernel(u.name), m))
                                                           for m in u.sizes))
                      for u in workload.products)
+    # a MoE family's expert products: each row against its expert's matrix (the one
+    # grouped formulation that is not the CPU's native kernel)
+    grouped = tuple(ProductPlan(g.name, g.k, g.n, tuple((m, Formulation("gather", m))
+                                                        for m in g.sizes))
+                    for g in workload.grouped)
     row_sums = tuple(RowSumPlan(width, tuple((m, m) for m in counts))
                      for width, counts in workload.row_sums)
     sizes = workload.attention.sizes
-    # the Pallas calls take plain causal attention only: a model with windows, sinks or a
-    # score cap starts from the XLA formulation there (probes.pallas_attention_kernel)
-    kernel = TARGET_ATTENTION[platform] if workload.attention.plain else "xla"
+    # JAX's GPU kernel takes plain causal attention only: a model with windows, sinks or a
+    # score cap starts from the XLA formulation there (probes.pallas_attention_kernel);
+    # our TPU kernel computes every term
+    kernel = TARGET_ATTENTION[platform]
+    if kernel == "pallas_gpu" and not workload.attention.plain:
+        kernel = "xla"
     attention = AttentionPlan(tuple((t, (1, t)) for t in sizes), False, kernel)
-    return InvariancePlan(products, row_sums, attention, verified=False, problems=(
+    return InvariancePlan(products + grouped, row_sums, attention, verified=False, problems=(
         f"not calibrated: no {platform} device here; products and row sums are probed "
         "on the device (plain shown)",), layer_copies=False)
 

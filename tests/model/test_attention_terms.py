@@ -1,5 +1,6 @@
 """Sliding windows, attention sinks and score soft caps (layers/attention_terms.py) in both
-attention kernels of the CPU, the native one and the XLA formulation: each equals a float64
+attention kernels of the CPU, the native one and the XLA formulation, and in our TPU kernel
+(Pallas interpret mode): each equals a float64
 reference of transformers' definitions, its rows are bitwise invariant to the rest of the
 step, and a window row reads no page that lies wholly before its window (those are filled
 with NaN here: one read would show)."""
@@ -19,11 +20,14 @@ from multiserve.model.kernels import native as native_kernels
 from multiserve.model.layers.attention import paged_attention
 from multiserve.model.layers.attention_terms import AttentionTerms
 from multiserve.model.layers.forward_batch import ForwardBatch
+from multiserve.model.layers.kv_pool import to_lanes
 
 PAGE, BLOCK = 8, 16
 XLA = AttentionPlan(((1 << 20, (4, 4)),), True)  # chunks of 4 rows, shared keys
 XLA_ONE = AttentionPlan(((1 << 20, (1, 1)),), False)  # one row a chunk
 NATIVE = AttentionPlan(((1 << 20, (1, 1)),), False, "native")
+# our TPU kernel, in Pallas interpret mode (its key blocks: 16 pages of 8 here)
+TPU = AttentionPlan(((1 << 20, (1, 1)),), False, "pallas_tpu", interpret=True)
 KV, GROUP, HD, SEQS, MAX_POS = 2, 3, 32, 6, 150
 
 
@@ -53,8 +57,10 @@ def _run(plan: AttentionPlan, scale: float, softcap: float, sinks: bool) -> Any:
         def run(q, kp, vp, b, window, sink_values):  # type: ignore[no-untyped-def]
             t = AttentionTerms(window=window, sinks=sink_values if sinks else None,
                                scale=scale, softcap=softcap)
+            if plan.kernel == "pallas_tpu":  # its pool layout (kv_pool.py "lanes")
+                kp, vp = to_lanes(kp), to_lanes(vp)
             return paged_attention(q, kp, vp, 1, b, page_size=PAGE, block_size=BLOCK,
-                                   plan=plan, terms=t)
+                                   plan=plan, terms=t, kv_heads=KV)
         _RUNS[key] = jax.jit(run)
     return _RUNS[key]
 
@@ -111,10 +117,10 @@ TERMS = {
 }
 
 
-def _kernels() -> list[AttentionPlan]:
+def _kernels(tpu: bool = True) -> list[AttentionPlan]:
     has_cxx = shutil.which("c++") or shutil.which("g++")
     return [XLA, XLA_ONE] + ([NATIVE] if has_cxx and native_kernels.unavailable_reason()
-                             is None else [])
+                             is None else []) + ([TPU] if tpu else [])
 
 
 @pytest.mark.parametrize("name", sorted(TERMS))
@@ -157,7 +163,9 @@ def test_a_window_row_reads_no_page_before_its_window(case: dict) -> None:
             k[:, :, page * PAGE:(page + 1) * PAGE] = np.nan
             v[:, :, page * PAGE:(page + 1) * PAGE] = np.nan
         idx = np.array([t])
-        for plan in _kernels():
+        # (the TPU kernel reads whole 128-position key blocks from its window's first:
+        # tests/model/test_tpu_attention.py checks it fetches no page before that block)
+        for plan in _kernels(tpu=False):
             if plan is XLA:
                 continue  # a 4-row chunk: padding rows at position 0 read block 0
             clean = _attend(case, plan, AttentionTerms(window=window), idx)
@@ -167,7 +175,9 @@ def test_a_window_row_reads_no_page_before_its_window(case: dict) -> None:
                 assert np.isnan(_attend(case, plan, AttentionTerms(), idx, k, v)).any()
 
 
-def test_pallas_plans_refuse_terms_they_do_not_compute(case: dict) -> None:
-    plan = AttentionPlan(((1 << 20, (1, 1)),), False, "pallas_tpu", interpret=True)
+def test_the_gpu_pallas_plan_refuses_terms_it_does_not_compute(case: dict) -> None:
+    """JAX's GPU kernel computes plain causal attention only (our TPU kernel every term:
+    the tests above)."""
+    plan = AttentionPlan(((1 << 20, (1, 1)),), False, "pallas_gpu", interpret=True)
     with pytest.raises(ValueError, match="XLA formulation"):
         _attend(case, plan, AttentionTerms(window=4), np.arange(2))

@@ -19,9 +19,10 @@ import numpy as np
 import pytest
 
 from multiserve.model.invariance.plan import AttentionPlan
-from multiserve.model.layers.attention import paged_attention
 from multiserve.model.layers import attention_pallas, attention_tpu
+from multiserve.model.layers.attention import paged_attention
 from multiserve.model.layers.attention_pallas import FORCE_ENV, pinned_blocks
+from multiserve.model.layers.attention_terms import PLAIN_ATTENTION, AttentionTerms
 from multiserve.model.layers.forward_batch import ForwardBatch
 from multiserve.model.layers.kv_pool import pool_layout, to_lanes
 
@@ -160,16 +161,19 @@ def test_tensor_parallel_kernel_matches_one_device() -> None:
     pool = NamedSharding(mesh, P(None, None, "tensor") if split else P())
     k, v = to_lanes(k, split), to_lanes(v, split)  # the TPU kernel's pool layout
 
-    def run(q, k, v, tp):  # type: ignore[no-untyped-def]
+    sinks = jnp.asarray(np.random.default_rng(2).standard_normal(q.shape[1]), jnp.float32)
+
+    def run(q, k, v, tp, terms):  # type: ignore[no-untyped-def]
         return attention_pallas.paged_attention_pallas(
             q, k, v, jnp.int32(1), _batch(POS, SEQ), page_size=PAGE, kernel="pallas_tpu",
-            interpret=True, tp=tp, kv_heads=KV)
+            interpret=True, tp=tp, kv_heads=KV, terms=terms)
 
-    one = np.asarray(jax.jit(lambda q, k, v: run(q, k, v, None))(q, k, v))
-    many = jax.jit(lambda q, k, v: run(q, k, v, tp))(jax.device_put(q, heads),
-                                                       jax.device_put(k, pool),
-                                                       jax.device_put(v, pool))
-    np.testing.assert_array_equal(np.asarray(many), one)
+    # plain, and a traced window with sinks (each device its own heads' sinks)
+    for terms in (PLAIN_ATTENTION, AttentionTerms(window=jnp.int32(6), sinks=sinks)):
+        one = np.asarray(jax.jit(lambda q, k, v, t=terms: run(q, k, v, None, t))(q, k, v))
+        many = jax.jit(lambda q, k, v, t=terms: run(q, k, v, tp, t))(
+            jax.device_put(q, heads), jax.device_put(k, pool), jax.device_put(v, pool))
+        np.testing.assert_array_equal(np.asarray(many), one)
 
 
 def test_the_calibration_chooses_a_forced_pallas_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -201,16 +205,43 @@ def test_the_calibration_chooses_a_forced_pallas_kernel(monkeypatch: pytest.Monk
         pallas_attention_kernel(use, device)
 
 
-def _sims(kernel: str):  # type: ignore[no-untyped-def]
+def test_windowed_layers_take_the_tpu_kernel_not_the_gpu_one(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Layers with a sliding window and sinks (GPT-OSS's kinds) and a soft cap: JAX's GPU
+    kernel does not compute them (no candidate: the XLA formulation), our TPU kernel does:
+    the calibration chooses it, verified on every layer kind."""
+    from multiserve.model.invariance.calibration import calibrate
+    from multiserve.model.invariance.probes import pallas_attention_kernel
+    from multiserve.model.invariance.workload import AttentionUse, Workload
+
+    use = AttentionUse(kv_heads=KV, group=GROUP, head_dim=HEAD_DIM, page_size=PAGE,
+                       block_size=BLOCK, sizes=(1, 8), kinds=((5, True), (0, True)),
+                       softcap=3.0)
+    device = jax.devices()[0]
+    monkeypatch.setenv(FORCE_ENV, "pallas_gpu")
+    assert pallas_attention_kernel(use, device) is None
+    monkeypatch.setenv(FORCE_ENV, "pallas_tpu")
+    assert pallas_attention_kernel(use, device) == ("pallas_tpu", True)
+    workload = Workload(dtype="float32", products=(), row_sums=(), attention=use)
+    cal = calibrate(workload, device, use_cache=False)
+    assert (cal.plan.attention.kernel, cal.plan.verified) == ("pallas_tpu", True), \
+        cal.plan.problems
+
+
+def _sims(kernel: str, windowed: bool = False):  # type: ignore[no-untyped-def]
     """Two simulators of the tiny model on the same params and page assignment: the
-    default plan's attention (this CPU's), and the same plan with `kernel` interpreted."""
+    default plan's attention (this CPU's), and the same plan with `kernel` interpreted.
+    `windowed`: its first layer slides over 6 keys (Mistral's layer kinds: the scanned
+    decoder's window a traced scalar), the scores soft-capped and scaled as Gemma 2's."""
     from dataclasses import replace
 
     from model_helpers import TINY_LLAMA, PagedSim
 
     from multiserve.model.loading.param_layout import init_random_params
 
-    cfg = TINY_LLAMA
+    cfg = TINY_LLAMA if not windowed else replace(
+        TINY_LLAMA, architecture="mistral", sliding_window=6, sliding_layers=(0,),
+        attn_logit_softcapping=4.0, query_pre_attn_scalar=8.0)
     params = jax.device_put(init_random_params(cfg, seed=7, scale=0.3))
     make = lambda plan=None: PagedSim(params, cfg, page_size=PAGE, block_size=16,  # noqa: E731
                                       num_pages=64, max_pages=16, seed=1, plan=plan)
@@ -221,13 +252,15 @@ def _sims(kernel: str):  # type: ignore[no-untyped-def]
     return base, make(plan), cfg
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
-def test_model_forward_with_pallas_attention(kernel: str) -> None:
+@pytest.mark.parametrize("kernel,windowed", [(k, False) for k in KERNELS]
+                         + [("pallas_tpu", True)])
+def test_model_forward_with_pallas_attention(kernel: str, windowed: bool) -> None:
     """The whole tiny model (2 layers, scanned and unrolled decoders alike take the plan's
     attention) with the Pallas kernel: logits close to the default plan's, and a decode
-    row's logits bitwise the same alone and beside a prefill chunk."""
+    row's logits bitwise the same alone and beside a prefill chunk; for the TPU kernel
+    also with a window layer beside a global one, soft-capped and scaled scores."""
     rng = np.random.default_rng(11)
-    base, sim, cfg = _sims(kernel)
+    base, sim, cfg = _sims(kernel, windowed)
     tokens = {n: [int(t) for t in rng.integers(3, cfg.vocab_size, 40)] for n in "xyz"}
     got = {}
     for name, s in (("xla", base), ("pallas", sim)):

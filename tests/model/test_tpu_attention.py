@@ -10,7 +10,9 @@ blocks, and decode rows of other sequences sharing its query blocks. Tolerances 
 difference, unit-variance q/K/V): float32 pool 1e-5 (reassociation only), bfloat16 pool
 2e-2 (q and the probabilities rounded to bfloat16 for the products; outputs bfloat16).
 Batch invariance bitwise: each decode row alone, the chunk alone, the step reversed, and
-the step padded to another bucket give every token the bits it has in the step."""
+the step padded to another bucket give every token the bits it has in the step. The same
+with the attention terms (a sliding window, traced or not, sinks, Gemma's scale and soft
+cap), and a windowed step reads no page wholly before its windows."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import pytest
 
 from multiserve.model.invariance.plan import AttentionPlan
 from multiserve.model.layers.attention import paged_attention
+from multiserve.model.layers.attention_terms import PLAIN_ATTENTION, AttentionTerms
 from multiserve.model.layers.attention_tpu import ragged_attention_tpu
 from multiserve.model.layers.forward_batch import ForwardBatch
 from multiserve.model.layers.kv_pool import to_lanes
@@ -93,3 +96,74 @@ def test_rows_are_batch_invariant_bitwise() -> None:
     np.testing.assert_array_equal(run(chunk), full[chunk])
     np.testing.assert_array_equal(run(everything[::-1]), full[::-1])
     np.testing.assert_array_equal(run(everything, pad=10), full)
+
+
+# The attention terms (layers/attention_terms.py) in the kernel: Gemma's score scale and
+# soft cap, a sliding window shorter than the chunk's reach (a Python int, and traced as a
+# scanned decoder gives it, 0 there meaning a global layer), GPT-OSS's sinks.
+WINDOW = 20
+
+
+def _terms(kind: str, heads: int) -> AttentionTerms:
+    sinks = jnp.asarray(np.random.default_rng(7).standard_normal(heads), jnp.float32)
+    return {"window": AttentionTerms(window=WINDOW),
+            "gemma": AttentionTerms(window=WINDOW, scale=0.3, softcap=2.0),
+            "sinks_traced": AttentionTerms(window=jnp.int32(WINDOW), sinks=sinks),
+            "global_traced": AttentionTerms(window=jnp.int32(0), sinks=sinks)}[kind]
+
+
+def _with_terms(q, k, v, pos, seq, table, terms, *, xla: bool):
+    n = q.shape[0]
+    if xla:
+        batch = ForwardBatch(input_ids=jnp.zeros(n, jnp.int32), positions=pos,
+                             token_seq=seq, out_slots=jnp.zeros(n, jnp.int32),
+                             page_table=table, seq_lens=jnp.zeros(table.shape[0], jnp.int32),
+                             logit_rows=jnp.zeros(1, jnp.int32))
+        return paged_attention(q, k, v, 0, batch, page_size=PAGE, block_size=16,
+                               plan=AttentionPlan(((n, (1, n)),), False), terms=terms)
+    return ragged_attention_tpu(q, k, v, jnp.int32(0), pos, seq, table, page_size=PAGE,
+                                kv_heads=q.shape[1] // 2, terms=terms, interpret=True)
+
+
+@pytest.mark.parametrize("kind", ["window", "gemma", "sinks_traced", "global_traced"])
+def test_the_attention_terms_match_the_xla_formulation(kind: str) -> None:
+    q, k, v = _case(64, 2, "float32")
+    terms = _terms(kind, q.shape[1])
+    args = (jnp.asarray(POS), jnp.asarray(SEQ), jnp.asarray(TABLE), terms)
+    ref = _with_terms(q, k, v, *args, xla=True)
+    out = _with_terms(q, to_lanes(k), to_lanes(v), *args, xla=False)
+    err = float(jnp.max(jnp.abs(out - ref)))
+    assert err <= 1e-5, (kind, err)
+    plain = _with_terms(q, to_lanes(k), to_lanes(v), *args[:3], PLAIN_ATTENTION, xla=False)
+    assert float(jnp.max(jnp.abs(out - plain))) > 1e-2  # the terms changed the result
+
+
+def test_a_windowed_step_is_row_invariant_and_reads_no_page_before_its_windows() -> None:
+    """Each sequence's pages of its own (every position in its table); the table entries
+    wholly before the key block of its earliest window start name a page past the pool
+    (Pallas interpret mode raises on any read out of bounds: none of them is fetched), and
+    the bits are those of a table naming real pages there; each row alone gives its bits
+    in the step."""
+    q, _, _ = _case(64, 2, "bfloat16")
+    table = np.arange(4 * 20, dtype=np.int32).reshape(4, 20)  # 320 positions a sequence
+    rng = np.random.default_rng(3)
+    k, v = (to_lanes(jnp.asarray(rng.standard_normal((1, 2, table.size * PAGE, 64)),
+                                 jnp.bfloat16)) for _ in range(2))
+    terms = _terms("sinks_traced", q.shape[1])
+
+    def run(rows: np.ndarray, tab: np.ndarray) -> np.ndarray:
+        return np.asarray(_with_terms(q[rows], k, v, jnp.asarray(POS[rows]),
+                                      jnp.asarray(SEQ[rows]), jnp.asarray(tab), terms,
+                                      xla=False))
+
+    everything = np.arange(len(SEQ))
+    full = run(everything, table)
+    outside = table.copy()
+    for s in np.unique(SEQ):
+        start = max(int(POS[SEQ == s].min()) - WINDOW + 1, 0) // 128 * 128  # its first block
+        outside[s, :start // PAGE] = 10 * table.size
+    assert (outside != table).sum() >= 16
+    np.testing.assert_array_equal(run(everything, outside), full)
+    for i in np.nonzero(SEQ != 0)[0]:
+        np.testing.assert_array_equal(run(np.array([i]), outside)[0], full[i])
+    np.testing.assert_array_equal(run(everything[::-1], outside), full[::-1])

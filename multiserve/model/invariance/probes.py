@@ -174,14 +174,14 @@ def pallas_attention_kernel(use: AttentionUse, device: Any) -> tuple[str, bool] 
     interpret mode), or None: "pallas_gpu" on a GPU, "pallas_tpu" on a TPU, or the kernel
     forced by MULTISERVE_ATTENTION_KERNEL (attention_pallas.forced_kernel), interpreted on a
     platform it was not made for. Not for a tensor-parallel attention (a pallas_call is not
-    partitioned by GSPMD), nor for layers with terms beyond plain causal attention (a
-    sliding window, sinks: the Pallas calls do not compute them; such a model's plan takes
-    the XLA formulation there)."""
-    if use.sharded or not use.plain:
+    partitioned by GSPMD), nor "pallas_gpu" for layers with terms beyond plain causal
+    attention (a sliding window, sinks, a soft cap: JAX's GPU kernel does not compute them;
+    such a model's plan takes the XLA formulation there); our TPU kernel computes them."""
+    if use.sharded:
         return None
     forced = forced_kernel()
     kernel = forced or {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}.get(device.platform)
-    if kernel is None:
+    if kernel is None or (kernel == "pallas_gpu" and not use.plain):
         return None
     return kernel, KERNEL_PLATFORM[kernel] != device.platform
 

@@ -7,7 +7,10 @@ Kernels (chosen by the invariance plan, `AttentionPlan.kernel`; calibration.py):
   kernel sequence, on the "heads" pool (kv_pool.py) of the layer: q [B, Hq, D], pages
   [Hkv, P, page, D], a page table [B, pages] and lengths [B];
 - "pallas_tpu": our own ragged paged attention kernel (layers/attention_tpu.py, Mosaic) on
-  the TPU's "lanes" pool, read where it lies: the whole pool, no layer sliced or copied.
+  the TPU's "lanes" pool, read where it lies: the whole pool, no layer sliced or copied;
+  it computes every attention term (score scale, sliding window, sinks, soft cap), while
+  JAX's GPU kernel computes plain causal attention only (attention.py refuses others on
+  it: no argument of it bounds a token's keys from below).
 `AttentionPlan.interpret` runs either in Pallas interpret mode (tests on the CPU); the
 environment variable MULTISERVE_ATTENTION_KERNEL (`FORCE_ENV`) makes the calibration
 choose one on any platform, interpreted off its own.
@@ -54,6 +57,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from multiserve.model.layers.attention_terms import PLAIN_ATTENTION, AttentionTerms
 from multiserve.model.layers.forward_batch import ForwardBatch
 
 if TYPE_CHECKING:
@@ -105,39 +109,46 @@ def _layer_pages(pool: jax.Array, layer: int | jax.Array, page_size: int) -> jax
 def paged_attention_pallas(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
                            layer: int | jax.Array, batch: ForwardBatch, *, page_size: int,
                            kernel: str, interpret: bool, tp: TensorParallel | None = None,
-                           kv_heads: int | None = None) -> jax.Array:
+                           kv_heads: int | None = None,
+                           terms: AttentionTerms = PLAIN_ATTENTION) -> jax.Array:
     """q [T, H, hd] (already rotated) -> attention output [T, H, hd] in q's dtype, by the
     Pallas kernel `kernel` (module docstring). On several devices (`tp`) the kernel runs
     in a `shard_map` (a Mosaic or Triton call is never partitioned by the compiler): each
     device over its own heads and its own heads of the pool where attention is split,
     else every device over all of them (the same values everywhere). `kv_heads`: the
     model's KV heads (the TPU kernel's "lanes" pool does not say: its rows may be
-    padded)."""
+    padded). `terms`: the layer's attention terms; the GPU kernel takes the plain ones only
+    (attention.py refuses others there), the TPU kernel every one."""
     if tp is not None and tp.attention_split and kv_heads is not None:
         kv_heads //= tp.size  # each device's own
     call = partial(_kernel_call, page_size=page_size, kernel=kernel, interpret=interpret,
-                   kv_heads=kv_heads)
+                   kv_heads=kv_heads, scale=terms.scale, softcap=terms.softcap)
     layer_ids = jnp.asarray(layer, jnp.int32)
+    window = jnp.asarray(terms.window, jnp.int32)
+    # the sinks of the heads (a row per head; none: an empty row the kernel never reads)
+    sinks = (jnp.zeros((q.shape[1], 0), jnp.float32) if terms.sinks is None
+             else terms.sinks.astype(jnp.float32).reshape(-1, 1))
+    args = (q, k_pool, v_pool, layer_ids, window, sinks, batch.positions, batch.token_seq,
+            batch.page_table)
     if tp is None:
-        return call(q, k_pool, v_pool, layer_ids, batch.positions, batch.token_seq,
-                    batch.page_table)
+        return call(*args)
     heads = P(None, AXIS, None) if tp.attention_split else P()
+    head_rows = P(AXIS, None) if tp.attention_split else P()
     lanes = kernel == "pallas_tpu"  # the "lanes" pool [L, slots, KV * hd] (kv_pool.py)
     pool = (P() if not tp.attention_split
             else P(None, None, AXIS) if lanes else P(None, AXIS, None, None))
     return jax.shard_map(call, mesh=tp.mesh,
-                         in_specs=(heads, pool, pool, P(), P(), P(), P()),
-                         out_specs=heads, check_vma=False)(
-        q, k_pool, v_pool, layer_ids, batch.positions, batch.token_seq, batch.page_table)
+                         in_specs=(heads, pool, pool, P(), P(), head_rows, P(), P(), P()),
+                         out_specs=heads, check_vma=False)(*args)
 
 
 def _kernel_call(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer: jax.Array,
-                 positions: jax.Array, token_seq: jax.Array, page_table: jax.Array, *,
-                 page_size: int, kernel: str, interpret: bool,
-                 kv_heads: int | None) -> jax.Array:
-    """`paged_attention_pallas` on one device's heads."""
-    head_dim = q.shape[2]
-    scale = 1.0 / float(head_dim) ** 0.5
+                 window: jax.Array, sinks: jax.Array, positions: jax.Array,
+                 token_seq: jax.Array, page_table: jax.Array, *, page_size: int, kernel: str,
+                 interpret: bool, kv_heads: int | None, scale: float,
+                 softcap: float) -> jax.Array:
+    """`paged_attention_pallas` on one device's heads (`sinks` [its heads, 1], or
+    [heads, 0]: none)."""
     if kernel == "pallas_gpu":
         from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
 
@@ -146,7 +157,7 @@ def _kernel_call(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer: jax.
         rows = page_table[token_seq]  # [T, max_pages]: each token's own table
         lengths = (positions + 1).astype(jnp.int32)
         per_block, per_split = pinned_blocks(page_size)
-        qs = q.astype(jnp.float32) * scale
+        qs = q.astype(jnp.float32) * (1.0 / float(q.shape[2]) ** 0.5)  # plain terms only
         table = _padded_table(rows, per_split)
         out = paged_attention(qs.astype(k_pages.dtype), k_pages, v_pages, table, lengths,
                               block_h=GPU_BLOCK_H, pages_per_compute_block=per_block,
@@ -155,9 +166,11 @@ def _kernel_call(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer: jax.
         from multiserve.model.layers.attention_tpu import ragged_attention_tpu
 
         assert kv_heads is not None, "the TPU kernel needs the model's KV head count"
+        terms = AttentionTerms(window=window, scale=scale, softcap=softcap,
+                               sinks=sinks[:, 0] if sinks.shape[1] else None)
         return ragged_attention_tpu(q, k_pool, v_pool, layer, positions, token_seq,
                                     page_table, page_size=page_size, kv_heads=kv_heads,
-                                    interpret=interpret)
+                                    terms=terms, interpret=interpret)
     else:
         raise ValueError(f"not a Pallas attention kernel: {kernel!r} (one of {PALLAS_KERNELS})")
     return out.astype(q.dtype)

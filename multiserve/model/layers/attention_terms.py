@@ -1,7 +1,8 @@
 """What one layer's attention computes beyond softmax(q . K / sqrt(head_dim)) V over the
 keys at positions <= p: its score scale, its sliding window, its attention sinks and its
 score soft cap (`AttentionTerms`), the same for every attention kernel (attention.py's XLA
-formulation, the native CPU kernel; the Pallas kernels take only the plain terms).
+formulation, the native CPU kernel, our TPU kernel; JAX's GPU kernel takes only the plain
+terms).
 
 - `scale`: the scores' factor (0: head_dim ** -0.5; Gemma: query_pre_attn_scalar ** -0.5);
 - `window` > 0: a query at position p sees keys p - window + 1 .. p only (transformers'

@@ -18,13 +18,23 @@ aligned to position 0) once, by DMA from the pool into VMEM, up to the run's las
 position, and every token of the run takes the blocks up to its own position: a
 512-token prefill chunk reads each key block once per 8 tokens, a decode row once.
 
+The layer's attention terms (layers/attention_terms.py), all of them: the score scale on
+q, the soft cap on each score before the mask, a sliding window (a scalar-prefetched int,
+traced where the decoder scans its layers: 0 for a global layer) masking keys before the
+window and bounding the blocks a token and its run visit from below (a run fetches no page
+wholly before the key block of its earliest token's window start), and sinks (each head's
+sink as its softmax's first term: max = sink, sum = 1).
+
 Batch invariance, by construction: a token's result is an online softmax over ITS OWN key
-blocks 0 .. position // KEY_BLOCK_TOKENS, in that order, each block's scores and values
-computed for that token alone (its own [group, head_dim] product with the block), the causal
-mask within its last block: what shares its query block, its run, its step or its bucket
-never enters a token's arithmetic. The block sizes are pinned here, never chosen by
+blocks, from the one holding its first visible key (0, or its window's start) to
+position // KEY_BLOCK_TOKENS, in that order, each block's scores and values computed for
+that token alone (its own [group, head_dim] product with the block), the mask within its
+first and last blocks: what shares its query block, its run, its step or its bucket never
+enters a token's arithmetic (the first block a token takes holds a key it sees, so no
+update starts from a fully masked block). The block sizes are pinned here, never chosen by
 token count. Tested in Pallas interpret mode against the XLA formulation and bitwise
-alone vs in a mixed step (tests/model/test_tpu_attention.py).
+alone vs in a mixed step, plain and with every term (tests/model/test_tpu_attention.py,
+test_attention_terms.py: against transformers' definitions in float64).
 
 Cost estimate: every pallas_call carries a `pl.CostEstimate`, the compiler's count of the
 kernel: q and the output, and the K/V of one page table per (query block, sequence) run
@@ -45,6 +55,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+
+from multiserve.model.layers.attention_terms import PLAIN_ATTENTION, AttentionTerms
 
 QUERY_BLOCK = 8  # tokens of one query block (pinned)
 KEY_BLOCK_TOKENS = 128  # positions of one key block (pinned; whole pages)
@@ -68,25 +80,35 @@ def pages_per_block(page_size: int) -> int:
     return max(1, KEY_BLOCK_TOKENS // page_size)
 
 
-def _kernel(layer_ref, pos_ref, seq_ref, table_ref,  # scalar prefetch (SMEM)
-            q_ref, k_hbm, v_hbm,  # q block [bq, 1, R, hd] (VMEM); pools (HBM)
-            o_ref,  # [bq, 1, R, hd]
+def _kernel(layer_ref, window_ref, pos_ref, seq_ref, table_ref,  # scalar prefetch (SMEM)
+            q_ref, sink_ref, k_hbm, v_hbm,  # q [bq, 1, R, hd], sinks [1, R, LANES] (VMEM);
+            o_ref,  # [bq, 1, R, hd]                                  pools (HBM)
             kbuf, vbuf, sem, m_ref, l_ref, acc_ref, *,
-            page_size: int, per_block: int, max_pages: int, num_tokens: int, group: int):
+            page_size: int, per_block: int, max_pages: int, num_tokens: int, group: int,
+            softcap: float, sinks: bool):
     bq, _, rows, head_dim = q_ref.shape
-    window = kbuf.shape[1]
+    lanes_width = kbuf.shape[1]
     per_window = rows // group
     block_keys = per_block * page_size
     i, w = pl.program_id(0), pl.program_id(1)
     start = i * bq
     layer = layer_ref[0]
-    m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)
-    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    sliding = window_ref[0]  # the sliding window (0: every key up to the position)
+    if sinks:  # each head's sink is its softmax's first term (max = sink, sum = 1)
+        m_ref[...] = jnp.broadcast_to(sink_ref[...], m_ref.shape)
+        l_ref[...] = jnp.ones(l_ref.shape, jnp.float32)
+    else:
+        m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)
+        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
     acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
     # this program's lanes of the pool (static where the row is one window: a narrower
     # row than 128 lanes allows no other offset)
-    lanes = (pl.ds(0, window) if k_hbm.shape[2] == window
-             else pl.ds(pl.multiple_of(w * window, window), window))
+    lanes = (pl.ds(0, lanes_width) if k_hbm.shape[2] == lanes_width
+             else pl.ds(pl.multiple_of(w * lanes_width, lanes_width), lanes_width))
+
+    def first_key(pos: jax.Array) -> jax.Array:
+        """The first key position a query at `pos` sees (its sliding window's start, or 0)."""
+        return jnp.where(sliding > 0, jnp.maximum(pos - sliding + 1, 0), 0)
 
     def fetch(seq: jax.Array, j: jax.Array) -> None:
         """Key block j of sequence row `seq` (its pages) from the pool into VMEM."""
@@ -116,8 +138,11 @@ def _kernel(layer_ref, pos_ref, seq_ref, table_ref,  # scalar prefetch (SMEM)
             k = kbuf[:, own]  # [bk, hd]
             s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
                                     preferred_element_type=jnp.float32)  # [G, bk]
+            if softcap > 0:
+                s = jnp.tanh(s / softcap) * softcap
             key_pos = j * block_keys + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
-            s = jnp.where(key_pos <= pos, s, MASK_VALUE)
+            s = jnp.where(jnp.logical_and(key_pos <= pos, key_pos >= first_key(pos)), s,
+                          MASK_VALUE)
             m_prev = m_ref[r, heads, :]  # [G, LANES] (every lane the same)
             l_prev = l_ref[r, heads, :]
             m_cur = jnp.max(s, axis=1, keepdims=True)  # [G, 1]
@@ -141,25 +166,32 @@ def _kernel(layer_ref, pos_ref, seq_ref, table_ref,  # scalar prefetch (SMEM)
 
         @pl.when(jnp.logical_and(first, jnp.logical_and(seq >= 0, t < num_tokens)))
         def _() -> None:
-            def extent(v: jax.Array, c: tuple[jax.Array, jax.Array]
-                       ) -> tuple[jax.Array, jax.Array]:
-                end, last = c
+            def extent(v: jax.Array, c: tuple[jax.Array, jax.Array, jax.Array]
+                       ) -> tuple[jax.Array, jax.Array, jax.Array]:
+                end, first, last = c
                 tv = start + v
                 inside = jnp.logical_and(
                     jnp.logical_and(v > u, v == end - start),
                     jnp.logical_and(tv < num_tokens, seq_ref[jnp.minimum(tv, num_tokens - 1)]
                                     == seq))
+                at = pos_ref[jnp.minimum(tv, num_tokens - 1)]
                 return (jnp.where(inside, end + 1, end),
-                        jnp.where(inside, jnp.maximum(last, pos_ref[jnp.minimum(
-                            tv, num_tokens - 1)]), last))
+                        jnp.where(inside, jnp.minimum(first, at), first),
+                        jnp.where(inside, jnp.maximum(last, at), last))
 
-            end, last = jax.lax.fori_loop(0, bq, extent, (t + 1, pos_ref[t]))
+            end, first, last = jax.lax.fori_loop(0, bq, extent,
+                                                 (t + 1, pos_ref[t], pos_ref[t]))
 
             def block(j: jax.Array, c: jax.Array) -> jax.Array:
                 fetch(seq, j)
 
                 def token(tt: jax.Array, c2: jax.Array) -> jax.Array:
-                    @pl.when(j * block_keys <= pos_ref[tt])
+                    # the token's own blocks: from its window's first to its position's
+                    # (the first it takes holds a key it sees, so no update starts from
+                    # a fully masked block)
+                    pos = pos_ref[tt]
+                    @pl.when(jnp.logical_and(j * block_keys <= pos,
+                                             (j + 1) * block_keys > first_key(pos)))
                     def _() -> None:
                         attend(tt, j)
                     return c2
@@ -167,8 +199,10 @@ def _kernel(layer_ref, pos_ref, seq_ref, table_ref,  # scalar prefetch (SMEM)
                 return jax.lax.fori_loop(t, end, token, c)
 
             # lax.div: positions are >= 0 (a floor division lowers through sign, which
-            # Mosaic resolves against the host's device kind)
-            jax.lax.fori_loop(0, jax.lax.div(last, block_keys) + 1, block, 0)
+            # Mosaic resolves against the host's device kind); a windowed run starts at
+            # its earliest token's window, so it fetches no page that left every window
+            jax.lax.fori_loop(jax.lax.div(first_key(first), block_keys),
+                              jax.lax.div(last, block_keys) + 1, block, 0)
 
         return carry
 
@@ -180,24 +214,29 @@ def _kernel(layer_ref, pos_ref, seq_ref, table_ref,  # scalar prefetch (SMEM)
 def ragged_attention_tpu(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
                          layer: jax.Array, positions: jax.Array, token_seq: jax.Array,
                          page_table: jax.Array, *, page_size: int, kv_heads: int,
+                         terms: AttentionTerms = PLAIN_ATTENTION,
                          interpret: bool = False) -> jax.Array:
     """q [T, H, hd] (rotated) -> attention output [T, H, hd] in q's dtype, over the pool
     k_pool / v_pool [L, slots, lanes] of `kv_heads` heads (module docstring; lanes past
-    them are zero padding, kv_pool.lanes_width); `layer` a scalar."""
+    them are zero padding, kv_pool.lanes_width); `layer` a scalar; `terms` the layer's
+    score scale, sliding window (an int or a traced scalar), sinks [H] and soft cap."""
     num_tokens, num_heads, head_dim = q.shape
     width = k_pool.shape[2]
     group = num_heads // kv_heads
     slots = width // head_dim  # heads' places in a row: the padding's read as zero heads
     if slots > kv_heads:  # queries of the padding's heads: zeros, their outputs dropped
         q = jnp.pad(q, ((0, 0), (0, (slots - kv_heads) * group), (0, 0)))
-    window = window_of(width, head_dim)
-    per_window = window // head_dim  # kv heads in a window
-    windows = width // window
+    sinks = terms.sinks is not None
+    sink_rows = (jnp.zeros(slots * group, jnp.float32) if terms.sinks is None else jnp.pad(
+        terms.sinks.astype(jnp.float32), (0, (slots - kv_heads) * group)))
+    lane_window = window_of(width, head_dim)
+    per_window = lane_window // head_dim  # kv heads in a window
+    windows = width // lane_window
     rows = per_window * group  # query rows of one token in one window
     bq = QUERY_BLOCK
     padded = -(-num_tokens // bq) * bq
     extra = padded - num_tokens
-    qs = (q.astype(jnp.float32) * (1.0 / float(head_dim) ** 0.5)).astype(k_pool.dtype)
+    qs = (q.astype(jnp.float32) * terms.scale_for(head_dim)).astype(k_pool.dtype)
     # [T, windows, heads of a window's kv heads, hd]: q's own order (kv head major)
     q_win = jnp.pad(qs.reshape(num_tokens, windows, rows, head_dim),
                     ((0, extra), (0, 0), (0, 0), (0, 0)))
@@ -214,18 +253,22 @@ def ragged_attention_tpu(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
         transcendentals=padded * num_heads * table_keys,
         bytes_accessed=2 * runs * table_keys * width * item + 2 * q_win.size * item)
     kernel = functools.partial(_kernel, page_size=page_size, per_block=per_block,
-                               max_pages=max_pages, num_tokens=num_tokens, group=group)
+                               max_pages=max_pages, num_tokens=num_tokens, group=group,
+                               softcap=float(terms.softcap), sinks=sinks)
     block = pl.BlockSpec((bq, 1, rows, head_dim), lambda i, w, *_: (i, w, 0, 0))
+    # each head's sink in every lane of its row (m_ref's layout), a window's heads a block
+    sink_win = jnp.broadcast_to(sink_rows.reshape(windows, rows, 1), (windows, rows, LANES))
+    sink_block = pl.BlockSpec((1, rows, LANES), lambda i, w, *_: (w, 0, 0))
     call = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((padded, windows, rows, head_dim), q.dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=4, grid=(padded // bq, windows),
-            in_specs=[block, pl.BlockSpec(memory_space=pl.ANY),
+            num_scalar_prefetch=5, grid=(padded // bq, windows),
+            in_specs=[block, sink_block, pl.BlockSpec(memory_space=pl.ANY),
                       pl.BlockSpec(memory_space=pl.ANY)],
             out_specs=block,
-            scratch_shapes=[pltpu.VMEM((block_keys, window), k_pool.dtype),
-                            pltpu.VMEM((block_keys, window), v_pool.dtype),
+            scratch_shapes=[pltpu.VMEM((block_keys, lane_window), k_pool.dtype),
+                            pltpu.VMEM((block_keys, lane_window), v_pool.dtype),
                             pltpu.SemaphoreType.DMA((2,)),
                             pltpu.VMEM((bq, rows, LANES), jnp.float32),
                             pltpu.VMEM((bq, rows, LANES), jnp.float32),
@@ -233,7 +276,8 @@ def ragged_attention_tpu(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary", "arbitrary")),
         cost_estimate=cost, name="multiserve_ragged_paged_attention",
         interpret=pltpu.InterpretParams() if interpret else False)
-    out = call(jnp.asarray(layer, jnp.int32).reshape(1), pos, seq,
-               page_table.astype(jnp.int32).reshape(-1), q_win, k_pool, v_pool)
+    out = call(jnp.asarray(layer, jnp.int32).reshape(1),
+               jnp.asarray(terms.window, jnp.int32).reshape(1), pos, seq,
+               page_table.astype(jnp.int32).reshape(-1), q_win, sink_win, k_pool, v_pool)
     out = out[:num_tokens].reshape(num_tokens, slots * group, head_dim)
     return out[:, :num_heads]
