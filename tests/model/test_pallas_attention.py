@@ -207,7 +207,7 @@ def test_the_calibration_chooses_a_forced_pallas_kernel(monkeypatch: pytest.Monk
 
 def test_windowed_layers_take_the_tpu_kernel_not_the_gpu_one(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """Layers with a sliding window and sinks (GPT-OSS's kinds) and a soft cap: JAX's GPU
+    """Layers with a sliding window and sinks and a soft cap: JAX's GPU
     kernel does not compute them (no candidate: the XLA formulation), our TPU kernel does:
     the calibration chooses it, verified on every layer kind."""
     from multiserve.model.invariance.calibration import calibrate
@@ -215,8 +215,7 @@ def test_windowed_layers_take_the_tpu_kernel_not_the_gpu_one(
     from multiserve.model.invariance.workload import AttentionUse, Workload
 
     use = AttentionUse(kv_heads=KV, group=GROUP, head_dim=HEAD_DIM, page_size=PAGE,
-                       block_size=BLOCK, sizes=(1, 8), kinds=((5, True), (0, True)),
-                       softcap=3.0)
+                       block_size=BLOCK, sizes=(4,), kinds=((5, True),), softcap=3.0)
     device = jax.devices()[0]
     monkeypatch.setenv(FORCE_ENV, "pallas_gpu")
     assert pallas_attention_kernel(use, device) is None
