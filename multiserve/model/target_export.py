@@ -8,7 +8,8 @@ kernel invariant by construction on that platform (layers/attention_pallas.py: "
 on cuda, "pallas_tpu" on tpu; the choice the calibration makes there unless the kernel's
 rows fail to verify), and for the products and row sums the formulation that reads the
 canonical weights at every size, unpadded (the plain product; a tied head the NT product
-against the embedding; a MoE family's expert products by "gather"), each weight held once
+against the embedding; a MoE family's expert products by the TPU's grouped matmul, else
+"gather"), each weight held once
 (`layer_copies` off): the device's own
 probe decides those (plain or nt, and any padding), so the plan is marked unverified,
 with that reason.
@@ -52,11 +53,15 @@ def target_plan(workload: Workload, platform: str, tied_head: bool = False) -> I
     products = tuple(ProductPlan(u.name, u.k, u.n, tuple((m, Formulation(kernel(u.name), m))
                                                           for m in u.sizes))
                      for u in workload.products)
-    # a MoE family's expert products: each row against its expert's matrix (the one
-    # grouped formulation that is not the CPU's native kernel)
-    grouped = tuple(ProductPlan(g.name, g.k, g.n, tuple((m, Formulation("gather", m))
-                                                        for m in g.sizes))
-                    for g in workload.grouped)
+    # a MoE family's expert products: on a TPU its grouped matmul over the rows sorted by
+    # expert (kernels/grouped_tpu.py; a pallas_call is not partitioned: "gather" where the
+    # experts are split over chips), elsewhere each row against its gathered matrix
+    def grouped_kernel(sharded: bool) -> str:
+        return "gmm" if platform == "tpu" and not sharded else "gather"
+
+    grouped = tuple(ProductPlan(g.name, g.k, g.n, tuple(
+        (m, Formulation(grouped_kernel(g.sharded), m)) for m in g.sizes))
+        for g in workload.grouped)
     row_sums = tuple(RowSumPlan(width, tuple((m, m) for m in counts))
                      for width, counts in workload.row_sums)
     sizes = workload.attention.sizes

@@ -14,7 +14,8 @@ For T tokens and top-k routing, one step computes:
    over the sorted rows with each row against ITS expert's matrix (`grouped`,
    invariance/primitives.py): the grouped
    native kernel (row_gemm.cc: a row's bits depend only on its x row and its expert's W)
-   or each row against its gathered expert matrix ("gather", XLA) - whichever the
+   or each row against its gathered expert matrix ("gather", XLA), or on a TPU its grouped
+   matmul over the sorted rows ("gmm", kernels/grouped_tpu.py) - whichever the
    invariance plan chose after checking its rows bitwise at every row count (products
    named `we_gate`, `we_up`, `we_down`; calibration.py). Only the T*k routed pairs are
    computed: not every token through every expert;

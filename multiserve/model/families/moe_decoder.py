@@ -12,7 +12,8 @@ Compute params (`compute_params`): the attention part as `primitives.with_transp
 makes it for the dense families (per-layer dicts + stacks + head layouts), and for the
 MLP groups the layouts the plan's kernels read: per layer `<name>` (plain) / `<name>_t`
 (nt) in `mlp` (a tuple over the L layers) and the stacked panels `<name>_p` (native) in
-`mlp_stacked`; the experts as the per-layer stack we_* [E, in, out] ("gather") and their
+`mlp_stacked`; the experts as the per-layer stack we_* [E, in, out] ("gather", and the
+TPU's grouped matmul "gmm") and their
 panels we_*_p [Lm*E, P, in, 64] (native grouped kernel, indexed by moe layer x E + expert).
 
 The layers are always unrolled (a Python loop): the layers are not all alike (dense and
@@ -114,7 +115,8 @@ def compute_params(params: dict[str, Any], cfg: ModelConfig, kernels: frozenset[
         per, stacked = _group_layouts({k: group[k] for k in dense_names}, dense_names,
                                       kernels)
         experts = {k: group[k] for k in expert_matrices(cfg)}
-        per_experts = split_layers(experts) if "gather" in kernels else ()
+        # the per-layer stacks [E, K, N] that "gather" and "gmm" read
+        per_experts = split_layers(experts) if {"gather", "gmm"} & set(kernels) else ()
         others = {k: v for k, v in group.items() if k not in dense_names and k not in experts}
         per_others = split_layers(others) if others else ()  # biases
         for j, i in enumerate(cfg.moe_layers):

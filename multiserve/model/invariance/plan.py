@@ -13,8 +13,9 @@ that runs the engine (`model/invariance/calibration.py`) and written down here, 
   padding);
 - grouped products (a MoE layer's experts, moe.py) are ProductPlans too, named after their
   expert matrix (`we_gate`, `we_up`, `we_down`), per row count M = tokens x top-k: kernel
-  "native" (the grouped CPU kernel) or "gather" (each row against its expert's gathered
-  matrix, an XLA batched product), both at M rows (no padding);
+  "native" (the grouped CPU kernel), "gather" (each row against its expert's gathered
+  matrix, an XLA batched product) or "gmm" (JAX's megablox grouped matmul, a TPU kernel:
+  kernels/grouped_tpu.py), all at M rows (no padding);
 - `RowSumPlan`, per row width: the row count each sum over the last axis is padded to
   (a row sum is an NT product with a block of ones: `primitives.row_sum`);
 - `AttentionPlan`: which kernel ("xla": the pure-JAX formulation; "native": the CPU
@@ -40,9 +41,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-# "gather" serves grouped (mixture-of-experts) products only: each row against its own
-# expert's matrix, gathered ([M, K] x [M, K, N] batched over rows)
-KERNELS = ("plain", "nt", "native", "gather")
+# "gather" and "gmm" serve grouped (mixture-of-experts) products only: each row against
+# its own expert's matrix, gathered ([M, K] x [M, K, N] batched over rows), or by the TPU's
+# grouped matmul over the rows sorted by expert (kernels/grouped_tpu.py)
+KERNELS = ("plain", "nt", "native", "gather", "gmm")
 # the native bfloat16 product's instruction paths, in the kernel's numbering
 # (src/row_gemm_bf16.cc Path; kernels/native.py says what each is)
 BF16_PATHS = ("avx512_bf16", "widen", "amx")

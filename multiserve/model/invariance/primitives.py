@@ -40,6 +40,7 @@ import numpy as np
 
 from multiserve.config import ModelConfig
 from multiserve.model.invariance.plan import ProductPlan, RowSumPlan
+from multiserve.model.kernels.grouped_tpu import grouped_gmm
 from multiserve.model.kernels.native import (
     PANEL,
     grouped_row_gemm,
@@ -139,7 +140,9 @@ def grouped(x: jax.Array, groups: jax.Array, w: jax.Array | None, w_p: jax.Array
     formulation is only invariant at a larger size): "native" reads
     the panels of every layer's experts `w_p` [L*E, P, K, 64] at group first_group +
     groups[m] (this layer's experts start at first_group); "gather" gathers this layer's
-    expert matrices `w` [E, K, N] per row (float32 accumulation)."""
+    expert matrices `w` [E, K, N] per row (float32 accumulation); "gmm" runs the TPU's
+    grouped matmul over the rows (sorted by expert, as the MoE layer gives them) and `w`
+    (kernels/grouped_tpu.py)."""
     m = x.shape[0]
     form = plan.formulation(m)
     if form.rows > m:  # the checked computation is at form.rows rows: pad (expert 0) to it
@@ -149,6 +152,9 @@ def grouped(x: jax.Array, groups: jax.Array, w: jax.Array | None, w_p: jax.Array
         assert w_p is not None, "the native grouped product needs the experts' panels"
         out = grouped_row_gemm(x, w_p, groups + first_group, plan.n, out_dtype=jnp.float32,
                                path=form.path or None)
+    elif form.kernel == "gmm":
+        assert w is not None, "the grouped matmul needs W [E, K, N]"
+        out = grouped_gmm(x, groups, w)
     else:
         assert form.kernel == "gather" and w is not None, (form.kernel, "needs W [E, K, N]")
         out = jnp.einsum("mk,mkn->mn", x, w[groups], precision=EXACT,

@@ -252,6 +252,8 @@ def probe_grouped(use: GroupedUse, dtype: Any, device: Any, distort: Distort | N
     w_host = rng.standard_normal((use.experts, use.local_k, use.local_n)) / np.sqrt(use.local_k)
     w = jax.device_put(jnp.asarray(w_host, dtype), device)
     kernels = [("gather", "")]
+    if device.platform == "tpu" and not use.sharded:  # its grouped matmul (grouped_tpu.py)
+        kernels = [("gmm", ""), *kernels]
     w_p = None
     if not use.sharded and native_products_usable(dtype, device):
         kernels = [("native", path) for path in native_paths(dtype)] + kernels
