@@ -4,7 +4,8 @@ rows already sorted by expert, each expert's matrix read where it lies in the st
 
 `grouped_gmm(x, groups, w)`: y[m] = x[m] @ w[groups[m]] for rows sorted by `groups`, in
 float32. The rows are padded to a multiple of the pinned row tile (ROW_TILE) with zero
-rows of the last expert (so the groups stay sorted; their outputs are dropped); the
+rows of the last row's expert (the groups stay sorted and no other expert's matrix is
+read for them; their outputs are dropped); the
 kernel's tiles are pinned here (ROW_TILE rows, K_TILE and N_TILE columns, or the whole
 dimension where it is smaller), never chosen by the row count.
 
@@ -41,7 +42,7 @@ def grouped_gmm(x: jax.Array, groups: jax.Array, w: jax.Array) -> jax.Array:
     extra = -m % ROW_TILE
     if extra:
         x = jnp.pad(x, ((0, extra), (0, 0)))
-        groups = jnp.pad(groups, (0, extra), constant_values=experts - 1)
+        groups = jnp.concatenate([groups, jnp.broadcast_to(groups[-1:], (extra,))])
     sizes = jnp.bincount(groups, length=experts).astype(jnp.int32)
     tiling = (ROW_TILE, min(K_TILE, k), min(N_TILE, n))
 
