@@ -34,6 +34,8 @@ from multiserve.model.invariance.plan import (
     RowSumPlan,
 )
 from multiserve.model.invariance.workload import Workload
+from multiserve.model.kernels.grouped_tpu import gmm_usable
+from multiserve.model.layers.attention_pallas import takes_terms
 
 TARGET_ATTENTION = {"cuda": "pallas_gpu", "tpu": "pallas_tpu"}  # jax.export platform -> kernel
 # the custom-call target a Pallas kernel lowers to on each platform (no export compatibility
@@ -53,15 +55,11 @@ def target_plan(workload: Workload, platform: str, tied_head: bool = False) -> I
     products = tuple(ProductPlan(u.name, u.k, u.n, tuple((m, Formulation(kernel(u.name), m))
                                                           for m in u.sizes))
                      for u in workload.products)
-    # a MoE family's expert products: on a TPU its grouped matmul over the rows sorted by
-    # expert (kernels/grouped_tpu.py; a pallas_call is not partitioned: "gather" where the
-    # experts are split over chips), elsewhere each row against its gathered matrix
-    def grouped_kernel(sharded: bool) -> str:
-        return "gmm" if platform == "tpu" and not sharded else "gather"
-
+    # a MoE family's expert products: the TPU's grouped matmul where it runs
+    # (kernels/grouped_tpu.py), else each row against its gathered matrix
     grouped = tuple(ProductPlan(g.name, g.k, g.n, tuple(
-        (m, Formulation(grouped_kernel(g.sharded), m)) for m in g.sizes))
-        for g in workload.grouped)
+        (m, Formulation("gmm" if gmm_usable(platform, g.sharded) else "gather", m))
+        for m in g.sizes)) for g in workload.grouped)
     row_sums = tuple(RowSumPlan(width, tuple((m, m) for m in counts))
                      for width, counts in workload.row_sums)
     sizes = workload.attention.sizes
@@ -69,7 +67,7 @@ def target_plan(workload: Workload, platform: str, tied_head: bool = False) -> I
     # score cap starts from the XLA formulation there (probes.pallas_attention_kernel);
     # our TPU kernel computes every term
     kernel = TARGET_ATTENTION[platform]
-    if kernel == "pallas_gpu" and not workload.attention.plain:
+    if not (workload.attention.plain or takes_terms(kernel)):
         kernel = "xla"
     attention = AttentionPlan(tuple((t, (1, t)) for t in sizes), False, kernel)
     return InvariancePlan(products + grouped, row_sums, attention, verified=False, problems=(

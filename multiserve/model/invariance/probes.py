@@ -45,8 +45,9 @@ from multiserve.model.invariance.primitives import grouped, product, row_sum_row
 from multiserve.model.invariance.workload import AttentionUse, GroupedUse, ProductUse
 from multiserve.model.invariance.xla_options import step_options
 from multiserve.model.kernels import native as native_kernels
+from multiserve.model.kernels.grouped_tpu import gmm_usable
 from multiserve.model.layers.attention import paged_attention
-from multiserve.model.layers.attention_pallas import KERNEL_PLATFORM, forced_kernel
+from multiserve.model.layers.attention_pallas import KERNEL_PLATFORM, forced_kernel, takes_terms
 from multiserve.model.layers.attention_terms import AttentionTerms
 from multiserve.model.layers.forward_batch import ForwardBatch
 from multiserve.model.layers.kv_pool import pool_layout, to_lanes
@@ -181,7 +182,7 @@ def pallas_attention_kernel(use: AttentionUse, device: Any) -> tuple[str, bool] 
         return None
     forced = forced_kernel()
     kernel = forced or {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}.get(device.platform)
-    if kernel is None or (kernel == "pallas_gpu" and not use.plain):
+    if kernel is None or not (use.plain or takes_terms(kernel)):
         return None
     return kernel, KERNEL_PLATFORM[kernel] != device.platform
 
@@ -252,7 +253,7 @@ def probe_grouped(use: GroupedUse, dtype: Any, device: Any, distort: Distort | N
     w_host = rng.standard_normal((use.experts, use.local_k, use.local_n)) / np.sqrt(use.local_k)
     w = jax.device_put(jnp.asarray(w_host, dtype), device)
     kernels = [("gather", "")]
-    if device.platform == "tpu" and not use.sharded:  # its grouped matmul (grouped_tpu.py)
+    if gmm_usable(device.platform, use.sharded):  # the TPU's grouped matmul
         kernels = [("gmm", ""), *kernels]
     w_p = None
     if not use.sharded and native_products_usable(dtype, device):

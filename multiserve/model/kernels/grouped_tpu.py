@@ -32,6 +32,13 @@ K_TILE = 128  # the contraction's tile (pinned; the whole K where it is smaller)
 N_TILE = 128  # output columns of one tile (pinned; the whole N where it is smaller)
 
 
+def gmm_usable(platform: str, sharded: bool) -> bool:
+    """Whether the grouped matmul may serve a grouped product on `platform` (a device's,
+    or jax.export's "tpu"): on a TPU, over experts held whole on each chip (a pallas_call is
+    not partitioned by the compiler; split experts take "gather")."""
+    return platform == "tpu" and not sharded
+
+
 def grouped_gmm(x: jax.Array, groups: jax.Array, w: jax.Array) -> jax.Array:
     """x [M, K] (rows sorted by `groups` [M], int32 expert ids), w [E, K, N] -> [M, N]
     float32 (module docstring)."""

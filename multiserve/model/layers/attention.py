@@ -52,7 +52,11 @@ import jax.numpy as jnp
 from multiserve.model.invariance.plan import AttentionPlan
 from multiserve.model.invariance.primitives import EXACT, row_sum_rows
 from multiserve.model.kernels.native import paged_attention_native
-from multiserve.model.layers.attention_pallas import PALLAS_KERNELS, paged_attention_pallas
+from multiserve.model.layers.attention_pallas import (
+    PALLAS_KERNELS,
+    paged_attention_pallas,
+    takes_terms,
+)
 from multiserve.model.layers.attention_terms import PLAIN_ATTENTION, AttentionTerms
 from multiserve.model.layers.forward_batch import ForwardBatch
 
@@ -187,7 +191,7 @@ def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer: i
         return paged_attention_native(q, k_pool, v_pool, layer, batch, page_size=page_size,
                                       terms=terms)
     if plan.kernel in PALLAS_KERNELS:
-        if plan.kernel == "pallas_gpu" and (not terms.plain or terms.scale > 0):
+        if not takes_terms(plan.kernel) and (not terms.plain or terms.scale > 0):
             raise ValueError(f"the {plan.kernel} attention kernel computes plain causal "
                              f"attention only, not a layer with {terms.describe()} (scale "
                              f"{terms.scale or 'default'}): such a model's plan must use the "

@@ -77,6 +77,14 @@ SPLIT_TOKENS = 512
 GPU_BLOCK_H = 16  # the GPU kernel's query-head block (a multiple of 16 it requires)
 
 
+def takes_terms(kernel: str) -> bool:
+    """Whether Pallas kernel `kernel` computes every attention term (attention_terms.py):
+    our TPU kernel does; JAX's GPU kernel computes plain causal attention only (no argument
+    of it bounds a token's keys from below), so a layer with other terms takes the XLA
+    formulation there."""
+    return kernel == "pallas_tpu"
+
+
 def forced_kernel() -> str | None:
     """The Pallas kernel FORCE_ENV names, or None (unset or empty)."""
     name = os.environ.get(FORCE_ENV, "")

@@ -168,7 +168,7 @@ def _kernel(layer_ref, window_ref, pos_ref, seq_ref, table_ref,  # scalar prefet
         def _() -> None:
             def extent(v: jax.Array, c: tuple[jax.Array, jax.Array, jax.Array]
                        ) -> tuple[jax.Array, jax.Array, jax.Array]:
-                end, first, last = c
+                end, earliest, last = c
                 tv = start + v
                 inside = jnp.logical_and(
                     jnp.logical_and(v > u, v == end - start),
@@ -176,11 +176,11 @@ def _kernel(layer_ref, window_ref, pos_ref, seq_ref, table_ref,  # scalar prefet
                                     == seq))
                 at = pos_ref[jnp.minimum(tv, num_tokens - 1)]
                 return (jnp.where(inside, end + 1, end),
-                        jnp.where(inside, jnp.minimum(first, at), first),
+                        jnp.where(inside, jnp.minimum(earliest, at), earliest),
                         jnp.where(inside, jnp.maximum(last, at), last))
 
-            end, first, last = jax.lax.fori_loop(0, bq, extent,
-                                                 (t + 1, pos_ref[t], pos_ref[t]))
+            end, earliest, last = jax.lax.fori_loop(0, bq, extent,
+                                                    (t + 1, pos_ref[t], pos_ref[t]))
 
             def block(j: jax.Array, c: jax.Array) -> jax.Array:
                 fetch(seq, j)
@@ -201,7 +201,7 @@ def _kernel(layer_ref, window_ref, pos_ref, seq_ref, table_ref,  # scalar prefet
             # lax.div: positions are >= 0 (a floor division lowers through sign, which
             # Mosaic resolves against the host's device kind); a windowed run starts at
             # its earliest token's window, so it fetches no page that left every window
-            jax.lax.fori_loop(jax.lax.div(first_key(first), block_keys),
+            jax.lax.fori_loop(jax.lax.div(first_key(earliest), block_keys),
                               jax.lax.div(last, block_keys) + 1, block, 0)
 
         return carry

@@ -78,9 +78,10 @@ def text_model_config(raw: dict[str, Any]) -> dict[str, Any]:
     composite = composite_of(raw)
     if composite is None:
         return raw
-    text = {**composite.text_defaults, **(raw.get("text_config") or {})}
+    given = raw.get("text_config") or {}
+    text = {**composite.text_defaults, **given}
     for key in ("bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings"):
-        if key in raw and key not in (raw.get("text_config") or {}):
+        if key in raw and key not in given:
             text[key] = raw[key]
     text["architectures"] = [composite.text_architecture]
     return text
