@@ -74,6 +74,14 @@ SIZES.update({
                                     "intermediate_size": 768}, **_MOE,
                                  moe_intermediate_size=768, norm_topk_prob=True,
                                  sliding_window=128, sliding_layers=(0, 1, 2, 3)),
+    # a Qwen3-MoE shape of ~1.5B parameters (0.4B active: 4 of 32 experts), as the 1B dense
+    # shape is for the dense families: the MoE step's TPU compile (doctor --compile)
+    "moe-1.5b": ModelConfig(**{**_COMMON, "architecture": "qwen3_moe"}, hidden_size=2048,
+                            intermediate_size=6144, num_layers=16, num_heads=16,
+                            num_kv_heads=4, head_dim=128, tie_word_embeddings=True,
+                            qk_norm=True, rope_theta=1_000_000.0, num_experts=32,
+                            num_experts_per_tok=4, moe_intermediate_size=384,
+                            norm_topk_prob=True, moe_layers=tuple(range(16))),
     "small-gpt-oss": ModelConfig(**{**_SMALL, "architecture": "gpt_oss",
                                     "intermediate_size": 512}, **_MOE,
                                  moe_intermediate_size=512, sliding_window=128,

@@ -96,7 +96,7 @@ def test_expert_rows_do_not_depend_on_who_else_chose_the_expert(kind: str,
     @jax.jit
     def layer0(h: jax.Array) -> jax.Array:
         w = _select(params["mlp"][0], params["mlp_stacked"]["moe"], moe_dense_matrices(cfg),
-                    h.shape[0], plan)
+                    h.shape[0], plan, 0)
         for m in ("we_gate", "we_up", "we_down"):
             native = plan.product(m).formulation(h.shape[0] * 2).kernel == "native"
             w[m] = None if native else params["mlp"][0][m]

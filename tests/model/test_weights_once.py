@@ -3,7 +3,10 @@ params hold no per-layer copy of a layer matrix and no copy of the head (a tied 
 the NT product against the embedding itself), the bytes an engine holds are the
 checkpoint's, and the forward (unrolled at every size) gives bitwise the logits and K/V
 of the plan with per-layer copies (XLA:CPU's: unrolled, then scanned), on a mixed step of
-prefill chunks and decode rows. Run here on the CPU with XLA's products, as a TPU runs them."""
+prefill chunks and decode rows. Run here on the CPU with XLA's products, as a TPU runs them.
+The MoE families alike: attention, dense MLP, router, shared expert and biases held once,
+read as static slices of the canonical stacks; the experts held once as per-layer stacks
+(the canonical ones restacked from them bit for bit)."""
 
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ import numpy as np
 import pytest
 from model_helpers import TINY_LLAMA, forward_program, products_on
 
+from multiserve.bench.random_model import SIZES
 from multiserve.model.abstract_params import abstract_params
 from multiserve.model.families import family_for
 from multiserve.model.invariance.calibration import default_plan
@@ -23,6 +27,7 @@ from multiserve.model.invariance.primitives import LAYER_MATRICES
 from multiserve.model.layers.forward_batch import ForwardBatch
 from multiserve.model.layers.kv_pool import make_kv_pool
 from multiserve.model.loading.param_layout import init_random_params
+from multiserve.model.param_tree import get_leaf
 
 PAGE, BLOCK, WIDTH = 4, 8, 40  # WIDTH: pages per sequence
 PAGES = 1 + 3 * WIDTH
@@ -76,6 +81,89 @@ def test_one_layout_per_matrix_and_the_same_bits(tied: bool) -> None:
     for tokens in sizes:
         assert not family.scans(once, tokens)
         assert family.scans(copies, tokens) == (tokens == 128)
+        outs = []
+        for plan, compute in ((once, lean), (copies, full)):
+            pool = make_kv_pool(cfg, PAGES, PAGE, jnp.float32)
+            logits, pool = fwd(compute, pool, _step(tokens), cfg=cfg, page_size=PAGE,
+                               attn_block_size=BLOCK, plan=plan)
+            outs.append([np.asarray(a) for a in (logits, pool.k, pool.v)])
+        for a, b in zip(*outs, strict=True):
+            assert a.tobytes() == b.tobytes()
+
+
+_TINY_MOE = dict(vocab_size=256, hidden_size=64, num_layers=3, num_heads=4, num_kv_heads=2,
+                 head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                 intermediate_size=96, max_position_embeddings=256, sliding_window=8)
+TINY_MOE = {
+    # a dense layer among the sparse ones and a shared expert (Qwen2-MoE's)
+    "qwen2_moe": replace(SIZES["small-mixtral"], architecture="qwen2_moe",
+                         **{**_TINY_MOE, "sliding_window": 0},
+                         moe_layers=(0, 2), shared_expert_intermediate_size=48,
+                         sliding_layers=(), norm_topk_prob=False),
+    "mixtral": replace(SIZES["small-mixtral"], **_TINY_MOE, moe_layers=(0, 1, 2),
+                       sliding_layers=(0, 1, 2)),
+    # attention and output biases, sinks, router and expert biases, float32 norms
+    "gpt_oss": replace(SIZES["small-gpt-oss"], **_TINY_MOE, moe_layers=(0, 1, 2),
+                       sliding_layers=(0, 2)),
+}
+
+
+def _moe_plan(cfg, copies: bool, experts: str, attention: str):  # type: ignore[no-untyped-def]
+    """XLA's products: the expert products by `experts` ("gather", or "gmm": the TPU's
+    grouped matmul, here in Pallas interpret mode), the others by `attention` ("plain" or
+    "nt"; the head "nt")."""
+    plan = default_plan(cfg)
+
+    def kernel(name: str) -> str:
+        return experts if name.startswith("we_") else "nt" if name == "head" else attention
+
+    plan = replace(plan, products=tuple(
+        replace(p, by_rows=tuple((m, Formulation(kernel(p.name), m)) for m, _ in p.by_rows))
+        for p in plan.products))
+    return replace(plan, layer_copies=copies)
+
+
+@pytest.mark.parametrize("arch,experts,layout", [("qwen2_moe", "gather", "plain"),
+                                                 ("mixtral", "gather", "nt"),
+                                                 ("gpt_oss", "gmm", "plain")])
+def test_moe_weights_held_once_and_the_same_bits(arch: str, experts: str,
+                                                 layout: str) -> None:
+    cfg = replace(TINY_MOE[arch], tie_word_embeddings=True)
+    family = family_for(cfg)
+    params = jax.device_put(init_random_params(cfg, seed=7, scale=0.3))
+    once = _moe_plan(cfg, False, experts, layout)
+    copies = _moe_plan(cfg, True, experts, layout)
+    sizes = (8, 32)
+    lean = family.compute_params(params, cfg, once, sizes)
+    full = family.compute_params(params, cfg, copies, sizes)
+    assert all(not layer for layer in lean["layers"])
+    experts = family.grouped_shapes(cfg, 1, "tensor")
+    names = {g.name for g in experts}
+    # a MoE layer's own arrays: its expert stacks [E, in, out], the grouped products'
+    # operands (a whole array: XLA:TPU copies a slice given to a custom call)
+    assert all(set(lean["mlp"][i]) == (names if i in cfg.moe_layers else set())
+               for i in range(cfg.num_layers))
+    canonical = {id(a) for a in jax.tree.leaves(params)}
+    own = {jax.tree_util.keystr(path): a for path, a in jax.tree.leaves_with_path(lean)
+           if id(a) not in canonical and not jax.tree_util.keystr(path).startswith("['mlp']")}
+    # the other arrays of their own: the stacked transposes "nt" reads (none with "plain")
+    assert all(name.endswith("_t']") for name in own), sorted(own)
+    assert bool(own) == (layout == "nt")
+    held = abstract_params(cfg, "float32", once)
+    assert held.held_bytes == held.checkpoint_bytes + sum(a.nbytes for a in own.values())
+    assert abstract_params(cfg, "float32", copies).held_bytes > held.held_bytes
+    # the expert stacks are held once, as the per-layer stacks: the canonical ones rebuilt
+    kept = family.params_to_hold(params, lean)
+    assert not names & set(kept["moe"])
+    rebuilt = family.canonical_params(kept, lean, cfg)
+    for path, a in jax.tree.leaves_with_path(params):
+        assert np.asarray(get_leaf(rebuilt, tuple(k.key for k in path))).tobytes() == \
+            np.asarray(a).tobytes()
+    for name in names:
+        assert np.asarray(family.canonical_leaf(kept, lean, cfg, ("moe", name))).tobytes() \
+            == np.asarray(params["moe"][name]).tobytes()
+    fwd = forward_program(jnp.float32)
+    for tokens in sizes:
         outs = []
         for plan, compute in ((once, lean), (copies, full)):
             pool = make_kv_pool(cfg, PAGES, PAGE, jnp.float32)

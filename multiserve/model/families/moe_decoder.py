@@ -12,9 +12,18 @@ Compute params (`compute_params`): the attention part as `primitives.with_transp
 makes it for the dense families (per-layer dicts + stacks + head layouts), and for the
 MLP groups the layouts the plan's kernels read: per layer `<name>` (plain) / `<name>_t`
 (nt) in `mlp` (a tuple over the L layers) and the stacked panels `<name>_p` (native) in
-`mlp_stacked`; the experts as the per-layer stack we_* [E, in, out] ("gather", and the
-TPU's grouped matmul "gmm") and their
-panels we_*_p [Lm*E, P, in, 64] (native grouped kernel, indexed by moe layer x E + expert).
+`mlp_stacked`; the experts as the per-layer stacks we_* [E, in, out] ("gather", and the
+TPU's grouped matmul "gmm", whose operand must be a whole array: XLA:TPU copies a slice
+given to a custom call) and their panels we_*_p [Lm*E, P, in, 64] (native grouped kernel,
+indexed by moe layer x E + expert). The per-layer expert stacks hold the experts whole:
+the family keeps no canonical [Lm, E, in, out] stack beside them (qwen_moe.py
+`params_to_hold`; `canonical_params` restacks them).
+
+Where the plan keeps no per-layer copies (`layer_copies` off: an accelerator, which reads
+a static slice of a stack in place) `layers` and `mlp` hold no copy (`mlp` only the
+per-layer expert stacks): each layer reads static slices of the canonical stacks
+(`stacked_layers`, and `mlp_stacked`'s groups, which then hold the canonical leaves and,
+with "nt", the stacked transposes), so every weight is held once.
 
 The layers are always unrolled (a Python loop): the layers are not all alike (dense and
 sparse MLPs), and each reads its own arrays in place. Every product is row-invariant as
@@ -29,20 +38,14 @@ import jax
 import jax.numpy as jnp
 
 from multiserve.config import ModelConfig
-from multiserve.model.layers.forward_batch import ForwardBatch
-from multiserve.model.invariance.plan import InvariancePlan
-from multiserve.model.layers.kv_pool import KVPool
 from multiserve.model.families import gpt_oss_moe, moe
 from multiserve.model.families.llama import (
     attention_block,
     layer_projection,
     norm,
 )
-from multiserve.model.layers.rope import rope_tables
 from multiserve.model.families.moe import SHARED_MATRICES
-from multiserve.model.kernels.native import pack_panels
-from multiserve.model.layers.activation import swiglu
-from multiserve.model.tensor_parallel import TensorParallel, embed_rows, whole
+from multiserve.model.invariance.plan import InvariancePlan
 from multiserve.model.invariance.primitives import (
     LAYOUT_SUFFIX,
     is_compute_params,
@@ -51,6 +54,12 @@ from multiserve.model.invariance.primitives import (
     transpose_tree,
     with_transposed,
 )
+from multiserve.model.kernels.native import pack_panels
+from multiserve.model.layers.activation import swiglu
+from multiserve.model.layers.forward_batch import ForwardBatch
+from multiserve.model.layers.kv_pool import KVPool
+from multiserve.model.layers.rope import rope_tables
+from multiserve.model.tensor_parallel import TensorParallel, embed_rows, whole
 
 ATTENTION_MATRICES = ("wq", "wk", "wv", "wo")
 DENSE_MLP_MATRICES = ("w_gate", "w_up", "w_down")
@@ -82,46 +91,54 @@ def _pack_experts(stacks: dict[str, jax.Array]) -> dict[str, jax.Array]:
 
 
 def _group_layouts(group: dict[str, jax.Array], matrices: tuple[str, ...],
-                   kernels: frozenset[str]) -> tuple[tuple[dict[str, jax.Array], ...],
-                                                     dict[str, jax.Array]]:
+                   kernels: frozenset[str], layer_copies: bool
+                   ) -> tuple[tuple[dict[str, jax.Array], ...], dict[str, jax.Array]]:
     """(per-layer dicts of `group`'s leaves, plain/nt layouts of its matrices; the stacked
-    native panels of its matrices)."""
-    per = {k: v for k, v in group.items() if k not in matrices or "plain" in kernels}
-    if "nt" in kernels:
-        per.update({f"{k}_t": v for k, v in
-                    transpose_tree({k: group[k] for k in matrices}).items()})
+    layouts: native panels of its matrices, and without `layer_copies` the canonical
+    leaves and the transposes "nt" reads, each layer's a static slice of them)."""
+    transposed = ({f"{k}_t": v for k, v in
+                   transpose_tree({k: group[k] for k in matrices}).items()}
+                  if "nt" in kernels else {})
     stacked = pack_tree({f"{k}_p": group[k] for k in matrices}) if "native" in kernels else {}
+    if not layer_copies:
+        stacked.update({**group, **transposed})
+        return (), stacked
+    per = {k: v for k, v in group.items() if k not in matrices or "plain" in kernels}
+    per.update(transposed)
     return (split_layers(per) if per else ()), stacked
 
 
 def compute_params(params: dict[str, Any], cfg: ModelConfig, kernels: frozenset[str],
-                   head_kernels: frozenset[str]) -> dict[str, Any]:
+                   head_kernels: frozenset[str], layer_copies: bool = True
+                   ) -> dict[str, Any]:
     """The compute params (module docstring) holding the layouts of `kernels` (the plan's
     kernels of its layer matrices, `llama.plan_kernels`) and, for the head, of
-    `head_kernels` (the head's own)."""
+    `head_kernels` (the head's own); `layer_copies`: the plan's."""
     attention = {k: v for k, v in params.items() if k not in ("dense_mlp", "moe")}
+    stacks = not layer_copies  # the layers read static slices of the stacks
     out = with_transposed(attention, cfg, kernels=kernels, matrices=ATTENTION_MATRICES,
-                          head_kernels=head_kernels)
+                          head_kernels=head_kernels, layer_copies=layer_copies,
+                          stacked_t=stacks and "nt" in kernels,
+                          stacked_plain=stacks and "plain" in kernels)
     mlp: list[dict[str, jax.Array]] = [{} for _ in range(cfg.num_layers)]
     mlp_stacked: dict[str, Any] = {}
     if cfg.dense_mlp_layers:
-        per, stacked = _group_layouts(params["dense_mlp"], DENSE_MLP_MATRICES, kernels)
+        per, stacked = _group_layouts(params["dense_mlp"], DENSE_MLP_MATRICES, kernels,
+                                      layer_copies)
         for j, i in enumerate(cfg.dense_mlp_layers):
             mlp[i] = dict(per[j]) if per else {}
         mlp_stacked["dense_mlp"] = stacked
     if cfg.moe_layers:
         group = params["moe"]
         dense_names = moe_dense_matrices(cfg)
-        per, stacked = _group_layouts({k: group[k] for k in dense_names}, dense_names,
-                                      kernels)
         experts = {k: group[k] for k in expert_matrices(cfg)}
-        # the per-layer stacks [E, K, N] that "gather" and "gmm" read
-        per_experts = split_layers(experts) if {"gather", "gmm"} & set(kernels) else ()
         others = {k: v for k, v in group.items() if k not in dense_names and k not in experts}
-        per_others = split_layers(others) if others else ()  # biases
+        per, stacked = _group_layouts({**{k: group[k] for k in dense_names}, **others},
+                                      dense_names, kernels, layer_copies)
+        # the expert stacks [E, K, N] "gather" and "gmm" read, per layer in any plan
+        per_experts = split_layers(experts) if {"gather", "gmm"} & set(kernels) else ()
         for j, i in enumerate(cfg.moe_layers):
-            mlp[i] = {**(per[j] if per else {}), **(per_experts[j] if per_experts else {}),
-                      **(per_others[j] if per_others else {})}
+            mlp[i] = {**(per[j] if per else {}), **(per_experts[j] if per_experts else {})}
         if "native" in kernels:
             stacked.update(_pack_experts(experts))
         mlp_stacked["moe"] = stacked
@@ -130,22 +147,44 @@ def compute_params(params: dict[str, Any], cfg: ModelConfig, kernels: frozenset[
     return out
 
 
+def _layer_leaf(per_layer: dict[str, jax.Array], stacked: dict[str, jax.Array], name: str,
+                index: int) -> jax.Array:
+    """A layer's leaf `name`: its per-layer copy, or (no per-layer copies) the static slice
+    `index` of its stack, which the compiler reads in place."""
+    if name in per_layer:
+        return per_layer[name]
+    assert name in stacked, f"the plan's {name} layout is missing from the compute params"
+    return stacked[name][index]
+
+
+def _leaf_names(stacked: dict[str, jax.Array], matrices: tuple[str, ...]
+                ) -> tuple[str, ...]:
+    """The stacked leaves of a group that are not a layout of one of its `matrices`
+    (norms, biases, sinks): each layer reads its own slice of them."""
+    layouts = {m + sfx for m in matrices for sfx in LAYOUT_SUFFIX.values()}
+    return tuple(k for k in stacked if k not in layouts and not k.endswith("_p"))
+
+
 def _select(per_layer: dict[str, jax.Array], stacked: dict[str, jax.Array],
-            matrices: tuple[str, ...], num_rows: int, plan: InvariancePlan
-            ) -> dict[str, jax.Array | None]:
+            matrices: tuple[str, ...], num_rows: int, plan: InvariancePlan, index: int,
+            leaves: tuple[str, ...] = ()) -> dict[str, jax.Array | None]:
     """One layer's weights for a step: of each matrix only the layout the plan's kernel
-    uses at `num_rows` rows (`<name>`/`<name>_t` from `per_layer`, `<name>_p` from the
-    stack), the others None; other leaves as they are."""
+    uses at `num_rows` rows (`<name>`/`<name>_t` of the layer, `<name>_p` the whole stack,
+    which the native kernel indexes itself), the others None; the other leaves of the
+    layer, and the stacked `leaves` (without per-layer copies: the layer is `index` of the
+    stacks)."""
     out: dict[str, jax.Array | None] = {
         k: v for k, v in per_layer.items()
         if not any(k == m + sfx for m in matrices for sfx in LAYOUT_SUFFIX.values())}
+    for name in leaves:
+        out.setdefault(name, _layer_leaf(per_layer, stacked, name, index))
     for m in matrices:
         kernel = plan.product(m).formulation(num_rows).kernel
         used = m + ("" if kernel == "gather" else LAYOUT_SUFFIX[kernel])
-        source = stacked if kernel == "native" else per_layer
-        assert used in source, f"the plan's {used} layout is missing from the compute params"
+        value = (stacked[used] if kernel == "native"
+                 else _layer_leaf(per_layer, stacked, used, index))
         for sfx in LAYOUT_SUFFIX.values():
-            out[m + sfx] = source[used] if m + sfx == used else None
+            out[m + sfx] = value if m + sfx == used else None
     return out
 
 
@@ -192,28 +231,32 @@ def _decoder(params: dict[str, Any], kv_pool: KVPool, batch: ForwardBatch,
     matrices = expert_matrices(cfg)
     expert_plans = {m: plan.product(m) for m in matrices} if cfg.moe_layers else {}
     block = expert_block(cfg)
+    attention_leaves = _leaf_names(params["stacked_layers"], ATTENTION_MATRICES)
+    moe_stacked = params["mlp_stacked"].get("moe", {})
+    moe_leaves = _leaf_names(moe_stacked, moe_dense_matrices(cfg) + matrices)
     routed: list[jax.Array] = []  # [T, k] per MoE layer, in layer order
     for i, layer in enumerate(params["layers"]):
-        w = _select(layer, params["stacked_layers"], ATTENTION_MATRICES, t, plan)
+        w = _select(layer, params["stacked_layers"], ATTENTION_MATRICES, t, plan, i,
+                    attention_leaves)
         x, kv_pool = attention_block(x, kv_pool, i, w, layer_projection(w, i, plan), batch,
                                      rope, cfg, page_size=page_size,
                                      attn_block_size=attn_block_size, plan=plan, tp=tp)
         h = norm(x, w["mlp_norm"], cfg, plan)
         if i in moe_index:
             j = moe_index[i]
-            stacked = params["mlp_stacked"]["moe"]
-            mw = _select(params["mlp"][i], stacked, moe_dense_matrices(cfg), t, plan)
+            mw = _select(params["mlp"][i], moe_stacked, moe_dense_matrices(cfg), t, plan, j,
+                         moe_leaves)
             for m in matrices:
                 native = expert_plans[m].formulation(pairs).kernel == "native"
                 mw[m] = None if native else params["mlp"][i][m]
-                mw[f"{m}_p"] = stacked[f"{m}_p"] if native else None
+                mw[f"{m}_p"] = moe_stacked[f"{m}_p"] if native else None
             y, chosen = block(h, mw, j, layer_projection(mw, j, plan), cfg, expert_plans, tp)
             x = x + y
             routed.append(chosen)
         else:
             j = dense_index[i]
             mw = _select(params["mlp"][i], params["mlp_stacked"]["dense_mlp"],
-                         DENSE_MLP_MATRICES, t, plan)
+                         DENSE_MLP_MATRICES, t, plan, j)
             proj = layer_projection(mw, j, plan)
             act = whole(swiglu(proj(h, "w_gate"), proj(h, "w_up")), tp)
             x = whole(proj(act, "w_down", residual=x), tp)

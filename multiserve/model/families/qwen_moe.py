@@ -277,20 +277,32 @@ class QwenMoeFamily:
             return compute_params(params, cfg, frozenset(KERNELS), frozenset(KERNELS))
         matrices = tuple(p.name for p in plan.products if p.name != "head")
         return compute_params(params, cfg, plan_kernels(plan, matrices),
-                              plan_kernels(plan, ("head",)))
+                              plan_kernels(plan, ("head",)), plan.layer_copies)
 
     def params_to_hold(self, params: dict[str, Any], compute: dict[str, Any]
                        ) -> dict[str, Any]:
-        """All of `params` (this family's compute params keep no layout that rebuilds
-        them)."""
-        return params
+        """`params` without the expert stacks [Lm, E, in, out] that `compute` holds as
+        per-layer stacks [E, in, out] (moe_decoder.compute_params: the "gather" and "gmm"
+        operands), which hold them exactly."""
+        split = _split_experts(compute)
+        if not split:
+            return params
+        return {**params, "moe": {k: v for k, v in params["moe"].items() if k not in split}}
 
     def canonical_params(self, held: dict[str, Any], compute: dict[str, Any],
                          cfg: ModelConfig) -> dict[str, Any]:
-        return held
+        """`held` with the expert stacks it left out restacked from their per-layer
+        stacks, bit for bit (new arrays)."""
+        missing = [k for k in _split_experts(compute) if k not in held["moe"]]
+        if not missing:
+            return held
+        return {**held, "moe": {**held["moe"], **_restack(compute, cfg, tuple(missing))}}
 
     def canonical_leaf(self, held: dict[str, Any], compute: dict[str, Any],
                        cfg: ModelConfig, path: tuple[str, ...]) -> Any:
+        """`canonical_params`' leaf at `path`: held, or that expert stack alone restacked."""
+        if path[0] == "moe" and len(path) == 2 and path[1] not in held["moe"]:
+            return _restack(compute, cfg, (path[1],))[path[1]]
         return get_leaf(held, path)
 
     def forward_hidden(self, params: dict[str, Any], kv_pool: KVPool, batch: ForwardBatch,
@@ -328,3 +340,20 @@ class QwenMoeFamily:
         from multiserve.model.families.llama import UNROLL_MAX_TOKENS
 
         return UNROLL_MAX_TOKENS
+
+
+def _split_experts(compute: dict[str, Any]) -> tuple[str, ...]:
+    """The expert matrices `compute` holds as per-layer stacks (moe_decoder.compute_params:
+    every MoE layer's dict in `mlp` holds them, no other layer's)."""
+    from multiserve.model.families import gpt_oss_moe, moe
+
+    names = dict.fromkeys(moe.EXPERT_MATRICES + gpt_oss_moe.EXPERT_MATRICES)
+    return tuple(k for k in names if any(k in layer for layer in compute.get("mlp", ())))
+
+
+def _restack(compute: dict[str, Any], cfg: ModelConfig, names: tuple[str, ...]
+             ) -> dict[str, jax.Array]:
+    """The canonical expert stacks `names` [Lm, E, in, out] from their per-layer stacks."""
+    import jax.numpy as jnp
+
+    return {k: jnp.stack([compute["mlp"][i][k] for i in cfg.moe_layers]) for k in names}
