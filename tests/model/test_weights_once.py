@@ -59,6 +59,21 @@ def _step(tokens: int) -> ForwardBatch:
                         logit_rows=jnp.asarray([n - 1, n, n + 1], jnp.int32))
 
 
+def _assert_same_step(cfg, tokens: int, *runs) -> None:  # type: ignore[no-untyped-def]
+    """The mixed step of `tokens` tokens under each (plan, compute params) of `runs`:
+    bitwise the same logits and K/V."""
+    fwd = forward_program(jnp.float32)
+    outs = []
+    for plan, compute in runs:
+        pool = make_kv_pool(cfg, PAGES, PAGE, jnp.float32)
+        logits, pool = fwd(compute, pool, _step(tokens), cfg=cfg, page_size=PAGE,
+                           attn_block_size=BLOCK, plan=plan)
+        outs.append([np.asarray(a) for a in (logits, pool.k, pool.v)])
+    for out in outs[1:]:
+        for a, b in zip(outs[0], out, strict=True):
+            assert a.tobytes() == b.tobytes()
+
+
 @pytest.mark.parametrize("tied", [True, False])
 def test_one_layout_per_matrix_and_the_same_bits(tied: bool) -> None:
     cfg = replace(TINY_LLAMA, tie_word_embeddings=tied)
@@ -77,18 +92,10 @@ def test_one_layout_per_matrix_and_the_same_bits(tied: bool) -> None:
     held = abstract_params(cfg, "float32", once)
     assert held.held_bytes == held.checkpoint_bytes
     assert abstract_params(cfg, "float32", copies).held_bytes > 1.5 * held.checkpoint_bytes
-    fwd = forward_program(jnp.float32)
     for tokens in sizes:
         assert not family.scans(once, tokens)
         assert family.scans(copies, tokens) == (tokens == 128)
-        outs = []
-        for plan, compute in ((once, lean), (copies, full)):
-            pool = make_kv_pool(cfg, PAGES, PAGE, jnp.float32)
-            logits, pool = fwd(compute, pool, _step(tokens), cfg=cfg, page_size=PAGE,
-                               attn_block_size=BLOCK, plan=plan)
-            outs.append([np.asarray(a) for a in (logits, pool.k, pool.v)])
-        for a, b in zip(*outs, strict=True):
-            assert a.tobytes() == b.tobytes()
+        _assert_same_step(cfg, tokens, (once, lean), (copies, full))
 
 
 _TINY_MOE = dict(vocab_size=256, hidden_size=64, num_layers=3, num_heads=4, num_kv_heads=2,
@@ -162,13 +169,5 @@ def test_moe_weights_held_once_and_the_same_bits(arch: str, experts: str,
     for name in names:
         assert np.asarray(family.canonical_leaf(kept, lean, cfg, ("moe", name))).tobytes() \
             == np.asarray(params["moe"][name]).tobytes()
-    fwd = forward_program(jnp.float32)
     for tokens in sizes:
-        outs = []
-        for plan, compute in ((once, lean), (copies, full)):
-            pool = make_kv_pool(cfg, PAGES, PAGE, jnp.float32)
-            logits, pool = fwd(compute, pool, _step(tokens), cfg=cfg, page_size=PAGE,
-                               attn_block_size=BLOCK, plan=plan)
-            outs.append([np.asarray(a) for a in (logits, pool.k, pool.v)])
-        for a, b in zip(*outs, strict=True):
-            assert a.tobytes() == b.tobytes()
+        _assert_same_step(cfg, tokens, (once, lean), (copies, full))
