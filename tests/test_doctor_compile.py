@@ -121,7 +121,8 @@ def test_windowed_families_compile_with_the_tpu_kernel(family: str) -> None:
     window a traced scalar per layer) and GPT-OSS's sinks and windows beside its experts
     (unrolled; its two expert products a layer by the TPU's grouped matmul,
     kernels/grouped_tpu.py) compile for v5e with our Mosaic attention kernel in every
-    layer, not the XLA formulation."""
+    layer, not the XLA formulation; each weight held once (GPT-OSS's experts as per-layer
+    stacks, the rest read as slices of the canonical stacks)."""
     from multiserve.bench.random_model import SIZES
 
     cfg = replace(SIZES[family], vocab_size=4096)
@@ -130,6 +131,7 @@ def test_windowed_families_compile_with_the_tpu_kernel(family: str) -> None:
                            which=[("forward", 16)])
     assert report["compiled"], [p["error"] for p in report["programs"]]
     assert report["attention"] == "pallas_tpu"
+    assert report["params"]["held_bytes"] == report["params"]["checkpoint_bytes"]
     (p,) = report["programs"]
     per_layer = 1 + (2 if cfg.num_experts else 0)  # attention, and the expert products
     assert p["pallas_calls"] == (1 if p["scanned"] else per_layer * cfg.num_layers), \
