@@ -132,6 +132,7 @@ def test_windowed_families_compile_with_the_tpu_kernel(family: str) -> None:
     assert report["compiled"], [p["error"] for p in report["programs"]]
     assert report["attention"] == "pallas_tpu"
     assert report["params"]["held_bytes"] == report["params"]["checkpoint_bytes"]
+    assert report["experts"] == (["gmm"] if cfg.num_experts else [])
     (p,) = report["programs"]
     per_layer = 1 + (2 if cfg.num_experts else 0)  # attention, and the expert products
     assert p["pallas_calls"] == (1 if p["scanned"] else per_layer * cfg.num_layers), \

@@ -135,6 +135,9 @@ def compile_model(label: str, cfg: Any, dtype: str, topology: str, tp: int, *,
                   "heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads,
                   "head_dim": cfg.head_dim, "vocab": cfg.vocab_size},
         "attention": plan.attention.kernel,
+        # the expert products' kernels (a MoE model; empty otherwise)
+        "experts": sorted({f.kernel for q in plan.products if q.name.startswith("we_")
+                           for _, f in q.by_rows}),
         "params": {"checkpoint_bytes": params.checkpoint_bytes,
                    "held_bytes": params.held_bytes,
                    "held_bytes_per_chip": params.held_bytes_per_chip},
@@ -202,6 +205,10 @@ def print_compile_report(report: dict[str, Any]) -> None:
                  else "")
               + f", {_gb(kv['bytes_per_chip'])} per chip; "
               f"floors at context {m['context']}")
+        if "gmm" in m.get("experts", ()):
+            print("experts: the grouped matmul (megablox), held as per-layer stacks; the "
+                  "compiler counts its kernel's bound (one expert matrix per possible row "
+                  "tile: tiles + experts - 1 a call), the floor the routed experts only")
         for r in m["programs"]:
             what = (f"{r['kind'].upper()} {r['size']}"
                     + (" (scanned)" if r["scanned"] else ""))
