@@ -95,6 +95,27 @@ def test_tensor_parallel_programs_compile_without_float_sums(tp: int) -> None:
                     and o[1] in ("f32", "bf16", "f16")}, ops  # no float sum across chips
 
 
+def test_a_moe_model_compiles_over_two_chips() -> None:
+    """Mixtral over 2 v5e chips: its experts split over the chips take "gather" (the
+    grouped matmul is a Mosaic call the compiler does not partition: gmm_usable), the
+    target plan is the TP degree's, and each weight is held once, half on each chip."""
+    from multiserve.bench.random_model import SIZES
+
+    cfg = replace(SIZES["small-mixtral"], vocab_size=4096)
+    ec = replace(EC, precompile_token_paddings=(16,), chunked_prefill_size=16)
+    report = compile_model("small-mixtral", cfg, "bfloat16", "v5e:2x2", 2, ec=ec,
+                           kv_pages=1025, which=[("forward", 16)])
+    assert report["compiled"], [p["error"] for p in report["programs"]]
+    assert report["experts"] == ["gather"]
+    params = report["params"]
+    assert params["held_bytes"] == params["checkpoint_bytes"]
+    assert params["held_bytes_per_chip"] < 0.6 * params["held_bytes"]
+    (p,) = report["programs"]
+    ops = {(c["op"], c["dtype"]) for c in p["collectives"]}
+    assert not {o for o in ops if o[0] in ("all-reduce", "reduce-scatter")
+                and o[1] in ("f32", "bf16", "f16")}, ops  # no float sum across chips
+
+
 def test_compile_report_text(capsys: pytest.CaptureFixture[str]) -> None:
     report = _report("v5e:2x2", 4, (("forward", 16),), layers=2)
     print_compile_report({"topology": "v5e:2x2", "tp": 4, "host_platform": "cpu",

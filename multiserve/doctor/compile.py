@@ -102,8 +102,10 @@ def compile_model(label: str, cfg: Any, dtype: str, topology: str, tp: int, *,
     if tp > len(devices):
         raise ValueError(f"--tp {tp}: topology {topology} has {len(devices)} chips")
     mesh = make_mesh(devices[:tp])
+    # the workload of the engine's TP degree: its local product shapes, and whether a MoE
+    # model's experts are split over the chips (then no grouped matmul: gmm_usable)
     plan = target_plan(default_workload(cfg, dtype, page_size=ec.page_size,
-                                        block_size=ec.attention_block_size), "tpu",
+                                        block_size=ec.attention_block_size, tp=tp), "tpu",
                        cfg.tie_word_embeddings)
     params = abstract_params(cfg, dtype, plan, mesh)
     canonical = canonical_shapes(cfg, dtype, mesh)
