@@ -104,9 +104,9 @@ def compile_model(label: str, cfg: Any, dtype: str, topology: str, tp: int, *,
     mesh = make_mesh(devices[:tp])
     # the workload of the engine's TP degree: its local product shapes, and whether a MoE
     # model's experts are split over the chips (then no grouped matmul: gmm_usable)
-    plan = target_plan(default_workload(cfg, dtype, page_size=ec.page_size,
-                                        block_size=ec.attention_block_size, tp=tp), "tpu",
-                       cfg.tie_word_embeddings)
+    workload = default_workload(cfg, dtype, page_size=ec.page_size,
+                                block_size=ec.attention_block_size, tp=tp)
+    plan = target_plan(workload, "tpu", cfg.tie_word_embeddings)
     params = abstract_params(cfg, dtype, plan, mesh)
     canonical = canonical_shapes(cfg, dtype, mesh)
     kv_shards = tp if attention_sharded(cfg, mesh) else 1
@@ -137,9 +137,9 @@ def compile_model(label: str, cfg: Any, dtype: str, topology: str, tp: int, *,
                   "heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads,
                   "head_dim": cfg.head_dim, "vocab": cfg.vocab_size},
         "attention": plan.attention.kernel,
-        # the expert products' kernels (a MoE model; empty otherwise)
-        "experts": sorted({f.kernel for q in plan.products if q.name.startswith("we_")
-                           for _, f in q.by_rows}),
+        # the kernels of the grouped (expert) products (a MoE model; empty otherwise)
+        "experts": sorted({f.kernel for g in workload.grouped
+                           for _, f in plan.product(g.name).by_rows}),
         "params": {"checkpoint_bytes": params.checkpoint_bytes,
                    "held_bytes": params.held_bytes,
                    "held_bytes_per_chip": params.held_bytes_per_chip},

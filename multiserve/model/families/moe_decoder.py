@@ -157,11 +157,16 @@ def _layer_leaf(per_layer: dict[str, jax.Array], stacked: dict[str, jax.Array], 
     return stacked[name][index]
 
 
+def _layouts(matrices: tuple[str, ...]) -> set[str]:
+    """The names of every layout of `matrices` (`<name>`, `<name>_t`, `<name>_p`)."""
+    return {m + sfx for m in matrices for sfx in LAYOUT_SUFFIX.values()}
+
+
 def _leaf_names(stacked: dict[str, jax.Array], matrices: tuple[str, ...]
                 ) -> tuple[str, ...]:
     """The stacked leaves of a group that are not a layout of one of its `matrices`
     (norms, biases, sinks): each layer reads its own slice of them."""
-    layouts = {m + sfx for m in matrices for sfx in LAYOUT_SUFFIX.values()}
+    layouts = _layouts(matrices)
     return tuple(k for k in stacked if k not in layouts and not k.endswith("_p"))
 
 
@@ -173,11 +178,11 @@ def _select(per_layer: dict[str, jax.Array], stacked: dict[str, jax.Array],
     which the native kernel indexes itself), the others None; the other leaves of the
     layer, and the stacked `leaves` (without per-layer copies: the layer is `index` of the
     stacks)."""
-    out: dict[str, jax.Array | None] = {
-        k: v for k, v in per_layer.items()
-        if not any(k == m + sfx for m in matrices for sfx in LAYOUT_SUFFIX.values())}
+    layouts = _layouts(matrices)
+    out: dict[str, jax.Array | None] = {k: v for k, v in per_layer.items()
+                                        if k not in layouts}
     for name in leaves:
-        out.setdefault(name, _layer_leaf(per_layer, stacked, name, index))
+        out[name] = _layer_leaf(per_layer, stacked, name, index)
     for m in matrices:
         kernel = plan.product(m).formulation(num_rows).kernel
         used = m + ("" if kernel == "gather" else LAYOUT_SUFFIX[kernel])
