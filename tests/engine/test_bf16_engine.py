@@ -107,12 +107,17 @@ def test_auto_serves_the_bf16_checkpoint_natively_with_its_bits(
     assert det["verified"], det["problems"]
     assert det["key"]["bf16_paths"] == list(candidates)
     assert det["plan"]["attention"]["kernel"] == "native"
-    kernels = {k for p in det["plan"]["products"] for _, k, *_ in p["by_rows"]}
-    assert "native" in kernels, kernels
-    # ONE instruction path, the calibration's, in every native product at every size
+    # which formulation serves each product at each size is the calibration's timing
+    # (native on AVX512_BF16 CPUs, XLA's on some AVX2 ones): the rule is checked, not one
+    # outcome. ONE instruction path, the calibration's, in every native product at every
+    # size; the plan names a path exactly where a native product uses it.
     paths = {tuple(path) for p in det["plan"]["products"]
              for _, k, _, *path in p["by_rows"] if k == "native"}
-    assert paths == {(det["plan"]["bf16_path"],)} and det["plan"]["bf16_path"] in candidates
+    if paths:
+        assert paths == {(det["plan"]["bf16_path"],)}
+        assert det["plan"]["bf16_path"] in candidates
+    else:
+        assert det["plan"]["bf16_path"] == ""
     _, params = _checkpoint(tiny_model_dir_bf16)
     bits = _device_bits(engine)
     _same_bits(bits["embed"], params["embed"])
@@ -204,7 +209,9 @@ def test_doctor_names_the_plan_path_its_costs_and_the_product_tuning(
     report = json.loads(capsys.readouterr().out)
     candidates = native_kernels.bf16_path_candidates()
     assert report["bf16_path_candidates"] == list(candidates)
-    assert report["bf16_plan_path"] in candidates
+    native = any(f[1] == "native" for p in report["plan"]["products"] for f in p["by_rows"])
+    # a path where a native product serves (whether one does is the calibration's timing)
+    assert report["bf16_plan_path"] in (candidates if native else ("",))
     costs = [row for row in report["table"] if row["primitive"] == "bf16_path"]
     assert len(costs) == (len(candidates) if len(candidates) > 1 else 0)
     assert [row["path"] for row in costs if row["chosen"]] == (
@@ -217,5 +224,5 @@ def test_doctor_names_the_plan_path_its_costs_and_the_product_tuning(
     args.json = False
     assert doctor_main(args) == 0
     text = capsys.readouterr().out
-    assert f"bfloat16 products: {report['bf16_plan_path']}" in text
+    assert f"bfloat16 products: {report['bf16_plan_path'] or 'none in this plan'}" in text
     assert "native products: split over the pool from" in text
