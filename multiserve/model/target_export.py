@@ -35,7 +35,6 @@ from multiserve.model.invariance.plan import (
 )
 from multiserve.model.invariance.workload import Workload
 from multiserve.model.kernels.grouped_tpu import gmm_usable
-from multiserve.model.layers.attention_pallas import takes_terms
 
 TARGET_ATTENTION = {"cuda": "pallas_gpu", "tpu": "pallas_tpu"}  # jax.export platform -> kernel
 # the custom-call target a Pallas kernel lowers to on each platform (no export compatibility
@@ -63,12 +62,7 @@ def target_plan(workload: Workload, platform: str, tied_head: bool = False) -> I
     row_sums = tuple(RowSumPlan(width, tuple((m, m) for m in counts))
                      for width, counts in workload.row_sums)
     sizes = workload.attention.sizes
-    # JAX's GPU kernel takes plain causal attention only: a model with windows, sinks or a
-    # score cap starts from the XLA formulation there (probes.pallas_attention_kernel);
-    # our TPU kernel computes every term
-    kernel = TARGET_ATTENTION[platform]
-    if not (workload.attention.plain or takes_terms(kernel)):
-        kernel = "xla"
+    kernel = TARGET_ATTENTION[platform]  # each computes every attention term
     attention = AttentionPlan(tuple((t, (1, t)) for t in sizes), False, kernel)
     return InvariancePlan(products + grouped, row_sums, attention, verified=False, problems=(
         f"not calibrated: no {platform} device here; products and row sums are probed "

@@ -1,6 +1,6 @@
 """Sliding windows, attention sinks and score soft caps (layers/attention_terms.py) in both
-attention kernels of the CPU, the native one and the XLA formulation, and in our TPU kernel
-(Pallas interpret mode): each equals a float64
+attention kernels of the CPU, the native one and the XLA formulation, and in our TPU and GPU
+Pallas kernels (interpret mode; the GPU one also lowered for CUDA): each equals a float64
 reference of transformers' definitions, its rows are bitwise invariant to the rest of the
 step, and a window row reads no page that lies wholly before its window (those are filled
 with NaN here: one read would show)."""
@@ -28,6 +28,9 @@ XLA_ONE = AttentionPlan(((1 << 20, (1, 1)),), False)  # one row a chunk
 NATIVE = AttentionPlan(((1 << 20, (1, 1)),), False, "native")
 # our TPU kernel, in Pallas interpret mode (its key blocks: 16 pages of 8 here)
 TPU = AttentionPlan(((1 << 20, (1, 1)),), False, "pallas_tpu", interpret=True)
+# the GPU path, interpreted: our Triton kernel for every layer with a term
+# (layers/attention_gpu.py), JAX's library kernel for the plain terms
+GPU = AttentionPlan(((1 << 20, (1, 1)),), False, "pallas_gpu", interpret=True)
 KV, GROUP, HD, SEQS, MAX_POS = 2, 3, 32, 6, 150
 
 
@@ -119,8 +122,8 @@ TERMS = {
 
 def _kernels(tpu: bool = True) -> list[AttentionPlan]:
     has_cxx = shutil.which("c++") or shutil.which("g++")
-    return [XLA, XLA_ONE] + ([NATIVE] if has_cxx and native_kernels.unavailable_reason()
-                             is None else []) + ([TPU] if tpu else [])
+    return [XLA, XLA_ONE, GPU] + ([NATIVE] if has_cxx and native_kernels.unavailable_reason()
+                                  is None else []) + ([TPU] if tpu else [])
 
 
 @pytest.mark.parametrize("name", sorted(TERMS))
@@ -176,9 +179,27 @@ def test_a_window_row_reads_no_page_before_its_window(case: dict) -> None:
                 assert np.isnan(_attend(case, plan, AttentionTerms(), idx, k, v)).any()
 
 
-def test_the_gpu_pallas_plan_refuses_terms_it_does_not_compute(case: dict) -> None:
-    """JAX's GPU kernel computes plain causal attention only (our TPU kernel every term:
-    the tests above)."""
-    plan = AttentionPlan(((1 << 20, (1, 1)),), False, "pallas_gpu", interpret=True)
-    with pytest.raises(ValueError, match="XLA formulation"):
-        _attend(case, plan, AttentionTerms(window=4), np.arange(2))
+def test_the_gpu_kernel_lowers_for_cuda_with_every_term(case: dict) -> None:
+    """Our GPU kernel (compiled, not interpreted) lowers to Triton for a CUDA device with a
+    traced window, sinks, a soft cap and a scale, in float32 and bfloat16: a GPU compiles
+    the program this CPU cannot run (the interpreted kernel's values: the tests above)."""
+    plan = AttentionPlan(((1 << 20, (1, 1)),), False, "pallas_gpu", interpret=False)
+    n = len(case["seq"])
+    for dtype in (jnp.float32, jnp.bfloat16):
+        def run(q, kp, vp, b, window, sinks):  # type: ignore[no-untyped-def]
+            terms = AttentionTerms(window=window, sinks=sinks, scale=0.7, softcap=2.0)
+            return paged_attention(q, kp, vp, 1, b, page_size=PAGE, block_size=BLOCK,
+                                   plan=plan, terms=terms, kv_heads=KV)
+
+        batch = ForwardBatch(input_ids=jnp.zeros(n, jnp.int32),
+                             positions=jnp.asarray(case["pos"]),
+                             token_seq=jnp.asarray(case["seq"]),
+                             out_slots=jnp.zeros(n, jnp.int32),
+                             page_table=jnp.asarray(case["table"]),
+                             seq_lens=jnp.zeros(SEQS, jnp.int32),
+                             logit_rows=jnp.zeros(1, jnp.int32))
+        args = (jnp.asarray(case["q"], dtype), jnp.asarray(case["k"], dtype),
+                jnp.asarray(case["v"], dtype), batch, jnp.int32(9),
+                jnp.asarray(case["sinks"]))
+        text = jax.jit(run).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert "multiserve_ragged_attention_gpu" in text and "__gpu$xla.gpu.triton" in text

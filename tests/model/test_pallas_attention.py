@@ -75,7 +75,22 @@ def _batch(pos: np.ndarray, seq: np.ndarray) -> ForwardBatch:
                         logit_rows=jnp.zeros(1, jnp.int32))
 
 
-def _attend(kernel: str, interpret: bool = True):  # type: ignore[no-untyped-def]
+# the layer's terms: plain, or a window of 9 (traced, as in a scanned decoder: the decode
+# row of sequence 0 then starts in page 11, so under the small blocks its first compute
+# block reaches into the next split's page 12), sinks, a soft cap and a scale
+SINKS = np.random.default_rng(5).standard_normal(KV * GROUP).astype(np.float32)
+TERMS = ("plain", "terms")
+
+
+def _terms(kind: str) -> AttentionTerms:
+    if kind == "plain":
+        return PLAIN_ATTENTION
+    return AttentionTerms(window=jnp.int32(9), sinks=jnp.asarray(SINKS), scale=0.3,
+                          softcap=1.5)
+
+
+def _attend(kernel: str, interpret: bool = True,  # type: ignore[no-untyped-def]
+            terms: str = "plain"):
     """jit(q, k_pool, v_pool, layer (traced, as in the scanned decoder), pos, seq)."""
 
     def run(q, k, v, layer, pos, seq):  # type: ignore[no-untyped-def]
@@ -84,7 +99,7 @@ def _attend(kernel: str, interpret: bool = True):  # type: ignore[no-untyped-def
             k, v = to_lanes(k), to_lanes(v)
         plan = AttentionPlan(((n, (1, n)),), False, kernel, interpret and kernel != "xla")
         return paged_attention(q, k, v, layer, _batch(pos, seq), page_size=PAGE,
-                               block_size=BLOCK, plan=plan, kv_heads=KV)
+                               block_size=BLOCK, plan=plan, kv_heads=KV, terms=_terms(terms))
 
     return jax.jit(run)
 
@@ -102,13 +117,15 @@ def test_pinned_blocks_do_not_depend_on_the_step() -> None:
 KERNEL_BLOCKS = [("pallas_gpu", "pinned"), ("pallas_gpu", "small"), ("pallas_tpu", "small")]
 
 
+@pytest.mark.parametrize("terms", TERMS)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("kernel,blocks", KERNEL_BLOCKS, indirect=["blocks"])
-def test_matches_the_xla_formulation(kernel: str, dtype: str, blocks: str) -> None:
+def test_matches_the_xla_formulation(kernel: str, dtype: str, blocks: str, terms: str) -> None:
+    """(the GPU path's terms: our kernel, attention_gpu.py; plain: JAX's)"""
     q, k, v = _pools(dtype)
     layer = jnp.int32(1)
-    ref = _attend("xla")(q, k, v, layer, POS, SEQ)
-    attend = _attend(kernel)  # one trace for both layers (the layer index is traced)
+    ref = _attend("xla", terms=terms)(q, k, v, layer, POS, SEQ)
+    attend = _attend(kernel, terms=terms)  # one trace for both layers (traced layer index)
     out = attend(q, k, v, layer, POS, SEQ)
     assert out.dtype == q.dtype and out.shape == q.shape
     err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref.astype(jnp.float32))))
@@ -121,10 +138,11 @@ def test_matches_the_xla_formulation(kernel: str, dtype: str, blocks: str) -> No
 # the TPU kernel on the small blocks only: its pinned blocks (one key block here) are
 # checked bitwise at the engine's page size, several key and query blocks per step, by
 # tests/model/test_tpu_attention.py (8 s of interpret mode here)
+@pytest.mark.parametrize("terms", TERMS)
 @pytest.mark.parametrize("kernel,blocks", KERNEL_BLOCKS, indirect=["blocks"])
-def test_rows_are_batch_invariant_bitwise(kernel: str, blocks: str) -> None:
+def test_rows_are_batch_invariant_bitwise(kernel: str, blocks: str, terms: str) -> None:
     q, k, v = _pools("float32")
-    attend = _attend(kernel)
+    attend = _attend(kernel, terms=terms)
     layer = jnp.int32(1)
     full = np.asarray(attend(q, k, v, layer, POS, SEQ))
     decode = np.array([0, 11])  # the decode rows
@@ -143,10 +161,12 @@ def test_rows_are_batch_invariant_bitwise(kernel: str, blocks: str) -> None:
     np.testing.assert_array_equal(shuffled, full[perm])
 
 
-def test_tensor_parallel_kernel_matches_one_device() -> None:
-    """Over 2 devices the TPU kernel runs in a shard_map (attention_pallas.py), each
-    device over its own KV heads' lanes of the pool: the rows are bitwise those of one
-    device."""
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_tensor_parallel_kernel_matches_one_device(kernel: str) -> None:
+    """Over 2 devices each Pallas kernel runs in a shard_map (attention_pallas.py), each
+    device over its own KV heads of the pool (the TPU kernel's lanes, the GPU's heads):
+    the rows are bitwise those of one device, plain and with a window and sinks (on the
+    GPU path: JAX's kernel, then ours)."""
     split = True
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
@@ -158,14 +178,17 @@ def test_tensor_parallel_kernel_matches_one_device() -> None:
     mesh = make_mesh(jax.devices()[:2])
     tp = TensorParallel(mesh, False, split)
     heads = NamedSharding(mesh, P(None, "tensor", None) if split else P())
-    pool = NamedSharding(mesh, P(None, None, "tensor") if split else P())
-    k, v = to_lanes(k, split), to_lanes(v, split)  # the TPU kernel's pool layout
+    if kernel == "pallas_tpu":
+        pool = NamedSharding(mesh, P(None, None, "tensor") if split else P())
+        k, v = to_lanes(k, split), to_lanes(v, split)  # the TPU kernel's pool layout
+    else:
+        pool = NamedSharding(mesh, P(None, "tensor", None, None) if split else P())
 
     sinks = jnp.asarray(np.random.default_rng(2).standard_normal(q.shape[1]), jnp.float32)
 
     def run(q, k, v, tp, terms):  # type: ignore[no-untyped-def]
         return attention_pallas.paged_attention_pallas(
-            q, k, v, jnp.int32(1), _batch(POS, SEQ), page_size=PAGE, kernel="pallas_tpu",
+            q, k, v, jnp.int32(1), _batch(POS, SEQ), page_size=PAGE, kernel=kernel,
             interpret=True, tp=tp, kv_heads=KV, terms=terms)
 
     # plain, and a traced window with sinks (each device its own heads' sinks)
@@ -205,11 +228,12 @@ def test_the_calibration_chooses_a_forced_pallas_kernel(monkeypatch: pytest.Monk
         pallas_attention_kernel(use, device)
 
 
-def test_windowed_layers_take_the_tpu_kernel_not_the_gpu_one(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """Layers with a sliding window and sinks and a soft cap: JAX's GPU
-    kernel does not compute them (no candidate: the XLA formulation), our TPU kernel does:
-    the calibration chooses it, verified on every layer kind."""
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_windowed_layers_take_the_pallas_kernels(monkeypatch: pytest.MonkeyPatch,
+                                                 kernel: str) -> None:
+    """Layers with a sliding window and a soft cap: both Pallas kernels compute them (on
+    a GPU, ours: attention_gpu.py), so the calibration chooses the forced one, verified
+    on every layer kind (a window layer and a global one)."""
     from multiserve.model.invariance.calibration import calibrate
     from multiserve.model.invariance.probes import pallas_attention_kernel
     from multiserve.model.invariance.workload import AttentionUse, Workload
@@ -217,13 +241,11 @@ def test_windowed_layers_take_the_tpu_kernel_not_the_gpu_one(
     use = AttentionUse(kv_heads=KV, group=GROUP, head_dim=HEAD_DIM, page_size=PAGE,
                        block_size=BLOCK, sizes=(4,), kinds=((5, True),), softcap=3.0)
     device = jax.devices()[0]
-    monkeypatch.setenv(FORCE_ENV, "pallas_gpu")
-    assert pallas_attention_kernel(use, device) is None
-    monkeypatch.setenv(FORCE_ENV, "pallas_tpu")
-    assert pallas_attention_kernel(use, device) == ("pallas_tpu", True)
+    monkeypatch.setenv(FORCE_ENV, kernel)
+    assert pallas_attention_kernel(use, device) == (kernel, True)
     workload = Workload(dtype="float32", products=(), row_sums=(), attention=use)
     cal = calibrate(workload, device, use_cache=False)
-    assert (cal.plan.attention.kernel, cal.plan.verified) == ("pallas_tpu", True), \
+    assert (cal.plan.attention.kernel, cal.plan.verified) == (kernel, True), \
         cal.plan.problems
 
 
@@ -252,8 +274,10 @@ def _sims(kernel: str, windowed: bool = False):  # type: ignore[no-untyped-def]
 
 
 # the TPU kernel on the windowed model only (its plain terms: the tests above and
-# test_tpu_attention.py; its layer 1 is global, the kernel's window 0 traced)
-@pytest.mark.parametrize("kernel,windowed", [("pallas_gpu", False), ("pallas_tpu", True)])
+# test_tpu_attention.py; its layer 1 is global, the kernel's window 0 traced); the GPU path
+# on both: the plain model runs JAX's kernel, the windowed one ours (attention_gpu.py)
+@pytest.mark.parametrize("kernel,windowed", [("pallas_gpu", False), ("pallas_gpu", True),
+                                             ("pallas_tpu", True)])
 def test_model_forward_with_pallas_attention(kernel: str, windowed: bool) -> None:
     """The whole tiny model (2 layers, scanned and unrolled decoders alike take the plan's
     attention) with the Pallas kernel: logits close to the default plan's, and a decode

@@ -47,7 +47,7 @@ from multiserve.model.invariance.xla_options import step_options
 from multiserve.model.kernels import native as native_kernels
 from multiserve.model.kernels.grouped_tpu import gmm_usable
 from multiserve.model.layers.attention import paged_attention
-from multiserve.model.layers.attention_pallas import KERNEL_PLATFORM, forced_kernel, takes_terms
+from multiserve.model.layers.attention_pallas import KERNEL_PLATFORM, forced_kernel
 from multiserve.model.layers.attention_terms import AttentionTerms
 from multiserve.model.layers.forward_batch import ForwardBatch
 from multiserve.model.layers.kv_pool import pool_layout, to_lanes
@@ -175,14 +175,12 @@ def pallas_attention_kernel(use: AttentionUse, device: Any) -> tuple[str, bool] 
     interpret mode), or None: "pallas_gpu" on a GPU, "pallas_tpu" on a TPU, or the kernel
     forced by MULTISERVE_ATTENTION_KERNEL (attention_pallas.forced_kernel), interpreted on a
     platform it was not made for. Not for a tensor-parallel attention (a pallas_call is not
-    partitioned by GSPMD), nor "pallas_gpu" for layers with terms beyond plain causal
-    attention (a sliding window, sinks, a soft cap: JAX's GPU kernel does not compute them;
-    such a model's plan takes the XLA formulation there); our TPU kernel computes them."""
+    partitioned by GSPMD). Both kernels compute every attention term."""
     if use.sharded:
         return None
     forced = forced_kernel()
     kernel = forced or {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}.get(device.platform)
-    if kernel is None or not (use.plain or takes_terms(kernel)):
+    if kernel is None:
         return None
     return kernel, KERNEL_PLATFORM[kernel] != device.platform
 

@@ -10,9 +10,8 @@ the pure-JAX formulation below (every platform).
 p = positions[t], softmax(q_t . K_s / sqrt(head_dim)) V_s over the keys at positions <= p,
 reading K/V from the paged pool (the new tokens' K/V are already written there), with the
 layer's `AttentionTerms` (attention_terms.py: another scale, a sliding window, sinks, a
-score soft cap). Our TPU kernel ("pallas_tpu") takes every term; JAX's GPU kernel the plain
-ones only: a layer with others on a "pallas_gpu" plan is refused here (the calibration
-gives such a model the XLA formulation on a GPU: probes.pallas_attention_kernel).
+score soft cap), in every kernel (on a GPU a layer with terms runs our Triton kernel,
+attention_gpu.py; a plain one JAX's library kernel).
 
 Pool layout (kv_pool.py): head-major [L, KV, slots, hd], so one page of one head is a
 contiguous [page_size, hd] slab and a block gather lands directly in the [KV, C, bs, hd]
@@ -52,11 +51,7 @@ import jax.numpy as jnp
 from multiserve.model.invariance.plan import AttentionPlan
 from multiserve.model.invariance.primitives import EXACT, row_sum_rows
 from multiserve.model.kernels.native import paged_attention_native
-from multiserve.model.layers.attention_pallas import (
-    PALLAS_KERNELS,
-    paged_attention_pallas,
-    takes_terms,
-)
+from multiserve.model.layers.attention_pallas import PALLAS_KERNELS, paged_attention_pallas
 from multiserve.model.layers.attention_terms import PLAIN_ATTENTION, AttentionTerms
 from multiserve.model.layers.forward_batch import ForwardBatch
 
@@ -191,11 +186,6 @@ def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer: i
         return paged_attention_native(q, k_pool, v_pool, layer, batch, page_size=page_size,
                                       terms=terms)
     if plan.kernel in PALLAS_KERNELS:
-        if not takes_terms(plan.kernel) and (not terms.plain or terms.scale > 0):
-            raise ValueError(f"the {plan.kernel} attention kernel computes plain causal "
-                             f"attention only, not a layer with {terms.describe()} (scale "
-                             f"{terms.scale or 'default'}): such a model's plan must use the "
-                             "XLA formulation (the calibration chooses it)")
         return paged_attention_pallas(q, k_pool, v_pool, layer, batch, page_size=page_size,
                                       kernel=plan.kernel, interpret=plan.interpret, tp=tp,
                                       kv_heads=kv_heads, terms=terms)

@@ -2,15 +2,17 @@
 place, prefill and decode tokens in one call.
 
 Kernels (chosen by the invariance plan, `AttentionPlan.kernel`; calibration.py):
-- "pallas_gpu": `jax.experimental.pallas.ops.gpu.paged_attention` (JAX's Pallas Triton
-  decode kernel, called as a library with its block sizes PINNED here), one query token per
-  kernel sequence, on the "heads" pool (kv_pool.py) of the layer: q [B, Hq, D], pages
+- "pallas_gpu": for a plain layer `jax.experimental.pallas.ops.gpu.paged_attention` (JAX's
+  Pallas Triton decode kernel, called as a library with its block sizes PINNED here), for
+  a layer with any attention term our Triton kernel (layers/attention_gpu.py: the same
+  layout and pinned blocks, plus the window's lower bound, sinks, soft cap and scale; JAX's
+  kernel has no lower bound on a token's keys and no sink); one query token per kernel
+  sequence, on the "heads" pool (kv_pool.py) of the layer: q [B, Hq, D], pages
   [Hkv, P, page, D], a page table [B, pages] and lengths [B];
 - "pallas_tpu": our own ragged paged attention kernel (layers/attention_tpu.py, Mosaic) on
   the TPU's "lanes" pool, read where it lies: the whole pool, no layer sliced or copied;
-  it computes every attention term (score scale, sliding window, sinks, soft cap), while
-  JAX's GPU kernel computes plain causal attention only (attention.py refuses others on
-  it: no argument of it bounds a token's keys from below).
+  it computes every attention term (score scale, sliding window, sinks, soft cap), as
+  the GPU path does.
 `AttentionPlan.interpret` runs either in Pallas interpret mode (tests on the CPU); the
 environment variable MULTISERVE_ATTENTION_KERNEL (`FORCE_ENV`) makes the calibration
 choose one on any platform, interpreted off its own.
@@ -77,14 +79,6 @@ SPLIT_TOKENS = 512
 GPU_BLOCK_H = 16  # the GPU kernel's query-head block (a multiple of 16 it requires)
 
 
-def takes_terms(kernel: str) -> bool:
-    """Whether Pallas kernel `kernel` computes every attention term (attention_terms.py):
-    our TPU kernel does; JAX's GPU kernel computes plain causal attention only (no argument
-    of it bounds a token's keys from below), so a layer with other terms takes the XLA
-    formulation there."""
-    return kernel == "pallas_tpu"
-
-
 def forced_kernel() -> str | None:
     """The Pallas kernel FORCE_ENV names, or None (unset or empty)."""
     name = os.environ.get(FORCE_ENV, "")
@@ -125,12 +119,12 @@ def paged_attention_pallas(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
     device over its own heads and its own heads of the pool where attention is split,
     else every device over all of them (the same values everywhere). `kv_heads`: the
     model's KV heads (the TPU kernel's "lanes" pool does not say: its rows may be
-    padded). `terms`: the layer's attention terms; the GPU kernel takes the plain ones only
-    (attention.py refuses others there), the TPU kernel every one."""
+    padded). `terms`: the layer's attention terms (every kernel computes every one)."""
     if tp is not None and tp.attention_split and kv_heads is not None:
         kv_heads //= tp.size  # each device's own
     call = partial(_kernel_call, page_size=page_size, kernel=kernel, interpret=interpret,
-                   kv_heads=kv_heads, scale=terms.scale, softcap=terms.softcap)
+                   kv_heads=kv_heads, scale=terms.scale, softcap=terms.softcap,
+                   plain=terms.plain and terms.scale <= 0)
     layer_ids = jnp.asarray(layer, jnp.int32)
     window = jnp.asarray(terms.window, jnp.int32)
     # the sinks of the heads (a row per head; none: an empty row the kernel never reads)
@@ -154,19 +148,28 @@ def _kernel_call(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer: jax.
                  window: jax.Array, sinks: jax.Array, positions: jax.Array,
                  token_seq: jax.Array, page_table: jax.Array, *, page_size: int, kernel: str,
                  interpret: bool, kv_heads: int | None, scale: float,
-                 softcap: float) -> jax.Array:
+                 softcap: float, plain: bool) -> jax.Array:
     """`paged_attention_pallas` on one device's heads (`sinks` [its heads, 1], or
-    [heads, 0]: none)."""
+    [heads, 0]: none; `plain`: the layer has no term, JAX's library kernel serves it on a
+    GPU)."""
     if kernel == "pallas_gpu":
-        from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
-
         k_pages = _layer_pages(k_pool, layer, page_size)
         v_pages = _layer_pages(v_pool, layer, page_size)
         rows = page_table[token_seq]  # [T, max_pages]: each token's own table
         lengths = (positions + 1).astype(jnp.int32)
         per_block, per_split = pinned_blocks(page_size)
-        qs = q.astype(jnp.float32) * (1.0 / float(q.shape[2]) ** 0.5)  # plain terms only
         table = _padded_table(rows, per_split)
+        if not plain:  # our kernel (attention_gpu.py): every term
+            from multiserve.model.layers.attention_gpu import ragged_attention_gpu
+
+            lo = jnp.where(window > 0, jnp.maximum(lengths - window, 0), 0)
+            return ragged_attention_gpu(
+                q, k_pages, v_pages, table, lengths, lo, sinks[:, 0] if sinks.shape[1] else None,
+                scale=scale if scale > 0 else float(q.shape[2]) ** -0.5, softcap=softcap,
+                per_block=per_block, per_split=per_split, interpret=interpret)
+        from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
+
+        qs = q.astype(jnp.float32) * (1.0 / float(q.shape[2]) ** 0.5)
         out = paged_attention(qs.astype(k_pages.dtype), k_pages, v_pages, table, lengths,
                               block_h=GPU_BLOCK_H, pages_per_compute_block=per_block,
                               k_splits=table.shape[1] // per_split, interpret=interpret)

@@ -1,8 +1,8 @@
 """What one layer's attention computes beyond softmax(q . K / sqrt(head_dim)) V over the
 keys at positions <= p: its score scale, its sliding window, its attention sinks and its
 score soft cap (`AttentionTerms`), the same for every attention kernel (attention.py's XLA
-formulation, the native CPU kernel, our TPU kernel; JAX's GPU kernel takes only the plain
-terms).
+formulation, the native CPU kernel, our TPU and GPU Pallas kernels; JAX's library GPU
+kernel serves the plain layers only).
 
 - `scale`: the scores' factor (0: head_dim ** -0.5; Gemma: query_pre_attn_scalar ** -0.5);
 - `window` > 0: a query at position p sees keys p - window + 1 .. p only (transformers'
@@ -22,7 +22,6 @@ the plain terms.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -51,11 +50,6 @@ class AttentionTerms:
     def plain(self) -> bool:
         """No window, no sinks, no cap: what every attention kernel computes."""
         return not self.windowed and self.sinks is None and self.softcap <= 0
-
-    def describe(self) -> dict[str, Any]:
-        """The terms as plain data (error messages)."""
-        return {"windowed": self.windowed, "sinks": self.sinks is not None,
-                "softcap": self.softcap}
 
 
 PLAIN_ATTENTION = AttentionTerms()
