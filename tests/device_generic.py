@@ -28,13 +28,21 @@ DEVICE_GENERIC_FILES = frozenset({
     "engine/test_rl_boundary.py", "engine/test_sampling.py", "engine/test_scheduler_unit.py",
     "engine/test_small_row_buckets.py", "engine/test_step_options.py",
     "engine/test_stress.py", "engine/test_weights.py", "engine/test_window_pages.py",
+    "model/test_attention_terms.py",
     "model/test_bf16.py", "model/test_batch_invariance.py", "model/test_kv_pool.py",
     "model/test_precision.py",
     "model/test_row_invariance.py",
 })
 
 # tests (node ids relative to tests/) of DEVICE_GENERIC_FILES that are not, and why
+_TERMS_CPU = ("the CPU's kernels (the native one) and the Pallas kernels interpreted; the "
+              "platform's compiled kernel: test_the_platforms_compiled_kernel_computes_every_term")
 CPU_ONLY_TESTS = {
+    **{f"model/test_attention_terms.py::{name}": _TERMS_CPU for name in (
+        "test_each_kernel_computes_transformers_definition",
+        "test_rows_are_bitwise_invariant_with_the_terms",
+        "test_a_window_row_reads_no_page_before_its_window",
+        "test_the_gpu_kernel_lowers_for_cuda_with_every_term")},
     "engine/test_background_compile.py::test_a_script_raising_while_compiles_run_exits_with_"
     "its_traceback": "a subprocess engine with the compilation cache off: minutes of "
                      "compiles on a fresh device for an exit-path check that is host logic",
@@ -53,7 +61,6 @@ CPU_ONLY_FILES = {
     "model/test_moe.py": "torch, and the native grouped CPU kernel",
     "model/test_families.py": "torch (transformers' checkpoints of the issue-64 families)",
     "model/test_gpt_oss.py": "torch (transformers' MXFP4 de-quantization)",
-    "model/test_attention_terms.py": "the native CPU kernel beside the XLA formulation",
     "engine/test_family_engines.py": "torch (transformers' checkpoints and references)",
     "engine/test_family_lora.py": "torch and peft (the adapter and its reference)",
     "model/test_hf_parity.py": "torch (the transformers reference forward)",

@@ -203,3 +203,24 @@ def test_the_gpu_kernel_lowers_for_cuda_with_every_term(case: dict) -> None:
                 jnp.asarray(case["sinks"]))
         text = jax.jit(run).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         assert "multiserve_ragged_attention_gpu" in text and "__gpu$xla.gpu.triton" in text
+
+
+def test_the_platforms_compiled_kernel_computes_every_term(case: dict) -> None:
+    """Device-generic (tests/device_generic.py): the attention kernel this device's platform
+    is offered (a GPU: our Triton kernel; a TPU: our Mosaic one; the CPU: the XLA
+    formulation), compiled, equals transformers' float64 definition with a window and
+    sinks, a window and a soft cap, a scale and a soft cap; its rows are bitwise those of
+    the whole step alone, at the end and in another order."""
+    platform = jax.devices()[0].platform
+    kernel = {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}.get(platform, "xla")
+    plan = AttentionPlan(((1 << 20, (1, 1)),), False, kernel, interpret=False)
+    tolerance = 2e-5 if platform == "cpu" else 5e-3  # an accelerator's f32 products: TF32
+    n = len(case["seq"])
+    rng = np.random.default_rng(4)
+    for name in ("window_sinks", "window_softcap", "softcap_scale"):
+        terms = TERMS[name](case)
+        got = _attend(case, plan, terms, np.arange(n))
+        np.testing.assert_allclose(got, _reference(case, terms), rtol=tolerance,
+                                   atol=tolerance, err_msg=f"{kernel} {name}")
+        for idx in (np.arange(1), np.arange(n - 7, n), rng.permutation(n)[:7]):
+            assert np.array_equal(_attend(case, plan, terms, idx), got[idx]), (kernel, name)
