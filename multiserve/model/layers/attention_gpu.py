@@ -7,7 +7,8 @@ model that has any term.
 Layout, as the library kernel's: every new token t is its own kernel sequence, with its
 request's page-table row, its length `positions[t] + 1` and its window's first position
 `lo[t]` (0: a global layer); one layer's pages [KV, P, page, hd] from the "heads" pool;
-the token's query heads of one KV head as one [16, hd] block (GQA group padded to 16).
+the token's query heads of one KV head as one [16, hd] block (GQA group padded to 16, or
+to the next power of two above it).
 
 Grid (token, KV head, split): a split is a FIXED range of `per_split` page-table entries;
 its program reads the pages of that range that hold keys in [lo, length), in compute
@@ -35,7 +36,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-BLOCK_H = 16  # query heads of one KV head in a program (Triton's dot wants >= 16 rows)
+MIN_BLOCK_H = 16  # query rows of a program (Triton's dot wants >= 16 rows)
 # A masked score: finite, so that exp(mask - max) is an exact 0 and never NaN; below any
 # score (the soft cap bounds them; uncapped scores of real models stay far from it).
 MASK = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -98,11 +99,11 @@ def ragged_attention_gpu(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     group = heads // kv_heads
     width = rows.shape[1]
     assert width % per_split == 0 and per_split % per_block == 0, (width, per_split)
-    assert group <= BLOCK_H, f"{group} query heads per KV head: more than {BLOCK_H}"
+    block_h = max(MIN_BLOCK_H, 1 << (group - 1).bit_length())  # a power of two, >= group
     splits = width // per_split
     qs = (q.astype(jnp.float32) * scale).astype(k_pages.dtype)
     qs = qs.reshape(tokens, kv_heads, group, head_dim)
-    qs = jnp.pad(qs, ((0, 0), (0, 0), (0, BLOCK_H - group), (0, 0)))
+    qs = jnp.pad(qs, ((0, 0), (0, 0), (0, block_h - group), (0, 0)))
     # a block starting in a split's last pages reads up to per_block - 1 entries past the
     # row (masked keys): page 0, the garbage page, is there
     rows = jnp.pad(rows.astype(jnp.int32), ((0, 0), (0, per_block)))
@@ -111,18 +112,18 @@ def ragged_attention_gpu(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     o, m, l = pl.pallas_call(
         partial(_kernel, per_block=per_block, per_split=per_split, softcap=float(softcap)),
         grid=(tokens, kv_heads, splits),
-        in_specs=[pl.BlockSpec((None, None, BLOCK_H, head_dim), lambda t, h, s: (t, h, 0, 0)),
+        in_specs=[pl.BlockSpec((None, None, block_h, head_dim), lambda t, h, s: (t, h, 0, 0)),
                   pages_spec, pages_spec,
                   pl.BlockSpec((None, width + per_block), lambda t, h, s: (t, 0)),
                   per_token, per_token],
-        out_specs=[pl.BlockSpec((None, None, None, BLOCK_H, head_dim),
+        out_specs=[pl.BlockSpec((None, None, None, block_h, head_dim),
                                 lambda t, h, s: (t, s, h, 0, 0)),
-                   pl.BlockSpec((None, None, None, BLOCK_H), lambda t, h, s: (t, s, h, 0)),
-                   pl.BlockSpec((None, None, None, BLOCK_H), lambda t, h, s: (t, s, h, 0))],
-        out_shape=[jax.ShapeDtypeStruct((tokens, splits, kv_heads, BLOCK_H, head_dim),
+                   pl.BlockSpec((None, None, None, block_h), lambda t, h, s: (t, s, h, 0)),
+                   pl.BlockSpec((None, None, None, block_h), lambda t, h, s: (t, s, h, 0))],
+        out_shape=[jax.ShapeDtypeStruct((tokens, splits, kv_heads, block_h, head_dim),
                                         jnp.float32),
-                   jax.ShapeDtypeStruct((tokens, splits, kv_heads, BLOCK_H), jnp.float32),
-                   jax.ShapeDtypeStruct((tokens, splits, kv_heads, BLOCK_H), jnp.float32)],
+                   jax.ShapeDtypeStruct((tokens, splits, kv_heads, block_h), jnp.float32),
+                   jax.ShapeDtypeStruct((tokens, splits, kv_heads, block_h), jnp.float32)],
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
         name="multiserve_ragged_attention_gpu",
