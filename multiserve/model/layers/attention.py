@@ -52,7 +52,7 @@ from multiserve.model.invariance.plan import AttentionPlan
 from multiserve.model.invariance.primitives import EXACT, row_sum_rows
 from multiserve.model.kernels.native import paged_attention_native
 from multiserve.model.layers.attention_pallas import PALLAS_KERNELS, paged_attention_pallas
-from multiserve.model.layers.attention_terms import PLAIN_ATTENTION, AttentionTerms
+from multiserve.model.layers.attention_terms import PLAIN_ATTENTION, AttentionTerms, first_key
 from multiserve.model.layers.forward_batch import ForwardBatch
 
 MASK_VALUE = -1e30  # the running max's start: finite, so a masked score (-inf) minus it
@@ -116,7 +116,7 @@ def _chunk_attention(q: jax.Array, pos: jax.Array, seq: jax.Array, k_pool: jax.A
     num_blocks = jnp.max(pos) // block_size + 1
     if terms.windowed:  # each row's first key; the chunk starts at its earliest's block
         window = jnp.asarray(terms.window, jnp.int32)
-        lo = jnp.where(window > 0, jnp.maximum(pos - window + 1, 0), 0)
+        lo = first_key(pos, window)
         first_block = jnp.min(lo) // block_size
     else:
         lo, first_block = None, 0

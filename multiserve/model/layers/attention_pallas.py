@@ -59,7 +59,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from multiserve.model.layers.attention_terms import PLAIN_ATTENTION, AttentionTerms
+from multiserve.model.layers.attention_terms import PLAIN_ATTENTION, AttentionTerms, first_key
 from multiserve.model.layers.forward_batch import ForwardBatch
 
 if TYPE_CHECKING:
@@ -162,9 +162,9 @@ def _kernel_call(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer: jax.
         if not plain:  # our kernel (attention_gpu.py): every term
             from multiserve.model.layers.attention_gpu import ragged_attention_gpu
 
-            lo = jnp.where(window > 0, jnp.maximum(lengths - window, 0), 0)
             return ragged_attention_gpu(
-                q, k_pages, v_pages, table, lengths, lo, sinks[:, 0] if sinks.shape[1] else None,
+                q, k_pages, v_pages, table, lengths, first_key(positions, window),
+                sinks[:, 0] if sinks.shape[1] else None,
                 scale=scale if scale > 0 else float(q.shape[2]) ** -0.5, softcap=softcap,
                 per_block=per_block, per_split=per_split, interpret=interpret)
         from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention

@@ -55,6 +55,12 @@ class AttentionTerms:
 PLAIN_ATTENTION = AttentionTerms()
 
 
+def first_key(positions: jax.Array, window: jax.Array) -> jax.Array:
+    """The first key position a query at each of `positions` sees: its sliding window's
+    start (`window` > 0: p - window + 1, at least 0), else 0."""
+    return jnp.where(window > 0, jnp.maximum(positions - window + 1, 0), 0)
+
+
 def layer_window(cfg: ModelConfig, layer: int | jax.Array) -> int | jax.Array:
     """Layer `layer`'s sliding window (0: none): a Python int where the layer is known at
     trace time or every layer has the same, else a lookup of the per-layer table."""
