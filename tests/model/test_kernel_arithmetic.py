@@ -77,3 +77,53 @@ def test_every_form_of_a_lora_sum_gives_the_same_bits_on_every_target(tmp_path) 
         assert np.array_equal(b, reference), f"-march={target} differs from the other builds"
     if left_out:  # shown with -rA or on failure
         print("left out:", "; ".join(left_out))
+
+
+ROW_GEMM_PROBE = Path(__file__).with_name("row_gemm_probe.cc")
+
+
+def test_the_products_register_blocks_give_the_same_bits_on_every_target(tmp_path) -> None:
+    """The row-invariant product's register blocks (every size, plain and warming, and the
+    one-row panel) built for each -march target and, for this CPU, also with the generic
+    block where the build has a specialised one (AVX2's column passes): every build that
+    fuses multiply-adds gives the same bits as every other; one that does not (SSE only)
+    must still run. A target whose instructions this CPU lacks is left out."""
+    import jax
+
+    cxx = shutil.which("c++") or shutil.which("g++")
+    if cxx is None:
+        pytest.skip("no C++ compiler on this machine: the engine uses XLA's formulations")
+    flags = [f for f in native.FLAGS if f not in ("-shared", "-fPIC") and
+             not f.startswith("-march=")]
+    includes = ["-I", str(native.SOURCES[0].parent), "-I", jax.ffi.include_dir()]
+    variants = [(t, [f"-march={t}"]) for t in _targets()]
+    variants.append(("native-generic", ["-march=native", "-DMULTISERVE_GENERIC_BLOCK"]))
+    builds = {}
+    for name, extra in variants:
+        exe = tmp_path / f"probe-{name}"
+        builds[name] = (exe, subprocess.Popen(
+            [cxx, *flags, *extra, *includes, str(ROW_GEMM_PROBE), "-o", str(exe)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+    bits: dict[str, np.ndarray] = {}
+    left_out: list[str] = []
+    for name, (exe, build) in builds.items():
+        _, err = build.communicate()
+        if build.returncode != 0:
+            assert not name.startswith("native"), err[-2000:]
+            left_out.append(f"{name}: not known to this compiler")
+            continue
+        out = tmp_path / f"bits-{name}"
+        done = subprocess.run([str(exe), str(out)], capture_output=True, text=True)
+        if done.returncode == -signal.SIGILL:
+            assert not name.startswith("native")
+            left_out.append(f"{name}: instructions this CPU lacks")
+            continue
+        assert done.returncode == 0, f"{name}: {done.stderr[-3000:]}"
+        bits[name] = np.fromfile(out, np.uint32)
+    assert {"native", "native-generic"} <= set(bits) and bits["native"].size > 5_000
+    fused = {t: b[1:] for t, b in bits.items() if b[0] == 1}
+    reference = next(iter(fused.values()), None)
+    for name, b in fused.items():
+        assert np.array_equal(b, reference), f"{name} differs from the other builds"
+    if left_out:
+        print("left out:", "; ".join(left_out))

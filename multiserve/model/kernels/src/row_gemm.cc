@@ -57,6 +57,67 @@ struct WarmRows {
   bool to_l1 = false;  // prefetcht0 (row_panel.h's Warm) instead of prefetcht1
 };
 
+// A block's warming through its k loop: `step` once a k step prefetches the next of the
+// WarmRows' panel rows every `every` steps, by counters: no division in the k loop
+// (docs/performance.md §3).
+struct WarmSchedule {
+  const char* next;
+  int64_t countdown = 1, left;
+  explicit WarmSchedule(const WarmRows& w)
+      : next(reinterpret_cast<const char*>(w.rows)), left(w.count) {}
+  inline void step(const WarmRows& w) {
+    if (--countdown != 0) return;
+    countdown = w.every;
+    if (left <= 0) return;
+    if (w.to_l1)
+      for (int c = 0; c < PANEL * 4; c += 64) __builtin_prefetch(next + c, 0, 3);
+    else
+      for (int c = 0; c < PANEL * 4; c += 64) __builtin_prefetch(next + c, 0, 2);
+    next += PANEL * sizeof(float);
+    --left;
+  }
+};
+
+#if !defined(__AVX512F__) && defined(__FMA__) && !defined(MULTISERVE_GENERIC_BLOCK)
+// AVX2 + FMA (x86-64-v3) builds: 16 ymm registers, so R rows x 64 columns of accumulators
+// (8 R ymm) do not fit: the panel's columns are covered in passes of `pass_ymm(R)` ymm
+// (8 R-row accumulators at most 12, with at least 8 independent sums for the FMA's
+// latency), each pass the whole k loop. A pass decides only which registers hold a sum:
+// every element is still the sum over k from zero, one _mm256_fmadd_ps a step, which is
+// float_ops.h's fmadd lane by lane, so the bits are the generic block's (and an AVX-512
+// build's). The first pass warms the next panel rows (`warm`). (float_ops.h includes
+// immintrin.h in FMA builds.) MULTISERVE_GENERIC_BLOCK builds the generic block instead:
+// tests/model/row_gemm_probe.cc compares the two.
+
+constexpr int pass_ymm(int r) { return r == 1 ? 8 : r <= 3 ? 4 : 2; }
+
+template <int R, bool WARM = false>
+inline void block(const float* x, int64_t k_dim, const float* panel, float* y, int64_t ldy,
+                  int64_t m0, WarmRows warm = {}) {
+  constexpr int C = pass_ymm(R);
+  static_assert((PANEL / 8) % C == 0);
+  const float* xr[R];
+  for (int r = 0; r < R; ++r) xr[r] = x + (m0 + r) * k_dim;
+  for (int c0 = 0; c0 < PANEL / 8; c0 += C) {
+    __m256 acc[R][C];
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < C; ++j) acc[r][j] = _mm256_setzero_ps();
+    WarmSchedule ws(warm);
+    const float* col = panel + 8 * c0;
+    for (int64_t k = 0; k < k_dim; ++k) {
+      if (WARM && c0 == 0) ws.step(warm);
+      __m256 b[C];
+      for (int j = 0; j < C; ++j) b[j] = _mm256_loadu_ps(col + k * PANEL + 8 * j);
+      for (int r = 0; r < R; ++r) {
+        const __m256 a = _mm256_broadcast_ss(xr[r] + k);
+        for (int j = 0; j < C; ++j) acc[r][j] = _mm256_fmadd_ps(a, b[j], acc[r][j]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < C; ++j) _mm256_storeu_ps(y + (m0 + r) * ldy + 8 * (c0 + j), acc[r][j]);
+  }
+}
+#else
 // rows [m0, m0 + R) of one panel: R x 64 accumulators in registers, k in order
 template <int R, bool WARM = false>
 inline void block(const float* x, int64_t k_dim, const float* panel, float* y, int64_t ldy,
@@ -66,21 +127,9 @@ inline void block(const float* x, int64_t k_dim, const float* panel, float* y, i
     for (int j = 0; j < NV; ++j) acc[r][j] = vf{};
   const float* xr[R];
   for (int r = 0; r < R; ++r) xr[r] = x + (m0 + r) * k_dim;
-  // the warming's schedule by counters: no division in the k loop (docs/performance.md §3)
-  const char* next_row = reinterpret_cast<const char*>(warm.rows);
-  int64_t countdown = 1, left = warm.count;
+  WarmSchedule ws(warm);
   for (int64_t k = 0; k < k_dim; ++k) {
-    if (WARM && --countdown == 0) {
-      countdown = warm.every;
-      if (left > 0) {
-        if (warm.to_l1)
-          for (int c = 0; c < PANEL * 4; c += 64) __builtin_prefetch(next_row + c, 0, 3);
-        else
-          for (int c = 0; c < PANEL * 4; c += 64) __builtin_prefetch(next_row + c, 0, 2);
-        next_row += PANEL * sizeof(float);
-        --left;
-      }
-    }
+    if (WARM) ws.step(warm);
     vf b[NV];
     for (int j = 0; j < NV; ++j) b[j] = load(panel + k * PANEL + 16 * j);
     for (int r = 0; r < R; ++r) {
@@ -91,6 +140,7 @@ inline void block(const float* x, int64_t k_dim, const float* panel, float* y, i
   for (int r = 0; r < R; ++r)
     std::memcpy(y + (m0 + r) * ldy, acc[r], sizeof acc[r]);
 }
+#endif
 
 struct Problem {
   const float* x;
