@@ -32,6 +32,17 @@ PROBE = Path(__file__).with_name("lora_arithmetic_probe.cc")
 X86_TARGETS = ("native", "sapphirerapids", "znver3", "x86-64-v3", "x86-64-v2")
 
 
+def _cpu_flags() -> set[str]:
+    """This CPU's flags (/proc/cpuinfo's first "flags" line; empty where there is none)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
 def _targets() -> tuple[str, ...]:
     return X86_TARGETS if platform.machine() in ("x86_64", "AMD64") else ("native",)
 
@@ -79,15 +90,17 @@ def test_every_form_of_a_lora_sum_gives_the_same_bits_on_every_target(tmp_path) 
         print("left out:", "; ".join(left_out))
 
 
-ROW_GEMM_PROBE = Path(__file__).with_name("row_gemm_probe.cc")
+# the products' register blocks, each probe including its kernel's source whole
+PRODUCT_PROBES = ("row_gemm_probe.cc", "row_gemm_bf16_probe.cc")
 
 
-def test_the_products_register_blocks_give_the_same_bits_on_every_target(tmp_path) -> None:
-    """The row-invariant product's register blocks (every size, plain and warming, and the
-    one-row panel) built for each -march target and, for this CPU, also with the generic
-    block where the build has a specialised one (AVX2's column passes): every build that
-    fuses multiply-adds gives the same bits as every other; one that does not (SSE only)
-    must still run. A target whose instructions this CPU lacks is left out."""
+@pytest.mark.parametrize("probe", PRODUCT_PROBES)
+def test_the_products_register_blocks_give_the_same_bits_in_each_path(
+        tmp_path, probe: str) -> None:
+    """A row-invariant product's register blocks (every size, plain and warming; the
+    float32 product's one-row panel; the bfloat16 product's widening path for float32 and
+    bfloat16 x into each output form) give the same bits in two builds of different
+    paths (below): AVX-512's blocks, AVX2's column passes, the generic block."""
     import jax
 
     cxx = shutil.which("c++") or shutil.which("g++")
@@ -96,13 +109,20 @@ def test_the_products_register_blocks_give_the_same_bits_on_every_target(tmp_pat
     flags = [f for f in native.FLAGS if f not in ("-shared", "-fPIC") and
              not f.startswith("-march=")]
     includes = ["-I", str(native.SOURCES[0].parent), "-I", jax.ffi.include_dir()]
-    variants = [(t, [f"-march={t}"]) for t in _targets()]
-    variants.append(("native-generic", ["-march=native", "-DMULTISERVE_GENERIC_BLOCK"]))
+    source = Path(__file__).with_name(probe)
+    # two builds, each path against another: on an AVX-512 CPU its own build and the AVX2
+    # build (x86-64-v3: the column passes); on any other, its own build (the column passes
+    # where it has AVX2) and the generic block
+    variants = [("native", ["-march=native"])]
+    if platform.machine() in ("x86_64", "AMD64") and "avx512f" in _cpu_flags():
+        variants.append(("x86-64-v3", ["-march=x86-64-v3"]))
+    else:
+        variants.append(("native-generic", ["-march=native", "-DMULTISERVE_GENERIC_BLOCK"]))
     builds = {}
     for name, extra in variants:
         exe = tmp_path / f"probe-{name}"
         builds[name] = (exe, subprocess.Popen(
-            [cxx, *flags, *extra, *includes, str(ROW_GEMM_PROBE), "-o", str(exe)],
+            [cxx, *flags, *extra, *includes, str(source), "-o", str(exe)],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
     bits: dict[str, np.ndarray] = {}
     left_out: list[str] = []
@@ -120,7 +140,7 @@ def test_the_products_register_blocks_give_the_same_bits_on_every_target(tmp_pat
             continue
         assert done.returncode == 0, f"{name}: {done.stderr[-3000:]}"
         bits[name] = np.fromfile(out, np.uint32)
-    assert {"native", "native-generic"} <= set(bits) and bits["native"].size > 5_000
+    assert len(bits) == 2 and bits["native"].size > 5_000, left_out
     fused = {t: b[1:] for t, b in bits.items() if b[0] == 1}
     reference = next(iter(fused.values()), None)
     for name, b in fused.items():

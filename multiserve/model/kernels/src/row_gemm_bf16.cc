@@ -169,6 +169,64 @@ struct Warmer {
   }
 };
 
+#if !defined(__AVX512F__) && defined(__FMA__) && !defined(MULTISERVE_GENERIC_BLOCK)
+// kWiden on AVX2 + FMA builds (16 ymm registers): row_gemm.cc's column passes, the same
+// widening and the same sums (one _mm256_fmadd_ps per k in order from zero, float_ops.h's
+// fmadd lane by lane): each pass covers `pass_ymm(R)` ymm of the panel's 8 through the whole
+// k loop into a row buffer, then the rows go through the generic block's epilogue. The first
+// pass warms. MULTISERVE_GENERIC_BLOCK builds the generic block instead (the probe's
+// comparison, tests/model/test_kernel_arithmetic.py).
+constexpr int pass_ymm(int r) { return r == 1 ? 8 : r <= 3 ? 4 : 2; }
+
+inline __m256 even_k8(const uint16_t* p) {  // 8 pair lanes' rows 2j, exactly
+  const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
+}
+inline __m256 odd_k8(const uint16_t* p) {  // their rows 2j + 1
+  const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm256_castsi256_ps(_mm256_and_si256(u, _mm256_set1_epi32(int(0xffff0000u))));
+}
+
+template <int R, bool WARM, typename X>
+void block_widen(const X* x, int64_t k_dim, const uint16_t* panel, const Out& out,
+                 int64_t col, int64_t m0, WarmRows warm) {
+  constexpr int C = pass_ymm(R);
+  static_assert((PANEL / 8) % C == 0);
+  const X* xr[R];
+  for (int r = 0; r < R; ++r) xr[r] = x + (m0 + r) * k_dim;
+  alignas(64) float rows[R][PANEL];
+  const int64_t pairs = k_dim / 2;
+  for (int c0 = 0; c0 < PANEL / 8; c0 += C) {
+    __m256 acc[R][C];
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < C; ++j) acc[r][j] = _mm256_setzero_ps();
+    Warmer warmer(warm);
+    const uint16_t* lanes = panel + 16 * c0;  // 8 pair lanes = 16 bfloat16 a ymm
+    auto step = [&](const uint16_t* row, int64_t k, bool odd) {
+      __m256 b[C];
+      for (int j = 0; j < C; ++j) b[j] = odd ? odd_k8(row + 16 * j) : even_k8(row + 16 * j);
+      for (int r = 0; r < R; ++r) {
+        const __m256 a = _mm256_set1_ps(x_at(xr[r], k));
+        for (int j = 0; j < C; ++j) acc[r][j] = _mm256_fmadd_ps(a, b[j], acc[r][j]);
+      }
+    };
+    for (int64_t p = 0; p < pairs; ++p) {
+      if (WARM && c0 == 0) warmer.step();
+      const uint16_t* row = lanes + p * PAIR_ROW;
+      step(row, 2 * p, false);
+      step(row, 2 * p + 1, true);
+    }
+    if (k_dim % 2) step(lanes + pairs * PAIR_ROW, 2 * pairs, false);  // the last k alone
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < C; ++j) _mm256_store_ps(&rows[r][8 * (c0 + j)], acc[r][j]);
+  }
+  for (int r = 0; r < R; ++r) {
+    vf acc_row[NV];
+    std::memcpy(acc_row, rows[r], sizeof acc_row);
+    store_row(out, m0 + r, col, acc_row);
+  }
+}
+#else
 // kWiden: rows [m0, m0 + R) of one panel, R x 64 float32 accumulators, one FMA per k in
 // order (row 2j of a pair before row 2j + 1).
 template <int R, bool WARM, typename X>
@@ -207,6 +265,7 @@ void block_widen(const X* x, int64_t k_dim, const uint16_t* panel, const Out& ou
   }
   for (int r = 0; r < R; ++r) store_row(out, m0 + r, col, acc[r]);
 }
+#endif
 
 #if defined(__AVX512BF16__)
 // kDot: rows [m0, m0 + R) of one panel, one VDPBF16PS per pair of k in order (an odd K's
