@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <vector>
 
+#define MULTISERVE_KERNEL_PROBE
 #include "row_gemm_bf16.cc"
 
 int main(int argc, char** argv) {

@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <vector>
 
+#define MULTISERVE_KERNEL_PROBE
 #include "row_gemm.cc"
 
 int main(int argc, char** argv) {

@@ -85,8 +85,8 @@ struct WarmSchedule {
 // latency), each pass the whole k loop. A pass decides only which registers hold a sum:
 // every element is still the sum over k from zero, one _mm256_fmadd_ps a step, which is
 // float_ops.h's fmadd lane by lane, so the bits are the generic block's (and an AVX-512
-// build's). The first pass warms the next panel rows (`warm`). (float_ops.h includes
-// immintrin.h in FMA builds.) MULTISERVE_GENERIC_BLOCK builds the generic block instead:
+// build's). The first pass warms the next panel rows (`warm`). (float_ops.h brings the
+// intrinsics in FMA builds.) MULTISERVE_GENERIC_BLOCK builds the generic block instead:
 // tests/model/row_gemm_probe.cc compares the two.
 
 constexpr int pass_ymm(int r) { return r == 1 ? 8 : r <= 3 ? 4 : 2; }
@@ -301,6 +301,9 @@ void multiserve::row_gemm_panel(const float* x, int64_t k, const float* panels, 
   for (int64_t c = p * PANEL; c < (p + 1) * PANEL; ++c) y[c] = res[c] + y[c];
 }
 
+// The XLA handlers (left out of the arithmetic probes, tests/model/*_probe.cc, which
+// build only the blocks).
+#if !defined(MULTISERVE_KERNEL_PROBE)
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MultiserveGroupedRowGemm, GroupedRowGemmImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
@@ -316,3 +319,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MultiserveRowGemm, RowGemmImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+#endif  // MULTISERVE_KERNEL_PROBE

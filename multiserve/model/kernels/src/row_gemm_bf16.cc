@@ -559,6 +559,9 @@ extern "C" int MultiserveBf16DotAvailable() { return dot_available() ? 1 : 0; }
 // 1 where this build, CPU and kernel run the kAmx path (AMX-BF16 tiles granted), else 0.
 extern "C" int MultiserveBf16AmxAvailable() { return multiserve::amx::available() ? 1 : 0; }
 
+// The XLA handlers (left out of the arithmetic probes, tests/model/*_probe.cc, which
+// build only the blocks).
+#if !defined(MULTISERVE_KERNEL_PROBE)
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MultiserveRowGemmBf16, RowGemmBf16Impl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
@@ -586,3 +589,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MultiserveGroupedRowGemmBf16, GroupedRowGemmBf16Im
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Attr<int64_t>("path")
                                   .Ret<ffi::AnyBuffer>());
+#endif  // MULTISERVE_KERNEL_PROBE
