@@ -57,26 +57,8 @@ struct WarmRows {
   bool to_l1 = false;  // prefetcht0 (row_panel.h's Warm) instead of prefetcht1
 };
 
-// A block's warming through its k loop: `step` once a k step prefetches the next of the
-// WarmRows' panel rows every `every` steps, by counters: no division in the k loop
-// (docs/performance.md §3).
-struct WarmSchedule {
-  const char* next;
-  int64_t countdown = 1, left;
-  explicit WarmSchedule(const WarmRows& w)
-      : next(reinterpret_cast<const char*>(w.rows)), left(w.count) {}
-  inline void step(const WarmRows& w) {
-    if (--countdown != 0) return;
-    countdown = w.every;
-    if (left <= 0) return;
-    if (w.to_l1)
-      for (int c = 0; c < PANEL * 4; c += 64) __builtin_prefetch(next + c, 0, 3);
-    else
-      for (int c = 0; c < PANEL * 4; c += 64) __builtin_prefetch(next + c, 0, 2);
-    next += PANEL * sizeof(float);
-    --left;
-  }
-};
+using multiserve::PanelWarmer;  // row_panel.h
+static_assert(PANEL * sizeof(float) == multiserve::PANEL_ROW_BYTES);
 
 #if !defined(__AVX512F__) && defined(__FMA__) && !defined(MULTISERVE_GENERIC_BLOCK)
 // AVX2 + FMA (x86-64-v3) builds: 16 ymm registers, so R rows x 64 columns of accumulators
@@ -102,10 +84,10 @@ inline void block(const float* x, int64_t k_dim, const float* panel, float* y, i
     __m256 acc[R][C];
     for (int r = 0; r < R; ++r)
       for (int j = 0; j < C; ++j) acc[r][j] = _mm256_setzero_ps();
-    WarmSchedule ws(warm);
+    PanelWarmer ws(warm);
     const float* col = panel + 8 * c0;
     for (int64_t k = 0; k < k_dim; ++k) {
-      if (WARM && c0 == 0) ws.step(warm);
+      if (WARM && c0 == 0) ws.step();
       __m256 b[C];
       for (int j = 0; j < C; ++j) b[j] = _mm256_loadu_ps(col + k * PANEL + 8 * j);
       for (int r = 0; r < R; ++r) {
@@ -127,9 +109,9 @@ inline void block(const float* x, int64_t k_dim, const float* panel, float* y, i
     for (int j = 0; j < NV; ++j) acc[r][j] = vf{};
   const float* xr[R];
   for (int r = 0; r < R; ++r) xr[r] = x + (m0 + r) * k_dim;
-  WarmSchedule ws(warm);
+  PanelWarmer ws(warm);
   for (int64_t k = 0; k < k_dim; ++k) {
-    if (WARM) ws.step(warm);
+    if (WARM) ws.step();
     vf b[NV];
     for (int j = 0; j < NV; ++j) b[j] = load(panel + k * PANEL + 16 * j);
     for (int r = 0; r < R; ++r) {

@@ -149,25 +149,8 @@ struct WarmRows {
   bool to_l1 = false;  // prefetcht0 (row_panel.h's Warm) instead of prefetcht1
 };
 
-struct Warmer {
-  const char* next;
-  int64_t countdown = 1, left, every;
-  bool to_l1;
-  explicit Warmer(const WarmRows& w)
-      : next(reinterpret_cast<const char*>(w.rows)), left(w.count), every(w.every),
-        to_l1(w.to_l1) {}
-  inline void step() {
-    if (--countdown != 0) return;
-    countdown = every;
-    if (left <= 0) return;
-    if (to_l1)
-      for (int c = 0; c < PAIR_ROW * 2; c += 64) __builtin_prefetch(next + c, 0, 3);
-    else
-      for (int c = 0; c < PAIR_ROW * 2; c += 64) __builtin_prefetch(next + c, 0, 2);
-    next += PAIR_ROW * sizeof(uint16_t);
-    --left;
-  }
-};
+using multiserve::PanelWarmer;  // row_panel.h
+static_assert(PAIR_ROW * sizeof(uint16_t) == multiserve::PANEL_ROW_BYTES);
 
 #if !defined(__AVX512F__) && defined(__FMA__) && !defined(MULTISERVE_GENERIC_BLOCK)
 // kWiden on AVX2 + FMA builds (16 ymm registers): row_gemm.cc's column passes, the same
@@ -200,7 +183,7 @@ void block_widen(const X* x, int64_t k_dim, const uint16_t* panel, const Out& ou
     __m256 acc[R][C];
     for (int r = 0; r < R; ++r)
       for (int j = 0; j < C; ++j) acc[r][j] = _mm256_setzero_ps();
-    Warmer warmer(warm);
+    PanelWarmer warmer(warm);
     const uint16_t* lanes = panel + 16 * c0;  // 8 pair lanes = 16 bfloat16 a ymm
     auto step = [&](const uint16_t* row, int64_t k, bool odd) {
       __m256 b[C];
@@ -237,7 +220,7 @@ void block_widen(const X* x, int64_t k_dim, const uint16_t* panel, const Out& ou
     for (int j = 0; j < NV; ++j) acc[r][j] = vf{};
   const X* xr[R];
   for (int r = 0; r < R; ++r) xr[r] = x + (m0 + r) * k_dim;
-  Warmer warmer(warm);
+  PanelWarmer warmer(warm);
   const int64_t pairs = k_dim / 2;
   for (int64_t p = 0; p < pairs; ++p) {
     if (WARM) warmer.step();
@@ -278,7 +261,7 @@ void block_dot(const uint16_t* x, int64_t k_dim, const uint16_t* panel, const Ou
     for (int j = 0; j < NV; ++j) acc[r][j] = _mm512_setzero_ps();
   const uint16_t* xr[R];
   for (int r = 0; r < R; ++r) xr[r] = x + (m0 + r) * k_dim;
-  Warmer warmer(warm);
+  PanelWarmer warmer(warm);
   // pair p of row r: (x[2p], x[2p + 1]) as one 32-bit lane; an odd K's last pair is
   // (x[K - 1], 0). The whole pairs run in a loop of their own (no per-pair test).
   const auto step = [&](int64_t p, const uint32_t (&pair)[R]) {
@@ -537,7 +520,7 @@ void multiserve::row_gemm_bf16_panel(const Bf16Row& row, int64_t p, Warm warm) {
   pr.k2 = (row.k + 1) / 2;
   pr.panels = row.panels_count;
   pr.path = static_cast<Path>(row.path);
-  WarmRows rows;  // Warmer's unit: 256 bytes a step
+  WarmRows rows;  // PanelWarmer's unit: 256 bytes a step
   if (warm.start != nullptr) {
     rows.rows = static_cast<const uint16_t*>(warm.start);
     rows.count = (warm.bytes + PAIR_ROW * 2 - 1) / (PAIR_ROW * 2);

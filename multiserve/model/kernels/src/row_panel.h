@@ -18,6 +18,34 @@ struct Warm {
   int64_t bytes = 0;
 };
 
+// A register block's warming of the rows it reads next, through its k loop: `step()` once
+// a k step prefetches, every `every`-th step, the next of `count` panel rows of
+// PANEL_ROW_BYTES (4 cache lines: a float32 panel's row, a bfloat16 panel's pair row) from
+// `rows`, into L2, or L1 with `to_l1` (prefetcht0). By counters: no division in the k loop
+// (docs/performance.md §3). Built from a kernel's own WarmRows (rows, every, count, to_l1).
+constexpr int64_t PANEL_ROW_BYTES = 256;
+
+struct PanelWarmer {
+  const char* next;
+  int64_t countdown = 1, left, every;
+  bool to_l1;
+  template <typename WarmRows>
+  explicit PanelWarmer(const WarmRows& w)
+      : next(reinterpret_cast<const char*>(w.rows)), left(w.count), every(w.every),
+        to_l1(w.to_l1) {}
+  inline void step() {
+    if (--countdown != 0) return;
+    countdown = every;
+    if (left <= 0) return;
+    if (to_l1)
+      for (int c = 0; c < PANEL_ROW_BYTES; c += 64) __builtin_prefetch(next + c, 0, 3);
+    else
+      for (int c = 0; c < PANEL_ROW_BYTES; c += 64) __builtin_prefetch(next + c, 0, 2);
+    next += PANEL_ROW_BYTES;
+    --left;
+  }
+};
+
 // y[64p, 64p + 64) = x @ columns [64p, 64p + 64) of W, then with `res` (not nullptr)
 // res + that in float32 (one add, as XLA adds a float32 residual to the product): x [K],
 // `panels` the chosen layer's float32 panels [P, K, 64], y and res rows of P * 64.
