@@ -52,35 +52,47 @@ def test_the_kernels_build_without_contraction() -> None:
     assert "-ffp-contract=off" in native.FLAGS and "-ffast-math" not in native.FLAGS
 
 
-def test_every_form_of_a_lora_sum_gives_the_same_bits_on_every_target(tmp_path) -> None:
+def _probe_bits(tmp_path: Path, source: Path, variants: list[tuple[str, list[str]]],
+                includes: list[str], failure: str) -> tuple[dict[str, np.ndarray], list[str]]:
+    """Builds `source` once per (name, extra flags) variant with the kernels' own flags
+    (native.FLAGS less -march and the shared-object ones), in parallel, runs each build
+    (argv[1]: the file it writes) and reads its output as uint32 words. A variant this
+    compiler does not know or whose instructions this CPU lacks is left out (named in the
+    second result), never a "native" one; a build exiting otherwise fails with `failure`."""
     cxx = shutil.which("c++") or shutil.which("g++")
     if cxx is None:
         pytest.skip("no C++ compiler on this machine: the engine uses XLA's formulations")
     flags = [f for f in native.FLAGS if f not in ("-shared", "-fPIC") and
              not f.startswith("-march=")]
-    include = native.SOURCES[0].parent
     builds = {}
-    for target in _targets():
-        exe = tmp_path / f"probe-{target}"
-        builds[target] = (exe, subprocess.Popen(
-            [cxx, *flags, f"-march={target}", "-I", str(include), str(PROBE), "-o", str(exe)],
+    for name, extra in variants:
+        exe = tmp_path / f"probe-{name}"
+        builds[name] = (exe, subprocess.Popen(
+            [cxx, *flags, *extra, *includes, str(source), "-o", str(exe)],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
     bits: dict[str, np.ndarray] = {}
     left_out: list[str] = []
-    for target, (exe, build) in builds.items():
+    for name, (exe, build) in builds.items():
         _, err = build.communicate()
         if build.returncode != 0:
-            assert target != "native", err[-2000:]
-            left_out.append(f"{target}: not known to this compiler")
+            assert not name.startswith("native"), err[-2000:]
+            left_out.append(f"{name}: not known to this compiler")
             continue
-        out = tmp_path / f"bits-{target}"
+        out = tmp_path / f"bits-{name}"
         done = subprocess.run([str(exe), str(out)], capture_output=True, text=True)
         if done.returncode == -signal.SIGILL:
-            assert target != "native"
-            left_out.append(f"{target}: instructions this CPU lacks")
+            assert not name.startswith("native")
+            left_out.append(f"{name}: instructions this CPU lacks")
             continue
-        assert done.returncode == 0, f"-march={target}: forms differ\n{done.stderr[-3000:]}"
-        bits[target] = np.fromfile(out, np.uint32)
+        assert done.returncode == 0, f"{name}: {failure}\n{done.stderr[-3000:]}"
+        bits[name] = np.fromfile(out, np.uint32)
+    return bits, left_out
+
+
+def test_every_form_of_a_lora_sum_gives_the_same_bits_on_every_target(tmp_path) -> None:
+    bits, left_out = _probe_bits(
+        tmp_path, PROBE, [(t, [f"-march={t}"]) for t in _targets()],
+        ["-I", str(native.SOURCES[0].parent)], "forms differ")
     fused = {t: b[1:] for t, b in bits.items() if b[0] == 1}
     assert "native" in bits and bits["native"].size > 10_000
     reference = next(iter(fused.values()), None)
@@ -103,13 +115,6 @@ def test_the_products_register_blocks_give_the_same_bits_in_each_path(
     paths (below): AVX-512's blocks, AVX2's column passes, the generic block."""
     import jax
 
-    cxx = shutil.which("c++") or shutil.which("g++")
-    if cxx is None:
-        pytest.skip("no C++ compiler on this machine: the engine uses XLA's formulations")
-    flags = [f for f in native.FLAGS if f not in ("-shared", "-fPIC") and
-             not f.startswith("-march=")]
-    includes = ["-I", str(native.SOURCES[0].parent), "-I", jax.ffi.include_dir()]
-    source = Path(__file__).with_name(probe)
     # two builds, each path against another: on an AVX-512 CPU its own build and the AVX2
     # build (x86-64-v3: the column passes); on any other, its own build (the column passes
     # where it has AVX2) and the generic block
@@ -118,28 +123,9 @@ def test_the_products_register_blocks_give_the_same_bits_in_each_path(
         variants.append(("x86-64-v3", ["-march=x86-64-v3"]))
     else:
         variants.append(("native-generic", ["-march=native", "-DMULTISERVE_GENERIC_BLOCK"]))
-    builds = {}
-    for name, extra in variants:
-        exe = tmp_path / f"probe-{name}"
-        builds[name] = (exe, subprocess.Popen(
-            [cxx, *flags, *extra, *includes, str(source), "-o", str(exe)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
-    bits: dict[str, np.ndarray] = {}
-    left_out: list[str] = []
-    for name, (exe, build) in builds.items():
-        _, err = build.communicate()
-        if build.returncode != 0:
-            assert not name.startswith("native"), err[-2000:]
-            left_out.append(f"{name}: not known to this compiler")
-            continue
-        out = tmp_path / f"bits-{name}"
-        done = subprocess.run([str(exe), str(out)], capture_output=True, text=True)
-        if done.returncode == -signal.SIGILL:
-            assert not name.startswith("native")
-            left_out.append(f"{name}: instructions this CPU lacks")
-            continue
-        assert done.returncode == 0, f"{name}: {done.stderr[-3000:]}"
-        bits[name] = np.fromfile(out, np.uint32)
+    bits, left_out = _probe_bits(
+        tmp_path, Path(__file__).with_name(probe), variants,
+        ["-I", str(native.SOURCES[0].parent), "-I", jax.ffi.include_dir()], "the probe failed")
     assert len(bits) == 2 and bits["native"].size > 5_000, left_out
     fused = {t: b[1:] for t, b in bits.items() if b[0] == 1}
     reference = next(iter(fused.values()), None)
