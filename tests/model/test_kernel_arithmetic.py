@@ -102,8 +102,9 @@ def test_every_form_of_a_lora_sum_gives_the_same_bits_on_every_target(tmp_path) 
         print("left out:", "; ".join(left_out))
 
 
-# the products' register blocks, each probe including its kernel's source whole
-PRODUCT_PROBES = ("row_gemm_probe.cc", "row_gemm_bf16_probe.cc")
+# the products' register blocks and the attention's items, each probe including its
+# kernel's source whole
+PRODUCT_PROBES = ("row_gemm_probe.cc", "row_gemm_bf16_probe.cc", "paged_attention_probe.cc")
 
 
 @pytest.mark.parametrize("probe", PRODUCT_PROBES)

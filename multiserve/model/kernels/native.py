@@ -102,7 +102,7 @@ SOURCES = tuple(Path(__file__).parent / "src" / name
                              "kv_write.cc", "lora_delta.cc", "row_gemm_lora.cc"))
 HEADERS = tuple(Path(__file__).parent / "src" / name  # hashed, not compiled
                 for name in ("amx_panel.h", "float_ops.h", "parallel_for.h", "product_split.h",
-                             "lora_math.h",
+                             "lanes16.h", "lora_math.h",
                              "lora_operands.h", "row_panel.h"))
 FLAGS = ("-std=c++20", "-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared", "-w")
 

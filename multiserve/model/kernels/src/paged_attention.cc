@@ -40,11 +40,8 @@
 #include <cstring>
 #include <type_traits>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
 #include "float_ops.h"
+#include "lanes16.h"
 #include "parallel_for.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -52,141 +49,68 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int KEY_BLOCK = 16;  // keys per online-softmax update (= lanes of one vector)
+constexpr int KEY_BLOCK = 16;  // keys per online-softmax update (= lanes of one F16)
 constexpr float MASK = -1e30f;
 
-// 16 floats, lane-wise arithmetic (GCC vector extensions: one zmm on AVX-512, two ymm on
-// AVX2; the lanes never mix except in the fixed trees below).
-using multiserve::float_ops::fmadd;
-using multiserve::float_ops::vf;
-typedef int32_t vi __attribute__((vector_size(64)));
-
-inline float hsum(vf a) {  // fixed tree: (0..7 + 8..15), then halves again
-  typedef float v8 __attribute__((vector_size(32)));
-  typedef float v4 __attribute__((vector_size(16)));
-  v8 b = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) +
-         __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
-  v4 c = __builtin_shufflevector(b, b, 0, 1, 2, 3) + __builtin_shufflevector(b, b, 4, 5, 6, 7);
-  return (c[0] + c[2]) + (c[1] + c[3]);
-}
-
-// hsum's tree for 16 vectors at once, in four stages: lane j of the last stage is exactly
-// hsum(d_j) (the same additions of the same operands), without a horizontal reduction per
-// vector. Each stage adds two vectors built by shuffles of its two inputs.
-// Stage 1: d_a, d_b -> [lo8(d_a) + hi8(d_a), lo8(d_b) + hi8(d_b)] (hsum's b, two keys).
-inline vf halves8(vf a, vf b) {
-  return __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-         __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30,
-                                 31);
-}
-// Stage 2: two stage-1 vectors (keys 0-1, 2-3) -> hsum's c = b[0..3] + b[4..7], four keys.
-inline vf halves4(vf a, vf b) {
-  return __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
-         __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
-}
-// Stage 3: two stage-2 vectors (keys 0-3, 4-7) -> [c0 + c2, c1 + c3] per key, eight keys.
-inline vf pairs02(vf a, vf b) {
-  return __builtin_shufflevector(a, b, 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
-         __builtin_shufflevector(a, b, 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
-}
-// Stage 4: two stage-3 vectors (keys 0-7, 8-15) -> (c0 + c2) + (c1 + c3) per key, 16 keys.
-inline vf adjacent(vf a, vf b) {
-  return __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
-         __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-}
-
-inline vf vmax(vf a, vf b) { return a > b ? a : b; }
-
-inline float hmax(vf a) {  // max is exact: any order (a tree of lane-wise maxima)
-  a = vmax(a, __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6,
-                                      7));
-  a = vmax(a, __builtin_shufflevector(a, a, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10,
-                                      11));
-  a = vmax(a, __builtin_shufflevector(a, a, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12,
-                                      13));
-  a = vmax(a, __builtin_shufflevector(a, a, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15,
-                                      14));
-  return a[0];
-}
+// 16 lanes (lanes16.h: one zmm on AVX-512, two ymm on AVX; the lanes never mix except in
+// lanes16.h's fixed trees and data movements).
+using multiserve::float_ops::fmadd;  // the scalar one
+using namespace multiserve::lanes16;
 
 // exp(x) lane-wise for x <= 0 (every argument here is s - max): 2^n * P(r), r = x - n ln2
 // in [-ln2/2, ln2/2], P the degree-7 Taylor polynomial (relative error < 1e-8, below fp32's
-// rounding); arguments below
-// -104 give exactly 0 (so masked keys weigh nothing).
-inline vf exp_nonpositive(vf x) {
-  const vf lo = x < -104.0f ? vf{} - 104.0f : x;
-  const vf t = fmadd(lo, vf{} + 1.44269504088896341f, vf{} + 0.5f);  // n = floor(t): round(x / ln2)
-  const vi tr = __builtin_convertvector(t, vi);    // truncation toward 0
-  const vi n = tr + (t < __builtin_convertvector(tr, vf));  // a true lane is -1
-  const vf nf = __builtin_convertvector(n, vf);
+// rounding); arguments below -104 give exactly 0 (so masked keys weigh nothing).
+inline F16 exp_nonpositive(F16 x) {
+  const F16 lo = select(less(x, splat(-104.0f)), splat(-104.0f), x);
+  const F16 t = fmadd(lo, splat(1.44269504088896341f), splat(0.5f));  // n = floor(t)
+  const I16 tr = truncate(t);                     // truncation toward 0
+  const I16 n = tr + less(t, to_float(tr));       // a true lane is -1
+  const F16 nf = to_float(n);
   // r = lo - n ln2, ln2 in two parts (Cody-Waite), each step one fused multiply-add
-  const vf r = fmadd(-nf, vf{} + 1.428606765330187e-06f,
-                     fmadd(-nf, vf{} + 0.693145751953125f, lo));
-  vf p = vf{} + 1.0f / 5040.0f;  // Horner, one fused multiply-add a degree
+  const F16 r = fmadd(-nf, splat(1.428606765330187e-06f),
+                      fmadd(-nf, splat(0.693145751953125f), lo));
+  F16 p = splat(1.0f / 5040.0f);  // Horner, one fused multiply-add a degree
   for (const float c : {1.0f / 720.0f, 1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f,
                         1.0f})
-    p = fmadd(p, r, vf{} + c);
-  const vi bits = (n + 127) << 23;
-  vf scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return n < -126 ? vf{} : p * scale;
+    p = fmadd(p, r, splat(c));
+  const F16 scale = as_float((n + 127) << 23);
+  return select(less(n, splat_i(-126)), F16{}, p * scale);
 }
 
 // expm1(x) lane-wise for x <= 0: exp_nonpositive's reduction, and where n = 0 (|x| <
 // ln2/2) the polynomial's r * (1 + r/2 + r^2/6 + ...) directly, so that a small |x| keeps
 // its relative precision (2^n P(r) - 1 would cancel); arguments below -104 give -1.
-inline vf expm1_nonpositive(vf x) {
-  const vf lo = x < -104.0f ? vf{} - 104.0f : x;
-  const vf t = fmadd(lo, vf{} + 1.44269504088896341f, vf{} + 0.5f);
-  const vi tr = __builtin_convertvector(t, vi);
-  const vi n = tr + (t < __builtin_convertvector(tr, vf));
-  const vf nf = __builtin_convertvector(n, vf);
-  const vf r = fmadd(-nf, vf{} + 1.428606765330187e-06f,
-                     fmadd(-nf, vf{} + 0.693145751953125f, lo));
-  vf q = vf{} + 1.0f / 5040.0f;  // (P(r) - 1) / r by Horner
+inline F16 expm1_nonpositive(F16 x) {
+  const F16 lo = select(less(x, splat(-104.0f)), splat(-104.0f), x);
+  const F16 t = fmadd(lo, splat(1.44269504088896341f), splat(0.5f));
+  const I16 tr = truncate(t);
+  const I16 n = tr + less(t, to_float(tr));
+  const F16 nf = to_float(n);
+  const F16 r = fmadd(-nf, splat(1.428606765330187e-06f),
+                      fmadd(-nf, splat(0.693145751953125f), lo));
+  F16 q = splat(1.0f / 5040.0f);  // (P(r) - 1) / r by Horner
   for (const float c : {1.0f / 720.0f, 1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f})
-    q = fmadd(q, r, vf{} + c);
-  const vf small = q * r;  // P(r) - 1
-  const vi bits = (n + 127) << 23;
-  vf scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  const vf big = fmadd(small + 1.0f, scale, vf{} - 1.0f);  // 2^n P(r) - 1
-  return n == 0 ? small : (n < -126 ? vf{} - 1.0f : big);
+    q = fmadd(q, r, splat(c));
+  const F16 small = q * r;  // P(r) - 1
+  const F16 scale = as_float((n + 127) << 23);
+  const F16 big = fmadd(small + 1.0f, scale, splat(-1.0f));  // 2^n P(r) - 1
+  return select(equal(n, splat_i(0)), small,
+                select(less(n, splat_i(-126)), splat(-1.0f), big));
 }
 
 // tanh(x) lane-wise: sign(x) * (-e) / (2 + e), e = expm1(-2|x|) (branch-free; odd by
 // construction)
-inline vf tanh_lanes(vf x) {
-  const vf ax = x < 0.0f ? -x : x;
-  const vf e = expm1_nonpositive(vf{} - 2.0f * ax);
-  const vf t = -e / (e + 2.0f);
-  return x < 0.0f ? -t : t;
+inline F16 tanh_lanes(F16 x) {
+  const I16 negative = less(x, F16{});
+  const F16 ax = select(negative, -x, x);
+  const F16 e = expm1_nonpositive(F16{} - ax * 2.0f);
+  const F16 t = -e / (e + 2.0f);
+  return select(negative, -t, t);
 }
 
-inline vf load(const float* p) {
-  vf v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-// 16 bfloat16 widened to float32 (exact: the bits become a float's high half)
-inline vf load(const uint16_t* p) {
-  vf v;
-#if defined(__AVX512F__)
-  // one zero-extending load of the 16 halves, then the shift (GCC splits the generic form)
-  const __m512i u = _mm512_slli_epi32(
-      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
-  std::memcpy(&v, &u, sizeof v);
-#else
-  typedef uint16_t vh __attribute__((vector_size(32)));
-  typedef uint32_t vu __attribute__((vector_size(64)));
-  vh h;
-  std::memcpy(&h, p, sizeof h);
-  const vu u = __builtin_convertvector(h, vu) << 16;
-  std::memcpy(&v, &u, sizeof v);
-#endif
-  return v;
-}
+// 16 K/V elements as float32 (bfloat16 widened exactly)
+inline F16 load_kv(const float* p) { return load(p); }
+inline F16 load_kv(const uint16_t* p) { return load_bf16(p); }
 
 // A K/V row of HD elements as HD/16 float32 vectors, in the kernel's DIMENSION ORDER
 // (`Row<KV, HD>`): q, the value accumulators and the scores' lane partial sums all use it,
@@ -202,47 +126,35 @@ struct Row {
   static constexpr int V = HD / 16;
   static constexpr int PAIRS = std::is_same_v<KV, uint16_t> ? HD / 32 : 0;
 
-  static inline void load_row(const KV* p, vf (&out)[V]) {
+  static inline void load_row(const KV* p, F16 (&out)[V]) {
     if constexpr (PAIRS == 0) {
-      for (int i = 0; i < V; ++i) out[i] = load(p + 16 * i);
+      for (int i = 0; i < V; ++i) out[i] = load_kv(p + 16 * i);
     } else {
-      typedef uint32_t vu __attribute__((vector_size(64)));
       for (int c = 0; c < PAIRS; ++c) {
-        vu u;
-        std::memcpy(&u, p + 32 * c, sizeof u);
-        const vu even = u << 16;
-        const vu odd = u & 0xFFFF0000u;
-        std::memcpy(&out[2 * c], &even, sizeof even);
-        std::memcpy(&out[2 * c + 1], &odd, sizeof odd);
+        const I16 u = load_words(p + 32 * c);
+        out[2 * c] = as_float(u << 16);
+        out[2 * c + 1] = as_float(u & splat_i(static_cast<int32_t>(0xFFFF0000u)));
       }
-      for (int i = 2 * PAIRS; i < V; ++i) out[i] = load(p + 16 * i);
+      for (int i = 2 * PAIRS; i < V; ++i) out[i] = load_kv(p + 16 * i);
     }
   }
 
   // float32 values in natural order -> the kernel's order (q)
-  static inline void permute(const float* p, vf (&out)[V]) {
-    for (int c = 0; c < PAIRS; ++c) {
-      const vf a = load(p + 32 * c), b = load(p + 32 * c + 16);
-      out[2 * c] = __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22,
-                                           24, 26, 28, 30);
-      out[2 * c + 1] = __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21,
-                                               23, 25, 27, 29, 31);
-    }
+  static inline void permute(const float* p, F16 (&out)[V]) {
+    for (int c = 0; c < PAIRS; ++c)
+      deinterleave(load(p + 32 * c), load(p + 32 * c + 16), out[2 * c], out[2 * c + 1]);
     for (int i = 2 * PAIRS; i < V; ++i) out[i] = load(p + 16 * i);
   }
 
   // the kernel's order -> natural order, stored at p (the output)
-  static inline void store(const vf (&in)[V], float* p) {
+  static inline void store_row(const F16 (&in)[V], float* p) {
     for (int c = 0; c < PAIRS; ++c) {
-      const vf e = in[2 * c], o = in[2 * c + 1];
-      const vf lo = __builtin_shufflevector(e, o, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21,
-                                            6, 22, 7, 23);
-      const vf hi = __builtin_shufflevector(e, o, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13,
-                                            29, 14, 30, 15, 31);
-      std::memcpy(p + 32 * c, &lo, sizeof lo);
-      std::memcpy(p + 32 * c + 16, &hi, sizeof hi);
+      F16 lo, hi;
+      interleave(in[2 * c], in[2 * c + 1], lo, hi);
+      store(lo, p + 32 * c);
+      store(hi, p + 32 * c + 16);
     }
-    for (int i = 2 * PAIRS; i < V; ++i) std::memcpy(p + 16 * i, &in[i], sizeof in[i]);
+    for (int i = 2 * PAIRS; i < V; ++i) store(in[i], p + 16 * i);
   }
 };
 
@@ -363,12 +275,12 @@ void attend_group(const Problem<KV>& pr, int64_t t, int64_t kv_head, int64_t g0)
   const KV* vh = pr.v + base * HD;
   const int64_t head0 = kv_head * pr.group + g0;
   using R = Row<KV, HD>;
-  vf q[G][V], acc[G][V];
+  F16 q[G][V], acc[G][V];
   for (int g = 0; g < G; ++g) {
     R::permute(pr.q + (t * pr.heads + head0 + g) * HD, q[g]);
     for (int i = 0; i < V; ++i) {
       q[g][i] *= pr.scale;
-      acc[g][i] = vf{};
+      acc[g][i] = F16{};
     }
   }
   float m[G], l[G];  // running max and sum; a sink is the softmax's first term
@@ -394,30 +306,30 @@ void attend_group(const Problem<KV>& pr, int64_t t, int64_t kv_head, int64_t g0)
     // per key; keys past p count as 0 and are masked below. The loops nest by stage so that
     // each stage's pair is reduced as soon as it exists: at most one pending vector per
     // stage and head stays live, not 16 partial products per head.
-    vf sc[G];
+    F16 sc[G];
     {
-      vf s3[G][2];
+      F16 s3[G][2];
       for (int h8 = 0; h8 < 2; ++h8) {
-        vf s2[G][2];
+        F16 s2[G][2];
         for (int h4 = 0; h4 < 2; ++h4) {
-          vf s1[G][2];
+          F16 s1[G][2];
           for (int h2 = 0; h2 < 2; ++h2) {
-            vf d[G][2];
+            F16 d[G][2];
             for (int u = 0; u < 2; ++u) {
               const int j = h8 * 8 + h4 * 4 + h2 * 2 + u;
               if (j < n && j >= skip) {
                 const int64_t slot = slots(j);
                 const KV* kr = kh + slot * HD;
                 vrow[j] = vh + slot * HD;
-                vf kv[V];
+                F16 kv[V];
                 R::load_row(kr, kv);
                 for (int g = 0; g < G; ++g) {
-                  vf acc_d = q[g][0] * kv[0];
+                  F16 acc_d = q[g][0] * kv[0];
                   for (int i = 1; i < V; ++i) acc_d = fmadd(q[g][i], kv[i], acc_d);
                   d[g][u] = acc_d;
                 }
               } else {
-                for (int g = 0; g < G; ++g) d[g][u] = vf{};
+                for (int g = 0; g < G; ++g) d[g][u] = F16{};
               }
             }
             for (int g = 0; g < G; ++g) s1[g][h2] = halves8(d[g][0], d[g][1]);
@@ -426,46 +338,49 @@ void attend_group(const Problem<KV>& pr, int64_t t, int64_t kv_head, int64_t g0)
         }
         for (int g = 0; g < G; ++g) s3[g][h8] = pairs02(s2[g][0], s2[g][1]);
       }
-      const vi lane = vi{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+      const I16 lane = iota();
       for (int g = 0; g < G; ++g) {
-        vf all = adjacent(s3[g][0], s3[g][1]);
+        F16 all = adjacent(s3[g][0], s3[g][1]);
         if constexpr (TERMS) {
           if (pr.softcap > 0.0f) all = tanh_lanes(all / pr.softcap) * pr.softcap;
-          sc[g] = (lane < n) & (lane >= skip) ? all : vf{} + MASK;
+          sc[g] = select(less(lane, splat_i(n)) & at_least(lane, splat_i(skip)), all,
+                         splat(MASK));
         } else {
-          sc[g] = lane < n ? all : vf{} + MASK;
+          sc[g] = select(less(lane, splat_i(n)), all, splat(MASK));
         }
       }
     }
     // the G heads' rescale factors exp(m_old - m_new) in one vector (lane g: head g;
     // exp_nonpositive is lane-wise, so a lane's bits do not depend on the others)
     float mx[G];
-    vf shift{};
+    float shift[16] = {};
     for (int g = 0; g < G; ++g) {
       const float mb = hmax(sc[g]);
       mx[g] = mb > m[g] ? mb : m[g];
       shift[g] = m[g] - mx[g];
     }
-    const vf alpha = exp_nonpositive(shift);
-    vf w[G];
+    const F16 alpha = exp_nonpositive(load(shift));
+    float w[G][KEY_BLOCK];  // the block's weights, read back one key at a time
     for (int g = 0; g < G; ++g) {
-      w[g] = exp_nonpositive(sc[g] - mx[g]);
-      l[g] = fmadd(l[g], alpha[g], hsum(w[g]));
+      const F16 wg = exp_nonpositive(sc[g] - mx[g]);
+      store(wg, w[g]);
+      const float ag = lane(alpha, g);
+      l[g] = fmadd(l[g], ag, hsum(wg));
       m[g] = mx[g];
-      for (int i = 0; i < V; ++i) acc[g][i] *= alpha[g];
+      for (int i = 0; i < V; ++i) acc[g][i] *= ag;
     }
     for (int j = skip; j < n; ++j) {
-      vf vv[V];
+      F16 vv[V];
       R::load_row(vrow[j], vv);
       for (int i = 0; i < V; ++i)
-        for (int g = 0; g < G; ++g) acc[g][i] = fmadd(vf{} + w[g][j], vv[i], acc[g][i]);
+        for (int g = 0; g < G; ++g) acc[g][i] = fmadd(splat(w[g][j]), vv[i], acc[g][i]);
     }
   }
   for (int g = 0; g < G; ++g) {
     const float inv = 1.0f / l[g];
-    vf o[V];
+    F16 o[V];
     for (int i = 0; i < V; ++i) o[i] = acc[g][i] * inv;
-    R::store(o, pr.out + (t * pr.heads + head0 + g) * HD);
+    R::store_row(o, pr.out + (t * pr.heads + head0 + g) * HD);
   }
 }
 
@@ -565,6 +480,9 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
 
 }  // namespace
 
+// The XLA handlers (left out of the arithmetic probe, tests/model/paged_attention_probe.cc,
+// which calls the items directly).
+#if !defined(MULTISERVE_KERNEL_PROBE)
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MultiservePagedAttention, PagedAttentionImpl<ffi::F32>,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
@@ -600,3 +518,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MultiservePagedAttentionBf16, PagedAttentionImpl<f
                                   .Attr<int64_t>("has_sinks")
                                   .Attr<float>("softcap")
                                   .Ret<ffi::Buffer<ffi::F32>>());
+#endif  // MULTISERVE_KERNEL_PROBE
