@@ -42,9 +42,14 @@ struct I16 {
   pi p[N];
 };
 
+// every lane x's bits (a broadcast: no add, so -0 stays -0)
 LANES16_INLINE F16 splat(float x) {
   F16 r;
-  for (int i = 0; i < N; ++i) r.p[i] = pf{} + x;
+#if LANES16_W == 16
+  r.p[0] = pf{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x};
+#else
+  for (int i = 0; i < N; ++i) r.p[i] = pf{x, x, x, x, x, x, x, x};
+#endif
   return r;
 }
 LANES16_INLINE I16 splat_i(int32_t x) {
@@ -87,6 +92,15 @@ LANES16_INLINE F16 load_bf16(const uint16_t* src) {
     r.p[i] = reinterpret_cast<pf>(__builtin_convertvector(h, pu) << 16);
   }
   return r;
+}
+// 16 lanes rounded to bfloat16, to nearest even (no NaN here), stored at dst
+LANES16_INLINE void store_bf16(const F16& a, uint16_t* dst) {
+  typedef uint16_t ph __attribute__((vector_size(2 * W)));
+  for (int i = 0; i < N; ++i) {
+    const pu u = reinterpret_cast<pu>(a.p[i]);
+    const ph h = __builtin_convertvector((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16, ph);
+    std::memcpy(dst + W * i, &h, sizeof h);
+  }
 }
 LANES16_INLINE float lane(const F16& a, int j) { return a.p[j / W][j % W]; }
 LANES16_INLINE I16 iota() {

@@ -29,13 +29,13 @@
 #include <type_traits>
 
 #include "float_ops.h"
+#include "lanes16.h"
 
 namespace multiserve::lora_math {
 
-using multiserve::float_ops::fmadd;
-using multiserve::float_ops::vf;
-typedef uint16_t vh __attribute__((vector_size(32)));
-typedef uint32_t vu __attribute__((vector_size(64)));
+using multiserve::float_ops::fmadd;  // scalars; lanes16.h's for vectors (found by ADL)
+// 16 float32 lanes (lanes16.h: one zmm with AVX-512, two ymm with AVX)
+using vf = multiserve::lanes16::F16;
 constexpr int LANES = 16;
 
 inline float widen(float v) { return v; }
@@ -46,25 +46,10 @@ inline float widen(uint16_t v) {
   return f;
 }
 
-inline vf splat(float v) {  // every lane v's bits (one broadcast, no add)
-  return vf{v, v, v, v, v, v, v, v, v, v, v, v, v, v, v, v};
-}
-
-inline vf load(const float* p) {
-  vf v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-inline vf load(const uint16_t* p) {
-  vh h;
-  std::memcpy(&h, p, sizeof h);
-  const vu u = __builtin_convertvector(h, vu) << 16;
-  vf v;
-  std::memcpy(&v, &u, sizeof v);
-  return v;
-}
-
-
+using multiserve::lanes16::load;   // 16 floats
+using multiserve::lanes16::splat;  // every lane v's bits (a broadcast, no add)
+using multiserve::lanes16::store;  // 16 floats
+inline vf load(const uint16_t* p) { return multiserve::lanes16::load_bf16(p); }
 
 inline float to_float(float v) { return v; }
 inline float to_float(uint16_t v) { return widen(v); }
@@ -74,12 +59,8 @@ inline void from_float(float v, uint16_t* out) {  // round to nearest even (no N
   std::memcpy(&u, &v, sizeof u);
   *out = static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
-inline void store(vf v, float* out) { std::memcpy(out, &v, sizeof v); }
 inline void store(vf v, uint16_t* out) {  // 16 lanes, each rounded as from_float does
-  vu u;
-  std::memcpy(&u, &v, sizeof u);
-  const vh h = __builtin_convertvector((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16, vh);
-  std::memcpy(out, &h, sizeof h);
+  multiserve::lanes16::store_bf16(v, out);
 }
 
 // Columns [c, c + 16) of token t (c counted in the output row): d = acc * scale, stored
@@ -99,8 +80,11 @@ typedef uint16_t lane_mask;  // rank lanes of one vector: bit j set for a rank b
 
 #if defined(__AVX512BF16__)
 typedef __m512bh pairs_t;
-inline vf dot_pairs(vf acc, pairs_t a, pairs_t x) {
-  return reinterpret_cast<vf>(_mm512_dpbf16_ps(reinterpret_cast<__m512>(acc), a, x));
+inline vf dot_pairs(vf acc, pairs_t a, pairs_t x) {  // (AVX-512: one 16-lane piece)
+  vf r;
+  r.p[0] = reinterpret_cast<multiserve::lanes16::pf>(
+      _mm512_dpbf16_ps(reinterpret_cast<__m512>(acc.p[0]), a, x));
+  return r;
 }
 // A[k, lanes] and A[k + 1, lanes] interleaved: (A[k, j], A[k + 1, j]) in lanes 2j, 2j + 1
 inline pairs_t a_pairs(const uint16_t* row0, const uint16_t* row1, lane_mask lanes) {
