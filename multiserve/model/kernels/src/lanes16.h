@@ -195,73 +195,42 @@ LANES16_INLINE F16 fmadd(const F16& a, const F16& b, const F16& c) {
 
 // ---- data movement (no arithmetic) and the fixed trees built on it ----
 
-// Lanes of (a, b) as one 32-lane sequence picked by 16 constant indices, as
-// __builtin_shufflevector(a, b, idx...) on one 16-lane vector. With 8-lane pieces every
-// output piece below takes its lanes from one input's two pieces.
-#define LANES16_PICK8(X, ...) \
-  __builtin_shufflevector((X).p[0], (X).p[N - 1], __VA_ARGS__)
+// PICK(a, b, i0..i7): lanes i0..i7 of a's 16 lanes, then the same lanes of b's, each
+// index a constant below 16 (as __builtin_shufflevector(a, b, i0..i7, i0 + 16..i7 + 16) on
+// one 16-lane vector; with 8-lane pieces each output piece comes from one input's two).
+#if LANES16_W == 16
+#define LANES16_PICK(A, B, i0, i1, i2, i3, i4, i5, i6, i7)                                 \
+  (F16{{__builtin_shufflevector((A).p[0], (B).p[0], i0, i1, i2, i3, i4, i5, i6, i7,        \
+                                i0 + 16, i1 + 16, i2 + 16, i3 + 16, i4 + 16, i5 + 16,      \
+                                i6 + 16, i7 + 16)}})
+#else
+#define LANES16_PICK(A, B, i0, i1, i2, i3, i4, i5, i6, i7)                                 \
+  (F16{{__builtin_shufflevector((A).p[0], (A).p[N - 1], i0, i1, i2, i3, i4, i5, i6, i7),   \
+        __builtin_shufflevector((B).p[0], (B).p[N - 1], i0, i1, i2, i3, i4, i5, i6, i7)}})
+#endif
 
-// Stage 1 of hsum's tree for two vectors: [lo8(a) + hi8(a), lo8(b) + hi8(b)].
+// hsum's tree for 16 vectors at once, in four stages: lane j of the last stage is exactly
+// hsum(d_j) (the same additions of the same operands). Each stage adds two picks of its
+// two inputs.
+// Stage 1: [lo8(a) + hi8(a), lo8(b) + hi8(b)] (hsum's b, two keys).
 LANES16_INLINE F16 halves8(const F16& a, const F16& b) {
-  F16 r;
-#if LANES16_W == 16
-    r.p[0] = __builtin_shufflevector(a.p[0], b.p[0], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19,
-                                     20, 21, 22, 23) +
-             __builtin_shufflevector(a.p[0], b.p[0], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26,
-                                     27, 28, 29, 30, 31);
-#else
-    r.p[0] = a.p[0] + a.p[N - 1];
-    r.p[N - 1] = b.p[0] + b.p[N - 1];
-#endif
-  return r;
+  return LANES16_PICK(a, b, 0, 1, 2, 3, 4, 5, 6, 7) +
+         LANES16_PICK(a, b, 8, 9, 10, 11, 12, 13, 14, 15);
 }
-// Stage 2: per input, its 4-lane quarters added pairwise: [a0..3 + a4..7, a8..11 + a12..15].
+// Stage 2: per input, its 4-lane quarters added pairwise (hsum's c, four keys).
 LANES16_INLINE F16 halves4(const F16& a, const F16& b) {
-  F16 r;
-#if LANES16_W == 16
-    r.p[0] = __builtin_shufflevector(a.p[0], b.p[0], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19,
-                                     24, 25, 26, 27) +
-             __builtin_shufflevector(a.p[0], b.p[0], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23,
-                                     28, 29, 30, 31);
-#else
-    r.p[0] = LANES16_PICK8(a, 0, 1, 2, 3, 8, 9, 10, 11) +
-             LANES16_PICK8(a, 4, 5, 6, 7, 12, 13, 14, 15);
-    r.p[N - 1] = LANES16_PICK8(b, 0, 1, 2, 3, 8, 9, 10, 11) +
-                 LANES16_PICK8(b, 4, 5, 6, 7, 12, 13, 14, 15);
-#endif
-  return r;
+  return LANES16_PICK(a, b, 0, 1, 2, 3, 8, 9, 10, 11) +
+         LANES16_PICK(a, b, 4, 5, 6, 7, 12, 13, 14, 15);
 }
-// Stage 3: per input, lane pairs 4i, 4i+1 plus 4i+2, 4i+3.
+// Stage 3: per input, lanes 4i, 4i + 1 plus 4i + 2, 4i + 3 ([c0 + c2, c1 + c3], eight keys).
 LANES16_INLINE F16 pairs02(const F16& a, const F16& b) {
-  F16 r;
-#if LANES16_W == 16
-    r.p[0] = __builtin_shufflevector(a.p[0], b.p[0], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21,
-                                     24, 25, 28, 29) +
-             __builtin_shufflevector(a.p[0], b.p[0], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23,
-                                     26, 27, 30, 31);
-#else
-    r.p[0] = LANES16_PICK8(a, 0, 1, 4, 5, 8, 9, 12, 13) +
-             LANES16_PICK8(a, 2, 3, 6, 7, 10, 11, 14, 15);
-    r.p[N - 1] = LANES16_PICK8(b, 0, 1, 4, 5, 8, 9, 12, 13) +
-                 LANES16_PICK8(b, 2, 3, 6, 7, 10, 11, 14, 15);
-#endif
-  return r;
+  return LANES16_PICK(a, b, 0, 1, 4, 5, 8, 9, 12, 13) +
+         LANES16_PICK(a, b, 2, 3, 6, 7, 10, 11, 14, 15);
 }
-// Stage 4: per input, even lanes plus odd lanes.
+// Stage 4: per input, even lanes plus odd lanes ((c0 + c2) + (c1 + c3), 16 keys).
 LANES16_INLINE F16 adjacent(const F16& a, const F16& b) {
-  F16 r;
-#if LANES16_W == 16
-    r.p[0] = __builtin_shufflevector(a.p[0], b.p[0], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22,
-                                     24, 26, 28, 30) +
-             __builtin_shufflevector(a.p[0], b.p[0], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23,
-                                     25, 27, 29, 31);
-#else
-    r.p[0] = LANES16_PICK8(a, 0, 2, 4, 6, 8, 10, 12, 14) +
-             LANES16_PICK8(a, 1, 3, 5, 7, 9, 11, 13, 15);
-    r.p[N - 1] = LANES16_PICK8(b, 0, 2, 4, 6, 8, 10, 12, 14) +
-                 LANES16_PICK8(b, 1, 3, 5, 7, 9, 11, 13, 15);
-#endif
-  return r;
+  return LANES16_PICK(a, b, 0, 2, 4, 6, 8, 10, 12, 14) +
+         LANES16_PICK(a, b, 1, 3, 5, 7, 9, 11, 13, 15);
 }
 
 // The sum of the 16 lanes by a fixed tree: b = lanes 0..7 + 8..15, c = b0..3 + b4..7,
@@ -301,17 +270,8 @@ LANES16_INLINE float hmax(const F16& a) {
 // Two vectors of 16 consecutive values (a: 0..15, b: 16..31) as their even values and
 // their odd values, and back.
 LANES16_INLINE void deinterleave(const F16& a, const F16& b, F16& even, F16& odd) {
-#if LANES16_W == 16
-    even.p[0] = __builtin_shufflevector(a.p[0], b.p[0], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20,
-                                        22, 24, 26, 28, 30);
-    odd.p[0] = __builtin_shufflevector(a.p[0], b.p[0], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21,
-                                       23, 25, 27, 29, 31);
-#else
-    even.p[0] = LANES16_PICK8(a, 0, 2, 4, 6, 8, 10, 12, 14);
-    even.p[N - 1] = LANES16_PICK8(b, 0, 2, 4, 6, 8, 10, 12, 14);
-    odd.p[0] = LANES16_PICK8(a, 1, 3, 5, 7, 9, 11, 13, 15);
-    odd.p[N - 1] = LANES16_PICK8(b, 1, 3, 5, 7, 9, 11, 13, 15);
-#endif
+  even = LANES16_PICK(a, b, 0, 2, 4, 6, 8, 10, 12, 14);
+  odd = LANES16_PICK(a, b, 1, 3, 5, 7, 9, 11, 13, 15);
 }
 LANES16_INLINE void interleave(const F16& even, const F16& odd, F16& a, F16& b) {
 #if LANES16_W == 16
@@ -327,7 +287,7 @@ LANES16_INLINE void interleave(const F16& even, const F16& odd, F16& a, F16& b) 
                                          15);
 #endif
 }
-#undef LANES16_PICK8
+#undef LANES16_PICK
 
 }  // namespace multiserve::lanes16
 
