@@ -75,26 +75,26 @@ LANES16_INLINE F16 as_float(const I16& a) {
   for (int i = 0; i < N; ++i) r.p[i] = reinterpret_cast<pf>(a.p[i]);
   return r;
 }
-// 16 bfloat16 widened to float32 (exact: the bits become a float's high half)
-LANES16_INLINE F16 load_bf16(const uint16_t* src) {
+// 16 bfloat16 (their bits) widened to float32 (exact: the bits become a float's high half)
+LANES16_INLINE F16 load(const uint16_t* src) {
   F16 r;
 #if defined(__AVX512F__) && LANES16_W == 16
   // one zero-extending load of the 16 halves, then the shift (GCC splits the generic form)
   const __m512i u = _mm512_slli_epi32(
       _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src))), 16);
   std::memcpy(r.p, &u, sizeof r.p);
-  return r;
-#endif
+#else
   typedef uint16_t ph __attribute__((vector_size(2 * W)));
   for (int i = 0; i < N; ++i) {
     ph h;
     std::memcpy(&h, src + W * i, sizeof h);
     r.p[i] = reinterpret_cast<pf>(__builtin_convertvector(h, pu) << 16);
   }
+#endif
   return r;
 }
-// 16 lanes rounded to bfloat16, to nearest even (no NaN here), stored at dst
-LANES16_INLINE void store_bf16(const F16& a, uint16_t* dst) {
+// 16 lanes rounded to bfloat16, to nearest even (no NaN here), their bits stored at dst
+LANES16_INLINE void store(const F16& a, uint16_t* dst) {
   typedef uint16_t ph __attribute__((vector_size(2 * W)));
   for (int i = 0; i < N; ++i) {
     const pu u = reinterpret_cast<pu>(a.p[i]);
@@ -149,7 +149,6 @@ LANES16_INLINE I16 operator<<(const I16& a, int b) {
     return r;                                                                      \
   }
 LANES16_COMPARE(less, F16, <)
-LANES16_COMPARE(greater, F16, >)
 LANES16_COMPARE(less, I16, <)
 LANES16_COMPARE(equal, I16, ==)
 LANES16_COMPARE(at_least, I16, >=)
@@ -161,7 +160,6 @@ LANES16_INLINE F16 select(const I16& m, const F16& a, const F16& b) {
   for (int i = 0; i < N; ++i) r.p[i] = m.p[i] ? a.p[i] : b.p[i];
   return r;
 }
-LANES16_INLINE F16 vmax(const F16& a, const F16& b) { return select(greater(a, b), a, b); }
 
 // truncation toward zero, and back
 LANES16_INLINE I16 truncate(const F16& a) {

@@ -46,10 +46,9 @@ inline float widen(uint16_t v) {
   return f;
 }
 
-using multiserve::lanes16::load;   // 16 floats
+using multiserve::lanes16::load;   // 16 floats, or 16 bfloat16 widened
 using multiserve::lanes16::splat;  // every lane v's bits (a broadcast, no add)
-using multiserve::lanes16::store;  // 16 floats
-inline vf load(const uint16_t* p) { return multiserve::lanes16::load_bf16(p); }
+using multiserve::lanes16::store;  // 16 floats, or 16 lanes rounded as from_float does
 
 inline float to_float(float v) { return v; }
 inline float to_float(uint16_t v) { return widen(v); }
@@ -58,9 +57,6 @@ inline void from_float(float v, uint16_t* out) {  // round to nearest even (no N
   uint32_t u;
   std::memcpy(&u, &v, sizeof u);
   *out = static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-inline void store(vf v, uint16_t* out) {  // 16 lanes, each rounded as from_float does
-  multiserve::lanes16::store_bf16(v, out);
 }
 
 // Columns [c, c + 16) of token t (c counted in the output row): d = acc * scale, stored

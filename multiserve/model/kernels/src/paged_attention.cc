@@ -57,10 +57,13 @@ constexpr float MASK = -1e30f;
 using multiserve::float_ops::fmadd;  // the scalar one
 using namespace multiserve::lanes16;
 
-// exp(x) lane-wise for x <= 0 (every argument here is s - max): 2^n * P(r), r = x - n ln2
-// in [-ln2/2, ln2/2], P the degree-7 Taylor polynomial (relative error < 1e-8, below fp32's
-// rounding); arguments below -104 give exactly 0 (so masked keys weigh nothing).
-inline F16 exp_nonpositive(F16 x) {
+// exp's range reduction for x <= 0 (arguments below -104 clamped there): x = n ln2 + r,
+// n = round(x / ln2), r in [-ln2/2, ln2/2], and 2^n as a float's bits.
+struct ExpParts {
+  I16 n;
+  F16 r, scale;
+};
+inline ExpParts exp_reduce(F16 x) {
   const F16 lo = select(less(x, splat(-104.0f)), splat(-104.0f), x);
   const F16 t = fmadd(lo, splat(1.44269504088896341f), splat(0.5f));  // n = floor(t)
   const I16 tr = truncate(t);                     // truncation toward 0
@@ -69,33 +72,33 @@ inline F16 exp_nonpositive(F16 x) {
   // r = lo - n ln2, ln2 in two parts (Cody-Waite), each step one fused multiply-add
   const F16 r = fmadd(-nf, splat(1.428606765330187e-06f),
                       fmadd(-nf, splat(0.693145751953125f), lo));
+  return {n, r, as_float((n + 127) << 23)};
+}
+
+// exp(x) lane-wise for x <= 0 (every argument here is s - max): 2^n * P(r), P the degree-7
+// Taylor polynomial (relative error < 1e-8, below fp32's rounding); arguments below -104
+// give exactly 0 (so masked keys weigh nothing).
+inline F16 exp_nonpositive(F16 x) {
+  const ExpParts e = exp_reduce(x);
   F16 p = splat(1.0f / 5040.0f);  // Horner, one fused multiply-add a degree
   for (const float c : {1.0f / 720.0f, 1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f,
                         1.0f})
-    p = fmadd(p, r, splat(c));
-  const F16 scale = as_float((n + 127) << 23);
-  return select(less(n, splat_i(-126)), F16{}, p * scale);
+    p = fmadd(p, e.r, splat(c));
+  return select(less(e.n, splat_i(-126)), F16{}, p * e.scale);
 }
 
-// expm1(x) lane-wise for x <= 0: exp_nonpositive's reduction, and where n = 0 (|x| <
-// ln2/2) the polynomial's r * (1 + r/2 + r^2/6 + ...) directly, so that a small |x| keeps
-// its relative precision (2^n P(r) - 1 would cancel); arguments below -104 give -1.
+// expm1(x) lane-wise for x <= 0: exp's reduction, and where n = 0 (|x| < ln2/2) the
+// polynomial's r * (1 + r/2 + r^2/6 + ...) directly, so that a small |x| keeps its
+// relative precision (2^n P(r) - 1 would cancel); arguments below -104 give -1.
 inline F16 expm1_nonpositive(F16 x) {
-  const F16 lo = select(less(x, splat(-104.0f)), splat(-104.0f), x);
-  const F16 t = fmadd(lo, splat(1.44269504088896341f), splat(0.5f));
-  const I16 tr = truncate(t);
-  const I16 n = tr + less(t, to_float(tr));
-  const F16 nf = to_float(n);
-  const F16 r = fmadd(-nf, splat(1.428606765330187e-06f),
-                      fmadd(-nf, splat(0.693145751953125f), lo));
+  const ExpParts e = exp_reduce(x);
   F16 q = splat(1.0f / 5040.0f);  // (P(r) - 1) / r by Horner
   for (const float c : {1.0f / 720.0f, 1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f})
-    q = fmadd(q, r, splat(c));
-  const F16 small = q * r;  // P(r) - 1
-  const F16 scale = as_float((n + 127) << 23);
-  const F16 big = fmadd(small + 1.0f, scale, splat(-1.0f));  // 2^n P(r) - 1
-  return select(equal(n, splat_i(0)), small,
-                select(less(n, splat_i(-126)), splat(-1.0f), big));
+    q = fmadd(q, e.r, splat(c));
+  const F16 small = q * e.r;  // P(r) - 1
+  const F16 big = fmadd(small + 1.0f, e.scale, splat(-1.0f));  // 2^n P(r) - 1
+  return select(equal(e.n, splat_i(0)), small,
+                select(less(e.n, splat_i(-126)), splat(-1.0f), big));
 }
 
 // tanh(x) lane-wise: sign(x) * (-e) / (2 + e), e = expm1(-2|x|) (branch-free; odd by
@@ -107,10 +110,6 @@ inline F16 tanh_lanes(F16 x) {
   const F16 t = -e / (e + 2.0f);
   return select(negative, -t, t);
 }
-
-// 16 K/V elements as float32 (bfloat16 widened exactly)
-inline F16 load_kv(const float* p) { return load(p); }
-inline F16 load_kv(const uint16_t* p) { return load_bf16(p); }
 
 // A K/V row of HD elements as HD/16 float32 vectors, in the kernel's DIMENSION ORDER
 // (`Row<KV, HD>`): q, the value accumulators and the scores' lane partial sums all use it,
@@ -128,14 +127,14 @@ struct Row {
 
   static inline void load_row(const KV* p, F16 (&out)[V]) {
     if constexpr (PAIRS == 0) {
-      for (int i = 0; i < V; ++i) out[i] = load_kv(p + 16 * i);
+      for (int i = 0; i < V; ++i) out[i] = load(p + 16 * i);
     } else {
       for (int c = 0; c < PAIRS; ++c) {
         const I16 u = load_words(p + 32 * c);
         out[2 * c] = as_float(u << 16);
         out[2 * c + 1] = as_float(u & splat_i(static_cast<int32_t>(0xFFFF0000u)));
       }
-      for (int i = 2 * PAIRS; i < V; ++i) out[i] = load_kv(p + 16 * i);
+      for (int i = 2 * PAIRS; i < V; ++i) out[i] = load(p + 16 * i);
     }
   }
 
