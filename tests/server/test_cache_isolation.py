@@ -14,9 +14,16 @@ LONG = ("Tell me, in order, the names of every planet of the solar system, then 
         "largest moon of each, then one fact about each moon. ")
 
 
+# A system prompt of this file's own: without one the chat template puts its default
+# system prompt first, whose first page any unsalted chat of another test on the shared
+# engine may already have cached, so the unsalted request here could hit it.
+SYSTEM = "Cache-isolation probe: answer plainly."
+
+
 def _chat(client: Any, model: str, text: str, **extra: Any) -> Any:
     return client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": text}], max_tokens=8,
+        model=model, messages=[{"role": "system", "content": SYSTEM},
+                               {"role": "user", "content": text}], max_tokens=8,
         temperature=0, logprobs=True, extra_body=extra or None)
 
 
