@@ -103,3 +103,81 @@ def add_tensor(w: gguf.GGUFWriter, name: str, arr: np.ndarray, qtype: Any) -> No
         w.add_tensor(name, arr.astype(np.float16))
     else:
         w.add_tensor(name, gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
+
+
+def write_mixtral_gguf(path: Path, hf_dir: Path, *, stacked: bool = True,
+                       expert_type: Any = gguf.GGMLQuantizationType.F32) -> Path:
+    """A transformers-written Mixtral checkpoint (`hf_dir`, one safetensors file) as
+    llama.cpp's converter writes it: the llama architecture with expert_count /
+    expert_used_count, q/k permuted, the tensor names of gguf's own tables (MODEL_TENSOR),
+    each layer's experts stacked into ffn_gate_exps (w1) / ffn_up_exps (w3) /
+    ffn_down_exps (w2) [E, rows, cols], or with `stacked=False` one tensor per expert
+    (`blk.N.ffn_gate.E.weight`, the converter's names before it stacked them). The experts
+    in `expert_type`, every other tensor float32."""
+    import json
+
+    from gguf.constants import MODEL_TENSOR as T
+    from gguf.constants import TENSOR_NAMES
+    from safetensors.numpy import load_file
+
+    conf = json.loads((hf_dir / "config.json").read_text())
+    (st,) = hf_dir.glob("*.safetensors")
+    hf = load_file(str(st))
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(conf["num_hidden_layers"])
+    w.add_context_length(conf["max_position_embeddings"])
+    w.add_embedding_length(conf["hidden_size"])
+    w.add_feed_forward_length(conf["intermediate_size"])
+    w.add_head_count(conf["num_attention_heads"])
+    w.add_head_count_kv(conf["num_key_value_heads"])
+    w.add_key_length(conf["head_dim"])
+    w.add_value_length(conf["head_dim"])
+    w.add_layer_norm_rms_eps(conf["rms_norm_eps"])
+    w.add_rope_freq_base(conf["rope_parameters"]["rope_theta"])
+    w.add_vocab_size(conf["vocab_size"])
+    w.add_expert_count(conf["num_local_experts"])
+    w.add_expert_used_count(conf["num_experts_per_tok"])
+    if conf.get("sliding_window"):
+        w.add_sliding_window(conf["sliding_window"])
+    tokens, types = tiny_vocab(conf["vocab_size"])
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(MERGES)
+    w.add_bos_token_id(conf["bos_token_id"])
+    w.add_eos_token_id(conf["eos_token_id"])
+    w.add_chat_template(CHAT_TEMPLATE)
+    heads, kv_heads = conf["num_attention_heads"], conf["num_key_value_heads"]
+    name = {T.TOKEN_EMBD: "model.embed_tokens.weight", T.OUTPUT_NORM: "model.norm.weight",
+            T.OUTPUT: "lm_head.weight"}
+    for tensor, hf_name in name.items():
+        add_tensor(w, TENSOR_NAMES[tensor] + ".weight", hf[hf_name], gguf.GGMLQuantizationType.F32)
+    layer = {T.ATTN_NORM: "input_layernorm", T.ATTN_Q: "self_attn.q_proj",
+             T.ATTN_K: "self_attn.k_proj", T.ATTN_V: "self_attn.v_proj",
+             T.ATTN_OUT: "self_attn.o_proj", T.FFN_NORM: "post_attention_layernorm",
+             T.FFN_GATE_INP: "block_sparse_moe.gate"}
+    experts = {T.FFN_GATE_EXP: "w1", T.FFN_UP_EXP: "w3", T.FFN_DOWN_EXP: "w2"}
+    for i in range(conf["num_hidden_layers"]):
+        pre = f"model.layers.{i}."
+        for tensor, hf_name in layer.items():
+            arr = hf[pre + hf_name + ".weight"]
+            if tensor in (T.ATTN_Q, T.ATTN_K):
+                arr = llama_permute(arr, heads if tensor == T.ATTN_Q else kv_heads)
+            add_tensor(w, TENSOR_NAMES[tensor].format(bid=i) + ".weight", arr,
+                       gguf.GGMLQuantizationType.F32)
+        for tensor, proj in experts.items():
+            parts = [hf[f"{pre}block_sparse_moe.experts.{e}.{proj}.weight"]
+                     for e in range(conf["num_local_experts"])]
+            if stacked:
+                add_tensor(w, TENSOR_NAMES[tensor].format(bid=i) + ".weight",
+                           np.stack(parts), expert_type)
+            else:
+                short = TENSOR_NAMES[tensor].format(bid=i).removesuffix("_exps")
+                for e, part in enumerate(parts):
+                    add_tensor(w, f"{short}.{e}.weight", part, expert_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

@@ -1,17 +1,19 @@
 """GGUF loading: the same weights as GGUF (F32/F16) and as safetensors give identical params
 (llama's permuted q/k undone; qwen2 biases; qwen3 q/k norms; a llama GGUF with a sliding
-window is Mistral; Gemma 3's norm names and 1 + w weights); quantized tensors (Q8_0, Q4_1)
+window is Mistral; one with experts is Mixtral, stacked or per-expert tensors; Gemma 3's
+norm names and 1 + w weights); quantized tensors (Q8_0, Q4_1)
 de-quantize exactly as the gguf package does; the tokenizer rebuilt from the GGUF metadata
 loads with AutoTokenizer; unsupported tensor types fail naming the file and tensor."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import gguf
 import numpy as np
 import pytest
-from gguf_helpers import SPECIALS, write_gguf
+from gguf_helpers import SPECIALS, write_gguf, write_mixtral_gguf
 from transformers import AutoTokenizer
 
 from multiserve.config import ModelConfig
@@ -185,3 +187,49 @@ def test_concurrent_loads_convert_once(tmp_path: Path, monkeypatch: pytest.Monke
     assert len(conversions) == 1, conversions
     assert len(dirs) == 4 and len(set(dirs)) == 1
     assert load_model(str(dirs[0]), "float32").config == cfg
+
+
+@pytest.mark.parametrize("stacked", [True, False])
+def test_mixtral_gguf_loads_as_its_checkpoint(stacked: bool, tmp_path: Path) -> None:
+    """A transformers-written Mixtral checkpoint converted as llama.cpp does (the llama
+    architecture with experts; stacked `_exps` tensors, or one per expert as older files
+    have them) loads as Mixtral with the checkpoint's config and every tensor equal."""
+    from family_checkpoints import write
+
+    hf_dir = write("mixtral", tmp_path / "hf")
+    path = write_mixtral_gguf(tmp_path / "mixtral.gguf", hf_dir, stacked=stacked)
+    from_gguf = load_model(str(path), "float32")
+    from_hf = load_model(str(hf_dir), "float32")
+    # GGUF stores eps as float32: the same number once the model's float32 arithmetic has it
+    assert np.float32(from_gguf.config.rms_norm_eps) == np.float32(from_hf.config.rms_norm_eps)
+    assert replace(from_gguf.config, rms_norm_eps=from_hf.config.rms_norm_eps) == from_hf.config
+    assert from_gguf.config.architecture == "mixtral" and from_gguf.config.num_experts == 4
+    cfg = from_hf.config
+    a, b = params_to_hf(from_gguf.params, cfg), params_to_hf(from_hf.params, cfg)
+    assert a.keys() == b.keys()
+    assert any(".experts.3.w2." in name for name in a)
+    for name in a:
+        assert np.array_equal(a[name], b[name]), name
+
+
+def test_mixtral_gguf_quantized_experts_dequantize_like_gguf(tmp_path: Path) -> None:
+    """Stacked Q8_0 experts come back per expert as gguf's own de-quantization of the
+    stacked tensor."""
+    from family_checkpoints import write
+    from safetensors.numpy import load_file
+
+    hf_dir = write("mixtral", tmp_path / "hf")
+    path = write_mixtral_gguf(tmp_path / "q8.gguf", hf_dir, expert_type=Q.Q8_0)
+    loaded = load_model(str(path), "float32")
+    got = params_to_hf(loaded.params, loaded.config)
+    (st,) = hf_dir.glob("*.safetensors")
+    hf = load_file(str(st))
+    stacked = np.stack([hf[f"model.layers.1.block_sparse_moe.experts.{e}.w2.weight"]
+                        for e in range(4)])
+    want = gguf.quants.dequantize(gguf.quants.quantize(stacked, Q.Q8_0), Q.Q8_0)
+    for e in range(4):
+        name = f"model.layers.1.block_sparse_moe.experts.{e}.w2.weight"
+        assert np.array_equal(got[name], want[e]), name
+        assert not np.array_equal(got[name], hf[name])  # quantized, not the float32 values
+    reader_names = [t.name for t in gguf.GGUFReader(str(path)).tensors]
+    assert "blk.1.ffn_down_exps.weight" in reader_names

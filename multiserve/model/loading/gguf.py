@@ -9,6 +9,14 @@ Mistral: llama.cpp converts `MistralForCausalLM` to the llama architecture; a ll
 whose metadata carries `llama.attention.sliding_window` loads as Mistral with that window
 on every layer (without it, as llama.cpp runs it: Llama, no window).
 
+Mixtral: llama.cpp converts `MixtralForCausalLM` to the llama architecture too, with
+`llama.expert_count` and `llama.expert_used_count` (top-k) in its metadata: such a GGUF
+loads as Mixtral (softmax routing, top-k renormalised, as llama.cpp runs it). Its router is
+`ffn_gate_inp`; its experts are stacked per layer (`ffn_gate_exps` [E, I, H] the experts'
+w1, `ffn_up_exps` w3, `ffn_down_exps` w2), or, in files converted before llama.cpp stacked
+them, one tensor each (`ffn_gate.{e}.weight`, ...): both read as the HF checkpoint's
+per-expert tensors. q/k are permuted as llama's.
+
 Gemma 3 (`gemma3`, its text model): llama.cpp names the four block norms attn_norm,
 post_attention_norm, ffn_norm (the pre-feed-forward one) and post_ffw_norm, and stores
 every norm weight as 1 + HF's (its RMSNorm multiplies by the weight itself): we subtract
@@ -48,7 +56,14 @@ _LAYER_NAMES = {
     "ffn_norm.weight": "post_attention_layernorm.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    "ffn_gate_inp.weight": "block_sparse_moe.gate.weight",  # Mixtral's router
 }
+# Mixtral's experts: the GGUF projection name (stacked `_exps` or per expert) -> HF's
+_EXPERT_PROJ = {"ffn_gate": "w1", "ffn_up": "w3", "ffn_down": "w2"}
+_EXPERTS_RE = re.compile(r"^blk\.(\d+)\.(ffn_gate|ffn_up|ffn_down)_exps\.weight$")
+_ONE_EXPERT_RE = re.compile(r"^blk\.(\d+)\.(ffn_gate|ffn_up|ffn_down)\.(\d+)\.weight$")
+_HF_EXPERT_RE = re.compile(r"^model\.layers\.(\d+)\.block_sparse_moe\.experts\.\d+\."
+                           r"(w1|w3|w2)\.weight$")
 # per architecture, where its names differ from llama's (Gemma 3's four block norms)
 _ARCH_LAYER_NAMES: dict[str, dict[str, str]] = {"gemma3": {
     "ffn_norm.weight": "pre_feedforward_layernorm.weight",
@@ -63,8 +78,26 @@ def _layer_names(arch: str) -> dict[str, str]:
     return {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(arch, {})}
 
 
+def _hf_expert_name(layer: str, proj: str, expert: int) -> str:
+    return (f"model.layers.{layer}.block_sparse_moe.experts.{expert}."
+            f"{_EXPERT_PROJ[proj]}.weight")
+
+
+def expert_tensors(gguf_name: str, arr: np.ndarray) -> dict[str, np.ndarray] | None:
+    """A Mixtral expert tensor under its HF names (a stacked one split along its first
+    axis, one view per expert), or None for any other tensor."""
+    m = _EXPERTS_RE.match(gguf_name)
+    if m:
+        return {_hf_expert_name(m.group(1), m.group(2), e): arr[e] for e in range(len(arr))}
+    m = _ONE_EXPERT_RE.match(gguf_name)
+    if m:
+        return {_hf_expert_name(m.group(1), m.group(2), int(m.group(3))): arr}
+    return None
+
+
 def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
-    """The HF tensor name of a GGUF tensor name, or None if it has no HF counterpart."""
+    """The HF tensor name of a GGUF tensor name, or None if it has no HF counterpart
+    (Mixtral's expert tensors: `expert_tensors`)."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     m = _LAYER_RE.match(gguf_name)
@@ -75,10 +108,15 @@ def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
 
 
 def gguf_name(hf: str, arch: str = "llama") -> str:
-    """The GGUF tensor name of an HF tensor name (inverse of `hf_name`)."""
+    """The GGUF tensor name of an HF tensor name (inverse of `hf_name`; a Mixtral expert's
+    tensor: the stacked tensor that holds it)."""
     for g, h in _GLOBAL_NAMES.items():
         if h == hf:
             return g
+    m = _HF_EXPERT_RE.match(hf)
+    if m:
+        proj = {v: k for k, v in _EXPERT_PROJ.items()}[m.group(2)]
+        return f"blk.{m.group(1)}.{proj}_exps.weight"
     m = re.match(r"^model\.layers\.(\d+)\.(.+)$", hf)
     inverse = {v: k for k, v in _layer_names(arch).items()}
     if m and m.group(2) in inverse:
@@ -153,9 +191,20 @@ def config_from_gguf(meta: dict[str, Any], source: Path) -> ModelConfig:
         tie_word_embeddings=False,  # decided from the tensors by the caller
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=() if eos is None else (int(eos),))
+    experts = int(meta.get(f"{arch}.expert_count") or 0)
+    if experts and arch != "llama":
+        raise ModelLoadError(f"{source}: experts on {arch!r} are not supported")
+    top_k = int(get("expert_used_count")) if experts else 0
     try:
         if arch == "gemma3":
             return _gemma3_config(meta, common, window, scaling_type == "linear")
+        if experts:
+            return ModelConfig(
+                architecture="mixtral", num_experts=experts,
+                num_experts_per_tok=top_k,
+                moe_intermediate_size=common["intermediate_size"], norm_topk_prob=True,
+                moe_layers=tuple(range(layers)), sliding_window=window,
+                sliding_layers=tuple(range(layers)) if window else (), **common)
         return ModelConfig(
             architecture="mistral" if window else arch, rope_scaling=None,
             attention_bias=arch == "qwen2", qk_norm=arch == "qwen3",
@@ -215,6 +264,11 @@ def read_gguf(path: Path) -> tuple[ModelConfig, dict[str, np.ndarray], dict[str,
     named: dict[str, np.ndarray] = {}
     for tensor in reader.tensors:
         name = hf_name(tensor.name, arch)
+        if name is None and cfg.num_experts:
+            experts = expert_tensors(tensor.name, _dequantize(tensor, path))
+            if experts is not None:
+                named.update(experts)
+                continue
         if name is None:
             raise ModelLoadError(f"{path}: unexpected tensor {tensor.name!r}")
         arr = _dequantize(tensor, path)
