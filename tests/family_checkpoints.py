@@ -91,9 +91,10 @@ def make_gemma3_multimodal(seed: int = 0) -> Any:
     return _redraw(model, gen, offset_norms=True)
 
 
-def make_model(arch: str, seed: int = 0) -> Any:
-    """A transformers model of ARCHS[arch] with O(1)-scale random weights (eval mode)."""
-    model, gen = build_model(*hf_classes(arch), ARCHS[arch], seed)
+def make_model(arch: str, seed: int = 0, **overrides: Any) -> Any:
+    """A transformers model of ARCHS[arch] (its fields in `overrides` replaced) with
+    O(1)-scale random weights (eval mode)."""
+    model, gen = build_model(*hf_classes(arch), {**ARCHS[arch], **overrides}, seed)
     return _redraw(model, gen, offset_norms=arch.startswith("gemma"))
 
 
@@ -121,9 +122,11 @@ def _redraw(model: Any, gen: Any, offset_norms: bool) -> Any:
     return model
 
 
-def write(arch: str, path: Path, *, seed: int = 0, sharded: bool = False) -> Path:
-    """ARCHS[arch] with random weights saved into `path` (an engine loads it)."""
-    return save(make_model(arch, seed), path, sharded=sharded)
+def write(arch: str, path: Path, *, seed: int = 0, sharded: bool = False,
+          **overrides: Any) -> Path:
+    """ARCHS[arch] (`overrides` as make_model's) with random weights saved into `path` (an
+    engine loads it)."""
+    return save(make_model(arch, seed, **overrides), path, sharded=sharded)
 
 
 def to_mxfp4(path: Path) -> Path:

@@ -26,6 +26,8 @@ architecture, which we follow: every 6th layer global (unless
 `gemma3.attention.sliding_window_pattern` says otherwise), the sliding layers' rope base
 10 000 (unless `gemma3.rope.freq_base_swa`), the scores scaled by head_dim ** -0.5 but for
 the 62-layer (27B) shape, hidden / heads.
+
+GPT-OSS (`gpt-oss`): its names, experts (MXFP4 or float) and config: gguf_gpt_oss.py.
 """
 
 from __future__ import annotations
@@ -39,10 +41,11 @@ import numpy as np
 
 from multiserve.config import ConfigError, ModelConfig, RopeScaling
 from multiserve.model.errors import ModelLoadError
+from multiserve.model.loading import gguf_gpt_oss
 
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
-                   "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
+                   "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "MXFP4")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", gguf_gpt_oss.ARCH)
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
                  "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
 _LAYER_NAMES = {
@@ -68,7 +71,8 @@ _HF_EXPERT_RE = re.compile(r"^model\.layers\.(\d+)\.block_sparse_moe\.experts\.\
 _ARCH_LAYER_NAMES: dict[str, dict[str, str]] = {"gemma3": {
     "ffn_norm.weight": "pre_feedforward_layernorm.weight",
     "post_attention_norm.weight": "post_attention_layernorm.weight",
-    "post_ffw_norm.weight": "post_feedforward_layernorm.weight"}}
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight"},
+    gguf_gpt_oss.ARCH: gguf_gpt_oss.LAYER_NAMES}
 # llama.cpp's norm weights are HF's plus this (module docstring)
 NORM_SHIFT: dict[str, float] = {"gemma3": 1.0}
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
@@ -113,6 +117,9 @@ def gguf_name(hf: str, arch: str = "llama") -> str:
     for g, h in _GLOBAL_NAMES.items():
         if h == hf:
             return g
+    expert = gguf_gpt_oss.gguf_expert_name(hf)
+    if expert is not None:
+        return expert
     m = _HF_EXPERT_RE.match(hf)
     if m:
         proj = {v: k for k, v in _EXPERT_PROJ.items()}[m.group(2)]
@@ -173,11 +180,12 @@ def config_from_gguf(meta: dict[str, Any], source: Path) -> ModelConfig:
     hidden = int(get("embedding_length"))
     tokens = meta.get("tokenizer.ggml.tokens") or []
     scaling_type = meta.get(f"{arch}.rope.scaling.type", "none")
-    if scaling_type not in ("none", None) and not (arch == "gemma3" and scaling_type == "linear"):
+    if scaling_type not in ("none", None) and not (arch == "gemma3" and scaling_type == "linear"
+                                                   or arch == gguf_gpt_oss.ARCH):
         raise ModelLoadError(f"{source}: unsupported rope scaling {scaling_type!r}")
     eos = meta.get("tokenizer.ggml.eos_token_id")
     window = int(meta.get(f"{arch}.attention.sliding_window") or 0)
-    if window and arch not in ("llama", "gemma3"):
+    if window and arch not in ("llama", "gemma3", gguf_gpt_oss.ARCH):
         raise ModelLoadError(f"{source}: a sliding window on {arch!r} is not supported")
     layers = int(get("block_count"))
     head_dim = int(get("attention.key_length", hidden // heads))
@@ -192,10 +200,12 @@ def config_from_gguf(meta: dict[str, Any], source: Path) -> ModelConfig:
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=() if eos is None else (int(eos),))
     experts = int(meta.get(f"{arch}.expert_count") or 0)
-    if experts and arch != "llama":
+    if experts and arch not in ("llama", gguf_gpt_oss.ARCH):
         raise ModelLoadError(f"{source}: experts on {arch!r} are not supported")
     top_k = int(get("expert_used_count")) if experts else 0
     try:
+        if arch == gguf_gpt_oss.ARCH:
+            return gguf_gpt_oss.config_from_gguf(meta, common, window, source)
         if arch == "gemma3":
             return _gemma3_config(meta, common, window, scaling_type == "linear")
         if experts:
@@ -262,7 +272,12 @@ def read_gguf(path: Path) -> tuple[ModelConfig, dict[str, np.ndarray], dict[str,
         raise ModelLoadError(f"{path}: tensor 'rope_freqs.weight' (precomputed rope scaling) "
                              "is not supported")
     named: dict[str, np.ndarray] = {}
+    gpt_oss_experts: dict[tuple[int, str, str], np.ndarray] = {}
     for tensor in reader.tensors:
+        part = gguf_gpt_oss.expert_part(tensor.name) if arch == gguf_gpt_oss.ARCH else None
+        if part is not None:
+            gpt_oss_experts[part] = _dequantize(tensor, path)
+            continue
         name = hf_name(tensor.name, arch)
         if name is None and cfg.num_experts:
             experts = expert_tensors(tensor.name, _dequantize(tensor, path))
@@ -281,6 +296,8 @@ def read_gguf(path: Path) -> tuple[ModelConfig, dict[str, np.ndarray], dict[str,
         if shift and tensor.name.endswith("norm.weight"):
             arr = (arr - np.float32(shift)).astype(np.float32)
         named[name] = arr
+    if arch == gguf_gpt_oss.ARCH:
+        named.update(gguf_gpt_oss.assemble_experts(gpt_oss_experts, cfg.num_layers, path))
     cfg = replace(cfg, tie_word_embeddings="lm_head.weight" not in named)
     _validate(named, cfg, path, arch)
     return cfg, named, meta
