@@ -15,6 +15,7 @@ from multiserve.model.invariance.choice import (
     TIE,
     Candidate,
     attention_preference,
+    bounded_seconds,
     choose_attention,
     choose_path,
     fastest,
@@ -107,6 +108,36 @@ def test_within_the_tie_native_is_preferred_to_xla() -> None:
     assert fastest([plain, nt, native]) is native
     assert fastest([plain, nt, cand(4, "a", TIE * 1.5, "native")]) is plain
     assert fastest([plain, cand(8, "a", 0.9, "native")]) is plain  # fewer rows first
+
+
+def test_a_native_probe_slower_at_fewer_rows_is_read_as_noise() -> None:
+    """The native kernel at 4 rows timed slower than at 8 (a noisy probe: its work at 4
+    rows is a subset of its work at 8): 4 rows are served by the 4-row candidate, not
+    padded to 8; an XLA formulation's times are read as measured."""
+    small, big = cand(4, "a", 1.0, "native"), cand(8, "a", 0.5, "native")
+    t = bounded_seconds([small, big])
+    assert t[id(small)] == 0.5 and t[id(big)] == 0.5
+    sel = select([small, big], [4, 8])
+    assert sel.choice[4] is small and sel.choice[8] is big
+    rows = table_rows("product", {}, [small, big], sel)
+    assert [r["chosen_for"] for r in rows] == [[4], [8]]
+    assert [r["ms"] for r in rows] == [1000.0, 500.0]  # the table shows what was timed
+    xs, xb = cand(4, "a", 1.0, "plain"), cand(8, "a", 0.5, "plain")
+    assert bounded_seconds([xs, xb])[id(xs)] == 1.0
+    assert select([xs, xb], [4, 8]).choice[4] is xb
+
+
+def test_the_native_bound_stays_within_one_formulation() -> None:
+    """Only the same native formulation at more rows bounds a time: another path (its
+    own bits) or another matrix never does."""
+    a4, b8 = path_cand(4, "a", 1.0), path_cand(8, "b", 0.5)
+    t = bounded_seconds([a4, b8])
+    assert t[id(a4)] == 1.0
+    a8 = path_cand(8, "a", 0.25)
+    t = bounded_seconds([a4, b8, a8])
+    assert t[id(a4)] == 0.25 and t[id(b8)] == 0.5
+    cost = choose_path([([a4, a8, path_cand(4, "b", 0.3), b8], (4, 8))], ("a", "b"))
+    assert cost[0] == "a"
 
 
 def test_sizes_never_mix_formulations_whose_rows_differ() -> None:

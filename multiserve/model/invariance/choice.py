@@ -19,6 +19,13 @@ every size's rows equal its own reference; else the first position-invariant XLA
 preference order (`attention_preference`; shared keys first) and, per size, the first
 candidate in that order whose rows equal it.
 
+The native kernel computes each row alone (its rows are the same bits at every size by
+construction), so its work at m rows is a subset of its work at any r > m rows: a probe
+that timed it slower at fewer rows measured noise, and every rule here reads the native
+kernel's time at m rows as at most its time at any larger size of the same formulation
+(`bounded_seconds`). Without it one noisy probe padded a 64-row product to 128 rows in every
+step (docs/performance.md §44).
+
 Every size of one plan is served by members of ONE anchor's class: two sizes never use
 formulations whose rows differ from each other.
 
@@ -68,24 +75,45 @@ class Selection:
     verified: bool
 
 
-def fastest(cands: list[Candidate]) -> Candidate:
+def bounded_seconds(cands: Sequence[Candidate]) -> dict[int, float]:
+    """id(candidate) -> the time the rules read: its own, except that a native candidate
+    reads at most the time of the same native formulation (same description but for the
+    rows) at any larger size among `cands` (module docstring)."""
+    out = {id(c): c.seconds for c in cands}
+    families: dict[str, list[Candidate]] = {}
+    for c in cands:
+        if c.desc.get("kernel") == "native":
+            same = repr(sorted((k, repr(v)) for k, v in c.desc.items() if k != "rows"))
+            families.setdefault(same, []).append(c)
+    for members in families.values():
+        least = float("inf")
+        for c in sorted(members, key=lambda c: -c.rows):
+            least = min(least, c.seconds)
+            out[id(c)] = least
+    return out
+
+
+def fastest(cands: list[Candidate], seconds: dict[int, float] | None = None) -> Candidate:
     """The fastest candidate; among those within TIE of it (timing noise), the one with
     the fewest rows (least padding), then the native kernel (a probe times a product
     alone, but in a program the native kernel reads its layer of the panel stack in place:
     no layer slice in the scanned decoder, and the layer matrices it runs at every size
     fuse into one product), then the plain kernel (it needs no transposed copy in the
-    scanned decoder), then the fastest."""
-    quickest = min(c.seconds for c in cands)
-    return min((c for c in cands if c.seconds <= quickest * TIE),
+    scanned decoder), then the fastest. `seconds`: the times to read (id -> seconds;
+    default each candidate's own)."""
+    t = seconds if seconds is not None else {id(c): c.seconds for c in cands}
+    quickest = min(t[id(c)] for c in cands)
+    return min((c for c in cands if t[id(c)] <= quickest * TIE),
                key=lambda c: (c.rows, c.desc.get("kernel") != "native",
-                              c.desc.get("kernel") == "nt", c.seconds))
+                              c.desc.get("kernel") == "nt", t[id(c)]))
 
 
 def select(candidates: list[Candidate], sizes: Sequence[int]) -> Selection:
     """The cheapest plan in which every needed size m is served by a member of one anchor's
     class holding at least m rows (module docstring)."""
     top = max(c.rows for c in candidates)
-    quickest = {m: min(c.seconds for c in candidates if c.rows >= m) for m in sizes}
+    t = bounded_seconds(candidates)
+    quickest = {m: min(t[id(c)] for c in candidates if c.rows >= m) for m in sizes}
     best: tuple[float, Selection] | None = None
     for anchor in (c for c in candidates if c.rows == top):
         ref = anchor.runs[0]
@@ -97,15 +125,15 @@ def select(candidates: list[Candidate], sizes: Sequence[int]) -> Selection:
             able = [c for c in members if c.rows >= m]
             if not able:
                 break
-            choice[m] = fastest(able)
+            choice[m] = fastest(able, t)
         else:
-            cost = sum(choice[m].seconds / max(quickest[m], 1e-9) for m in sizes)
+            cost = sum(t[id(choice[m])] / max(quickest[m], 1e-9) for m in sizes)
             if best is None or cost < best[0]:
                 best = (cost, Selection(choice, anchor, True))
     if best is not None:
         return best[1]
     # nothing invariant: the fastest candidate per size, flagged
-    return Selection({m: fastest([c for c in candidates if c.rows >= m]) for m in sizes},
+    return Selection({m: fastest([c for c in candidates if c.rows >= m], t) for m in sizes},
                      None, False)
 
 
@@ -118,9 +146,11 @@ def of_path(candidates: list[Candidate], path: str) -> list[Candidate]:
 
 def plan_cost(candidates: list[Candidate], sizes: Sequence[int], sel: Selection) -> float:
     """A selection's cost as `select` ranks anchors: each size's time over the fastest
-    candidate's at that size (among all of `candidates`), summed over the sizes."""
-    return sum(sel.choice[m].seconds / max(min(c.seconds for c in candidates if c.rows >= m),
-                                           1e-9) for m in sizes)
+    candidate's at that size (among all of `candidates`), summed over the sizes; times read
+    as `bounded_seconds` reads them. `sel` chose among members of `candidates`."""
+    t = bounded_seconds(candidates)
+    return sum(t[id(sel.choice[m])] / max(min(t[id(c)] for c in candidates if c.rows >= m),
+                                          1e-9) for m in sizes)
 
 
 def choose_path(probed: Sequence[tuple[list[Candidate], Sequence[int]]],

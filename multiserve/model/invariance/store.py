@@ -7,9 +7,10 @@ instruction path of its products), jax/jaxlib, the XLA_FLAGS that can change a p
 (`xla_options.compile_flags`), the programs' XLA options (xla_options.py), dtype, every
 shape and size),
 and under probes/ one per product, grouped or row-sum probe, named by the hash of
-`probe_file_key` (the probe's shape and sizes, the software and CPU). Every file is {"key": its key, ...}: an entry written for another key, or unreadable, is
-ignored (unreadable: warned) and made again. One process makes an entry at a time (a lock
-file beside it); writes are atomic (a temporary file renamed).
+`probe_file_key` (the probe's shape and sizes, the software and CPU). Every file is
+{"key": its key, ...}: an entry written for another key, or unreadable, is ignored
+(unreadable: warned) and made again. One process makes an entry at a time (a lock file
+beside it); writes are atomic (a temporary file renamed).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from multiserve.model.layers.attention_pallas import forced_kernel
 
 log = logging.getLogger("multiserve.calibration")
 
-PROBE_VERSION = 11  # bump when a probe or the selection changes: old cache entries are ignored
+PROBE_VERSION = 12  # bump when a probe or the selection changes: old cache entries are ignored
 
 
 def cache_dir() -> Path:
