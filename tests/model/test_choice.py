@@ -136,8 +136,11 @@ def test_the_native_bound_stays_within_one_formulation() -> None:
     a8 = path_cand(8, "a", 0.25)
     t = bounded_seconds([a4, b8, a8])
     assert t[id(a4)] == 0.25 and t[id(b8)] == 0.5
-    cost = choose_path([([a4, a8, path_cand(4, "b", 0.3), b8], (4, 8))], ("a", "b"))
-    assert cost[0] == "a"
+    path, _ = choose_path([([a4, a8, path_cand(4, "b", 0.3), b8], (4, 8))], ("a", "b"))
+    assert path == "a"
+    wq4, wk8 = path_cand(4, "a", 1.0), path_cand(8, "a", 0.25)
+    wq4.desc["name"], wk8.desc["name"] = "wq", "wk"
+    assert bounded_seconds([wq4, wk8])[id(wq4)] == 1.0
 
 
 def test_sizes_never_mix_formulations_whose_rows_differ() -> None:
