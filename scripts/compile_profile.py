@@ -52,24 +52,23 @@ def _add(counter: collections.Counter[str], **amounts: float) -> None:
 
 
 def _on_duration(event: str, duration_secs: float, **kwargs: str | int) -> None:
-    seconds = duration_secs
     name = event.rsplit("/", 1)[-1]
     here = _BY_FILE[_FILE[0]]
     if name == "cache_retrieval_time_sec":
         _THREAD.hit = True
-        _add(here, hit_s=seconds, hits=1)
+        _add(here, hit_s=duration_secs, hits=1)
     elif name == "jaxpr_trace_duration":
-        _add(here, trace_s=seconds, traces=1)
+        _add(here, trace_s=duration_secs, traces=1)
     elif name == "jaxpr_to_mlir_module_duration":
-        _add(here, lower_s=seconds, lowerings=1)
+        _add(here, lower_s=duration_secs, lowerings=1)
     elif name == "backend_compile_duration":
         hit = getattr(_THREAD, "hit", False)
         _THREAD.hit = False
         if hit:
             return  # counted by its retrieval event
         program = ("CAL:" if _CALIBRATING[0] else "") + str(kwargs.get("fun_name"))
-        _add(here, compile_s=seconds, compiles=1)
-        _add(_BY_PROGRAM, **{program: seconds, program + "#n": 1})
+        _add(here, compile_s=duration_secs, compiles=1)
+        _add(_BY_PROGRAM, **{program: duration_secs, program + "#n": 1})
 
 
 def _timed(owner: Any, attr: str, key: str, nested: list[int] | None = None) -> None:
